@@ -1,0 +1,45 @@
+"""`python -m gsm verify|synth|convert` — thin CLI over gsm.checker, gsm.synth and gsm.convert."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gsm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="check that DIR is a real GSM checkpoint")
+    v.add_argument("dir")
+    v.add_argument("--json", action="store_true", help="print a machine-readable report")
+
+    s = sub.add_parser("synth", help="write a seeded random GSM checkpoint")
+    s.add_argument("--preset", required=True, choices=["tiny", "small", "1b"])
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
+
+    c = sub.add_parser("convert", help="dense LLaMA-family model -> GSM checkpoint")
+    from gsm.convert.cli import add_arguments
+
+    add_arguments(c)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "verify":
+        from gsm.checker import verify_command
+
+        return verify_command(args.dir, as_json=args.json)
+    if args.command == "synth":
+        from gsm.synth import synth_command
+
+        return synth_command(args.preset, args.out, seed=args.seed)
+    from gsm.convert.cli import convert_command
+
+    return convert_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

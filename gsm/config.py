@@ -1,0 +1,263 @@
+"""Configuration dataclasses of a GSM checkpoint (spec sections 2 and 5).
+
+One dataclass per concept: `GSMParams` is `config.json["gsm_config"]`, `ModelConfig` is the
+whole `config.json`, `KVQuantConfig` is `quant_config.json["kv_quantization"]`. Each has one
+constructor from the external JSON (`from_json`) and one writer (`to_json`); derived facts
+(kv_dim, owning layers, ...) are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SPEC_VERSION = 1
+BIT_WIDTHS = (16, 12, 8)
+
+
+class ConfigError(ValueError):
+    """A config file is present but does not say what the spec requires."""
+
+
+def canonical_json(obj: Any) -> str:
+    """Canonical JSON of spec 2: sorted keys, no spaces (Python json, ASCII escapes)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def gsm_checksum(gsm_config: dict[str, Any]) -> str:
+    """`sha256:` of the canonical JSON of gsm_config without its `checksum` field.
+
+    Computed over the parsed JSON object, so the file's whitespace and key order do not matter.
+    """
+    body = {k: v for k, v in gsm_config.items() if k != "checksum"}
+    return "sha256:" + hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class GSMParams:
+    """`gsm_config` of config.json; defaults are those of spec section 2."""
+
+    sparse_window: int = 3
+    max_sparse_window: int = 8
+    sparse_top_k: int = 64
+    sink_tokens: int = 1
+    indexer_heads: int = 4
+    indexer_dim: int = 32
+    kv_compression_ratio: float = 3.2
+    kv_compression_tolerance: float = 0.005
+    shared_layers: tuple[int, ...] = (1, 2, 3, 4)
+    # sharing layer index -> source layer index; a layer owns a KV cache iff it is not a key here
+    kv_sharing: dict[int, int] = field(default_factory=dict)
+    shared_layer_grouping: tuple[str, ...] = ("entity", "relation", "logic")
+    quantization_adaptation_rate: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.sparse_window < 1:
+            raise ConfigError(f"gsm_config.sparse_window must be >= 1, got {self.sparse_window}")
+        if self.max_sparse_window < self.sparse_window:
+            raise ConfigError(
+                f"gsm_config.max_sparse_window ({self.max_sparse_window}) must be >= "
+                f"sparse_window ({self.sparse_window})")
+        for name in ("sparse_top_k", "sink_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"gsm_config.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("indexer_heads", "indexer_dim", "quantization_adaptation_rate"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"gsm_config.{name} must be >= 1, got {getattr(self, name)}")
+        for dst, src in self.kv_sharing.items():
+            if src >= dst:
+                raise ConfigError(
+                    f"gsm_config.kv_sharing: layer {dst} reads layer {src}; a source must be an "
+                    "earlier layer (its latents must exist when the sharing layer runs)")
+            if src in self.kv_sharing:
+                raise ConfigError(f"gsm_config.kv_sharing: source layer {src} is itself sharing")
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GSMParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {k: v for k, v in d.items() if k in known}
+        try:
+            if "kv_sharing" in kw:
+                kw["kv_sharing"] = {int(k): int(v) for k, v in (kw["kv_sharing"] or {}).items()}
+            for k in ("shared_layers", "shared_layer_grouping"):
+                if k in kw:
+                    kw[k] = tuple(kw[k])
+            return cls(**kw)
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"gsm_config: malformed field ({e})") from e
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shared_layers"] = list(self.shared_layers)
+        d["shared_layer_grouping"] = list(self.shared_layer_grouping)
+        d["kv_sharing"] = {str(k): v for k, v in sorted(self.kv_sharing.items())}
+        d["checksum"] = gsm_checksum(d)
+        return d
+
+    def selection_is_dense(self, n_positions: int) -> bool:
+        """Spec 4.1: a query at t attends densely when t + 1 <= sinks + window + top_k."""
+        return n_positions <= self.sink_tokens + self.sparse_window + self.sparse_top_k
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """config.json: HF-LLaMA fields plus `gsm`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    gsm: GSMParams = field(default_factory=GSMParams)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for dst, src in self.gsm.kv_sharing.items():
+            if not 0 <= dst < self.num_hidden_layers:
+                raise ConfigError(f"gsm_config.kv_sharing names layer {dst}, model has "
+                                  f"{self.num_hidden_layers} layers")
+        if self.torch_dtype not in DTYPE_NAMES:
+            raise ConfigError(f"torch_dtype must be one of {sorted(DTYPE_NAMES)}, "
+                              f"got {self.torch_dtype!r}")
+
+    # derived facts
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def owning_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if i not in self.gsm.kv_sharing]
+
+    @property
+    def sharing_layers(self) -> list[int]:
+        return sorted(self.gsm.kv_sharing)
+
+    def is_owning(self, layer: int) -> bool:
+        return layer not in self.gsm.kv_sharing
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise ConfigError("config.json must hold a JSON object")
+        if "gsm_config" not in d:
+            raise ConfigError("config.json has no gsm_config")
+        known = {f.name for f in dataclasses.fields(cls)} - {"gsm"}
+        kw = {k: v for k, v in d.items() if k in known}
+        if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first is ours
+            kw["eos_token_id"] = kw["eos_token_id"][0]
+        required = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "vocab_size")
+        missing = [k for k in required if k not in kw]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+        if kw.get("head_dim") is None:
+            kw["head_dim"] = 0
+        for k in required + ("head_dim", "max_position_embeddings"):
+            if k in kw and (not isinstance(kw[k], int) or isinstance(kw[k], bool) or kw[k] < 0
+                            or (kw[k] == 0 and k != "head_dim")):
+                raise ConfigError(f"config.json: {k} must be a positive integer, got {kw[k]!r}")
+        if not isinstance(d["gsm_config"], dict):
+            raise ConfigError("config.json: gsm_config must be an object")
+        try:
+            return cls(gsm=GSMParams.from_json(d["gsm_config"]), **kw)
+        except TypeError as e:
+            raise ConfigError(f"config.json: malformed field ({e})") from e
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "gsm"}
+        d["architectures"] = ["GSMForCausalLM"]
+        d["model_type"] = "gsm"
+        d["gsm_config"] = self.gsm.to_json()
+        return d
+
+    def replace(self, **kw: Any) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+
+DTYPE_NAMES = {"float32", "float16", "bfloat16"}
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """quant_config.json `kv_quantization` (spec 5). Defaults are our decisions (docs/decisions.md)."""
+
+    scheme: str = "adaptive"
+    bit_widths: tuple[int, ...] = BIT_WIDTHS
+    # fractions of the positions outside window and sinks kept FP16 / INT12 / INT8
+    tier_fractions: tuple[float, float, float] = (0.25, 0.25, 0.5)
+    fp16_window: int = 32
+    hotness_decay: float = 0.9
+    hot_token_ids: tuple[int, ...] = ()
+    method: str = "absmax"
+    samples: int = 0
+    data_hash: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.tier_fractions) != 3 or any(f < 0 for f in self.tier_fractions) or \
+                abs(sum(self.tier_fractions) - 1.0) > 1e-6:
+            raise ConfigError("kv_quantization.tier_fractions must be three non-negative numbers "
+                              f"summing to 1, got {list(self.tier_fractions)}")
+        if self.fp16_window < 0:
+            raise ConfigError(f"kv_quantization.fp16_window must be >= 0, got {self.fp16_window}")
+        if not 0.0 <= self.hotness_decay < 1.0:
+            raise ConfigError(f"kv_quantization.hotness_decay must be in [0, 1), "
+                              f"got {self.hotness_decay}")
+
+    @property
+    def is_gsm(self) -> bool:
+        """Mark 5 of spec 1."""
+        return self.scheme == "adaptive" and tuple(self.bit_widths) == BIT_WIDTHS
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> KVQuantConfig:
+        if not isinstance(d, dict) or not isinstance(d.get("kv_quantization"), dict):
+            raise ConfigError("quant_config.json has no kv_quantization object")
+        q = d["kv_quantization"]
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in q.items() if k in known}
+        try:
+            for k in ("bit_widths", "tier_fractions", "hot_token_ids"):
+                if k in kw:
+                    kw[k] = tuple(kw[k])
+            return cls(**kw)
+        except TypeError as e:
+            raise ConfigError(f"quant_config.json: malformed field ({e})") from e
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("bit_widths", "tier_fractions", "hot_token_ids"):
+            d[k] = list(d[k])
+        return {"kv_quantization": d}
+
+    def replace(self, **kw: Any) -> KVQuantConfig:
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,1 @@
+"""Jetson and GPU device facts: detection, profiles, power and memory figures."""
