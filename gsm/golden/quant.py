@@ -1,0 +1,83 @@
+"""Rounding of the mixed-precision latent cache (spec 5), defined once, exactly.
+
+Engines (CPU reference, CUDA kernels, ONNX graphs) must reproduce these float32 operations in this
+order to agree bit for bit on dequantised latents:
+
+- FP16 tier:  v = float32(float16_rne(x))
+- INT12 tier: q = clamp(rint_half_even(x / s12), -2047, 2047); v = float32(q) * s12
+- INT8 tier:  q = clamp(rint_half_even(x / s8), -127, 127);    v = (float32(q) * s8) + comp
+  (two separately rounded fp32 operations, no fused multiply-add: CUDA code uses __fmul_rn and
+  __fadd_rn, ONNX uses Mul then Add)
+- `x / s` is an IEEE float32 division (not a multiply by a reciprocal).
+- Demotion INT12 -> INT8 re-quantises the INT12 *dequantised* value, since that is all the engine
+  still holds; FP16 -> INT8 quantises the FP16 value.
+- Default INT12 scale when calibration has none: s12 = float32(float32(s8 * 127) / 2047).
+
+INT12 packing: two values a, b (12-bit two's complement) in three bytes
+    byte0 = a & 0xFF, byte1 = ((a >> 8) & 0x0F) | ((b & 0x0F) << 4), byte2 = (b >> 4) & 0xFF
+an odd count is padded with a zero value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Tier codes, ordered by precision lost: demotion only ever increases the code.
+FP16, INT12, INT8 = 0, 1, 2
+TIER_NAMES = ("fp16", "int12", "int8")
+TIER_BYTES = (2.0, 1.5, 1.0)  # bytes per latent value (spec 6)
+QMAX = {INT12: 2047, INT8: 127}
+
+
+def round_fp16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> nearest float16 (ties to even) -> float32."""
+    return x.float().half().float()
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, tier: int) -> torch.Tensor:
+    """x: [..., r] float32, scale: [r] -> integer codes (int32) of the INT12 or INT8 tier."""
+    qmax = QMAX[tier]
+    q = torch.round(x.float() / scale.float())  # torch.round is round-half-to-even
+    return q.clamp_(-qmax, qmax).to(torch.int32)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [..., r] -> float32; comp (INT8 only) is added after the scale multiply."""
+    v = q.float() * scale.float()
+    if comp is not None:
+        v = v + comp.float()
+    return v
+
+
+def default_int12_scale(scale_int8: torch.Tensor) -> torch.Tensor:
+    """Spec 5 default, with the float32 operation order fixed."""
+    s = scale_int8.float() * torch.tensor(127.0, dtype=torch.float32)
+    return s / torch.tensor(2047.0, dtype=torch.float32)
+
+
+def pack_int12(q: np.ndarray) -> np.ndarray:
+    """int codes in [-2048, 2047], any shape -> uint8 bytes, 3 per pair (flattened, zero padded)."""
+    v = np.asarray(q, dtype=np.int32).ravel()
+    if v.size and (v.min() < -2048 or v.max() > 2047):
+        raise ValueError("INT12 codes must lie in [-2048, 2047]")
+    if v.size % 2:
+        v = np.concatenate([v, np.zeros(1, np.int32)])
+    u = (v & 0xFFF).astype(np.uint32)
+    a, b = u[0::2], u[1::2]
+    out = np.empty((a.size, 3), np.uint8)
+    out[:, 0] = a & 0xFF
+    out[:, 1] = ((a >> 8) & 0x0F) | ((b & 0x0F) << 4)
+    out[:, 2] = (b >> 4) & 0xFF
+    return out.ravel()
+
+
+def unpack_int12(packed: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of pack_int12: the first `count` int32 codes."""
+    p = np.asarray(packed, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+    a = p[:, 0] | ((p[:, 1] & 0x0F) << 8)
+    b = (p[:, 1] >> 4) | (p[:, 2] << 4)
+    v = np.empty(a.size * 2, np.int32)
+    v[0::2], v[1::2] = a, b
+    v = np.where(v >= 2048, v - 4096, v)
+    return v[:count]

@@ -1,0 +1,49 @@
+"""Token selection of spec 4.1: lightning-indexer scores, then sinks + local window + top-k."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gsm.config import GSMParams
+
+
+def index_scores(x: torch.Tensor, idx_q: torch.Tensor, idx_w: torch.Tensor, keys: torch.Tensor,
+                 n_heads: int) -> torch.Tensor:
+    """I(t, s) = sum_j w_j ReLU(q_j . e_s) / sqrt(dI) for every query row and cached key.
+
+    x: [T, H] normalised inputs of the queries; idx_q: [nI*dI, H]; idx_w: [nI, H];
+    keys: [n, dI] cached indexer keys -> scores [T, n] (causality is applied by `select`).
+    """
+    T, dI = x.shape[0], keys.shape[1]
+    q = (x @ idx_q.T).view(T, n_heads, dI)  # [T, nI, dI]
+    w = x @ idx_w.T  # [T, nI]
+    dots = torch.relu(torch.einsum("tjd,sd->tjs", q, keys))  # [T, nI, n]
+    return torch.einsum("tj,tjs->ts", w, dots) / math.sqrt(dI)  # [T, n]
+
+
+def select(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Tensor:
+    """Boolean mask Sel [T, n]: row t selects the cached positions its query at q_pos[t] attends to.
+
+    scores: [T, n] over cached positions 0..n-1; q_pos: [T] absolute query positions (< n).
+    Sel(t) = sinks ∪ window ∪ top-k of the rest (ties: lower s first); every s <= t when
+    t + 1 <= sinks + window + top_k (spec 4.1).
+    """
+    T, n = scores.shape
+    s = torch.arange(n)
+    causal = s[None, :] <= q_pos[:, None]  # [T, n]
+    fixed = causal & ((s[None, :] < p.sink_tokens) | (s[None, :] > q_pos[:, None] - p.sparse_window))
+    mask = fixed.clone()
+    for row in range(T):
+        t = int(q_pos[row])
+        if p.selection_is_dense(t + 1):
+            mask[row] = causal[row]
+            continue
+        if p.sparse_top_k == 0:
+            continue
+        cand = (causal[row] & ~fixed[row]).nonzero().squeeze(1)  # ascending positions
+        # stable sort keeps ascending position order among equal scores: lower s wins a tie
+        order = torch.sort(scores[row, cand], descending=True, stable=True).indices
+        mask[row, cand[order[: p.sparse_top_k]]] = True
+    return mask
