@@ -16,11 +16,23 @@ Conventions shared by every tokenizer built here:
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Tokenizer, decoders, models
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 N_BYTE_TOKENS = 256
 BYTE_LEVEL_MIN_VOCAB = 3 + N_BYTE_TOKENS  # <unk> <s> </s> + 256 bytes
+
+
+SPACE = "\u2581"  # "▁", SentencePiece's escaped space
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+# SentencePiece piece types (sentencepiece_model.proto ModelProto.SentencePiece.Type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 class TokenizerError(ValueError):
@@ -63,3 +75,213 @@ def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
     tok = Tokenizer.from_str(tokenizer_json)
     tok.encode_special_tokens = True
     return tok
+
+
+def load_tokenizer(dir_or_file: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` (a directory holding one, or the file itself); see `tokenizer_from_json`."""
+    path = Path(dir_or_file)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise TokenizerError(f"{file}: no tokenizer.json there")
+    try:
+        return tokenizer_from_json(file.read_text(encoding="utf-8"))
+    except Exception as e:  # tokenizers raises plain Exception on malformed JSON
+        raise TokenizerError(f"{file}: not a valid tokenizers JSON ({e})") from e
+
+
+_ALL = 2**31 - 1  # "strip every leading space" for decoders.Strip
+
+
+# --- SentencePiece BPE ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _SpmBpe:
+    """What a SentencePiece BPE model needs to be rebuilt: pieces by id, scores, types, normaliser."""
+
+    pieces: list[str]
+    scores: list[float]
+    types: list[int]
+    byte_fallback: bool
+    add_dummy_prefix: bool = True
+    remove_extra_whitespaces: bool = True
+    escape_whitespaces: bool = True
+    precompiled_charsmap: bytes = b""
+
+
+def _bpe_merges(spm: _SpmBpe) -> list[tuple[str, str]]:
+    """Merges as transformers' SentencePiece converter derives them.
+
+    SentencePiece BPE repeatedly joins the adjacent pair whose concatenation is the best-scoring
+    normal piece; HF BPE applies the lowest-ranked merge. Every split of every normal piece into two
+    normal pieces is a merge, ranked by the merged piece's score (then id, then split) so the ranks
+    reproduce SentencePiece's choice. Control, byte and unused pieces never take part in merges.
+    """
+    normal = {p: (s, i) for i, (p, s, t) in enumerate(zip(spm.pieces, spm.scores, spm.types))
+              if t == NORMAL}
+    ranked = []
+    for piece, (score, idx) in normal.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in normal and right in normal:
+                ranked.append((-score, idx, left, right))
+    return [(left, right) for _, _, left, right in sorted(ranked)]
+
+
+def _spm_bpe_json(spm: _SpmBpe, origin: str) -> str:
+    vocab: dict[str, int] = {}
+    for i, piece in enumerate(spm.pieces):
+        if piece in vocab:
+            raise TokenizerError(f"{origin}: piece {piece!r} appears twice (ids {vocab[piece]} and {i})")
+        vocab[piece] = i
+    if UNK not in vocab:
+        raise TokenizerError(f"{origin}: no {UNK} piece")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_bpe_merges(spm), unk_token=UNK, fuse_unk=True,
+                               byte_fallback=spm.byte_fallback))
+    # SentencePiece's normaliser order: charsmap, whitespace clean-up, dummy prefix, escaping.
+    # SentencePiece's normaliser (normalizer.cc), step by step. Only the space character counts as
+    # whitespace (newlines and tabs are kept), except at the end, where escaped spaces are trimmed
+    # after escaping, so a literal "▁" there goes too.
+    norm: list[normalizers.Normalizer] = []
+    if spm.precompiled_charsmap:
+        norm.append(normalizers.Precompiled(spm.precompiled_charsmap))
+    if spm.remove_extra_whitespaces:
+        norm += [normalizers.Replace(Regex(r"\A +"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spm.add_dummy_prefix:
+        norm.append(normalizers.Prepend(SPACE))  # a no-op on empty text, as in SentencePiece
+    if spm.escape_whitespaces:
+        norm.append(normalizers.Replace(" ", SPACE))
+    if spm.remove_extra_whitespaces:
+        space = SPACE if spm.escape_whitespaces else " "
+        norm.append(normalizers.Replace(Regex(f"{space}+\\z"), ""))
+    tok.normalizer = normalizers.Sequence(norm)
+    dec: list[decoders.Decoder] = [decoders.Replace(SPACE, " ")]
+    if spm.byte_fallback:
+        dec.append(decoders.ByteFallback())
+    dec.append(decoders.Fuse())
+    if spm.add_dummy_prefix:
+        # After Fuse, so only the text's start is stripped. SentencePiece drops the dummy prefix, or
+        # with whitespace clean-up on, every leading space.
+        dec.append(decoders.Strip(content=" ", left=_ALL if spm.remove_extra_whitespaces else 1, right=0))
+    tok.decoder = decoders.Sequence(dec)
+    tok.add_special_tokens([_special(p) for p, t in zip(spm.pieces, spm.types)
+                            if t in (UNKNOWN, CONTROL, UNUSED)])
+    return tok.to_str()
+
+
+def read_llama2c_tokenizer(tok_bin: Path, vocab_size: int | None = None) -> tuple[list[str], list[float]]:
+    """Pieces and scores of a llama2.c tokenizer.bin, undoing its export (" " back to "▁", BOS/EOS names).
+
+    Layout: int32 max_token_length, then per piece float32 score, int32 byte length, UTF-8 bytes.
+    With `vocab_size`, the file must hold exactly that many pieces (run.c reads that many).
+    """
+    tok_bin = Path(tok_bin)
+    try:
+        data = tok_bin.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"{tok_bin}: cannot read llama2.c tokenizer ({e})") from e
+    if len(data) < 4:
+        raise TokenizerError(f"{tok_bin}: {len(data)} bytes, too short for a llama2.c tokenizer header")
+    (max_len,) = struct.unpack_from("<i", data, 0)
+    off, pieces, scores = 4, [], []
+    while off < len(data) and (vocab_size is None or len(pieces) < vocab_size):
+        if off + 8 > len(data):
+            raise TokenizerError(f"{tok_bin}: truncated in the header of piece {len(pieces)}")
+        score, n = struct.unpack_from("<fi", data, off)
+        off += 8
+        if n < 0 or n > max_len or off + n > len(data):
+            raise TokenizerError(f"{tok_bin}: piece {len(pieces)} has length {n} (max_token_length "
+                                 f"{max_len}, {len(data) - off} bytes left): not a llama2.c tokenizer")
+        try:
+            text = data[off:off + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{tok_bin}: piece {len(pieces)} is not UTF-8 ({e})") from e
+        off += n
+        pieces.append(text.replace(" ", SPACE))
+        scores.append(score)
+    if vocab_size is not None and (len(pieces) != vocab_size or off != len(data)):
+        raise TokenizerError(f"{tok_bin}: expected exactly {vocab_size} pieces (the model's vocab_size), "
+                             f"found {len(pieces)}{' and trailing bytes' if off != len(data) else ''}")
+    if len(pieces) < 3:
+        raise TokenizerError(f"{tok_bin}: {len(pieces)} pieces; need at least <unk>, <s>, </s>")
+    # export.py writes BOS/EOS as "\n<s>\n" / "\n</s>\n"; ids 0/1/2 are always <unk>/<s>/</s>
+    pieces[:3] = [UNK, BOS, EOS]
+    return pieces, scores
+
+
+def llama2c_tokenizer_json(tok_bin: Path, vocab_size: int | None = None, *,
+                           remove_extra_whitespaces: bool = True) -> str:
+    """tokenizer.json equal to the SentencePiece BPE model a llama2.c `tokenizer.bin` was exported from.
+
+    The .bin keeps pieces and scores but not the normaliser settings; we assume SentencePiece's
+    defaults (dummy prefix, escaped spaces, runs of spaces collapsed and ends trimmed), which is what
+    llama2.c's `train_vocab` produces (tok{N}.bin). Meta's LLaMA tokenizer turns the whitespace
+    clean-up off: pass `remove_extra_whitespaces=False` for a tokenizer.bin exported from it.
+    Pieces `<0xXX>` are byte-fallback pieces; ids 0/1/2 are <unk>/<s>/</s>.
+    """
+    pieces, scores = read_llama2c_tokenizer(tok_bin, vocab_size)
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE if _BYTE_PIECE.fullmatch(p) else NORMAL for p in pieces[3:]]
+    byte_fallback = sum(t == BYTE for t in types) == N_BYTE_TOKENS
+    spm = _SpmBpe(pieces, scores, types, byte_fallback=byte_fallback,
+                  remove_extra_whitespaces=remove_extra_whitespaces)
+    return _spm_bpe_json(spm, str(tok_bin))
+
+
+def sentencepiece_tokenizer_json(model_path: Path) -> str:
+    """tokenizer.json equal to a SentencePiece BPE `.model` (pieces, scores, types, normaliser spec).
+
+    Needs `sentencepiece` and `protobuf` at conversion time only (the normaliser spec is read from
+    the model proto). Unigram models and user-defined pieces are not supported (LLaMA-family
+    tokenizers use neither).
+    """
+    model_path = Path(model_path)
+    try:
+        import sentencepiece as spm_lib
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        raise TokenizerError(f"{model_path}: converting a SentencePiece model needs the "
+                             f"'sentencepiece' and 'protobuf' packages ({e})") from e
+    try:
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(model_path.read_bytes())
+        sp = spm_lib.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    except Exception as e:  # protobuf's DecodeError and sentencepiece's RuntimeError
+        raise TokenizerError(f"{model_path}: not a SentencePiece model ({e})") from e
+    if proto.trainer_spec.model_type != proto.trainer_spec.BPE:
+        raise TokenizerError(f"{model_path}: only SentencePiece BPE models are supported")
+    n = sp.get_piece_size()
+    types = [p.type for p in proto.pieces]
+    if USER_DEFINED in types:
+        raise TokenizerError(f"{model_path}: user-defined pieces (id {types.index(USER_DEFINED)}) "
+                             "are not supported")
+    if n < 3 or [sp.unk_id(), sp.bos_id(), sp.eos_id()] != [0, 1, 2]:
+        raise TokenizerError(f"{model_path}: expected <unk>/<s>/</s> at ids 0/1/2, got "
+                             f"{[sp.unk_id(), sp.bos_id(), sp.eos_id()]}")
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+    pieces[:3] = [UNK, BOS, EOS]
+    ns = proto.normalizer_spec
+    spm = _SpmBpe(pieces, [sp.get_score(i) for i in range(n)], types,
+                  byte_fallback=proto.trainer_spec.byte_fallback,
+                  add_dummy_prefix=ns.add_dummy_prefix,
+                  remove_extra_whitespaces=ns.remove_extra_whitespaces,
+                  escape_whitespaces=ns.escape_whitespaces,
+                  precompiled_charsmap=bytes(ns.precompiled_charsmap))
+    return _spm_bpe_json(spm, str(model_path))
+
+
+def tokenizer_json_from_file(path: Path, vocab_size: int | None = None) -> str:
+    """tokenizer.json text from any tokenizer file we know: .json as is, .model, else llama2.c .bin."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return path.read_text(encoding="utf-8")
+    if path.suffix == ".model":
+        return sentencepiece_tokenizer_json(path)
+    return llama2c_tokenizer_json(path, vocab_size)
+
+
+def find_llama2c_tokenizer(model_bin: Path, vocab_size: int) -> Path | None:
+    """The tokenizer llama2.c's run.c would pair with `model_bin`: tok{vocab_size}.bin, then tokenizer.bin."""
+    folder = Path(model_bin).parent
+    for name in (f"tok{vocab_size}.bin", "tokenizer.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
