@@ -133,7 +133,7 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        for dst, src in self.gsm.kv_sharing.items():
+        for dst in self.gsm.kv_sharing:
             if not 0 <= dst < self.num_hidden_layers:
                 raise ConfigError(f"gsm_config.kv_sharing names layer {dst}, model has "
                                   f"{self.num_hidden_layers} layers")

@@ -1,0 +1,135 @@
+"""`python -m gsm convert` — thin CLI over gsm.convert.pipeline.convert."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gsm.config import GSMParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="source_format", required=True, choices=["llama2c", "hf"],
+                   help="format of SRC: a llama2.c .bin checkpoint or a Hugging Face LLaMA directory")
+    p.add_argument("src", help="the dense model (file for llama2c, directory for hf)")
+    p.add_argument("--out", required=True, help="output GSM checkpoint directory (written atomically)")
+    p.add_argument("--tokenizer", help="llama2.c tokenizer.bin or SentencePiece .model "
+                   "(default: tok{vocab}.bin or tokenizer.bin beside a llama2c SRC; tokenizer.json of an hf SRC)")
+    p.add_argument("--tolerance", type=float, default=GSMParams.kv_compression_tolerance,
+                   help="relative K/V output error allowed when picking ranks (default %(default)s)")
+    p.add_argument("--kv-budget", type=int, help="bytes per position of the FP16 latent cache; "
+                   "overrides --tolerance")
+    p.add_argument("--sharing", default="auto", help="auto | none | MAP like '3:1,4:2' (layer:source)")
+    p.add_argument("--sharing-budget", type=float, default=0.05,
+                   help="auto sharing keeps a layer only if calibration perplexity rises <= this (relative)")
+    p.add_argument("--calib-text", type=Path, help="text to fit on (default: the one *calib*.txt beside SRC)")
+    p.add_argument("--eval-text", type=Path, help="held-out text to measure on (default: the one "
+                   "*eval*.txt beside SRC); never fitted on")
+    p.add_argument("--report", type=Path, help="write the quality report JSON here")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--calib-tokens", type=int, default=65536)
+    p.add_argument("--eval-tokens", type=int, default=16384)
+    p.add_argument("--indexer-steps", type=int, default=200)
+    p.add_argument("--top-k", type=int, default=GSMParams.sparse_top_k, help="gsm_config.sparse_top_k")
+    p.add_argument("--window", type=int, default=GSMParams.sparse_window, help="gsm_config.sparse_window")
+    p.add_argument("--sinks", type=int, default=GSMParams.sink_tokens, help="gsm_config.sink_tokens")
+    p.add_argument("--indexer-heads", type=int, default=GSMParams.indexer_heads)
+    p.add_argument("--indexer-dim", type=int, default=GSMParams.indexer_dim)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+
+def default_text(src: Path, flag: str, pattern: str) -> Path:
+    """The single file matching `pattern` beside SRC; the flag must be given otherwise."""
+    folder = src if src.is_dir() else src.parent
+    found = sorted(folder.glob(pattern))
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(f.name for f in found)
+        raise ValueError(f"{flag} not given and {folder} holds {what} matching {pattern!r}; pass {flag} FILE")
+    return found[0]
+
+
+def read_source(fmt: str, src: Path, tokenizer: Path | None) -> Any:
+    from gsm.sources.hf import read_hf
+    from gsm.sources.llama2c import read_llama2c
+
+    if fmt == "llama2c":
+        return read_llama2c(src, tokenizer=tokenizer)
+    source = read_hf(src)
+    if tokenizer is not None:
+        from gsm.tokenizer import llama2c_tokenizer_json, sentencepiece_tokenizer_json
+
+        conv = sentencepiece_tokenizer_json if tokenizer.suffix == ".model" else llama2c_tokenizer_json
+        source = replace(source, tokenizer_json=conv(tokenizer))
+    return source
+
+
+def print_summary(report: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(stderr=True)
+    if "layers" in report:
+        t = Table(title="GSM conversion (held-out text)")
+        for col in ("layer", "role", "rank k/v", "K/V err", "hit rate idx/rand/recent", "noise KL"):
+            t.add_column(col)
+        for row in report["layers"]:
+            if row["role"] == "owning":
+                h = row["mask_hit_rate"]
+                t.add_row(str(row["layer"]), "owning", f"{row['rank_k']}/{row['rank_v']} of {row['full_rank']}",
+                          f"{row['rel_error_k_heldout']:.4f}/{row['rel_error_v_heldout']:.4f}",
+                          f"{h['indexer']:.3f}/{h['random']:.3f}/{h['recency']:.3f}", "")
+            else:
+                t.add_row(str(row["layer"]), f"shares {row['source']}", "", "",
+                          f"{row['gsm_mask_hit_rate']:.3f}", f"{row['kv_noise_kl']:.4f}")
+        con.print(t)
+        p, b, g = report["perplexity"], report["kv_bytes_per_position"], report["greedy_agreement"]
+        con.print(f"perplexity dense {p['dense']:.3f} | GSM {p['gsm']:.3f} ({p['relative_increase']:+.1%}) | "
+                  f"GSM without sharing {p['gsm_no_sharing']:.3f}")
+        con.print(f"greedy agreement over {g['steps']} steps: {g['teacher_forced']:.1%} teacher-forced, "
+                  f"identical prefix {g['free_running_identical_prefix_mean']:.1f} tokens")
+        con.print(f"KV bytes/position: dense FP16 {b['dense_fp16']:.0f}, GSM FP16 {b['gsm_fp16']:.0f} "
+                  f"({b['ratio_fp16']:.2f}x), GSM tiered {b['gsm_tiered']:.1f} ({b['ratio_tiered']:.2f}x)")
+        con.print("trade-off: " + ", ".join(f"tol {r['tolerance']}: {r['kv_bytes_per_position_fp16']:.0f} B "
+                                             f"ppl {r['perplexity']:.3f}" for r in report["tradeoff"]))
+    con.print(f"wrote {out} in {report['convert_seconds']:.1f} s")
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    from gsm.config import ConfigError
+    from gsm.convert.data import DataError
+    from gsm.convert.pipeline import ConvertOptions, convert
+
+    src = Path(args.src)
+    try:
+        if not src.exists():
+            raise ValueError(f"{src}: no such file or directory")
+        calib = args.calib_text or default_text(src, "--calib-text", "*calib*.txt")
+        ev = args.eval_text or default_text(src, "--eval-text", "*eval*.txt")
+        if calib.resolve() == ev.resolve():
+            raise ValueError(f"--calib-text and --eval-text are the same file ({calib}); "
+                             "quality must be measured on text the converter did not fit on")
+        params = GSMParams(sparse_top_k=args.top_k, sparse_window=args.window,
+                           max_sparse_window=max(GSMParams.max_sparse_window, args.window),
+                           sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
+                           indexer_dim=args.indexer_dim, kv_compression_tolerance=args.tolerance)
+        opts = ConvertOptions(calib_text=calib, eval_text=ev, tolerance=args.tolerance,
+                              kv_budget=args.kv_budget, sharing=args.sharing,
+                              sharing_budget=args.sharing_budget, seq_len=args.seq_len,
+                              calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
+                              indexer_steps=args.indexer_steps, seed=args.seed, gsm=params)
+        source = read_source(args.source_format, src, Path(args.tokenizer) if args.tokenizer else None)
+        report = convert(source, Path(args.out), opts, overwrite=args.overwrite,
+                         progress=lambda msg: print(f"[convert] {msg}", file=sys.stderr))
+    except (ValueError, ConfigError, DataError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=1))
+    print_summary(report, Path(args.out))
+    return 0

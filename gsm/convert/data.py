@@ -1,0 +1,54 @@
+"""Real text -> fixed-length token sequences for fitting (calibration part) and measuring (eval part)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+
+class DataError(ValueError):
+    """Text data that cannot serve: missing, empty, too short, or not decodable."""
+
+
+def read_paragraphs(path: Path) -> list[str]:
+    """Paragraphs separated by blank lines (TinyStories layout); one story per paragraph."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: no such text file") from e
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    paras = [" ".join(p.split()) for p in text.split("\n\n")]
+    paras = [p for p in paras if p]
+    if not paras:
+        raise DataError(f"{path}: no text")
+    return paras
+
+
+def text_sha256(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_tokens: int, bos_id: int,
+                    vocab_size: int) -> torch.Tensor:
+    """[B, seq_len] sequences cut from BOS-prefixed paragraphs concatenated in file order.
+
+    Every paragraph starts with BOS, as llama2.c's TinyStories models were trained; windows do not
+    overlap; at most max_tokens tokens; raises DataError when not even one window fits.
+    """
+    stream: list[int] = []
+    for para in read_paragraphs(path):
+        stream.append(bos_id)
+        stream.extend(tokenizer.encode(para, add_special_tokens=False).ids)
+        if len(stream) >= max_tokens:
+            break
+    n = min(len(stream), max_tokens) // seq_len
+    if n == 0:
+        raise DataError(f"{path}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
+    ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    if int(ids.max()) >= vocab_size:
+        raise DataError(f"{path}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
+    return ids

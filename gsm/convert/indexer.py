@@ -1,0 +1,113 @@
+"""The lightning indexer (`sparse_mask_generator`) of an owning layer: initialisation and fitting.
+
+Initialisation from the layer's own projections: the attention logit of query head h (KV group g)
+is q_h · k_g = (Wq_h x) · (P_g c), with c the full-rank whitened K latent and P_g its rows of the
+left singular vectors. So an indexer head j that stands for group g = j mod nKV gets
+key e = the leading dI channels of c, and query q̂_j = P_g[:, :dI]ᵀ mean_{h in g} Wq_h x
+(scaled from 1/√D to the indexer's 1/√dI); its weight w_j is fitted by least squares to 1.
+That ignores RoPE (the indexer has none), so it is then fitted to the layer's dense attention on
+calibration text, as DeepSeek-V3.2 warms up its indexer: minimise KL(p || softmax(I)), where p is
+the layer's attention summed over heads and renormalised over the positions the indexer chooses
+among (sinks and window are always selected, so they carry no signal).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gsm.config import GSMParams
+from gsm.convert.svd import LowRank
+from gsm.golden.selection import index_scores, select
+
+
+@dataclass
+class Indexer:
+    q: torch.Tensor  # [nI*dI, H]
+    k: torch.Tensor  # [dI, H]
+    w: torch.Tensor  # [nI, H]
+
+
+def init_from_projections(wq: torch.Tensor, k_lowrank: LowRank, x: torch.Tensor, *, n_heads: int,
+                          n_kv: int, n_idx: int, d_idx: int) -> Indexer:
+    """wq: [nH*D, H]; k_lowrank: full-rank whitened SVD of Wk; x: [N, H] calibration inputs."""
+    H = wq.shape[1]
+    D = wq.shape[0] // n_heads
+    d = min(d_idx, k_lowrank.full_rank)
+    P = k_lowrank.P.float()  # [kvD, m]
+    key = torch.zeros(d_idx, H)
+    key[:d] = k_lowrank.sigma[:d, None].float() * k_lowrank.QtLinv[:d].float()  # c = Σ Qᵀ L⁻¹ x
+    group = n_heads // n_kv
+    q = torch.zeros(n_idx, d_idx, H)
+    for j in range(n_idx):
+        g = j % n_kv
+        wq_g = wq.view(n_heads, D, H)[g * group:(g + 1) * group].mean(0)  # [D, H]
+        q[j, :d] = P[g * D:(g + 1) * D, :d].T @ wq_g * math.sqrt(d_idx / D)
+    ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
+    w = torch.linalg.lstsq(x.double(), ones).solution.T.float()  # [1, H]: x·w ≈ 1
+    return Indexer(q=q.reshape(n_idx * d_idx, H), k=key, w=w.repeat(n_idx, 1))
+
+
+def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, steps: int = 200,
+        lr: float = 3e-3, batch: int = 8, seed: int = 0) -> tuple[Indexer, list[float]]:
+    """Fit the indexer to attention. xs: [B, T, H] inputs; attn: [B, T, T] head-summed probs.
+
+    Returns the fitted indexer and the loss every 20 steps (first and last included).
+    """
+    torch.manual_seed(seed)
+    B, T, _ = xs.shape
+    pos = torch.arange(T)
+    causal = pos[None, :] <= pos[:, None]
+    fixed = (pos[None, :] < p.sink_tokens) | (pos[None, :] > pos[:, None] - p.sparse_window)
+    cand = causal & ~fixed  # [T, T]
+    rows = cand.any(-1)
+    target = attn * cand  # [B, T, T]
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-12)
+    params = [t.clone().requires_grad_(True) for t in (ix.q, ix.k, ix.w)]
+    opt = torch.optim.Adam(params, lr=lr)
+    n_heads = ix.w.shape[0]
+    losses: list[float] = []
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        idx = torch.randint(0, B, (min(batch, B),), generator=gen)
+        loss = 0.0
+        for b in idx.tolist():
+            x = xs[b]
+            keys = x @ params[1].T  # [T, dI]
+            scores = index_scores(x, params[0], params[2], keys, n_heads)  # [T, T]
+            logq = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), dim=-1)
+            tb = target[b][rows]
+            kl = (tb * (torch.log(tb.clamp_min(1e-12)) - logq[rows].clamp_min(-1e4))).sum(-1)
+            loss = loss + kl.mean()
+        loss = loss / len(idx)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 20 == 0 or step == steps - 1:
+            losses.append(float(loss))
+    q, k, w = (t.detach() for t in params)
+    return Indexer(q=q, k=k, w=w), losses
+
+
+def hit_rate(scores: torch.Tensor, probs: torch.Tensor, p: GSMParams) -> float:
+    """Mean dense attention mass of Sel over the queries whose selection is sparse.
+
+    scores: [T, T] selection scores; probs: [nH, T, T] dense causal attention of the layer.
+    """
+    T = scores.shape[0]
+    q_pos = torch.arange(T)
+    sel = select(scores, q_pos, p)  # [T, T]
+    mass = (probs * sel[None]).sum(-1).mean(0)  # [T]
+    sparse_rows = ~torch.tensor([p.selection_is_dense(t + 1) for t in range(T)])
+    return float(mass[sparse_rows].mean()) if sparse_rows.any() else 1.0
+
+
+def baseline_scores(kind: str, T: int, seed: int = 0) -> torch.Tensor:
+    """Scores of the baselines the indexer must beat at the same budget: 'random' or 'recency'."""
+    if kind == "random":
+        return torch.rand(T, T, generator=torch.Generator().manual_seed(seed))
+    if kind == "recency":
+        return torch.arange(T, dtype=torch.float32)[None, :].expand(T, T).clone()
+    raise ValueError(f"unknown baseline {kind!r}")

@@ -1,0 +1,167 @@
+"""What a converted GSM model costs in quality and buys in memory, measured on held-out text.
+
+Everything here runs on the evaluation text only (never fitted on). Figures:
+- per layer: rank, relative K/V output error (calibration and held-out), role and source, mask
+  hit rate of the indexer vs a random indexer and a recency-only window of the same budget
+  (under the dense model's attention), the GSM model's own hit rate (spec 4.3), KV noise of
+  sharing layers (spec 4.3: KL of full causal attention with original vs projected K/V);
+- perplexity of the dense model, the GSM model, and the GSM model without sharing;
+- greedy-token agreement over 128 steps (teacher-forced on the dense continuation, and the
+  length of the identical free-running prefix);
+- KV bytes per position (spec 6) vs dense FP16, and a bytes <-> perplexity trade-off over
+  several tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from gsm import names
+from gsm.config import KVQuantConfig, ModelConfig
+from gsm.convert import indexer as ixr
+from gsm.convert.svd import LowRank
+from gsm.dense import DenseLlama
+from gsm.golden.quant import TIER_BYTES
+from gsm.golden.selection import index_scores
+
+AGREEMENT_STEPS = 128
+AGREEMENT_PROMPTS = 4
+PROMPT_TOKENS = 16
+
+
+def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]],
+                          quant: KVQuantConfig | None = None) -> dict[str, float]:
+    """Spec 6: dense FP16 baseline, GSM with every latent in FP16, and GSM under the tier fractions."""
+    dense = cfg.num_hidden_layers * 2 * cfg.kv_dim * 2
+    q = quant or KVQuantConfig()
+    avg = sum(f * b for f, b in zip(q.tier_fractions, TIER_BYTES))
+    d_idx = cfg.gsm.indexer_dim
+    fp16 = sum((rk + rv) * 2 + d_idx * 2 for i, (rk, rv) in ranks.items() if cfg.is_owning(i))
+    tiered = sum((rk + rv) * avg + d_idx * 2 for i, (rk, rv) in ranks.items() if cfg.is_owning(i))
+    return {"dense_fp16": float(dense), "gsm_fp16": float(fp16), "gsm_tiered": float(tiered),
+            "ratio_fp16": fp16 / dense, "ratio_tiered": tiered / dense,
+            "tier_fractions": list(q.tier_fractions)}
+
+
+def heldout_rel_error(w: torch.Tensor, lr: LowRank, r: int, x: torch.Tensor) -> float:
+    U, S, Vt = lr.factors(r)
+    y = x @ w.T
+    return float((x @ (U @ (S[:, None] * Vt)).T - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def ppl(nll: float) -> float:
+    return math.exp(nll)
+
+
+def greedy_agreement(dense: DenseLlama, gsm: Any, ev: torch.Tensor) -> dict[str, float]:
+    """Teacher-forced agreement and identical free-running prefix over AGREEMENT_STEPS steps."""
+    agree, prefix = [], []
+    for row in ev[:AGREEMENT_PROMPTS]:
+        prompt = row[:PROMPT_TOKENS].tolist()
+        ref = dense.greedy(prompt, AGREEMENT_STEPS)
+        logits = gsm.forward(gsm.new_cache(), prompt + ref[:-1]).logits[PROMPT_TOKENS - 1:]
+        agree.append(float((logits.argmax(-1) == torch.tensor(ref)).float().mean()))
+        mine = gsm.greedy(prompt, AGREEMENT_STEPS)
+        same = next((k for k, (a, b) in enumerate(zip(mine, ref)) if a != b), AGREEMENT_STEPS)
+        prefix.append(same)
+    return {"steps": AGREEMENT_STEPS, "prompts": len(agree), "teacher_forced": float(np.mean(agree)),
+            "free_running_identical_prefix_mean": float(np.mean(prefix))}
+
+
+def hit_rates(cfg: ModelConfig, plan: Any, xs: list[torch.Tensor], probs: list[torch.Tensor]) -> dict:
+    """Owning layer -> mean hit rate of indexer / random / recency under dense attention."""
+    out = {}
+    p = cfg.gsm
+    for i in cfg.owning_layers:
+        ix = plan.indexers[i]
+        res: dict[str, list[float]] = {"indexer": [], "random": [], "recency": []}
+        for b in range(xs[i].shape[0]):
+            x, pr = xs[i][b], probs[i][b]
+            T = x.shape[0]
+            sc = index_scores(x, ix.q, ix.w, x @ ix.k.T, p.indexer_heads)
+            res["indexer"].append(ixr.hit_rate(sc, pr, p))
+            res["random"].append(ixr.hit_rate(ixr.baseline_scores("random", T, seed=b), pr, p))
+            res["recency"].append(ixr.hit_rate(ixr.baseline_scores("recency", T), pr, p))
+        out[i] = {k: float(np.mean(v)) for k, v in res.items()}
+    return out
+
+
+@torch.no_grad()
+def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], plan: Any,
+                   lowranks: dict[tuple[int, str], LowRank], acts: Any, ev: torch.Tensor, opts: Any,
+                   progress: Any) -> dict[str, Any]:
+    from gsm.convert.pipeline import Plan, assemble, golden_of, mean_nll, ranks_at
+
+    dense = DenseLlama(src)
+    n_probe = min(8, ev.shape[0])
+    _, cap = dense.forward(ev[:n_probe], capture=True, capture_probs=True)
+    xs = [cap.layers[i].x for i in range(gcfg.num_hidden_layers)]
+    probs = [cap.layers[i].probs for i in range(gcfg.num_hidden_layers)]
+    dense_nll = float(np.mean([dense.nll(row) for row in ev]))
+    dense_kv = {i: (src.get(names.layer_name("k_proj", i)), src.get(names.layer_name("v_proj", i)))
+                for i in gcfg.sharing_layers}
+    gsm = golden_of(gcfg, tensors, dense_kv=dense_kv)
+    gsm_nll = mean_nll(gsm, ev)
+    progress(f"held-out perplexity: dense {ppl(dense_nll):.3f}, GSM {ppl(gsm_nll):.3f}")
+    if plan.sharing:
+        cfg_ns, t_ns = assemble(src, opts.gsm, lowranks, Plan(plan.ranks, {}, plan.indexers, {}))
+        ns_nll = mean_nll(golden_of(cfg_ns, t_ns), ev)
+    else:
+        ns_nll = gsm_nll
+    # the GSM model's own signals (spec 4.3) on the probe sequences
+    g_hit: dict[int, list[float]] = {i: [] for i in range(gcfg.num_hidden_layers)}
+    g_noise: dict[int, list[float]] = {i: [] for i in gcfg.sharing_layers}
+    for row in ev[:n_probe]:
+        tr = gsm.forward(gsm.new_cache(), row, trace=True).trace
+        sparse = ~torch.tensor([gcfg.gsm.selection_is_dense(t + 1) for t in range(row.numel())])
+        for i, hr in tr.hit_rate.items():
+            g_hit[i].append(float(hr[sparse].mean()) if sparse.any() else 1.0)
+        for i, kl in tr.kv_noise.items():
+            g_noise[i].append(float(kl.mean()))
+    hits = hit_rates(gcfg, plan, xs, probs)
+    layers = []
+    for i in range(gcfg.num_hidden_layers):
+        rk, rv = plan.ranks[i]
+        row: dict[str, Any] = {"layer": i, "role": "owning" if gcfg.is_owning(i) else "sharing",
+                               "gsm_mask_hit_rate": float(np.mean(g_hit[i]))}
+        if gcfg.is_owning(i):
+            x_ev = cap.layers[i].x.reshape(-1, gcfg.hidden_size)
+            row.update({
+                "rank_k": rk, "rank_v": rv, "full_rank": gcfg.kv_dim,
+                "rel_error_k_calib": lowranks[(i, "k")].rel_error(rk),
+                "rel_error_v_calib": lowranks[(i, "v")].rel_error(rv),
+                "rel_error_k_heldout": heldout_rel_error(src.get(names.layer_name("k_proj", i)),
+                                                         lowranks[(i, "k")], rk, x_ev),
+                "rel_error_v_heldout": heldout_rel_error(src.get(names.layer_name("v_proj", i)),
+                                                         lowranks[(i, "v")], rv, x_ev),
+                "mask_hit_rate": hits[i],
+                "indexer_kl_first_last": [plan.indexer_losses[i][0], plan.indexer_losses[i][-1]],
+            })
+        else:
+            f = plan.sharing[i]
+            row.update({"source": f.source, "projector_rel_residual_calib": f.rel_residual,
+                        "kv_noise_kl": float(np.mean(g_noise[i]))})
+        layers.append(row)
+    progress("measuring greedy agreement and the bytes <-> perplexity trade-off")
+    tradeoff = []
+    L = gcfg.num_hidden_layers
+    for tol in opts.tradeoff_tolerances:
+        r = ranks_at(lowranks, list(range(L)), tol, None, gcfg.gsm.indexer_dim)
+        c, t = assemble(src, opts.gsm, lowranks, Plan(r, {}, plan.indexers, {}))
+        tradeoff.append({"tolerance": tol, "sharing": "none",
+                         "kv_bytes_per_position_fp16": kv_bytes_per_position(c, r)["gsm_fp16"],
+                         "perplexity": ppl(mean_nll(golden_of(c, t), ev[: max(1, ev.shape[0] // 2)]))})
+    return {
+        "evaluation": {"tokens": int(ev.numel()), "seq_len": int(ev.shape[1]),
+                       "sequences": int(ev.shape[0])},
+        "layers": layers,
+        "perplexity": {"dense": ppl(dense_nll), "gsm": ppl(gsm_nll), "gsm_no_sharing": ppl(ns_nll),
+                       "relative_increase": ppl(gsm_nll) / ppl(dense_nll) - 1.0},
+        "greedy_agreement": greedy_agreement(dense, gsm, ev),
+        "kv_bytes_per_position": kv_bytes_per_position(gcfg, plan.ranks),
+        "tradeoff": tradeoff,
+    }
