@@ -86,7 +86,7 @@ def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, step
         loss.backward()
         opt.step()
         if step % 20 == 0 or step == steps - 1:
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     q, k, w = (t.detach() for t in params)
     return Indexer(q=q, k=k, w=w), losses
 
