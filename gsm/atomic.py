@@ -1,0 +1,179 @@
+"""Atomic output directories with a manifest of hashes.
+
+Every artefact directory we write (checkpoints, engine bundles) must either exist complete or not
+at all: a crash or Ctrl-C halfway through must never leave a directory that looks like a valid
+checkpoint. So writers fill a temporary directory beside the destination (same filesystem, so
+the final `rename` is atomic), record the sha256 of every file in `manifest.json`, and only then
+rename it into place. `verify_manifest` lets the checker (and the builder, before trusting its
+inputs) detect files that were changed, lost or added afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "gsm-edge-manifest"
+MANIFEST_VERSION = 1
+_CHUNK = 1 << 20
+
+
+class ManifestError(ValueError):
+    """manifest.json is missing, unreadable or not a manifest of this format/version."""
+
+
+class OutputExistsError(FileExistsError):
+    """The destination of an atomic write exists and overwrite was not asked for."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"output directory {path} already exists; remove it or pass overwrite=True "
+                         "(--overwrite on the command line) to replace it")
+        self.path = path
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks so big weight files never sit in memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _regular_files(root: Path) -> list[Path]:
+    """Every regular file under root (no symlinks followed), as paths relative to root, sorted."""
+    out: list[Path] = []
+    for dirpath, _dirs, files in os.walk(root, followlinks=False):
+        for name in files:
+            p = Path(dirpath) / name
+            if p.is_file() and not p.is_symlink():
+                out.append(p.relative_to(root))
+    return sorted(out)
+
+
+def write_manifest(root: Path) -> dict[str, Any]:
+    """Hash every regular file under root (except the manifest itself) into root/manifest.json."""
+    files = {rel.as_posix(): "sha256:" + sha256_file(root / rel)
+             for rel in _regular_files(root) if rel.as_posix() != MANIFEST_NAME}
+    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+@contextmanager
+def atomic_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temp dir beside `final`; on success write the manifest and rename it to `final`.
+
+    On any exception (KeyboardInterrupt included) the temp dir is deleted and the exception
+    re-raised, so nothing is left behind. An existing `final` raises `OutputExistsError` before
+    any work unless `overwrite`; then the old directory is moved aside, the new one renamed in,
+    and the old one deleted (the destination is missing only between two renames).
+    """
+    final = Path(final)
+    if (final.exists() or final.is_symlink()) and not overwrite:
+        raise OutputExistsError(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        write_manifest(tmp)
+        _swap_into_place(tmp, final, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(tmp: Path, final: Path, *, overwrite: bool) -> None:
+    if not (final.exists() or final.is_symlink()):
+        os.rename(tmp, final)
+        return
+    if not overwrite:  # appeared while we were writing
+        raise OutputExistsError(final)
+    if final.is_symlink() or not final.is_dir():
+        final.unlink()
+        os.rename(tmp, final)
+        return
+    old = final.parent / f".{final.name}.old-{secrets.token_hex(6)}"
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(old, final)  # put the previous output back rather than leave nothing
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def is_inside(base: Path, p: Path) -> bool:
+    """Whether p, with every symlink resolved, lies inside the already-resolved directory base."""
+    try:
+        return p.resolve().is_relative_to(base)
+    except (OSError, RuntimeError):  # symlink loop (RuntimeError before Python 3.13)
+        return False
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
+    """`files` of root/manifest.json after checking format and version; ManifestError otherwise."""
+    path = Path(root) / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ManifestError(f"{path}: no manifest") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ManifestError(f"{path}: unreadable manifest ({e})") from e
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{path}: not a {MANIFEST_FORMAT} (format field is "
+                            f"{data.get('format') if isinstance(data, dict) else None!r})")
+    if data.get("version") != MANIFEST_VERSION:
+        raise ManifestError(f"{path}: manifest version {data.get('version')!r}, "
+                            f"this reader knows {MANIFEST_VERSION}")
+    files = data.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in files.items()):
+        raise ManifestError(f"{path}: `files` must map relative paths to 'sha256:<hex>' strings")
+    return files
+
+
+def verify_manifest(root: str | os.PathLike[str]) -> list[str]:
+    """Problems between root/manifest.json and the files on disk; [] when they agree.
+
+    Reports listed files that are missing, hash mismatches, listed paths that escape root, and
+    regular files present but not listed (an added file is as suspicious as a changed one).
+    Raises ManifestError when the manifest itself is missing or malformed.
+    """
+    root = Path(root)
+    files = read_manifest(root)
+    problems: list[str] = []
+    base = root.resolve()
+    for rel, digest in sorted(files.items()):
+        p = root / rel
+        if Path(rel).is_absolute() or not is_inside(base, p):
+            problems.append(f"{rel}: listed path escapes the directory")
+            continue
+        if not p.is_file():
+            problems.append(f"{rel}: listed in {MANIFEST_NAME} but missing")
+            continue
+        if not digest.startswith("sha256:"):
+            problems.append(f"{rel}: hash {digest!r} is not 'sha256:<hex>'")
+            continue
+        try:
+            actual = "sha256:" + sha256_file(p)
+        except OSError as e:
+            problems.append(f"{rel}: unreadable ({e})")
+            continue
+        if actual != digest:
+            problems.append(f"{rel}: sha256 mismatch (manifest {digest}, file {actual})")
+    listed = set(files)
+    for rel in _regular_files(root):
+        name = rel.as_posix()
+        if name != MANIFEST_NAME and name not in listed:
+            problems.append(f"{name}: present but not listed in {MANIFEST_NAME}")
+    return problems
