@@ -1,0 +1,126 @@
+"""Plain dense LLaMA forward in PyTorch: the reference the converter measures GSM against.
+
+The converter needs each layer's attention input, q/k/v and attention probabilities on calibration
+text, and the quality report needs dense perplexity and greedy text. One small, readable forward
+built from the same RoPE / RMSNorm / SwiGLU blocks as the GSM golden model gives all of that and is
+checked against transformers' LlamaForCausalLM in tests/test_dense.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gsm import names
+from gsm.config import ModelConfig
+from gsm.golden.blocks import rms_norm, swiglu_mlp
+from gsm.golden.rope import apply_rope, rope_tables
+from gsm.sources import DenseSource
+
+
+@dataclass
+class LayerCapture:
+    """One layer's activations; shapes for ids [B, T]."""
+
+    x: torch.Tensor  # normalised attention input: [B, T, H]
+    q: torch.Tensor  # q projection, before RoPE: [B, T, nH*D]
+    k: torch.Tensor  # k projection, before RoPE: [B, T, kvD]
+    v: torch.Tensor  # v projection: [B, T, kvD]
+    probs: torch.Tensor | None  # causal attention probabilities [B, nH, T, T] when asked for
+
+
+@dataclass
+class DenseCapture:
+    layers: list[LayerCapture]
+
+
+class DenseLlama:
+    """Dense LLaMA with float32 weights from a `DenseSource` (HF names and RoPE layout)."""
+
+    def __init__(self, source: DenseSource) -> None:
+        self.config: ModelConfig = source.config
+        self.origin = source.origin
+        self.w = {name: source.get(name) for name in source.names}
+        self.lm_head = self.w[names.EMBED] if self.config.tie_word_embeddings else self.w[names.LM_HEAD]
+
+    def _layer(self, key: str, i: int) -> torch.Tensor:
+        return self.w[names.layer_name(key, i)]
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, capture: bool = False, capture_probs: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, DenseCapture]:
+        """ids [B, T] (int64) -> logits [B, T, V]; with `capture`, also the per-layer activations.
+
+        `capture_probs` adds each layer's [B, nH, T, T] attention probabilities to the capture (they
+        are computed anyway; keeping them for every layer is what costs memory).
+        """
+        cfg = self.config
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be [B, T], got shape {tuple(ids.shape)}")
+        B, T = ids.shape
+        if T > cfg.max_position_embeddings:
+            raise ValueError(f"{T} positions exceed max_position_embeddings "
+                             f"{cfg.max_position_embeddings} of {self.origin}")
+        nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cos, sin = rope_tables(torch.arange(T), D, cfg.rope_theta)  # [T, D]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()  # [T, T], True where s <= t
+        h = self.w[names.EMBED][ids]  # [B, T, H]
+        layers: list[LayerCapture] = []
+        for i in range(cfg.num_hidden_layers):
+            x = rms_norm(h, self._layer("input_norm", i), cfg.rms_norm_eps)  # [B, T, H]
+            q = F.linear(x, self._layer("q_proj", i))  # [B, T, nH*D]
+            k = F.linear(x, self._layer("k_proj", i))  # [B, T, kvD]
+            v = F.linear(x, self._layer("v_proj", i))  # [B, T, kvD]
+            qh = apply_rope(q.view(B, T, nH, D).transpose(1, 2), cos, sin)  # [B, nH, T, D]
+            kh = apply_rope(k.view(B, T, nKV, D).transpose(1, 2), cos, sin)  # [B, nKV, T, D]
+            vh = v.view(B, T, nKV, D).transpose(1, 2)  # [B, nKV, T, D]
+            # GQA: query head j reads key head j // group, as HF's repeat_kv
+            kh = kh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, T, D]
+            vh = vh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, T, D]
+            scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)  # [B, nH, T, T]
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [B, nH, T, T]
+            o = (probs @ vh).transpose(1, 2).reshape(B, T, nH * D)  # [B, T, nH*D]
+            h = h + F.linear(o, self._layer("o_proj", i))
+            xm = rms_norm(h, self._layer("post_norm", i), cfg.rms_norm_eps)  # [B, T, H]
+            h = h + swiglu_mlp(xm, self._layer("gate_proj", i), self._layer("up_proj", i),
+                               self._layer("down_proj", i))
+            if capture:
+                layers.append(LayerCapture(x, q, k, v, probs if capture_probs else None))
+        logits = F.linear(rms_norm(h, self.w[names.FINAL_NORM], cfg.rms_norm_eps), self.lm_head)
+        return (logits, DenseCapture(layers)) if capture else logits  # logits: [B, T, V]
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def greedy(self, ids: Sequence[int] | torch.Tensor, n: int, *, stop_at_eos: bool = False) -> list[int]:
+        """The `n` tokens greedy decoding appends to prompt `ids` (the prompt is not returned).
+
+        Recomputes the whole prefix each step (no KV cache): simple, and fast enough for the
+        small models and short continuations the converter and tests use.
+        """
+        seq = [int(t) for t in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+        if not seq:
+            raise ValueError("greedy needs a non-empty prompt (start with BOS)")
+        out: list[int] = []
+        for _ in range(n):
+            logits = self.forward(torch.tensor([seq[-self.config.max_position_embeddings:]]))
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            seq.append(nxt)
+            if stop_at_eos and nxt == self.config.eos_token_id:
+                break
+        return out
+
+    @torch.no_grad()
+    def nll(self, ids: torch.Tensor) -> float:
+        """Mean next-token negative log-likelihood (nats) of ids [T] or [B, T] (T >= 2)."""
+        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+        if ids.shape[1] < 2:
+            raise ValueError("nll needs at least two positions")
+        logits = self.forward(ids)  # [B, T, V]
+        return float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                     ids[:, 1:].reshape(-1)))
