@@ -30,13 +30,14 @@ from gsm.atomic import MANIFEST_NAME, ManifestError, is_inside, verify_manifest
 from gsm.checkpoint import (
     CALIB_FILE,
     CONFIG_FILE,
+    CONFIG_PARSE_ERRORS,
     QUANT_FILE,
     TOKENIZER_FILE,
     CheckpointError,
     CheckpointTensors,
     read_json,
 )
-from gsm.config import BIT_WIDTHS, ConfigError, KVQuantConfig, ModelConfig, gsm_checksum
+from gsm.config import BIT_WIDTHS, KVQuantConfig, ModelConfig, gsm_checksum
 from gsm.safetensors_io import FLOAT_DTYPES, LazySafetensors, SafetensorsFormatError
 
 # The one table of error codes: code -> what it means. docs/checker.md repeats it.
@@ -234,7 +235,7 @@ class _Checker:
                        f"{gc['checksum']!r}, the canonical JSON hashes to {gsm_checksum(gc)}")
         try:
             cfg = ModelConfig.from_json(data)
-        except (ConfigError, TypeError, ValueError, AttributeError, KeyError) as e:
+        except CONFIG_PARSE_ERRORS as e:
             self.error("CONFIG_INVALID", path, None, f"{CONFIG_FILE}: {e}")
             return
         problems = []
@@ -288,7 +289,7 @@ class _Checker:
         self.marks["adaptive_quant"] = True
         try:
             KVQuantConfig.from_json(data)
-        except (ConfigError, TypeError, ValueError) as e:
+        except CONFIG_PARSE_ERRORS as e:
             self.error("QUANT_INVALID", path, None, f"{QUANT_FILE}: {e}")
 
     def _file_of(self, t: CheckpointTensors, name: str) -> Path:
@@ -493,7 +494,7 @@ def _print_human(d: str | os.PathLike[str], r: VerifyReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
     marks = Table(title=f"GSM checkpoint {d}", title_justify="left")
     marks.add_column("mark")
     marks.add_column("", justify="center")
@@ -502,7 +503,8 @@ def _print_human(d: str | os.PathLike[str], r: VerifyReport) -> None:
     console.print(marks)
     if r.errors:
         errs = Table(title=f"{len(r.errors)} error(s)", title_justify="left", show_lines=False)
-        for col in ("code", "file", "tensor", "message"):
+        errs.add_column("code", no_wrap=True)
+        for col in ("file", "tensor", "message"):
             errs.add_column(col, overflow="fold")
         for e in r.errors:
             errs.add_row(f"[red]{e.code}[/]", e.file or "", e.tensor or "", e.message)

@@ -37,6 +37,9 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CALIB_FILE = "kv_calibration.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+# from_json raises ConfigError for what it checks; wrongly-typed JSON it does not check can leak
+# the others (e.g. an empty eos_token_id list: IndexError)
+CONFIG_PARSE_ERRORS = (ConfigError, TypeError, ValueError, AttributeError, KeyError, IndexError)
 STANDARD_FILES = frozenset({CONFIG_FILE, QUANT_FILE, WEIGHTS_FILE, INDEX_FILE, MANIFEST_NAME})
 
 
@@ -87,7 +90,7 @@ def load_config(d: str | os.PathLike[str]) -> ModelConfig:
     data = read_json(path, code_prefix="CONFIG")
     try:
         return ModelConfig.from_json(data)
-    except ConfigError as e:
+    except CONFIG_PARSE_ERRORS as e:
         code = "MARK_GSM_CONFIG" if isinstance(data, dict) and "gsm_config" not in data \
             else "CONFIG_INVALID"
         raise CheckpointConfigError(f"{path}: {e}", file=path, code=code) from e
@@ -98,7 +101,7 @@ def load_quant(d: str | os.PathLike[str]) -> KVQuantConfig:
     data = read_json(path, code_prefix="QUANT")
     try:
         return KVQuantConfig.from_json(data)
-    except ConfigError as e:
+    except CONFIG_PARSE_ERRORS as e:
         raise CheckpointConfigError(f"{path}: {e}", file=path, code="QUANT_INVALID") from e
 
 

@@ -140,7 +140,7 @@ def _parse_entry(path: Path, name: str, e: Any, data_start: int) -> TensorInfo:
         raise SafetensorsFormatError(path, name, "entry must be an object with dtype, shape and "
                                      "data_offsets")
     dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SafetensorsFormatError(path, name, f"dtype {dtype!r} is not one of {sorted(DTYPES)}",
                                      code="SAFETENSORS_DTYPE")
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
