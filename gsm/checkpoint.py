@@ -295,7 +295,7 @@ def load_kv_calibration(d: str | os.PathLike[str]) -> dict[str, np.ndarray] | No
     return {n: f.array(n).astype(np.float32, copy=False) for n in f.names}
 
 
-def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int | None) -> list[list[TensorSpec]]:
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int | None) -> list[list[TensorSpec]]:
     """Greedy, in spec order: start a new shard when the next tensor would exceed the limit."""
     shards: list[list[TensorSpec]] = [[]]
     size = 0
@@ -335,7 +335,7 @@ def write_checkpoint(out_dir: str | os.PathLike[str], cfg: ModelConfig, quant: K
         if s.name in seen:
             raise ValueError(f"tensor {s.name!r} listed twice in specs")
         seen.add(s.name)
-    plan = _plan_shards(specs, max_shard_bytes)
+    plan = plan_shards(specs, max_shard_bytes)
     total = sum(s.nbytes for s in specs)
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         _dump_json(tmp / CONFIG_FILE, cfg.to_json())
