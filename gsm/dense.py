@@ -58,16 +58,28 @@ class DenseLlama:
         `capture_probs` adds each layer's [B, nH, T, T] attention probabilities to the capture (they
         are computed anyway; keeping them for every layer is what costs memory).
         """
-        cfg = self.config
         if ids.dim() != 2:
             raise ValueError(f"ids must be [B, T], got shape {tuple(ids.shape)}")
+        logits, layers = self._run(ids, None, capture, capture_probs)
+        return (logits, DenseCapture(layers)) if capture else logits
+
+    __call__ = forward
+
+    def _run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
+             capture: bool = False, capture_probs: bool = False
+             ) -> tuple[torch.Tensor, list[LayerCapture]]:
+        """The forward pass. `kv` (greedy decoding only): per-layer RoPE'd K and V [B, nKV, S, D] of
+        the S positions before `ids`, extended in place; None for a pass over the whole sequence."""
+        cfg = self.config
         B, T = ids.shape
-        if T > cfg.max_position_embeddings:
-            raise ValueError(f"{T} positions exceed max_position_embeddings "
+        start = kv[0][0].shape[2] if kv else 0
+        if start + T > cfg.max_position_embeddings:
+            raise ValueError(f"{start + T} positions exceed max_position_embeddings "
                              f"{cfg.max_position_embeddings} of {self.origin}")
         nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = rope_tables(torch.arange(T), D, cfg.rope_theta)  # [T, D]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()  # [T, T], True where s <= t
+        pos = torch.arange(start, start + T)  # [T]
+        cos, sin = rope_tables(pos, D, cfg.rope_theta)  # [T, D]
+        causal = torch.arange(start + T)[None, :] <= pos[:, None]  # [T, S+T], key s <= query t
         h = self.w[names.EMBED][ids]  # [B, T, H]
         layers: list[LayerCapture] = []
         for i in range(cfg.num_hidden_layers):
@@ -78,11 +90,18 @@ class DenseLlama:
             qh = apply_rope(q.view(B, T, nH, D).transpose(1, 2), cos, sin)  # [B, nH, T, D]
             kh = apply_rope(k.view(B, T, nKV, D).transpose(1, 2), cos, sin)  # [B, nKV, T, D]
             vh = v.view(B, T, nKV, D).transpose(1, 2)  # [B, nKV, T, D]
+            if kv is not None:
+                if i < len(kv):
+                    kh = torch.cat([kv[i][0], kh], dim=2)  # [B, nKV, S+T, D]
+                    vh = torch.cat([kv[i][1], vh], dim=2)
+                    kv[i] = (kh, vh)
+                else:
+                    kv.append((kh, vh))
             # GQA: query head j reads key head j // group, as HF's repeat_kv
-            kh = kh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, T, D]
-            vh = vh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, T, D]
-            scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)  # [B, nH, T, T]
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [B, nH, T, T]
+            kh = kh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, S+T, D]
+            vh = vh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, S+T, D]
+            scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)  # [B, nH, T, S+T]
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [B, nH, T, S+T]
             o = (probs @ vh).transpose(1, 2).reshape(B, T, nH * D)  # [B, T, nH*D]
             h = h + F.linear(o, self._layer("o_proj", i))
             xm = rms_norm(h, self._layer("post_norm", i), cfg.rms_norm_eps)  # [B, T, H]
@@ -91,28 +110,27 @@ class DenseLlama:
             if capture:
                 layers.append(LayerCapture(x, q, k, v, probs if capture_probs else None))
         logits = F.linear(rms_norm(h, self.w[names.FINAL_NORM], cfg.rms_norm_eps), self.lm_head)
-        return (logits, DenseCapture(layers)) if capture else logits  # logits: [B, T, V]
-
-    __call__ = forward
+        return logits, layers  # logits: [B, T, V]
 
     @torch.no_grad()
     def greedy(self, ids: Sequence[int] | torch.Tensor, n: int, *, stop_at_eos: bool = False) -> list[int]:
         """The `n` tokens greedy decoding appends to prompt `ids` (the prompt is not returned).
 
-        Recomputes the whole prefix each step (no KV cache): simple, and fast enough for the
-        small models and short continuations the converter and tests use.
+        Uses a K/V cache, so logits can differ from a whole-sequence `forward` by float32 rounding.
+        The prompt plus `n` must fit in max_position_embeddings.
         """
         seq = [int(t) for t in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
         if not seq:
             raise ValueError("greedy needs a non-empty prompt (start with BOS)")
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits, _ = self._run(torch.tensor([seq]), kv)
         out: list[int] = []
-        for _ in range(n):
-            logits = self.forward(torch.tensor([seq[-self.config.max_position_embeddings:]]))
+        for step in range(n):
             nxt = int(logits[0, -1].argmax())
             out.append(nxt)
-            seq.append(nxt)
-            if stop_at_eos and nxt == self.config.eos_token_id:
+            if step == n - 1 or (stop_at_eos and nxt == self.config.eos_token_id):
                 break
+            logits, _ = self._run(torch.tensor([[nxt]]), kv)
         return out
 
     @torch.no_grad()

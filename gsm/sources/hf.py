@@ -122,3 +122,17 @@ def read_hf(folder: Path) -> DenseSource:
     tok = folder / "tokenizer.json"
     tok_json = tok.read_text(encoding="utf-8") if tok.is_file() else None
     return DenseSource(cfg, LazyTensors(loaders, want, str(folder)), tok_json, str(folder))
+
+
+def llama_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """HF LlamaConfig fields of the dense model `cfg` describes (for writing or comparing)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id, "torch_dtype": cfg.torch_dtype,
+    }
