@@ -47,7 +47,7 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing or wrong; `code` is a stable checker error code."""
 
     def __init__(self, message: str, *, file: str | os.PathLike[str] | None = None,
-                 tensor: str | None = None, code: str = "CHECKPOINT_INVALID") -> None:
+                 tensor: str | None = None, code: str) -> None:
         super().__init__(message)
         self.file = None if file is None else str(file)
         self.tensor = tensor
@@ -64,12 +64,13 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
-def read_json(path: Path, *, code_prefix: str) -> Any:
-    """JSON of `path`; CheckpointError `<prefix>_MISSING` / `<prefix>_INVALID_JSON` otherwise."""
+def read_json(path: Path, *, code_prefix: str, missing_code: str | None = None) -> Any:
+    """JSON of `path`; CheckpointError `<prefix>_MISSING` (or missing_code) / `<prefix>_INVALID_JSON`."""
     try:
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing", file=path, code=f"{code_prefix}_MISSING") from None
+        raise CheckpointError(f"{path}: missing", file=path,
+                              code=missing_code or f"{code_prefix}_MISSING") from None
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a directory, expected a file", file=path,
                               code="FILE_UNREADABLE") from None
@@ -178,7 +179,7 @@ class CheckpointTensors:
         if self._escapes(index_path):
             return
         try:
-            index = read_json(index_path, code_prefix="INDEX")
+            index = read_json(index_path, code_prefix="INDEX", missing_code="WEIGHTS_MISSING")
         except CheckpointError as e:
             self._problem(e)
             return
@@ -291,7 +292,7 @@ def load_kv_calibration(d: str | os.PathLike[str]) -> dict[str, np.ndarray] | No
     path = Path(d) / CALIB_FILE
     if not path.exists():
         return None
-    f = _open_safetensors(path, missing_code="CALIB_INVALID")
+    f = _open_safetensors(path, missing_code="FILE_UNREADABLE")
     return {n: f.array(n).astype(np.float32, copy=False) for n in f.names}
 
 

@@ -552,6 +552,19 @@ def test_unexpected_failure_becomes_internal(tiny: Path, monkeypatch: pytest.Mon
     assert r.codes == ["INTERNAL"] and "boom" in r.errors[0].message
 
 
+def test_codes_raised_by_the_loaders_are_documented() -> None:
+    used: set[str] = set()
+    for mod in ("checkpoint", "safetensors_io", "checker"):
+        src = (ROOT / "gsm" / f"{mod}.py").read_text()
+        used |= set(re.findall(r'\bcode="([A-Z_]+)"', src))
+        used |= set(re.findall(r'missing_code="([A-Z_]+)"', src))
+        for prefix, missing in re.findall(r'code_prefix="([A-Z_]+)"(?:, missing_code="([A-Z_]+)")?', src):
+            used |= {missing or f"{prefix}_MISSING", f"{prefix}_INVALID_JSON"}
+        used |= set(re.findall(r'self\.error\("([A-Z_]+)"', src))
+    assert len(used) > 30
+    assert used <= set(ERROR_CODES), used - set(ERROR_CODES)
+
+
 def test_docs_table_lists_exactly_the_codes() -> None:
     doc = (ROOT / "docs" / "checker.md").read_text()
     documented = set(re.findall(r"^\| `([A-Z_]+)` \|", doc, re.M))
