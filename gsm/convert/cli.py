@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +53,18 @@ def default_text(src: Path, flag: str, pattern: str) -> Path:
 
 
 def read_source(fmt: str, src: Path, tokenizer: Path | None) -> Any:
-    from gsm.sources.hf import read_hf
-    from gsm.sources.llama2c import read_llama2c
-
+    """--from decides the reader (a directory or file alone could be either by mistake)."""
     if fmt == "llama2c":
-        return read_llama2c(src, tokenizer=tokenizer)
-    source = read_hf(src)
-    if tokenizer is not None:
-        from gsm.tokenizer import llama2c_tokenizer_json, sentencepiece_tokenizer_json
+        if src.is_dir():
+            raise ValueError(f"--from llama2c expects a .bin file, {src} is a directory")
+        from gsm.sources.llama2c import read_llama2c
 
-        conv = sentencepiece_tokenizer_json if tokenizer.suffix == ".model" else llama2c_tokenizer_json
-        source = replace(source, tokenizer_json=conv(tokenizer))
-    return source
+        return read_llama2c(src, tokenizer=tokenizer)
+    if not src.is_dir():
+        raise ValueError(f"--from hf expects a Hugging Face model directory, {src} is a file")
+    from gsm.sources import read_source as read_dir
+
+    return read_dir(src, tokenizer)
 
 
 def print_summary(report: dict[str, Any], out: Path) -> None:
