@@ -3,18 +3,13 @@ the golden greedy text of ../shared/data/README.md, and the model's loss on Tiny
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import DATA
+from conftest import STORIES as MODEL
 
 from gsm.dense import DenseLlama
-from gsm.sources.hf import llama_config_dict
-from gsm.sources.llama2c import read_llama2c
-from gsm.tokenizer import tokenizer_from_json
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-MODEL = DATA / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"real data not found at {DATA}")
 
 # Greedy decoding from BOS with stories260K.bin + tok512.bin, as stated in ../shared/data/README.md
@@ -24,8 +19,8 @@ GOLDEN = ("Once upon a time, there was a little girl named Lily. She loved to pl
 
 
 @pytest.fixture(scope="module")
-def src():
-    return read_llama2c(MODEL)
+def src(stories_src):
+    return stories_src
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +29,8 @@ def dense(src):
 
 
 @pytest.fixture(scope="module")
-def tok(src):
-    return tokenizer_from_json(src.tokenizer_json)
+def tok(stories_tok):
+    return stories_tok
 
 
 def _windows(tok, file: str, n_rows: int, T: int) -> torch.Tensor:
@@ -47,14 +42,8 @@ def _windows(tok, file: str, n_rows: int, T: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def hf_model(src):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(**llama_config_dict(src.config), attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
-    missing, unexpected = model.load_state_dict({n: src.get(n) for n in src.names}, strict=False)
-    assert missing == ["lm_head.weight"] and not unexpected  # lm_head is tied to the embedding
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    return model
+def hf_model(stories_hf):
+    return stories_hf
 
 
 def test_matches_transformers(dense, tok, hf_model) -> None:

@@ -34,12 +34,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--indexer-steps", type=int, default=200)
     p.add_argument("--top-k", type=int, default=GSMParams.sparse_top_k, help="gsm_config.sparse_top_k")
-    p.add_argument("--window", type=int, default=GSMParams.sparse_window, help="gsm_config.sparse_window")
+    p.add_argument("--window", default="auto",
+                   help="gsm_config.sparse_window, or 'auto' (default): split the budget sinks + "
+                   f"{GSMParams.sparse_window} + top-k between window and top-k by calibration hit rate")
     p.add_argument("--sinks", type=int, default=GSMParams.sink_tokens, help="gsm_config.sink_tokens")
     p.add_argument("--indexer-heads", type=int, default=GSMParams.indexer_heads)
-    p.add_argument("--indexer-dim", type=int, default=GSMParams.indexer_dim)
+    p.add_argument("--indexer-dim", type=int, help="gsm_config.indexer_dim (default: min(32, max(8, kvD/4)), "
+                   "so the indexer key stays small next to the K/V it selects from)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+
+def default_indexer_dim(kv_dim: int) -> int:
+    """Spec default 32, but at most a quarter of kvD (DeepSeek-V3.2's indexer key is ~1/4 of its latent)."""
+    return min(GSMParams.indexer_dim, max(8, kv_dim // 4))
+
+
+def parse_int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: expected an integer or 'auto', got {text!r}") from e
 
 
 def default_text(src: Path, flag: str, pattern: str) -> Path:
@@ -112,19 +127,23 @@ def convert_command(args: argparse.Namespace) -> int:
         if calib.resolve() == ev.resolve():
             raise ValueError(f"--calib-text and --eval-text are the same file ({calib}); "
                              "quality must be measured on text the converter did not fit on")
-        params = GSMParams(sparse_top_k=args.top_k, sparse_window=args.window,
-                           max_sparse_window=max(GSMParams.max_sparse_window, args.window),
+        source = read_source(args.source_format, src, Path(args.tokenizer) if args.tokenizer else None)
+        auto_window = args.window == "auto"
+        window = GSMParams.sparse_window if auto_window else parse_int(args.window, "--window")
+        params = GSMParams(sparse_top_k=args.top_k, sparse_window=window,
+                           max_sparse_window=max(GSMParams.max_sparse_window, window),
                            sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
-                           indexer_dim=args.indexer_dim, kv_compression_tolerance=args.tolerance)
+                           indexer_dim=args.indexer_dim or default_indexer_dim(source.config.kv_dim),
+                           kv_compression_tolerance=args.tolerance)
         opts = ConvertOptions(calib_text=calib, eval_text=ev, tolerance=args.tolerance,
                               kv_budget=args.kv_budget, sharing=args.sharing,
                               sharing_budget=args.sharing_budget, seq_len=args.seq_len,
                               calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
-                              indexer_steps=args.indexer_steps, seed=args.seed, gsm=params)
-        source = read_source(args.source_format, src, Path(args.tokenizer) if args.tokenizer else None)
+                              indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
+                              auto_window=auto_window)
         report = convert(source, Path(args.out), opts, overwrite=args.overwrite,
                          progress=lambda msg: print(f"[convert] {msg}", file=sys.stderr))
-    except (ValueError, ConfigError, DataError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, ConfigError, DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.report:

@@ -34,21 +34,26 @@ def text_sha256(path: Path) -> str:
 
 def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_tokens: int, bos_id: int,
                     vocab_size: int) -> torch.Tensor:
-    """[B, seq_len] sequences cut from BOS-prefixed paragraphs concatenated in file order.
+    """[B, seq_len] windows: BOS, then seq_len - 1 tokens of the text read as one stream.
 
-    Every paragraph starts with BOS, as llama2.c's TinyStories models were trained; windows do not
-    overlap; at most max_tokens tokens; raises DataError when not even one window fits.
+    Paragraphs are encoded one by one (a SentencePiece dummy prefix makes that equal to joining
+    them with spaces) and concatenated in file order; windows do not overlap; at most max_tokens
+    tokens in all. A story may span paragraphs, so BOS marks window starts, not paragraphs.
+    Raises DataError when not even one window fits.
     """
+    if seq_len < 2:
+        raise DataError(f"sequence length must be >= 2, got {seq_len}")
+    body = seq_len - 1
     stream: list[int] = []
     for para in read_paragraphs(path):
-        stream.append(bos_id)
         stream.extend(tokenizer.encode(para, add_special_tokens=False).ids)
         if len(stream) >= max_tokens:
             break
     n = min(len(stream), max_tokens) // seq_len
     if n == 0:
         raise DataError(f"{path}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
-    ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    rows = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
+    ids = torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
     if int(ids.max()) >= vocab_size:
         raise DataError(f"{path}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
     return ids

@@ -15,6 +15,7 @@ Everything here runs on the evaluation text only (never fitted on). Figures:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -94,7 +95,7 @@ def hit_rates(cfg: ModelConfig, plan: Any, xs: list[torch.Tensor], probs: list[t
 def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], plan: Any,
                    lowranks: dict[tuple[int, str], LowRank], acts: Any, ev: torch.Tensor, opts: Any,
                    progress: Any) -> dict[str, Any]:
-    from gsm.convert.pipeline import Plan, assemble, golden_of, mean_nll, ranks_at
+    from gsm.convert.pipeline import assemble, golden_of, mean_nll, ranks_at
 
     dense = DenseLlama(src)
     n_probe = min(8, ev.shape[0])
@@ -108,7 +109,7 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     gsm_nll = mean_nll(gsm, ev)
     progress(f"held-out perplexity: dense {ppl(dense_nll):.3f}, GSM {ppl(gsm_nll):.3f}")
     if plan.sharing:
-        cfg_ns, t_ns = assemble(src, opts.gsm, lowranks, Plan(plan.ranks, {}, plan.indexers, {}))
+        cfg_ns, t_ns = assemble(src, lowranks, replace(plan, sharing={}))
         ns_nll = mean_nll(golden_of(cfg_ns, t_ns), ev)
     else:
         ns_nll = gsm_nll
@@ -151,10 +152,10 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     L = gcfg.num_hidden_layers
     for tol in opts.tradeoff_tolerances:
         r = ranks_at(lowranks, list(range(L)), tol, None, gcfg.gsm.indexer_dim)
-        c, t = assemble(src, opts.gsm, lowranks, Plan(r, {}, plan.indexers, {}))
+        c, t = assemble(src, lowranks, replace(plan, ranks=r, sharing={}))
         tradeoff.append({"tolerance": tol, "sharing": "none",
                          "kv_bytes_per_position_fp16": kv_bytes_per_position(c, r)["gsm_fp16"],
-                         "perplexity": ppl(mean_nll(golden_of(c, t), ev[: max(1, ev.shape[0] // 2)]))})
+                         "perplexity": ppl(mean_nll(golden_of(c, t), ev))})
     return {
         "evaluation": {"tokens": int(ev.numel()), "seq_len": int(ev.shape[1]),
                        "sequences": int(ev.shape[0])},

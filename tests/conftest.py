@@ -1,0 +1,49 @@
+"""Shared test fixtures: the real data of ../shared/data (tests skip when it is absent; CI has it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+STORIES = DATA / "stories260K.bin"
+CALIB_TEXT = DATA / "tinystories_calib.txt"
+EVAL_TEXT = DATA / "tinystories_eval.txt"
+needs_data = pytest.mark.skipif(not STORIES.is_file(), reason=f"real data not found at {DATA}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    # 2-core machines: torch's own thread pool fights pytest and subprocesses for the cores
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def stories_src():
+    if not STORIES.is_file():
+        pytest.skip(f"real data not found at {DATA}")
+    from gsm.sources.llama2c import read_llama2c
+
+    return read_llama2c(STORIES)
+
+
+@pytest.fixture(scope="session")
+def stories_tok(stories_src):
+    from gsm.tokenizer import tokenizer_from_json
+
+    return tokenizer_from_json(stories_src.tokenizer_json)
+
+
+@pytest.fixture(scope="session")
+def stories_hf(stories_src):
+    """transformers' LlamaForCausalLM holding the stories260K weights: the independent reference."""
+    transformers = pytest.importorskip("transformers")
+    from gsm.sources.hf import llama_config_dict
+
+    cfg = transformers.LlamaConfig(**llama_config_dict(stories_src.config), attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    missing, unexpected = model.load_state_dict({n: stories_src.get(n) for n in stories_src.names}, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # lm_head is tied to the embedding
+    return model
