@@ -1,0 +1,142 @@
+"""`python -m gsm convert` end to end on the real stories260K and TinyStories text.
+
+Small token counts keep it to well under a minute on 2 cores; the figures asserted are loose
+sanity bounds (the full-size measurements are in the closing notes), except where the property
+is structural (verify accepts the output, the written checkpoint reproduces the report).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CALIB_TEXT, DATA, EVAL_TEXT, STORIES, needs_data
+
+from gsm.checker import verify
+from gsm.convert.data import token_sequences
+from gsm.golden.model import GoldenModel
+from gsm.tokenizer import load_tokenizer
+
+pytestmark = needs_data
+FAST = ["--calib-tokens", "8192", "--eval-tokens", "2048", "--indexer-steps", "40"]
+
+
+def convert(out: Path, *extra: str, src: Path = STORIES, fmt: str = "llama2c") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", fmt, str(src), "--out", str(out),
+                           "--calib-text", str(CALIB_TEXT), "--eval-text", str(EVAL_TEXT), *FAST, *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory):
+    d = tmp_path_factory.mktemp("auto")
+    r = convert(d / "gsm", "--report", str(d / "report.json"))
+    assert r.returncode == 0, r.stderr
+    return d / "gsm", json.loads((d / "report.json").read_text()), r
+
+
+def test_output_is_a_verified_gsm_checkpoint(auto):
+    out, report, _ = auto
+    v = verify(out)
+    assert v.ok, v.errors
+    assert all(v.marks.values())
+    assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "conversion_report.json").read_text())["perplexity"] == report["perplexity"]
+
+
+def test_report_fields_are_sane(auto):
+    _, rep, proc = auto
+    cfg = rep["gsm_config"]
+    for row in rep["layers"]:
+        if row["role"] == "owning":
+            assert 1 <= row["rank_k"] <= 32 and 1 <= row["rank_v"] <= 32
+            assert row["rel_error_k_calib"] <= rep["options"]["tolerance"] + 1e-9
+            assert row["rel_error_v_calib"] <= rep["options"]["tolerance"] + 1e-9
+            assert row["rel_error_k_heldout"] < 0.05  # held-out error stays the same order
+            h = row["mask_hit_rate"]
+            assert 0 < h["random"] < h["indexer"] <= 1  # the indexer beats chance on real text
+            assert h["indexer"] >= h["recency"] - 0.02
+            assert row["indexer_kl_first_last"][1] < row["indexer_kl_first_last"][0]
+        assert 0 < row["gsm_mask_hit_rate"] <= 1
+    p = rep["perplexity"]
+    assert 3.0 < p["dense"] < 15.0  # stories260K on TinyStories: loss ~1.4-2.0 nats
+    assert p["gsm"] < p["dense"] * 1.25
+    assert p["gsm_no_sharing"] <= p["gsm"] * 1.0001 or rep["gsm_config"]["kv_sharing"]
+    g = rep["greedy_agreement"]
+    assert g["steps"] == 128 and 0.7 < g["teacher_forced"] <= 1.0
+    b = rep["kv_bytes_per_position"]
+    assert b["dense_fp16"] == 5 * 2 * 32 * 2
+    assert b["gsm_tiered"] < b["gsm_fp16"]
+    sizes = [r["kv_bytes_per_position_fp16"] for r in rep["tradeoff"]]
+    assert sizes == sorted(sizes, reverse=True)  # looser tolerance -> fewer bytes
+    assert math.isfinite(rep["tradeoff"][-1]["perplexity"])
+    assert cfg["sparse_window"] + cfg["sparse_top_k"] == 3 + 64  # auto window keeps the budget
+    assert len(rep["window_search"]) >= 2
+    assert "perplexity dense" in proc.stderr  # the on-screen table
+
+
+def test_written_checkpoint_reproduces_reported_perplexity(auto):
+    out, rep, _ = auto
+    gsm = GoldenModel.from_checkpoint(out)
+    ev = token_sequences(EVAL_TEXT, load_tokenizer(out), seq_len=rep["evaluation"]["seq_len"],
+                         max_tokens=rep["evaluation"]["tokens"] + rep["evaluation"]["sequences"], bos_id=1,
+                         vocab_size=512)
+    nll = sum(gsm.nll(row) for row in ev) / len(ev)
+    assert math.exp(nll) == pytest.approx(rep["perplexity"]["gsm"], rel=1e-5)
+
+
+def test_explicit_sharing_map_writes_projectors(tmp_path):
+    r = convert(tmp_path / "gsm", "--sharing", "2:1,4:3", "--window", "16", "--report", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["gsm_config"]["kv_sharing"] == {"2": 1, "4": 3}
+    assert rep["gsm_config"]["shared_layers"] == [1, 3]
+    sharing = [row for row in rep["layers"] if row["role"] == "sharing"]
+    assert [row["layer"] for row in sharing] == [2, 4]
+    for row in sharing:
+        assert 0 < row["projector_rel_residual_calib"] < 1
+        assert 0 <= row["kv_noise_kl"] < 5
+    p = rep["perplexity"]
+    assert p["gsm"] > p["gsm_no_sharing"]  # sharing costs something on held-out text
+    assert verify(tmp_path / "gsm").ok
+
+
+def test_hf_directory_converts_like_llama2c(tmp_path, stories_hf, stories_src):
+    hf_dir = tmp_path / "hf"
+    stories_hf.save_pretrained(hf_dir, safe_serialization=True)
+    (hf_dir / "tokenizer.json").write_text(stories_src.tokenizer_json)
+    r = convert(tmp_path / "gsm", "--sharing", "none", "--window", "3", "--report", str(tmp_path / "r.json"),
+                src=hf_dir, fmt="hf")
+    assert r.returncode == 0, r.stderr
+    r2 = convert(tmp_path / "gsm2", "--sharing", "none", "--window", "3", "--report", str(tmp_path / "r2.json"))
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("r.json", "r2.json"))
+    assert a["perplexity"]["gsm"] == pytest.approx(b["perplexity"]["gsm"], rel=1e-4)
+    assert [row["rank_k"] for row in a["layers"]] == [row["rank_k"] for row in b["layers"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval-text", str(CALIB_TEXT)], "same file"),
+    (["--sharing", "1:3"], "--sharing"),
+    (["--window", "wide"], "--window"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, args, message):
+    r = convert(tmp_path / "out", *args)
+    assert r.returncode == 1
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source_and_default_texts(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "llama2c", str(tmp_path / "nope.bin"),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "no such file" in r.stderr
+    lonely = tmp_path / "m.bin"
+    lonely.write_bytes(STORIES.read_bytes())
+    r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "llama2c", str(lonely), "--out",
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--calib-text" in r.stderr
+    assert DATA.is_dir()
