@@ -113,6 +113,7 @@ def test_hf_directory_converts_like_llama2c(tmp_path, stories_hf, stories_src):
                 src=hf_dir, fmt="hf")
     assert r.returncode == 0, r.stderr
     r2 = convert(tmp_path / "gsm2", "--sharing", "none", "--window", "3", "--report", str(tmp_path / "r2.json"))
+    assert r2.returncode == 0, r2.stderr
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("r.json", "r2.json"))
     assert a["perplexity"]["gsm"] == pytest.approx(b["perplexity"]["gsm"], rel=1e-4)
     assert [row["rank_k"] for row in a["layers"]] == [row["rank_k"] for row in b["layers"]]
