@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,17 @@ BIT_WIDTHS = (16, 12, 8)
 
 class ConfigError(ValueError):
     """A config file is present but does not say what the spec requires."""
+
+
+@contextmanager
+def _parsing(where: str) -> Iterator[None]:
+    """Turn any type/shape surprise in parsed JSON into one ConfigError naming where it was."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        raise ConfigError(f"{where}: malformed field ({type(e).__name__}: {e})") from e
 
 
 def canonical_json(obj: Any) -> str:
@@ -77,6 +90,11 @@ class GSMParams:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GSMParams:
+        with _parsing("gsm_config"):
+            return cls._from_json(d)
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> GSMParams:
         known = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {k: v for k, v in d.items() if k in known}
         try:
@@ -167,6 +185,11 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelConfig:
+        with _parsing("config.json"):
+            return cls._from_json(d)
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError("config.json must hold a JSON object")
         if "gsm_config" not in d:
@@ -240,6 +263,11 @@ class KVQuantConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> KVQuantConfig:
+        with _parsing("quant_config.json"):
+            return cls._from_json(d)
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> KVQuantConfig:
         if not isinstance(d, dict) or not isinstance(d.get("kv_quantization"), dict):
             raise ConfigError("quant_config.json has no kv_quantization object")
         q = d["kv_quantization"]
