@@ -1,0 +1,256 @@
+"""Memory plan of a bundle on a device: does max-seq x max-batch fit, and what is the largest that does.
+
+Why plan before building: a Jetson shares its DRAM with the OS, and an engine that does not fit
+fails at the first long prompt on the target, hours after the build. So the builder computes every
+buffer the engine and the runtime will allocate, refuses a request that does not fit *before it
+writes anything*, and says by how much and what would fit.
+
+What is counted (all on the target, TensorRT FP16 engine):
+- weights: every tensor of spec 3 the engine uses, FP16 (dense K/V projections are ignored);
+- KV pools (spec 5, docs/engine_io.md section 3): per owning layer and sequence one byte buffer of
+  FP16 / INT12 / INT8 regions sized by `pool_rows`, FP16 indexer keys for every position, and
+  one int32 slot table per sequence;
+- activations: an estimate of the largest live tensors of one forward call over `max_input`
+  tokens (hidden states, MLP intermediates, index scores over the context and attention logits over
+  the selected positions, K/V reconstructed for one layer, logits);
+- workspace: TensorRT tactic workspace, a fixed estimate.
+
+The decode speed is an *estimate* at the memory-bandwidth roofline: bytes read per decode step
+(every weight once, the indexer keys of the whole context, the selected latent rows) divided by
+the device's data-sheet bandwidth. Real kernels reach 60-80 % of it on Orin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gsm import names
+from gsm.config import KVQuantConfig, ModelConfig
+from jetson.profiles import PROFILES, DeviceProfile
+
+GIB = 2**30
+WORKSPACE_BYTES = 256 * 2**20  # TensorRT tactic workspace we cap the builder at (estimate)
+ENGINE_WEIGHT_BYTES = 2  # FP16 weights in the TensorRT engine
+SLOT_ENTRY_BYTES = 4  # kv_slots entry: int32 (tier << 24) | row (docs/engine_io.md section 3)
+# bytes per latent value of the FP16 / INT12 / INT8 tiers (spec 6); equal to gsm.golden.quant.TIER_BYTES
+# (a test checks), repeated so the builder's planning never imports torch
+TIER_BYTES = (2.0, 1.5, 1.0)
+
+
+class PlanError(ValueError):
+    """The request cannot be planned (max-seq beyond the model) or does not fit the device."""
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """Rows per sequence of the FP16 / INT12 / INT8 regions of every owning layer's latent pool
+    (`C16, C12, C8` of docs/engine_io.md section 3; one slot table serves all owning layers)."""
+
+    fp16: int
+    int12: int
+    int8: int
+
+    @property
+    def total(self) -> int:
+        return self.fp16 + self.int12 + self.int8
+
+
+def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConfig, *,
+              hot_rows: int = 0) -> PoolRows:
+    """Region sizes of docs/engine_io.md section 3 (a row may live in a wider region than its tier):
+
+    C16 = min(N, sinks + fp16_window + floor(f0 N) + R + H), R = max(prefill chunk, rate) rows
+    written between two re-tier passes, H = rows reserved for hot_token_ids (`hot_rows`);
+    C12 = min(N - C16, floor((f0 + f1) N) - floor(f0 N)); C8 = N - C16 - C12.
+    Why these bound the tier policy: after a pass at most floor(f0 N) eligible rows are FP16 and
+    at most floor((f0 + f1) N) are FP16 or INT12 (demotion only never adds a wider row), and
+    between passes only new FP16 rows appear (at most R).
+    """
+    f0, f1, _ = quant.tier_fractions
+    n16 = math.floor(f0 * max_seq + 1e-9)
+    c16 = min(max_seq, cfg.gsm.sink_tokens + quant.fp16_window + n16 +
+              max(max_input, cfg.gsm.quantization_adaptation_rate) + hot_rows)
+    c12 = min(max_seq - c16, math.floor((f0 + f1) * max_seq + 1e-9) - n16)
+    return PoolRows(c16, c12, max_seq - c16 - c12)
+
+
+def row_bytes(r_k: int, r_v: int) -> tuple[int, int, int]:
+    """W16, W12, W8 of docs/engine_io.md: bytes per row of each region."""
+    return 2 * (r_k + r_v), 3 * math.ceil(r_k / 2) + 3 * math.ceil(r_v / 2), r_k + r_v
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    max_seq: int
+    max_batch: int
+    max_input: int
+    params: int
+    weight_bytes: int
+    pool_rows: PoolRows
+    kv_pool_bytes: int  # latent pools + indexer keys + slot tables, all sequences
+    activation_bytes: int
+    workspace_bytes: int
+    usable_bytes: int
+    kv_bytes_per_position: float  # spec 6 steady state under tier_fractions
+    dense_fp16_bytes_per_position: int  # spec 6 baseline
+    largest_fitting_seq: int  # at this max_batch (0 when even one position does not fit)
+    decode_bytes_per_token: int  # estimate, batch 1 at max_seq
+    decode_tokens_per_s_estimate: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_pool_bytes + self.activation_bytes + self.workspace_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        d["fits"] = self.fits
+        d["decode_tokens_per_s_estimate_note"] = (
+            "estimate: memory-bandwidth roofline (bytes read per decode step / data-sheet bandwidth), "
+            "batch 1 at max_seq; real kernels reach a fraction of it")
+        return d
+
+
+def param_count(cfg: ModelConfig, ranks: dict[int, tuple[int, int]]) -> int:
+    """Parameters the engine holds (spec 3 required tensors; tied heads counted once)."""
+    return sum(math.prod(s) for s in names.expected_shapes(cfg, ranks).values())
+
+
+def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig) -> float:
+    """Spec 6: sum over owning layers of (r_k + r_v) * average tier bytes + dI * 2."""
+    avg = sum(f * b for f, b in zip(quant.tier_fractions, TIER_BYTES))
+    return sum((rk + rv) * avg + cfg.gsm.indexer_dim * 2 for rk, rv in ranks.values())
+
+
+def dense_fp16_bytes_per_position(cfg: ModelConfig) -> int:
+    """Spec 6 baseline: L * 2 * kvD * 2."""
+    return cfg.num_hidden_layers * 2 * cfg.kv_dim * 2
+
+
+def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: PoolRows, max_seq: int,
+                  max_batch: int) -> int:
+    """Bytes of kv_pool.{l} + index_keys.{l} of every owning layer and of kv_slots, all sequences."""
+    per_seq = max_seq * SLOT_ENTRY_BYTES
+    for rk, rv in ranks.values():
+        w16, w12, w8 = row_bytes(rk, rv)
+        per_seq += rows.fp16 * w16 + rows.int12 * w12 + rows.int8 * w8 + max_seq * cfg.gsm.indexer_dim * 2
+    return per_seq * max_batch
+
+
+def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int) -> int:
+    """Largest live tensors of one forward call over B x T tokens at context S (estimate, FP16/FP32)."""
+    B, T, S = max_batch, max_input, max_seq
+    hidden = B * T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 2
+    sel = min(S, cfg.gsm.sink_tokens + cfg.gsm.max_sparse_window + cfg.gsm.sparse_top_k)
+    scores = B * T * (S * cfg.gsm.indexer_heads + sel * cfg.num_attention_heads) * 4  # index + attention
+    kv = B * S * 2 * cfg.kv_dim * 2  # one layer's reconstructed K/V
+    logits = B * T * cfg.vocab_size * 4
+    return hidden + scores + kv + logits
+
+
+def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
+                           params: int, context: int) -> int:
+    """Bytes one decode step reads at batch 1: all weights (the embedding only one row, unless it is
+    the tied head), every indexer key of the context, the selected latent rows of every layer."""
+    g = cfg.gsm
+    embed = cfg.vocab_size * cfg.hidden_size
+    weights = params - (0 if cfg.tie_word_embeddings else embed) + cfg.hidden_size
+    selected = min(context, g.sink_tokens + g.sparse_window + g.sparse_top_k)
+    avg = sum(f * b for f, b in zip(quant.tier_fractions, TIER_BYTES))
+    kv = 0.0
+    for i in range(cfg.num_hidden_layers):
+        rk, rv = ranks[i] if cfg.is_owning(i) else ranks[g.kv_sharing[i]]
+        kv += selected * (rk + rv) * avg
+        if cfg.is_owning(i):
+            kv += context * g.indexer_dim * 2
+    return int(weights * ENGINE_WEIGHT_BYTES + kv)
+
+
+def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
+              profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
+              max_input: int | None = None) -> MemoryPlan:
+    """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
+    callers decide, see `require_fit`)."""
+    max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
+    if max_seq > cfg.max_position_embeddings:
+        raise PlanError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings "
+                        f"({cfg.max_position_embeddings}); use --max-seq {cfg.max_position_embeddings} or less")
+    if max_seq < 1 or max_batch < 1:
+        raise PlanError(f"--max-seq and --max-batch must be >= 1, got {max_seq} and {max_batch}")
+    max_input = min(max_seq, 512) if max_input is None else max_input
+    if not 1 <= max_input <= max_seq:
+        raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
+    params = param_count(cfg, ranks)
+    weights = params * ENGINE_WEIGHT_BYTES
+
+    def total(S: int) -> int:
+        T = min(max_input, S)
+        rows = pool_rows(S, T, cfg, quant)
+        return weights + kv_pool_bytes(cfg, ranks, rows, S, max_batch) + \
+            activation_bytes(cfg, S, max_batch, T) + WORKSPACE_BYTES
+
+    largest = _largest(total, profile.usable_bytes, cfg.max_position_embeddings)
+    rows = pool_rows(max_seq, max_input, cfg, quant)
+    dbytes = decode_bytes_per_token(cfg, ranks, quant, params, max_seq)
+    return MemoryPlan(
+        device=profile.name, max_seq=max_seq, max_batch=max_batch, max_input=max_input, params=params,
+        weight_bytes=weights, pool_rows=rows, kv_pool_bytes=kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch),
+        activation_bytes=activation_bytes(cfg, max_seq, max_batch, max_input), workspace_bytes=WORKSPACE_BYTES,
+        usable_bytes=profile.usable_bytes, kv_bytes_per_position=kv_bytes_per_position(cfg, ranks, quant),
+        dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
+        decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes)
+
+
+def _largest(total, budget: int, hi: int) -> int:
+    """Largest S in [1, hi] with total(S) <= budget (total grows with S); 0 when none."""
+    if total(1) > budget:
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if total(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, int]],
+                quant: KVQuantConfig) -> None:
+    """PlanError when the plan does not fit: by how much, and what would fit instead."""
+    if plan.fits:
+        return
+    short = plan.total_bytes - plan.usable_bytes
+    msg = (f"the plan does not fit {plan.device}: it needs {fmt_bytes(plan.total_bytes)} (weights "
+           f"{fmt_bytes(plan.weight_bytes)}, KV pools {fmt_bytes(plan.kv_pool_bytes)}, activations "
+           f"{fmt_bytes(plan.activation_bytes)}, workspace {fmt_bytes(plan.workspace_bytes)}), "
+           f"{fmt_bytes(plan.usable_bytes)} usable: short by {fmt_bytes(short)}. ")
+    if plan.largest_fitting_seq > 0:
+        msg += f"At --max-batch {plan.max_batch}, --max-seq {plan.largest_fitting_seq} fits"
+        if plan.max_batch > 1:
+            one = make_plan(cfg, ranks, quant, PROFILES[plan.device], max_seq=plan.max_seq, max_batch=1,
+                            max_input=plan.max_input)
+            if one.fits:
+                msg += f"; at --max-batch 1, --max-seq {plan.max_seq} fits"
+        msg += "."
+    else:
+        bigger = [p.name for p in sorted(PROFILES.values(), key=lambda p: p.usable_bytes)
+                  if make_plan(cfg, ranks, quant, p, max_seq=plan.max_seq, max_batch=plan.max_batch,
+                               max_input=plan.max_input).fits]
+        msg += "No context length fits on this device; " + (
+            f"it fits on: {', '.join(bigger)}." if bigger else "no known device fits it.")
+    raise PlanError(msg)

@@ -1,0 +1,107 @@
+"""Memory plan: spec-6 figures, pool sizing against the tier policy, fit refusal with what would fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from builder.plan import (
+    TIER_BYTES,
+    PlanError,
+    dense_fp16_bytes_per_position,
+    kv_bytes_per_position,
+    make_plan,
+    param_count,
+    pool_rows,
+    require_fit,
+)
+from gsm.config import KVQuantConfig
+from gsm.synth import PRESETS, preset_config, preset_ranks
+from jetson import get_profile
+
+
+def preset(name: str):
+    p = PRESETS[name]
+    cfg = preset_config(p)
+    return cfg, preset_ranks(p, cfg), KVQuantConfig()
+
+
+def test_tier_bytes_match_golden():
+    from gsm.golden.quant import TIER_BYTES as GOLDEN
+
+    assert TIER_BYTES == GOLDEN
+
+
+def test_spec6_figures_tiny():
+    cfg, ranks, q = preset("tiny")
+    # tiny: owning layers 0, 1, 2 with ranks (12,10), (14,8), (12,10); dI 16; tiers .25/.25/.5
+    avg = 0.25 * 2 + 0.25 * 1.5 + 0.5 * 1
+    assert kv_bytes_per_position(cfg, ranks, q) == pytest.approx((22 + 22 + 22) * avg + 3 * 16 * 2)
+    assert dense_fp16_bytes_per_position(cfg) == 4 * 2 * 32 * 2
+    assert param_count(cfg, ranks) > cfg.vocab_size * cfg.hidden_size * 2  # untied head + embed
+
+
+def test_pool_rows_bound_the_golden_tier_counts():
+    """Simulate re-tier passes on random hotness with the golden cache and check the pool bounds."""
+    import dataclasses
+
+    import torch
+
+    from gsm.golden.cache import SequenceCache
+    from gsm.golden.quant import FP16, INT8, INT12
+
+    cfg, _, _ = preset("tiny")
+    rate = 7
+    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=rate))
+    q = KVQuantConfig(fp16_window=4)
+    cache = SequenceCache(deployed=False, layers={})
+    g = torch.Generator().manual_seed(0)
+    max_seq, max_input, worst = 300, 1, {FP16: 0, INT12: 0, INT8: 0}
+    for step in range(max_seq):
+        cache.add_positions([5])
+        cache.update_hotness(torch.rand(cache.length, generator=g), q.hotness_decay)
+        if step % rate == rate - 1:  # a pass every `rate` steps, as decode does
+            cache.tier = torch.maximum(cache.tier, cache.ranked_tiers(q, cfg.gsm.sink_tokens))
+        for t in worst:
+            worst[t] = max(worst[t], int((cache.tier == t).sum()))
+    rows = pool_rows(max_seq, max_input, cfg, q)
+    # a row may live in a wider region: FP16 rows fit C16, FP16 + INT12 rows fit C16 + C12
+    assert worst[FP16] <= rows.fp16 and worst[FP16] + worst[INT12] <= rows.fp16 + rows.int12
+    assert rows.total == max_seq
+    assert rows.fp16 == min(max_seq, 1 + 4 + 75 + max(rate, max_input))
+
+
+def test_plan_fits_and_roofline():
+    cfg, ranks, q = preset("tiny")
+    plan = make_plan(cfg, ranks, q, get_profile("orin"), max_seq=256)
+    assert plan.fits and plan.largest_fitting_seq == cfg.max_position_embeddings
+    assert plan.decode_tokens_per_s_estimate == pytest.approx(204.8e9 / plan.decode_bytes_per_token)
+    assert "estimate" in plan.to_json()["decode_tokens_per_s_estimate_note"]
+
+
+def test_max_seq_beyond_model():
+    cfg, ranks, q = preset("tiny")
+    with pytest.raises(PlanError, match="max_position_embeddings"):
+        make_plan(cfg, ranks, q, get_profile("orin"), max_seq=cfg.max_position_embeddings + 1)
+
+
+def test_plan_that_does_not_fit_says_what_would():
+    cfg, ranks, q = preset("1b")
+    plan = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), max_seq=4096, max_batch=64)
+    assert not plan.fits and 0 < plan.largest_fitting_seq < 4096
+    with pytest.raises(PlanError) as e:
+        require_fit(plan, cfg, ranks, q)
+    msg = str(e.value)
+    assert "short by" in msg and f"--max-seq {plan.largest_fitting_seq} fits" in msg
+    assert "at --max-batch 1, --max-seq 4096 fits" in msg
+    # the suggestion is right: the largest fitting context fits, one more does not
+    ok = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), max_seq=plan.largest_fitting_seq, max_batch=64)
+    no = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), max_seq=plan.largest_fitting_seq + 1, max_batch=64)
+    assert ok.fits and not no.fits
+
+
+def test_weights_alone_too_big_names_devices_that_fit():
+    cfg, ranks, q = preset("1b")
+    big = cfg.replace(num_hidden_layers=20, intermediate_size=5632 * 4)
+    plan = make_plan(big, ranks, q, get_profile("orin-nano-4"), max_seq=4096)
+    with pytest.raises(PlanError, match="it fits on: .*h200"):
+        require_fit(plan, big, ranks, q)
