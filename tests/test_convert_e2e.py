@@ -141,3 +141,14 @@ def test_missing_source_and_default_texts(tmp_path):
                         str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--calib-text" in r.stderr
     assert DATA.is_dir()
+
+
+def test_kv_budget_bounds_bytes_per_position(tmp_path):
+    r = convert(tmp_path / "gsm", "--kv-budget", "400", "--sharing", "none", "--window", "3", "--indexer-dim", "8",
+                "--report", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    b = rep["kv_bytes_per_position"]
+    assert 400 - 2 * 5 < b["gsm_fp16"] <= 400  # the budget is spent, to within one latent value
+    ranks = [row["rank_k"] + row["rank_v"] for row in rep["layers"]]
+    assert all(1 < r < 64 for r in ranks)
