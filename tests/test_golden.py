@@ -231,3 +231,33 @@ def test_calibration_roundtrip_through_tensors():
         assert torch.equal(back.scales[key].scale_int8, s.scale_int8)
         assert torch.equal(back.scales[key].scale_int12, s.scale_int12)
         assert bool((s.scale_int8 > 0).all())
+
+
+def reference_select(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Tensor:
+    """Spec 4.1 written as literally as possible, one query and one position at a time."""
+    T, n = scores.shape
+    out = torch.zeros(T, n, dtype=torch.bool)
+    for row in range(T):
+        t = int(q_pos[row])
+        if t + 1 <= p.sink_tokens + p.sparse_window + p.sparse_top_k:
+            out[row, : t + 1] = True
+            continue
+        rest = []
+        for s in range(t + 1):
+            if s < p.sink_tokens or s > t - p.sparse_window:
+                out[row, s] = True
+            else:
+                rest.append((-float(scores[row, s]), s))  # sort: higher score, then lower s
+        for _, s in sorted(rest)[: p.sparse_top_k]:
+            out[row, s] = True
+    return out
+
+
+@pytest.mark.parametrize("sinks, window, top_k", [(1, 3, 4), (0, 1, 1), (2, 5, 0), (4, 2, 7)])
+def test_select_equals_literal_spec(sinks, window, top_k):
+    g = torch.Generator().manual_seed(sinks * 100 + window * 10 + top_k)
+    p = GSMParams(sink_tokens=sinks, sparse_window=window, sparse_top_k=top_k, max_sparse_window=max(8, window))
+    n = 40
+    scores = torch.randint(0, 5, (12, n), generator=g).float()  # many ties
+    q_pos = torch.tensor(sorted(torch.randint(0, n, (12,), generator=g).tolist()))
+    assert torch.equal(select(scores, q_pos, p), reference_select(scores, q_pos, p))

@@ -34,16 +34,14 @@ def select(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Ten
     s = torch.arange(n)
     causal = s[None, :] <= q_pos[:, None]  # [T, n]
     fixed = causal & ((s[None, :] < p.sink_tokens) | (s[None, :] > q_pos[:, None] - p.sparse_window))
+    cand = causal & ~fixed  # positions the indexer chooses among
     mask = fixed.clone()
-    for row in range(T):
-        t = int(q_pos[row])
-        if p.selection_is_dense(t + 1):
-            mask[row] = causal[row]
-            continue
-        if p.sparse_top_k == 0:
-            continue
-        cand = (causal[row] & ~fixed[row]).nonzero().squeeze(1)  # ascending positions
-        # stable sort keeps ascending position order among equal scores: lower s wins a tie
-        order = torch.sort(scores[row, cand], descending=True, stable=True).indices
-        mask[row, cand[order[: p.sparse_top_k]]] = True
+    k = min(p.sparse_top_k, n)
+    if k > 0:
+        # stable descending sort: among equal scores the lower position comes first (spec tie rule)
+        order = torch.sort(scores.masked_fill(~cand, float("-inf")), dim=-1, descending=True,
+                           stable=True).indices[:, :k]  # [T, k]
+        mask |= torch.zeros_like(mask).scatter_(1, order, True) & cand
+    dense_rows = torch.tensor([p.selection_is_dense(int(t) + 1) for t in q_pos], dtype=torch.bool)
+    mask[dense_rows] = causal[dense_rows]
     return mask
