@@ -1,0 +1,102 @@
+"""GSM operations as custom-domain nodes for the TensorRT plugins (docs/engine_io.md sections 2-4).
+
+The TensorRT ONNX parser turns a node it has no importer for into a plugin layer, looking the
+creator up by `op_type`, the `plugin_version` and `plugin_namespace` attributes; every other
+attribute becomes a plugin field. Each node here is emitted in the scope `L{l}.<op_type>` so the
+structural test can pair it with the portable subgraph of the same scope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from builder.nodes import F16, I32, U8
+from builder.onnx_util import GraphBuilder
+from builder.plan import PoolRows, row_bytes
+from gsm.config import ModelConfig
+
+DOMAIN = "gsm.plugins"
+PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = "gsm"
+PLUGINS = ("GsmKVCacheUpdate", "GsmSparseAttention", "GsmKVDemote")
+
+
+def pool_bytes(r_k: int, r_v: int, rows: PoolRows) -> int:
+    """P of `kv_pool.{l}`: C16*W16 + C12*W12 + C8*W8."""
+    w16, w12, w8 = row_bytes(r_k, r_v)
+    return rows.fp16 * w16 + rows.int12 * w12 + rows.int8 * w8
+
+
+class PluginOps:
+    """GSM nodes for TensorRT; the cache is the engine_io byte pools + slot table."""
+
+    variant = "trt"
+
+    def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
+                 rows: PoolRows) -> None:
+        self.g, self.cfg, self.ranks, self.n_max, self.rows = g, cfg, ranks, n_max, rows
+        self.k_sel = cfg.gsm.sink_tokens + cfg.gsm.max_sparse_window + cfg.gsm.sparse_top_k
+
+    def _attrs(self, **kw: Any) -> dict[str, Any]:
+        return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "n_max": self.n_max,
+                "rows_fp16": self.rows.fp16, "rows_int12": self.rows.int12, "rows_int8": self.rows.int8, **kw}
+
+    def selected_type(self) -> tuple[int, list[Any]]:
+        return I32, ["B", "S", self.k_sel]
+
+    # -- I/O ---------------------------------------------------------------------------------------
+    def declare_cache(self) -> dict[int, dict[str, str]]:
+        g, dI = self.g, self.cfg.gsm.indexer_dim
+        self.slots = g.input("kv_slots", I32, ["B", self.n_max])
+        state = {}
+        for l in self.cfg.owning_layers:
+            state[l] = {"pool": g.input(f"kv_pool.{l}", U8, ["B", pool_bytes(*self.ranks[l], self.rows)]),
+                        "keys": g.input(f"index_keys.{l}", F16, ["B", self.n_max, dI])}
+        return state
+
+    def declare_cache_outputs(self) -> None:
+        g, dI = self.g, self.cfg.gsm.indexer_dim
+        for l in self.cfg.owning_layers:
+            g.output(f"kv_pool_out.{l}", U8, ["B", pool_bytes(*self.ranks[l], self.rows)])
+            g.output(f"index_keys_out.{l}", F16, ["B", self.n_max, dI])
+
+    # -- nodes -------------------------------------------------------------------------------------
+    def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
+                  new: str) -> dict[str, str]:
+        g = self.g
+        rk, rv = self.ranks[l]
+        with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
+            pool, keys = g.op("GsmKVCacheUpdate", [ck, cv, key, cache["pool"], cache["keys"], self.slots, past, new],
+                              outputs=[f"kv_pool_out.{l}", f"index_keys_out.{l}"], domain=DOMAIN,
+                              **self._attrs(rank_k=rk, rank_v=rv, index_dim=self.cfg.gsm.indexer_dim))
+        return {"pool": pool, "keys": keys}
+
+    def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
+                  up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
+                  sparse_window: str | None = None, selected: str | None = None, source: int | None = None,
+                  quant: str | None = None) -> tuple[str, str | None, str | None]:
+        g, cfg, p = self.g, self.cfg, self.cfg.gsm
+        owning = selected is None
+        rk, rv = self.ranks[l if owning else source]
+        g.weight(quant)
+        attrs = self._attrs(layer_kind=0 if owning else 1, num_heads=cfg.num_attention_heads,
+                            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rank_k=rk, rank_v=rv,
+                            sink_tokens=p.sink_tokens, top_k=p.sparse_top_k, max_sparse_window=p.max_sparse_window)
+        ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
+        if owning:
+            attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)
+            ins += [index_q, index_w, cache["keys"], sparse_window]
+            outs = [f"L{l}.attn_out", f"L{l}.selected", f"L{l}.attn_mass"]
+        else:
+            ins += [selected]
+            outs = [f"L{l}.attn_out"]
+        with g.in_scope(f"L{l}.GsmSparseAttention"):
+            res = g.op("GsmSparseAttention", ins, outputs=outs, domain=DOMAIN, **attrs)
+        return (res[0], res[1], res[2]) if owning else (res, None, None)
+
+    def demote(self, l: int, pool: str, demote_list: str, quant: str, out: str) -> str:
+        g = self.g
+        rk, rv = self.ranks[l]
+        with g.in_scope(f"L{l}.GsmKVDemote"):
+            return g.op("GsmKVDemote", [demote_list, g.weight(quant), pool], outputs=[out], domain=DOMAIN,
+                        **self._attrs(rank_k=rk, rank_v=rv, index_dim=self.cfg.gsm.indexer_dim))

@@ -1,0 +1,95 @@
+"""Write the four graphs of a bundle over one streamed weight file.
+
+- `model.portable.onnx`: the network in standard ops (fp32), ONNX Runtime runs it anywhere;
+- `model.onnx`: the same network with GSM plugin nodes and FP16 activations, for TensorRT;
+- `gsm_demote.portable.onnx` / `gsm_demote.onnx`: the demotion graphs (engine_io 4.3 / section 5).
+All four reference `weights.bin`; each checkpoint tensor is read, written and dropped once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from builder.graph_portable import PortableOps
+from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
+from builder.network import NetSpec, Network, quant_name
+from builder.nodes import F16, F32, I32, U8
+from builder.onnx_util import OPSET, GraphBuilder, WeightStore, save_model
+from builder.plan import PoolRows
+
+WEIGHTS_FILE = "weights.bin"
+MODEL_TRT = "model.onnx"
+MODEL_PORTABLE = "model.portable.onnx"
+DEMOTE_TRT = "gsm_demote.onnx"
+DEMOTE_PORTABLE = "gsm_demote.portable.onnx"
+
+
+@dataclass(frozen=True)
+class GraphsInfo:
+    opset: int
+    plugins: dict[str, str]  # op_type -> plugin_version
+    plugin_namespace: str
+    plugin_domain: str
+    files: list[str]
+    largest_tensor_bytes: int
+    weight_file_bytes: int
+
+
+def write_graphs(out: Path, spec: NetSpec, read: Callable[[str], np.ndarray], quant: dict[int, np.ndarray],
+                 rows: PoolRows, *, progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
+    store = WeightStore(out / WEIGHTS_FILE)
+    cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
+    try:
+        progress("portable graph + weights")
+        g = GraphBuilder(store)
+        Network(g, PortableOps(g, cfg, ranks, n_max), spec, read, quant, F32).build()
+        save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
+                   out / MODEL_PORTABLE)
+        progress("TensorRT graph")
+        g = GraphBuilder(store)
+        trt_spec = NetSpec(cfg, ranks, n_max, logits=spec.logits, debug=False)
+        Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, read, quant, F16).build()
+        save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1},
+                           doc="GSM network with GSM plugin nodes, FP16 (docs/engine_io.md 2-4)"), out / MODEL_TRT)
+        progress("demotion graphs")
+        _demote_portable(GraphBuilder(store), spec, out / DEMOTE_PORTABLE)
+        _demote_trt(GraphBuilder(store), spec, rows, out / DEMOTE_TRT)
+    finally:
+        store.close()
+    return GraphsInfo(opset=OPSET, plugins=dict.fromkeys(PLUGINS, PLUGIN_VERSION),
+                      plugin_namespace=PLUGIN_NAMESPACE, plugin_domain=DOMAIN,
+                      files=[WEIGHTS_FILE, MODEL_TRT, MODEL_PORTABLE, DEMOTE_TRT, DEMOTE_PORTABLE],
+                      largest_tensor_bytes=store.peak_tensor_bytes,
+                      weight_file_bytes=(out / WEIGHTS_FILE).stat().st_size)
+
+
+def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
+    cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
+    ops = PortableOps(g, cfg, ranks, n)
+    tier = g.input("new_tier", I32, ["B", n])
+    for l in cfg.owning_layers:
+        rk, rv = ranks[l]
+        for kind, r, c0 in (("k", rk, 0), ("v", rv, rk)):
+            lat = g.input(f"latent_{kind}.{l}", F32, ["B", n, r])
+            ops.demote(l, lat, tier, g.weight(quant_name(l)), (c0, c0 + r), f"latent_{kind}_out.{l}")
+            g.output(f"latent_{kind}_out.{l}", F32, ["B", n, r])
+    save_model(g.model("gsm_demote_portable", doc="re-encode latents to their new tier (docs/engine_io.md 5)"), path)
+
+
+def _demote_trt(g: GraphBuilder, spec: NetSpec, rows: PoolRows, path: Path) -> None:
+    from builder.graph_trt import pool_bytes
+
+    cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
+    ops = PluginOps(g, cfg, ranks, n, rows)
+    lst = g.input("demote_list", I32, ["M", 3])
+    for l in cfg.owning_layers:
+        p = pool_bytes(*ranks[l], rows)
+        pool = g.input(f"kv_pool.{l}", U8, ["B", p])
+        ops.demote(l, pool, lst, quant_name(l), f"kv_pool_out.{l}")
+        g.output(f"kv_pool_out.{l}", U8, ["B", p])
+    save_model(g.model("gsm_demote", extra_opsets={DOMAIN: 1}, doc="GsmKVDemote per owning layer (engine_io 4.3)"),
+               path)

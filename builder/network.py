@@ -1,0 +1,154 @@
+"""The GSM network as one ONNX graph (docs/engine_io.md section 2), for either variant.
+
+The layer stack (embedding, RMSNorm, projections, SwiGLU, head) is emitted here once; the GSM
+operations go through an `ops` object: `PortableOps` (standard ops, ONNX Runtime) or `PluginOps`
+(custom nodes for the TensorRT plugins). Both variants therefore share every tensor name outside
+the GSM nodes, and the external weight data: the checkpoint tensors are stored in their own layout
+(linear layers are `Gemm(transB=1)`) and read lazily, one tensor at a time, the first time a
+graph needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, swiglu
+from builder.onnx_util import GraphBuilder
+from gsm import names
+from gsm.config import ModelConfig
+
+ROPE_COS, ROPE_SIN = "gsm.rope_cos", "gsm.rope_sin"
+
+
+def quant_name(l: int) -> str:
+    return f"gsm.layers.{l}.quant"
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """What fixes the graph's static shapes and options."""
+
+    cfg: ModelConfig
+    ranks: dict[int, tuple[int, int]]
+    n_max: int
+    logits: str = "last"  # "last" ([B, 1, V]) or "all" ([B, S, V])
+    debug: bool = False  # portable only: also output each owning layer's selection mask
+
+
+class Network:
+    def __init__(self, g: GraphBuilder, ops: Any, spec: NetSpec, read: Callable[[str], np.ndarray],
+                 quant_tables: dict[int, np.ndarray], act: int) -> None:
+        self.g, self.ops, self.spec, self.read, self.act = g, ops, spec, read, act
+        self.cfg = spec.cfg
+        self.quant_tables = quant_tables
+        self._cast: dict[str, str] = {}
+
+    def w(self, name: str, *, keep_f32: bool = False) -> str:
+        """Checkpoint tensor `name` (stored on first use), cast to the activation type unless keep_f32."""
+        self.g.weight(name, lambda: self.read(name))
+        if keep_f32 or self.act == F32:
+            return name
+        if name not in self._cast:
+            self._cast[name] = self.g.op("Cast", [name], to=self.act, outputs=[name + ".f16"])
+        return self._cast[name]
+
+    def lw(self, key: str, i: int, **kw: Any) -> str:
+        return self.w(names.layer_name(key, i), **kw)
+
+    def build(self) -> None:
+        g, cfg, spec, ops = self.g, self.cfg, self.spec, self.ops
+        H, qd = cfg.hidden_size, cfg.q_dim
+        ids = g.input("input_ids", I64, ["B", "S"])
+        past = g.input("past_lengths", I32, ["B"])
+        new = g.input("new_lengths", I32, ["B"])
+        window = g.input("sparse_window", I32, [1])
+        cache = ops.declare_cache()
+        tables = rope_tables(spec.n_max, cfg.head_dim, cfg.rope_theta)
+        rope = (g.weight(ROPE_COS, lambda: tables[0]), g.weight(ROPE_SIN, lambda: tables[1]))
+        # calibration tables are stored now; a variant adds them to its graph only where a node reads them
+        quant = {l: g.store.get_or_put(quant_name(l), lambda l=l: self.quant_tables[l]) for l in cfg.owning_layers}
+        shape_bs = g.op("Shape", [ids])
+
+        def bs(x2d: str, width: int, name: str | None = None) -> str:
+            """[B*S, width] -> [B, S, width]"""
+            return g.op("Reshape", [x2d, g.op("Concat", [shape_bs, g.const([width], np.int64, f"w{width}")], axis=0)],
+                        outputs=[name] if name else None)
+
+        h = g.op("Gather", [self.w(names.EMBED, keep_f32=True), ids], axis=0)  # [B, S, H] f32
+        h = g.op("Reshape", [h if self.act == F32 else cast(g, h, self.act), g.const([-1, H], np.int64, "flat_h")])
+        selected: dict[int, str] = {}
+        masses: list[str] = []
+        for i in range(cfg.num_hidden_layers):
+            with g.in_scope(f"L{i}"):
+                x = rms_norm(g, h, self.lw("input_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)  # [B*S, H]
+                q = bs(linear(g, x, self.lw("q_proj", i)), qd, f"L{i}.q")  # [B, S, nH*D]
+                if cfg.is_owning(i):
+                    rk, rv = spec.ranks[i]
+                    ck = bs(g.op("Mul", [linear(g, x, self.lw("k_Vt", i)), self.lw("k_S", i)]), rk,
+                            f"L{i}.latent_k_new")
+                    cv = bs(g.op("Mul", [linear(g, x, self.lw("v_Vt", i)), self.lw("v_S", i)]), rv,
+                            f"L{i}.latent_v_new")
+                    key = bs(linear(g, x, self.lw("idx_k", i)), cfg.gsm.indexer_dim, f"L{i}.index_key_new")
+                    iq = bs(linear(g, x, self.lw("idx_q", i)), cfg.gsm.indexer_heads * cfg.gsm.indexer_dim,
+                            f"L{i}.index_q")
+                    iw = bs(linear(g, x, self.lw("idx_w", i)), cfg.gsm.indexer_heads, f"L{i}.index_w")
+            if cfg.is_owning(i):
+                cache[i] = ops.kv_update(i, cache[i], ck, cv, key, past, new)
+                up = (self.lw("k_U", i, keep_f32=True), self.lw("v_U", i, keep_f32=True))
+                attn, selected[i], mass = ops.attention(i, q, cache[i], past, new, rope=rope, up=up, index_q=iq,
+                                                        index_w=iw, sparse_window=window, quant=quant[i])
+                masses.append(mass)
+            else:
+                src = cfg.gsm.kv_sharing[i]
+                up = (self.lw("proj_w", i, keep_f32=True), self.lw("proj_b", i, keep_f32=True))
+                attn, _, _ = ops.attention(i, q, cache[src], past, new, rope=rope, up=up, selected=selected[src],
+                                           source=src, quant=quant[src])
+            with g.in_scope(f"L{i}"):
+                a2 = g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])
+                h = g.op("Add", [h, linear(g, a2, self.lw("o_proj", i))])
+                y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)
+                h = g.op("Add", [h, swiglu(g, y, self.lw("gate_proj", i), self.lw("up_proj", i),
+                                           self.lw("down_proj", i))])
+        self._head(h, shape_bs, new)
+        total = masses[0]
+        for m in masses[1:]:
+            total = g.op("Add", [total, m])
+        g.op("Identity", [total], outputs=["attn_mass"])
+        g.output("attn_mass", F32, ["B", spec.n_max])
+        ops.declare_cache_outputs()
+        if spec.debug:
+            for l in cfg.owning_layers:
+                g.op("Identity", [selected[l]], outputs=[f"selected.{l}"])
+                g.output(f"selected.{l}", *ops.selected_type())
+
+    def _head(self, h: str, shape_bs: str, new: str) -> None:
+        """Final norm and LM head, on the last valid row of each sequence (`last`) or every row (`all`)."""
+        g, cfg = self.g, self.cfg
+        H, V = cfg.hidden_size, cfg.vocab_size
+        head = names.EMBED if cfg.tie_word_embeddings else names.LM_HEAD
+        if self.spec.logits == "last":
+            h3 = g.op("Reshape", [h, g.op("Concat", [shape_bs, g.const([H], np.int64, "w_h")], axis=0)])
+            last = g.op("Sub", [cast(g, new, I64), g.const(1, np.int64, "one")])  # [B]
+            idx = g.op("Expand", [g.op("Unsqueeze", [last, g.const([1, 2], np.int64, "ax12")]),
+                                  g.op("Concat", [g.op("Slice", [shape_bs, g.const([0], np.int64, "zero1"),
+                                                                 g.const([1], np.int64, "one1")]),
+                                                  g.const([1, H], np.int64, "one_h")], axis=0)])  # [B, 1, H]
+            h = g.op("Reshape", [g.op("GatherElements", [h3, idx], axis=1), g.const([-1, H], np.int64, "flat_h")])
+        x = rms_norm(g, h, self.w(names.FINAL_NORM, keep_f32=True), cfg.rms_norm_eps, self.act)
+        logits = linear(g, x, self.w(head))  # [B or B*S, V]
+        if self.act != F32:
+            logits = cast(g, logits, F32)
+        if self.spec.logits == "last":
+            g.op("Unsqueeze", [logits, g.const([1], np.int64, "ax1")], outputs=["logits"])
+            g.output("logits", F32, ["B", 1, V])
+        else:
+            g.op("Reshape", [logits, g.op("Concat", [shape_bs, g.const([V], np.int64, "w_v")], axis=0)],
+                 outputs=["logits"])
+            g.output("logits", F32, ["B", "S", V])
+
+
+__all__ = ["F16", "NetSpec", "Network", "ROPE_COS", "ROPE_SIN", "quant_name"]

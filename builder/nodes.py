@@ -1,0 +1,71 @@
+"""Standard-op blocks shared by both graph variants: RMSNorm, linear, SwiGLU, RoPE, positions.
+
+Each block mirrors the golden model's operation order (gsm/golden/blocks.py, rope.py), so the
+portable fp32 graph differs from the golden only by float32 summation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from builder.onnx_util import GraphBuilder
+
+F32, F16, I32, I64, BOOL, U8 = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT32, TensorProto.INT64,
+                                TensorProto.BOOL, TensorProto.UINT8)
+
+
+def rope_tables(n_max: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n_max, D] by the recipe of decisions "RoPE tables": float64 angles, one rounding."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.arange(n_max, dtype=np.float64)[:, None] * inv_freq  # [N, D/2]
+    ang = np.concatenate([ang, ang], axis=1)  # [N, D], HF rotate-half layout
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def cast(g: GraphBuilder, x: str, to: int) -> str:
+    return g.op("Cast", [x], to=to)
+
+
+def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, act: int) -> str:
+    """x * 1/sqrt(mean(x^2) + eps) * w, computed in float32 whatever the activation type."""
+    x32 = x if act == F32 else cast(g, x, F32)
+    ms = g.op("ReduceMean", [g.op("Mul", [x32, x32])], axes=[-1], keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32, "eps")])])])
+    y = g.op("Mul", [g.op("Mul", [x32, inv]), weight])
+    return y if act == F32 else cast(g, y, act)
+
+
+def linear(g: GraphBuilder, x2d: str, weight: str, bias: str | None = None) -> str:
+    """x [M, in] @ W[out, in]^T (+ b): Gemm with transB, so the checkpoint's layout is stored as is."""
+    return g.op("Gemm", [x2d, weight] + ([bias] if bias else []), transB=1)
+
+
+def swiglu(g: GraphBuilder, x2d: str, gate: str, up: str, down: str) -> str:
+    a = linear(g, x2d, gate)
+    return linear(g, g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a])]), linear(g, x2d, up)]), down)
+
+
+def rotate_half(g: GraphBuilder, x: str, head_dim: int) -> str:
+    x1, x2 = g.op("Split", [x, g.const([head_dim // 2, head_dim // 2], np.int64, "halves")], n_out=2, axis=-1)
+    return g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+
+
+def apply_rope(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int) -> str:
+    """x * cos + rotate_half(x) * sin (cos/sin broadcastable to x)."""
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotate_half(g, x, head_dim), sin])])
+
+
+def positions(g: GraphBuilder, past_lengths: str, like_bs: str) -> tuple[str, str]:
+    """pos [B, S] int32 = past_lengths[b] + j, and j [S] int32, for a tensor `like_bs` of shape [B, S, ...]."""
+    s = g.op("Cast", [g.op("Gather", [g.op("Shape", [like_bs]), g.const(1, np.int64, "one")], axis=0)], to=I32)
+    j = g.op("Range", [g.const(0, np.int32, "zero_i32"), s, g.const(1, np.int32, "one_i32")])
+    pos = g.op("Add", [g.op("Unsqueeze", [past_lengths, g.const([1], np.int64, "ax1")]),
+                       g.op("Unsqueeze", [j, g.const([0], np.int64, "ax0")])])
+    return pos, j
+
+
+def valid_rows(g: GraphBuilder, j: str, new_lengths: str) -> str:
+    """[B, S] bool: j < new_lengths[b] (padding rows are False)."""
+    return g.op("Less", [g.op("Unsqueeze", [j, g.const([0], np.int64, "ax0")]),
+                         g.op("Unsqueeze", [new_lengths, g.const([1], np.int64, "ax1")])])
