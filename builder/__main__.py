@@ -1,0 +1,86 @@
+"""`python -m builder build|engine` — thin CLI over builder.build and builder.trt_engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jetson import device_names
+
+    p = argparse.ArgumentParser(prog="python -m builder", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="GSM checkpoint -> bundle (ONNX graphs, weights, plan, engine if possible)")
+    b.add_argument("--device", required=True, help=f"target: auto, {', '.join(device_names())}")
+    b.add_argument("--checkpoint", type=Path, help="GSM checkpoint directory (default: a synthetic demo model)")
+    b.add_argument("--output", type=Path, help="bundle directory (default: out/<checkpoint>-<device>)")
+    b.add_argument("--max-seq", type=int, help="engine max sequence length (default: the model's)")
+    b.add_argument("--max-batch", type=int, default=1)
+    b.add_argument("--max-input", type=int, help="most new tokens per call (prefill chunk; default min(max-seq, 512))")
+    b.add_argument("--calibration", type=Path, help="kv_calibration.safetensors to use instead of the checkpoint's")
+    b.add_argument("--logits", choices=["last", "all"], default="last")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
+    e = sub.add_parser("engine", help="build engine.plan into a bundle (needs TensorRT and a GPU)")
+    e.add_argument("bundle", type=Path)
+    return p
+
+
+def _build(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from builder.build import BuildError, build, summary
+
+    err = Console(stderr=True, highlight=False)
+    status = err.status("starting") if sys.stderr.isatty() and not args.json else None
+
+    def step(msg: str) -> None:
+        if status is not None:
+            status.update(msg)
+        elif not args.json:
+            err.print(f"[dim]... {msg}[/]")
+
+    def say(msg: str) -> None:
+        err.print(f"[yellow]{msg}[/]")
+
+    try:
+        if status is not None:
+            status.start()
+        r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
+                  max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
+                  overwrite=args.overwrite, logits=args.logits, say=say, step=step)
+    except BuildError as e:
+        if status is not None:
+            status.stop()
+        err.print(f"[red]builder: error:[/] {e}", markup=True)
+        return 1
+    finally:
+        if status is not None:
+            status.stop()
+    if args.json:
+        sys.stdout.write(json.dumps(r.report, indent=2, sort_keys=True) + "\n")
+    else:
+        print(summary(r))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "build":
+        return _build(args)
+    from builder.trt_engine import EngineUnavailable, engine_command
+
+    try:
+        rec = engine_command(args.bundle)
+    except (EngineUnavailable, ValueError) as e:
+        print(f"builder engine: {e}", file=sys.stderr)
+        return 1
+    print(f"built {args.bundle / rec['file']} with TensorRT {rec['tensorrt']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

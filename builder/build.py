@@ -1,0 +1,206 @@
+"""`python -m builder build`: checkpoint -> bundle, with every refusal before the first byte is written.
+
+Order: resolve the device, find (or synthesise) the checkpoint, verify it with the same checker as
+`python -m gsm verify`, plan the memory and refuse what does not fit, and only then open the atomic
+bundle directory: graphs + streamed weights, plan, report, tokenizer, the TensorRT engine when
+TensorRT and a GPU are here (otherwise the manifest says to build it on the target).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gsm
+from builder.bundle import (
+    BUNDLE_FILE,
+    ENGINE_FILE,
+    PLAN_FILE,
+    REPORT_FILE,
+    atomic_bundle_dir,
+    checkpoint_hash,
+    write_json,
+)
+from builder.calib import quant_tables
+from builder.graphs import MODEL_PORTABLE, MODEL_TRT, write_graphs
+from builder.network import NetSpec
+from builder.plan import MemoryPlan, fmt_bytes, make_plan, pool_rows, require_fit
+from gsm import checkpoint
+from gsm.checker import verify
+from jetson import resolve_device
+
+DEMO_PRESET, DEMO_SEED = "tiny", 0
+ENGINE_COMMAND = "python -m builder engine {bundle}"
+
+
+class BuildError(RuntimeError):
+    """A build refused or failed; the message is the whole explanation (no traceback needed)."""
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    plan: MemoryPlan
+    report: dict[str, Any]
+    demo: bool
+    files: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _checkpoint_source(checkpoint_dir: Path | None, say: Callable[[str], None]) -> Iterator[tuple[Path, bool]]:
+    if checkpoint_dir is not None:
+        yield Path(checkpoint_dir), False
+        return
+    from gsm.synth import synth_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="gsm-demo-") as tmp:
+        say(f"no --checkpoint: building the DEMO model (synthetic '{DEMO_PRESET}' preset, seed {DEMO_SEED}, "
+            "random weights: it produces gibberish text)")
+        yield synth_checkpoint(DEMO_PRESET, Path(tmp) / f"demo-{DEMO_PRESET}", seed=DEMO_SEED), True
+
+
+def default_output(checkpoint_dir: Path | None, device: str) -> Path:
+    name = f"demo-{DEMO_PRESET}" if checkpoint_dir is None else Path(checkpoint_dir).resolve().name
+    return Path("out") / f"{name}-{device}"
+
+
+def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | None = None, max_seq: int | None = None,
+          max_batch: int = 1, max_input: int | None = None, calibration: Path | None = None,
+          overwrite: bool = False, logits: str = "last", debug_outputs: bool = False,
+          say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
+    """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written."""
+    t0 = time.perf_counter()
+    from jetson import DetectionError, UnknownDeviceError
+
+    try:
+        profile = resolve_device(device)
+    except (UnknownDeviceError, DetectionError) as e:
+        raise BuildError(str(e)) from None
+    out = Path(output) if output is not None else default_output(checkpoint_dir, profile.name)
+    if out.exists() and not overwrite:
+        raise BuildError(f"output directory {out} already exists; remove it or pass --overwrite")
+    with _checkpoint_source(checkpoint_dir, say) as (ckpt, demo):
+        step("verifying checkpoint")
+        rep = verify(ckpt)
+        if not rep.ok:
+            lines = [f"  {e.code}: {e.message}" for e in rep.errors[:20]]
+            more = f"\n  ... and {len(rep.errors) - 20} more" if len(rep.errors) > 20 else ""
+            raise BuildError(f"{ckpt} is not a valid GSM checkpoint (python -m gsm verify {ckpt}):\n"
+                             + "\n".join(lines) + more)
+        cfg = checkpoint.load_config(ckpt)
+        quant = checkpoint.load_quant(ckpt)
+        tensors = checkpoint.CheckpointTensors(ckpt)
+        ranks = tensors.ranks(cfg)
+        from builder.plan import PlanError
+
+        try:
+            plan = make_plan(cfg, ranks, quant, profile, max_seq=max_seq, max_batch=max_batch, max_input=max_input)
+            require_fit(plan, cfg, ranks, quant)
+        except PlanError as e:
+            raise BuildError(str(e)) from None
+        step("quantisation tables")
+        from builder.calib import CalibrationError
+
+        try:
+            qt = quant_tables(cfg, ranks, tensors, ckpt, calibration)
+        except CalibrationError as e:
+            raise BuildError(str(e)) from None
+        rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
+        spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs)
+        ck_hash = checkpoint_hash(ckpt)
+        meta: dict[str, Any] = {}
+        with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
+            info = write_graphs(tmp, spec, tensors.array, qt.tables, rows, progress=step)
+            for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE):
+                if (ckpt / name).is_file():
+                    shutil.copyfile(ckpt / name, tmp / name)
+            runtime_cfg = _runtime_config(spec, plan, rows, quant, logits, debug_outputs)
+            write_json(tmp / BUNDLE_FILE, runtime_cfg)
+            write_json(tmp / PLAN_FILE, plan.to_json())
+            engine = _maybe_engine(tmp, plan, profile, step)
+            report = _report(cfg, plan, info, qt.source, demo, ck_hash, engine, time.perf_counter() - t0, out)
+            write_json(tmp / REPORT_FILE, report)
+            meta.update({
+                "gsm_edge_version": gsm.__version__, "checkpoint": {"hash": ck_hash, "demo": demo,
+                                                                   "path": None if demo else str(ckpt)},
+                "device": profile.to_json(), "opset": info.opset,
+                "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace,
+                            "versions": info.plugins},
+                "graphs": {"tensorrt": MODEL_TRT, "portable": MODEL_PORTABLE},
+                "engine": engine, "calibration": qt.source,
+            })
+            files = sorted(p.name for p in tmp.iterdir()) + ["manifest.json"]
+    return BuildResult(out, plan, report, demo, files)
+
+
+def _runtime_config(spec: NetSpec, plan: MemoryPlan, rows: Any, quant: Any, logits: str, debug: bool) -> dict:
+    cfg, g = spec.cfg, spec.cfg.gsm
+    return {
+        "n_max": spec.n_max, "max_batch": plan.max_batch, "max_input": plan.max_input, "logits": logits,
+        "debug_outputs": debug, "vocab_size": cfg.vocab_size, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id, "owning_layers": cfg.owning_layers,
+        "ranks": {str(l): list(r) for l, r in spec.ranks.items()}, "index_dim": g.indexer_dim,
+        "pool_rows": {"fp16": rows.fp16, "int12": rows.int12, "int8": rows.int8},
+        "sink_tokens": g.sink_tokens, "sparse_window": g.sparse_window, "max_sparse_window": g.max_sparse_window,
+        "sparse_top_k": g.sparse_top_k, "quantization_adaptation_rate": g.quantization_adaptation_rate,
+        "kv_quantization": quant.to_json()["kv_quantization"],
+    }
+
+
+def _maybe_engine(tmp: Path, plan: MemoryPlan, profile: Any, step: Callable[[str], None]) -> dict[str, Any]:
+    from builder.trt_engine import EngineUnavailable, build_engine, tensorrt_status
+
+    ok, reason = tensorrt_status()
+    if not ok:
+        return {"status": "to build on the target", "reason": reason, "command": ENGINE_COMMAND.format(bundle="BUNDLE")}
+    step("TensorRT engine")
+    try:
+        return build_engine(tmp, plan, profile, tmp / ENGINE_FILE)
+    except EngineUnavailable as e:
+        return {"status": "to build on the target", "reason": str(e), "command": ENGINE_COMMAND.format(bundle="BUNDLE")}
+
+
+def _report(cfg: Any, plan: MemoryPlan, info: Any, calib: str, demo: bool, ck_hash: str, engine: dict,
+            seconds: float, out: Path) -> dict[str, Any]:
+    return {
+        "demo_model": demo, "checkpoint_hash": ck_hash, "device": plan.device, "params": plan.params,
+        "engine_weight_bytes_fp16": plan.weight_bytes, "portable_weight_file_bytes": info.weight_file_bytes,
+        "largest_tensor_bytes": info.largest_tensor_bytes,
+        "kv_bytes_per_position": plan.kv_bytes_per_position,
+        "dense_fp16_kv_bytes_per_position": plan.dense_fp16_bytes_per_position,
+        "kv_ratio_vs_dense_fp16": plan.kv_bytes_per_position / plan.dense_fp16_bytes_per_position,
+        "max_seq": plan.max_seq, "max_batch": plan.max_batch, "max_input": plan.max_input,
+        "largest_context_that_fits": plan.largest_fitting_seq, "plan_total_bytes": plan.total_bytes,
+        "usable_bytes": plan.usable_bytes,
+        "decode_tokens_per_s_estimate": plan.decode_tokens_per_s_estimate,
+        "decode_tokens_per_s_estimate_note": plan.to_json()["decode_tokens_per_s_estimate_note"],
+        "calibration": calib, "engine": engine, "build_seconds": round(seconds, 3), "bundle": str(out),
+    }
+
+
+def summary(r: BuildResult) -> str:
+    """The short human summary printed at the end of a build."""
+    p, rep = r.plan, r.report
+    lines = [
+        f"bundle {r.bundle}" + ("  (DEMO model: synthetic random weights)" if r.demo else ""),
+        f"  device {p.device}: plan {fmt_bytes(p.total_bytes)} of {fmt_bytes(p.usable_bytes)} usable "
+        f"(max-seq {p.max_seq} x max-batch {p.max_batch}); largest context that fits: {p.largest_fitting_seq}",
+        f"  parameters {p.params:,}; weights {fmt_bytes(p.weight_bytes)} FP16 on the device",
+        f"  KV cache {p.kv_bytes_per_position:,.1f} B/position vs dense FP16 {p.dense_fp16_bytes_per_position:,} B "
+        f"({rep['kv_ratio_vs_dense_fp16']:.1%})",
+        f"  decode estimate {p.decode_tokens_per_s_estimate:,.0f} tokens/s (bandwidth roofline, batch 1, an estimate)",
+    ]
+    eng = rep["engine"]
+    if eng.get("status") == "built":
+        lines.append(f"  TensorRT engine: {ENGINE_FILE} ({eng.get('tensorrt')})")
+    else:
+        lines.append(f"  TensorRT engine not built here ({eng['reason']}); on the target run: "
+                     f"{ENGINE_COMMAND.format(bundle=r.bundle)}")
+    lines.append(f"  files: {', '.join(r.files)}")
+    return "\n".join(lines)

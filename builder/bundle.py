@@ -1,0 +1,99 @@
+"""The bundle directory: atomic write, manifest with identity fields, and what the runtime reads.
+
+A bundle is written like a checkpoint (gsm.atomic): into a temp dir beside the destination, hashed
+into manifest.json, renamed into place, deleted on any error. `atomic_output_dir` writes a manifest
+of files only; a bundle's manifest also carries its identity (format version, gsm-edge version,
+checkpoint hash, device profile, opset, plugin names + versions), so this module reuses
+gsm.atomic's manifest writer and swap but adds those fields before the rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gsm.atomic import MANIFEST_NAME, OutputExistsError, _swap_into_place, read_manifest, sha256_file, write_manifest
+
+BUNDLE_FORMAT = "gsm-edge-bundle"
+BUNDLE_VERSION = 1
+BUNDLE_FILE = "bundle.json"  # what the runtime needs to drive the graphs (shapes, tier policy numbers)
+PLAN_FILE = "plan.json"
+REPORT_FILE = "report.json"
+ENGINE_FILE = "engine.plan"
+
+
+class BundleError(ValueError):
+    """A bundle is missing, not a bundle of this format/version, or its files fail their hashes."""
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def checkpoint_hash(d: Path) -> str:
+    """`sha256:` over the sorted (relative path, file sha256) list of a checkpoint directory, manifest
+    excluded: the same files give the same hash whether or not a manifest is present."""
+    h = hashlib.sha256()
+    for p in sorted(d.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_NAME:
+            h.update(f"{p.relative_to(d).as_posix()}\0{sha256_file(p)}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def _write_bundle_manifest(root: Path, meta: dict[str, Any]) -> None:
+    manifest = write_manifest(root)
+    manifest.update({"bundle_format": BUNDLE_FORMAT, "bundle_version": BUNDLE_VERSION, **meta})
+    write_json(root / MANIFEST_NAME, manifest)
+
+
+@contextmanager
+def atomic_bundle_dir(final: Path, meta: dict[str, Any], *, overwrite: bool = False) -> Iterator[Path]:
+    """Like gsm.atomic.atomic_output_dir, with `meta` (filled by the body) merged into the manifest."""
+    final = Path(final)
+    if (final.exists() or final.is_symlink()) and not overwrite:
+        raise OutputExistsError(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _write_bundle_manifest(tmp, meta)
+        _swap_into_place(tmp, final, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_bundle_manifest(root: Path) -> dict[str, Any]:
+    """The whole manifest after checking it is a bundle manifest of this version."""
+    read_manifest(root)  # format/version/files checks, ManifestError otherwise
+    data = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+    if data.get("bundle_format") != BUNDLE_FORMAT:
+        raise BundleError(f"{root}: not a {BUNDLE_FORMAT} (manifest bundle_format "
+                          f"{data.get('bundle_format')!r}); build one with `python -m builder build`")
+    if data.get("bundle_version") != BUNDLE_VERSION:
+        raise BundleError(f"{root}: bundle version {data.get('bundle_version')!r}, this code reads {BUNDLE_VERSION}")
+    return data
+
+
+def add_file_to_bundle(root: Path, src: Path, name: str, meta_update: dict[str, Any]) -> None:
+    """Move `src` into the bundle as `name` and re-hash the manifest (used by `builder engine`).
+
+    The new manifest is written beside and renamed over the old one (atomic per file); the file is
+    moved in last, so an interruption leaves a manifest naming a missing file (detected at load),
+    never an unlisted file that looks valid.
+    """
+    data = read_bundle_manifest(root)
+    data["files"][name] = "sha256:" + sha256_file(src)
+    data.update(meta_update)
+    tmp = root / f".{MANIFEST_NAME}.tmp-{secrets.token_hex(4)}"
+    write_json(tmp, data)
+    os.replace(tmp, root / MANIFEST_NAME)
+    os.replace(src, root / name)
