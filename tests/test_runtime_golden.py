@@ -1,0 +1,159 @@
+"""Golden regression: a portable bundle on ONNX Runtime vs GoldenModel in deployed mode.
+
+Tolerances: last-position logits <= 1e-3 (the portable build is fp32 like the golden; they differ
+by float32 summation order only, ~1e-6 in practice), greedy tokens and selected positions
+identical, tiers identical (hotness differs by summation order only; no near-ties on this model).
+The test checkpoint re-tiers every 8 decode steps with an 8-position FP16 window, so INT12 and
+INT8 rows are read by attention during the 64 greedy steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from builder.build import build
+from gsm import checkpoint
+from gsm.config import KVQuantConfig
+from gsm.golden.model import GoldenModel
+from gsm.golden.quant import FP16, INT8, INT12
+from gsm.synth import synth_checkpoint
+
+LOGIT_TOL = 1e-3
+N_MAX = 128
+PROMPT_LEN, STEPS = 40, 64
+
+
+@pytest.fixture(scope="module")
+def retiering_checkpoint(tmp_path_factory):
+    """The tiny synthetic model with re-tier passes every 8 decode steps and an 8-position window."""
+    root = tmp_path_factory.mktemp("ckpt")
+    base = synth_checkpoint("tiny", root / "tiny", seed=3)
+    cfg = checkpoint.load_config(base)
+    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=8))
+    quant = KVQuantConfig(fp16_window=8)
+    return checkpoint.write_checkpoint_arrays(root / "tiny-retier", cfg, quant, checkpoint.load_state_dict(base),
+                                              tokenizer_json=(base / "tokenizer.json").read_text(), progress=False)
+
+
+@pytest.fixture(scope="module")
+def debug_bundle(retiering_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundle") / "b"
+    build(device="orin", checkpoint_dir=retiering_checkpoint, output=out, max_seq=N_MAX, debug_outputs=True)
+    return out
+
+
+def test_portable_bundle_reproduces_golden_deployed(retiering_checkpoint, debug_bundle):
+    import runtime
+
+    rt = runtime.load(debug_bundle, backend="onnxruntime", threads=1)
+    golden = GoldenModel.from_checkpoint(retiering_checkpoint, mode="deployed")
+    prompt = np.random.default_rng(7).integers(3, 259, PROMPT_LEN).tolist()
+
+    gcache = golden.new_cache()
+    seq = rt.new_sequence()
+    with torch.no_grad():
+        g = golden.prefill(gcache, prompt, trace=True)
+    logits = seq.prefill(prompt)
+    worst = float(np.abs(logits - g.logits[-1].numpy()).max())
+    check_selection(seq, g.trace, len(prompt))
+    assert np.array_equal(seq.state.tier, gcache.tier.numpy())
+    g_tokens, r_tokens, tiers_seen = [], [], set()
+    g_logits = g.logits[-1]
+    for _ in range(STEPS):
+        g_tok, r_tok = int(torch.argmax(g_logits)), int(np.argmax(logits))
+        g_tokens.append(g_tok)
+        r_tokens.append(r_tok)
+        assert g_tok == r_tok, f"greedy tokens diverge at step {len(g_tokens)}: {g_tokens} vs {r_tokens}"
+        with torch.no_grad():
+            g = golden.decode(gcache, g_tok, trace=True)
+        logits = seq.decode(r_tok)
+        g_logits = g.logits[-1]
+        worst = max(worst, float(np.abs(logits - g_logits.numpy()).max()))
+        check_selection(seq, g.trace, seq.length)
+        assert np.array_equal(seq.state.tier, gcache.tier.numpy()), f"tiers differ after step {len(g_tokens)}"
+        tiers_seen |= set(seq.state.tier.tolist())
+    assert worst <= LOGIT_TOL, f"max |logits - golden| = {worst}"
+    assert tiers_seen == {FP16, INT12, INT8}  # every tier was exercised
+    # the cache holds the golden's values (bit-exact where the FP16 inputs agree; <= 1 fp16 ulp otherwise)
+    for l in golden.cfg.owning_layers:
+        n = seq.length
+        ck = seq.cache[f"latent_k.{l}"][0, :n]
+        assert np.abs(ck - gcache.layers[l].ck.numpy()).max() <= 1e-2 * np.abs(ck).max()
+
+
+def check_selection(seq, trace, n):
+    for l, sel in trace.selected.items():
+        got = seq.last.selected[l][0]  # [S, N_max]
+        assert np.array_equal(got[:, :n], sel.numpy()), f"layer {l}: selected positions differ"
+        assert not got[:, n:].any()
+
+
+def test_demotion_graph_is_bit_exact(retiering_checkpoint, debug_bundle):
+    """Same held latents in, same demoted latents out, bit for bit (decisions "Rounding")."""
+    import runtime
+    from runtime.policy import SequenceState, TierPolicy, retier
+
+    rt = runtime.load(debug_bundle, backend="onnxruntime", threads=1)
+    golden = GoldenModel.from_checkpoint(retiering_checkpoint, mode="deployed")
+    gcache = golden.new_cache()
+    prompt = np.random.default_rng(11).integers(3, 259, 100).tolist()
+    with torch.no_grad():
+        golden.forward(gcache, prompt)  # FP16 rows, hotness; no re-tier yet
+    cache = rt.backend.new_cache(1)
+    for l, c in gcache.layers.items():
+        cache[f"latent_k.{l}"][0, :len(prompt)] = c.ck.numpy()
+        cache[f"latent_v.{l}"][0, :len(prompt)] = c.cv.numpy()
+    for quant, rounds in ((golden.quant, 1), (golden.quant.replace(tier_fractions=(0.1, 0.2, 0.7)), 2)):
+        state = SequenceState(tokens=list(prompt), tier=gcache.tier.numpy().copy(),
+                              hotness=gcache.hotness.numpy().copy())
+        policy = TierPolicy(golden.p.sink_tokens, quant.fp16_window, quant.tier_fractions, quant.hotness_decay,
+                            golden.p.quantization_adaptation_rate)
+        for _ in range(rounds):
+            new_tier = retier(state, policy, N_MAX)
+            if new_tier is not None:
+                rt.backend.demote(cache, new_tier[None])
+        gcache.retier(quant, golden.calib, golden.p.sink_tokens)
+        assert np.array_equal(state.tier, gcache.tier.numpy())
+        for l, c in gcache.layers.items():
+            assert np.array_equal(cache[f"latent_k.{l}"][0, :len(prompt)], c.ck.numpy())
+            assert np.array_equal(cache[f"latent_v.{l}"][0, :len(prompt)], c.cv.numpy())
+        gcache.hotness = gcache.hotness.flip(0)  # a different ranking for the second pass
+
+
+def test_ranking_matches_golden_with_ties():
+    from gsm.golden.cache import SequenceCache
+    from runtime.policy import SequenceState, TierPolicy, ranked_tiers
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n = int(rng.integers(1, 200))
+        hot = rng.integers(0, 5, n).astype(np.float32) / 4  # many exact ties
+        tokens = rng.integers(0, 20, n).tolist()
+        q = KVQuantConfig(fp16_window=int(rng.integers(0, 10)), hot_token_ids=(3, 7) if trial % 2 else (),
+                          tier_fractions=(0.3, 0.3, 0.4))
+        g = SequenceCache(deployed=True, layers={}, tokens=tokens, hotness=torch.from_numpy(hot),
+                          tier=torch.zeros(n, dtype=torch.int8))
+        p = TierPolicy(2, q.fp16_window, q.tier_fractions, q.hotness_decay, 8, frozenset(q.hot_token_ids))
+        mine = ranked_tiers(SequenceState(tokens=tokens, tier=np.zeros(n, np.int8), hotness=hot), p)
+        assert np.array_equal(mine, g.ranked_tiers(q, 2).numpy())
+
+
+def test_hotness_update_matches_golden():
+    from gsm.golden.cache import SequenceCache
+    from runtime.policy import SequenceState
+
+    rng = np.random.default_rng(1)
+    g = SequenceCache(deployed=True, layers={})
+    s = SequenceState()
+    for _ in range(30):
+        k = int(rng.integers(1, 5))
+        g.add_positions([1] * k)
+        s.add_positions([1] * k)
+        m = rng.random(g.length).astype(np.float32) * 3
+        g.update_hotness(torch.from_numpy(m), 0.9)
+        s.update_hotness(m, 0.9)
+    assert np.array_equal(s.hotness, g.hotness.numpy())
