@@ -1,0 +1,83 @@
+/*
+ * C ABI of the CUDA kernels (libgsm_plugins_cuda.so) for tests/gpu and scripts/gpu_check.sh:
+ * every pointer is a device pointer (e.g. torch.cuda tensors' data_ptr()), float32 activations,
+ * the default stream unless one is passed. The same launchers back the TensorRT plugins.
+ */
+#include "../gsmKVCache/gsmKVCacheKernels.h"
+#include "../gsmSparseAttention/gsmSparseAttentionKernels.h"
+#include "gsm_layout.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#define GSM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace
+{
+thread_local std::string gLastError;
+
+int32_t status(cudaError_t e)
+{
+    gLastError = e == cudaSuccess ? std::string() : std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+    return e == cudaSuccess ? 0 : 1;
+}
+} // namespace
+
+using gsm::GsmDims;
+
+GSM_EXPORT char const* gsm_cuda_last_error()
+{
+    return gLastError.c_str();
+}
+
+// SMs this library carries code for (what CMAKE_CUDA_ARCHITECTURES compiled), e.g. "87;90".
+GSM_EXPORT char const* gsm_cuda_architectures()
+{
+#ifdef GSM_CUDA_ARCHS
+    return GSM_CUDA_ARCHS;
+#else
+    return "";
+#endif
+}
+
+GSM_EXPORT int32_t gsm_cuda_kv_update(GsmDims const* d, int32_t B, int32_t S, float const* ck, float const* cv,
+    float const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
+    int32_t const* newLengths, void* stream)
+{
+    return status(gsm::cuda::launchKVCacheUpdate<float>(*d, B, S, ck, cv, key, pool, indexKeys, slots, past, newLengths,
+        static_cast<cudaStream_t>(stream)));
+}
+
+GSM_EXPORT int64_t gsm_cuda_kv_demote_workspace_bytes(GsmDims const* d, int64_t maxEntries)
+{
+    return static_cast<int64_t>(gsm::cuda::kvDemoteWorkspaceBytes(*d, maxEntries));
+}
+
+GSM_EXPORT int32_t gsm_cuda_kv_demote(GsmDims const* d, int32_t B, int32_t M, int32_t const* list, int32_t* pool,
+    float const* quant, void* workspace, void* stream)
+{
+    return status(gsm::cuda::launchKVDemote(*d, B, M, list, pool, quant, workspace, static_cast<cudaStream_t>(stream)));
+}
+
+GSM_EXPORT int64_t gsm_cuda_attention_workspace_bytes(GsmDims const* d, int64_t maxRows)
+{
+    return static_cast<int64_t>(gsm::cuda::sparseAttentionWorkspaceBytes(*d, maxRows));
+}
+
+GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_t S, float const* q,
+    int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
+    float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
+    float const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
+    float* out, int32_t* selectedOut, float* mass, void* workspace, int64_t workspaceBytes, void* stream)
+{
+    gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
+        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass};
+    return status(gsm::cuda::launchSparseAttention<float>(
+        *d, B, S, a, workspace, static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
+}
+
+GSM_EXPORT int32_t gsm_cuda_synchronize()
+{
+    return status(cudaDeviceSynchronize());
+}

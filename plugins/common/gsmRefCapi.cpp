@@ -1,0 +1,156 @@
+/*
+ * C ABI of the CPU reference (libgsm_plugins_ref.so), loaded by gsm_edge_plugins through ctypes.
+ * A plain C ABI keeps the Python side free of a binding library and lets any host runtime (the
+ * ONNX Runtime backend, C++ runtimes) call the same functions. Every function returns 0 on
+ * success and 1 on a contract violation, whose message gsm_ref_last_error() returns.
+ */
+#include "../gsmKVCache/gsmKVCacheRef.h"
+#include "../gsmSparseAttention/gsmSparseAttentionRef.h"
+#include "gsm_layout.h"
+
+#include <string>
+
+#define GSM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace
+{
+thread_local std::string gLastError;
+
+int32_t status(bool ok, std::string const& err)
+{
+    gLastError = ok ? std::string() : err;
+    return ok ? 0 : 1;
+}
+} // namespace
+
+using gsm::GsmDims;
+
+GSM_EXPORT char const* gsm_ref_last_error()
+{
+    return gLastError.c_str();
+}
+
+// Bumped whenever a signature below or docs/engine_io.md's layout changes.
+GSM_EXPORT int32_t gsm_ref_abi_version()
+{
+    return 1;
+}
+
+GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)
+{
+    return gsm::poolWords(*d);
+}
+
+GSM_EXPORT int64_t gsm_ref_row_offset(GsmDims const* d, int32_t g)
+{
+    return gsm::rowOffset(*d, g);
+}
+
+GSM_EXPORT int32_t gsm_ref_kv_update(GsmDims const* d, int32_t B, int32_t S, float const* ck, float const* cv,
+    float const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
+    int32_t const* newLengths)
+{
+    std::string err;
+    bool const ok = gsm::ref::kvCacheUpdate(*d, B, S, ck, cv, key, pool, indexKeys, slots, past, newLengths, &err);
+    return status(ok, err);
+}
+
+GSM_EXPORT int32_t gsm_ref_kv_demote(
+    GsmDims const* d, int32_t B, int32_t M, int32_t const* list, int32_t* pool, float const* quant)
+{
+    std::string err;
+    bool const ok = gsm::ref::kvDemote(*d, B, M, list, pool, quant, &err);
+    return status(ok, err);
+}
+
+GSM_EXPORT int32_t gsm_ref_read_latents(GsmDims const* d, int32_t B, int32_t const* pool, int32_t const* slots,
+    float const* quant, float* ck, float* cv)
+{
+    std::string err;
+    bool const ok = gsm::ref::readLatents(*d, B, pool, slots, quant, ck, cv, &err);
+    return status(ok, err);
+}
+
+GSM_EXPORT int32_t gsm_ref_sparse_attention(GsmDims const* d, int32_t B, int32_t S, float const* q,
+    int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
+    float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
+    float const* indexW, uint16_t const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn, float* out,
+    int32_t* selectedOut, float* mass, float* scores, int32_t nThreads)
+{
+    gsm::ref::AttnInputs in{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
+        indexKeys, sparseWindow, selectedIn};
+    gsm::ref::AttnOutputs o{out, selectedOut, mass, scores};
+    std::string err;
+    bool const ok = gsm::ref::sparseAttention(*d, B, S, in, o, nThreads, &err);
+    return status(ok, err);
+}
+
+GSM_EXPORT void gsm_ref_hotness_update(int32_t n, float* hotness, float const* mass, double decay)
+{
+    gsm::ref::hotnessUpdate(n, hotness, mass, decay);
+}
+
+GSM_EXPORT void gsm_ref_ranked_tiers(int32_t n, float const* hotness, int32_t const* tokens, int32_t nHot,
+    int32_t const* hotIds, int32_t sinkTokens, int32_t fp16Window, double f0, double f1, int32_t* out)
+{
+    gsm::ref::rankedTiers(n, hotness, tokens, nHot, hotIds, sinkTokens, fp16Window, f0, f1, out);
+}
+
+// ---- probes of gsm_math.h, so tests can compare the shared numerics with gsm/golden/quant.py ----
+GSM_EXPORT void gsm_ref_f32_to_f16(float const* x, uint16_t* out, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i)
+    {
+        out[i] = gsm::f32ToF16Bits(x[i]);
+    }
+}
+
+GSM_EXPORT void gsm_ref_f16_to_f32(uint16_t const* x, float* out, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i)
+    {
+        out[i] = gsm::f16BitsToF32(x[i]);
+    }
+}
+
+// x [n, r], scale [r] -> codes [n, r]
+GSM_EXPORT void gsm_ref_quantize(float const* x, float const* scale, int64_t n, int32_t r, int32_t qmax, int32_t* out)
+{
+    for (int64_t i = 0; i < n; ++i)
+    {
+        for (int32_t c = 0; c < r; ++c)
+        {
+            out[i * r + c] = gsm::quantize(x[i * r + c], scale[c], qmax);
+        }
+    }
+}
+
+// codes [n, r] -> values [n, r]; comp == nullptr: INT12 rule, else INT8 rule
+GSM_EXPORT void gsm_ref_dequantize(
+    int32_t const* q, float const* scale, float const* comp, int64_t n, int32_t r, float* out)
+{
+    for (int64_t i = 0; i < n; ++i)
+    {
+        for (int32_t c = 0; c < r; ++c)
+        {
+            out[i * r + c] = comp ? gsm::dequantINT8(q[i * r + c], scale[c], comp[c])
+                                  : gsm::dequantINT12(q[i * r + c], scale[c]);
+        }
+    }
+}
+
+GSM_EXPORT void gsm_ref_pack_int12(int32_t const* q, int64_t n, uint8_t* out)
+{
+    for (int64_t p = 0; 2 * p < n; ++p)
+    {
+        gsm::packINT12Pair(q[2 * p], 2 * p + 1 < n ? q[2 * p + 1] : 0, out + 3 * p);
+    }
+}
+
+GSM_EXPORT void gsm_ref_unpack_int12(uint8_t const* packed, int64_t n, int32_t* out)
+{
+    for (int64_t i = 0; i < n; ++i)
+    {
+        out[i] = gsm::unpackINT12(packed, static_cast<int32_t>(i));
+    }
+}

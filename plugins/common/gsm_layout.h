@@ -1,0 +1,183 @@
+/*
+ * gsm_layout.h: shapes, attributes and the latent pool layout of docs/engine_io.md (sections 3, 4).
+ *
+ * Shared by the CPU reference, the CUDA kernels and the TensorRT wrappers, so the byte layout of
+ * a pool row and the slot-table encoding exist in one place only.
+ */
+#pragma once
+
+#include "gsm_math.h"
+
+#include <cstdint>
+
+namespace gsm
+{
+
+// Attributes of the GSM nodes (docs/engine_io.md 4.1-4.3). Plain C layout: the Python binding
+// mirrors it with ctypes.Structure, field for field.
+struct GsmDims
+{
+    int32_t layerKind;       // 0 owning, 1 sharing (GsmSparseAttention only)
+    int32_t numHeads;        // nH
+    int32_t numKvHeads;      // nKV
+    int32_t headDim;         // D
+    int32_t rankK;           // r_k (sharing: of the source)
+    int32_t rankV;           // r_v
+    int32_t indexHeads;      // nI
+    int32_t indexDim;        // dI
+    int32_t sinkTokens;      // spec 2 sink_tokens
+    int32_t topK;            // spec 2 sparse_top_k
+    int32_t maxSparseWindow; // spec 2 max_sparse_window (fixes K_sel)
+    int32_t nMax;            // N_max
+    int32_t rowsFP16;        // C16
+    int32_t rowsINT12;       // C12
+    int32_t rowsINT8;        // C8
+};
+
+constexpr int32_t kSlotEmpty = -1;
+constexpr int32_t kSlotTierShift = 24;
+constexpr int32_t kSlotRowMask = 0xFFFFFF;
+
+GSM_HD int32_t slotTier(int32_t entry)
+{
+    return entry >> kSlotTierShift;
+}
+
+GSM_HD int32_t slotRow(int32_t entry)
+{
+    return entry & kSlotRowMask;
+}
+
+GSM_HD int32_t makeSlot(int32_t tier, int32_t row)
+{
+    return (tier << kSlotTierShift) | row;
+}
+
+GSM_HD int32_t kvDim(GsmDims const& d)
+{
+    return d.numKvHeads * d.headDim;
+}
+
+GSM_HD int32_t latentRank(GsmDims const& d)
+{
+    return d.rankK + d.rankV;
+}
+
+// K_sel: the most positions one query can select (sparse: exactly sinks + window + top_k; dense:
+// t + 1 <= that budget).
+GSM_HD int32_t maxSelected(GsmDims const& d)
+{
+    return d.sinkTokens + d.maxSparseWindow + d.topK;
+}
+
+// Bytes of one row of each region.
+GSM_HD int64_t rowBytesFP16(GsmDims const& d)
+{
+    return 2 * static_cast<int64_t>(latentRank(d));
+}
+
+GSM_HD int64_t rowBytesINT12(GsmDims const& d)
+{
+    return packedINT12Bytes(d.rankK) + packedINT12Bytes(d.rankV);
+}
+
+GSM_HD int64_t rowBytesINT8(GsmDims const& d)
+{
+    return latentRank(d);
+}
+
+GSM_HD int64_t poolBytes(GsmDims const& d)
+{
+    return d.rowsFP16 * rowBytesFP16(d) + d.rowsINT12 * rowBytesINT12(d) + d.rowsINT8 * rowBytesINT8(d);
+}
+
+// Pool of one sequence in int32 words (the graph tensor's last dimension).
+GSM_HD int64_t poolWords(GsmDims const& d)
+{
+    return (poolBytes(d) + 3) / 4;
+}
+
+// Narrowest tier a row of region containing global row g can hold (0 FP16 region, ...).
+GSM_HD int32_t regionOf(GsmDims const& d, int32_t g)
+{
+    return g < d.rowsFP16 ? kTierFP16 : (g < d.rowsFP16 + d.rowsINT12 ? kTierINT12 : kTierINT8);
+}
+
+GSM_HD int64_t rowOffset(GsmDims const& d, int32_t g)
+{
+    if (g < d.rowsFP16)
+    {
+        return g * rowBytesFP16(d);
+    }
+    int64_t const base12 = d.rowsFP16 * rowBytesFP16(d);
+    if (g < d.rowsFP16 + d.rowsINT12)
+    {
+        return base12 + (g - d.rowsFP16) * rowBytesINT12(d);
+    }
+    return base12 + d.rowsINT12 * rowBytesINT12(d) + (g - d.rowsFP16 - d.rowsINT12) * rowBytesINT8(d);
+}
+
+// A slot entry is well formed when its row exists and its region is wide enough for its tier.
+GSM_HD bool slotValid(GsmDims const& d, int32_t entry)
+{
+    if (entry < 0)
+    {
+        return false;
+    }
+    int32_t const tier = slotTier(entry);
+    int32_t const g = slotRow(entry);
+    return tier >= kTierFP16 && tier <= kTierINT8 && g < d.rowsFP16 + d.rowsINT12 + d.rowsINT8
+        && regionOf(d, g) <= tier;
+}
+
+// Quant table of a layer: float32 [3, r]: rows s12, s8, comp8; columns k channels then v channels.
+struct QuantView
+{
+    float const* table;
+    int32_t r;
+    GSM_HD float s12(int32_t c) const
+    {
+        return table[c];
+    }
+    GSM_HD float s8(int32_t c) const
+    {
+        return table[r + c];
+    }
+    GSM_HD float comp8(int32_t c) const
+    {
+        return table[2 * r + c];
+    }
+};
+
+// Dequantised latent value c (0..r-1: k channels then v channels) of a row encoded with `tier`.
+GSM_HD float loadLatent(GsmDims const& d, uint8_t const* row, int32_t tier, QuantView const& qv, int32_t c)
+{
+    if (tier == kTierFP16)
+    {
+        uint16_t h = static_cast<uint16_t>(row[2 * c]) | (static_cast<uint16_t>(row[2 * c + 1]) << 8);
+        return f16BitsToF32(h);
+    }
+    if (tier == kTierINT12)
+    {
+        int32_t const q = c < d.rankK ? unpackINT12(row, c) : unpackINT12(row + packedINT12Bytes(d.rankK), c - d.rankK);
+        return dequantINT12(q, qv.s12(c));
+    }
+    int32_t const q = static_cast<int8_t>(row[c]);
+    return dequantINT8(q, qv.s8(c), qv.comp8(c));
+}
+
+// Store one value of a row in `tier` (INT12 values come in pairs: see storeINT12Pair).
+GSM_HD void storeFP16(uint8_t* row, int32_t c, float v)
+{
+    uint16_t const h = f32ToF16Bits(v);
+    row[2 * c] = static_cast<uint8_t>(h & 0xFFu);
+    row[2 * c + 1] = static_cast<uint8_t>(h >> 8);
+}
+
+// Pair p of the k part (part 0) or v part (part 1): codes of channels 2p and 2p + 1 of that part.
+GSM_HD uint8_t* int12PairPtr(GsmDims const& d, uint8_t* row, int32_t part, int32_t p)
+{
+    return row + (part ? packedINT12Bytes(d.rankK) : 0) + 3 * p;
+}
+
+} // namespace gsm

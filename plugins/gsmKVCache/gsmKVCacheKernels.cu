@@ -1,0 +1,168 @@
+#include "gsmKVCacheKernels.h"
+
+#include <cuda_fp16.h>
+
+namespace gsm
+{
+namespace cuda
+{
+namespace
+{
+
+__device__ __forceinline__ float toFloat(float x)
+{
+    return x;
+}
+
+__device__ __forceinline__ float toFloat(__half x)
+{
+    return __half2float(x);
+}
+
+__device__ __forceinline__ uint8_t* seqPool(GsmDims const& d, int32_t* pool, int32_t b)
+{
+    return reinterpret_cast<uint8_t*>(pool + b * poolWords(d));
+}
+
+// grid (S, B): one block per new row; threads over latent channels and key channels.
+template <typename T>
+__global__ void kvCacheUpdateKernel(GsmDims d, int32_t S, T const* ck, T const* cv, T const* key, int32_t* pool,
+    uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths)
+{
+    int32_t const j = blockIdx.x;
+    int32_t const b = blockIdx.y;
+    if (j >= newLengths[b])
+    {
+        return; // padding rows write nothing
+    }
+    int32_t const p = pastLengths[b] + j;
+    if (p < 0 || p >= d.nMax)
+    {
+        return;
+    }
+    int32_t const entry = slots[static_cast<int64_t>(b) * d.nMax + p];
+    bool const rowOk = slotValid(d, entry) && slotTier(entry) == kTierFP16;
+    int64_t const src = static_cast<int64_t>(b) * S + j;
+    if (rowOk)
+    {
+        uint8_t* row = seqPool(d, pool, b) + rowOffset(d, slotRow(entry));
+        int32_t const r = latentRank(d);
+        for (int32_t c = threadIdx.x; c < r; c += blockDim.x)
+        {
+            float const v = c < d.rankK ? toFloat(ck[src * d.rankK + c]) : toFloat(cv[src * d.rankV + (c - d.rankK)]);
+            storeFP16(row, c, v);
+        }
+    }
+    uint16_t* kdst = indexKeys + (static_cast<int64_t>(b) * d.nMax + p) * d.indexDim;
+    for (int32_t c = threadIdx.x; c < d.indexDim; c += blockDim.x)
+    {
+        kdst[c] = f32ToF16Bits(toFloat(key[src * d.indexDim + c]));
+    }
+}
+
+// Phase 1 of the demotion: decode every source row into float32 staging [M, r].
+__global__ void kvDemoteStageKernel(GsmDims d, int32_t B, int32_t const* list, int32_t* pool, float const* quant,
+    float* staged)
+{
+    int32_t const m = blockIdx.x;
+    int32_t const b = list[3 * m];
+    int32_t const from = list[3 * m + 1];
+    int32_t const r = latentRank(d);
+    bool const ok = b >= 0 && b < B && slotValid(d, from);
+    uint8_t const* row = ok ? seqPool(d, pool, b) + rowOffset(d, slotRow(from)) : nullptr;
+    QuantView const qv{quant, r};
+    for (int32_t c = threadIdx.x; c < r; c += blockDim.x)
+    {
+        staged[static_cast<int64_t>(m) * r + c] = ok ? loadLatent(d, row, slotTier(from), qv, c) : 0.f;
+    }
+}
+
+// Phase 2: encode each staged row into its destination. INT12 works on pairs of codes.
+__global__ void kvDemoteWriteKernel(GsmDims d, int32_t B, int32_t const* list, int32_t* pool, float const* quant,
+    float const* staged)
+{
+    int32_t const m = blockIdx.x;
+    int32_t const b = list[3 * m];
+    int32_t const from = list[3 * m + 1];
+    int32_t const to = list[3 * m + 2];
+    if (b < 0 || b >= B || !slotValid(d, from) || !slotValid(d, to) || slotTier(to) < slotTier(from))
+    {
+        return; // malformed entries are skipped (see launchKVCacheUpdate)
+    }
+    int32_t const r = latentRank(d);
+    QuantView const qv{quant, r};
+    float const* v = staged + static_cast<int64_t>(m) * r;
+    uint8_t* row = seqPool(d, pool, b) + rowOffset(d, slotRow(to));
+    int32_t const tier = slotTier(to);
+    if (tier == kTierFP16)
+    {
+        for (int32_t c = threadIdx.x; c < r; c += blockDim.x)
+        {
+            storeFP16(row, c, v[c]);
+        }
+    }
+    else if (tier == kTierINT12)
+    {
+        int32_t const pairsK = (d.rankK + 1) / 2;
+        int32_t const pairsV = (d.rankV + 1) / 2;
+        for (int32_t i = threadIdx.x; i < pairsK + pairsV; i += blockDim.x)
+        {
+            int32_t const part = i < pairsK ? 0 : 1;
+            int32_t const p = part ? i - pairsK : i;
+            int32_t const n = part ? d.rankV : d.rankK;
+            int32_t const c0 = part ? d.rankK : 0;
+            int32_t const a = quantize(v[c0 + 2 * p], qv.s12(c0 + 2 * p), kQmaxINT12);
+            int32_t const bq = 2 * p + 1 < n ? quantize(v[c0 + 2 * p + 1], qv.s12(c0 + 2 * p + 1), kQmaxINT12) : 0;
+            packINT12Pair(a, bq, int12PairPtr(d, row, part, p));
+        }
+    }
+    else
+    {
+        for (int32_t c = threadIdx.x; c < r; c += blockDim.x)
+        {
+            row[c] = static_cast<uint8_t>(static_cast<int8_t>(quantize(v[c], qv.s8(c), kQmaxINT8)));
+        }
+    }
+}
+
+} // namespace
+
+template <typename T>
+cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const* ck, T const* cv, T const* key,
+    int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
+    cudaStream_t stream)
+{
+    if (B <= 0 || S <= 0)
+    {
+        return cudaSuccess;
+    }
+    dim3 const grid(S, B);
+    kvCacheUpdateKernel<T><<<grid, 128, 0, stream>>>(d, S, ck, cv, key, pool, indexKeys, slots, pastLengths, newLengths);
+    return cudaGetLastError();
+}
+
+size_t kvDemoteWorkspaceBytes(GsmDims const& d, int64_t maxEntries)
+{
+    return static_cast<size_t>(maxEntries) * latentRank(d) * sizeof(float);
+}
+
+cudaError_t launchKVDemote(GsmDims const& d, int32_t B, int32_t M, int32_t const* list, int32_t* pool,
+    float const* quant, void* workspace, cudaStream_t stream)
+{
+    if (M <= 0)
+    {
+        return cudaSuccess;
+    }
+    float* staged = static_cast<float*>(workspace);
+    kvDemoteStageKernel<<<M, 128, 0, stream>>>(d, B, list, pool, quant, staged);
+    kvDemoteWriteKernel<<<M, 128, 0, stream>>>(d, B, list, pool, quant, staged);
+    return cudaGetLastError();
+}
+
+template cudaError_t launchKVCacheUpdate<float>(GsmDims const&, int32_t, int32_t, float const*, float const*,
+    float const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, cudaStream_t);
+template cudaError_t launchKVCacheUpdate<__half>(GsmDims const&, int32_t, int32_t, __half const*, __half const*,
+    __half const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, cudaStream_t);
+
+} // namespace cuda
+} // namespace gsm

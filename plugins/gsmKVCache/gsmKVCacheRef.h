@@ -1,0 +1,47 @@
+/*
+ * CPU reference of the GSM latent cache (docs/engine_io.md 4.1, 4.3 and the runtime's tier policy).
+ * It defines the results the CUDA kernels are tested against, and is what the ONNX Runtime backend
+ * and the runtime call on the host.
+ */
+#pragma once
+
+#include "../common/gsm_layout.h"
+
+#include <cstdint>
+#include <string>
+
+namespace gsm
+{
+namespace ref
+{
+
+// GsmKVCacheUpdate: write the valid new rows (FP16, RNE) into the rows kv_slots names, and the
+// indexer keys (FP16) by position. ck [B,S,r_k], cv [B,S,r_v], key [B,S,dI] float32;
+// pool [B, poolWords] int32; indexKeys [B, N_max, dI] float16 bits. Returns false and sets *err
+// when a slot of a new position is not an FP16-tier row or lengths are out of range.
+bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, float const* cv, float const* key,
+    int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths,
+    int32_t const* newLengths, std::string* err);
+
+// GsmKVDemote: list [M,3] = (b, old slot entry, new slot entry). All sources are read before any
+// destination is written; destination rows must be distinct. FP16 -> INT12/INT8 quantises the
+// FP16 value, INT12 -> INT8 the INT12-dequantised value; an unchanged tier moves the row.
+bool kvDemote(GsmDims const& d, int32_t B, int32_t M, int32_t const* list, int32_t* pool, float const* quant,
+    std::string* err);
+
+// Dequantised latents by position (tests, the ONNX Runtime backend, debugging): ck [B,N_max,r_k],
+// cv [B,N_max,r_v]; positions whose slot is empty get NaN.
+bool readLatents(GsmDims const& d, int32_t B, int32_t const* pool, int32_t const* slots, float const* quant,
+    float* ck, float* cv, std::string* err);
+
+// Hotness EMA of decisions "Hotness": h <- float32(decay)*h + float32(1 - decay)*m (each product
+// and the sum rounded separately, as torch computes it).
+void hotnessUpdate(int32_t n, float* hotness, float const* mass, double decay);
+
+// Tier each position gets from its hotness rank alone (decisions "Re-tier pass"); the runtime
+// applies max(old, ranked). tokens [n], hotIds [nHot]; out [n] tier codes.
+void rankedTiers(int32_t n, float const* hotness, int32_t const* tokens, int32_t nHot, int32_t const* hotIds,
+    int32_t sinkTokens, int32_t fp16Window, double f0, double f1, int32_t* out);
+
+} // namespace ref
+} // namespace gsm

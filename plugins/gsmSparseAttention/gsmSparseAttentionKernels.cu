@@ -1,0 +1,592 @@
+#include "gsmSparseAttentionKernels.h"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace gsm
+{
+namespace cuda
+{
+namespace
+{
+
+constexpr int32_t kSelectThreads = 256;
+constexpr int32_t kScoreThreads = 128;
+constexpr int32_t kAttnThreads = 128;
+constexpr int32_t kGroupTile = 8;           // query heads accumulated in registers at once
+constexpr size_t kChunkBudget = 64u << 20;  // workspace bound: rows are processed in chunks
+constexpr size_t kAlign = 256;
+
+__device__ __forceinline__ float toFloat(float x)
+{
+    return x;
+}
+__device__ __forceinline__ float toFloat(__half x)
+{
+    return __half2float(x);
+}
+template <typename T>
+__device__ __forceinline__ T fromFloat(float x);
+template <>
+__device__ __forceinline__ float fromFloat<float>(float x)
+{
+    return x;
+}
+template <>
+__device__ __forceinline__ __half fromFloat<__half>(float x)
+{
+    return __float2half_rn(x);
+}
+
+size_t alignUp(size_t x)
+{
+    return (x + kAlign - 1) / kAlign * kAlign;
+}
+
+struct Layout
+{
+    size_t scores, counts, logits, acc, total;
+};
+
+Layout layoutFor(GsmDims const& d, int64_t rows)
+{
+    Layout l{};
+    size_t const R = static_cast<size_t>(rows);
+    size_t const scores = d.layerKind == 0 ? R * d.nMax * sizeof(float) : 0;
+    l.scores = 0;
+    l.counts = alignUp(scores);
+    l.logits = l.counts + alignUp(R * sizeof(int32_t));
+    l.acc = l.logits + alignUp(R * d.numHeads * maxSelected(d) * sizeof(float));
+    l.total = l.acc + alignUp(R * d.numHeads * latentRank(d) * sizeof(float));
+    return l;
+}
+
+size_t perRowBytes(GsmDims const& d)
+{
+    return (d.layerKind == 0 ? static_cast<size_t>(d.nMax) * sizeof(float) : 0) + sizeof(int32_t)
+        + static_cast<size_t>(d.numHeads) * (maxSelected(d) + latentRank(d)) * sizeof(float);
+}
+
+int64_t rowsPerChunk(GsmDims const& d)
+{
+    return std::max<int64_t>(1, static_cast<int64_t>(kChunkBudget / perRowBytes(d)));
+}
+
+// ---- 1. indexer scores: grid (ceil(N_max / kScoreThreads), rows of the chunk) --------------------
+template <typename T>
+__global__ void indexScoresKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, float* scores)
+{
+    extern __shared__ float sm[];
+    float* qh = sm;                              // [nI * dI]
+    float* wh = sm + d.indexHeads * d.indexDim;  // [nI]
+    int32_t const rr = blockIdx.y;
+    int32_t const row = r0 + rr;
+    int32_t const b = row / S, j = row % S;
+    if (j >= a.newLengths[b])
+    {
+        return;
+    }
+    int32_t const t = a.pastLengths[b] + j;
+    if (static_cast<int32_t>(blockIdx.x * blockDim.x) > t)
+    {
+        return; // whole block beyond the causal limit
+    }
+    T const* iq = static_cast<T const*>(a.indexQ) + static_cast<int64_t>(row) * d.indexHeads * d.indexDim;
+    T const* iw = static_cast<T const*>(a.indexW) + static_cast<int64_t>(row) * d.indexHeads;
+    for (int32_t i = threadIdx.x; i < d.indexHeads * d.indexDim; i += blockDim.x)
+    {
+        qh[i] = toFloat(iq[i]);
+    }
+    for (int32_t i = threadIdx.x; i < d.indexHeads; i += blockDim.x)
+    {
+        wh[i] = toFloat(iw[i]);
+    }
+    __syncthreads();
+    int32_t const s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s > t)
+    {
+        return;
+    }
+    __half const* key = reinterpret_cast<__half const*>(a.indexKeys) + (static_cast<int64_t>(b) * d.nMax + s) * d.indexDim;
+    float acc = 0.f;
+    for (int32_t i = 0; i < d.indexHeads; ++i)
+    {
+        float dot = 0.f;
+        for (int32_t c = 0; c < d.indexDim; ++c)
+        {
+            dot += qh[i * d.indexDim + c] * __half2float(key[c]);
+        }
+        acc += wh[i] * fmaxf(dot, 0.f);
+    }
+    float const scale = static_cast<float>(sqrt(static_cast<double>(d.indexDim)));
+    scores[static_cast<int64_t>(rr) * d.nMax + s] = acc / scale;
+}
+
+// Block-wide exclusive scan of one int per thread (blockDim a multiple of 32, <= 1024).
+__device__ int32_t blockExclusiveScan(int32_t v, int32_t* total, int32_t* warpSums)
+{
+    int32_t const lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nWarps = blockDim.x >> 5;
+    int32_t x = v;
+    for (int32_t o = 1; o < 32; o <<= 1)
+    {
+        int32_t const y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+        if (lane >= o)
+        {
+            x += y;
+        }
+    }
+    if (lane == 31)
+    {
+        warpSums[warp] = x;
+    }
+    __syncthreads();
+    if (warp == 0)
+    {
+        int32_t y = lane < nWarps ? warpSums[lane] : 0;
+        for (int32_t o = 1; o < 32; o <<= 1)
+        {
+            int32_t const z = __shfl_up_sync(0xFFFFFFFFu, y, o);
+            if (lane >= o)
+            {
+                y += z;
+            }
+        }
+        warpSums[lane] = y; // inclusive over warps
+    }
+    __syncthreads();
+    int32_t const before = warp > 0 ? warpSums[warp - 1] : 0;
+    *total = warpSums[nWarps - 1];
+    __syncthreads(); // warpSums is reused by the next call
+    return before + x - v;
+}
+
+// ---- 2. selection: one block per row. Radix select of the top-k key (4 passes of 8 bits), then
+// an ordered compaction so equal scores go to the lower position (spec 4.1 tie rule). -----------
+__global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, float const* scores, int32_t* counts)
+{
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t sPrefix, sMask;
+    __shared__ int32_t sRemain;
+    __shared__ int32_t warpSums[32];
+    int32_t const rr = blockIdx.x;
+    int32_t const row = r0 + rr;
+    int32_t const b = row / S, j = row % S;
+    int32_t const kSel = maxSelected(d);
+    int32_t* out = a.selectedOut + static_cast<int64_t>(row) * kSel;
+    int32_t const nValid = a.newLengths[b];
+    int32_t count = 0;
+    if (j < nValid)
+    {
+        int32_t const t = a.pastLengths[b] + j;
+        int32_t const w = *a.sparseWindow;
+        if (selectionIsDense(t, d.sinkTokens, w, d.topK))
+        {
+            for (int32_t s = threadIdx.x; s <= t; s += blockDim.x)
+            {
+                out[s] = s;
+            }
+            count = t + 1;
+        }
+        else
+        {
+            float const* sc = scores + static_cast<int64_t>(rr) * d.nMax;
+            int32_t const c0 = d.sinkTokens, c1 = t - w; // candidates [c0, c1]
+            for (int32_t s = threadIdx.x; s < d.sinkTokens; s += blockDim.x)
+            {
+                out[s] = s;
+            }
+            if (d.topK > 0)
+            {
+                if (threadIdx.x == 0)
+                {
+                    sPrefix = 0u;
+                    sMask = 0u;
+                    sRemain = d.topK;
+                }
+                for (int32_t shift = 24; shift >= 0; shift -= 8)
+                {
+                    for (int32_t i = threadIdx.x; i < 256; i += blockDim.x)
+                    {
+                        hist[i] = 0u;
+                    }
+                    __syncthreads();
+                    uint32_t const prefix = sPrefix, mask = sMask;
+                    for (int32_t s = c0 + threadIdx.x; s <= c1; s += blockDim.x)
+                    {
+                        uint32_t const key = orderedKey(sc[s]);
+                        if ((key & mask) == prefix)
+                        {
+                            atomicAdd(&hist[(key >> shift) & 0xFFu], 1u);
+                        }
+                    }
+                    __syncthreads();
+                    if (threadIdx.x == 0)
+                    {
+                        int32_t cum = 0;
+                        for (int32_t dg = 255; dg >= 0; --dg)
+                        {
+                            int32_t const h = static_cast<int32_t>(hist[dg]);
+                            if (cum + h >= sRemain)
+                            {
+                                sPrefix = prefix | (static_cast<uint32_t>(dg) << shift);
+                                sMask = mask | (0xFFu << shift);
+                                sRemain -= cum;
+                                break;
+                            }
+                            cum += h;
+                        }
+                    }
+                    __syncthreads();
+                }
+                uint32_t const thr = sPrefix;
+                int32_t const needEq = sRemain; // keys equal to thr to take, lowest positions first
+                int32_t base = d.sinkTokens, eqSeen = 0;
+                for (int32_t cs = c0; cs <= c1; cs += blockDim.x)
+                {
+                    int32_t const s = cs + threadIdx.x;
+                    uint32_t const key = s <= c1 ? orderedKey(sc[s]) : 0u;
+                    int32_t const gt = s <= c1 && key > thr;
+                    int32_t const eq = s <= c1 && key == thr;
+                    int32_t eqTotal = 0, takeTotal = 0;
+                    int32_t const eqRank = blockExclusiveScan(eq, &eqTotal, warpSums);
+                    int32_t const take = gt || (eq && eqSeen + eqRank < needEq);
+                    int32_t const pos = blockExclusiveScan(take, &takeTotal, warpSums);
+                    if (take)
+                    {
+                        out[base + pos] = s;
+                    }
+                    base += takeTotal;
+                    eqSeen += eqTotal;
+                }
+            }
+            for (int32_t s = c1 + 1 + threadIdx.x; s <= t; s += blockDim.x)
+            {
+                out[d.sinkTokens + d.topK + (s - c1 - 1)] = s;
+            }
+            count = d.sinkTokens + d.topK + w;
+        }
+    }
+    for (int32_t k = count + threadIdx.x; k < kSel; k += blockDim.x)
+    {
+        out[k] = -1;
+    }
+    if (threadIdx.x == 0)
+    {
+        counts[rr] = count;
+    }
+}
+
+// Sharing layers: count the valid entries of the source's selection.
+__global__ void countSelectedKernel(GsmDims d, int32_t S, int32_t r0, int32_t nRows, AttnDeviceArgs a, int32_t* counts)
+{
+    int32_t const rr = blockIdx.x * blockDim.x + threadIdx.x;
+    if (rr >= nRows)
+    {
+        return;
+    }
+    int32_t const row = r0 + rr;
+    int32_t const b = row / S, j = row % S;
+    int32_t const kSel = maxSelected(d);
+    int32_t const* sel = a.selectedIn + static_cast<int64_t>(row) * kSel;
+    int32_t const t = a.pastLengths[b] + j;
+    int32_t c = 0;
+    if (j < a.newLengths[b])
+    {
+        while (c < kSel && sel[c] >= 0 && sel[c] <= t)
+        {
+            ++c;
+        }
+    }
+    counts[rr] = c;
+}
+
+// ---- 3. attention: grid (nKV, rows of the chunk); one block per (row, key head) serves the
+// group of query heads that read that key head. K is reconstructed per selected row (RoPE after
+// reconstruction forbids absorbing U_k into q); V is absorbed: out = U_v (sum_s p_s c_v,s). ------
+template <typename T>
+__global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, int32_t const* selBase,
+    int32_t const* counts, float* logitsWs, float* accWs)
+{
+    extern __shared__ float sm[];
+    int32_t const D = d.headDim, half = D / 2;
+    int32_t const group = d.numHeads / d.numKvHeads;
+    int32_t const r = latentRank(d);
+    int32_t const kvD = kvDim(d);
+    bool const owning = d.layerKind == 0;
+    float* qs = sm;                  // [group, D] rotated queries
+    float* c = qs + group * D;       // [r] one dequantised latent row
+    float* kpre = c + r;             // [D]
+    float* krot = kpre + D;          // [D]
+    float* psum = krot + D;          // [group]
+    int32_t const h = blockIdx.x;
+    int32_t const rr = blockIdx.y;
+    int32_t const row = r0 + rr;
+    int32_t const b = row / S, j = row % S;
+    T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(row) * d.numHeads + h * group) * D;
+    if (j >= a.newLengths[b])
+    {
+        for (int32_t i = threadIdx.x; i < group * D; i += blockDim.x)
+        {
+            out[i] = fromFloat<T>(0.f);
+        }
+        return;
+    }
+    int32_t const t = a.pastLengths[b] + j;
+    int32_t const kSel = maxSelected(d);
+    int32_t const count = counts[rr];
+    int32_t const* sel = selBase + static_cast<int64_t>(row) * kSel;
+    int32_t const* slots = a.slots + static_cast<int64_t>(b) * d.nMax;
+    uint8_t const* pool = reinterpret_cast<uint8_t const*>(a.pool + b * poolWords(d));
+    QuantView const qv{a.quant, r};
+    float const invScale = 1.f / static_cast<float>(sqrt(static_cast<double>(D)));
+    T const* q = static_cast<T const*>(a.q) + (static_cast<int64_t>(row) * d.numHeads + h * group) * D;
+    float const* cosT = a.ropeCos + static_cast<int64_t>(t) * D;
+    float const* sinT = a.ropeSin + static_cast<int64_t>(t) * D;
+    for (int32_t i = threadIdx.x; i < group * D; i += blockDim.x)
+    {
+        int32_t const g = i / D, e = i % D;
+        float const x = toFloat(q[i]);
+        float const rot = e < half ? -toFloat(q[g * D + e + half]) : toFloat(q[g * D + e - half]);
+        qs[i] = __fadd_rn(__fmul_rn(x, cosT[e]), __fmul_rn(rot, sinT[e]));
+    }
+    __syncthreads();
+    float* lg = logitsWs + (static_cast<int64_t>(rr) * d.numHeads + h * group) * kSel; // [group, kSel]
+    int32_t const lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nWarps = blockDim.x >> 5;
+    int32_t const nK = owning ? d.rankK : r; // latent channels K reads
+    for (int32_t k = 0; k < count; ++k)
+    {
+        int32_t const s = sel[k];
+        int32_t const entry = slots[s];
+        bool const ok = slotValid(d, entry);
+        uint8_t const* rowp = ok ? pool + rowOffset(d, slotRow(entry)) : nullptr;
+        for (int32_t i = threadIdx.x; i < nK; i += blockDim.x)
+        {
+            c[i] = ok ? loadLatent(d, rowp, slotTier(entry), qv, i) : 0.f;
+        }
+        __syncthreads();
+        for (int32_t e = threadIdx.x; e < D; e += blockDim.x)
+        {
+            int32_t const o = h * D + e;
+            float acc = 0.f;
+            float const* wrow = a.w0 + static_cast<int64_t>(o) * nK;
+            for (int32_t i = 0; i < nK; ++i)
+            {
+                acc += wrow[i] * c[i];
+            }
+            kpre[e] = owning ? acc : acc + a.w1[o];
+        }
+        __syncthreads();
+        float const* cosS = a.ropeCos + static_cast<int64_t>(s) * D;
+        float const* sinS = a.ropeSin + static_cast<int64_t>(s) * D;
+        for (int32_t e = threadIdx.x; e < D; e += blockDim.x)
+        {
+            float const rot = e < half ? -kpre[e + half] : kpre[e - half];
+            krot[e] = __fadd_rn(__fmul_rn(kpre[e], cosS[e]), __fmul_rn(rot, sinS[e]));
+        }
+        __syncthreads();
+        for (int32_t g = warp; g < group; g += nWarps)
+        {
+            float part = 0.f;
+            for (int32_t e = lane; e < D; e += 32)
+            {
+                part += qs[g * D + e] * krot[e];
+            }
+            for (int32_t o = 16; o > 0; o >>= 1)
+            {
+                part += __shfl_xor_sync(0xFFFFFFFFu, part, o);
+            }
+            if (lane == 0)
+            {
+                lg[g * kSel + k] = part * invScale;
+            }
+        }
+        __syncthreads();
+    }
+    // softmax per query head (one warp per head)
+    for (int32_t g = warp; g < group; g += nWarps)
+    {
+        float mx = -INFINITY;
+        for (int32_t k = lane; k < count; k += 32)
+        {
+            mx = fmaxf(mx, lg[g * kSel + k]);
+        }
+        for (int32_t o = 16; o > 0; o >>= 1)
+        {
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+        }
+        float sum = 0.f;
+        for (int32_t k = lane; k < count; k += 32)
+        {
+            float const e = expf(lg[g * kSel + k] - mx);
+            lg[g * kSel + k] = e;
+            sum += e;
+        }
+        for (int32_t o = 16; o > 0; o >>= 1)
+        {
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+        }
+        float ps = 0.f;
+        for (int32_t k = lane; k < count; k += 32)
+        {
+            float const p = lg[g * kSel + k] / sum;
+            lg[g * kSel + k] = p;
+            ps += p;
+        }
+        for (int32_t o = 16; o > 0; o >>= 1)
+        {
+            ps += __shfl_xor_sync(0xFFFFFFFFu, ps, o);
+        }
+        if (lane == 0)
+        {
+            psum[g] = ps;
+        }
+    }
+    __syncthreads();
+    if (owning && a.mass != nullptr)
+    {
+        for (int32_t k = threadIdx.x; k < count; k += blockDim.x)
+        {
+            float m = 0.f;
+            for (int32_t g = 0; g < group; ++g)
+            {
+                m += lg[g * kSel + k];
+            }
+            atomicAdd(a.mass + static_cast<int64_t>(b) * d.nMax + sel[k], m);
+        }
+    }
+    // latent-space accumulation acc[g][i] = sum_k p[g,k] c_k[cOff + i]
+    int32_t const nV = owning ? d.rankV : r;
+    int32_t const cOff = owning ? d.rankK : 0;
+    float* acc = accWs + (static_cast<int64_t>(rr) * d.numHeads + h * group) * r; // [group, r]
+    for (int32_t i = threadIdx.x; i < nV; i += blockDim.x)
+    {
+        for (int32_t g0 = 0; g0 < group; g0 += kGroupTile)
+        {
+            float regs[kGroupTile];
+#pragma unroll
+            for (int32_t gg = 0; gg < kGroupTile; ++gg)
+            {
+                regs[gg] = 0.f;
+            }
+            for (int32_t k = 0; k < count; ++k)
+            {
+                int32_t const entry = slots[sel[k]];
+                float const v = slotValid(d, entry)
+                    ? loadLatent(d, pool + rowOffset(d, slotRow(entry)), slotTier(entry), qv, cOff + i)
+                    : 0.f;
+#pragma unroll
+                for (int32_t gg = 0; gg < kGroupTile; ++gg)
+                {
+                    if (g0 + gg < group)
+                    {
+                        regs[gg] += lg[(g0 + gg) * kSel + k] * v;
+                    }
+                }
+            }
+            for (int32_t gg = 0; gg < kGroupTile && g0 + gg < group; ++gg)
+            {
+                acc[(g0 + gg) * r + i] = regs[gg];
+            }
+        }
+    }
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < group * D; i += blockDim.x)
+    {
+        int32_t const g = i / D, e = i % D;
+        int32_t const o = owning ? h * D + e : kvD + h * D + e;
+        float const* wrow = (owning ? a.w1 : a.w0) + static_cast<int64_t>(o) * nV;
+        float v = 0.f;
+        for (int32_t k = 0; k < nV; ++k)
+        {
+            v += wrow[k] * acc[g * r + k];
+        }
+        if (!owning)
+        {
+            v += a.w1[o] * psum[g]; // sum_s p_s (W c_s + bias) = W (sum p c) + bias * sum p
+        }
+        out[i] = fromFloat<T>(v);
+    }
+}
+
+size_t attendSmemBytes(GsmDims const& d)
+{
+    int32_t const group = d.numHeads / d.numKvHeads;
+    return static_cast<size_t>(group * d.headDim + latentRank(d) + 2 * d.headDim + group) * sizeof(float);
+}
+
+} // namespace
+
+size_t sparseAttentionWorkspaceBytes(GsmDims const& d, int64_t maxRows)
+{
+    return layoutFor(d, std::min<int64_t>(std::max<int64_t>(maxRows, 1), rowsPerChunk(d))).total;
+}
+
+template <typename T>
+cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDeviceArgs const& a, void* workspace,
+    size_t workspaceBytes, cudaStream_t stream)
+{
+    int64_t const rows = static_cast<int64_t>(B) * S;
+    if (rows <= 0)
+    {
+        return cudaSuccess;
+    }
+    int64_t chunk = std::min<int64_t>(rows, rowsPerChunk(d));
+    while (chunk > 1 && layoutFor(d, chunk).total > workspaceBytes)
+    {
+        chunk = chunk / 2;
+    }
+    Layout const l = layoutFor(d, chunk);
+    if (l.total > workspaceBytes)
+    {
+        return cudaErrorInvalidValue;
+    }
+    char* ws = static_cast<char*>(workspace);
+    float* scores = reinterpret_cast<float*>(ws + l.scores);
+    int32_t* counts = reinterpret_cast<int32_t*>(ws + l.counts);
+    float* logits = reinterpret_cast<float*>(ws + l.logits);
+    float* acc = reinterpret_cast<float*>(ws + l.acc);
+    bool const owning = d.layerKind == 0;
+    if (owning && a.mass != nullptr)
+    {
+        cudaMemsetAsync(a.mass, 0, static_cast<size_t>(B) * d.nMax * sizeof(float), stream);
+    }
+    size_t const smem = attendSmemBytes(d);
+    if (smem > 48 * 1024)
+    {
+        cudaError_t const e
+            = cudaFuncSetAttribute(attendKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (e != cudaSuccess)
+        {
+            return e;
+        }
+    }
+    size_t const scoreSmem = static_cast<size_t>(d.indexHeads * d.indexDim + d.indexHeads) * sizeof(float);
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk)
+    {
+        int32_t const n = static_cast<int32_t>(std::min<int64_t>(chunk, rows - r0));
+        if (owning)
+        {
+            dim3 const gs((d.nMax + kScoreThreads - 1) / kScoreThreads, n);
+            indexScoresKernel<T><<<gs, kScoreThreads, scoreSmem, stream>>>(d, S, static_cast<int32_t>(r0), a, scores);
+            selectKernel<<<n, kSelectThreads, 0, stream>>>(d, S, static_cast<int32_t>(r0), a, scores, counts);
+        }
+        else
+        {
+            countSelectedKernel<<<(n + 127) / 128, 128, 0, stream>>>(d, S, static_cast<int32_t>(r0), n, a, counts);
+        }
+        dim3 const ga(d.numKvHeads, n);
+        int32_t const* sel = owning ? a.selectedOut : a.selectedIn;
+        attendKernel<T><<<ga, kAttnThreads, smem, stream>>>(d, S, static_cast<int32_t>(r0), a, sel, counts, logits, acc);
+    }
+    return cudaGetLastError();
+}
+
+template cudaError_t launchSparseAttention<float>(
+    GsmDims const&, int32_t, int32_t, AttnDeviceArgs const&, void*, size_t, cudaStream_t);
+template cudaError_t launchSparseAttention<__half>(
+    GsmDims const&, int32_t, int32_t, AttnDeviceArgs const&, void*, size_t, cudaStream_t);
+
+} // namespace cuda
+} // namespace gsm

@@ -1,0 +1,52 @@
+/*
+ * CUDA kernels of GsmSparseAttention (docs/engine_io.md 4.2). One code path serves decode (S = 1)
+ * and prefill / chunked prefill (S > 1): every query row gets its own selection and gathers only
+ * its selected latent rows. Rows are processed in chunks so the workspace stays bounded.
+ */
+#pragma once
+
+#include "../common/gsm_layout.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gsm
+{
+namespace cuda
+{
+
+// Device pointers of one GsmSparseAttention call. T (float or __half) is the activation type of
+// q, index_q, index_w and out; weights, tables and quant are float32.
+struct AttnDeviceArgs
+{
+    void const* q;
+    int32_t const* pool;
+    int32_t const* slots;
+    int32_t const* pastLengths;
+    int32_t const* newLengths;
+    float const* quant;
+    float const* ropeCos;
+    float const* ropeSin;
+    float const* w0;
+    float const* w1;
+    void const* indexQ;             // owning
+    void const* indexW;             // owning
+    uint16_t const* indexKeys;      // owning
+    int32_t const* sparseWindow;    // owning, device scalar
+    int32_t const* selectedIn;      // sharing
+    void* out;
+    int32_t* selectedOut;           // owning
+    float* mass;                    // owning (may be null)
+};
+
+// Workspace for calls of up to maxRows = B*S query rows.
+size_t sparseAttentionWorkspaceBytes(GsmDims const& d, int64_t maxRows);
+
+template <typename T>
+cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDeviceArgs const& a, void* workspace,
+    size_t workspaceBytes, cudaStream_t stream);
+
+} // namespace cuda
+} // namespace gsm

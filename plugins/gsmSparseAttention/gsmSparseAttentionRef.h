@@ -1,0 +1,51 @@
+/*
+ * CPU reference of GsmSparseAttention (docs/engine_io.md 4.2): indexer scores, sink + window + top-k
+ * selection, gather and dequantisation of the selected latent rows, K/V reconstruction (U of an
+ * owning layer or kv_projector of a sharing layer), RoPE, GQA softmax attention and the attention
+ * mass per position. float32 activations; multi-threaded over query rows.
+ */
+#pragma once
+
+#include "../common/gsm_layout.h"
+
+#include <cstdint>
+#include <string>
+
+namespace gsm
+{
+namespace ref
+{
+
+struct AttnInputs
+{
+    float const* q;             // [B, S, nH*D] before RoPE
+    int32_t const* pool;        // [B, poolWords]
+    int32_t const* slots;       // [B, N_max]
+    int32_t const* pastLengths; // [B]
+    int32_t const* newLengths;  // [B]
+    float const* quant;         // [3, r]
+    float const* ropeCos;       // [N_max, D]
+    float const* ropeSin;       // [N_max, D]
+    float const* w0;            // owning: k_up [kvD, r_k]; sharing: kv_proj_weight [2kvD, r]
+    float const* w1;            // owning: v_up [kvD, r_v]; sharing: kv_proj_bias [2kvD]
+    float const* indexQ;        // owning: [B, S, nI*dI]
+    float const* indexW;        // owning: [B, S, nI]
+    uint16_t const* indexKeys;  // owning: [B, N_max, dI] float16 bits
+    int32_t sparseWindow;       // owning: run-time window
+    int32_t const* selectedIn;  // sharing: [B, S, K_sel]
+};
+
+struct AttnOutputs
+{
+    float* out;        // [B, S, nH*D]
+    int32_t* selected; // owning: [B, S, K_sel] (nullptr allowed for sharing)
+    float* mass;       // owning: [B, N_max] (nullptr allowed)
+    float* scores;     // optional diagnostics: [B, S, N_max] index scores, NaN where not computed
+};
+
+// Returns false with *err set on invalid lengths, window or slot entries. nThreads <= 0: all cores.
+bool sparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnInputs const& in, AttnOutputs const& out,
+    int32_t nThreads, std::string* err);
+
+} // namespace ref
+} // namespace gsm
