@@ -1,0 +1,133 @@
+"""`python -m builder build` end to end and its refusals: each bad input is one clear error and
+leaves no output directory (and no temp directory) behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder.build import BuildError, build
+from gsm.synth import synth_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_checkpoint("tiny", tmp_path_factory.mktemp("c") / "tiny")
+
+
+def nothing_left(parent: Path) -> bool:
+    return not any(parent.iterdir())
+
+
+def test_demo_build_and_generate_cli(tmp_path):
+    r = run_cli("builder", "build", "--device", "orin", "--max-seq", "128", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "DEMO" in r.stderr and "DEMO" in r.stdout
+    bundle = tmp_path / "out" / "demo-tiny-orin-agx-64"
+    assert "python -m builder engine" in r.stdout  # no TensorRT here: says how to build it on the target
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for key in ("gsm_edge_version", "checkpoint", "device", "opset", "plugins", "files", "engine"):
+        assert key in manifest
+    assert manifest["device"]["name"] == "orin-agx-64" and manifest["opset"] == 17
+    assert manifest["plugins"]["versions"] == {"GsmKVCacheUpdate": "1", "GsmSparseAttention": "1", "GsmKVDemote": "1"}
+    assert not (bundle / "engine.plan").exists()  # no engine unless TensorRT built it
+    report = json.loads((bundle / "report.json").read_text())
+    assert report["demo_model"] and "estimate" in report["decode_tokens_per_s_estimate_note"]
+    g = run_cli("runtime", "generate", str(bundle), "--prompt", "Once upon", "--max-new-tokens", "5", cwd=tmp_path)
+    assert g.returncode == 0, g.stderr
+    assert "5 tokens" in g.stderr
+
+
+def test_runtime_never_imports_torch(tmp_path, tiny):
+    out = tmp_path / "b"
+    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64)
+    code = ("import sys, runtime; rt = runtime.load(sys.argv[1], threads=1); rt.generate([1, 5, 6], 4); "
+            "assert 'torch' not in sys.modules, 'runtime imported torch'")
+    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_unknown_device(tmp_path, tiny):
+    with pytest.raises(BuildError, match="unknown device 'xavier'.*orin-nx-16"):
+        build(device="xavier", checkpoint_dir=tiny, output=tmp_path / "o")
+    assert nothing_left(tmp_path)
+    r = run_cli("builder", "build", "--device", "xavier", "--checkpoint", str(tiny), cwd=tmp_path)
+    assert r.returncode == 1 and "unknown device" in r.stderr and "Traceback" not in r.stderr
+    assert nothing_left(tmp_path)
+
+
+def test_max_seq_beyond_model(tmp_path, tiny):
+    with pytest.raises(BuildError, match="beyond the model's max_position_embeddings \\(512\\)"):
+        build(device="orin", checkpoint_dir=tiny, output=tmp_path / "o", max_seq=4096)
+    assert nothing_left(tmp_path)
+
+
+def test_plan_that_does_not_fit(tmp_path, tiny):
+    with pytest.raises(BuildError, match="does not fit orin-nano-4.*short by.*fits"):
+        build(device="orin-nano-4", checkpoint_dir=tiny, output=tmp_path / "o", max_batch=200_000)
+    assert nothing_left(tmp_path)
+
+
+def test_invalid_checkpoint_stops_with_checker_errors(tmp_path, tiny):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["gsm_config"]["sparse_top_k"] = 9  # checksum no longer matches
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BuildError, match="CHECKSUM_MISMATCH"):
+        build(device="orin", checkpoint_dir=bad, output=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_existing_output_is_not_replaced(tmp_path, tiny):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(BuildError, match="already exists"):
+        build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64)
+    assert (out / "keep").read_text() == "x"
+
+
+def test_corrupted_bundle_file_fails_at_load(tmp_path, tiny):
+    import runtime
+
+    out = tmp_path / "b"
+    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64)
+    data = bytearray((out / "weights.bin").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (out / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(runtime.BundleError, match="weights.bin: sha256 mismatch"):
+        runtime.load(out)
+    (out / "extra.txt").write_text("?")
+    with pytest.raises(runtime.BundleError, match="extra.txt: present but not listed"):
+        runtime.load(out)
+    with pytest.raises(runtime.BundleError, match="no such bundle"):
+        runtime.load(tmp_path / "nowhere")
+
+
+def test_build_failure_midway_leaves_nothing(tmp_path, tiny, monkeypatch):
+    import builder.build as bb
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bb, "write_graphs", boom)
+    with pytest.raises(OSError, match="disk full"):
+        build(device="orin", checkpoint_dir=tiny, output=tmp_path / "o", max_seq=64)
+    assert nothing_left(tmp_path)

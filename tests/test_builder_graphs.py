@@ -1,0 +1,141 @@
+"""Structure of the two network variants (docs/engine_io.md): same interface, one GSM plugin node per
+portable subgraph, standard ops only in the portable graph, one shared weight file."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from builder.build import build
+from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from gsm import checkpoint
+from gsm.synth import synth_checkpoint
+
+N_MAX = 64
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("g")
+    ck = synth_checkpoint("tiny", root / "tiny")
+    out = root / "bundle"
+    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX)
+    return out, checkpoint.load_config(ck)
+
+
+def load(path):
+    return onnx.load(str(path), load_external_data=False)
+
+
+def io(values):
+    return {v.name: (v.type.tensor_type.elem_type,
+                     [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]) for v in values}
+
+
+def cache_map(cfg):
+    """TensorRT-variant cache tensor -> the portable tensors that stand for it (engine_io section 5)."""
+    m = {"kv_slots": set()}
+    for l in cfg.owning_layers:
+        m[f"kv_pool.{l}"] = {f"latent_k.{l}", f"latent_v.{l}"}
+        m[f"kv_pool_out.{l}"] = {f"latent_k_out.{l}", f"latent_v_out.{l}"}
+    return m
+
+
+def test_same_interface(bundle):
+    out, cfg = bundle
+    trt, port = load(out / "model.onnx"), load(out / "model.portable.onnx")
+    ti, pi = io(trt.graph.input), io(port.graph.input)
+    to, po = io(trt.graph.output), io(port.graph.output)
+    cmap = cache_map(cfg)
+    for name in ("input_ids", "past_lengths", "new_lengths", "sparse_window"):
+        assert ti[name] == pi[name]
+    for name in ("logits", "attn_mass"):
+        assert to[name] == po[name]
+    for l in cfg.owning_layers:
+        assert ti[f"index_keys.{l}"] == pi[f"index_keys.{l}"]
+        assert to[f"index_keys_out.{l}"] == po[f"index_keys_out.{l}"]
+    mapped_in = set().union(*(cmap.get(n, {n}) for n in ti))
+    mapped_out = set().union(*(cmap.get(n, {n}) for n in to))
+    assert mapped_in == set(pi) and mapped_out == set(po)
+
+
+def _subgraph(nodes, prefix):
+    sub = [n for n in nodes if n.name.startswith(prefix + "/")]
+    produced = {o for n in sub for o in n.output}
+    consumed = {i for n in sub for i in n.input if i}
+    return sub, consumed - produced, produced
+
+
+def test_every_gsm_node_is_one_portable_subgraph(bundle):
+    out, cfg = bundle
+    trt, port = load(out / "model.onnx"), load(out / "model.portable.onnx")
+    cmap = cache_map(cfg)
+    inits = {i.name for i in port.graph.initializer}
+    gsm_nodes = [n for n in trt.graph.node if n.domain == DOMAIN]
+    expected = 2 * len(cfg.owning_layers) + len(cfg.sharing_layers)
+    assert len(gsm_nodes) == expected
+    consumers_outside: dict[str, set[str]] = {}
+    for n in port.graph.node:
+        for i in n.input:
+            consumers_outside.setdefault(i, set()).add(n.name.split("/")[0])
+    graph_outputs = {o.name for o in port.graph.output}
+    for node in gsm_nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["plugin_version"] == PLUGIN_VERSION.encode()
+        assert attrs["plugin_namespace"] == PLUGIN_NAMESPACE.encode()
+        scope = node.name.split("/")[0]
+        assert scope.endswith("." + node.op_type)
+        sub, ext_in, produced = _subgraph(port.graph.node, scope)
+        assert sub, f"no portable subgraph for {node.name}"
+        assert all(n.domain in ("", "ai.onnx") for n in sub)
+        # inputs: everything the subgraph reads from outside is an input of the plugin node (mapped)
+        node_in = set().union(*(cmap.get(i, {i}) for i in node.input))
+        assert ext_in - inits <= node_in, f"{scope} reads {sorted(ext_in - inits - node_in)} that the node does not"
+        # outputs: the subgraph produces every node output (mapped), and nothing else leaves it
+        # (an owning layer's `selected` is only read when a sharing layer uses that source)
+        leaving = {t for t in produced if t in graph_outputs or consumers_outside.get(t, set()) - {scope}}
+        node_out = set().union(*(cmap.get(o, {o}) for o in node.output))
+        assert leaving <= node_out <= produced, f"{scope}: leaving {sorted(leaving)}, node outputs {sorted(node_out)}"
+        # connected: a single weakly connected component through its internal tensors
+        assert _connected(sub), f"{scope} is not one connected subgraph"
+
+
+def _connected(nodes):
+    prod = {o: i for i, n in enumerate(nodes) for o in n.output}
+    adj = {i: set() for i in range(len(nodes))}
+    for i, n in enumerate(nodes):
+        for t in n.input:
+            if t in prod:
+                adj[i].add(prod[t])
+                adj[prod[t]].add(i)
+    seen, todo = {0}, [0]
+    while todo:
+        for j in adj[todo.pop()] - seen:
+            seen.add(j)
+            todo.append(j)
+    return len(seen) == len(nodes)
+
+
+def test_standard_ops_only_and_shared_weights(bundle):
+    out, _ = bundle
+    graphs = {f: load(out / f) for f in ("model.onnx", "model.portable.onnx", "gsm_demote.onnx",
+                                          "gsm_demote.portable.onnx")}
+    for f in ("model.portable.onnx", "gsm_demote.portable.onnx"):
+        assert {n.domain for n in graphs[f].graph.node} <= {""}, f
+        onnx.checker.check_model(str(out / f))
+    for f in ("model.onnx", "gsm_demote.onnx"):
+        assert {n.domain for n in graphs[f].graph.node} <= {"", DOMAIN}
+    refs: dict[str, tuple] = {}
+    for m in graphs.values():
+        for t in m.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                ext = {e.key: e.value for e in t.external_data}
+                assert ext["location"] == "weights.bin"
+                key = (ext["offset"], ext["length"])
+                assert refs.setdefault(t.name, key) == key, f"{t.name} stored twice"
+    def stored(m):
+        return {t.name for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+
+    port, trt = stored(graphs["model.portable.onnx"]), stored(graphs["model.onnx"])
+    assert port <= trt  # every stored weight the portable graph reads, the TensorRT one reads too
+    assert trt - port == {n for n in trt if n.startswith("gsm.layers.")}  # + quant tables (plugin nodes only)
