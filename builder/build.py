@@ -29,7 +29,7 @@ from builder.bundle import (
 )
 from builder.calib import quant_tables
 from builder.graphs import MODEL_PORTABLE, MODEL_TRT, write_graphs
-from builder.network import NetSpec
+from builder.network import CheckpointSource, NetSpec
 from builder.plan import MemoryPlan, fmt_bytes, make_plan, pool_rows, require_fit
 from gsm import checkpoint
 from gsm.checker import verify
@@ -116,7 +116,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         ck_hash = checkpoint_hash(ckpt)
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
-            info = write_graphs(tmp, spec, tensors.array, qt.tables, rows, progress=step)
+            info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE):
                 if (ckpt / name).is_file():
                     shutil.copyfile(ckpt / name, tmp / name)
@@ -171,7 +171,7 @@ def _report(cfg: Any, plan: MemoryPlan, info: Any, calib: str, demo: bool, ck_ha
     return {
         "demo_model": demo, "checkpoint_hash": ck_hash, "device": plan.device, "params": plan.params,
         "engine_weight_bytes_fp16": plan.weight_bytes, "portable_weight_file_bytes": info.weight_file_bytes,
-        "largest_tensor_bytes": info.largest_tensor_bytes,
+        "largest_array_held_bytes": info.largest_tensor_bytes,
         "kv_bytes_per_position": plan.kv_bytes_per_position,
         "dense_fp16_kv_bytes_per_position": plan.dense_fp16_bytes_per_position,
         "kv_ratio_vs_dense_fp16": plan.kv_bytes_per_position / plan.dense_fp16_bytes_per_position,

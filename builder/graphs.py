@@ -16,7 +16,7 @@ import numpy as np
 
 from builder.graph_portable import PortableOps
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
-from builder.network import NetSpec, Network, quant_name
+from builder.network import NetSpec, Network, TensorSource, quant_name
 from builder.nodes import F16, F32, I32, U8
 from builder.onnx_util import OPSET, GraphBuilder, WeightStore, save_model
 from builder.plan import PoolRows
@@ -35,24 +35,24 @@ class GraphsInfo:
     plugin_namespace: str
     plugin_domain: str
     files: list[str]
-    largest_tensor_bytes: int
+    largest_tensor_bytes: int  # largest array the build held at once (a chunk of a streamed tensor)
     weight_file_bytes: int
 
 
-def write_graphs(out: Path, spec: NetSpec, read: Callable[[str], np.ndarray], quant: dict[int, np.ndarray],
+def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
                  rows: PoolRows, *, progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     store = WeightStore(out / WEIGHTS_FILE)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)
-        Network(g, PortableOps(g, cfg, ranks, n_max), spec, read, quant, F32).build()
+        Network(g, PortableOps(g, cfg, ranks, n_max), spec, source, quant, F32).build()
         save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
                    out / MODEL_PORTABLE)
         progress("TensorRT graph")
         g = GraphBuilder(store)
         trt_spec = NetSpec(cfg, ranks, n_max, logits=spec.logits, debug=False)
-        Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, read, quant, F16).build()
+        Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, source, quant, F16).build()
         save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1},
                            doc="GSM network with GSM plugin nodes, FP16 (docs/engine_io.md 2-4)"), out / MODEL_TRT)
         progress("demotion graphs")

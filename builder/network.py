@@ -10,15 +10,16 @@ graph needs them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, swiglu
 from builder.onnx_util import GraphBuilder
 from gsm import names
+from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
 
 ROPE_COS, ROPE_SIN = "gsm.rope_cos", "gsm.rope_sin"
@@ -26,6 +27,27 @@ ROPE_COS, ROPE_SIN = "gsm.rope_cos", "gsm.rope_sin"
 
 def quant_name(l: int) -> str:
     return f"gsm.layers.{l}.quant"
+
+
+class TensorSource(Protocol):
+    """Where checkpoint tensors come from: shapes, and float32 values as flat chunks in C order."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def chunks(self, name: str) -> Iterable[np.ndarray]: ...
+
+
+class CheckpointSource:
+    """TensorSource over a checkpoint: 16 MiB chunks, so a build never holds a whole tensor."""
+
+    def __init__(self, tensors: CheckpointTensors, chunk_bytes: int = 16 << 20) -> None:
+        self.tensors, self.chunk_bytes = tensors, chunk_bytes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors.shape(name)
+
+    def chunks(self, name: str) -> Iterable[np.ndarray]:
+        return self.tensors.reader(name).iter_chunks(name, self.chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -40,16 +62,19 @@ class NetSpec:
 
 
 class Network:
-    def __init__(self, g: GraphBuilder, ops: Any, spec: NetSpec, read: Callable[[str], np.ndarray],
+    def __init__(self, g: GraphBuilder, ops: Any, spec: NetSpec, source: TensorSource,
                  quant_tables: dict[int, np.ndarray], act: int) -> None:
-        self.g, self.ops, self.spec, self.read, self.act = g, ops, spec, read, act
+        self.g, self.ops, self.spec, self.source, self.act = g, ops, spec, source, act
         self.cfg = spec.cfg
         self.quant_tables = quant_tables
         self._cast: dict[str, str] = {}
 
     def w(self, name: str, *, keep_f32: bool = False) -> str:
-        """Checkpoint tensor `name` (stored on first use), cast to the activation type unless keep_f32."""
-        self.g.weight(name, lambda: self.read(name))
+        """Checkpoint tensor `name` (streamed into the weight file on first use), cast to the activation
+        type unless keep_f32."""
+        if name not in self.g.store.tensors:
+            self.g.store.put_chunks(name, self.source.shape(name), self.source.chunks(name))
+        self.g.weight(name)
         if keep_f32 or self.act == F32:
             return name
         if name not in self._cast:
@@ -151,4 +176,4 @@ class Network:
             g.output("logits", F32, ["B", "S", V])
 
 
-__all__ = ["F16", "NetSpec", "Network", "ROPE_COS", "ROPE_SIN", "quant_name"]
+__all__ = ["F16", "CheckpointSource", "NetSpec", "Network", "ROPE_COS", "ROPE_SIN", "TensorSource", "quant_name"]

@@ -9,8 +9,9 @@ Both graph variants of a bundle reference the same data file.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ class WeightStore:
         self.location = path.name  # ONNX external_data location, relative to the model file
         self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
         self.tensors: dict[str, StoredTensor] = {}
-        self.peak_tensor_bytes = 0
+        self.peak_tensor_bytes = 0  # largest array held at once (a chunk, for streamed tensors)
 
     def put(self, name: str, array: np.ndarray) -> str:
         if name in self.tensors:
@@ -57,6 +58,26 @@ class WeightStore:
         self._f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
         self.tensors[name] = StoredTensor(tuple(a.shape), a.dtype, offset, a.nbytes)
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, a.nbytes)
+        return name
+
+    def put_chunks(self, name: str, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> str:
+        """Store a float32 tensor from flat chunks, so not even one whole tensor sits in memory."""
+        if name in self.tensors:
+            raise ValueError(f"tensor {name!r} stored twice")
+        pos = self._f.tell()
+        pad = (-pos) % ALIGN
+        if pad:
+            self._f.write(b"\0" * pad)
+        offset, n, biggest = pos + pad, 0, 0
+        for c in chunks:
+            c32 = np.ascontiguousarray(c, dtype="<f4")
+            self._f.write(c32.tobytes())
+            n += c32.size
+            biggest = max(biggest, c32.nbytes)
+        if n != math.prod(shape):
+            raise ValueError(f"tensor {name!r}: {n} elements streamed, shape {list(shape)} needs {math.prod(shape)}")
+        self.tensors[name] = StoredTensor(tuple(shape), np.dtype(np.float32), offset, n * 4)
+        self.peak_tensor_bytes = max(self.peak_tensor_bytes, biggest)
         return name
 
     def get_or_put(self, name: str, produce: Callable[[], np.ndarray]) -> str:
