@@ -14,6 +14,7 @@ decode step count reaches a multiple of `quantization_adaptation_rate`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,6 +30,8 @@ from gsm.golden.selection import index_scores, select
 from gsm.golden.weights import GoldenWeights, KVCalibration, OwningKV
 
 Mode = Literal["exact", "deployed"]
+# (owning layer, first new position, c_k rows [T, r_k], c_v rows [T, r_v]) as the cache stores them
+LatentHook = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -67,6 +70,8 @@ class GoldenModel:
         self.quant = quant or KVQuantConfig()
         self.calib = calibration or KVCalibration.data_free(weights)
         self.dense_kv = dense_kv or {}
+        # observers of new latent rows (calibration statistics, as TensorRT-LLM's forward hooks)
+        self.latent_hooks: list[LatentHook] = []
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, mode: Mode = "exact", **kw) -> GoldenModel:
@@ -103,6 +108,8 @@ class GoldenModel:
                 kv = lw.kv
                 cache.append(i, (x @ kv.k_Vt.T) * kv.k_S, (x @ kv.v_Vt.T) * kv.v_S, x @ kv.idx_k.T)
                 c = cache.layers[i]
+                for hook in self.latent_hooks:
+                    hook(i, n0, c.ck[n0:], c.cv[n0:])
                 scores = index_scores(x, kv.idx_q, kv.idx_w, c.keys, cfg.gsm.indexer_heads)  # [T, n]
                 sel_of[i] = select(scores, q_pos, self.p)
                 k, v = A.reconstruct_owning(c.ck, c.cv, kv.k_U, kv.v_U, cfg.num_key_value_heads,

@@ -1,0 +1,104 @@
+"""`python -m calibration run` — thin argparse front end over calibration.pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from calibration.measure import Fractions
+from calibration.scales import DEFAULT_PERCENTILE, METHODS
+
+
+def parse_fractions(text: str) -> Fractions:
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected three numbers like 0.25,0.25,0.5, got {text!r}") from e
+    if len(parts) != 3 or any(p < 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
+        raise argparse.ArgumentTypeError(f"expected three non-negative fractions summing to 1, got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m calibration", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="calibrate the latent KV cache of a GSM checkpoint on real text")
+    r.add_argument("--checkpoint", type=Path, required=True, help="GSM checkpoint directory")
+    r.add_argument("--data", type=Path, help="calibration text (.txt) or token ids (.npy, .bin int32), or a "
+                   "directory holding one '*calib*' file (default: the text the converter used)")
+    r.add_argument("--eval-data", type=Path, help="held-out data for the report, never fitted on (default: "
+                   "the single '*eval*' file beside the calibration file)")
+    r.add_argument("--tokenizer", type=Path, help="tokenizer for text data (default: the checkpoint's "
+                   "tokenizer.json)")
+    r.add_argument("--samples", type=int, default=64, help="calibration sequences (default %(default)s)")
+    r.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default %(default)s)")
+    r.add_argument("--method", default="absmax", help=f"INT8 scale method: {' | '.join(METHODS)} "
+                   "(default %(default)s)")
+    r.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
+                   help="percentile of |x| for --method percentile (default %(default)s)")
+    r.add_argument("--error-budget", type=float, default=0.01, help="allowed relative perplexity increase of "
+                   "deployed over exact mode when choosing tier fractions (default %(default)s)")
+    r.add_argument("--tier-fractions", type=parse_fractions, help="fix FP16,INT12,INT8 fractions "
+                   "(skips the search)")
+    r.add_argument("--fraction-step", type=float, default=0.25, help="grid step of the fraction search")
+    r.add_argument("--search-samples", type=int, default=8, help="calibration sequences measured per "
+                   "candidate (default %(default)s)")
+    r.add_argument("--eval-samples", type=int, default=8, help="held-out sequences for the report; 0 = none")
+    r.add_argument("--prefill-len", type=int, help="prefill tokens before the measured decode steps "
+                   "(default seq-len / 4)")
+    r.add_argument("--adaptation-rate", type=int, default=16, help="decode steps between re-tier passes while "
+                   "measuring (default %(default)s; the engine's own rate is gsm_config's)")
+    r.add_argument("--fp16-window", type=int, help="quant_config fp16_window (default: keep the checkpoint's)")
+    r.add_argument("--hotness-decay", type=float, help="quant_config hotness_decay (default: keep)")
+    r.add_argument("--reservoir", type=int, default=16384, help="latent rows kept per layer for percentile/MSE "
+                   "and compensation (default %(default)s)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the latent-row reservoir")
+    r.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the per-token work is "
+                   "small, and more threads only fight over shared cores)")
+    r.add_argument("--out", type=Path, help="write a calibrated copy here instead of rewriting --checkpoint")
+    r.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    r.add_argument("--report", type=Path, help="also write the report JSON here")
+    return p
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from calibration.data import CalibrationInputError
+    from calibration.pipeline import CalibrateOptions, calibrate_checkpoint
+    from calibration.report import print_report
+    from calibration.writer import CheckpointStateError
+    from gsm.atomic import OutputExistsError
+    from gsm.checkpoint import CheckpointError
+    from gsm.config import ConfigError
+
+    opts = CalibrateOptions(
+        checkpoint=args.checkpoint, data=args.data, eval_data=args.eval_data, tokenizer=args.tokenizer,
+        samples=args.samples, seq_len=args.seq_len, method=args.method, percentile=args.percentile,
+        error_budget=args.error_budget, search_samples=args.search_samples, eval_samples=args.eval_samples,
+        prefill_len=args.prefill_len, adaptation_rate=args.adaptation_rate, fraction_step=args.fraction_step,
+        tier_fractions=args.tier_fractions, fp16_window=args.fp16_window, hotness_decay=args.hotness_decay,
+        reservoir=args.reservoir, seed=args.seed, out=args.out, overwrite=args.overwrite)
+    try:
+        if not args.checkpoint.is_dir():
+            raise CalibrationInputError(f"--checkpoint {args.checkpoint}: not a directory")
+        report = calibrate_checkpoint(opts, progress=lambda m: print(f"[calibration] {m}", file=sys.stderr))
+    except (CalibrationInputError, CheckpointStateError, CheckpointError, ConfigError, OutputExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.checkpoint} is unchanged", file=sys.stderr)
+        return 130
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    print_report(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    return run_command(args)

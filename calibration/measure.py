@@ -1,0 +1,138 @@
+"""Deployed-mode quality on decoded spans: what the tier fractions and scales cost.
+
+Protocol (decided here, documented in docs/calibration.md): each sequence of T tokens is split
+into a prefill of `prefill_len` tokens and T - prefill_len - 1 teacher-forced decode steps
+(`GoldenModel.prefill` / `decode`). Only the decode steps' predictions are scored: the prefill's
+logits are computed before the end-of-prefill re-tier pass, so they never see an INT tier.
+The engine's `quantization_adaptation_rate` (spec default 1000) is longer than a calibration
+sequence, so measurements run with a small rate (`adaptation_rate`, default 16): the end-of-prefill
+pass plus a pass every 16 decode steps, so demotions happen inside the measured span and the
+rows attention reads are in the tiers the policy gives them. Exact mode (no quantisation) is
+scored on the same tokens with one forward call (equal to decoding step by step in exact mode).
+
+Figures per configuration: mean NLL (perplexity = exp), and the mean KL(exact || deployed) of the
+next-token distributions, a much less noisy measure of the same damage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from gsm.config import KVQuantConfig
+from gsm.golden.model import GoldenModel
+from gsm.golden.quant import TIER_BYTES
+from gsm.golden.weights import GoldenWeights, KVCalibration
+
+Fractions = tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class Protocol:
+    prefill_len: int
+    adaptation_rate: int = 16
+
+    def check(self, seq_len: int) -> None:
+        if not 1 <= self.prefill_len <= seq_len - 2:
+            raise ValueError(f"--prefill-len {self.prefill_len} must leave at least one decode step in "
+                             f"--seq-len {seq_len} (1 <= prefill_len <= seq_len - 2)")
+        if self.adaptation_rate < 1:
+            raise ValueError(f"--adaptation-rate must be >= 1, got {self.adaptation_rate}")
+
+
+@dataclass(frozen=True)
+class Score:
+    """Sums over scored tokens, so scores of several sequences add up."""
+
+    nll: float
+    kl: float
+    tokens: int
+
+    def __add__(self, other: Score) -> Score:
+        return Score(self.nll + other.nll, self.kl + other.kl, self.tokens + other.tokens)
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / max(self.tokens, 1)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean_nll)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / max(self.tokens, 1)
+
+
+def avg_bytes_per_value(fractions: Fractions) -> float:
+    """Spec 6: average bytes per latent value under the tier fractions (FP16 2, INT12 1.5, INT8 1)."""
+    return sum(f * b for f, b in zip(fractions, TIER_BYTES))
+
+
+def kv_bytes_per_position(weights: GoldenWeights, fractions: Fractions) -> float:
+    """Spec 6: sum over owning layers of (r_k + r_v) * avg bytes + dI * 2 (FP16 indexer key)."""
+    d_i = weights.cfg.gsm.indexer_dim
+    avg = avg_bytes_per_value(fractions)
+    return float(sum((rk + rv) * avg + d_i * 2 for rk, rv in weights.ranks.values()))
+
+
+def deployed_model(weights: GoldenWeights, quant: KVQuantConfig, calib: KVCalibration, fractions: Fractions,
+                   protocol: Protocol) -> GoldenModel:
+    params = replace(weights.cfg.gsm, quantization_adaptation_rate=protocol.adaptation_rate)
+    return GoldenModel(weights, mode="deployed", quant=quant.replace(tier_fractions=tuple(fractions)),
+                       calibration=calib, params=params)
+
+
+@torch.no_grad()
+def exact_logprobs(model: GoldenModel, ids: torch.Tensor, prefill_len: int) -> torch.Tensor:
+    """log p of the next token at positions prefill_len .. T-2 ([T - 1 - prefill_len, V]), exact mode."""
+    logits = model.forward(model.new_cache(), ids[:-1]).logits[prefill_len:]
+    return F.log_softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def deployed_logprobs(model: GoldenModel, ids: torch.Tensor, prefill_len: int) -> torch.Tensor:
+    """The same positions, decoded one token at a time so re-tier passes take effect."""
+    cache = model.new_cache()
+    model.prefill(cache, ids[:prefill_len])
+    rows = [model.decode(cache, int(t)).logits for t in ids[prefill_len:-1]]
+    return F.log_softmax(torch.cat(rows), dim=-1)
+
+
+def score(logprobs: torch.Tensor, ids: torch.Tensor, prefill_len: int,
+          reference: torch.Tensor | None = None) -> Score:
+    """NLL of the targets ids[prefill_len+1:], and KL(reference || logprobs) when given."""
+    targets = ids[prefill_len + 1:]
+    nll = float(-logprobs.gather(1, targets.view(-1, 1)).sum())
+    kl = 0.0
+    if reference is not None:
+        kl = float((reference.exp() * (reference - logprobs)).sum())
+    return Score(nll, kl, int(targets.numel()))
+
+
+class Evaluator:
+    """Scores configurations on fixed sequences; exact-mode log-probs are computed once."""
+
+    def __init__(self, weights: GoldenWeights, quant: KVQuantConfig, sequences: torch.Tensor,
+                 protocol: Protocol) -> None:
+        protocol.check(int(sequences.shape[1]))
+        self.weights, self.quant, self.seqs, self.protocol = weights, quant, sequences, protocol
+        exact = GoldenModel(weights, mode="exact", quant=quant)
+        self.reference = [exact_logprobs(exact, row, protocol.prefill_len) for row in sequences]
+        self.exact = sum((score(lp, row, protocol.prefill_len) for lp, row in zip(self.reference, sequences)),
+                         Score(0.0, 0.0, 0))
+
+    def deployed(self, calib: KVCalibration, fractions: Fractions) -> Score:
+        model = deployed_model(self.weights, self.quant, calib, fractions, self.protocol)
+        total = Score(0.0, 0.0, 0)
+        for ref, row in zip(self.reference, self.seqs):
+            lp = deployed_logprobs(model, row, self.protocol.prefill_len)
+            total = total + score(lp, row, self.protocol.prefill_len, ref)
+        return total
+
+    def relative_increase(self, s: Score) -> float:
+        """Relative perplexity increase over exact mode on the same tokens."""
+        return s.perplexity / self.exact.perplexity - 1.0

@@ -1,0 +1,228 @@
+"""`calibration run`, step by step, as one function over plain options.
+
+1. Read the checkpoint (config, quant_config, weights; manifest checked) and the token sequences
+   of the calibration data (and of the held-out data, if any).
+2. Statistics: exact-mode forward over the calibration sequences with a latent hook (stats.py).
+3. Scales and compensation per layer, latent and channel (scales.py).
+4. Tier fractions: cheapest grid point within the error budget, deployed mode, decode steps, on
+   the first `search_samples` calibration sequences (tiers.py, measure.py).
+5. Held-out report: per-latent errors and the whole-model table (exact, calibrated mixed, naive
+   per-tensor at the same bytes, all-INT8 with and without compensation, ...), never fitted on.
+6. Write kv_calibration.safetensors + quant_config.json atomically (writer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from calibration import scales as sc
+from calibration.data import (
+    CalibrationInputError,
+    Sequences,
+    checkpoint_tokenizer,
+    ids_sha256,
+    load_sequences,
+    resolve_inputs,
+)
+from calibration.measure import Evaluator, Fractions, Protocol, Score, kv_bytes_per_position
+from calibration.report import latent_errors
+from calibration.stats import collect_stats
+from calibration.tiers import Choice, candidate_fractions, choose_fractions
+from calibration.writer import check_unmodified, write_calibrated
+from gsm import checkpoint as ckpt
+from gsm.golden.model import GoldenModel
+from gsm.golden.weights import GoldenWeights, KVCalibration
+
+ALL_FP16: Fractions = (1.0, 0.0, 0.0)
+ALL_INT8: Fractions = (0.0, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    checkpoint: Path
+    data: Path | None = None  # FILE | DIR; default: the file conversion_report.json names
+    eval_data: Path | None = None  # default: the single *eval* file beside the calibration file
+    tokenizer: Path | None = None
+    samples: int = 64  # calibration sequences for statistics
+    seq_len: int = 256
+    method: str = "absmax"
+    percentile: float = sc.DEFAULT_PERCENTILE
+    error_budget: float = 0.01
+    search_samples: int = 8  # calibration sequences measured per candidate (decode steps: slow)
+    eval_samples: int = 8  # held-out sequences for the report (0: none)
+    prefill_len: int | None = None  # default seq_len // 4
+    adaptation_rate: int = 16
+    fraction_step: float = 0.25
+    tier_fractions: Fractions | None = None  # fixed: skip the search
+    fp16_window: int | None = None  # default: keep the checkpoint's
+    hotness_decay: float | None = None
+    reservoir: int = 16384
+    seed: int = 0
+    out: Path | None = None
+    overwrite: bool = False
+
+    @property
+    def protocol(self) -> Protocol:
+        return Protocol(self.prefill_len if self.prefill_len is not None else self.seq_len // 4,
+                        self.adaptation_rate)
+
+
+def default_data(checkpoint: Path) -> Path:
+    """The calibration text the converter used (conversion_report.json), when it still exists."""
+    rep = checkpoint / "conversion_report.json"
+    try:
+        f = Path(json.loads(rep.read_text(encoding="utf-8"))["calibration"]["file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        f = None
+    if f is None or not f.is_file():
+        raise CalibrationInputError("--data not given and the checkpoint names no calibration text that "
+                                    "exists here; pass --data FILE|DIR")
+    return f
+
+
+def check_options(o: CalibrateOptions, max_positions: int) -> None:
+    if o.method not in sc.METHODS:
+        raise CalibrationInputError(f"--method {o.method!r}: expected one of {', '.join(sc.METHODS)}")
+    if o.seq_len > max_positions:
+        raise CalibrationInputError(f"--seq-len {o.seq_len} exceeds the model's max_position_embeddings "
+                                    f"{max_positions}")
+    for flag, v in (("--samples", o.samples), ("--search-samples", o.search_samples), ("--reservoir", o.reservoir)):
+        if v < 1:
+            raise CalibrationInputError(f"{flag} must be >= 1, got {v}")
+    if o.eval_samples < 0:
+        raise CalibrationInputError(f"--eval-samples must be >= 0, got {o.eval_samples}")
+    if o.error_budget < 0:
+        raise CalibrationInputError(f"--error-budget must be >= 0, got {o.error_budget}")
+    try:
+        o.protocol.check(o.seq_len)
+        candidate_fractions(o.fraction_step)
+    except ValueError as e:
+        raise CalibrationInputError(str(e)) from e
+
+
+def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run every step; returns the report (also written into the checkpoint and to --report)."""
+    t0 = time.perf_counter()
+    cfg = ckpt.load_config(o.checkpoint)
+    quant0 = ckpt.load_quant(o.checkpoint)
+    check_options(o, cfg.max_position_embeddings)
+    expected = check_unmodified(o.checkpoint)
+    calib_path, eval_path = resolve_inputs(o.data or default_data(o.checkpoint), o.eval_data)
+
+    tok_cache: list[Any] = []
+
+    def tokenizer() -> Any:
+        if not tok_cache:
+            tok_cache.append(checkpoint_tokenizer(o.checkpoint, o.tokenizer, cfg.vocab_size))
+        return tok_cache[0]
+
+    def seqs(path: Path, flag: str, n: int) -> Sequences:
+        return load_sequences(path, flag, tokenizer, seq_len=o.seq_len, max_sequences=n, bos_id=cfg.bos_token_id,
+                              vocab_size=cfg.vocab_size)
+
+    cal = seqs(calib_path, "--data", o.samples)
+    ev = seqs(eval_path, "--eval-data", o.eval_samples) if eval_path is not None and o.eval_samples else None
+    progress(f"calibration: {cal.ids.shape[0]} x {o.seq_len} tokens of {cal.kind} from {cal.path}"
+             + (f"; held-out: {ev.ids.shape[0]} sequences from {ev.path}" if ev else "; no held-out data"))
+
+    weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
+    quant = quant0.replace(**{k: v for k, v in (("fp16_window", o.fp16_window),
+                                                 ("hotness_decay", o.hotness_decay)) if v is not None})
+    exact = GoldenModel(weights, mode="exact", quant=quant)
+    stats = collect_stats(exact, cal.ids, capacity=o.reservoir, seed=o.seed)
+    calib = sc.calibrate(stats, o.method, percentile=o.percentile)
+    naive = sc.naive_calibration(stats)
+    progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")
+
+    protocol = o.protocol
+    search = Evaluator(weights, quant, cal.ids[: o.search_samples], protocol)
+    if o.tier_fractions is not None:
+        choice = Choice(tuple(o.tier_fractions), o.error_budget, True, [])
+        progress(f"tier fractions fixed by --tier-fractions: {list(choice.fractions)}")
+    else:
+        choice = choose_fractions(lambda f: search.deployed(calib, f), search.exact.perplexity, o.error_budget,
+                                  candidate_fractions(o.fraction_step), progress)
+
+    # held-out (or, without held-out data, the calibration search sequences: labelled as such)
+    measured = Evaluator(weights, quant, ev.ids, protocol) if ev else search
+    where = f"held-out {ev.path.name}" if ev else "calibration text (no held-out data)"
+    rows_src = ev.ids if ev else cal.ids
+    held = collect_stats(exact, rows_src, capacity=max(1, rows_src.numel()), seed=o.seed, fp16=False)
+    layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
+                                                         naive.scales[(i, kv)])}
+              for (i, kv) in sorted(stats)]
+    model = model_table(measured, weights, choice, calib, naive, where, progress)
+
+    quant_out = quant.replace(tier_fractions=tuple(choice.fractions), method=o.method,
+                              samples=int(cal.ids.shape[0]), data_hash=ids_sha256(cal.ids))
+    dest = o.out if o.out is not None else o.checkpoint
+    report: dict[str, Any] = {
+        "checkpoint": str(o.checkpoint), "output": str(dest), "method": o.method,
+        "percentile": o.percentile if o.method == "percentile" else None,
+        "data": {"file": str(cal.path), "kind": cal.kind, "sequences": int(cal.ids.shape[0]),
+                 "seq_len": o.seq_len, "data_hash": quant_out.data_hash,
+                 "latent_rows_per_layer": next(iter(stats.values())).count,
+                 "reservoir_exact": all(s.exact for s in stats.values())},
+        "held_out": None if ev is None else {"file": str(ev.path), "kind": ev.kind,
+                                             "sequences": int(ev.ids.shape[0])},
+        "protocol": {"prefill_len": protocol.prefill_len, "adaptation_rate": protocol.adaptation_rate,
+                     "search_sequences": int(search.seqs.shape[0]), "fraction_step": o.fraction_step},
+        "choice": {"tier_fractions": list(choice.fractions), "error_budget": o.error_budget,
+                   "budget_met": choice.budget_met, "fixed": o.tier_fractions is not None,
+                   "search_exact_perplexity": search.exact.perplexity,
+                   "trials": [t.to_json() for t in choice.trials]},
+        "quant_config": quant_out.to_json()["kv_quantization"],
+        "layers": layers,
+        "model": model,
+    }
+    report["seconds"] = time.perf_counter() - t0
+    write_calibrated(o.checkpoint, calib, quant_out, report, out=o.out, overwrite=o.overwrite,
+                     metadata={"method": o.method, "data_hash": quant_out.data_hash}, expected=expected)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KVCalibration,
+                naive: KVCalibration, where: str, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Perplexity and KL of each configuration on the same decoded tokens, with spec 6 bytes."""
+    no_comp = sc.without_compensation(calib)
+    data_free = KVCalibration.data_free(weights)
+    chosen = tuple(choice.fractions)
+    configs: list[tuple[str, KVCalibration | None, Fractions | None]] = [
+        ("exact (no quantisation)", None, None),
+        ("deployed, all FP16", calib, ALL_FP16),
+        ("calibrated, chosen fractions", calib, chosen),
+        ("naive per-tensor INT8, chosen fractions", naive, chosen),
+        ("data-free scales, chosen fractions", data_free, chosen),
+        ("calibrated all-INT8", calib, ALL_INT8),
+        ("calibrated all-INT8, no compensation", no_comp, ALL_INT8),
+        ("naive per-tensor all-INT8", naive, ALL_INT8),
+    ]
+    done: dict[tuple[int, Fractions], Score] = {}
+    rows = []
+    for name, cal, fr in configs:
+        if cal is None or fr is None:
+            s, b = ev.exact, kv_bytes_per_position(weights, ALL_FP16)  # exact holds float32; FP16 for bytes
+        else:
+            key = (id(cal), fr)
+            if key not in done:
+                done[key] = ev.deployed(cal, fr)
+                progress(f"{name}: perplexity {done[key].perplexity:.4f}")
+            s, b = done[key], kv_bytes_per_position(weights, fr)
+        rows.append({"name": name, "tier_fractions": None if fr is None else list(fr), "kv_bytes_per_position": b,
+                     "perplexity": s.perplexity, "mean_nll": s.mean_nll,
+                     "relative_increase": None if cal is None else ev.relative_increase(s),
+                     "mean_kl": None if cal is None else s.mean_kl})
+    by_name = {r["name"]: r for r in rows}
+    return {"where": where, "sequences": int(ev.seqs.shape[0]), "tokens": ev.exact.tokens,
+            "protocol": {"prefill_len": ev.protocol.prefill_len, "adaptation_rate": ev.protocol.adaptation_rate},
+            "dense_fp16_bytes_per_position": float(weights.cfg.num_hidden_layers * 2 * weights.cfg.kv_dim * 2),
+            "rows": rows,
+            "chosen_within_budget": by_name["calibrated, chosen fractions"]["relative_increase"]
+            <= choice.budget if where.startswith("held-out") else None}
+

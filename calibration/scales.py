@@ -1,0 +1,119 @@
+"""Scales and compensation tables from latent statistics: pure functions of tensors.
+
+Per owning layer and latent (c_k, c_v), per channel j (spec 5):
+- `scale_int8[j]`  = clip_j / 127, clip_j chosen by the method:
+  `absmax` (clip = running abs-max, no clipping on calibration data),
+  `percentile` (clip = the p-th percentile of |x|, pytorch-quantization's default p = 99.99),
+  `mse` (clip = alpha * abs-max, alpha on a grid, minimising the mean squared INT8 error *after*
+  compensation, i.e. the error the deployed dequantisation q*s + comp actually makes);
+- `scale_int12[j]` = its own clip / 2047: abs-max for `absmax` and `percentile` (with 16x finer
+  steps, clipping costs more than it saves), the MSE search on the INT12 grid for `mse`;
+- `comp_int8[j]`   = mean over calibration rows of x - q*s (the "lookup-table compensation": the
+  systematic part of the INT8 error, removed on dequantisation).
+
+All arithmetic that must match an engine goes through gsm.golden.quant (IEEE float32 division,
+round-half-even); scales are float32 numbers computed as float32(clip) / float32(qmax).
+The naive baseline (`per_tensor_scales`) is TensorRT-LLM's legacy `kv_cache_scaling_factor`: one
+scale per layer and latent for all channels, abs-max / 127, no compensation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from calibration.stats import ChannelStats
+from gsm.golden.quant import INT8, INT12, QMAX, default_int12_scale, dequantize, quantize
+from gsm.golden.weights import KVCalibration, LatentScales
+
+METHODS = ("absmax", "percentile", "mse")
+DEFAULT_PERCENTILE = 99.99
+MSE_ALPHAS = torch.linspace(0.30, 1.00, 71)  # clip / abs-max candidates of the MSE search
+REL_FLOOR = 1e-6  # a channel that never moved gets clip = REL_FLOOR * the latent's largest clip
+
+
+def quant_error(x: torch.Tensor, scale: torch.Tensor, tier: int, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """x - dequant(quant(x)) of one INT tier, with the golden model's exact rounding. x: [N, r]."""
+    return x - dequantize(quantize(x, scale, tier), scale, comp)
+
+
+def scale_of(clip: torch.Tensor, tier: int) -> torch.Tensor:
+    """float32(clip) / float32(qmax), with dead channels floored so every scale is positive."""
+    clip = clip.float()
+    top = float(clip.max()) if clip.numel() else 0.0
+    floor = REL_FLOOR * top if top > 0 else 1.0
+    clip = torch.where(clip > 0, clip, torch.tensor(floor, dtype=torch.float32))
+    return clip / torch.tensor(float(QMAX[tier]), dtype=torch.float32)
+
+
+def compensation(rows: torch.Tensor, scale_int8: torch.Tensor) -> torch.Tensor:
+    """comp [r] = mean over rows of the INT8 error x - q*s (float64 sum, then float32)."""
+    if rows.shape[0] == 0:
+        return torch.zeros(rows.shape[1])
+    return quant_error(rows, scale_int8, INT8).double().mean(dim=0).float()
+
+
+def percentile_clip(rows: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Per-channel percentile of |x| (linear interpolation, deterministic)."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    if rows.shape[0] == 0:
+        return torch.zeros(rows.shape[1])
+    return torch.quantile(rows.abs().double(), percentile / 100.0, dim=0).float()
+
+
+def mse_clip(rows: torch.Tensor, absmax: torch.Tensor, tier: int, *, with_comp: bool,
+             alphas: torch.Tensor = MSE_ALPHAS) -> torch.Tensor:
+    """Per channel, the clip alpha*absmax minimising mean squared error (after comp if with_comp).
+
+    Ties go to the largest alpha (least clipping: safest on text not seen in calibration).
+    """
+    if rows.shape[0] == 0:
+        return absmax.clone()
+    losses = []
+    for a in alphas.tolist():
+        e = quant_error(rows, scale_of(absmax * a, tier), tier).double()
+        if with_comp:
+            e = e - e.mean(dim=0)
+        losses.append((e * e).mean(dim=0))
+    loss = torch.stack(losses)  # [A, r]
+    best = loss.shape[0] - 1 - torch.argmin(loss.flip(0), dim=0)  # last index of the minimum
+    return (absmax * alphas[best]).float()
+
+
+def channel_scales(st: ChannelStats, method: str, *, percentile: float = DEFAULT_PERCENTILE) -> LatentScales:
+    """Per-channel scale_int8, scale_int12 and comp_int8 of one latent."""
+    if method == "absmax":
+        s8 = scale_of(st.absmax, INT8)
+        s12 = scale_of(st.absmax, INT12)
+    elif method == "percentile":
+        s8 = scale_of(percentile_clip(st.rows, percentile), INT8)
+        s12 = scale_of(st.absmax, INT12)
+    elif method == "mse":
+        s8 = scale_of(mse_clip(st.rows, st.absmax, INT8, with_comp=True), INT8)
+        s12 = scale_of(mse_clip(st.rows, st.absmax, INT12, with_comp=False), INT12)
+    else:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    return LatentScales(scale_int8=s8, scale_int12=s12, comp_int8=compensation(st.rows, s8))
+
+
+def per_tensor_scales(st: ChannelStats) -> LatentScales:
+    """Naive baseline: one abs-max scale for all channels, spec-default INT12 scale, no comp."""
+    s8 = scale_of(st.absmax.max().reshape(1), INT8).expand(st.r).clone()
+    return LatentScales(scale_int8=s8, scale_int12=default_int12_scale(s8), comp_int8=torch.zeros(st.r))
+
+
+def calibrate(stats: dict[tuple[int, str], ChannelStats], method: str, *,
+              percentile: float = DEFAULT_PERCENTILE) -> KVCalibration:
+    """KVCalibration of every owning layer's c_k and c_v."""
+    return KVCalibration({key: channel_scales(st, method, percentile=percentile)
+                          for key, st in sorted(stats.items())}, calibrated=True)
+
+
+def naive_calibration(stats: dict[tuple[int, str], ChannelStats]) -> KVCalibration:
+    return KVCalibration({key: per_tensor_scales(st) for key, st in sorted(stats.items())}, calibrated=True)
+
+
+def without_compensation(calib: KVCalibration) -> KVCalibration:
+    """The same scales with comp_int8 = 0 (to measure what the compensation buys)."""
+    return KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, torch.zeros_like(s.comp_int8))
+                          for k, s in calib.scales.items()}, calibrated=calib.calibrated)

@@ -1,0 +1,123 @@
+"""Per-channel statistics of the latent rows an owning layer writes (the calibration "observer").
+
+The pattern is TensorRT-LLM's `capture_activation_range`: a hook on the model records, per owning
+layer and per latent channel of c_k and c_v, what the scale methods need:
+- a running abs-max (method `absmax`; also the search range of `mse`),
+- a running count and float64 sum (a cheap mean per channel, for the report),
+- a uniform reservoir of whole rows (Vitter's algorithm R, seeded), from which `percentile`,
+  `mse` and the compensation table are computed. Rows, not single values, are sampled so every
+  channel sees the same positions; below `capacity` rows the reservoir holds all of them and every
+  number is exact.
+
+What is recorded is the value the INT tiers would quantise: the FP16-rounded latent (spec 5: a row
+enters FP16, and FP16 -> INT8 quantises the FP16 value). Positions that can never leave FP16 are
+left out, because their values never meet a scale: the sinks (often outliers, StreamingLLM) and
+tokens of `hot_token_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gsm.golden.model import GoldenModel
+from gsm.golden.quant import round_fp16
+
+
+@dataclass
+class ChannelStats:
+    """Statistics of one latent ([rows, r]) of one owning layer."""
+
+    r: int
+    capacity: int
+    generator: torch.Generator
+    absmax: torch.Tensor = field(init=False)  # [r] float32
+    total: torch.Tensor = field(init=False)  # [r] float64 sum
+    count: int = 0
+    rows: torch.Tensor = field(init=False)  # [min(count, capacity), r] float32 reservoir
+
+    def __post_init__(self) -> None:
+        self.absmax = torch.zeros(self.r)
+        self.total = torch.zeros(self.r, dtype=torch.float64)
+        self.rows = torch.zeros(0, self.r)
+
+    def update(self, x: torch.Tensor) -> None:
+        """x: [T, r] float32 rows, already the values to be quantised."""
+        if x.numel() == 0:
+            return
+        x = x.detach().float()
+        self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
+        self.total += x.double().sum(dim=0)
+        free = max(0, self.capacity - self.rows.shape[0])
+        head, tail = x[:free], x[free:]
+        if head.shape[0]:
+            self.rows = torch.cat([self.rows, head.clone()])
+        seen = self.count + head.shape[0]
+        if tail.shape[0]:
+            # algorithm R: the k-th row overall (0-based) replaces slot j ~ U[0, k] when j < capacity
+            k = torch.arange(seen, seen + tail.shape[0], dtype=torch.float64)
+            j = (torch.rand(tail.shape[0], generator=self.generator, dtype=torch.float64) * (k + 1)).long()
+            for idx in (j < self.capacity).nonzero().squeeze(1).tolist():  # in order: later rows win
+                self.rows[int(j[idx])] = tail[idx]
+        self.count += x.shape[0]
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return (self.total / max(self.count, 1)).float()
+
+    @property
+    def exact(self) -> bool:
+        """Whether the reservoir holds every row seen (all derived numbers are then exact)."""
+        return self.count <= self.capacity
+
+
+class LatentObserver:
+    """Hook for `GoldenModel.latent_hooks`: ChannelStats per (owning layer, "k" | "v").
+
+    `begin_sequence(token_ids)` must be called before each sequence's forward call so the observer
+    knows which positions are sinks or hot tokens (those never leave FP16 and are skipped).
+    """
+
+    def __init__(self, model: GoldenModel, *, capacity: int = 16384, seed: int = 0,
+                 fp16: bool = True) -> None:
+        self.fp16 = fp16  # False keeps float32 rows (held-out error of the FP16 tier itself)
+        self.sink_tokens = model.p.sink_tokens
+        self.hot_ids = frozenset(model.quant.hot_token_ids)
+        self.stats: dict[tuple[int, str], ChannelStats] = {}
+        for i in model.cfg.owning_layers:
+            for n, (kv, r) in enumerate(zip(("k", "v"), model.w.owning(i).ranks)):
+                g = torch.Generator().manual_seed(seed * 1_000_003 + 2 * i + n)
+                self.stats[(i, kv)] = ChannelStats(r, capacity, g)
+        self._tokens: list[int] = []
+
+    def begin_sequence(self, token_ids: list[int]) -> None:
+        self._tokens = list(token_ids)
+
+    def __call__(self, layer: int, start: int, ck: torch.Tensor, cv: torch.Tensor) -> None:
+        keep = [t for t in range(ck.shape[0]) if self._quantisable(start + t)]
+        if not keep:
+            return
+        rows = torch.tensor(keep)
+        for kv, x in (("k", ck), ("v", cv)):
+            self.stats[(layer, kv)].update(round_fp16(x[rows]) if self.fp16 else x[rows])
+
+    def _quantisable(self, pos: int) -> bool:
+        if pos < self.sink_tokens:
+            return False
+        return not (pos < len(self._tokens) and self._tokens[pos] in self.hot_ids)
+
+
+@torch.no_grad()
+def collect_stats(model: GoldenModel, sequences: torch.Tensor, *, capacity: int = 16384,
+                  seed: int = 0, fp16: bool = True) -> dict[tuple[int, str], ChannelStats]:
+    """Run `model` (exact mode: float32 latents, rounded to FP16 by the observer) over [B, T] ids."""
+    obs = LatentObserver(model, capacity=capacity, seed=seed, fp16=fp16)
+    model.latent_hooks.append(obs)
+    try:
+        for row in sequences:
+            obs.begin_sequence(row.tolist())
+            model.forward(model.new_cache(), row)
+    finally:
+        model.latent_hooks.remove(obs)
+    return obs.stats

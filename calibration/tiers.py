@@ -1,0 +1,88 @@
+"""Choosing tier_fractions: the cheapest split whose deployed-mode perplexity stays within budget.
+
+Candidates are the fractions (f0, f1, f2) on a grid of `step` (default 1/4) summing to 1. Cost is
+spec 6's average bytes per latent value, 2 f0 + 1.5 f1 + f2, which orders every model's bytes per
+position the same way. Candidates are measured in order of increasing cost; all candidates of one
+cost are measured, and the search stops at the first cost level where some candidate's relative
+perplexity increase over exact mode is <= budget. Among those, the lowest perplexity wins (then
+more FP16: the safer row set). If no candidate meets the budget, all-FP16 (the most expensive) is
+returned and marked as not meeting it.
+
+The search is exhaustive over the grid up to the chosen cost, so "cheapest within budget" holds on
+the calibration sequences it measured; whether it still holds on held-out text is reported, not
+assumed (docs/calibration.md has the measured gap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from itertools import groupby
+from typing import Any
+
+from calibration.measure import Fractions, Score, avg_bytes_per_value
+
+
+def candidate_fractions(step: float) -> list[Fractions]:
+    """Every (f0, f1, f2) with components multiples of `step` (1/step an integer) summing to 1."""
+    n = round(1.0 / step) if step > 0 else 0
+    if n < 1 or abs(n * step - 1.0) > 1e-9:
+        raise ValueError(f"--fraction-step must divide 1 (e.g. 0.25, 0.125), got {step}")
+    out = []
+    for a in range(n + 1):
+        for b in range(n + 1 - a):
+            f0, f1 = Fraction(a, n), Fraction(b, n)
+            out.append((float(f0), float(f1), float(1 - f0 - f1)))
+    return sorted(out, key=lambda f: (cost_key(f), -f[0]))
+
+
+def cost_key(f: Fractions) -> float:
+    """Average bytes per value, rounded so float noise of non-dyadic steps cannot split a cost level."""
+    return round(avg_bytes_per_value(f), 9)
+
+
+@dataclass
+class Trial:
+    fractions: Fractions
+    avg_bytes_per_value: float
+    perplexity: float
+    relative_increase: float
+    mean_kl: float
+    within_budget: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tier_fractions": list(self.fractions), "avg_bytes_per_value": self.avg_bytes_per_value,
+                "perplexity": self.perplexity, "relative_increase": self.relative_increase,
+                "mean_kl": self.mean_kl, "within_budget": self.within_budget}
+
+
+@dataclass
+class Choice:
+    fractions: Fractions
+    budget: float
+    budget_met: bool
+    trials: list[Trial]
+
+
+def choose_fractions(measure: Callable[[Fractions], Score], exact_perplexity: float, budget: float,
+                     candidates: list[Fractions], progress: Callable[[str], None] = lambda _: None) -> Choice:
+    """Cheapest candidate within `budget` (relative perplexity increase over exact mode)."""
+    if budget < 0:
+        raise ValueError(f"--error-budget must be >= 0, got {budget}")
+    trials: list[Trial] = []
+    for cost, group in groupby(candidates, key=cost_key):
+        level = []
+        for f in group:
+            s = measure(f)
+            rel = s.perplexity / exact_perplexity - 1.0
+            t = Trial(f, cost, s.perplexity, rel, s.mean_kl, rel <= budget)
+            progress(f"fractions {list(f)}: {cost:.3f} B/value, perplexity {s.perplexity:.4f} ({rel:+.4%})")
+            level.append(t)
+        trials += level
+        ok = [t for t in level if t.within_budget]
+        if ok:
+            best = min(ok, key=lambda t: (t.perplexity, -t.fractions[0]))
+            return Choice(best.fractions, budget, True, trials)
+    fp16 = max(candidates, key=lambda f: f[0])
+    return Choice(fp16, budget, False, trials)

@@ -1,0 +1,96 @@
+"""Write a calibrated checkpoint atomically: in place (a rewritten directory) or a copy at --out.
+
+The checkpoint directory is never edited file by file. A new directory is filled beside the
+destination (gsm.atomic.atomic_output_dir): the checkpoint's files (hard-linked for an in-place
+rewrite, since the old directory is deleted afterwards; copied for --out, so two checkpoints never
+share an inode), the new kv_calibration.safetensors, quant_config.json and
+calibration_report.json; then the manifest is written and the directory renamed into place. A
+crash or Ctrl-C at any point leaves the original checkpoint as it was.
+
+A checkpoint whose manifest no longer matches its files is refused: rewriting it would sign
+someone else's modification with a fresh manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gsm.atomic import MANIFEST_NAME, ManifestError, atomic_output_dir, sha256_file, verify_manifest
+from gsm.atomic import read_manifest as read_manifest_files
+from gsm.checkpoint import CALIB_FILE, QUANT_FILE
+from gsm.config import KVQuantConfig
+from gsm.golden.weights import KVCalibration
+from gsm.safetensors_io import StreamingSafetensorsWriter, TensorSpec
+
+REPORT_FILE = "calibration_report.json"
+REPLACED = frozenset({MANIFEST_NAME, CALIB_FILE, QUANT_FILE, REPORT_FILE})
+
+
+class CheckpointStateError(ValueError):
+    """The input checkpoint changed or does not match its manifest."""
+
+
+def check_unmodified(checkpoint: Path) -> dict[str, str] | None:
+    """Manifest entries of the checkpoint after checking they match the files; None without manifest."""
+    if not (checkpoint / MANIFEST_NAME).exists():
+        return None
+    try:
+        problems = verify_manifest(checkpoint)
+        files = read_manifest_files(checkpoint)
+    except ManifestError as e:
+        raise CheckpointStateError(f"--checkpoint {checkpoint}: {e}") from e
+    if problems:
+        raise CheckpointStateError(f"--checkpoint {checkpoint}: files do not match {MANIFEST_NAME} "
+                                   f"({'; '.join(problems[:3])}); refusing to re-sign a modified "
+                                   "checkpoint (run `python -m gsm verify` on it)")
+    return files
+
+
+def write_calibration_file(path: Path, calib: KVCalibration, metadata: dict[str, str]) -> None:
+    """kv_calibration.safetensors: spec 5 names, float32, sorted by name (deterministic bytes)."""
+    arrays = calib.to_tensors()
+    specs = [TensorSpec(n, tuple(arrays[n].shape), "F32") for n in sorted(arrays)]
+    with StreamingSafetensorsWriter(path, specs, {"format": "pt", **metadata}) as w:
+        for s in specs:
+            w.write(s.name, arrays[s.name])
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another filesystem, or links not supported: copy instead
+            pass
+    shutil.copy2(src, dst)
+
+
+def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfig, report: dict[str, Any], *,
+                     out: Path | None = None, overwrite: bool = False, metadata: dict[str, str] | None = None,
+                     expected: dict[str, str] | None = None) -> Path:
+    """Write the calibrated checkpoint to `out` (or over `checkpoint`); returns the directory written.
+
+    `expected`: manifest entries read when the run started; a file that changed since is an error.
+    """
+    in_place = out is None or out.resolve() == checkpoint.resolve()
+    dest = checkpoint if in_place else out
+    with atomic_output_dir(dest, overwrite=in_place or overwrite) as tmp:
+        for dirpath, _dirs, files in os.walk(checkpoint, followlinks=False):
+            for name in sorted(files):
+                src = Path(dirpath) / name
+                rel = src.relative_to(checkpoint)
+                if rel.as_posix() in REPLACED or not src.is_file():
+                    continue
+                _place(src, tmp / rel, link=in_place and not src.is_symlink())
+                want = (expected or {}).get(rel.as_posix())
+                if want is not None and "sha256:" + sha256_file(tmp / rel) != want:
+                    raise CheckpointStateError(f"--checkpoint {checkpoint}: {rel} changed while calibrating")
+        write_calibration_file(tmp / CALIB_FILE, calib, metadata or {})
+        (tmp / QUANT_FILE).write_text(json.dumps(quant.to_json(), indent=2) + "\n", encoding="utf-8")
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return dest
