@@ -70,15 +70,18 @@ GSM_HD int32_t maxSelected(GsmDims const& d)
     return d.sinkTokens + d.maxSparseWindow + d.topK;
 }
 
-// Bytes of one row of each region.
-GSM_HD int64_t rowBytesFP16(GsmDims const& d)
-{
-    return 2 * static_cast<int64_t>(latentRank(d));
-}
-
+// Bytes of one row of each region. A wider region must hold any narrower tier's row, and with
+// tiny odd ranks the padded INT12 row (3*ceil(r_k/2) + 3*ceil(r_v/2)) exceeds 2r (r < 6), hence
+// the max.
 GSM_HD int64_t rowBytesINT12(GsmDims const& d)
 {
     return packedINT12Bytes(d.rankK) + packedINT12Bytes(d.rankV);
+}
+
+GSM_HD int64_t rowBytesFP16(GsmDims const& d)
+{
+    int64_t const fp16 = 2 * static_cast<int64_t>(latentRank(d));
+    return fp16 > rowBytesINT12(d) ? fp16 : rowBytesINT12(d);
 }
 
 GSM_HD int64_t rowBytesINT8(GsmDims const& d)

@@ -1,0 +1,175 @@
+"""Random, poisoned GsmSparseAttention scenarios shared by the CPU tests, the GPU tests and the benchmark.
+
+A scenario is one attention call over a cache that was filled through the reference
+GsmKVCacheUpdate and partly demoted through GsmKVDemote, exactly as an engine would hold it.
+Everything attention must not read is poisoned (NaN rows, NaN table rows, NaN padding
+activations, slots of uncached positions pointing at a NaN row), so an out-of-bounds read shows
+up as NaN in the output. NumPy only: the golden comparison (torch) lives in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gsm_edge_plugins import ref
+from gsm_edge_plugins.ref import FP16, INT8, INT12, Dims, make_slot
+
+# How a position's row reached its tier (the golden simulation needs the path, not only the tier).
+PATH_FP16, PATH_INT12, PATH_INT8_FROM_FP16, PATH_INT8_FROM_INT12 = 0, 1, 2, 3
+
+
+@dataclass
+class Scenario:
+    dims: Dims
+    window: int
+    past: np.ndarray  # [B] int32
+    new: np.ndarray  # [B] int32
+    ck_raw: np.ndarray  # [B, N_max, r_k] float32 latents as computed (NaN where uncached)
+    cv_raw: np.ndarray  # [B, N_max, r_v]
+    keys_raw: np.ndarray  # [B, N_max, dI]
+    path: np.ndarray  # [B, N_max] PATH_* (-1 where uncached)
+    s8: np.ndarray  # [r]
+    s12: np.ndarray  # [r]
+    comp: np.ndarray  # [r]
+    quant: np.ndarray  # [3, r] = s12, s8, comp8
+    pool: np.ndarray  # [B, pool_words] int32
+    index_keys: np.ndarray  # [B, N_max, dI] float16
+    slots: np.ndarray  # [B, N_max] int32
+    q: np.ndarray  # [B, S, nH*D] (NaN on padding rows)
+    index_q: np.ndarray  # [B, S, nI*dI]
+    index_w: np.ndarray  # [B, S, nI]
+    rope_cos: np.ndarray  # [N_max, D] (NaN beyond the longest sequence)
+    rope_sin: np.ndarray
+    w0: np.ndarray  # owning: k_up [kvD, r_k]; sharing: kv_proj_weight [2kvD, r]
+    w1: np.ndarray  # owning: v_up [kvD, r_v]; sharing: kv_proj_bias [2kvD]
+
+    @property
+    def S(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.past + self.new
+
+    def call(self, selected: np.ndarray | None = None, **kw) -> ref.AttentionResult:
+        """Run the CPU reference on this scenario."""
+        return ref.sparse_attention(self.dims, self.q, self.pool, self.slots, self.past, self.new, self.quant,
+                                    self.rope_cos, self.rope_sin, self.w0, self.w1, index_q=self.index_q,
+                                    index_w=self.index_w, index_keys=self.index_keys, sparse_window=self.window,
+                                    selected=selected, **kw)
+
+
+def rope_tables_np(n: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [n, D] by decisions "RoPE tables" (float64 angles, one rounding to float32)."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.arange(n, dtype=np.float64)[:, None] * inv
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int, head_dim: int, rank_k: int,
+                  rank_v: int, index_heads: int, index_dim: int, sink_tokens: int, top_k: int,
+                  max_sparse_window: int, window: int, n_max: int, past: list[int], new: list[int],
+                  tier_mix: tuple[float, float, float, float] = (1.0, 0.0, 0.0, 0.0), layer_kind: int = 0,
+                  theta: float = 10000.0, poison: bool = True, key_value: float | None = None) -> Scenario:
+    """tier_mix: fractions of the cached positions outside the call's new rows that end as FP16,
+    INT12, INT8 (from FP16) and INT8 (from INT12). key_value: every indexer key equal to this
+    constant (all scores tie) instead of random."""
+    B = len(past)
+    past_a, new_a = np.asarray(past, np.int32), np.asarray(new, np.int32)
+    n_b = past_a + new_a
+    S = int(new_a.max())
+    spare = 2
+    d = Dims(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rank_k=rank_k, rank_v=rank_v,
+             n_max=n_max, rows_fp16=n_max + spare, rows_int12=n_max // 2 + 1, rows_int8=n_max // 2 + 1,
+             index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens, top_k=top_k,
+             max_sparse_window=max_sparse_window, layer_kind=layer_kind)
+    r, kvD = d.rank, d.kv_dim
+    nan = np.float32(np.nan)
+
+    # raw latents and keys; scales put ~1 % of INT8 values into the clamp
+    ck = np.full((B, n_max, rank_k), nan, np.float32)
+    cv = np.full((B, n_max, rank_v), nan, np.float32)
+    keys = np.full((B, n_max, index_dim), nan, np.float32)
+    for b in range(B):
+        ck[b, :n_b[b]] = rng.standard_normal((n_b[b], rank_k), dtype=np.float32)
+        cv[b, :n_b[b]] = rng.standard_normal((n_b[b], rank_v), dtype=np.float32)
+        keys[b, :n_b[b]] = (rng.standard_normal((n_b[b], index_dim), dtype=np.float32) if key_value is None
+                            else np.float32(key_value))
+    s8 = (np.float32(2.5) / 127 * rng.uniform(0.8, 1.2, r)).astype(np.float32)
+    s12 = ((s8 * np.float32(127)) / np.float32(2047)).astype(np.float32)  # spec 5 default, float32 order
+    comp = (rng.standard_normal(r).astype(np.float32) * s8 * np.float32(0.05)).astype(np.float32)
+    quant = np.stack([s12, s8, comp]).astype(np.float32)
+
+    # every cached position gets its own FP16 row first (a random permutation), as the runtime would
+    pool = ref.empty_pool(d, B, fill_byte=0xFF if poison else 0)  # 0xFFFF is an FP16 NaN
+    index_keys = np.full((B, n_max, index_dim), np.nan if poison else 0, np.float16)
+    poison_row = make_slot(FP16, n_max + spare - 1)  # never written: a NaN row
+    slots = np.full((B, n_max), poison_row if poison else -1, np.int32)
+    for b in range(B):
+        rows = rng.permutation(n_max + spare - 1)[:n_b[b]]
+        slots[b, :n_b[b]] = [make_slot(FP16, int(g)) for g in rows]
+    S_all = int(n_b.max())
+    ref.kv_update(d, ck[:, :S_all], cv[:, :S_all], keys[:, :S_all], pool, index_keys, slots, np.zeros(B, np.int32),
+                  n_b)
+
+    # demotions, in two passes like two re-tier points: FP16 -> INT12 / INT8, then INT12 -> INT8
+    path = np.full((B, n_max), -1, np.int32)
+    free12 = {b: list(rng.permutation(np.arange(d.rows_fp16, d.rows_fp16 + d.rows_int12))) for b in range(B)}
+    base8 = d.rows_fp16 + d.rows_int12
+    free8 = {b: list(rng.permutation(np.arange(base8, base8 + d.rows_int8))) for b in range(B)}
+    first, second = [], []
+    for b in range(B):
+        path[b, :n_b[b]] = PATH_FP16
+        old = np.arange(past_a[b])  # the call's new rows stay FP16, as freshly written rows are
+        pick = rng.choice(4, size=old.size, p=np.asarray(tier_mix) / sum(tier_mix))
+        for s, kind in zip(old.tolist(), pick.tolist()):
+            if kind == PATH_FP16:
+                continue
+            src = int(slots[b, s])
+            g_src = src & 0xFFFFFF
+            if kind in (PATH_INT12, PATH_INT8_FROM_INT12):
+                # half of the INT12 rows stay in their FP16 row (a borrowed row), half move
+                g = g_src if rng.random() < 0.5 or not free12[b] else int(free12[b].pop())
+                dst = make_slot(INT12, g)
+            else:
+                g = int(free8[b].pop()) if free8[b] else g_src
+                dst = make_slot(INT8, g)
+            first.append((b, src, dst))
+            slots[b, s] = dst
+            path[b, s] = kind if kind != PATH_INT8_FROM_INT12 else PATH_INT12
+            if kind == PATH_INT8_FROM_INT12:
+                g8 = g if rng.random() < 0.5 or not free8[b] else int(free8[b].pop())  # in place or moved
+                second.append((b, dst, make_slot(INT8, g8), s))
+    if first:
+        ref.kv_demote(d, np.asarray(first, np.int32), pool, quant)
+    if second:
+        ref.kv_demote(d, np.asarray([e[:3] for e in second], np.int32), pool, quant)
+        for b, _, dst, s in second:
+            slots[b, s] = dst
+            path[b, s] = PATH_INT8_FROM_INT12
+
+    # activations of the call; padding rows poisoned
+    q = rng.standard_normal((B, S, num_heads * head_dim), dtype=np.float32)
+    iq = rng.standard_normal((B, S, index_heads * index_dim), dtype=np.float32)
+    iw = rng.standard_normal((B, S, index_heads), dtype=np.float32)
+    for b in range(B):
+        if poison:
+            q[b, new_a[b]:] = nan
+            iq[b, new_a[b]:] = nan
+            iw[b, new_a[b]:] = nan
+    cos, sin = rope_tables_np(n_max, head_dim, theta)
+    if poison:
+        cos[S_all:] = nan
+        sin[S_all:] = nan
+    scale = np.float32(1.0 / np.sqrt(r))
+    if layer_kind == 0:
+        w0 = (rng.standard_normal((kvD, rank_k), dtype=np.float32) * scale).astype(np.float32)
+        w1 = (rng.standard_normal((kvD, rank_v), dtype=np.float32) * scale).astype(np.float32)
+    else:
+        w0 = (rng.standard_normal((2 * kvD, r), dtype=np.float32) * scale).astype(np.float32)
+        w1 = rng.standard_normal(2 * kvD, dtype=np.float32) * np.float32(0.1)
+    return Scenario(d, window, past_a, new_a, ck, cv, keys, path, s8, s12, comp, quant, pool, index_keys, slots,
+                    q, iq, iw, cos, sin, w0, w1)

@@ -1,0 +1,294 @@
+"""C++ CPU reference of the GSM plugins (plugins/, docs/engine_io.md) against the golden model.
+
+Tolerances: attention outputs, index scores and attention mass are float32 computations whose
+summation order differs from torch's, so they must agree to 1e-5 (absolute and relative); the
+shared numerics (FP16 rounding, INT12/INT8 codes, dequantised latents, packing, selection given
+the scores, tier ranking) are contract-exact and must agree bit for bit. Every buffer part the
+nodes must not read is poisoned with NaN (gsm_edge_plugins.testing), so an out-of-bounds read
+fails the comparison.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gsm.config import GSMParams, KVQuantConfig
+from gsm.golden import attention as A
+from gsm.golden import quant as Q
+from gsm.golden.cache import SequenceCache
+from gsm.golden.rope import apply_rope, rope_tables
+from gsm.golden.selection import index_scores, select
+
+gep = pytest.importorskip("gsm_edge_plugins", reason="gsm_edge_plugins not installed: run `pip install -e .`")
+if not gep.reference_available():
+    pytest.skip("libgsm_plugins_ref.so was not built (plugins/CMakeLists.txt): run `pip install -e .`",
+                allow_module_level=True)
+
+from gsm_edge_plugins import ref  # noqa: E402
+from gsm_edge_plugins.testing import (  # noqa: E402
+    PATH_FP16,
+    PATH_INT8_FROM_FP16,
+    PATH_INT8_FROM_INT12,
+    PATH_INT12,
+    Scenario,
+    make_scenario,
+)
+
+TOL = 1e-5
+THETA = 10000.0
+
+
+# ---- golden side -------------------------------------------------------------------------------
+def golden_held(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
+    """Latents as the golden's deployed cache holds them, from the raw values and each row's path."""
+    s8, s12, comp = (torch.from_numpy(a) for a in (sc.s8, sc.s12, sc.comp))
+    rk = sc.dims.rank_k
+    out = []
+    for raw, sl in ((sc.ck_raw, slice(0, rk)), (sc.cv_raw, slice(rk, None))):
+        x = Q.round_fp16(torch.from_numpy(raw))
+        v12 = Q.dequantize(Q.quantize(x, s12[sl], Q.INT12), s12[sl])
+        v8 = Q.dequantize(Q.quantize(x, s8[sl], Q.INT8), s8[sl], comp[sl])
+        v8_12 = Q.dequantize(Q.quantize(v12, s8[sl], Q.INT8), s8[sl], comp[sl])
+        path = torch.from_numpy(sc.path)[..., None]
+        held = torch.where(path == PATH_INT12, v12, x)
+        held = torch.where(path == PATH_INT8_FROM_FP16, v8, held)
+        held = torch.where(path == PATH_INT8_FROM_INT12, v8_12, held)
+        out.append(held.numpy())
+    return out[0], out[1]
+
+
+def golden_check(sc: Scenario, res: ref.AttentionResult, selected_in: np.ndarray | None = None) -> None:
+    """Compare one reference call with the golden ops, sequence by sequence."""
+    d = sc.dims
+    ck_h, cv_h = golden_held(sc)
+    p = GSMParams(sparse_window=sc.window, max_sparse_window=d.max_sparse_window, sparse_top_k=d.top_k,
+                  sink_tokens=d.sink_tokens, indexer_heads=d.index_heads, indexer_dim=d.index_dim)
+    for b in range(len(sc.past)):
+        n, T, past = int(sc.lengths[b]), int(sc.new[b]), int(sc.past[b])
+        q_pos = torch.arange(past, past + T)
+        ck, cv = torch.from_numpy(ck_h[b, :n]), torch.from_numpy(cv_h[b, :n])
+        w0, w1 = torch.from_numpy(sc.w0), torch.from_numpy(sc.w1)
+        if d.layer_kind == 0:
+            k, v = A.reconstruct_owning(ck, cv, w0, w1, d.num_kv_heads, THETA)
+        else:
+            k, v = A.reconstruct_sharing(ck, cv, w0, w1, d.num_kv_heads, THETA)
+        q = torch.from_numpy(sc.q[b, :T]).view(T, d.num_heads, d.head_dim).transpose(0, 1)
+        cos, sin = rope_tables(q_pos, d.head_dim, THETA)
+        q = apply_rope(q, cos, sin)  # [nH, T, D]
+        if d.layer_kind == 0:
+            # golden index scores on exactly the plugin's q^ and w: x = [q^ | w], W_q = [I | 0], W_w = [0 | I]
+            nq = d.index_heads * d.index_dim
+            x = torch.from_numpy(np.concatenate([sc.index_q[b, :T], sc.index_w[b, :T]], axis=1))
+            eye = torch.eye(nq + d.index_heads)
+            keys = Q.round_fp16(torch.from_numpy(sc.keys_raw[b, :n]))
+            assert np.array_equal(sc.index_keys[b, :n].astype(np.float32), keys.numpy())
+            g_scores = index_scores(x, eye[:nq], eye[nq:], keys, d.index_heads)
+            ours = torch.from_numpy(res.scores[b, :T, :n].copy())
+            causal = A.causal_mask(q_pos, n)
+            np.testing.assert_allclose(ours[causal].numpy(), g_scores[causal].numpy(), rtol=TOL, atol=TOL)
+            # the selection rule itself is exact: golden `select` on the plugin's own scores
+            mask = select(torch.where(causal, ours, torch.zeros(())), q_pos, p)
+        else:
+            mask = torch.zeros(T, n, dtype=torch.bool)
+            for j in range(T):
+                s = selected_in[b, j]
+                mask[j, s[s >= 0]] = True
+        sel = res.selected if d.layer_kind == 0 else selected_in
+        for j in range(T):
+            got = sel[b, j][sel[b, j] >= 0]
+            assert np.array_equal(got, mask[j].nonzero().squeeze(1).numpy()), f"selection of row {b},{j}"
+            assert np.all(sel[b, j][got.size:] == -1)
+        probs = A.attention_probs(q, k, mask)
+        out_g = A.attend(probs, v).numpy()
+        np.testing.assert_allclose(res.out[b, :T], out_g, rtol=TOL, atol=TOL)
+        assert np.all(res.out[b, T:] == 0), "padding rows must be zero"
+        if d.layer_kind == 0:
+            mass = probs.sum(dim=(0, 1)).numpy()
+            np.testing.assert_allclose(res.mass[b, :n], mass, rtol=TOL, atol=TOL)
+            assert np.all(res.mass[b, n:] == 0)
+
+
+# ---- shared numerics ---------------------------------------------------------------------------
+def test_fp16_rounding_is_bit_exact() -> None:
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    # ties: float32 values exactly halfway between two float16 values (normal and subnormal range)
+    h = rng.integers(0, 0x7BFF, 20_000).astype(np.uint16)
+    lo = h.view(np.float16).astype(np.float32)
+    hi = (h + 1).view(np.float16).astype(np.float32)
+    ties = ((lo.astype(np.float64) + hi) / 2).astype(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 2**-24, 2**-25, 2**-25 * 1.0001,
+                        2**-14, 6.0e-8, 1e-30, -1e-30], np.float32)
+    x = np.concatenate([x, ties, -ties, special])
+    got = ref.f32_to_f16_bits(x)
+    want = torch.from_numpy(x).half().view(torch.int16).numpy().view(np.uint16)
+    finite = ~np.isnan(x)
+    assert np.array_equal(got[finite], want[finite])
+    assert np.all(np.isnan(got[~finite].view(np.float16)))
+    back = ref.f16_bits_to_f32(got[finite])
+    assert np.array_equal(back.view(np.uint32), want[finite].view(np.float16).astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("tier", [Q.INT12, Q.INT8])
+def test_quantize_dequantize_bit_exact(tier: int) -> None:
+    rng = np.random.default_rng(1 + tier)
+    r = 37
+    s8 = (rng.uniform(0.5, 2.0, r) / 127).astype(np.float32)
+    scale = Q.default_int12_scale(torch.from_numpy(s8)).numpy() if tier == Q.INT12 else s8
+    x = (rng.standard_normal((500, r)) * 1.5).astype(np.float32)
+    # exact ties: x = (k + 0.5) * s with s a power of two, so x / s is exactly k + 0.5
+    pow2 = np.full(r, 2.0**-6, np.float32)
+    k = rng.integers(-200, 200, (200, r)).astype(np.float32)
+    xt = ((k + np.float32(0.5)) * pow2).astype(np.float32)
+    for xs, s in ((x, scale), (xt, pow2)):
+        got = ref.quantize(xs, s, Q.QMAX[tier])
+        want = Q.quantize(torch.from_numpy(xs), torch.from_numpy(s), tier).numpy()
+        assert np.array_equal(got, want)
+        comp = (rng.standard_normal(r) * 1e-3).astype(np.float32) if tier == Q.INT8 else None
+        dq = ref.dequantize(got, s, comp)
+        dq_g = Q.dequantize(torch.from_numpy(want), torch.from_numpy(s),
+                            None if comp is None else torch.from_numpy(comp)).numpy()
+        assert np.array_equal(dq.view(np.uint32), dq_g.view(np.uint32))
+    assert np.array_equal(ref.quantize(xt, pow2, 2047)[k == 1], np.full((k == 1).sum(), 2))  # 1.5 -> 2
+    assert np.array_equal(ref.quantize(xt, pow2, 2047)[k == 2], np.full((k == 2).sum(), 2))  # 2.5 -> 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
+def test_int12_packing_matches_golden(n: int) -> None:
+    codes = np.random.default_rng(n).integers(-2048, 2048, n).astype(np.int32)
+    packed = ref.pack_int12(codes)
+    assert np.array_equal(packed, Q.pack_int12(codes))
+    assert np.array_equal(ref.unpack_int12(packed, n), codes)
+
+
+# ---- the cache: dequantised latents bit-identical to the golden simulation ---------------------
+@pytest.mark.parametrize("ranks", [(6, 5), (8, 8), (1, 3)])
+def test_cache_latents_bit_identical(ranks: tuple[int, int]) -> None:
+    rng = np.random.default_rng(sum(ranks))
+    sc = make_scenario(rng, num_heads=2, num_kv_heads=1, head_dim=8, rank_k=ranks[0], rank_v=ranks[1],
+                       index_heads=1, index_dim=4, sink_tokens=1, top_k=4, max_sparse_window=2, window=2,
+                       n_max=96, past=[80, 3, 0], new=[4, 1, 2], tier_mix=(0.2, 0.3, 0.25, 0.25))
+    assert {PATH_FP16, PATH_INT12, PATH_INT8_FROM_FP16, PATH_INT8_FROM_INT12} <= set(np.unique(sc.path))
+    ck, cv = ref.read_latents(sc.dims, sc.pool, sc.slots, sc.quant)
+    gk, gv = golden_held(sc)
+    for b in range(3):
+        n = int(sc.lengths[b])
+        assert np.array_equal(ck[b, :n].view(np.uint32), gk[b, :n].view(np.uint32))
+        assert np.array_equal(cv[b, :n].view(np.uint32), gv[b, :n].view(np.uint32))
+        assert np.all(np.isnan(ck[b, n:])), "uncached positions point at the poisoned row"
+
+
+# ---- attention ---------------------------------------------------------------------------------
+# (nH, nKV, D, r_k, r_v, nI, dI, sinks, top_k, max_window, window, n_max, past, new, tier_mix)
+CASES = {
+    "prefill-ragged-gqa2": (4, 2, 16, 6, 5, 2, 8, 1, 8, 4, 3, 64, [0, 0, 0], [1, 7, 40], (1, 0, 0, 0)),
+    "chunked-prefill-mixed-tiers": (4, 1, 8, 7, 9, 2, 4, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5],
+                                    (0.3, 0.3, 0.2, 0.2)),
+    "decode-mqa-long": (8, 1, 32, 16, 12, 4, 16, 4, 64, 8, 8, 2048, [0, 5, 300, 2047], [1, 1, 1, 1],
+                        (0.25, 0.25, 0.25, 0.25)),
+    "decode-mha-window1": (2, 2, 64, 24, 20, 1, 32, 1, 16, 2, 1, 512, [200, 511], [1, 1], (0.5, 0.5, 0, 0)),
+    "topk-covers-context": (4, 2, 16, 8, 8, 2, 8, 1, 4096, 8, 3, 300, [250, 0], [10, 37], (0.5, 0.5, 0, 0)),
+    "topk0-no-sinks": (2, 1, 8, 4, 4, 2, 4, 0, 0, 5, 5, 64, [30], [6], (1, 0, 0, 0)),
+    "gqa4-odd-ranks": (8, 2, 16, 11, 3, 3, 8, 3, 10, 6, 2, 200, [150, 20], [3, 3], (0.4, 0.2, 0.2, 0.2)),
+    "prefill-2048": (2, 2, 8, 4, 4, 2, 8, 1, 64, 8, 3, 2048, [0], [2048], (1, 0, 0, 0)),
+}
+
+
+def _scenario(name: str, *, layer_kind: int = 0, seed: int = 0) -> Scenario:
+    nH, nKV, D, rk, rv, nI, dI, sinks, topk, mw, w, n_max, past, new, mix = CASES[name]
+    rng = np.random.default_rng(abs(hash(name)) % 2**32 + seed)
+    return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
+                         index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
+                         past=past, new=new, tier_mix=mix, layer_kind=layer_kind)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_owning_attention_matches_golden(name: str) -> None:
+    sc = _scenario(name)
+    res = sc.call(return_scores=True)
+    golden_check(sc, res)
+    dense = [int(t) + 1 <= sc.dims.sink_tokens + sc.window + sc.dims.top_k
+             for b in range(len(sc.past)) for t in range(sc.past[b], sc.lengths[b])]
+    if name.startswith("topk-covers"):
+        assert all(dense)
+    if name in ("decode-mqa-long", "prefill-2048", "gqa4-odd-ranks"):
+        assert not all(dense), "the case must exercise sparse selection"
+
+
+@pytest.mark.parametrize("name", ["chunked-prefill-mixed-tiers", "decode-mqa-long", "gqa4-odd-ranks"])
+def test_sharing_attention_matches_golden(name: str) -> None:
+    src = _scenario(name)
+    sel = src.call().selected  # the source (owning) layer's selection of the same call
+    sc = _scenario(name, layer_kind=1)  # same cache content (same seed), kv_projector weights
+    assert np.array_equal(sc.pool, src.pool)
+    res = sc.call(selected=sel)
+    assert res.selected is None and res.mass is None
+    golden_check(sc, res, selected_in=sel)
+
+
+def test_selection_ties_go_to_lower_positions() -> None:
+    """All keys zero: every score is zero (negative weights times ReLU 0 included), all tie."""
+    rng = np.random.default_rng(5)
+    sc = make_scenario(rng, num_heads=2, num_kv_heads=1, head_dim=8, rank_k=4, rank_v=4, index_heads=3,
+                       index_dim=4, sink_tokens=2, top_k=5, max_sparse_window=3, window=3, n_max=64,
+                       past=[40], new=[2], key_value=0.0)
+    sc.index_w[:] = np.array([-1.0, 0.5, -2.0], np.float32)
+    res = sc.call(return_scores=True)
+    assert np.all(res.scores[0, :, :42][~np.isnan(res.scores[0, :, :42])] == 0)
+    for j, t in enumerate((40, 41)):
+        want = [0, 1] + list(range(2, 7)) + list(range(t - 2, t + 1))
+        assert res.selected[0, j, :len(want)].tolist() == want
+    golden_check(sc, res)
+
+
+def test_results_do_not_depend_on_thread_count() -> None:
+    sc = _scenario("chunked-prefill-mixed-tiers")
+    a, b = sc.call(threads=1), sc.call(threads=3)
+    assert np.array_equal(a.out.view(np.uint32), b.out.view(np.uint32))
+    assert np.array_equal(a.mass.view(np.uint32), b.mass.view(np.uint32))
+    assert np.array_equal(a.selected, b.selected)
+
+
+# ---- contract violations are reported, not silently computed ------------------------------------
+def test_contract_errors() -> None:
+    sc = _scenario("topk0-no-sinks")
+    with pytest.raises(ref.PluginContractError, match="sparse_window 6 outside"):
+        ref.sparse_attention(sc.dims, sc.q, sc.pool, sc.slots, sc.past, sc.new, sc.quant, sc.rope_cos,
+                             sc.rope_sin, sc.w0, sc.w1, index_q=sc.index_q, index_w=sc.index_w,
+                             index_keys=sc.index_keys, sparse_window=6)
+    d, B = sc.dims, 1
+    z = np.zeros((B, 1, d.rank_k), np.float32)
+    slots = sc.slots.copy()
+    slots[0, 36] = ref.make_slot(ref.INT8, d.rows_fp16 + d.rows_int12)
+    with pytest.raises(ref.PluginContractError, match=r"kv_slots\[0, 36\].*not an FP16 row"):
+        ref.kv_update(d, z, np.zeros((B, 1, d.rank_v), np.float32), np.zeros((B, 1, d.index_dim), np.float32),
+                      sc.pool, sc.index_keys, slots, np.array([36]), np.array([1]))
+    src = int(sc.slots[0, 3])
+    int8_row = ref.make_slot(ref.INT8, d.rows_fp16 + d.rows_int12)
+    with pytest.raises(ref.PluginContractError, match="promotion"):
+        ref.kv_demote(d, np.array([[0, int8_row, src]]), sc.pool, sc.quant)
+    with pytest.raises(ref.PluginContractError, match="destination row used twice"):
+        ref.kv_demote(d, np.array([[0, src, int8_row], [0, int(sc.slots[0, 4]), int8_row]]), sc.pool, sc.quant)
+    with pytest.raises(ref.PluginContractError, match="region is narrower"):
+        ref.kv_demote(d, np.array([[0, src, ref.make_slot(ref.FP16, d.rows_fp16 + 1)]]), sc.pool, sc.quant)
+
+
+# ---- tier policy helpers vs the golden cache ----------------------------------------------------
+def test_hotness_and_ranking_match_golden() -> None:
+    rng = np.random.default_rng(9)
+    n = 700
+    quant = KVQuantConfig(tier_fractions=(0.3, 0.3, 0.4), fp16_window=16, hotness_decay=0.9, hot_token_ids=(3, 7))
+    cache = SequenceCache(deployed=True, layers={})
+    cache.add_positions(rng.integers(0, 12, n).tolist())
+    for _ in range(3):
+        mass = torch.from_numpy(rng.random(n).astype(np.float32).round(1))  # rounding makes ties
+        ours = ref.hotness_update(cache.hotness.numpy(), mass.numpy(), quant.hotness_decay)
+        cache.update_hotness(mass, quant.hotness_decay)
+        assert np.array_equal(ours.view(np.uint32), cache.hotness.numpy().view(np.uint32))
+    want = cache.ranked_tiers(quant, sink_tokens=2).numpy().astype(np.int32)
+    got = ref.ranked_tiers(cache.hotness.numpy(), np.asarray(cache.tokens), hot_token_ids=quant.hot_token_ids,
+                           sink_tokens=2, fp16_window=quant.fp16_window, tier_fractions=quant.tier_fractions)
+    assert np.array_equal(got, want)
