@@ -45,18 +45,22 @@ class Protocol:
 
 @dataclass(frozen=True)
 class Score:
-    """Sums over scored tokens, so scores of several sequences add up."""
+    """Per-sequence sums over scored tokens (so several sequences add up, and pair up)."""
 
-    nll: float
-    kl: float
-    tokens: int
+    nll: tuple[float, ...] = ()
+    kl: tuple[float, ...] = ()
+    tokens: tuple[int, ...] = ()
 
     def __add__(self, other: Score) -> Score:
         return Score(self.nll + other.nll, self.kl + other.kl, self.tokens + other.tokens)
 
     @property
+    def n_tokens(self) -> int:
+        return sum(self.tokens)
+
+    @property
     def mean_nll(self) -> float:
-        return self.nll / max(self.tokens, 1)
+        return sum(self.nll) / max(self.n_tokens, 1)
 
     @property
     def perplexity(self) -> float:
@@ -64,7 +68,26 @@ class Score:
 
     @property
     def mean_kl(self) -> float:
-        return self.kl / max(self.tokens, 1)
+        return sum(self.kl) / max(self.n_tokens, 1)
+
+
+def relative_increase(s: Score, ref: Score, z: float = 0.0) -> float:
+    """exp(mean NLL difference + z * standard error) - 1: the relative perplexity increase of s over ref.
+
+    z = 0 gives the point estimate (ppl_s / ppl_ref - 1). z > 0 gives a one-sided upper bound: the
+    standard error comes from the per-sequence mean NLL differences (paired: same tokens), since
+    tokens of one sequence are not independent. One sequence has no error bar (bound = estimate).
+    """
+    if s.tokens != ref.tokens:
+        raise ValueError("scores of different token sets cannot be compared")
+    diff = (sum(s.nll) - sum(ref.nll)) / max(s.n_tokens, 1)
+    se = 0.0
+    b = len(s.tokens)
+    if z and b >= 2:
+        d = [(a - r) / t for a, r, t in zip(s.nll, ref.nll, s.tokens)]
+        m = sum(d) / b
+        se = math.sqrt(sum((x - m) ** 2 for x in d) / (b - 1) / b)
+    return math.exp(diff + z * se) - 1.0
 
 
 def avg_bytes_per_value(fractions: Fractions) -> float:
@@ -110,7 +133,7 @@ def score(logprobs: torch.Tensor, ids: torch.Tensor, prefill_len: int,
     kl = 0.0
     if reference is not None:
         kl = float((reference.exp() * (reference - logprobs)).sum())
-    return Score(nll, kl, int(targets.numel()))
+    return Score((nll,), (kl,), (int(targets.numel()),))
 
 
 class Evaluator:
@@ -123,16 +146,16 @@ class Evaluator:
         exact = GoldenModel(weights, mode="exact", quant=quant)
         self.reference = [exact_logprobs(exact, row, protocol.prefill_len) for row in sequences]
         self.exact = sum((score(lp, row, protocol.prefill_len) for lp, row in zip(self.reference, sequences)),
-                         Score(0.0, 0.0, 0))
+                         Score())
 
     def deployed(self, calib: KVCalibration, fractions: Fractions) -> Score:
         model = deployed_model(self.weights, self.quant, calib, fractions, self.protocol)
-        total = Score(0.0, 0.0, 0)
+        total = Score()
         for ref, row in zip(self.reference, self.seqs):
             lp = deployed_logprobs(model, row, self.protocol.prefill_len)
             total = total + score(lp, row, self.protocol.prefill_len, ref)
         return total
 
-    def relative_increase(self, s: Score) -> float:
-        """Relative perplexity increase over exact mode on the same tokens."""
-        return s.perplexity / self.exact.perplexity - 1.0
+    def relative_increase(self, s: Score, z: float = 0.0) -> float:
+        """Relative perplexity increase over exact mode on the same tokens (upper bound when z > 0)."""
+        return relative_increase(s, self.exact, z)

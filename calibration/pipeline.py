@@ -58,6 +58,7 @@ class CalibrateOptions:
     prefill_len: int | None = None  # default seq_len // 4
     adaptation_rate: int = 16
     fraction_step: float = 0.25
+    confidence_z: float = 2.0  # standard errors of margin when comparing with the budget
     tier_fractions: Fractions | None = None  # fixed: skip the search
     fp16_window: int | None = None  # default: keep the checkpoint's
     hotness_decay: float | None = None
@@ -140,23 +141,29 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")
 
     protocol = o.protocol
-    search = Evaluator(weights, quant, cal.ids[: o.search_samples], protocol)
+    search_seqs = cal.ids[: o.search_samples]
     if o.tier_fractions is not None:
         choice = Choice(tuple(o.tier_fractions), o.error_budget, True, [])
         progress(f"tier fractions fixed by --tier-fractions: {list(choice.fractions)}")
+        search_exact = None
     else:
-        choice = choose_fractions(lambda f: search.deployed(calib, f), search.exact.perplexity, o.error_budget,
-                                  candidate_fractions(o.fraction_step), progress)
+        search = Evaluator(weights, quant, search_seqs, protocol)
+        search_exact = search.exact.perplexity
+        choice = choose_fractions(lambda f: search.deployed(calib, f), search.exact, o.error_budget,
+                                  candidate_fractions(o.fraction_step), z=o.confidence_z, progress=progress)
 
-    # held-out (or, without held-out data, the calibration search sequences: labelled as such)
-    measured = Evaluator(weights, quant, ev.ids, protocol) if ev else search
-    where = f"held-out {ev.path.name}" if ev else "calibration text (no held-out data)"
+    # per-latent errors on held-out rows (calibration rows, labelled so, when there are none);
+    # the whole-model table only on held-out text: quality measured on fitted text is no evidence
     rows_src = ev.ids if ev else cal.ids
     held = collect_stats(exact, rows_src, capacity=max(1, rows_src.numel()), seed=o.seed, fp16=False)
     layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
                                                          naive.scales[(i, kv)])}
               for (i, kv) in sorted(stats)]
-    model = model_table(measured, weights, choice, calib, naive, where, progress)
+    model = None
+    if ev is not None:
+        measured = Evaluator(weights, quant, ev.ids, protocol)
+        model = model_table(measured, weights, choice, calib, naive, f"held-out {ev.path.name}", progress,
+                            z=o.confidence_z)
 
     quant_out = quant.replace(tier_fractions=tuple(choice.fractions), method=o.method,
                               samples=int(cal.ids.shape[0]), data_hash=ids_sha256(cal.ids))
@@ -171,10 +178,12 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         "held_out": None if ev is None else {"file": str(ev.path), "kind": ev.kind,
                                              "sequences": int(ev.ids.shape[0])},
         "protocol": {"prefill_len": protocol.prefill_len, "adaptation_rate": protocol.adaptation_rate,
-                     "search_sequences": int(search.seqs.shape[0]), "fraction_step": o.fraction_step},
+                     "search_sequences": int(search_seqs.shape[0]), "fraction_step": o.fraction_step,
+                     "confidence_z": o.confidence_z},
+        "layer_errors_on": "held-out rows" if ev else "calibration rows (no held-out data)",
         "choice": {"tier_fractions": list(choice.fractions), "error_budget": o.error_budget,
                    "budget_met": choice.budget_met, "fixed": o.tier_fractions is not None,
-                   "search_exact_perplexity": search.exact.perplexity,
+                   "search_exact_perplexity": search_exact,
                    "trials": [t.to_json() for t in choice.trials]},
         "quant_config": quant_out.to_json()["kv_quantization"],
         "layers": layers,
@@ -188,8 +197,11 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
 
 
 def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KVCalibration,
-                naive: KVCalibration, where: str, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Perplexity and KL of each configuration on the same decoded tokens, with spec 6 bytes."""
+                naive: KVCalibration, where: str, progress: Callable[[str], None], z: float = 2.0) -> dict[str, Any]:
+    """Perplexity and KL of each configuration on the same decoded tokens, with spec 6 bytes.
+
+    `relative_increase` is the point estimate; `upper_bound` adds z standard errors over sequences.
+    """
     no_comp = sc.without_compensation(calib)
     data_free = KVCalibration.data_free(weights)
     chosen = tuple(choice.fractions)
@@ -217,12 +229,12 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
         rows.append({"name": name, "tier_fractions": None if fr is None else list(fr), "kv_bytes_per_position": b,
                      "perplexity": s.perplexity, "mean_nll": s.mean_nll,
                      "relative_increase": None if cal is None else ev.relative_increase(s),
+                     "upper_bound": None if cal is None else ev.relative_increase(s, z),
                      "mean_kl": None if cal is None else s.mean_kl})
     by_name = {r["name"]: r for r in rows}
-    return {"where": where, "sequences": int(ev.seqs.shape[0]), "tokens": ev.exact.tokens,
+    return {"where": where, "sequences": int(ev.seqs.shape[0]), "tokens": ev.exact.n_tokens,
             "protocol": {"prefill_len": ev.protocol.prefill_len, "adaptation_rate": ev.protocol.adaptation_rate},
             "dense_fp16_bytes_per_position": float(weights.cfg.num_hidden_layers * 2 * weights.cfg.kv_dim * 2),
             "rows": rows,
-            "chosen_within_budget": by_name["calibrated, chosen fractions"]["relative_increase"]
-            <= choice.budget if where.startswith("held-out") else None}
+            "chosen_within_budget": by_name["calibrated, chosen fractions"]["relative_increase"] <= choice.budget}
 

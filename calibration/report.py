@@ -73,21 +73,28 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{e['int8_per_tensor']['rel_rms']:.2e}", f"{e['int8_saturation']:.1e}")
         con.print(t)
     ch = report["choice"]
-    con.print(f"tier fractions chosen on calibration text: {ch['tier_fractions']} "
-              f"(budget {ch['error_budget']:.2%}, {'met' if ch['budget_met'] else 'NOT met'}; "
-              f"{len(ch['trials'])} candidates measured)")
+    if ch["fixed"]:
+        con.print(f"tier fractions fixed by --tier-fractions: {ch['tier_fractions']}")
+    else:
+        con.print(f"tier fractions chosen on calibration text: {ch['tier_fractions']} "
+                  f"(budget {ch['error_budget']:.2%}, {'met' if ch['budget_met'] else 'NOT met'}; "
+                  f"{len(ch['trials'])} candidates measured)")
     m = report.get("model")
-    if m:
+    if not m:
+        con.print("no held-out data: no whole-model quality table (pass --eval-data and --eval-samples > 0)")
+    else:
         t = Table(title=f"whole model on {m['where']} ({m['sequences']} sequences, {m['tokens']} decoded "
                   f"tokens; prefill {m['protocol']['prefill_len']}, re-tier every "
                   f"{m['protocol']['adaptation_rate']} steps)")
-        for col in ("configuration", "tier fractions", "KV B/position", "perplexity", "vs exact", "KL"):
+        for col in ("configuration", "tier fractions", "KV B/position", "perplexity", "vs exact", "upper bound",
+                    "KL(exact‖·)"):
             t.add_column(col)
         for r in m["rows"]:
             fr = "" if r["tier_fractions"] is None else "/".join(f"{f:g}" for f in r["tier_fractions"])
             rel = "" if r["relative_increase"] is None else f"{r['relative_increase']:+.4%}"
+            ub = "" if r["upper_bound"] is None else f"{r['upper_bound']:+.4%}"
             kl = "" if r["mean_kl"] is None else f"{r['mean_kl']:.2e}"
-            t.add_row(r["name"], fr, f"{r['kv_bytes_per_position']:.1f}", f"{r['perplexity']:.4f}", rel, kl)
+            t.add_row(r["name"], fr, f"{r['kv_bytes_per_position']:.1f}", f"{r['perplexity']:.4f}", rel, ub, kl)
         con.print(t)
         held = m.get("chosen_within_budget")
         if held is not None:

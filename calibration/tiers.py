@@ -4,9 +4,10 @@ Candidates are the fractions (f0, f1, f2) on a grid of `step` (default 1/4) summ
 spec 6's average bytes per latent value, 2 f0 + 1.5 f1 + f2, which orders every model's bytes per
 position the same way. Candidates are measured in order of increasing cost; all candidates of one
 cost are measured, and the search stops at the first cost level where some candidate's relative
-perplexity increase over exact mode is <= budget. Among those, the lowest perplexity wins (then
-more FP16: the safer row set). If no candidate meets the budget, all-FP16 (the most expensive) is
-returned and marked as not meeting it.
+perplexity increase over exact mode is <= budget, with margin: estimate + z standard errors over
+the measured sequences (z = 2 by default), so noise of a few sequences does not pick it. Among
+those, the lowest perplexity wins (then more FP16: the safer row set). If no candidate meets the
+budget, all-FP16 (the most expensive) is returned and marked as not meeting it.
 
 The search is exhaustive over the grid up to the chosen cost, so "cheapest within budget" holds on
 the calibration sequences it measured; whether it still holds on held-out text is reported, not
@@ -21,7 +22,7 @@ from fractions import Fraction
 from itertools import groupby
 from typing import Any
 
-from calibration.measure import Fractions, Score, avg_bytes_per_value
+from calibration.measure import Fractions, Score, avg_bytes_per_value, relative_increase
 
 
 def candidate_fractions(step: float) -> list[Fractions]:
@@ -48,13 +49,14 @@ class Trial:
     avg_bytes_per_value: float
     perplexity: float
     relative_increase: float
+    upper_bound: float  # relative increase + z standard errors: what is compared with the budget
     mean_kl: float
     within_budget: bool
 
     def to_json(self) -> dict[str, Any]:
         return {"tier_fractions": list(self.fractions), "avg_bytes_per_value": self.avg_bytes_per_value,
                 "perplexity": self.perplexity, "relative_increase": self.relative_increase,
-                "mean_kl": self.mean_kl, "within_budget": self.within_budget}
+                "upper_bound": self.upper_bound, "mean_kl": self.mean_kl, "within_budget": self.within_budget}
 
 
 @dataclass
@@ -65,9 +67,15 @@ class Choice:
     trials: list[Trial]
 
 
-def choose_fractions(measure: Callable[[Fractions], Score], exact_perplexity: float, budget: float,
-                     candidates: list[Fractions], progress: Callable[[str], None] = lambda _: None) -> Choice:
-    """Cheapest candidate within `budget` (relative perplexity increase over exact mode)."""
+def choose_fractions(measure: Callable[[Fractions], Score], exact: Score, budget: float,
+                     candidates: list[Fractions], *, z: float = 2.0,
+                     progress: Callable[[str], None] = lambda _: None) -> Choice:
+    """Cheapest candidate whose relative perplexity increase over exact mode is within `budget`.
+
+    With z > 0 the increase must hold with margin: its upper bound, estimate + z standard errors
+    over sequences (measure.relative_increase), must be <= budget, so a candidate does not pass
+    on the luck of the few sequences measured.
+    """
     if budget < 0:
         raise ValueError(f"--error-budget must be >= 0, got {budget}")
     trials: list[Trial] = []
@@ -75,9 +83,10 @@ def choose_fractions(measure: Callable[[Fractions], Score], exact_perplexity: fl
         level = []
         for f in group:
             s = measure(f)
-            rel = s.perplexity / exact_perplexity - 1.0
-            t = Trial(f, cost, s.perplexity, rel, s.mean_kl, rel <= budget)
-            progress(f"fractions {list(f)}: {cost:.3f} B/value, perplexity {s.perplexity:.4f} ({rel:+.4%})")
+            rel, ub = relative_increase(s, exact), relative_increase(s, exact, z)
+            t = Trial(f, cost, s.perplexity, rel, ub, s.mean_kl, ub <= budget)
+            progress(f"fractions {list(f)}: {cost:.3f} B/value, perplexity {s.perplexity:.4f} ({rel:+.4%}, "
+                     f"bound {ub:+.4%})")
             level.append(t)
         trials += level
         ok = [t for t in level if t.within_budget]
