@@ -1,4 +1,5 @@
-"""Golden regression: a portable bundle on ONNX Runtime vs GoldenModel in deployed mode.
+"""Golden regression: a portable bundle on ONNX Runtime vs GoldenModel in deployed mode, on the tiny
+synthetic model and on stories260K converted by `python -m gsm convert` (skipped without ../shared/data).
 
 Tolerances: last-position logits <= 1e-3 (the portable build is fp32 like the golden; they differ
 by float32 summation order only, ~1e-6 in practice), greedy tokens and selected positions
@@ -10,10 +11,13 @@ INT8 rows are read by attention during the 64 greedy steps.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import CALIB_TEXT, EVAL_TEXT, STORIES
 
 from builder.build import build
 from gsm import checkpoint
@@ -40,18 +44,44 @@ def retiering_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def stories_checkpoint(tmp_path_factory):
+    """stories260K converted with small fitting budgets (~10 s): the real-weights case."""
+    if not STORIES.is_file():
+        pytest.skip("real data not found (../shared/data)")
+    out = tmp_path_factory.mktemp("stories") / "gsm"
+    r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "llama2c", str(STORIES), "--out", str(out),
+                        "--calib-text", str(CALIB_TEXT), "--eval-text", str(EVAL_TEXT), "--calib-tokens", "4096",
+                        "--eval-tokens", "1024", "--indexer-steps", "10", "--window", "8", "--sharing", "4:1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    # re-tier every 8 decode steps with an 8-position FP16 window, as for the tiny model
+    cfg = checkpoint.load_config(out)
+    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=8))
+    return checkpoint.write_checkpoint_arrays(out.parent / "gsm-retier", cfg, KVQuantConfig(fp16_window=8),
+                                              checkpoint.load_state_dict(out),
+                                              tokenizer_json=(out / "tokenizer.json").read_text(), progress=False)
+
+
+@pytest.fixture(scope="module")
 def debug_bundle(retiering_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "b"
     build(device="orin", checkpoint_dir=retiering_checkpoint, output=out, max_seq=N_MAX, debug_outputs=True)
     return out
 
 
-def test_portable_bundle_reproduces_golden_deployed(retiering_checkpoint, debug_bundle):
+@pytest.mark.parametrize("which", ["tiny", "stories260K"])
+def test_portable_bundle_reproduces_golden_deployed(which, request, tmp_path):
     import runtime
 
-    rt = runtime.load(debug_bundle, backend="onnxruntime", threads=1)
-    golden = GoldenModel.from_checkpoint(retiering_checkpoint, mode="deployed")
-    prompt = np.random.default_rng(7).integers(3, 259, PROMPT_LEN).tolist()
+    ckpt = request.getfixturevalue("retiering_checkpoint" if which == "tiny" else "stories_checkpoint")
+    bundle = tmp_path / "bundle"
+    build(device="orin", checkpoint_dir=ckpt, output=bundle, max_seq=N_MAX, debug_outputs=True)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
+    if which == "tiny":
+        prompt = np.random.default_rng(7).integers(3, 259, PROMPT_LEN).tolist()
+    else:  # real text: BOS + a TinyStories paragraph start
+        prompt = rt.encode(CALIB_TEXT.read_text()[:400])[:PROMPT_LEN]
 
     gcache = golden.new_cache()
     seq = rt.new_sequence()
