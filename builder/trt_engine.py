@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from builder.bundle import BUNDLE_FILE, ENGINE_FILE, add_file_to_bundle, read_bundle_manifest
-from builder.graphs import MODEL_TRT
+from builder.graphs import DEMOTE_TRT, MODEL_TRT
 from builder.plan import WORKSPACE_BYTES, MemoryPlan
 
+DEMOTE_ENGINE_FILE = "demote.plan"
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
 PLUGIN_LIB_NAMES = ("libgsm_plugins.so", "gsm_plugins.dll")
 TIMING_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gsm-edge"
@@ -63,8 +64,25 @@ def _input_shapes(runtime_cfg: dict[str, Any], s: tuple[int, int, int], b: tuple
     return shapes
 
 
-def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Path) -> dict[str, Any]:
-    """Build and serialize the engine to out_path; returns the manifest's `engine` record."""
+def _parse(trt: Any, builder: Any, logger: Any, path: Path) -> Any:
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(path)):
+        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {path.name}: {errs}")
+    return network, parser
+
+
+def _serialize(trt: Any, builder: Any, network: Any, config: Any, out: Path) -> None:
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError(f"TensorRT failed to build {out.name} (see the log above)")
+    out.write_bytes(bytes(serialized))
+
+
+def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Path,
+                 demote_out: Path | None = None) -> dict[str, Any]:
+    """Build and serialize engine.plan (and demote.plan beside it); returns the manifest's `engine` record."""
     ok, why = tensorrt_status()
     if not ok:
         raise EngineUnavailable(why)
@@ -75,16 +93,24 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
     logger = trt.Logger(trt.Logger.WARNING)
     trt.init_libnvinfer_plugins(logger, "")
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(bundle_dir / MODEL_TRT)):
-        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT could not parse {MODEL_TRT}: {errs}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
     rcfg = json.loads((bundle_dir / BUNDLE_FILE).read_text())
-    B, T = rcfg["max_batch"], rcfg["max_input"]
-    for s_range in ((1, max(1, T // 2), T), (1, 1, 1)):  # prefill / chunk, then decode
+    B, T, N = rcfg["max_batch"], rcfg["max_input"], rcfg["n_max"]
+    TIMING_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cache_file = TIMING_CACHE_DIR / f"timing-sm{profile.sm.replace('.', '')}-trt{trt.__version__}.cache"
+    timing = None
+
+    def config_for() -> Any:
+        nonlocal timing
+        config = builder.create_builder_config()
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+        if timing is None:
+            timing = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
+        config.set_timing_cache(timing, ignore_mismatch=False)
+        return config
+
+    network, _parser = _parse(trt, builder, logger, bundle_dir / MODEL_TRT)
+    config = config_for()
+    for s_range in ((1, max(1, T // 2), T), (1, 1, 1)):  # profile 0: prefill / chunk; 1: decode
         prof = builder.create_optimization_profile()
         for i in range(network.num_inputs):
             t = network.get_input(i)
@@ -94,24 +120,30 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
                 shapes = [tuple([bb] + dims[1:]) for bb in (1, B, B)]
             prof.set_shape(t.name, *shapes)
         config.add_optimization_profile(prof)
-    TIMING_CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    cache_file = TIMING_CACHE_DIR / f"timing-sm{profile.sm.replace('.', '')}-trt{trt.__version__}.cache"
-    cache = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
-    config.set_timing_cache(cache, ignore_mismatch=False)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise RuntimeError("TensorRT failed to build the engine (see the log above)")
-    out_path.write_bytes(bytes(serialized))
-    cache_file.write_bytes(bytes(config.get_timing_cache().serialize()))
-    return {"status": "built", "file": ENGINE_FILE, "tensorrt": trt.__version__, "plugin_library": lib.name,
-            "timing_cache": str(cache_file), "profiles": ["prefill", "decode"]}
+    _serialize(trt, builder, network, config, out_path)
+
+    demote_out = demote_out or out_path.with_name(DEMOTE_ENGINE_FILE)
+    network, _parser = _parse(trt, builder, logger, bundle_dir / DEMOTE_TRT)
+    config = config_for()
+    prof = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        if t.name == "demote_list":
+            prof.set_shape(t.name, (1, 3), (max(1, N // 4), 3), (B * N, 3))
+        else:
+            dims = list(t.shape)
+            prof.set_shape(t.name, *[tuple([bb] + dims[1:]) for bb in (1, B, B)])
+    config.add_optimization_profile(prof)
+    _serialize(trt, builder, network, config, demote_out)
+    cache_file.write_bytes(bytes(timing.serialize()))
+    return {"status": "built", "file": ENGINE_FILE, "demote_file": DEMOTE_ENGINE_FILE, "tensorrt": trt.__version__,
+            "plugin_library": lib.name, "timing_cache": str(cache_file), "profiles": ["prefill", "decode"]}
 
 
 def engine_command(bundle: Path) -> dict[str, Any]:
     """`python -m builder engine BUNDLE`: build engine.plan into an existing bundle on the target."""
-    from runtime.bundle import verify_bundle
-
     from jetson import get_profile
+    from runtime.bundle import verify_bundle
 
     verify_bundle(bundle)
     manifest = read_bundle_manifest(bundle)
@@ -119,11 +151,14 @@ def engine_command(bundle: Path) -> dict[str, Any]:
     plan_json = json.loads((bundle / "plan.json").read_text())
     plan = _plan_from_json(plan_json)
     tmp = bundle.parent / f".{bundle.name}.{ENGINE_FILE}.tmp"
+    tmp_demote = bundle.parent / f".{bundle.name}.{DEMOTE_ENGINE_FILE}.tmp"
     try:
-        record = build_engine(bundle, plan, profile, tmp)
+        record = build_engine(bundle, plan, profile, tmp, tmp_demote)
+        add_file_to_bundle(bundle, tmp_demote, DEMOTE_ENGINE_FILE, {})
         add_file_to_bundle(bundle, tmp, ENGINE_FILE, {"engine": record})
     finally:
         tmp.unlink(missing_ok=True)
+        tmp_demote.unlink(missing_ok=True)
     return record
 
 

@@ -1,25 +1,215 @@
-"""TensorRT backend (placeholder until the full backend lands): availability check only."""
+"""TensorRT backend: engine.plan (+ demote.plan) with the GSM plugins, cache buffers bound in place.
+
+Written against the TensorRT 10 Python API (IRuntime.deserialize_cuda_engine, one
+IExecutionContext per optimisation profile, set_input_shape / set_tensor_address /
+execute_async_v3) and cuda-python's runtime API for device memory. It is only importable usefully
+on a machine with TensorRT, a GPU and the GSM plugin library; tests skip it elsewhere.
+
+Buffers (docs/engine_io.md section 2), allocated once for max-batch and bound at the same address
+for `X` and `X_out`: kv_pool.{l} uint8 [B, P], index_keys.{l} f16 [B, N_max, dI], kv_slots int32
+[B, N_max]. Per call the runtime writes input_ids / lengths / kv_slots (host -> device), runs the
+prefill context (profile 0, S > 1) or the decode context (profile 1, S = 1), and reads logits and
+attn_mass back. Demotion runs demote.plan with a demotion list from runtime.slots.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from runtime.ort_backend import StepOutput
+from runtime.slots import SlotTable
+
+ENGINE_FILE, DEMOTE_ENGINE_FILE = "engine.plan", "demote.plan"
+PREFILL_PROFILE, DECODE_PROFILE = 0, 1
+
 
 def trt_usable(bundle: Path) -> tuple[bool, str]:
-    """(True, "") when the bundle has engine.plan and TensorRT imports; else (False, why not)."""
-    if not (bundle / "engine.plan").is_file():
+    """(True, "") when the bundle has engine.plan and TensorRT + cuda-python import; else (False, why)."""
+    if not (bundle / ENGINE_FILE).is_file():
         return False, "the bundle has no engine.plan (build it on the target: python -m builder engine BUNDLE)"
     try:
         import tensorrt  # noqa: F401
     except ImportError as e:
         return False, f"TensorRT is not installed ({e})"
+    try:
+        _cudart()
+    except ImportError as e:
+        return False, f"cuda-python is not installed ({e})"
     return True, ""
 
 
+def _cudart() -> Any:
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        from cuda import cudart  # older cuda-python
+    return cudart
+
+
+def _check(res: Any) -> Any:
+    """cuda-python calls return (err, *values); raise on error, return the values."""
+    err, *vals = res if isinstance(res, tuple) else (res,)
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA error {err}")
+    return vals[0] if len(vals) == 1 else vals
+
+
+class DeviceBuffer:
+    def __init__(self, cudart: Any, nbytes: int) -> None:
+        self.cudart, self.nbytes = cudart, max(1, nbytes)
+        self.ptr = int(_check(cudart.cudaMalloc(self.nbytes)))
+        _check(cudart.cudaMemset(self.ptr, 0, self.nbytes))
+
+    def upload(self, a: np.ndarray, stream: Any) -> None:
+        a = np.ascontiguousarray(a)
+        _check(self.cudart.cudaMemcpyAsync(self.ptr, a.ctypes.data, a.nbytes,
+                                           self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))
+
+    def download(self, a: np.ndarray, stream: Any) -> np.ndarray:
+        _check(self.cudart.cudaMemcpyAsync(a.ctypes.data, self.ptr, a.nbytes,
+                                           self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream))
+        return a
+
+    def free(self) -> None:
+        if self.ptr:
+            self.cudart.cudaFree(self.ptr)
+            self.ptr = 0
+
+
+def _load_plugins(bundle: Path) -> None:
+    """Load the GSM plugin library (GSM_PLUGIN_LIB, else the one the engine was built with) so its
+    IPluginV3 creators register before the engine is deserialized."""
+    import os
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    name = os.environ.get("GSM_PLUGIN_LIB") or manifest.get("engine", {}).get("plugin_library", "libgsm_plugins.so")
+    ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+
+
 class TrtBackend:
+    """Same interface as OrtBackend: new_cache / forward / demote; the cache dict holds host state
+    (slot tables) while the pools stay on the device."""
+
+    name = "tensorrt"
+
     def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
         ok, why = trt_usable(bundle)
         if not ok:
             raise RuntimeError(f"backend 'tensorrt' unavailable: {why}")
-        raise NotImplementedError("TensorRT backend: see runtime/trt_backend.py")
+        import tensorrt as trt
+
+        self.trt, self.cudart, self.cfg = trt, _cudart(), cfg
+        _load_plugins(bundle)
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        trt.init_libnvinfer_plugins(self.logger, "")
+        rt = trt.Runtime(self.logger)
+        self.engine = rt.deserialize_cuda_engine((bundle / ENGINE_FILE).read_bytes())
+        self.demote_engine = rt.deserialize_cuda_engine((bundle / DEMOTE_ENGINE_FILE).read_bytes())
+        if self.engine is None or self.demote_engine is None:
+            raise RuntimeError("TensorRT could not deserialize the engines (plugin library or version mismatch?)")
+        self.stream = _check(self.cudart.cudaStreamCreate())
+        self.contexts = {}
+        for prof in (PREFILL_PROFILE, DECODE_PROFILE):
+            ctx = self.engine.create_execution_context()
+            ctx.set_optimization_profile_async(prof, int(self.stream))
+            self.contexts[prof] = ctx
+        self.demote_ctx = self.demote_engine.create_execution_context()
+        self.layers = [int(l) for l in cfg["owning_layers"]]
+        self.n_max, self.B = int(cfg["n_max"]), int(cfg["max_batch"])
+        self.rows = (cfg["pool_rows"]["fp16"], cfg["pool_rows"]["int12"], cfg["pool_rows"]["int8"])
+        self.bufs: dict[str, DeviceBuffer] = {}
+        for name in self._io_names(self.engine):
+            if "_out." in name:
+                continue  # kv_pool_out.{l} / index_keys_out.{l} are bound to their input's buffer
+            self.bufs[name] = DeviceBuffer(self.cudart, self._max_bytes(name))
+        self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.B * self.n_max * 3 * 4)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _io_names(engine: Any) -> list[str]:
+        return [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+
+    def _max_shape(self, name: str) -> tuple[int, ...]:
+        T, V = int(self.cfg["max_input"]), int(self.cfg["vocab_size"])
+        fixed = {"input_ids": (self.B, T), "past_lengths": (self.B,), "new_lengths": (self.B,), "sparse_window": (1,),
+                 "logits": (self.B, T if self.cfg["logits"] == "all" else 1, V), "attn_mass": (self.B, self.n_max)}
+        if name in fixed:
+            return fixed[name]
+        shape = list(self.engine.get_tensor_shape(name))
+        shape[0] = self.B
+        return tuple(int(d) for d in shape)
+
+    def _max_bytes(self, name: str) -> int:
+        dt = np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name)))
+        return int(np.prod(self._max_shape(name))) * dt.itemsize
+
+    def _alias(self, name: str) -> str:
+        return name.replace("_out.", ".") if "_out." in name else name
+
+    # -- backend interface -------------------------------------------------------------------------
+    def new_cache(self, batch: int = 1) -> dict[str, Any]:
+        if batch != 1:
+            raise NotImplementedError("the runtime drives one sequence per backend for now")
+        return {"slots": SlotTable(self.n_max, self.rows)}
+
+    def forward(self, cache: dict[str, Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+                sparse_window: int) -> StepOutput:
+        slots: SlotTable = cache["slots"]
+        B, S = ids.shape
+        p0, n = int(past[0]), int(new[0])
+        moves = slots.compaction(n)
+        if moves:
+            self._run_demote(moves)
+        slots.allocate(range(p0, p0 + n))
+        host = {"input_ids": ids.astype(np.int64), "past_lengths": past.astype(np.int32),
+                "new_lengths": new.astype(np.int32), "sparse_window": np.array([sparse_window], np.int32),
+                "kv_slots": slots.entries[None]}
+        ctx = self.contexts[DECODE_PROFILE if S == 1 else PREFILL_PROFILE]
+        for name in self._io_names(self.engine):
+            buf = self.bufs[self._alias(name)]
+            if self.engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
+                shape = host[name].shape if name in host else (B, *self._max_shape(name)[1:])
+                ctx.set_input_shape(name, shape)
+                if name in host:
+                    buf.upload(host[name], self.stream)
+            ctx.set_tensor_address(name, buf.ptr)
+        if not ctx.execute_async_v3(int(self.stream)):
+            raise RuntimeError("TensorRT execute_async_v3 failed")
+        V = int(self.cfg["vocab_size"])
+        logits = self.bufs["logits"].download(
+            np.empty((B, S if self.cfg["logits"] == "all" else 1, V), np.float32), self.stream)
+        mass = self.bufs["attn_mass"].download(np.empty((B, self.n_max), np.float32), self.stream)
+        _check(self.cudart.cudaStreamSynchronize(self.stream))
+        return StepOutput(logits, mass)
+
+    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> None:
+        moves = cache["slots"].demote(new_tier[0])
+        if moves:
+            self._run_demote(moves)
+
+    def _run_demote(self, moves: list[tuple[int, int]]) -> None:
+        lst = np.array([(0, old, new) for old, new in moves], np.int32)  # b = 0: one sequence per backend
+        ctx = self.demote_ctx
+        for name in self._io_names(self.demote_engine):
+            if name == "demote_list":
+                ctx.set_input_shape(name, lst.shape)
+                self.bufs[name].upload(lst, self.stream)
+                ctx.set_tensor_address(name, self.bufs[name].ptr)
+                continue
+            buf = self.bufs[self._alias(name)]
+            if self.demote_engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
+                ctx.set_input_shape(name, (1, *self._max_shape(self._alias(name))[1:]))
+            ctx.set_tensor_address(name, buf.ptr)
+        if not ctx.execute_async_v3(int(self.stream)):
+            raise RuntimeError("TensorRT demotion execute_async_v3 failed")
+        # the next forward's kv_slots upload is ordered after this on the same stream
+
+    def close(self) -> None:
+        for b in self.bufs.values():
+            b.free()
+        self.bufs.clear()
