@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from builder.nodes import F16, I32, U8
+from builder.nodes import F16, I32
 from builder.onnx_util import GraphBuilder
-from builder.plan import PoolRows, row_bytes
+from builder.plan import PoolRows, pool_words
 from gsm.config import ModelConfig
 
 DOMAIN = "gsm.plugins"
@@ -21,14 +21,8 @@ PLUGIN_NAMESPACE = "gsm"
 PLUGINS = ("GsmKVCacheUpdate", "GsmSparseAttention", "GsmKVDemote")
 
 
-def pool_bytes(r_k: int, r_v: int, rows: PoolRows) -> int:
-    """P of `kv_pool.{l}`: C16*W16 + C12*W12 + C8*W8."""
-    w16, w12, w8 = row_bytes(r_k, r_v)
-    return rows.fp16 * w16 + rows.int12 * w12 + rows.int8 * w8
-
-
 class PluginOps:
-    """GSM nodes for TensorRT; the cache is the engine_io byte pools + slot table."""
+    """GSM nodes for TensorRT; the cache is the engine_io byte pools (int32 words) + slot table."""
 
     variant = "trt"
 
@@ -50,14 +44,14 @@ class PluginOps:
         self.slots = g.input("kv_slots", I32, ["B", self.n_max])
         state = {}
         for l in self.cfg.owning_layers:
-            state[l] = {"pool": g.input(f"kv_pool.{l}", U8, ["B", pool_bytes(*self.ranks[l], self.rows)]),
+            state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["B", pool_words(*self.ranks[l], self.rows)]),
                         "keys": g.input(f"index_keys.{l}", F16, ["B", self.n_max, dI])}
         return state
 
     def declare_cache_outputs(self) -> None:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         for l in self.cfg.owning_layers:
-            g.output(f"kv_pool_out.{l}", U8, ["B", pool_bytes(*self.ranks[l], self.rows)])
+            g.output(f"kv_pool_out.{l}", I32, ["B", pool_words(*self.ranks[l], self.rows)])
             g.output(f"index_keys_out.{l}", F16, ["B", self.n_max, dI])
 
     # -- nodes -------------------------------------------------------------------------------------

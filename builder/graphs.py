@@ -17,7 +17,7 @@ import numpy as np
 from builder.graph_portable import PortableOps
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
 from builder.network import NetSpec, Network, TensorSource, quant_name
-from builder.nodes import F16, F32, I32, U8
+from builder.nodes import F16, F32, I32
 from builder.onnx_util import OPSET, GraphBuilder, WeightStore, save_model
 from builder.plan import PoolRows
 
@@ -81,15 +81,15 @@ def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
 
 
 def _demote_trt(g: GraphBuilder, spec: NetSpec, rows: PoolRows, path: Path) -> None:
-    from builder.graph_trt import pool_bytes
+    from builder.plan import pool_words
 
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PluginOps(g, cfg, ranks, n, rows)
     lst = g.input("demote_list", I32, ["M", 3])
     for l in cfg.owning_layers:
-        p = pool_bytes(*ranks[l], rows)
-        pool = g.input(f"kv_pool.{l}", U8, ["B", p])
+        p = pool_words(*ranks[l], rows)
+        pool = g.input(f"kv_pool.{l}", I32, ["B", p])
         ops.demote(l, pool, lst, quant_name(l), f"kv_pool_out.{l}")
-        g.output(f"kv_pool_out.{l}", U8, ["B", p])
+        g.output(f"kv_pool_out.{l}", I32, ["B", p])
     save_model(g.model("gsm_demote", extra_opsets={DOMAIN: 1}, doc="GsmKVDemote per owning layer (engine_io 4.3)"),
                path)

@@ -77,8 +77,16 @@ def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConf
 
 
 def row_bytes(r_k: int, r_v: int) -> tuple[int, int, int]:
-    """W16, W12, W8 of docs/engine_io.md: bytes per row of each region."""
-    return 2 * (r_k + r_v), 3 * math.ceil(r_k / 2) + 3 * math.ceil(r_v / 2), r_k + r_v
+    """W16, W12, W8 of docs/engine_io.md: bytes per row of each region (W16 = max(2r, W12), so an
+    FP16 row can always hold an INT12 row, even for tiny odd ranks)."""
+    w12 = 3 * math.ceil(r_k / 2) + 3 * math.ceil(r_v / 2)
+    return max(2 * (r_k + r_v), w12), w12, r_k + r_v
+
+
+def pool_words(r_k: int, r_v: int, rows: PoolRows) -> int:
+    """P32 of `kv_pool.{l}`: ceil((C16 W16 + C12 W12 + C8 W8) / 4) int32 words (engine_io section 2)."""
+    w16, w12, w8 = row_bytes(r_k, r_v)
+    return math.ceil((rows.fp16 * w16 + rows.int12 * w12 + rows.int8 * w8) / 4)
 
 
 @dataclass(frozen=True)
@@ -139,8 +147,7 @@ def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: Poo
     """Bytes of kv_pool.{l} + index_keys.{l} of every owning layer and of kv_slots, all sequences."""
     per_seq = max_seq * SLOT_ENTRY_BYTES
     for rk, rv in ranks.values():
-        w16, w12, w8 = row_bytes(rk, rv)
-        per_seq += rows.fp16 * w16 + rows.int12 * w12 + rows.int8 * w8 + max_seq * cfg.gsm.indexer_dim * 2
+        per_seq += 4 * pool_words(rk, rv, rows) + max_seq * cfg.gsm.indexer_dim * 2
     return per_seq * max_batch
 
 

@@ -6,7 +6,7 @@ execute_async_v3) and cuda-python's runtime API for device memory. It is only im
 on a machine with TensorRT, a GPU and the GSM plugin library; tests skip it elsewhere.
 
 Buffers (docs/engine_io.md section 2), allocated once for max-batch and bound at the same address
-for `X` and `X_out`: kv_pool.{l} uint8 [B, P], index_keys.{l} f16 [B, N_max, dI], kv_slots int32
+for `X` and `X_out`: kv_pool.{l} int32 words [B, P32], index_keys.{l} f16 [B, N_max, dI], kv_slots int32
 [B, N_max]. Per call the runtime writes input_ids / lengths / kv_slots (host -> device), runs the
 prefill context (profile 0, S > 1) or the decode context (profile 1, S = 1), and reads logits and
 attn_mass back. Demotion runs demote.plan with a demotion list from runtime.slots.
