@@ -1,0 +1,125 @@
+"""CUDA kernels of the GSM plugins against the C++ CPU reference (skips without a GPU).
+
+Tolerances: the cache kernels implement the bit-exact contract, so pools and indexer keys must be
+byte-identical to the reference's. Attention uses FMA and another summation order than the
+reference (both float32): 1e-4 relative/absolute. Selections must be equal except where the
+reference's own scores put two candidates within 1e-4 of the top-k boundary (a near tie the
+GPU's float32 rounding may break the other way); such rows are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+gep = pytest.importorskip("gsm_edge_plugins")
+if gep.cuda_library() is None or not gep.reference_available():
+    pytest.skip("libgsm_plugins_cuda.so / libgsm_plugins_ref.so not built (needs nvcc at build time)",
+                allow_module_level=True)
+
+from gsm_edge_plugins import cuda as gcuda  # noqa: E402
+from gsm_edge_plugins import ref  # noqa: E402
+from gsm_edge_plugins.testing import make_scenario  # noqa: E402
+
+TOL = 1e-4
+
+# (nH, nKV, D, r_k, r_v, nI, dI, sinks, top_k, max_window, window, n_max, past, new, tier_mix)
+CASES = {
+    "prefill-ragged": (4, 2, 16, 6, 5, 2, 8, 1, 8, 4, 3, 64, [0, 0, 0], [1, 7, 40], (1, 0, 0, 0)),
+    "chunked-mixed-tiers": (4, 1, 8, 7, 9, 2, 4, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5], (0.3, 0.3, 0.2, 0.2)),
+    "decode-mqa-2048": (8, 1, 32, 16, 12, 4, 16, 4, 64, 8, 8, 2048, [0, 5, 300, 2047], [1, 1, 1, 1],
+                        (0.25, 0.25, 0.25, 0.25)),
+    "decode-gqa8-d128": (32, 4, 128, 160, 160, 4, 32, 1, 64, 8, 3, 4096, [4095, 1000], [1, 1], (0.25, 0.25, 0.5, 0)),
+    "topk-covers-context": (4, 2, 16, 8, 8, 2, 8, 1, 4096, 8, 3, 300, [250, 0], [10, 37], (0.5, 0.5, 0, 0)),
+    "topk0-no-sinks": (2, 1, 8, 4, 4, 2, 4, 0, 0, 5, 5, 64, [30], [6], (1, 0, 0, 0)),
+    "prefill-1024": (2, 2, 64, 32, 24, 2, 16, 1, 64, 8, 3, 1024, [0], [1024], (1, 0, 0, 0)),
+}
+
+
+def _scenario(name: str, layer_kind: int = 0):
+    nH, nKV, D, rk, rv, nI, dI, sinks, topk, mw, w, n_max, past, new, mix = CASES[name]
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
+                         index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
+                         past=past, new=new, tier_mix=mix, layer_kind=layer_kind)
+
+
+def _near_tie_rows(sc, scores: np.ndarray) -> set[tuple[int, int]]:
+    """Rows whose k-th and (k+1)-th best candidate scores are within TOL (selection may flip)."""
+    d, rows = sc.dims, set()
+    for b in range(len(sc.past)):
+        for j in range(int(sc.new[b])):
+            t = int(sc.past[b]) + j
+            if t + 1 <= d.sink_tokens + sc.window + d.top_k or d.top_k == 0:
+                continue
+            cand = np.sort(scores[b, j, d.sink_tokens:t - sc.window + 1])[::-1]
+            if abs(cand[d.top_k - 1] - cand[d.top_k]) <= TOL * max(1.0, abs(cand[d.top_k])):
+                rows.add((b, j))
+    return rows
+
+
+def _compare(sc, want: ref.AttentionResult, got: ref.AttentionResult, skip: set[tuple[int, int]]) -> None:
+    for b in range(len(sc.past)):
+        T = int(sc.new[b])
+        for j in range(T):
+            if (b, j) in skip:
+                continue
+            if want.selected is not None:
+                assert np.array_equal(got.selected[b, j], want.selected[b, j]), f"selection {b},{j}"
+            np.testing.assert_allclose(got.out[b, j], want.out[b, j], rtol=TOL, atol=TOL, err_msg=f"row {b},{j}")
+        assert np.all(got.out[b, T:] == 0)
+        if want.mass is not None and not any(r[0] == b for r in skip):
+            np.testing.assert_allclose(got.mass[b], want.mass[b], rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_owning_attention_cuda_matches_reference(name: str) -> None:
+    sc = _scenario(name)
+    want = sc.call(return_scores=True)
+    got = gcuda.sparse_attention(sc)
+    skip = _near_tie_rows(sc, want.scores)
+    assert len(skip) <= max(1, sum(sc.new) // 50), f"too many near ties to be a fair test: {len(skip)}"
+    _compare(sc, want, got, skip)
+
+
+@pytest.mark.parametrize("name", ["chunked-mixed-tiers", "decode-mqa-2048", "decode-gqa8-d128"])
+def test_sharing_attention_cuda_matches_reference(name: str) -> None:
+    sel = _scenario(name).call().selected
+    sc = _scenario(name, layer_kind=1)
+    _compare(sc, sc.call(selected=sel), gcuda.sparse_attention(sc, sel), set())
+
+
+@pytest.mark.parametrize("ranks", [(6, 5), (1, 3), (160, 160)])
+def test_cache_update_and_demote_bit_identical(ranks: tuple[int, int]) -> None:
+    rng = np.random.default_rng(sum(ranks))
+    sc = make_scenario(rng, num_heads=2, num_kv_heads=1, head_dim=8, rank_k=ranks[0], rank_v=ranks[1],
+                       index_heads=1, index_dim=8, sink_tokens=1, top_k=4, max_sparse_window=2, window=2,
+                       n_max=128, past=[100, 3], new=[4, 1], tier_mix=(1, 0, 0, 0))
+    d = sc.dims
+    B, S = 2, 6
+    ck = rng.standard_normal((B, S, d.rank_k), dtype=np.float32)
+    cv = rng.standard_normal((B, S, d.rank_v), dtype=np.float32)
+    key = rng.standard_normal((B, S, d.index_dim), dtype=np.float32)
+    past, new = np.array([104, 4], np.int32), np.array([6, 2], np.int32)
+    slots = sc.slots.copy()
+    free = iter(range(d.rows_fp16 - 1 - 20, d.rows_fp16 - 1))  # rows the scenario left unused
+    for b in range(B):
+        for j in range(int(new[b])):
+            slots[b, past[b] + j] = ref.make_slot(ref.FP16, next(free))
+    want_pool, want_keys = ref.kv_update(d, ck, cv, key, sc.pool.copy(), sc.index_keys.copy(), slots, past, new)
+    got_pool, got_keys = gcuda.kv_update(d, ck, cv, key, sc.pool, sc.index_keys, slots, past, new)
+    assert np.array_equal(got_pool, want_pool)
+    assert np.array_equal(got_keys.view(np.uint16), want_keys.view(np.uint16))
+    # demotions of every kind, in place and moved, FP16 -> INT12 -> INT8
+    base12, base8 = d.rows_fp16, d.rows_fp16 + d.rows_int12
+    first = [(0, int(slots[0, s]), ref.make_slot(ref.INT12, base12 + i)) for i, s in enumerate(range(1, 30))]
+    first += [(0, int(slots[0, s]), ref.make_slot(ref.INT8, base8 + i)) for i, s in enumerate(range(30, 50))]
+    first += [(1, int(slots[1, 1]), ref.make_slot(ref.INT12, int(slots[1, 1]) & 0xFFFFFF))]
+    second = [(0, e[2], ref.make_slot(ref.INT8, e[2] & 0xFFFFFF)) for e in first[:10]]
+    for entries in (first, second):
+        want_pool = ref.kv_demote(d, np.asarray(entries), want_pool, sc.quant)
+        got_pool = gcuda.kv_demote(d, np.asarray(entries), got_pool, sc.quant)
+        assert np.array_equal(got_pool, want_pool)
