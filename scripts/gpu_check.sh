@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU check of the GSM plugins, one script, < 8 minutes on one GPU:
+#   1. build the CPU reference and the CUDA kernels (sm_87, sm_90 and this GPU's SM),
+#   2. run tests/gpu (CUDA kernels vs the CPU reference) and the CPU reference tests,
+#   3. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
+#      at 4K and 32K context (tests/gpu/bench_decode.py).
+# Needs: nvcc, cmake >= 3.18, python3 with numpy, torch (CUDA build) and pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUILD=${GSM_GPU_CHECK_BUILD:-$ROOT/build/gpu_check}
+
+echo "== device"
+nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv
+CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
+ARCHS=${GSM_CUDA_ARCHS:-$(printf '%s\n' 87 90 "$CAP" | sort -un | paste -sd ';')}
+python3 - <<'PY'
+import importlib.util, sys
+missing = [m for m in ("numpy", "torch", "pytest") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu_check: python modules missing: {missing}")
+import torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch has no CUDA device")
+PY
+
+echo "== build (CMAKE_CUDA_ARCHITECTURES=$ARCHS)"
+GEN=()
+command -v ninja >/dev/null && GEN=(-G Ninja)
+start=$(date +%s)
+cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+  | grep -A4 "gsm-edge plugins:"
+cmake --build "$BUILD" -j "$(nproc)"
+echo "build took $(( $(date +%s) - start )) s"
+
+export GSM_EDGE_PLUGINS_DIR="$BUILD/plugins"
+export PYTHONPATH="$ROOT/plugins/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== tests"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_plugins_cuda.py tests/test_plugins_cpu.py
+
+echo "== decode attention"
+timeout 150 python3 tests/gpu/bench_decode.py
