@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--confidence-z", type=float, default=2.0, help="a candidate passes when its perplexity "
                    "increase plus this many standard errors (over sequences) is within the budget; 0 = point "
                    "estimate (default %(default)s)")
+    r.add_argument("--sweep", action="store_true", help="also measure every candidate on calibration and "
+                   "held-out text and report what each budget would pick (slow; for documentation)")
     r.add_argument("--search-samples", type=int, default=8, help="calibration sequences measured per "
                    "candidate (default %(default)s)")
     r.add_argument("--eval-samples", type=int, default=8, help="held-out sequences for the report; 0 = none")
@@ -80,7 +82,7 @@ def run_command(args: argparse.Namespace) -> int:
         samples=args.samples, seq_len=args.seq_len, method=args.method, percentile=args.percentile,
         error_budget=args.error_budget, search_samples=args.search_samples, eval_samples=args.eval_samples,
         prefill_len=args.prefill_len, adaptation_rate=args.adaptation_rate, fraction_step=args.fraction_step,
-        confidence_z=args.confidence_z,
+        confidence_z=args.confidence_z, sweep=args.sweep,
         tier_fractions=args.tier_fractions, fp16_window=args.fp16_window, hotness_decay=args.hotness_decay,
         reservoir=args.reservoir, seed=args.seed, out=args.out, overwrite=args.overwrite)
     try:
@@ -97,6 +99,10 @@ def run_command(args: argparse.Namespace) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print_report(report)
+    if report.get("sweep"):
+        from calibration.sweep import print_sweep
+
+        print_sweep(report["sweep"])
     return 0
 
 

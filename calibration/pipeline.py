@@ -59,6 +59,7 @@ class CalibrateOptions:
     adaptation_rate: int = 16
     fraction_step: float = 0.25
     confidence_z: float = 2.0  # standard errors of margin when comparing with the budget
+    sweep: bool = False  # measure every candidate on calibration and held-out text (sweep.py)
     tier_fractions: Fractions | None = None  # fixed: skip the search
     fp16_window: int | None = None  # default: keep the checkpoint's
     hotness_decay: float | None = None
@@ -128,6 +129,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
 
     cal = seqs(calib_path, "--data", o.samples)
     ev = seqs(eval_path, "--eval-data", o.eval_samples) if eval_path is not None and o.eval_samples else None
+    if o.sweep and ev is None:
+        raise CalibrationInputError("--sweep needs held-out data (--eval-data, --eval-samples > 0)")
     progress(f"calibration: {cal.ids.shape[0]} x {o.seq_len} tokens of {cal.kind} from {cal.path}"
              + (f"; held-out: {ev.ids.shape[0]} sequences from {ev.path}" if ev else "; no held-out data"))
 
@@ -159,11 +162,16 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
                                                          naive.scales[(i, kv)])}
               for (i, kv) in sorted(stats)]
-    model = None
+    model, swept = None, None
     if ev is not None:
         measured = Evaluator(weights, quant, ev.ids, protocol)
         model = model_table(measured, weights, choice, calib, naive, f"held-out {ev.path.name}", progress,
-                            z=o.confidence_z)
+                            z=o.confidence_z, reference=tuple(quant0.tier_fractions))
+        if o.sweep:
+            from calibration.sweep import sweep
+
+            swept = sweep(Evaluator(weights, quant, search_seqs, protocol), measured, calib,
+                          candidate_fractions(o.fraction_step), z=o.confidence_z, progress=progress)
 
     quant_out = quant.replace(tier_fractions=tuple(choice.fractions), method=o.method,
                               samples=int(cal.ids.shape[0]), data_hash=ids_sha256(cal.ids))
@@ -188,6 +196,7 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         "quant_config": quant_out.to_json()["kv_quantization"],
         "layers": layers,
         "model": model,
+        "sweep": swept,
     }
     report["seconds"] = time.perf_counter() - t0
     write_calibrated(o.checkpoint, calib, quant_out, report, out=o.out, overwrite=o.overwrite,
@@ -197,10 +206,14 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
 
 
 def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KVCalibration,
-                naive: KVCalibration, where: str, progress: Callable[[str], None], z: float = 2.0) -> dict[str, Any]:
+                naive: KVCalibration, where: str, progress: Callable[[str], None], z: float = 2.0,
+                reference: Fractions | None = None) -> dict[str, Any]:
     """Perplexity and KL of each configuration on the same decoded tokens, with spec 6 bytes.
 
     `relative_increase` is the point estimate; `upper_bound` adds z standard errors over sequences.
+    `reference`: the checkpoint's fractions before calibration; when they are mixed and differ from
+    the chosen ones, calibrated and naive scales are also compared there (a mixed-tier comparison
+    even when the search picked all-INT8).
     """
     no_comp = sc.without_compensation(calib)
     data_free = KVCalibration.data_free(weights)
@@ -211,6 +224,11 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
         ("calibrated, chosen fractions", calib, chosen),
         ("naive per-tensor INT8, chosen fractions", naive, chosen),
         ("data-free scales, chosen fractions", data_free, chosen),
+    ]
+    if reference is not None and reference not in (chosen, ALL_INT8, ALL_FP16):
+        configs += [("calibrated, previous fractions", calib, reference),
+                    ("naive per-tensor INT8, previous fractions", naive, reference)]
+    configs += [
         ("calibrated all-INT8", calib, ALL_INT8),
         ("calibrated all-INT8, no compensation", no_comp, ALL_INT8),
         ("naive per-tensor all-INT8", naive, ALL_INT8),

@@ -224,6 +224,10 @@ def test_calibrated_beats_naive_per_tensor_at_same_bytes(calibrated):
         assert a["kv_bytes_per_position"] == b["kv_bytes_per_position"]
         assert a["perplexity"] < b["perplexity"], (a, b)
         assert a["mean_kl"] * 5 < b["mean_kl"]  # per-channel scales: >5x less damage than one scale per latent
+    # at the checkpoint's previous, mixed fractions (0.25/0.25/0.5: most rows attention reads stay FP16) the
+    # perplexity gap is below the noise of 6 sequences (it has gone either way), so only the KL is asserted
+    a, b = rows["calibrated, previous fractions"], rows["naive per-tensor INT8, previous fractions"]
+    assert a["kv_bytes_per_position"] == b["kv_bytes_per_position"] and a["mean_kl"] * 2 < b["mean_kl"]
     assert rows["calibrated all-INT8"]["kv_bytes_per_position"] < rows["deployed, all FP16"]["kv_bytes_per_position"]
 
 
