@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-input", type=int, help="most new tokens per call (prefill chunk; default min(max-seq, 512))")
     b.add_argument("--calibration", type=Path, help="kv_calibration.safetensors to use instead of the checkpoint's")
     b.add_argument("--logits", choices=["last", "all"], default="last")
+    b.add_argument("--trt-precision", choices=["fp16", "fp32"], default="fp16",
+                   help="activations of model.onnx (fp32: to check the plugin path against the portable graph)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
     e = sub.add_parser("engine", help="build engine.plan into a bundle (needs TensorRT and a GPU)")
@@ -51,7 +53,8 @@ def _build(args: argparse.Namespace) -> int:
             status.start()
         r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
                   max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
-                  overwrite=args.overwrite, logits=args.logits, say=say, step=step)
+                  overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
+                  say=say, step=step)
     except BuildError as e:
         if status is not None:
             status.stop()

@@ -72,7 +72,7 @@ def default_output(checkpoint_dir: Path | None, device: str) -> Path:
 
 def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | None = None, max_seq: int | None = None,
           max_batch: int = 1, max_input: int | None = None, calibration: Path | None = None,
-          overwrite: bool = False, logits: str = "last", debug_outputs: bool = False,
+          overwrite: bool = False, logits: str = "last", debug_outputs: bool = False, trt_precision: str = "fp16",
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written."""
     t0 = time.perf_counter()
@@ -116,7 +116,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         ck_hash = checkpoint_hash(ckpt)
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
-            info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, progress=step)
+            info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
+                                progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE):
                 if (ckpt / name).is_file():
                     shutil.copyfile(ckpt / name, tmp / name)
@@ -133,7 +134,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                 "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace,
                             "versions": info.plugins},
                 "graphs": {"tensorrt": MODEL_TRT, "portable": MODEL_PORTABLE},
-                "engine": engine, "calibration": qt.source,
+                "engine": engine, "calibration": qt.source, "trt_precision": trt_precision,
             })
             files = sorted(p.name for p in tmp.iterdir()) + ["manifest.json"]
     return BuildResult(out, plan, report, demo, files)

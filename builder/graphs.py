@@ -40,7 +40,12 @@ class GraphsInfo:
 
 
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
-                 rows: PoolRows, *, progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
+                 rows: PoolRows, *, trt_precision: str = "fp16",
+                 progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
+    """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
+    path with the portable graph to float32 rounding (runtime backend "reference")."""
+    if trt_precision not in ("fp16", "fp32"):
+        raise ValueError(f"trt_precision must be fp16 or fp32, got {trt_precision!r}")
     store = WeightStore(out / WEIGHTS_FILE)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     try:
@@ -52,9 +57,10 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         progress("TensorRT graph")
         g = GraphBuilder(store)
         trt_spec = NetSpec(cfg, ranks, n_max, logits=spec.logits, debug=False)
-        Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, source, quant, F16).build()
-        save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1},
-                           doc="GSM network with GSM plugin nodes, FP16 (docs/engine_io.md 2-4)"), out / MODEL_TRT)
+        Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, source, quant,
+                F16 if trt_precision == "fp16" else F32).build()
+        doc = f"GSM network with GSM plugin nodes, {trt_precision} activations (docs/engine_io.md 2-4)"
+        save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1}, doc=doc), out / MODEL_TRT)
         progress("demotion graphs")
         _demote_portable(GraphBuilder(store), spec, out / DEMOTE_PORTABLE)
         _demote_trt(GraphBuilder(store), spec, rows, out / DEMOTE_TRT)

@@ -27,13 +27,14 @@ def cast(g: GraphBuilder, x: str, to: int) -> str:
     return g.op("Cast", [x], to=to)
 
 
-def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, act: int) -> str:
-    """x * 1/sqrt(mean(x^2) + eps) * w, computed in float32 whatever the activation type."""
+def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, act: int, out: int | None = None) -> str:
+    """x (of type act) * 1/sqrt(mean(x^2) + eps) * w, computed in float32; returned as `out` (default act)."""
     x32 = x if act == F32 else cast(g, x, F32)
     ms = g.op("ReduceMean", [g.op("Mul", [x32, x32])], axes=[-1], keepdims=1)
     inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32, "eps")])])])
     y = g.op("Mul", [g.op("Mul", [x32, inv]), weight])
-    return y if act == F32 else cast(g, y, act)
+    out = act if out is None else out
+    return y if out == F32 else cast(g, y, out)
 
 
 def linear(g: GraphBuilder, x2d: str, weight: str, bias: str | None = None) -> str:

@@ -21,7 +21,7 @@ from runtime.bundle import verify_bundle
 from runtime.ort_backend import OrtBackend, StepOutput
 from runtime.policy import SequenceState, TierPolicy, retier
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "reference")
 
 
 class ContextFullError(RuntimeError):
@@ -207,6 +207,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     """Verify the bundle's hashes, then open it with `backend`.
 
     auto: TensorRT when the bundle has an engine.plan and TensorRT imports, else ONNX Runtime.
+    reference: the TensorRT graph (model.onnx) with the plugins' C++ CPU reference; slow, for checks.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -221,6 +222,10 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         from runtime.trt_backend import TrtBackend
 
         be: Any = TrtBackend(root, cfg)
+    elif backend == "reference":  # the TensorRT graph on the plugins' CPU reference (tests, debugging)
+        from runtime.ref_backend import RefBackend
+
+        be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, threads=threads)
     return Runtime(root, manifest, be, sparse_window=sparse_window)

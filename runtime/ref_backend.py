@@ -1,0 +1,152 @@
+"""CPU reference of the TensorRT path: model.onnx (GSM plugin nodes, FP16 activations) run by ONNX's
+reference evaluator, each GSM node executed by the plugins' C++ CPU reference (gsm_edge_plugins.ref).
+
+Why: the engine path (plugin-node graph, int32 byte pools, slot tables, demotion lists) can then be
+checked on any machine, against the portable bundle and the golden model, before a Jetson or a GPU
+is at hand. It is slow (NumPy op by op) and meant for tests and debugging: `backend="reference"`.
+Needs the `onnx` package and the built plugin reference library; never torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.ort_backend import StepOutput
+from runtime.slots import SlotTable
+
+PLUGIN_MODEL, PLUGIN_DEMOTE = "model.onnx", "gsm_demote.onnx"
+
+
+def reference_usable() -> tuple[bool, str]:
+    try:
+        import onnx.reference  # noqa: F401
+        from gsm_edge_plugins import reference_available
+    except ImportError as e:
+        return False, f"needs onnx and gsm_edge_plugins ({e})"
+    if not reference_available():
+        return False, "the plugins' CPU reference library is not built (pip install plugins/)"
+    return True, ""
+
+
+def _ops() -> list[type]:
+    """OpRun classes for the three GSM node types, executing the C++ reference."""
+    from gsm_edge_plugins import ref
+    from onnx import helper
+    from onnx.reference.op_run import OpRun
+
+    def dims(node: Any) -> tuple[Any, dict[str, Any]]:
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        names = {f for f in ref.Dims.__dataclass_fields__}
+        d = ref.Dims(**{k: int(v) for k, v in a.items() if k in names and not isinstance(v, bytes)},
+                     **{k: 0 for k in ("num_heads", "num_kv_heads", "head_dim") if k not in a})
+        return d, a
+
+    class GsmKVCacheUpdate(OpRun):
+        op_domain = "gsm.plugins"
+
+        def _run(self, ck, cv, key, pool, keys, slots, past, new, **_: Any):  # type: ignore[override]
+            d, _a = dims(self.onnx_node)
+            pool, keys = pool.copy(), keys.copy()
+            ref.kv_update(d, ck.astype(np.float32), cv.astype(np.float32), key.astype(np.float32), pool, keys,
+                          slots, past, new)
+            return pool, keys
+
+    class GsmSparseAttention(OpRun):
+        op_domain = "gsm.plugins"
+
+        def _run(self, *x, **_: Any):  # type: ignore[override]
+            d, a = dims(self.onnx_node)
+            q, pool, slots, past, new, quant, cos, sin, w0, w1 = x[:10]
+            f32 = np.float32
+            if int(a["layer_kind"]) == 0:
+                r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
+                                         index_q=x[10].astype(f32), index_w=x[11].astype(f32), index_keys=x[12],
+                                         sparse_window=int(x[13][0]))
+                return r.out.astype(q.dtype), r.selected, r.mass
+            r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
+                                     selected=x[10])
+            return (r.out.astype(q.dtype),)
+
+    class GsmKVDemote(OpRun):
+        op_domain = "gsm.plugins"
+
+        def _run(self, entries, quant, pool, **_: Any):  # type: ignore[override]
+            d, _a = dims(self.onnx_node)
+            return (ref.kv_demote(d, entries, pool.copy(), quant),)
+
+    return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote]
+
+
+class RefBackend:
+    """Same interface as OrtBackend; the cache is the engine's (pools, index keys, slot table)."""
+
+    name = "reference"
+
+    def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
+        ok, why = reference_usable()
+        if not ok:
+            raise RuntimeError(f"backend 'reference' unavailable: {why}")
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        ops = _ops()
+        self.model = ReferenceEvaluator(onnx.load(str(bundle / PLUGIN_MODEL)), new_ops=ops)
+        self.demote_model = ReferenceEvaluator(onnx.load(str(bundle / PLUGIN_DEMOTE)), new_ops=ops)
+        self.cfg = cfg
+        self.layers = [int(l) for l in cfg["owning_layers"]]
+        self.n_max = int(cfg["n_max"])
+        self.rows = (cfg["pool_rows"]["fp16"], cfg["pool_rows"]["int12"], cfg["pool_rows"]["int8"])
+        proto = onnx.load(str(bundle / PLUGIN_MODEL), load_external_data=False)
+        self.shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
+
+    def new_cache(self, batch: int = 1) -> dict[str, Any]:
+        cache: dict[str, Any] = {"slots": SlotTable(self.n_max, self.rows)}
+        for l in self.layers:
+            cache[f"kv_pool.{l}"] = np.zeros((batch, self.shapes[f"kv_pool.{l}"][1]), np.int32)
+            cache[f"index_keys.{l}"] = np.zeros((batch, self.n_max, self.cfg["index_dim"]), np.float16)
+        return cache
+
+    def forward(self, cache: dict[str, Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+                sparse_window: int) -> StepOutput:
+        slots: SlotTable = cache["slots"]
+        p0, n = int(past[0]), int(new[0])
+        moves = slots.compaction(n)
+        if moves:
+            self._run_demote(cache, moves)
+        slots.allocate(range(p0, p0 + n))
+        feeds = {k: v for k, v in cache.items() if k != "slots"}
+        feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
+                     new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
+                     kv_slots=slots.entries[None].copy())
+        names = [o.name for o in self.model.proto_.graph.output]
+        outs = dict(zip(names, self.model.run(None, feeds)))
+        for l in self.layers:
+            cache[f"kv_pool.{l}"] = outs[f"kv_pool_out.{l}"]
+            cache[f"index_keys.{l}"] = outs[f"index_keys_out.{l}"]
+        return StepOutput(outs["logits"], outs["attn_mass"])
+
+    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> None:
+        moves = cache["slots"].demote(new_tier[0])
+        if moves:
+            self._run_demote(cache, moves)
+
+    def _run_demote(self, cache: dict[str, Any], moves: list[tuple[int, int]]) -> None:
+        feeds: dict[str, np.ndarray] = {"demote_list": np.array([(0, o, n) for o, n in moves], np.int32)}
+        for l in self.layers:
+            feeds[f"kv_pool.{l}"] = cache[f"kv_pool.{l}"]
+        names = [o.name for o in self.demote_model.proto_.graph.output]
+        for name, arr in zip(names, self.demote_model.run(None, feeds)):
+            cache[name.replace("_out.", ".")] = arr
+
+    def latents(self, cache: dict[str, Any], layer: int, quant: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantised latents of one layer by position (for tests), through the reference reader."""
+        from gsm_edge_plugins import ref
+
+        rk, rv = self.cfg["ranks"][str(layer)]
+        d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=self.n_max,
+                     rows_fp16=self.rows[0], rows_int12=self.rows[1], rows_int8=self.rows[2],
+                     index_dim=self.cfg["index_dim"])
+        return ref.read_latents(d, cache[f"kv_pool.{layer}"], cache["slots"].entries[None], quant)
