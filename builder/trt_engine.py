@@ -24,7 +24,7 @@ from builder.plan import WORKSPACE_BYTES, MemoryPlan
 
 DEMOTE_ENGINE_FILE = "demote.plan"
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
-PLUGIN_LIB_NAMES = ("libgsm_plugins.so", "gsm_plugins.dll")
+PLUGIN_LIB_NAMES = ("libgsm_trt_plugins.so", "gsm_trt_plugins.dll")
 TIMING_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gsm-edge"
 
 
@@ -44,8 +44,17 @@ def tensorrt_status() -> tuple[bool, str]:
 
 
 def find_plugin_library() -> Path:
+    """GSM_PLUGIN_LIB, else the library the plugins package installed (gsm_edge_plugins), else a build dir."""
     env = os.environ.get(PLUGIN_LIB_ENV)
     candidates = [Path(env)] if env else []
+    try:
+        from gsm_edge_plugins import trt_plugin_library
+
+        lib = trt_plugin_library()
+        if lib is not None:
+            candidates.append(Path(lib))
+    except ImportError:
+        pass
     here = Path(__file__).resolve().parents[1]
     for d in (here / "gsm_edge_plugins", here / "build" / "plugins", here / "build"):
         candidates += [d / n for n in PLUGIN_LIB_NAMES]

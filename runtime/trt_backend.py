@@ -87,7 +87,7 @@ def _load_plugins(bundle: Path) -> None:
     import os
 
     manifest = json.loads((bundle / "manifest.json").read_text())
-    name = os.environ.get("GSM_PLUGIN_LIB") or manifest.get("engine", {}).get("plugin_library", "libgsm_plugins.so")
+    name = os.environ.get("GSM_PLUGIN_LIB") or manifest.get("engine", {}).get("plugin_library", "libgsm_trt_plugins.so")
     ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
 
 
