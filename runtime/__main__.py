@@ -22,14 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop-ids", help="comma-separated ids that end generation (default: EOS)")
-    g.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt"], default="auto")
+    g.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
     g.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    g.add_argument("--sparse-window", type=int, help="run-time window, 1..max_sparse_window (default: the model's)")
     args = p.parse_args(argv)
 
     import runtime
 
     try:
-        rt = runtime.load(args.bundle, args.backend, threads=args.threads)
+        rt = runtime.load(args.bundle, args.backend, threads=args.threads, sparse_window=args.sparse_window)
     except (runtime.BundleError, RuntimeError, ValueError) as e:
         print(f"runtime: {e}", file=sys.stderr)
         return 1
