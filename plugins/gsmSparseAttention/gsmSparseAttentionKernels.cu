@@ -180,7 +180,9 @@ __global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
     if (j < nValid)
     {
         int32_t const t = a.pastLengths[b] + j;
-        int32_t const w = *a.sparseWindow;
+        // The runtime validates sparse_window (the CPU reference rejects it); a kernel cannot raise,
+        // so clamp to [1, max_sparse_window] rather than write past K_sel.
+        int32_t const w = min(max(*a.sparseWindow, 1), d.maxSparseWindow);
         if (selectionIsDense(t, d.sinkTokens, w, d.topK))
         {
             for (int32_t s = threadIdx.x; s <= t; s += blockDim.x)
@@ -563,6 +565,15 @@ cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDe
         }
     }
     size_t const scoreSmem = static_cast<size_t>(d.indexHeads * d.indexDim + d.indexHeads) * sizeof(float);
+    if (owning && scoreSmem > 48 * 1024)
+    {
+        cudaError_t const e = cudaFuncSetAttribute(
+            indexScoresKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(scoreSmem));
+        if (e != cudaSuccess)
+        {
+            return e;
+        }
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += chunk)
     {
         int32_t const n = static_cast<int32_t>(std::min<int64_t>(chunk, rows - r0));
