@@ -30,10 +30,10 @@ from calibration.data import (
     resolve_inputs,
 )
 from calibration.measure import Evaluator, Fractions, Protocol, Score, kv_bytes_per_position
-from calibration.report import latent_errors
+from calibration.report import latent_errors, split_half_ratio
 from calibration.stats import collect_stats
 from calibration.tiers import Choice, candidate_fractions, choose_fractions
-from calibration.writer import check_unmodified, write_calibrated
+from calibration.writer import check_destination, check_unmodified, write_calibrated
 from gsm import checkpoint as ckpt
 from gsm.golden.model import GoldenModel
 from gsm.golden.weights import GoldenWeights, KVCalibration
@@ -113,6 +113,7 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     cfg = ckpt.load_config(o.checkpoint)
     quant0 = ckpt.load_quant(o.checkpoint)
     check_options(o, cfg.max_position_embeddings)
+    check_destination(o.checkpoint, o.out, o.overwrite)
     expected = check_unmodified(o.checkpoint)
     calib_path, eval_path = resolve_inputs(o.data or default_data(o.checkpoint), o.eval_data)
 
@@ -160,7 +161,10 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     rows_src = ev.ids if ev else cal.ids
     held = collect_stats(exact, rows_src, capacity=max(1, rows_src.numel()), seed=o.seed, fp16=False)
     layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
-                                                         naive.scales[(i, kv)])}
+                                                         naive.scales[(i, kv)]),
+               # rows are in sequence order only while the reservoir holds them all
+               "calib_split_half_absmax_ratio": split_half_ratio(stats[(i, kv)].rows) if stats[(i, kv)].exact
+               else None}
               for (i, kv) in sorted(stats)]
     model, swept = None, None
     if ev is not None:

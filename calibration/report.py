@@ -28,6 +28,20 @@ def error_stats(err: torch.Tensor, x: torch.Tensor) -> dict[str, float]:
             "bias": float(e.mean(dim=0).abs().mean())}
 
 
+def split_half_ratio(rows: torch.Tensor) -> float | None:
+    """Largest per-channel ratio abs-max(second half) / abs-max(first half) of calibration rows.
+
+    How far text not yet seen exceeded the maximum seen so far: the evidence for INT12's headroom
+    (scales.INT12_HEADROOM), measured on calibration text alone. None for fewer than 2 rows.
+    """
+    n = rows.shape[0] // 2
+    if n < 1:
+        return None
+    a, b = rows[:n].abs().amax(0), rows[n:].abs().amax(0)
+    ok = a > 0
+    return float((b[ok] / a[ok]).max()) if bool(ok.any()) else None
+
+
 def latent_errors(x: torch.Tensor, cal: LatentScales, naive: LatentScales) -> dict[str, Any]:
     """Errors of every tier of one latent on rows x [N, r] (float32 latents)."""
     x16 = round_fp16(x)

@@ -19,7 +19,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gsm.atomic import MANIFEST_NAME, ManifestError, atomic_output_dir, sha256_file, verify_manifest
+from gsm.atomic import (
+    MANIFEST_NAME,
+    ManifestError,
+    OutputExistsError,
+    atomic_output_dir,
+    sha256_file,
+    verify_manifest,
+)
 from gsm.atomic import read_manifest as read_manifest_files
 from gsm.checkpoint import CALIB_FILE, QUANT_FILE
 from gsm.config import KVQuantConfig
@@ -50,6 +57,19 @@ def check_unmodified(checkpoint: Path) -> dict[str, str] | None:
     return files
 
 
+def check_destination(checkpoint: Path, out: Path | None, overwrite: bool) -> bool:
+    """Whether the write is in place; raises before any work if --out cannot be written."""
+    if out is None or out.resolve() == checkpoint.resolve():
+        return True
+    src, dst = checkpoint.resolve(), out.resolve()
+    if dst.is_relative_to(src) or src.is_relative_to(dst):
+        raise CheckpointStateError(f"--out {out} is inside --checkpoint {checkpoint} or contains it; "
+                                   "pass a separate directory (or omit --out to rewrite in place)")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise OutputExistsError(out)
+    return False
+
+
 def write_calibration_file(path: Path, calib: KVCalibration, metadata: dict[str, str]) -> None:
     """kv_calibration.safetensors: spec 5 names, float32, sorted by name (deterministic bytes)."""
     arrays = calib.to_tensors()
@@ -77,7 +97,7 @@ def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfi
 
     `expected`: manifest entries read when the run started; a file that changed since is an error.
     """
-    in_place = out is None or out.resolve() == checkpoint.resolve()
+    in_place = check_destination(checkpoint, out, overwrite)
     dest = checkpoint if in_place else out
     with atomic_output_dir(dest, overwrite=in_place or overwrite) as tmp:
         for dirpath, _dirs, files in os.walk(checkpoint, followlinks=False):

@@ -136,7 +136,7 @@ def test_absmax_scale_compensation_and_per_tensor_baseline():
     st.update(rows)
     s = sc.channel_scales(st, "absmax")
     assert s.scale_int8[0] == torch.tensor(2.0) / 127 and s.scale_int8[1] == torch.tensor(0.5) / 127
-    assert s.scale_int12[0] == torch.tensor(2.0) / 2047
+    assert s.scale_int12[0] == torch.tensor(2.0 * sc.INT12_HEADROOM) / 2047  # its own, with headroom
     assert bool((s.scale_int8 > 0).all())  # the dead channel still gets a positive scale
     err = rows - torch.round(rows / s.scale_int8).clamp(-127, 127) * s.scale_int8
     assert torch.allclose(s.comp_int8, err.double().mean(0).float(), atol=1e-9)
@@ -354,6 +354,11 @@ def test_bad_flags_and_modified_checkpoint(ckpt_copy, capsys):
     assert "--seq-len" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--seq-len", "4096")
     assert "the calibration file itself" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--eval-data",
                                                  str(CALIB_TEXT))
+    assert "inside --checkpoint" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--out",
+                                         str(ckpt_copy / "calibrated"))
+    taken = ckpt_copy.parent / "taken"
+    taken.mkdir()
+    assert "already exists" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--out", str(taken))
     with (ckpt_copy / "config.json").open("a") as f:
         f.write(" ")  # still valid JSON, but no longer the file the manifest signed
     assert "refusing to re-sign" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT))
