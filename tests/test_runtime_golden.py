@@ -11,6 +11,7 @@ INT8 rows are read by attention during the 64 greedy steps.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -52,7 +53,9 @@ def stories_checkpoint(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "llama2c", str(STORIES), "--out", str(out),
                         "--calib-text", str(CALIB_TEXT), "--eval-text", str(EVAL_TEXT), "--calib-tokens", "4096",
                         "--eval-tokens", "1024", "--indexer-steps", "10", "--window", "8", "--sharing", "4:1"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600,
+                       # one thread: spinning OpenMP workers on 2 busy shared cores made this 30x slower
+                       env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     # re-tier every 8 decode steps with an 8-position FP16 window, as for the tiny model
     cfg = checkpoint.load_config(out)
