@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from builder.build import BuildError, build
@@ -131,3 +132,42 @@ def test_build_failure_midway_leaves_nothing(tmp_path, tiny, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         build(device="orin", checkpoint_dir=tiny, output=tmp_path / "o", max_seq=64)
     assert nothing_left(tmp_path)
+
+
+def test_calibration_file_becomes_the_quant_tables(tmp_path, tiny):
+    import onnx
+    from onnx import numpy_helper
+    from safetensors.numpy import save_file
+
+    from gsm import checkpoint, names
+
+    cfg = checkpoint.load_config(tiny)
+    ranks = checkpoint.CheckpointTensors(tiny).ranks(cfg)
+    rng = np.random.default_rng(0)
+    tables = {}
+    for l in cfg.owning_layers:
+        for kind, r in zip(("k", "v"), ranks[l]):
+            tables[names.calib_name(l, kind, "scale_int8")] = rng.uniform(0.01, 0.02, r).astype(np.float32)
+            tables[names.calib_name(l, kind, "comp_int8")] = rng.uniform(-1e-3, 1e-3, r).astype(np.float32)
+            if kind == "k":  # v falls back to the default INT12 scale
+                tables[names.calib_name(l, kind, "scale_int12")] = rng.uniform(1e-4, 2e-4, r).astype(np.float32)
+    calib = tmp_path / "kv_calibration.safetensors"
+    save_file(tables, str(calib))
+    out = tmp_path / "b"
+    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64, calibration=calib)
+    m = onnx.load(str(out / "model.onnx"))
+    got = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer if t.name.endswith(".quant")}
+    for l in cfg.owning_layers:
+        rk, _ = ranks[l]
+        q = got[f"gsm.layers.{l}.quant"]
+        s8v = tables[names.calib_name(l, "v", "scale_int8")]
+        assert np.array_equal(q[1, :rk], tables[names.calib_name(l, "k", "scale_int8")])
+        assert np.array_equal(q[0, :rk], tables[names.calib_name(l, "k", "scale_int12")])
+        assert np.array_equal(q[0, rk:], (s8v * np.float32(127)) / np.float32(2047))
+        assert np.array_equal(q[2, rk:], tables[names.calib_name(l, "v", "comp_int8")])
+    assert json.loads((out / "manifest.json").read_text())["calibration"] == f"file:{calib}"
+    del tables[names.calib_name(cfg.owning_layers[0], "v", "comp_int8")]
+    save_file(tables, str(calib))
+    with pytest.raises(BuildError, match="comp_int8"):
+        build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b2", max_seq=64, calibration=calib)
+    assert not (tmp_path / "b2").exists()
