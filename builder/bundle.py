@@ -13,13 +13,12 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gsm.atomic import MANIFEST_NAME, OutputExistsError, _swap_into_place, read_manifest, sha256_file, write_manifest
+from gsm.atomic import MANIFEST_NAME, atomic_output_dir, read_manifest, sha256_file
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
@@ -47,28 +46,13 @@ def checkpoint_hash(d: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _write_bundle_manifest(root: Path, meta: dict[str, Any]) -> None:
-    manifest = write_manifest(root)
-    manifest.update({"bundle_format": BUNDLE_FORMAT, "bundle_version": BUNDLE_VERSION, **meta})
-    write_json(root / MANIFEST_NAME, manifest)
-
-
 @contextmanager
 def atomic_bundle_dir(final: Path, meta: dict[str, Any], *, overwrite: bool = False) -> Iterator[Path]:
-    """Like gsm.atomic.atomic_output_dir, with `meta` (filled by the body) merged into the manifest."""
-    final = Path(final)
-    if (final.exists() or final.is_symlink()) and not overwrite:
-        raise OutputExistsError(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
-    tmp.mkdir()
-    try:
+    """gsm.atomic.atomic_output_dir with the bundle's identity and `meta` (which the body fills in)
+    stored in the manifest beside the file hashes."""
+    meta.update({"bundle_format": BUNDLE_FORMAT, "bundle_version": BUNDLE_VERSION})
+    with atomic_output_dir(final, overwrite=overwrite, manifest_extra=meta) as tmp:
         yield tmp
-        _write_bundle_manifest(tmp, meta)
-        _swap_into_place(tmp, final, overwrite=overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_bundle_manifest(root: Path) -> dict[str, Any]:

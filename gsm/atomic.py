@@ -15,7 +15,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,18 +59,24 @@ def _regular_files(root: Path) -> list[Path]:
     return sorted(out)
 
 
-def write_manifest(root: Path) -> dict[str, Any]:
-    """Hash every regular file under root (except the manifest itself) into root/manifest.json."""
+def write_manifest(root: Path, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Hash every regular file under root (except the manifest itself) into root/manifest.json.
+
+    `extra` fields (e.g. a bundle's identity) are stored beside the hashes.
+    """
     files = {rel.as_posix(): "sha256:" + sha256_file(root / rel)
              for rel in _regular_files(root) if rel.as_posix() != MANIFEST_NAME}
-    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
+    manifest = {**(extra or {}), "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
     (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 
 @contextmanager
-def atomic_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
+                      manifest_extra: Mapping[str, Any] | None = None) -> Iterator[Path]:
     """Yield a fresh temp dir beside `final`; on success write the manifest and rename it to `final`.
+
+    `manifest_extra` is read when the body has finished, so the body may still fill it in.
 
     On any exception (KeyboardInterrupt included) the temp dir is deleted and the exception
     re-raised, so nothing is left behind. An existing `final` raises `OutputExistsError` before
@@ -85,7 +91,7 @@ def atomic_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False)
     tmp.mkdir()
     try:
         yield tmp
-        write_manifest(tmp)
+        write_manifest(tmp, manifest_extra)
         _swap_into_place(tmp, final, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
