@@ -148,7 +148,7 @@ IPluginCapability* GsmPluginBase::getCapabilityInterface(PluginCapabilityType ty
 {
     switch (type)
     {
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
+    case PluginCapabilityType::kBUILD: return static_cast<GsmPluginBuild*>(this);
     case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
     case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
     }

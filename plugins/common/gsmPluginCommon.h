@@ -2,7 +2,8 @@
  * Shared glue of the GSM TensorRT plugins (IPluginV3 + IPluginV3OneCore / OneBuildV2 / OneRuntime):
  * attribute tables and their validation, serialisation as plugin fields, and a base class that
  * answers the capability queries, so each plugin only writes its shapes, types and enqueue.
- * Written against TensorRT 10.3+ (IPluginV3OneBuildV2 for in-place cache outputs) and 11.x.
+ * Written against TensorRT 10.3+ (IPluginV3OneBuildV2 for in-place cache outputs) and 11.x; compiles
+ * against 10.0-10.2 too, where the build capability is IPluginV3OneBuild and cache outputs are copies.
  */
 #pragma once
 
@@ -15,14 +16,33 @@
 #include <string>
 #include <vector>
 
+// IPluginV3OneBuildV2 (getAliasedInput, PreviewFeature::kALIASED_PLUGIN_IO_10_03) exists from
+// TensorRT 10.3. Older 10.x headers only have IPluginV3OneBuild: the plugins still build, TensorRT
+// gives the cache outputs their own buffers, and enqueue's carry-over copy keeps them correct.
+#if NV_TENSORRT_MAJOR > 10 || (NV_TENSORRT_MAJOR == 10 && NV_TENSORRT_MINOR >= 3)
+#define GSM_TRT_ALIASED_IO 1
+#else
+#define GSM_TRT_ALIASED_IO 0
+#endif
+
 namespace gsm
 {
 namespace trt
 {
 
+#if GSM_TRT_ALIASED_IO
+using GsmPluginBuild = nvinfer1::IPluginV3OneBuildV2;
+#else
+using GsmPluginBuild = nvinfer1::IPluginV3OneBuild;
+#endif
+
 // Names shared with the ONNX nodes (docs/engine_io.md section 4).
 constexpr char const* kPluginVersion = "1";
 constexpr char const* kPluginNamespace = "gsm";
+
+// Where an attribute lands in GsmDims (an alias: nvcc's host pass re-emits a bare member-pointer
+// declarator with parentheses, which g++ -Wall then flags).
+using GsmDimsField = int32_t GsmDims::*;
 
 // One integer attribute: its ONNX/field name, valid range, and where it lands in GsmDims.
 struct AttrSpec
@@ -32,7 +52,7 @@ struct AttrSpec
     int32_t maxValue;
     bool required;
     int32_t defaultValue;
-    int32_t GsmDims::*field;
+    GsmDimsField field;
 };
 
 // Reads `fc` against `specs`: every required attribute present, each an integer within range,
@@ -52,7 +72,7 @@ void reportError(std::string const& msg) noexcept;
 // outputs and the build/runtime specifics; everything generic lives here.
 class GsmPluginBase : public nvinfer1::IPluginV3,
                       public nvinfer1::IPluginV3OneCore,
-                      public nvinfer1::IPluginV3OneBuildV2,
+                      public GsmPluginBuild,
                       public nvinfer1::IPluginV3OneRuntime
 {
 public:
@@ -83,6 +103,14 @@ public:
         int32_t nbOutputs) noexcept override;
     nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+#if !GSM_TRT_ALIASED_IO
+    // No aliased plugin I/O before TensorRT 10.3; kept so the plugins' overrides read the same.
+    virtual int32_t getAliasedInput(int32_t /*outputIndex*/) noexcept
+    {
+        return -1;
+    }
+#endif
 
 protected:
     // Type allowed at I/O position `pos` given the already chosen types of positions < pos.
