@@ -47,3 +47,22 @@ def stories_hf(stories_src):
     missing, unexpected = model.load_state_dict({n: stories_src.get(n) for n in stories_src.names}, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # lm_head is tied to the embedding
     return model
+
+
+def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8) -> Path:
+    """A copy of checkpoint `base` that re-tiers every `rate` decode steps behind an `fp16_window`
+    FP16 window, so that short golden-regression runs really read INT12/INT8 rows. Keeps the
+    tokenizer and any calibration; config checksum and manifest are rewritten consistently."""
+    import dataclasses
+
+    from gsm import checkpoint
+
+    cfg = checkpoint.load_config(base)
+    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=rate))
+    quant = checkpoint.load_quant(base).replace(fp16_window=fp16_window)
+    tok = base / "tokenizer.json"
+    calib = base / "kv_calibration.safetensors"
+    return checkpoint.write_checkpoint_arrays(
+        out, cfg, quant, checkpoint.load_state_dict(base),
+        tokenizer_json=tok.read_text() if tok.is_file() else None,
+        extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CALIB_TEXT, DATA, EVAL_TEXT, STORIES, needs_data
+from conftest import CALIB_TEXT, DATA, EVAL_TEXT, STORIES, needs_data, retiering_copy
 
 from calibration import scales as sc
 from calibration.cli import main
@@ -396,8 +396,6 @@ def test_eval_text_is_never_fitted_on(calibrated):
 def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated, tmp_path):
     """Scales travel checkpoint -> bundle; ORT then equals the golden in deployed mode (fp32 portable
     build vs fp32 golden: logits to 1e-3, greedy tokens identical)."""
-    import dataclasses
-
     import runtime
     from builder.build import build
     from gsm.golden.model import GoldenModel
@@ -405,13 +403,7 @@ def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated,
     cal, _ = calibrated
     # a copy that re-tiers every 8 decode steps behind a 4-position FP16 window, so that the calibrated
     # INT8 rows are really read during the 48 steps below
-    out = tmp_path / "ckpt"
-    shutil.copytree(cal, out)
-    cfg = ckpt.load_config(out)
-    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=8))
-    (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
-    (out / "quant_config.json").write_text(json.dumps(ckpt.load_quant(out).replace(fp16_window=4).to_json()))
-    write_manifest(out)
+    out = retiering_copy(cal, tmp_path / "ckpt", rate=8, fp16_window=4)
     bundle = tmp_path / "bundle"
     build(device="orin", checkpoint_dir=out, output=bundle, max_seq=256)
     manifest = json.loads((bundle / "manifest.json").read_text())

@@ -10,7 +10,6 @@ INT8 rows are read by attention during the 64 greedy steps.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -18,10 +17,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CALIB_TEXT, EVAL_TEXT, STORIES
+from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, retiering_copy
 
 from builder.build import build
-from gsm import checkpoint
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
 from gsm.golden.quant import FP16, INT8, INT12
@@ -37,11 +35,7 @@ def retiering_checkpoint(tmp_path_factory):
     """The tiny synthetic model with re-tier passes every 8 decode steps and an 8-position window."""
     root = tmp_path_factory.mktemp("ckpt")
     base = synth_checkpoint("tiny", root / "tiny", seed=3)
-    cfg = checkpoint.load_config(base)
-    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=8))
-    quant = KVQuantConfig(fp16_window=8)
-    return checkpoint.write_checkpoint_arrays(root / "tiny-retier", cfg, quant, checkpoint.load_state_dict(base),
-                                              tokenizer_json=(base / "tokenizer.json").read_text(), progress=False)
+    return retiering_copy(base, root / "tiny-retier")
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +51,7 @@ def stories_checkpoint(tmp_path_factory):
                        # one thread: spinning OpenMP workers on 2 busy shared cores made this 30x slower
                        env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
-    # re-tier every 8 decode steps with an 8-position FP16 window, as for the tiny model
-    cfg = checkpoint.load_config(out)
-    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=8))
-    return checkpoint.write_checkpoint_arrays(out.parent / "gsm-retier", cfg, KVQuantConfig(fp16_window=8),
-                                              checkpoint.load_state_dict(out),
-                                              tokenizer_json=(out / "tokenizer.json").read_text(), progress=False)
+    return retiering_copy(out, out.parent / "gsm-retier")  # as for the tiny model
 
 
 @pytest.fixture(scope="module")

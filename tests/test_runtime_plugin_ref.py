@@ -11,15 +11,12 @@ driving the engine's int32 byte pools, slot tables and demotion lists.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
+from conftest import retiering_copy
 
 from builder.build import build
-from gsm import checkpoint
-from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
 from gsm.synth import synth_checkpoint
 from runtime.ref_backend import reference_usable
@@ -33,10 +30,7 @@ N_MAX, PROMPT_LEN, STEPS = 128, 40, 64
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("ck")
     base = synth_checkpoint("tiny", root / "tiny", seed=5)
-    cfg = checkpoint.load_config(base)
-    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=8))
-    return checkpoint.write_checkpoint_arrays(root / "retier", cfg, KVQuantConfig(fp16_window=8),
-                                              checkpoint.load_state_dict(base), progress=False)
+    return retiering_copy(base, root / "retier")
 
 
 def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):

@@ -10,17 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import DATA, needs_data
+from conftest import STORIES as MODEL
 
 from gsm import names
 from gsm.golden.rope import apply_rope, rope_tables
 from gsm.sources import SourceError, dense_shapes, read_source
 from gsm.sources.hf import llama_config_dict, read_hf
 from gsm.sources.llama2c import MAGIC, meta_to_hf_rope_rows, read_llama2c
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-MODEL = DATA / "stories260K.bin"
-needs_data = pytest.mark.skipif(not MODEL.is_file(), reason=f"real data not found at {DATA}")
-
 
 # --- RoPE layout ------------------------------------------------------------------------------
 

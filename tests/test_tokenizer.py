@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from gsm.tokenizer import (
     tokenizer_from_json,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not (DATA / "tok512.model").is_file(),
                                 reason=f"real data not found at {DATA}")
 
