@@ -3,11 +3,18 @@
     import runtime
     rt = runtime.load("out/demo-tiny-orin-agx-64")          # verifies every file's sha256 first
     print(rt.generate("Once upon a time", max_new_tokens=32).text)
-    for tok in rt.stream([1, 415, 1781], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=0):
+    s = rt.stream([1, 415, 1781], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=0)
+    for tok in s:                                             # one request: its own state
         print(tok.id, repr(tok.text))
+    print(s.finish_reason, s.text)
+    print(rt.chat([{"role": "user", "content": "Hi"}]).text)  # bundles with a chat template
 """
 
 from runtime.bundle import BundleError, verify_bundle
-from runtime.model import ContextFullError, Generation, Runtime, Sampler, Token, load
+from runtime.model import ContextFullError, Runtime, load
+from runtime.request import Generation, Token, TokenStream
+from runtime.sampling import RequestError, Sampler, SamplingParams
+from runtime.text import ChatTemplateError
 
-__all__ = ["BundleError", "ContextFullError", "Generation", "Runtime", "Sampler", "Token", "load", "verify_bundle"]
+__all__ = ["BundleError", "ChatTemplateError", "ContextFullError", "Generation", "RequestError", "Runtime", "Sampler",
+           "SamplingParams", "Token", "TokenStream", "load", "verify_bundle"]

@@ -1,54 +1,175 @@
-"""`python -m runtime generate BUNDLE --prompt TEXT` — prints tokens as they come."""
+"""`python -m runtime generate BUNDLE --prompt TEXT | --ids 1,2,3 | --chat TEXT` — prints tokens as they come.
+
+Exit codes: 0 ok, 2 bad usage or bad input (one `error:` line naming the flag or file), 1 a failure
+while generating, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+PROG = "python -m runtime"
+# request fields (RequestError.field) -> the flag that sets them; "prompt" is the source flag used
+FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+         "max_new_tokens": "--max-new-tokens", "stop_ids": "--stop-ids", "threads": "--threads",
+         "sparse_window": "--sparse-window"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__)
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _checked(parse: Callable[[str], Any], check: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """An argparse type: parse, then the runtime's own range check (one wording for CLI and API)."""
+    from runtime.sampling import RequestError
+
+    def convert(text: str) -> Any:
+        try:
+            return check(parse(text))
+        except RequestError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+
+    return convert
+
+
+def _at_least(lo: int, what: str = "") -> Callable[[int], int]:
+    def check(n: int) -> int:
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}{what}, got {n}")
+        return n
+
+    return check
+
+
+def _id_list(text: str, *, allow_empty: bool) -> list[int]:
+    items = [t.strip() for t in text.split(",")]
+    if items == [""]:
+        if allow_empty:
+            return []
+        raise argparse.ArgumentTypeError("expected comma-separated token ids such as 1,415,1781, got nothing")
+    ids = []
+    for i, t in enumerate(items):
+        try:
+            v = int(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"position {i} is {t!r}, not an integer token id "
+                                             "(expected comma-separated ids such as 1,415,1781)") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"id {v} (position {i}) is negative; token ids are >= 0")
+        ids.append(v)
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from runtime.sampling import check_seed, check_temperature, check_top_k, check_top_p
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a bundle")
     g.add_argument("bundle", type=Path)
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (BOS is prepended)")
-    src.add_argument("--ids", help="comma-separated prompt token ids, used as given")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop-ids", help="comma-separated ids that end generation (default: EOS)")
+    src.add_argument("--prompt", help="prompt text (BOS is prepended unless tokenizer_config.json says not to)")
+    src.add_argument("--ids", type=lambda t: _id_list(t, allow_empty=False),
+                     help="comma-separated prompt token ids, used as given")
+    src.add_argument("--chat", help="a user message, rendered with the bundle's chat template; prints the answer")
+    g.add_argument("--max-new-tokens", type=lambda t: _at_least(0)(_int(t)), default=64)
+    g.add_argument("--temperature", type=_checked(_float, check_temperature), default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=_checked(_int, check_top_k), default=0, help="0: off")
+    g.add_argument("--top-p", type=_checked(_float, check_top_p), default=1.0, help="in (0, 1]; 1: off")
+    g.add_argument("--seed", type=_checked(_int, check_seed))
+    g.add_argument("--stop-ids", type=lambda t: _id_list(t, allow_empty=True),
+                   help="comma-separated ids that end generation (default: EOS; with --chat also the "
+                        "end-of-turn token; \"\": none)")
     g.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
-    g.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
-    g.add_argument("--sparse-window", type=int, help="run-time window, 1..max_sparse_window (default: the model's)")
-    args = p.parse_args(argv)
+    g.add_argument("--threads", type=lambda t: _at_least(0, " (0: ONNX Runtime's default)")(_int(t)), default=0,
+                   help="ONNX Runtime intra-op threads (0: its default)")
+    g.add_argument("--sparse-window", type=lambda t: _at_least(1)(_int(t)),
+                   help="run-time window, 1..max_sparse_window (default: the model's)")
+    return p
 
+
+def _error(message: str, code: int = 2) -> int:
+    print(f"{PROG} generate: error: {' '.join(str(message).split())}", file=sys.stderr)  # one line
+    return code
+
+
+def generate(args: argparse.Namespace) -> int:
     import runtime
 
+    source = "--prompt" if args.prompt is not None else "--ids" if args.ids is not None else "--chat"
+    flags = {**FLAGS, "prompt": source, "messages": source}
     try:
         rt = runtime.load(args.bundle, args.backend, threads=args.threads, sparse_window=args.sparse_window)
-    except (runtime.BundleError, RuntimeError, ValueError) as e:
-        print(f"runtime: {e}", file=sys.stderr)
-        return 1
-    prompt = args.prompt if args.prompt is not None else [int(t) for t in args.ids.split(",")]
-    stops = None if args.stop_ids is None else [int(t) for t in args.stop_ids.split(",") if t]
+    except runtime.RequestError as e:
+        return _error(f"argument {flags.get(e.field, e.field)}: {e.detail}")
+    except runtime.BundleError as e:
+        return _error(f"bundle {e}")
+    except ValueError as e:  # a chat template that does not compile, and other bad bundle contents
+        return _error(f"bundle {args.bundle}: {e}")
+    except RuntimeError as e:  # a backend that cannot start here (TensorRT missing, ...)
+        return _error(str(e), 1)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              stop_ids=args.stop_ids)
+    try:
+        if args.chat is not None:
+            if not rt.has_chat_template:
+                return _error(f"argument --chat: bundle {args.bundle} has no chat template (no tokenizer_config.json "
+                              "with chat_template); use --prompt")
+            stream = rt.chat_stream([{"role": "user", "content": args.chat}], args.max_new_tokens, **kw)
+        else:
+            stream = rt.stream(args.prompt if args.prompt is not None else args.ids, args.max_new_tokens, **kw)
+    except runtime.RequestError as e:
+        return _error(f"argument {flags.get(e.field, e.field)}: {e.detail}")
+    except runtime.ChatTemplateError as e:
+        return _error(f"argument --chat: {e}")
+    as_text = args.ids is None
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
-    t0, n = time.perf_counter(), 0
-    for tok in rt.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, seed=args.seed, stop_ids=stops):
-        n += 1
-        sys.stdout.write(tok.text if args.prompt is not None else f"{tok.id} ")
-        sys.stdout.flush()
+    t0, n, shown = time.perf_counter(), 0, 0
+    try:
+        for tok in stream:
+            n += 1
+            sys.stdout.write(tok.text if as_text else f"{tok.id} ")
+            shown += len(tok.text)
+            sys.stdout.flush()
+    except runtime.ContextFullError as e:
+        return _error(str(e), 1)
+    if as_text and stream.text:
+        sys.stdout.write(stream.text[shown:])  # bytes held back before a stop id
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
-    print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt else 0:.1f} tokens/s, backend {rt.backend.name}, "
-          f"finish: {rt.finish_reason}]", file=sys.stderr)
+    rate = n / dt if dt > 0 and math.isfinite(n / dt) else 0.0
+    print(f"[{n} tokens in {dt:.2f} s, {rate:.1f} tokens/s, backend {rt.backend.name}, "
+          f"finish: {stream.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return generate(args)
+    except KeyboardInterrupt:
+        print(f"{PROG} generate: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,36 +10,27 @@ applies through the backend's demotion graph. The call order equals gsm.golden's
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from runtime.bundle import verify_bundle
+from runtime.bundle import BundleError, verify_bundle
 from runtime.ort_backend import OrtBackend, StepOutput
 from runtime.policy import SequenceState, TierPolicy, retier
+from runtime.request import Generation, Token, TokenStream
+from runtime.sampling import RequestError, Sampler, SamplingParams
+from runtime.text import TextCodec
+
+__all__ = ["BACKENDS", "ContextFullError", "Generation", "Runtime", "Sampler", "Sequence_", "Token", "TokenStream",
+           "load"]
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "reference")
 
 
 class ContextFullError(RuntimeError):
     """The sequence would grow past the bundle's max-seq."""
-
-
-@dataclass
-class Token:
-    id: int
-    text: str  # the text this token adds to the decoded output (may be "" inside a UTF-8 sequence)
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (a stop id) | "length" (max_new_tokens) | "context" (max-seq reached)
 
 
 class Sequence_:
@@ -79,6 +70,9 @@ class Sequence_:
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prefill needs at least one token")
+        if self.state.length + len(ids) > self.rt.n_max:  # the whole prompt, not the chunk, before any work
+            raise ContextFullError(f"{self.state.length} positions + a prompt of {len(ids)} tokens exceed the "
+                                   f"bundle's max-seq {self.rt.n_max} (rebuild with a larger --max-seq)")
         step = self.rt.max_input
         for i in range(0, len(ids), step):
             out = self._forward(ids[i:i + step])
@@ -94,38 +88,14 @@ class Sequence_:
         return out.logits[0, -1]
 
 
-@dataclass
-class Sampler:
-    """temperature 0 is greedy (argmax, first index on ties); otherwise top-k, then top-p, then draw."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    rng: np.random.Generator = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        self.rng = np.random.default_rng(self.seed)
-
-    def __call__(self, logits: np.ndarray) -> int:
-        if self.temperature == 0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / self.temperature
-        if 0 < self.top_k < z.size:
-            kth = np.partition(z, -self.top_k)[-self.top_k]
-            z = np.where(z >= kth, z, -np.inf)
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if self.top_p < 1:
-            order = np.argsort(-p, kind="stable")
-            keep = np.cumsum(p[order]) - p[order] < self.top_p  # smallest prefix reaching top_p
-            mask = np.zeros_like(p, dtype=bool)
-            mask[order[keep]] = True
-            p = np.where(mask, p, 0)
-            p /= p.sum()
-        return int(self.rng.choice(p.size, p=p))
+def check_sparse_window(w: int | None, cfg: Mapping[str, Any]) -> int:
+    """The run-time window: the model's by default, else 1..max_sparse_window of the bundle."""
+    if w is None:
+        return int(cfg["sparse_window"])
+    hi = int(cfg["max_sparse_window"])
+    if isinstance(w, bool) or int(w) != w or not 1 <= w <= hi:
+        raise RequestError("sparse_window", f"must be an integer in 1..{hi} (the bundle's max_sparse_window), got {w}")
+    return int(w)
 
 
 class Runtime:
@@ -143,64 +113,64 @@ class Runtime:
                                  tier_fractions=tuple(q["tier_fractions"]), hotness_decay=q["hotness_decay"],
                                  rate=self.cfg["quantization_adaptation_rate"],
                                  hot_token_ids=frozenset(q.get("hot_token_ids", [])))
-        w = self.cfg["sparse_window"] if sparse_window is None else sparse_window
-        if not 1 <= w <= self.cfg["max_sparse_window"]:
-            raise ValueError(f"sparse_window {w} outside 1..{self.cfg['max_sparse_window']} (max_sparse_window)")
-        self.sparse_window = w
-        self._tok = None
+        self.sparse_window = check_sparse_window(sparse_window, self.cfg)
+        self.vocab_size = int(self.cfg["vocab_size"])
+        self.bos_token_id = int(self.cfg["bos_token_id"])
+        self.eos_token_id = int(self.cfg["eos_token_id"])
+        self.codec = TextCodec.load(bundle, self.bos_token_id, self.eos_token_id)  # None: ids only
 
     @property
     def tokenizer(self) -> Any:
-        if self._tok is None:
-            from gsm.tokenizer import load_tokenizer
+        """The `tokenizers.Tokenizer` of the bundle."""
+        return self._need_codec().tokenizer
 
-            self._tok = load_tokenizer(self.bundle)
-        return self._tok
+    def _need_codec(self) -> TextCodec:
+        if self.codec is None:
+            raise RequestError("prompt", f"{self.bundle} has no tokenizer.json: give token ids instead of text")
+        return self.codec
 
     def new_sequence(self) -> Sequence_:
         return Sequence_(self)
 
     def encode(self, text: str) -> list[int]:
-        """BOS + the text's pieces (the tokenizer adds no special tokens itself)."""
-        return [int(self.cfg["bos_token_id"])] + list(self.tokenizer.encode(text).ids)
+        """BOS + the text's pieces; no BOS when tokenizer_config.json has add_bos_token: false."""
+        return self._need_codec().encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._need_codec().decode(ids)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop_ids: Sequence[int] | None = None) -> Iterator[Token]:
-        """Yield generated tokens as they come; stop ids end the stream and are not yielded."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        stops = {int(self.cfg["eos_token_id"])} if stop_ids is None else {int(s) for s in stop_ids}
-        sample = Sampler(temperature, top_k, top_p, seed)
-        seq = self.new_sequence()
-        logits = seq.prefill(ids)
-        out: list[int] = []
-        text_so_far = ""
-        self.finish_reason = "length"
-        for _ in range(max_new_tokens):
-            tok = sample(logits)
-            if tok in stops:
-                self.finish_reason = "stop"
-                return
-            out.append(tok)
-            text = self._decode(out)
-            yield Token(tok, text[len(text_so_far):] if text is not None else "")
-            text_so_far = text or ""
-            if len(out) == max_new_tokens:
-                return
-            if seq.length >= self.n_max:
-                self.finish_reason = "context"
-                return
-            logits = seq.decode(tok)
+               stop_ids: Sequence[int] | None = None) -> TokenStream:
+        """A request: iterate it for tokens as they come (stop ids end it and are not yielded); after
+        that its `ids`, `text` and `finish_reason` hold the outcome. Inputs are checked here, before any
+        model work: a RequestError (ValueError) names the parameter."""
+        return TokenStream(self, self._prompt_ids(prompt), max_new_tokens,
+                           SamplingParams(temperature, top_k, top_p, seed), stop_ids)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw: Any) -> Generation:
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        new = [t.id for t in self.stream(ids, max_new_tokens, **kw)]
-        return Generation(ids, new, self._decode(new), self.finish_reason)
+        """The whole generation at once; `text` is what follows the prompt (leading space kept)."""
+        return self.stream(prompt, max_new_tokens, **kw).collect()
 
-    def _decode(self, ids: list[int]) -> str | None:
-        if not (self.bundle / "tokenizer.json").is_file():
-            return None
-        return self.tokenizer.decode(ids)
+    @property
+    def has_chat_template(self) -> bool:
+        return self.codec is not None and self.codec.has_chat_template
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The messages rendered by the bundle's chat template (with the generation prompt), as ids."""
+        return self._need_codec().encode_chat(messages)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> TokenStream:
+        """`stream` on the rendered messages, stopping at EOS and the template's end-of-turn token."""
+        kw.setdefault("stop_ids", self._need_codec().chat_stop_ids())
+        return self.stream(self.chat_ids(messages), max_new_tokens, **kw)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> Generation:
+        """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...])."""
+        return self.chat_stream(messages, max_new_tokens, **kw).collect()
 
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None) -> Runtime:
@@ -213,7 +183,16 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     root = Path(bundle)
     manifest = verify_bundle(root)
-    cfg = json.loads((root / "bundle.json").read_text(encoding="utf-8"))
+    try:
+        cfg = json.loads((root / "bundle.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BundleError(f"{root / 'bundle.json'}: not readable JSON ({e})") from None
+    try:
+        check_sparse_window(sparse_window, cfg)  # before any graph is opened
+    except KeyError as e:
+        raise BundleError(f"{root / 'bundle.json'}: no {e} field (rebuild the bundle)") from None
+    if isinstance(threads, bool) or int(threads) != threads or threads < 0:
+        raise RequestError("threads", f"must be an integer >= 0 (0: ONNX Runtime's default), got {threads}")
     if backend == "auto":
         from runtime.trt_backend import trt_usable
 
@@ -228,4 +207,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, threads=threads)
-    return Runtime(root, manifest, be, sparse_window=sparse_window)
+    try:
+        return Runtime(root, manifest, be, sparse_window=sparse_window)
+    except KeyError as e:
+        raise BundleError(f"{root / 'bundle.json'}: no {e} field (rebuild the bundle)") from None

@@ -1,0 +1,205 @@
+"""`python -m runtime generate` probes (issue 8): every bad flag or input is exit 2 with one `error:` line
+naming the flag and what is allowed, no traceback, no output; plus per-request state (issue 8/12)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from runtime_bundles import CHATML, build_demo, byte_bpe_json, run_module, with_text_files
+
+MAX_SEQ, MAX_INPUT, VOCAB = 64, 16, 384  # the demo model's vocabulary; prompts prefill in chunks of 16
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rtcli")
+    demo = build_demo(d / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT)
+    chat = with_text_files(demo, d / "chat", tokenizer_json=byte_bpe_json(VOCAB, ("<|im_start|>", "<|im_end|>")),
+                           tokenizer_config={"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>",
+                                             "add_bos_token": False})
+    return {"demo": demo, "chat": chat}
+
+
+def generate(bundle: Path, *args: str) -> tuple[int, str, str]:
+    r = run_module("runtime", "generate", str(bundle), *args, cwd=bundle.parent, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+LONG_PROMPT = "Once upon a time there was a little dog. " * 30  # ~1,230 byte tokens, far past max-seq 64
+
+# (arguments, flag named in the message, words the message must hold)
+BAD = [
+    (["--prompt", "x", "--temperature", "-1"], "--temperature", ">= 0"),
+    (["--prompt", "x", "--temperature", "nan"], "--temperature", ">= 0"),
+    (["--prompt", "x", "--top-p", "2"], "--top-p", "(0, 1]"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p", "(0, 1]"),
+    (["--prompt", "x", "--top-k", "-1"], "--top-k", ">= 0"),
+    (["--ids", "1,abc"], "--ids", "'abc'"),
+    (["--ids", ""], "--ids", "got nothing"),
+    (["--prompt", "x", "--stop-ids", "x"], "--stop-ids", "'x'"),
+    (["--prompt", "x", "--stop-ids", f"2,{VOCAB}"], "--stop-ids", f"0..{VOCAB - 1}"),
+    (["--ids", f"1,{VOCAB}"], "--ids", f"id {VOCAB} (position 1) is outside the vocabulary 0..{VOCAB - 1}"),
+    (["--ids", "1,-5"], "--ids", "negative"),
+    (["--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens", ">= 0"),
+    (["--prompt", "x", "--threads", "-1"], "--threads", ">= 0"),
+    (["--prompt", "x", "--sparse-window", "0"], "--sparse-window", ">= 1"),
+    (["--prompt", "x", "--sparse-window", "9"], "--sparse-window", "1..8"),
+    (["--prompt", "x", "--seed", "-3"], "--seed", ">= 0"),
+    (["--prompt", LONG_PROMPT], "--prompt", f"is {len(LONG_PROMPT.encode()) + 1} tokens"),
+    (["--ids", ",".join(["5"] * (MAX_SEQ + 1))], "--ids", f"is {MAX_SEQ + 1} tokens"),
+    (["--chat", "hi"], "--chat", "no chat template"),
+    (["--prompt", "x", "--chat", "hi"], "--chat", "not allowed with"),
+]
+
+
+@pytest.mark.parametrize("args,flag,words", BAD, ids=[" ".join(a)[:40] for a, _, _ in BAD])
+def test_bad_flag_is_one_error_line_exit_2(bundles, args, flag, words):
+    code, out, err = generate(bundles["demo"], *args)
+    assert code == 2, err
+    assert "Traceback" not in err and out == ""  # nothing printed before the refusal
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1, err
+    assert flag in errors[0] and words in errors[0], errors[0]
+
+
+def test_long_prompt_message_reports_real_count_and_max_seq(bundles):
+    """The old message counted per prefill chunk (max-input 16), not the prompt."""
+    code, _, err = generate(bundles["demo"], "--prompt", LONG_PROMPT)
+    n = len(LONG_PROMPT.encode()) + 1  # one byte token per ASCII character, plus BOS
+    assert code == 2 and f"the prompt is {n} tokens, more than the bundle's max-seq {MAX_SEQ}" in err
+
+
+@pytest.mark.parametrize("damage", ["missing", "not-a-bundle", "corrupt", "bad-config"])
+def test_bad_bundle_is_one_error_line_exit_2(bundles, tmp_path, damage):
+    import shutil
+
+    b = tmp_path / "b"
+    if damage == "not-a-bundle":
+        b.mkdir()
+        (b / "x.txt").write_text("hello")
+    elif damage != "missing":
+        shutil.copytree(bundles["demo"], b)
+        if damage == "corrupt":
+            with open(b / "weights.bin", "r+b") as f:
+                f.seek(100)
+                f.write(b"\xff\xfe")
+        else:
+            b = with_text_files(bundles["demo"], tmp_path / "b2", tokenizer_config={"add_bos_token": "yes"})
+    code, out, err = generate(b, "--prompt", "x")
+    assert code == 2 and out == "" and "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "bundle" in errors[0] and str(b) in errors[0], err
+
+
+def test_ok_prompt_ids_and_chat(bundles):
+    code, out, err = generate(bundles["demo"], "--prompt", "Once upon", "--max-new-tokens", "4")
+    assert code == 0 and out.startswith("Once upon") and "[4 tokens" in err and "finish: length" in err
+    code, out, err = generate(bundles["demo"], "--ids", "1,76,111", "--max-new-tokens", "3", "--stop-ids", "")
+    assert code == 0 and len(out.split()) == 3 and all(0 <= int(t) < VOCAB for t in out.split())
+    code, out, err = generate(bundles["chat"], "--chat", "Hello", "--max-new-tokens", "5", "--temperature", "0.9",
+                              "--seed", "1")
+    assert code == 0, err
+    assert "<|im_start|>" not in out and "finish:" in err  # the answer only, not the rendered prompt
+
+
+# The fuzz: any mix of good and bad flag values ends in exit 0 or 2, never an escaping exception.
+VALUES = {
+    "--temperature": ["0", "0.7", "-1", "nan", "inf", "x", ""],
+    "--top-p": ["1", "0.5", "0", "2", "-0.1", "nan", "p"],
+    "--top-k": ["0", "5", "-1", "1.5", "k"],
+    "--max-new-tokens": ["0", "1", "3", "-1", "two"],
+    "--seed": ["0", "7", "-1", "s"],
+    "--stop-ids": ["", "2", "2,3", "x", f"{VOCAB}", "1,,2"],
+    "--threads": ["0", "1", "-1", "t"],
+    "--sparse-window": ["1", "8", "0", "9", "-2", "w"],
+}
+SOURCES = [["--prompt", "Once"], ["--prompt", ""], ["--ids", "1,5"], ["--ids", "1,-5"], ["--ids", ""],
+           ["--ids", f"1,{VOCAB}"], ["--chat", "hi"], ["--ids", "a"]]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(source=st.sampled_from(SOURCES),
+       flags=st.dictionaries(st.sampled_from(sorted(VALUES)), st.integers(0, 6), max_size=4))
+def test_fuzz_generate_flags_exit_0_or_2(bundles, source, flags):
+    from runtime.__main__ import main
+
+    argv = ["generate", str(bundles["demo"]), *source]
+    for flag, i in flags.items():
+        choices = VALUES[flag]
+        argv += [f"{flag}={choices[i % len(choices)]}"]
+    if "--max-new-tokens" not in flags:
+        argv += ["--max-new-tokens", "2"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    assert code in (0, 2), (argv, err.getvalue())
+    if code == 2:
+        assert sum("error:" in ln for ln in err.getvalue().splitlines()) == 1, (argv, err.getvalue())
+        assert out.getvalue() == ""
+
+
+# --- per-request state ---------------------------------------------------------------------------
+
+def test_library_checks_ids_against_the_vocabulary(bundles):
+    import runtime
+
+    rt = runtime.load(bundles["demo"], "onnxruntime", threads=1)
+    with pytest.raises(runtime.RequestError, match=rf"prompt: id {VOCAB} \(position 2\) is outside the vocabulary "
+                                                   rf"0\.\.{VOCAB - 1}"):
+        rt.generate([1, 5, VOCAB], 2)
+    with pytest.raises(ValueError, match=r"id -5 \(position 1\)"):  # RequestError is a ValueError
+        rt.stream([1, -5], 2)
+    with pytest.raises(runtime.RequestError, match="stop_ids: id 999"):
+        rt.stream([1, 5], 2, stop_ids=[2, 999])
+    with pytest.raises(runtime.RequestError, match=f"the prompt is {MAX_SEQ + 1} tokens.*max-seq {MAX_SEQ}"):
+        rt.stream([5] * (MAX_SEQ + 1), 2)  # refused at the call, before any prefill chunk runs
+    with pytest.raises(runtime.RequestError, match="top_p"):
+        rt.stream([1, 5], 2, temperature=1.0, top_p=0.0)
+
+
+def test_streams_keep_their_own_state(bundles):
+    """Two requests interleaved step by step, and on two threads, equal the same requests run alone."""
+    import runtime
+
+    rt = runtime.load(bundles["demo"], "onnxruntime", threads=1)
+    reqs = [([1, 76, 111, 120], dict(temperature=0.0)), ([1, 40, 41], dict(temperature=1.0, seed=3))]
+    alone = [rt.generate(p, 12, stop_ids=[], **kw) for p, kw in reqs]
+    a, b = (rt.stream(p, 12, stop_ids=[], **kw) for p, kw in reqs)
+    assert a.finish_reason is None and b.finish_reason is None
+    ia, ib = iter(a), iter(b)
+    for _ in range(12):
+        next(ia), next(ib)
+    for s in (a, b):
+        with pytest.raises(StopIteration):
+            next(iter(s))
+    for s, g in zip((a, b), alone):
+        assert s.ids == g.ids and s.text == g.text and s.finish_reason == g.finish_reason == "length"
+    with ThreadPoolExecutor(2) as pool:
+        threaded = list(pool.map(lambda r: rt.generate(r[0], 12, stop_ids=[], **r[1]), reqs * 2))
+    assert [g.ids for g in threaded] == [g.ids for g in alone] * 2
+    assert not hasattr(rt, "finish_reason")  # nothing per call on the shared object
+
+
+def test_stop_id_ends_the_stream_and_is_not_yielded(bundles):
+    import runtime
+
+    rt = runtime.load(bundles["demo"], "onnxruntime", threads=1)
+    free = rt.generate([1, 76, 111], 8, stop_ids=[])
+    k = next(i for i, t in enumerate(free.ids) if t not in free.ids[:i] and i > 0)  # first repeat-free token
+    stopped = rt.generate([1, 76, 111], 8, stop_ids=[free.ids[k]])
+    assert stopped.ids == free.ids[:k] and stopped.finish_reason == "stop"
+    ctx = rt.generate([5] * (MAX_SEQ - 2), 8, stop_ids=[])
+    assert len(ctx.ids) == 3 and ctx.finish_reason == "context"  # prefill fills 62, decodes add 2 more
+    assert rt.generate([1, 5], 0).ids == [] and rt.generate([1, 5], 0).finish_reason == "length"
+
+
+def test_manifest_helper_keeps_bundle_fields(bundles):
+    m = json.loads((bundles["chat"] / "manifest.json").read_text())
+    assert m["bundle_format"] == "gsm-edge-bundle" and "tokenizer_config.json" in m["files"]
