@@ -1,0 +1,352 @@
+"""GSM model for `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`: exact mode.
+
+This file is copied into every GSM checkpoint directory (gsm.remote_code) and run by transformers
+from its module cache, where the `gsm` package may not be installed: it imports only torch,
+transformers and its sibling configuration_gsm. It is the reference path of the published GSM
+description, not a fast one, and it computes what the golden model's `exact` mode computes
+(spec section 4 of GSM_SPEC.md, float32, no quantisation):
+
+- owning layer: latents c_k = (x Vt_k^T) * S_k, c_v = (x Vt_v^T) * S_v; K = RoPE(c_k U_k^T), V = c_v U_v^T
+  (RoPE after reconstruction); lightning-indexer scores select sinks + window + top-k positions
+  (ties to the lower position; dense when t + 1 <= sinks + window + top_k);
+- sharing layer: [Kpre; V] = kv_projector([c_k; c_v] of its source layer), K = RoPE(Kpre), and the
+  source layer's selection.
+
+No KV cache: every call (each `generate` step included) recomputes the whole sequence, so the
+selection of each query is that of spec 4.1 whatever the call pattern; quadratic cost per step.
+Operations follow the golden model's order and formulas so that logits agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_gsm import GSMConfig
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+RANK_TENSOR = "model.layers.{i}.self_attn.{kv}_svd_S.weight"
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+
+
+# -- math (the golden model's formulas, with a leading batch axis) ------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, D] in the HF rotate-half layout; angles in float64, rounded once to float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(torch.float32), ang.sin().to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, n, heads*D] -> [B, heads, n, D]."""
+    B, n = x.shape[:2]
+    return x.view(B, n, n_heads, -1).transpose(1, 2)
+
+
+def index_scores(x: torch.Tensor, idx_q: torch.Tensor, idx_w: torch.Tensor, keys: torch.Tensor,
+                 n_heads: int) -> torch.Tensor:
+    """I(t, s) = sum_j w_j ReLU(q_j . e_s) / sqrt(dI): x [B, T, H], keys [B, n, dI] -> [B, T, n]."""
+    B, T = x.shape[:2]
+    dI = keys.shape[-1]
+    q = (x @ idx_q.T).view(B, T, n_heads, dI)
+    w = x @ idx_w.T  # [B, T, nI]
+    dots = torch.relu(torch.einsum("btjd,bsd->btjs", q, keys))
+    return torch.einsum("btj,btjs->bts", w, dots) / math.sqrt(dI)
+
+
+def select(scores: torch.Tensor, sinks: int, window: int, top_k: int) -> torch.Tensor:
+    """Sel [B, T, n] bool for queries at positions 0..T-1 (spec 4.1)."""
+    T, n = scores.shape[-2:]
+    s = torch.arange(n)
+    t = torch.arange(T)
+    causal = s[None, :] <= t[:, None]  # [T, n]
+    fixed = causal & ((s[None, :] < sinks) | (s[None, :] > t[:, None] - window))
+    cand = causal & ~fixed
+    mask = fixed.expand_as(scores).clone()
+    k = min(top_k, n)
+    if k > 0:
+        # stable descending sort: equal scores keep the lower position first (spec tie rule)
+        order = torch.sort(scores.masked_fill(~cand, float("-inf")), dim=-1, descending=True,
+                           stable=True).indices[..., :k]
+        mask |= torch.zeros_like(mask).scatter_(-1, order, True) & cand
+    dense_rows = t + 1 <= sinks + window + top_k
+    mask[:, dense_rows] = causal[dense_rows]
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, nH, T, D], k/v [B, nKV, n, D], mask [B, T, n] -> head outputs [B, T, nH*D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), dim=-1)
+    out = probs @ v.repeat_interleave(group, dim=1)  # [B, nH, T, D]
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+# -- modules: parameter names are the checkpoint's tensor names (spec section 3) ------------------
+
+class GSMVector(nn.Module):
+    """A module holding one 1-D `weight` (RMSNorm gains, singular values S)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+
+class GSMIndexer(nn.Module):
+    """`self_attn.sparse_mask_generator`: the lightning indexer of an owning layer."""
+
+    def __init__(self, config: GSMConfig) -> None:
+        super().__init__()
+        H, nI, dI = config.hidden_size, config.gsm("indexer_heads"), config.gsm("indexer_dim")
+        self.q_proj = nn.Linear(H, nI * dI, bias=False)
+        self.k_proj = nn.Linear(H, dI, bias=False)
+        self.w_proj = nn.Linear(H, nI, bias=False)
+
+
+class GSMAttention(nn.Module):
+    def __init__(self, config: GSMConfig, layer: int) -> None:
+        super().__init__()
+        H, kvd = config.hidden_size, config.kv_dim
+        self.layer = layer
+        self.source = config.kv_sharing.get(layer)  # None: the layer owns its KV cache
+        self.q_proj = nn.Linear(H, config.num_attention_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, H, bias=False)
+        if self.source is None:
+            rk, rv = config.ranks_of(layer)
+            self.k_svd_U = nn.Linear(rk, kvd, bias=False)  # weight [kvD, r_k]
+            self.k_svd_S = GSMVector(rk)
+            self.k_svd_Vt = nn.Linear(H, rk, bias=False)  # weight [r_k, H]
+            self.v_svd_U = nn.Linear(rv, kvd, bias=False)
+            self.v_svd_S = GSMVector(rv)
+            self.v_svd_Vt = nn.Linear(H, rv, bias=False)
+            self.sparse_mask_generator = GSMIndexer(config)
+        else:
+            rk, rv = config.ranks_of(self.source)
+            self.kv_projector = nn.Linear(rk + rv, 2 * kvd, bias=True)
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Owning layer: c_k [B, n, r_k], c_v [B, n, r_v], indexer keys e [B, n, dI]."""
+        w = lambda m: m.weight.float()  # noqa: E731
+        ck = (x @ w(self.k_svd_Vt).T) * w(self.k_svd_S)
+        cv = (x @ w(self.v_svd_Vt).T) * w(self.v_svd_S)
+        return ck, cv, x @ w(self.sparse_mask_generator.k_proj).T
+
+    def key_values(self, ck: torch.Tensor, cv: torch.Tensor, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents of the owning layer (this one or the source) -> K before RoPE, V: [B, nKV, n, D]."""
+        if self.source is None:
+            k = ck @ self.k_svd_U.weight.float().T
+            v = cv @ self.v_svd_U.weight.float().T
+        else:
+            kv = torch.cat([ck, cv], dim=-1) @ self.kv_projector.weight.float().T + self.kv_projector.bias.float()
+            k, v = kv.chunk(2, dim=-1)
+        return split_heads(k, n_kv), split_heads(v, n_kv)
+
+
+class GSMMLP(nn.Module):
+    def __init__(self, config: GSMConfig) -> None:
+        super().__init__()
+        H, Im = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, Im, bias=False)
+        self.up_proj = nn.Linear(H, Im, bias=False)
+        self.down_proj = nn.Linear(Im, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = lambda m: m.weight.float()  # noqa: E731
+        return F.linear(F.silu(F.linear(x, w(self.gate_proj))) * F.linear(x, w(self.up_proj)), w(self.down_proj))
+
+
+class GSMDecoderLayer(nn.Module):
+    def __init__(self, config: GSMConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = GSMVector(config.hidden_size)
+        self.self_attn = GSMAttention(config, layer)
+        self.post_attention_layernorm = GSMVector(config.hidden_size)
+        self.mlp = GSMMLP(config)
+
+
+class GSMPreTrainedModel(PreTrainedModel):
+    config_class = GSMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["GSMDecoderLayer"]
+    # dense K/V of owning layers may ride along in a checkpoint (spec 3); GSM attention ignores them
+    _keys_to_ignore_on_load_unexpected = [r"self_attn\.[kv]_proj\.weight$"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # only modules the checkpoint did not fill (a fresh model from a config)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, GSMVector):
+            nn.init.ones_(module.weight)
+
+
+class GSMModel(GSMPreTrainedModel):
+    def __init__(self, config: GSMConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GSMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = GSMVector(config.hidden_size)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """input_ids [B, n] at positions 0..n-1 -> final normalised hidden states [B, n, H] (float32)."""
+        cfg = self.config
+        sinks, window, top_k = cfg.gsm("sink_tokens"), cfg.gsm("sparse_window"), cfg.gsm("sparse_top_k")
+        if window > cfg.gsm("max_sparse_window"):
+            raise ValueError(f"gsm_config.sparse_window {window} exceeds max_sparse_window "
+                             f"{cfg.gsm('max_sparse_window')}")
+        nH, nKV, theta, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_theta, cfg.rms_norm_eps
+        n = input_ids.shape[1]
+        cos, sin = rope_tables(torch.arange(n), cfg.head_dim, theta)
+        cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
+        latents: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        sel: dict[int, torch.Tensor] = {}
+        h = self.embed_tokens.weight.float()[input_ids]  # [B, n, H]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = rms_norm(h, layer.input_layernorm.weight, eps)
+            q = apply_rope(split_heads(x @ attn.q_proj.weight.float().T, nH), cos, sin)  # [B, nH, n, D]
+            if attn.source is None:
+                ck, cv, keys = attn.latents(x)
+                latents[i] = (ck, cv)
+                ix = attn.sparse_mask_generator
+                scores = index_scores(x, ix.q_proj.weight.float(), ix.w_proj.weight.float(), keys,
+                                      cfg.gsm("indexer_heads"))
+                sel[i] = select(scores, sinks, window, top_k).to(h.device)
+            else:
+                ck, cv = latents[attn.source]
+                sel[i] = sel[attn.source]  # the mask is shared with the memory (spec 4.2)
+            k, v = attn.key_values(ck, cv, nKV)
+            out = attention(q, apply_rope(k, cos, sin), v, sel[i])
+            h = h + out @ attn.o_proj.weight.float().T
+            h = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm.weight, eps))
+        return rms_norm(h, self.norm.weight, eps)
+
+
+class GSMForCausalLM(GSMPreTrainedModel, GenerationMixin):
+    def __init__(self, config: GSMConfig) -> None:
+        super().__init__(config)
+        self.model = GSMModel(config)
+        # A tied head reads the embedding directly: no second parameter, nothing for tying to miss.
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike[str], *model_args: Any,
+                        **kwargs: Any) -> GSMForCausalLM:
+        """Size the latent factors from the checkpoint's tensor shapes before loading (spec 2: the
+        ranks are not in config.json), then load as usual."""
+        hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+        config = kwargs.get("config")
+        if not isinstance(config, GSMConfig):
+            config = GSMConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        config.latent_ranks = read_latent_ranks(pretrained_model_name_or_path, config, hub)
+        kwargs["config"] = config
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("GSM reference model: padded batches are not supported (attention_mask has "
+                             "zeros); run sequences one at a time or of equal length")
+        hidden = self.model(input_ids)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = hidden @ head.float().T  # [B, n, V]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # -- generation: no cache, every step sees the whole sequence ---------------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs: Any) -> dict[str, Any]:
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# -- latent ranks from the safetensors headers -----------------------------------------------------
+
+def _safetensors_shapes(path: str) -> dict[str, list[int]]:
+    """Tensor name -> shape, from a safetensors file's JSON header (the data is not read)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def _resolve(where: str | os.PathLike[str], name: str, hub: dict[str, Any]) -> str | None:
+    """Local path of checkpoint file `name` (a local directory or a Hub repo), or None if absent."""
+    if os.path.isdir(where):
+        path = os.path.join(where, hub.get("subfolder") or "", name)
+        return path if os.path.isfile(path) else None
+    from transformers.utils import cached_file
+
+    return cached_file(where, name, _raise_exceptions_for_missing_entries=False, **hub)
+
+
+def read_latent_ranks(where: str | os.PathLike[str], config: GSMConfig,
+                      hub: dict[str, Any]) -> dict[str, list[int]]:
+    """Owning layer (as a string key, like JSON) -> [r_k, r_v], from the k/v_svd_S shapes."""
+    wanted = {RANK_TENSOR.format(i=i, kv=kv) for i in range(config.num_hidden_layers)
+              if i not in config.kv_sharing for kv in ("k", "v")}
+    shapes: dict[str, list[int]] = {}
+    single = _resolve(where, WEIGHTS_FILE, hub)
+    if single is not None:
+        shapes = _safetensors_shapes(single)
+    else:
+        index = _resolve(where, INDEX_FILE, hub)
+        if index is None:
+            raise OSError(f"{where}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found")
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        for shard in sorted({weight_map[name] for name in wanted if name in weight_map}):
+            shapes.update(_safetensors_shapes(_resolve(where, shard, hub)))
+    missing = sorted(wanted - shapes.keys())
+    if missing:
+        raise OSError(f"{where}: GSM checkpoint lacks {missing[0]} (needed for the latent rank)")
+    return {str(i): [shapes[RANK_TENSOR.format(i=i, kv="k")][0], shapes[RANK_TENSOR.format(i=i, kv="v")][0]]
+            for i in range(config.num_hidden_layers) if i not in config.kv_sharing}
