@@ -37,6 +37,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CALIB_FILE = "kv_calibration.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HF's: bos/eos tokens, add_bos_token, chat_template
 # from_json raises ConfigError for what it checks; wrongly-typed JSON it does not check can leak
 # the others (e.g. an empty eos_token_id list: IndexError)
 CONFIG_PARSE_ERRORS = (ConfigError,)  # from_json turns every malformed field into a ConfigError
@@ -315,19 +316,22 @@ def _dump_json(path: Path, obj: Any) -> None:
 
 def write_checkpoint(out_dir: str | os.PathLike[str], cfg: ModelConfig, quant: KVQuantConfig,
                      specs: list[TensorSpec], produce: Callable[[TensorSpec], np.ndarray], *,
-                     tokenizer_json: str | None = None, extra_files: dict[str, bytes] | None = None,
+                     tokenizer_json: str | None = None, tokenizer_config: dict[str, Any] | None = None,
+                     extra_files: dict[str, bytes] | None = None,
                      max_shard_bytes: int | None = None, overwrite: bool = False,
                      progress: bool = True) -> Path:
     """Write a checkpoint directory atomically, calling `produce(spec)` once per tensor in order.
 
     Each produced array is written and dropped before the next is asked for, so peak memory is
     about the largest tensor. Shards (`model-0000i-of-0000N.safetensors` + index) are written
-    when the tensors exceed `max_shard_bytes`; otherwise one `model.safetensors`.
+    when the tensors exceed `max_shard_bytes`; otherwise one `model.safetensors`. `tokenizer_config`
+    (a JSON object) is written as tokenizer_config.json.
     """
     out_dir = Path(out_dir)
     extra_files = dict(extra_files or {})
     for rel in extra_files:
         if rel in STANDARD_FILES or rel == TOKENIZER_FILE and tokenizer_json is not None \
+                or rel == TOKENIZER_CONFIG_FILE and tokenizer_config is not None \
                 or Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise ValueError(f"extra file name {rel!r} clashes with a checkpoint file or escapes "
                              f"{out_dir}")
@@ -343,6 +347,8 @@ def write_checkpoint(out_dir: str | os.PathLike[str], cfg: ModelConfig, quant: K
         _dump_json(tmp / QUANT_FILE, quant.to_json())
         if tokenizer_json is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
+        if tokenizer_config is not None:
+            _dump_json(tmp / TOKENIZER_CONFIG_FILE, tokenizer_config)
         for rel, data in extra_files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_bytes(data)

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 N_BYTE_TOKENS = 256
@@ -70,6 +70,13 @@ def byte_level_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
+def llama_tokenizer_config() -> dict[str, object]:
+    """tokenizer_config.json content for the <unk>/<s>/</s> tokenizers built here from llama2.c and
+    SentencePiece files: LLaMA's convention, BOS prepended, no EOS (run.c's encode(bos=1, eos=0))."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+            "unk_token": UNK, "add_bos_token": True, "add_eos_token": False}
+
+
 def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
     """A `Tokenizer` from JSON text that encodes literal "<s>" etc. as plain text (see module doc)."""
     tok = Tokenizer.from_str(tokenizer_json)
@@ -106,6 +113,7 @@ class _SpmBpe:
     remove_extra_whitespaces: bool = True
     escape_whitespaces: bool = True
     precompiled_charsmap: bytes = b""
+    unk: str = UNK
 
 
 def _bpe_merges(spm: _SpmBpe) -> list[tuple[str, str]]:
@@ -133,9 +141,9 @@ def _spm_bpe_json(spm: _SpmBpe, origin: str) -> str:
         if piece in vocab:
             raise TokenizerError(f"{origin}: piece {piece!r} appears twice (ids {vocab[piece]} and {i})")
         vocab[piece] = i
-    if UNK not in vocab:
-        raise TokenizerError(f"{origin}: no {UNK} piece")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_bpe_merges(spm), unk_token=UNK, fuse_unk=True,
+    if spm.unk not in vocab:
+        raise TokenizerError(f"{origin}: no {spm.unk} piece")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_bpe_merges(spm), unk_token=spm.unk, fuse_unk=True,
                                byte_fallback=spm.byte_fallback))
     # SentencePiece's normaliser order: charsmap, whitespace clean-up, dummy prefix, escaping.
     # SentencePiece's normaliser (normalizer.cc), step by step. Only the space character counts as
@@ -165,6 +173,9 @@ def _spm_bpe_json(spm: _SpmBpe, origin: str) -> str:
     tok.decoder = decoders.Sequence(dec)
     tok.add_special_tokens([_special(p) for p, t in zip(spm.pieces, spm.types)
                             if t in (UNKNOWN, CONTROL, UNUSED)])
+    # SentencePiece (and llama.cpp) match user-defined pieces whole, before BPE
+    tok.add_tokens([AddedToken(p, special=False, normalized=False)
+                    for p, t in zip(spm.pieces, spm.types) if t == USER_DEFINED])
     return tok.to_str()
 
 
@@ -285,3 +296,102 @@ def find_llama2c_tokenizer(model_bin: Path, vocab_size: int) -> Path | None:
         if (folder / name).is_file():
             return folder / name
     return None
+
+
+# --- GGUF vocabularies (llama.cpp metadata) -----------------------------------------------------
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by `tokenizer.ggml.pre`. GPT-2's own regex is
+# what tokenizers' ByteLevel(use_regex=True) applies, so those entries need no Split of their own.
+_GPT2_REGEX = None
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# (split digits one by one first, regex after)
+GGUF_PRE_TOKENIZERS: dict[str, tuple[bool, str | None]] = {
+    "default": (False, _GPT2_REGEX), "gpt-2": (False, _GPT2_REGEX),
+    "smollm": (True, _GPT2_REGEX), "starcoder": (True, _GPT2_REGEX), "refact": (True, _GPT2_REGEX),
+    "llama-bpe": (False, _LLAMA3_REGEX), "llama3": (False, _LLAMA3_REGEX), "llama-v3": (False, _LLAMA3_REGEX),
+}
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """The `tokenizer.ggml.*` metadata of a GGUF file, as plain Python values.
+
+    `model` is "llama" (SentencePiece BPE: pieces with scores) or "gpt2" (byte-level BPE with
+    merges); `types` are llama.cpp token types, numbered as SentencePiece piece types.
+    """
+
+    model: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    pre: str | None = None
+    unk_id: int | None = None
+    add_space_prefix: bool | None = None
+    remove_extra_whitespaces: bool | None = None
+    precompiled_charsmap: bytes = b""
+
+
+def gguf_tokenizer_json(vocab: GGUFVocab, origin: str) -> str:
+    """tokenizer.json for a GGUF vocabulary, tokenizing as llama.cpp does (see docs/sources.md).
+
+    Like every tokenizer here it adds no BOS/EOS itself; tokenizer_config.json says whether to.
+    """
+    if len(vocab.types) != len(vocab.tokens):
+        raise TokenizerError(f"{origin}: tokenizer.ggml.token_type has {len(vocab.types)} entries for "
+                             f"{len(vocab.tokens)} tokens")
+    if vocab.model == "llama":
+        return _gguf_spm_json(vocab, origin)
+    if vocab.model == "gpt2":
+        return _gguf_byte_level_json(vocab, origin)
+    raise TokenizerError(f"{origin}: tokenizer.ggml.model {vocab.model!r} is not supported "
+                         "(expected 'llama' or 'gpt2')")
+
+
+def _gguf_spm_json(vocab: GGUFVocab, origin: str) -> str:
+    if vocab.scores is None or len(vocab.scores) != len(vocab.tokens):
+        raise TokenizerError(f"{origin}: tokenizer.ggml.scores missing or not one per token "
+                             "(needed by a 'llama' tokenizer)")
+    unk_id = vocab.unk_id if vocab.unk_id is not None and vocab.unk_id < len(vocab.tokens) else 0
+    # llama.cpp's defaults when the keys are absent: dummy prefix on, whitespace clean-up off
+    spm = _SpmBpe(list(vocab.tokens), [float(s) for s in vocab.scores], list(vocab.types),
+                  byte_fallback=sum(t == BYTE for t in vocab.types) == N_BYTE_TOKENS,
+                  add_dummy_prefix=True if vocab.add_space_prefix is None else vocab.add_space_prefix,
+                  remove_extra_whitespaces=bool(vocab.remove_extra_whitespaces),
+                  precompiled_charsmap=vocab.precompiled_charsmap, unk=vocab.tokens[unk_id])
+    return _spm_bpe_json(spm, origin)
+
+
+def _gguf_byte_level_json(vocab: GGUFVocab, origin: str) -> str:
+    if vocab.merges is None:
+        raise TokenizerError(f"{origin}: tokenizer.ggml.merges missing (needed by a 'gpt2' tokenizer)")
+    pre = vocab.pre or "default"
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise TokenizerError(f"{origin}: tokenizer.ggml.pre {pre!r} is not supported "
+                             f"(supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))})")
+    ids: dict[str, int] = {}
+    for i, t in enumerate(vocab.tokens):
+        if t in ids:
+            raise TokenizerError(f"{origin}: token {t!r} appears twice (ids {ids[t]} and {i})")
+        ids[t] = i
+    merges = []
+    for n, m in enumerate(vocab.merges):
+        pair = m.split(" ")
+        if len(pair) != 2:
+            raise TokenizerError(f"{origin}: merge {n} {m!r} is not two tokens separated by one space")
+        merges.append((pair[0], pair[1]))
+    tok = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False))
+    digits, regex = GGUF_PRE_TOKENIZERS[pre]
+    steps: list[pre_tokenizers.PreTokenizer] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if regex is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps += [pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([_special(t) for t, ty in zip(vocab.tokens, vocab.types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(vocab.tokens, vocab.types) if ty == USER_DEFINED])
+    return tok.to_str()

@@ -12,8 +12,9 @@ from gsm.config import GSMParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from", dest="source_format", required=True, choices=["llama2c", "hf"],
-                   help="format of SRC: a llama2.c .bin checkpoint or a Hugging Face LLaMA directory")
+    p.add_argument("--from", dest="source_format", required=True, choices=["llama2c", "hf", "gguf"],
+                   help="format of SRC: a llama2.c .bin checkpoint, a Hugging Face LLaMA directory or a "
+                   "llama.cpp .gguf file (docs/sources.md)")
     p.add_argument("src", help="the dense model (file for llama2c, directory for hf)")
     p.add_argument("--out", required=True, help="output GSM checkpoint directory (written atomically)")
     p.add_argument("--tokenizer", help="llama2.c tokenizer.bin or SentencePiece .model "
@@ -75,6 +76,12 @@ def read_source(fmt: str, src: Path, tokenizer: Path | None) -> Any:
         from gsm.sources.llama2c import read_llama2c
 
         return read_llama2c(src, tokenizer=tokenizer)
+    if fmt == "gguf":
+        if src.is_dir():
+            raise ValueError(f"--from gguf expects a .gguf file, {src} is a directory")
+        from gsm.sources.gguf import read_gguf
+
+        return read_gguf(src, tokenizer=tokenizer)
     if not src.is_dir():
         raise ValueError(f"--from hf expects a Hugging Face model directory, {src} is a file")
     from gsm.sources import read_source as read_dir

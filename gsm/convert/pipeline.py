@@ -338,6 +338,7 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
     import json
 
     write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, tokenizer_json=src.tokenizer_json,
+                            tokenizer_config=src.tokenizer_config,
                             extra_files={"conversion_report.json": json.dumps(report, indent=1).encode()},
                             overwrite=overwrite)
     return report

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,13 +69,16 @@ class DenseSource:
     """A dense LLaMA model: config (default GSMParams), HF-named float32 tensors, tokenizer.json.
 
     Tensors are those of `dense_shapes(config)`: the common per-layer tensors, dense k/v projections,
-    embedding, final norm, and lm_head unless tied.
+    embedding, final norm, and lm_head unless tied. `tokenizer_config` is the content of HF's
+    tokenizer_config.json (bos/eos tokens, add_bos_token, add_eos_token, chat_template) when the
+    source states it.
     """
 
     config: ModelConfig
     tensors: LazyTensors
     tokenizer_json: str | None
     origin: str
+    tokenizer_config: dict[str, Any] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -101,11 +105,15 @@ def dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def read_source(path: Path, tokenizer: Path | None = None) -> DenseSource:
-    """A directory is read as a Hugging Face model, a file as a llama2.c model."""
+    """A directory is read as a Hugging Face model, a `.gguf` file as GGUF, other files as llama2.c."""
     from gsm.sources.hf import read_hf
     from gsm.sources.llama2c import read_llama2c
 
     path = Path(path)
+    if path.suffix == ".gguf" and not path.is_dir():
+        from gsm.sources.gguf import read_gguf
+
+        return read_gguf(path, tokenizer)
     if path.is_dir():
         src = read_hf(path)
         if tokenizer is not None:

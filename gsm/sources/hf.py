@@ -7,6 +7,7 @@ RoPE): anything else would be silently mis-read by a dense LLaMA forward.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from gsm import names
 from gsm.config import DTYPE_NAMES, ConfigError, ModelConfig
 from gsm.sources import DenseSource, LazyTensors, SourceError, dense_shapes
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def _read_json(path: Path) -> Any:
@@ -34,10 +37,17 @@ def _rope_theta(d: dict[str, Any], where: Path) -> float:
     """rope_theta from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise SourceError(f"{where}: RoPE type {rope_type!r} is not supported (only plain RoPE)")
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    for obj, key in ((params, "rope_parameters"), (scaling, "rope_scaling")):
+        if not isinstance(obj, dict):
+            raise SourceError(f"{where}: {key} is {obj!r}, expected an object")
+    # both keys may be present (transformers 5 keeps rope_scaling as an alias): any scaling is refused
+    for rope_type in (params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")):
+        if rope_type not in (None, "default"):
+            raise SourceError(f"{where}: RoPE type {rope_type!r} is not supported (only plain RoPE)")
+    theta = params.get("rope_theta", scaling.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise SourceError(f"{where}: rope_theta is {theta!r}, expected a positive number")
+    return float(theta)
 
 
 def hf_model_config(d: dict[str, Any], where: Path) -> ModelConfig:
@@ -107,8 +117,14 @@ def read_hf(folder: Path) -> DenseSource:
     folder = Path(folder)
     if not folder.is_dir():
         raise SourceError(f"{folder}: not a directory")
-    cfg = hf_model_config(_read_json(folder / "config.json"), folder / "config.json")
+    d = _read_json(folder / "config.json")
+    if not isinstance(d, dict):
+        raise SourceError(f"{folder / 'config.json'}: expected a JSON object")
+    cfg = hf_model_config(d, folder / "config.json")
     where = _shard_map(folder)
+    if "tie_word_embeddings" not in d and names.LM_HEAD not in where:
+        # a tool that drops both the key and the tied lm_head.weight still means a tied model
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     want = dense_shapes(cfg)
     missing = [n for n in want if n not in where]
     if missing:
@@ -121,7 +137,12 @@ def read_hf(folder: Path) -> DenseSource:
     loaders = {name: (lambda f=where[name], n=name: _load(f, n)) for name in want}
     tok = folder / "tokenizer.json"
     tok_json = tok.read_text(encoding="utf-8") if tok.is_file() else None
-    return DenseSource(cfg, LazyTensors(loaders, want, str(folder)), tok_json, str(folder))
+    tok_config = None
+    if (folder / TOKENIZER_CONFIG).is_file():
+        tok_config = _read_json(folder / TOKENIZER_CONFIG)
+        if not isinstance(tok_config, dict):
+            raise SourceError(f"{folder / TOKENIZER_CONFIG}: expected a JSON object")
+    return DenseSource(cfg, LazyTensors(loaders, want, str(folder)), tok_json, str(folder), tok_config)
 
 
 def llama_config_dict(cfg: ModelConfig) -> dict[str, Any]:

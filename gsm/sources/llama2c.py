@@ -18,7 +18,7 @@ import torch
 from gsm import names
 from gsm.config import ModelConfig
 from gsm.sources import DenseSource, LazyTensors, SourceError, dense_shapes
-from gsm.tokenizer import find_llama2c_tokenizer, tokenizer_json_from_file
+from gsm.tokenizer import find_llama2c_tokenizer, llama_tokenizer_config, tokenizer_json_from_file
 
 MAGIC = 0x616B3432  # "ak42"
 V1_HEADER_BYTES = 256
@@ -161,7 +161,8 @@ def read_llama2c(path: Path, tokenizer: Path | None = None) -> DenseSource:
     assert set(loaders) == set(want) and all(hf_shapes[n] == want[n] for n in want), "llama2.c table bug"
     loaders = {n: loaders[n] for n in want}  # the same order for every source
     tok_file = Path(tokenizer) if tokenizer is not None else find_llama2c_tokenizer(path, cfg.vocab_size)
-    tok_json = None
+    tok_json, tok_config = None, None
     if tok_file is not None:
         tok_json = tokenizer_json_from_file(tok_file, cfg.vocab_size)
-    return DenseSource(cfg, LazyTensors(loaders, hf_shapes, str(path)), tok_json, str(path))
+        tok_config = llama_tokenizer_config()
+    return DenseSource(cfg, LazyTensors(loaders, hf_shapes, str(path)), tok_json, str(path), tok_config)
