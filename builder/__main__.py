@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from gsm.cli_support import EXIT_BAD_INPUT, EXIT_FAILED, int_at_least, run_main
+
 
 def build_parser() -> argparse.ArgumentParser:
     from jetson import device_names
@@ -17,14 +19,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", required=True, help=f"target: auto, {', '.join(device_names())}")
     b.add_argument("--checkpoint", type=Path, help="GSM checkpoint directory (default: a synthetic demo model)")
     b.add_argument("--output", type=Path, help="bundle directory (default: out/<checkpoint>-<device>)")
-    b.add_argument("--max-seq", type=int, help="engine max sequence length (default: the model's)")
-    b.add_argument("--max-batch", type=int, default=1)
-    b.add_argument("--max-input", type=int, help="most new tokens per call (prefill chunk; default min(max-seq, 512))")
+    b.add_argument("--max-seq", type=int_at_least(1), help="engine max sequence length (default: the model's)")
+    b.add_argument("--max-batch", type=int_at_least(1), default=1)
+    b.add_argument("--max-input", type=int_at_least(1),
+                   help="most new tokens per call (prefill chunk; default min(max-seq, 512))")
     b.add_argument("--calibration", type=Path, help="kv_calibration.safetensors to use instead of the checkpoint's")
     b.add_argument("--logits", choices=["last", "all"], default="last")
     b.add_argument("--trt-precision", choices=["fp16", "fp32"], default="fp16",
                    help="activations of model.onnx (fp32: to check the plugin path against the portable graph)")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
     e = sub.add_parser("engine", help="build engine.plan into a bundle (needs TensorRT and a GPU)")
     e.add_argument("bundle", type=Path)
@@ -32,11 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from builder.build import BuildError, build, summary
+    from gsm.cli_support import console
 
-    err = Console(stderr=True, highlight=False)
+    err = console(highlight=False)
     status = err.status("starting") if sys.stderr.isatty() and not args.json else None
 
     def step(msg: str) -> None:
@@ -55,11 +58,11 @@ def _build(args: argparse.Namespace) -> int:
                   max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
                   say=say, step=step)
-    except BuildError as e:
+    except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:
             status.stop()
         err.print(f"[red]builder: error:[/] {e}", markup=True)
-        return 1
+        return EXIT_BAD_INPUT
     finally:
         if status is not None:
             status.stop()
@@ -70,19 +73,23 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "build":
-        return _build(args)
+def _engine(args: argparse.Namespace) -> int:
     from builder.trt_engine import EngineUnavailable, engine_command
 
     try:
         rec = engine_command(args.bundle)
-    except (EngineUnavailable, ValueError) as e:
-        print(f"builder engine: {e}", file=sys.stderr)
-        return 1
+    except EngineUnavailable as e:  # no TensorRT or no GPU here: the environment, not the input
+        print(f"builder engine: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"built {args.bundle / rec['file']} with TensorRT {rec['tensorrt']}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "build":
+        return run_main("builder", lambda: _build(args))
+    return run_main("builder engine", lambda: _engine(args))
 
 
 if __name__ == "__main__":

@@ -83,8 +83,13 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     except (UnknownDeviceError, DetectionError) as e:
         raise BuildError(str(e)) from None
     out = Path(output) if output is not None else default_output(checkpoint_dir, profile.name)
-    if out.exists() and not overwrite:
-        raise BuildError(f"output directory {out} already exists; remove it or pass --overwrite")
+    from gsm.outputs import OutputPathError, check_output_dir
+
+    try:
+        check_output_dir(out, flag="--output", overwrite=overwrite,
+                         inputs=[("--checkpoint", checkpoint_dir), ("--calibration", calibration)])
+    except OutputPathError as e:
+        raise BuildError(str(e)) from None
     with _checkpoint_source(checkpoint_dir, say) as (ckpt, demo):
         step("verifying checkpoint")
         rep = verify(ckpt)

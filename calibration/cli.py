@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from calibration.measure import Fractions
 from calibration.scales import DEFAULT_PERCENTILE, METHODS
+from gsm.cli_support import float_in, int_at_least
+
+_INT0, _INT1 = int_at_least(0), int_at_least(1)
+_NONNEG, _STEP, _DECAY = float_in(0, math.inf), float_in(0, 1, lo_open=True), float_in(0, 1, hi_open=True)
 
 
 def parse_fractions(text: str) -> Fractions:
@@ -32,38 +37,39 @@ def build_parser() -> argparse.ArgumentParser:
                    "the single '*eval*' file beside the calibration file)")
     r.add_argument("--tokenizer", type=Path, help="tokenizer for text data (default: the checkpoint's "
                    "tokenizer.json)")
-    r.add_argument("--samples", type=int, default=64, help="calibration sequences (default %(default)s)")
-    r.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default %(default)s)")
+    r.add_argument("--samples", type=_INT1, default=64, help="calibration sequences (default %(default)s)")
+    r.add_argument("--seq-len", type=int_at_least(3), default=256, help="tokens per sequence (default %(default)s)")
     r.add_argument("--method", default="absmax", help=f"INT8 scale method: {' | '.join(METHODS)} "
                    "(default %(default)s)")
-    r.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
+    r.add_argument("--percentile", type=float_in(0, 100, lo_open=True), default=DEFAULT_PERCENTILE,
                    help="percentile of |x| for --method percentile (default %(default)s)")
-    r.add_argument("--error-budget", type=float, default=0.01, help="allowed relative perplexity increase of "
+    r.add_argument("--error-budget", type=_NONNEG, default=0.01, help="allowed relative perplexity increase of "
                    "deployed over exact mode when choosing tier fractions (default %(default)s)")
     r.add_argument("--tier-fractions", type=parse_fractions, help="fix FP16,INT12,INT8 fractions "
                    "(skips the search)")
-    r.add_argument("--fraction-step", type=float, default=0.25, help="grid step of the fraction search")
-    r.add_argument("--confidence-z", type=float, default=2.0, help="a candidate passes when its perplexity "
+    r.add_argument("--fraction-step", type=_STEP, default=0.25, help="grid step of the fraction search")
+    r.add_argument("--confidence-z", type=_NONNEG, default=2.0, help="a candidate passes when its perplexity "
                    "increase plus this many standard errors (over sequences) is within the budget; 0 = point "
                    "estimate (default %(default)s)")
     r.add_argument("--sweep", action="store_true", help="also measure every candidate on calibration and "
                    "held-out text and report what each budget would pick (slow; for documentation)")
-    r.add_argument("--search-samples", type=int, default=8, help="calibration sequences measured per "
+    r.add_argument("--search-samples", type=_INT1, default=8, help="calibration sequences measured per "
                    "candidate (default %(default)s)")
-    r.add_argument("--eval-samples", type=int, default=8, help="held-out sequences for the report; 0 = none")
-    r.add_argument("--prefill-len", type=int, help="prefill tokens before the measured decode steps "
+    r.add_argument("--eval-samples", type=_INT0, default=8, help="held-out sequences for the report; 0 = none")
+    r.add_argument("--prefill-len", type=_INT1, help="prefill tokens before the measured decode steps "
                    "(default seq-len / 4)")
-    r.add_argument("--adaptation-rate", type=int, default=16, help="decode steps between re-tier passes while "
+    r.add_argument("--adaptation-rate", type=_INT1, default=16, help="decode steps between re-tier passes while "
                    "measuring (default %(default)s; the engine's own rate is gsm_config's)")
-    r.add_argument("--fp16-window", type=int, help="quant_config fp16_window (default: keep the checkpoint's)")
-    r.add_argument("--hotness-decay", type=float, help="quant_config hotness_decay (default: keep)")
-    r.add_argument("--reservoir", type=int, default=16384, help="latent rows kept per layer for percentile/MSE "
+    r.add_argument("--fp16-window", type=_INT0, help="quant_config fp16_window (default: keep the checkpoint's)")
+    r.add_argument("--hotness-decay", type=_DECAY, help="quant_config hotness_decay (default: keep)")
+    r.add_argument("--reservoir", type=_INT1, default=16384, help="latent rows kept per layer for percentile/MSE "
                    "and compensation (default %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="seed of the latent-row reservoir")
-    r.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the per-token work is "
+    r.add_argument("--threads", type=_INT1, default=1, help="torch threads (default 1: the per-token work is "
                    "small, and more threads only fight over shared cores)")
     r.add_argument("--out", type=Path, help="write a calibrated copy here instead of rewriting --checkpoint")
-    r.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace --out (and --report) if they exist and gsm-edge wrote them")
     r.add_argument("--report", type=Path, help="also write the report JSON here")
     return p
 
@@ -76,6 +82,7 @@ def run_command(args: argparse.Namespace) -> int:
     from gsm.atomic import OutputExistsError
     from gsm.checkpoint import CheckpointError
     from gsm.config import ConfigError
+    from gsm.outputs import OutputPathError, write_text_atomic
 
     opts = CalibrateOptions(
         checkpoint=args.checkpoint, data=args.data, eval_data=args.eval_data, tokenizer=args.tokenizer,
@@ -88,16 +95,17 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         if not args.checkpoint.is_dir():
             raise CalibrationInputError(f"--checkpoint {args.checkpoint}: not a directory")
+        check_outputs(args)
         report = calibrate_checkpoint(opts, progress=lambda m: print(f"[calibration] {m}", file=sys.stderr))
-    except (CalibrationInputError, CheckpointStateError, CheckpointError, ConfigError, OutputExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (CalibrationInputError, CheckpointStateError, CheckpointError, ConfigError, OutputExistsError,
+            OutputPathError) as e:
+        print(f"calibration: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted: {args.checkpoint} is unchanged", file=sys.stderr)
+        print(f"calibration: interrupted: {args.checkpoint} is unchanged", file=sys.stderr)
         return 130
     if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_text_atomic(args.report, json.dumps(report, indent=1) + "\n")
     print_report(report)
     if report.get("sweep"):
         from calibration.sweep import print_sweep
@@ -106,9 +114,32 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """--out and --report are safe to write (gsm.outputs), checked before any work."""
+    from gsm.outputs import OutputPathError, check_output_dir, check_output_file
+
+    inputs = [("--checkpoint", args.checkpoint), ("--data", args.data), ("--eval-data", args.eval_data),
+              ("--tokenizer", args.tokenizer)]
+    out = args.out if args.out is not None and args.out.resolve() != args.checkpoint.resolve() else None
+    if out is not None:
+        check_output_dir(out, flag="--out", overwrite=args.overwrite, inputs=inputs)
+    if args.report is not None:
+        written = out if out is not None else args.checkpoint
+        if args.report.resolve().is_relative_to(written.resolve()):
+            raise OutputPathError(f"--report {args.report} lies inside the checkpoint being written ({written}); "
+                                  "write it beside it")
+        check_output_file(args.report, flag="--report", overwrite=args.overwrite, inputs=inputs)
+
+
 def main(argv: list[str] | None = None) -> int:
-    import torch
+    from gsm.cli_support import run_main
 
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(max(1, args.threads))
-    return run_command(args)
+
+    def body() -> int:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return run_command(args)
+
+    return run_main("calibration", body)

@@ -64,10 +64,11 @@ def latent_errors(x: torch.Tensor, cal: LatentScales, naive: LatentScales) -> di
 
 def print_report(report: dict[str, Any]) -> None:
     """Rich tables on stderr: per latent, then the whole model."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(stderr=True)
+    from gsm.cli_support import console
+
+    con = console()
     if not con.is_terminal:
         con.width = 160  # logs and pipes: keep each table row on one line
     layers = report.get("layers")

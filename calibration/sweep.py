@@ -49,10 +49,11 @@ def sweep(search: Evaluator, held: Evaluator, calib: KVCalibration, candidates: 
 
 
 def print_sweep(sw: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(stderr=True)
+    from gsm.cli_support import console
+
+    con = console()
     if not con.is_terminal:
         con.width = 160
     t = Table(title="sweep: every candidate on calibration and held-out text")

@@ -1,13 +1,21 @@
-"""`python -m gsm verify|synth|convert` — thin CLI over gsm.checker, gsm.synth and gsm.convert."""
+"""`python -m gsm verify|synth|convert` — thin CLI over gsm.checker, gsm.synth and gsm.convert.
+
+Exit codes follow gsm.cli_support: 0 ok, 2 bad usage or bad input (an invalid checkpoint too),
+1 a failure while working, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from gsm.cli_support import run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gsm", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m gsm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", help="check that DIR is a real GSM checkpoint")
@@ -16,8 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="write a seeded random GSM checkpoint")
     s.add_argument("--preset", required=True, choices=["tiny", "small", "1b"])
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", required=True, type=Path)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a directory gsm-edge wrote before")
 
     c = sub.add_parser("convert", help="dense LLaMA-family model -> GSM checkpoint")
     from gsm.convert.cli import add_arguments
@@ -31,14 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         from gsm.checker import verify_command
 
-        return verify_command(args.dir, as_json=args.json)
+        return run_main("gsm verify", lambda: verify_command(args.dir, as_json=args.json))
     if args.command == "synth":
         from gsm.synth import synth_command
 
-        return synth_command(args.preset, args.out, seed=args.seed)
+        return run_main("gsm synth", lambda: synth_command(args.preset, args.out, seed=args.seed,
+                                                           overwrite=args.overwrite))
     from gsm.convert.cli import convert_command
 
-    return convert_command(args)
+    return run_main("gsm convert", lambda: convert_command(args))
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ class ManifestError(ValueError):
 
 
 class OutputExistsError(FileExistsError):
-    """The destination of an atomic write exists and overwrite was not asked for."""
+    """The destination of an atomic write exists and may not be replaced (see `replace_refusal`)."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(f"output directory {path} already exists; remove it or pass overwrite=True "
-                         "(--overwrite on the command line) to replace it")
+    def __init__(self, path: Path, why: str | None = None) -> None:
+        super().__init__(f"output directory {path} " + (why or "already exists; pass --overwrite to replace it "
+                                                            "(only a directory gsm-edge wrote can be replaced)"))
         self.path = path
 
 
@@ -48,7 +48,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def _regular_files(root: Path) -> list[Path]:
+def regular_files(root: Path) -> list[Path]:
     """Every regular file under root (no symlinks followed), as paths relative to root, sorted."""
     out: list[Path] = []
     for dirpath, _dirs, files in os.walk(root, followlinks=False):
@@ -65,7 +65,7 @@ def write_manifest(root: Path, extra: Mapping[str, Any] | None = None) -> dict[s
     `extra` fields (e.g. a bundle's identity) are stored beside the hashes.
     """
     files = {rel.as_posix(): "sha256:" + sha256_file(root / rel)
-             for rel in _regular_files(root) if rel.as_posix() != MANIFEST_NAME}
+             for rel in regular_files(root) if rel.as_posix() != MANIFEST_NAME}
     manifest = {**(extra or {}), "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
     (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
@@ -84,8 +84,12 @@ def atomic_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
     and the old one deleted (the destination is missing only between two renames).
     """
     final = Path(final)
-    if (final.exists() or final.is_symlink()) and not overwrite:
-        raise OutputExistsError(final)
+    if _occupied(final):
+        if not overwrite:
+            raise OutputExistsError(final)
+        why = replace_refusal(final)
+        if why is not None:
+            raise OutputExistsError(final, f"cannot be replaced: {why}")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
     tmp.mkdir()
@@ -98,16 +102,50 @@ def atomic_output_dir(final: str | os.PathLike[str], *, overwrite: bool = False,
         raise
 
 
+def _occupied(final: Path) -> bool:
+    """Whether final holds something to lose: anything but a missing path or an empty real directory."""
+    if final.is_symlink():
+        return True
+    if not final.exists():
+        return False
+    return not final.is_dir() or any(final.iterdir())
+
+
+def replace_refusal(path: Path) -> str | None:
+    """Why `--overwrite` may not replace `path`; None when it may.
+
+    Only a real directory that gsm-edge wrote (a manifest of our format) and that holds no file its
+    manifest does not list: a plain file, a symlink, somebody's folder or notes added to one of
+    ours would be lost with it.
+    """
+    if path.is_symlink():
+        return "it is a symlink; pass the real directory"
+    if not path.is_dir():
+        return "it is not a directory; gsm-edge replaces only a directory it wrote"
+    try:
+        files = read_manifest(path)
+    except ManifestError:
+        return f"it has no gsm-edge {MANIFEST_NAME}, so it is not a directory this project wrote"
+    unlisted = [r.as_posix() for r in regular_files(path)
+                if r.as_posix() != MANIFEST_NAME and r.as_posix() not in files]
+    if unlisted:
+        more = f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+        return (f"it holds files its {MANIFEST_NAME} does not list ({', '.join(unlisted[:3])}{more}), "
+                "which replacing it would delete")
+    return None
+
+
 def _swap_into_place(tmp: Path, final: Path, *, overwrite: bool) -> None:
-    if not (final.exists() or final.is_symlink()):
+    if not _occupied(final):
+        if final.is_dir():
+            final.rmdir()  # empty: nothing to keep
         os.rename(tmp, final)
         return
     if not overwrite:  # appeared while we were writing
         raise OutputExistsError(final)
-    if final.is_symlink() or not final.is_dir():
-        final.unlink()
-        os.rename(tmp, final)
-        return
+    why = replace_refusal(final)
+    if why is not None:
+        raise OutputExistsError(final, f"cannot be replaced: {why}")
     old = final.parent / f".{final.name}.old-{secrets.token_hex(6)}"
     os.rename(final, old)
     try:
@@ -178,7 +216,7 @@ def verify_manifest(root: str | os.PathLike[str]) -> list[str]:
         if actual != digest:
             problems.append(f"{rel}: sha256 mismatch (manifest {digest}, file {actual})")
     listed = set(files)
-    for rel in _regular_files(root):
+    for rel in regular_files(root):
         name = rel.as_posix()
         if name != MANIFEST_NAME and name not in listed:
             problems.append(f"{name}: present but not listed in {MANIFEST_NAME}")

@@ -491,10 +491,11 @@ def verify(d: str | os.PathLike[str]) -> VerifyReport:
 
 
 def _print_human(d: str | os.PathLike[str], r: VerifyReport) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+    from gsm.cli_support import console as make_console
+
+    console = make_console(stderr=False, highlight=False)
     marks = Table(title=f"GSM checkpoint {d}", title_justify="left")
     marks.add_column("mark")
     marks.add_column("", justify="center")
@@ -521,4 +522,4 @@ def verify_command(d: str | os.PathLike[str], *, as_json: bool = False) -> int:
         sys.stdout.write(json.dumps(r.to_json(), indent=2) + "\n")
     else:
         _print_human(d, r)
-    return 0 if r.ok else 1
+    return 0 if r.ok else 2  # bad input (gsm.cli_support convention)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,6 +81,13 @@ class GSMParams:
         for name in ("indexer_heads", "indexer_dim", "quantization_adaptation_rate"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"gsm_config.{name} must be >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.kv_compression_tolerance, (int, float))
+                and 0 < self.kv_compression_tolerance < 1):  # NaN fails too
+            raise ConfigError("gsm_config.kv_compression_tolerance must be a relative error in (0, 1), got "
+                              f"{self.kv_compression_tolerance!r}")
+        if not (isinstance(self.kv_compression_ratio, (int, float)) and 0 < self.kv_compression_ratio < math.inf):
+            raise ConfigError(f"gsm_config.kv_compression_ratio must be a finite number > 0, got "
+                              f"{self.kv_compression_ratio!r}")
         for dst, src in self.kv_sharing.items():
             if src >= dst:
                 raise ConfigError(

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from gsm import names
-from gsm.atomic import OutputExistsError
 from gsm.checkpoint import write_checkpoint
 from gsm.config import GSMParams, KVQuantConfig, ModelConfig
 from gsm.safetensors_io import TensorSpec
@@ -168,13 +167,15 @@ def synth_checkpoint(preset: str, out: str | Path, seed: int = 0, overwrite: boo
                             overwrite=overwrite, progress=progress)
 
 
-def synth_command(preset: str, out: str | Path, seed: int = 0) -> int:
-    """CLI: write the checkpoint, print a one-line summary; 1 when the output already exists."""
-    try:
-        path = synth_checkpoint(preset, out, seed=seed, progress=sys.stderr.isatty())
-    except (OutputExistsError, ValueError) as e:
-        print(f"gsm synth: {e}", file=sys.stderr)
-        return 1
+def synth_command(preset: str, out: str | Path, seed: int = 0, overwrite: bool = False) -> int:
+    """CLI body: check --out before any work, write the checkpoint, print a one-line summary.
+
+    Refusals raise ValueError (gsm.cli_support turns them into one error line and exit 2).
+    """
+    from gsm.outputs import check_output_dir
+
+    check_output_dir(Path(out), flag="--out", overwrite=overwrite)
+    path = synth_checkpoint(preset, out, seed=seed, overwrite=overwrite, progress=sys.stderr.isatty())
     p = PRESETS[preset]
     cfg = preset_config(p)
     n_params = sum(math.prod(s) for s in names.expected_shapes(cfg, preset_ranks(p, cfg)).values())

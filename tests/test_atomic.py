@@ -73,8 +73,8 @@ def test_existing_output_refused_before_any_work(tmp_path: Path) -> None:
 
 def test_overwrite_replaces_old_output(tmp_path: Path) -> None:
     final = tmp_path / "out"
-    final.mkdir()
-    (final / "stale").write_text("old")
+    with atomic_output_dir(final) as tmp:  # only a directory we wrote may be replaced
+        (tmp / "stale").write_text("old")
     with atomic_output_dir(final, overwrite=True) as tmp:
         _write_sample(tmp)
     assert not (final / "stale").exists() and (final / "a.txt").read_text() == "alpha"
@@ -84,8 +84,8 @@ def test_overwrite_replaces_old_output(tmp_path: Path) -> None:
 
 def test_overwrite_keeps_old_output_when_writer_fails(tmp_path: Path) -> None:
     final = tmp_path / "out"
-    final.mkdir()
-    (final / "stale").write_text("old")
+    with atomic_output_dir(final) as tmp:
+        (tmp / "stale").write_text("old")
     with pytest.raises(ValueError):
         with atomic_output_dir(final, overwrite=True) as tmp:
             _write_sample(tmp)

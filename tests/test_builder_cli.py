@@ -66,7 +66,7 @@ def test_unknown_device(tmp_path, tiny):
         build(device="xavier", checkpoint_dir=tiny, output=tmp_path / "o")
     assert nothing_left(tmp_path)
     r = run_cli("builder", "build", "--device", "xavier", "--checkpoint", str(tiny), cwd=tmp_path)
-    assert r.returncode == 1 and "unknown device" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "unknown device" in r.stderr and "Traceback" not in r.stderr
     assert nothing_left(tmp_path)
 
 

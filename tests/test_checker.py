@@ -582,7 +582,7 @@ def _cli(d: Path, *extra: str) -> subprocess.CompletedProcess[str]:
                                   "SHARD_MISSING", "SYMLINK_ESCAPE", "TENSOR_NONFINITE"])
 def test_cli_json_on_malformed(ctx: Ctx, code: str) -> None:
     p = _cli(CASES[code](ctx), "--json")
-    assert p.returncode == 1, p.stderr
+    assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr + p.stdout
     report = json.loads(p.stdout)
     assert report["ok"] is False and code in [e["code"] for e in report["errors"]]
@@ -592,7 +592,7 @@ def test_cli_human_output(ctx: Ctx) -> None:
     ok = _cli(ctx.tiny)
     assert ok.returncode == 0 and "svd_factors" in ok.stdout and "params" in ok.stdout
     bad = _cli(CASES["SAFETENSORS_OFFSETS"](ctx))
-    assert bad.returncode == 1 and "SAFETENSORS_OFFSETS" in bad.stdout
+    assert bad.returncode == 2 and "SAFETENSORS_OFFSETS" in bad.stdout
     assert "Traceback" not in bad.stdout + bad.stderr
 
 

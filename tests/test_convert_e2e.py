@@ -126,7 +126,7 @@ def test_hf_directory_converts_like_llama2c(tmp_path, stories_hf, stories_src):
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = convert(tmp_path / "out", *args)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -134,12 +134,12 @@ def test_bad_input_is_one_clear_error(tmp_path, args, message):
 def test_missing_source_and_default_texts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "llama2c", str(tmp_path / "nope.bin"),
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "no such file" in r.stderr
+    assert r.returncode == 2 and "no such file" in r.stderr
     lonely = tmp_path / "m.bin"
     lonely.write_bytes(STORIES.read_bytes())
     r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "llama2c", str(lonely), "--out",
                         str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "--calib-text" in r.stderr
+    assert r.returncode == 2 and "--calib-text" in r.stderr
     assert DATA.is_dir()
 
 

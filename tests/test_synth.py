@@ -182,5 +182,5 @@ def test_cli_synth(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert "parameters" in p.stdout and verify(tmp_path / "c").ok
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert again.returncode == 1 and "already exists" in again.stderr
+    assert again.returncode == 2 and "already exists" in again.stderr
     assert "Traceback" not in again.stderr

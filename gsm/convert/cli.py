@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from gsm.cli_support import float_in, int_at_least
 from gsm.config import GSMParams
 
 
@@ -19,31 +21,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output GSM checkpoint directory (written atomically)")
     p.add_argument("--tokenizer", help="llama2.c tokenizer.bin or SentencePiece .model "
                    "(default: tok{vocab}.bin or tokenizer.bin beside a llama2c SRC; tokenizer.json of an hf SRC)")
-    p.add_argument("--tolerance", type=float, default=GSMParams.kv_compression_tolerance,
+    p.add_argument("--tolerance", type=float_in(0, 1, lo_open=True, hi_open=True),
+                   default=GSMParams.kv_compression_tolerance,
                    help="relative K/V output error allowed when picking ranks (default %(default)s)")
-    p.add_argument("--kv-budget", type=int, help="bytes per position of the FP16 latent cache; "
+    p.add_argument("--kv-budget", type=int_at_least(1), help="bytes per position of the FP16 latent cache; "
                    "overrides --tolerance")
     p.add_argument("--sharing", default="auto", help="auto | none | MAP like '3:1,4:2' (layer:source)")
-    p.add_argument("--sharing-budget", type=float, default=0.05,
+    p.add_argument("--sharing-budget", type=float_in(0, math.inf), default=0.05,
                    help="auto sharing keeps a layer only if calibration perplexity rises <= this (relative)")
     p.add_argument("--calib-text", type=Path, help="text to fit on (default: the one *calib*.txt beside SRC)")
     p.add_argument("--eval-text", type=Path, help="held-out text to measure on (default: the one "
                    "*eval*.txt beside SRC); never fitted on")
     p.add_argument("--report", type=Path, help="write the quality report JSON here")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--calib-tokens", type=int, default=65536)
-    p.add_argument("--eval-tokens", type=int, default=16384)
-    p.add_argument("--indexer-steps", type=int, default=200)
-    p.add_argument("--top-k", type=int, default=GSMParams.sparse_top_k, help="gsm_config.sparse_top_k")
-    p.add_argument("--window", default="auto",
+    p.add_argument("--seq-len", type=int_at_least(2), default=256)
+    p.add_argument("--calib-tokens", type=int_at_least(1), default=65536)
+    p.add_argument("--eval-tokens", type=int_at_least(1), default=16384)
+    p.add_argument("--indexer-steps", type=int_at_least(0), default=200)
+    p.add_argument("--top-k", type=int_at_least(0), default=GSMParams.sparse_top_k, help="gsm_config.sparse_top_k")
+    p.add_argument("--window", default="auto", type=window_arg,
                    help="gsm_config.sparse_window, or 'auto' (default): split the budget sinks + "
                    f"{GSMParams.sparse_window} + top-k between window and top-k by calibration hit rate")
-    p.add_argument("--sinks", type=int, default=GSMParams.sink_tokens, help="gsm_config.sink_tokens")
-    p.add_argument("--indexer-heads", type=int, default=GSMParams.indexer_heads)
-    p.add_argument("--indexer-dim", type=int, help="gsm_config.indexer_dim (default: min(32, max(8, kvD/4)), "
+    p.add_argument("--sinks", type=int_at_least(0), default=GSMParams.sink_tokens, help="gsm_config.sink_tokens")
+    p.add_argument("--indexer-heads", type=int_at_least(1), default=GSMParams.indexer_heads)
+    p.add_argument("--indexer-dim", type=int_at_least(1),
+                   help="gsm_config.indexer_dim (default: min(32, max(8, kvD/4)), "
                    "so the indexer key stays small next to the K/V it selects from)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where calibration statistics, SVDs and indexer fits run (auto: cuda when visible)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out (and --report) if they exist and gsm-edge wrote them")
 
 
 def default_indexer_dim(kv_dim: int) -> int:
@@ -51,11 +58,43 @@ def default_indexer_dim(kv_dim: int) -> int:
     return min(GSMParams.indexer_dim, max(8, kv_dim // 4))
 
 
-def parse_int(text: str, flag: str) -> int:
+def window_arg(text: str) -> str | int:
+    """--window: 'auto' or gsm_config.sparse_window (>= 1)."""
+    if text == "auto":
+        return text
     try:
-        return int(text)
-    except ValueError as e:
-        raise ValueError(f"{flag}: expected an integer or 'auto', got {text!r}") from e
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
+    return v
+
+
+def min_kv_budget(n_layers: int, indexer_dim: int) -> int:
+    """Least FP16 bytes per position any ranks give (pipeline.ranks_at): rank-1 K and V latents and
+    the indexer key in every layer."""
+    return n_layers * (2 * indexer_dim + 2 * 2)
+
+
+def check_paths(args: argparse.Namespace, src: Path, calib: Path, ev: Path) -> None:
+    """Every input exists and every output is safe to write, before any work (gsm.outputs)."""
+    from gsm.outputs import OutputPathError, check_output_dir, check_output_file
+
+    for flag, f in (("--calib-text", calib), ("--eval-text", ev)):
+        if not f.is_file():
+            raise ValueError(f"{flag} {f}: no such file")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise ValueError(f"--tokenizer {args.tokenizer}: no such file")
+    inputs = [("SRC", src), ("--tokenizer", Path(args.tokenizer) if args.tokenizer else None),
+              ("--calib-text", calib), ("--eval-text", ev)]
+    out = Path(args.out)
+    check_output_dir(out, flag="--out", overwrite=args.overwrite, inputs=inputs)
+    if args.report:
+        if args.report.resolve().is_relative_to(out.resolve()):
+            raise OutputPathError(f"--report {args.report} lies inside --out {out}; it would be added to the "
+                                  "checkpoint unhashed. Write it beside the checkpoint")
+        check_output_file(args.report, flag="--report", overwrite=args.overwrite, inputs=inputs)
 
 
 def default_text(src: Path, flag: str, pattern: str) -> Path:
@@ -90,10 +129,11 @@ def read_source(fmt: str, src: Path, tokenizer: Path | None) -> Any:
 
 
 def print_summary(report: dict[str, Any], out: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(stderr=True)
+    from gsm.cli_support import console
+
+    con = console()
     if "layers" in report:
         t = Table(title="GSM conversion (held-out text)")
         for col in ("layer", "role", "rank k/v", "K/V err", "hit rate idx/rand/recent", "noise KL"):
@@ -121,40 +161,44 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
 
 
 def convert_command(args: argparse.Namespace) -> int:
-    from gsm.config import ConfigError
-    from gsm.convert.data import DataError
+    """CLI body: validate every flag and path, then convert; refusals raise ValueError (exit 2)."""
     from gsm.convert.pipeline import ConvertOptions, convert
+    from gsm.convert.sharing import parse_sharing_map
+    from gsm.outputs import write_text_atomic
 
     src = Path(args.src)
-    try:
-        if not src.exists():
-            raise ValueError(f"{src}: no such file or directory")
-        calib = args.calib_text or default_text(src, "--calib-text", "*calib*.txt")
-        ev = args.eval_text or default_text(src, "--eval-text", "*eval*.txt")
-        if calib.resolve() == ev.resolve():
-            raise ValueError(f"--calib-text and --eval-text are the same file ({calib}); "
-                             "quality must be measured on text the converter did not fit on")
-        source = read_source(args.source_format, src, Path(args.tokenizer) if args.tokenizer else None)
-        auto_window = args.window == "auto"
-        window = GSMParams.sparse_window if auto_window else parse_int(args.window, "--window")
-        params = GSMParams(sparse_top_k=args.top_k, sparse_window=window,
-                           max_sparse_window=max(GSMParams.max_sparse_window, window),
-                           sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
-                           indexer_dim=args.indexer_dim or default_indexer_dim(source.config.kv_dim),
-                           kv_compression_tolerance=args.tolerance)
-        opts = ConvertOptions(calib_text=calib, eval_text=ev, tolerance=args.tolerance,
-                              kv_budget=args.kv_budget, sharing=args.sharing,
-                              sharing_budget=args.sharing_budget, seq_len=args.seq_len,
-                              calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
-                              indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
-                              auto_window=auto_window)
-        report = convert(source, Path(args.out), opts, overwrite=args.overwrite,
-                         progress=lambda msg: print(f"[convert] {msg}", file=sys.stderr))
-    except (ValueError, ConfigError, DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if not src.exists():
+        raise ValueError(f"SRC {src}: no such file or directory")
+    calib = args.calib_text or default_text(src, "--calib-text", "*calib*.txt")
+    ev = args.eval_text or default_text(src, "--eval-text", "*eval*.txt")
+    check_paths(args, src, calib, ev)
+    if calib.resolve() == ev.resolve():
+        raise ValueError(f"--calib-text and --eval-text are the same file ({calib}); "
+                         "quality must be measured on text the converter did not fit on")
+    source = read_source(args.source_format, src, Path(args.tokenizer) if args.tokenizer else None)
+    n_layers = source.config.num_hidden_layers
+    if args.sharing not in ("auto", "none"):
+        parse_sharing_map(args.sharing, n_layers)
+    auto_window = args.window == "auto"
+    window = GSMParams.sparse_window if auto_window else args.window
+    params = GSMParams(sparse_top_k=args.top_k, sparse_window=window,
+                       max_sparse_window=max(GSMParams.max_sparse_window, window),
+                       sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
+                       indexer_dim=args.indexer_dim or default_indexer_dim(source.config.kv_dim),
+                       kv_compression_tolerance=args.tolerance)
+    if args.kv_budget is not None and args.kv_budget < min_kv_budget(n_layers, params.indexer_dim):
+        raise ValueError(f"--kv-budget {args.kv_budget}: this model needs at least "
+                         f"{min_kv_budget(n_layers, params.indexer_dim)} bytes per position ({n_layers} layers x "
+                         f"(rank-1 K and V latents + the {params.indexer_dim}-dim indexer key) at FP16)")
+    opts = ConvertOptions(calib_text=calib, eval_text=ev, tolerance=args.tolerance,
+                          kv_budget=args.kv_budget, sharing=args.sharing,
+                          sharing_budget=args.sharing_budget, seq_len=args.seq_len,
+                          calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
+                          indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
+                          auto_window=auto_window, device=args.device)
+    report = convert(source, Path(args.out), opts, overwrite=args.overwrite,
+                     progress=lambda msg: print(f"[convert] {msg}", file=sys.stderr))
     if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1))
+        write_text_atomic(args.report, json.dumps(report, indent=1) + "\n")
     print_summary(report, Path(args.out))
     return 0
