@@ -123,7 +123,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
             info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
                                 progress=step)
-            for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE):
+            for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
+                         checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
                     shutil.copyfile(ckpt / name, tmp / name)
             runtime_cfg = _runtime_config(spec, plan, rows, quant, logits, debug_outputs)

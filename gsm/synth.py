@@ -156,13 +156,13 @@ def synth_checkpoint(preset: str, out: str | Path, seed: int = 0, overwrite: boo
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    from gsm.tokenizer import byte_level_tokenizer_json
+    from gsm.tokenizer import demo_tokenizer_json
 
     p = PRESETS[preset]
     cfg = preset_config(p)
     specs = synth_specs(cfg, preset_ranks(p, cfg), _ST_DTYPE[cfg.torch_dtype])
     return write_checkpoint(out, cfg, KVQuantConfig(), specs, lambda s: _tensor(seed, s, cfg),
-                            tokenizer_json=byte_level_tokenizer_json(cfg.vocab_size),
+                            tokenizer_json=demo_tokenizer_json(cfg.vocab_size),
                             max_shard_bytes=max_shard_bytes or p.max_shard_bytes,
                             overwrite=overwrite, progress=progress)
 

@@ -70,6 +70,50 @@ def byte_level_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
+# Words of children's stories, most common first: the demo vocabulary's multi-character tokens.
+_DEMO_WORDS = (
+    " the", " a", " and", " was", " to", " he", " she", " it", " in", " of", " day", " big", " little",
+    " girl", " boy", " dog", " cat", " ball", " tree", " sun", " park", " play", " happy", " saw", " said",
+    " time", " upon", "Once", " there", " named", " Lily", " Tom", " friend", " mom", " home", " fun", " red",
+    " blue", " bird", " sky", " toy", " box", " car", " cake", " fish", " frog", " hat", " jump", " run",
+    " smile", " sing", " look", " found", " went", " wanted", " loved", " very", " with", " they", " her",
+    " his", " one", " on", " at", " for", " but", " so", " not", " you", " we", " all", " is", " had", ".", ",",
+)
+_DEMO_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def demo_tokenizer_json(vocab_size: int) -> str:
+    """A tokenizer.json whose every token decodes to printable ASCII text, for seeded random demo models.
+
+    A random model samples tokens uniformly-ish; with a byte-level vocabulary half of them are lone
+    bytes >= 0x80 that decode to U+FFFD, which a newcomer reads as an encoding bug. Here: id 0
+    `<unk>`, 1 `<s>`, 2 `</s>`, then the 95 printable ASCII characters and newline, then words of
+    children's stories (with their leading space) built by BPE merges, until vocab_size; ids left
+    over are `<unused_N>` specials (skipped when decoding). Text outside printable ASCII encodes to
+    `<unk>`. No special tokens are added: callers prepend BOS.
+    """
+    base = 3 + len(_DEMO_CHARS)
+    if vocab_size < base:
+        raise ValueError(f"demo tokenizer needs vocab_size >= {base} (3 special + {len(_DEMO_CHARS)} characters), "
+                         f"got {vocab_size}")
+    vocab = {UNK: 0, BOS: 1, EOS: 2}
+    vocab.update({c: 3 + i for i, c in enumerate(_DEMO_CHARS)})
+    merges: list[tuple[str, str]] = []
+    for word in _DEMO_WORDS:
+        new = [word[:k] for k in range(2, len(word) + 1) if word[:k] not in vocab]
+        if len(vocab) + len(new) > vocab_size:
+            break
+        for piece in new:  # each prefix merges with its next character: " t"+"h" -> " th"
+            merges.append((piece[:-1], piece[-1]))
+            vocab[piece] = len(vocab)
+    unused = [f"<unused_{n}>" for n in range(vocab_size - len(vocab))]
+    vocab.update({t: len(vocab) + n for n, t in enumerate(unused)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=UNK))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([_special(t) for t in (UNK, BOS, EOS, *unused)])
+    return tok.to_str()
+
+
 def llama_tokenizer_config() -> dict[str, object]:
     """tokenizer_config.json content for the <unk>/<s>/</s> tokenizers built here from llama2.c and
     SentencePiece files: LLaMA's convention, BOS prepended, no EOS (run.c's encode(bos=1, eos=0))."""

@@ -139,6 +139,9 @@ def generate(args: argparse.Namespace) -> int:
     except runtime.ChatTemplateError as e:
         return _error(f"argument --chat: {e}")
     as_text = args.ids is None
+    if (rt.manifest.get("checkpoint") or {}).get("demo"):
+        print("note: this is the DEMO bundle: a seeded random model, so its text is random words "
+              "(build a real checkpoint with --checkpoint)", file=sys.stderr)
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
     t0, n, shown = time.perf_counter(), 0, 0
