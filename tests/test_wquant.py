@@ -1,0 +1,201 @@
+"""Weight-only INT8/INT4 quantisation (builder/wquant.py), its ONNX forms (builder/qlinear.py), AWQ
+(calibration/awq.py) and the plan's quantised weight bytes (builder/plan.py).
+
+References are independent of the code under test: hand-computed codes and bit layouts, numpy
+float64 products of the dequantised weights, ONNX Runtime's MatMulNBits kernel and onnx's
+reference evaluator, the fp32 layer output on real SmolLM2 activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from builder.qlinear import dq_matmul, matmul_nbits, standalone_model
+from builder.wquant import (
+    WeightQuantConfig,
+    WeightQuantError,
+    dequantize,
+    pack_matmul_nbits,
+    quantize,
+    quantized_bytes,
+    unpack_low_first,
+)
+
+ort = pytest.importorskip("onnxruntime")
+
+CASES = [  # bits, group (None = per channel), symmetric, K
+    (4, 32, True, 96), (4, 32, True, 100), (4, 64, True, 200), (4, 128, True, 576), (4, 128, True, 300),
+    (4, 32, False, 100), (4, 128, False, 576), (8, None, True, 576), (8, None, True, 70), (8, 32, True, 100),
+    (8, 64, False, 130),
+]
+
+
+def _w(n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w[:, rng.integers(0, k, 3)] *= 20  # a few outlier input channels, as real layers have
+    return w
+
+
+# -- quantise / dequantise ---------------------------------------------------------------------------
+def test_hand_computed_int4_symmetric_group():
+    w = np.array([[0.7, -0.35, 0.1, 0.0] * 4], np.float32)  # one row, one group of 16
+    q = quantize(w, WeightQuantConfig(4, 16, scale_dtype="float32"))
+    assert q.scales[0, 0] == pytest.approx(0.1)  # absmax 0.7 / 7
+    # signed codes rint(w / 0.1): 7, -4 (-3.5 rounds half to even), 1, 0
+    np.testing.assert_array_equal(q.signed_codes()[0, :4], [7, -4, 1, 0])
+    np.testing.assert_array_equal(q.codes[0, :4], [15, 4, 9, 8])
+    np.testing.assert_allclose(dequantize(q)[0, :4], [0.7, -0.4, 0.1, 0.0], rtol=1e-6)
+
+
+def test_hand_computed_int4_asymmetric_group():
+    w = np.array([np.linspace(-0.5, 1.0, 16)], np.float32)
+    q = quantize(w, WeightQuantConfig(4, 16, symmetric=False, scale_dtype="float32"))
+    assert q.scales[0, 0] == pytest.approx(0.1)  # (1.0 - -0.5) / 15
+    assert q.zero_points[0, 0] == 5  # round(0.5 / 0.1)
+    assert q.codes[0, 0] == 0 and q.codes[0, -1] == 15
+
+
+@pytest.mark.parametrize("bits,group,sym,k", CASES)
+def test_round_trip_error_bound(bits, group, sym, k):
+    """|w - deq| <= scale / 2 for symmetric groups (the clip never bites); asymmetric <= scale (the
+    rounded integer zero point can push a group's end one code past the range); padding is zero."""
+    w = _w(40, k)
+    cfg = WeightQuantConfig(bits, group, sym)
+    q = quantize(w, cfg)
+    d = dequantize(q)
+    assert d.shape == w.shape
+    block = q.block
+    per_col_scale = np.repeat(q.scales, block, axis=1)[:, :k]
+    err = np.abs(d - w)
+    assert (err <= per_col_scale * ((0.5 if sym else 1.0) + 1e-5)).all()
+    # relative RMS error: the size of a uniform rounding error of scale / sqrt(12)
+    assert np.sqrt((err**2).mean()) <= np.sqrt((per_col_scale**2).mean() / 12) * 1.3
+    pad = q.codes[:, k:].astype(int) - np.repeat(q.zero_points, block, axis=1)[:, k:]
+    assert (pad == 0).all()
+    # scales are float16 values (the TensorRT graph stores them so)
+    np.testing.assert_array_equal(q.scales, q.scales.astype(np.float16).astype(np.float32))
+    # re-quantising the dequantised weight is a fixed point for symmetric (same scales, same codes)
+    if sym:
+        np.testing.assert_array_equal(quantize(d, cfg).codes, q.codes)
+
+
+def test_int8_much_closer_than_int4():
+    w = _w(64, 256)
+    e8 = np.abs(dequantize(quantize(w, WeightQuantConfig(8, None))) - w).mean()
+    e4 = np.abs(dequantize(quantize(w, WeightQuantConfig(4, 32))) - w).mean()
+    assert e8 * 4 < e4
+
+
+def test_zero_group_and_bad_input():
+    w = np.zeros((2, 32), np.float32)
+    np.testing.assert_array_equal(dequantize(quantize(w, WeightQuantConfig(4, 32))), w)
+    with pytest.raises(WeightQuantError, match="power of two"):
+        WeightQuantConfig(4, 48)
+    with pytest.raises(WeightQuantError, match="bits"):
+        WeightQuantConfig(3, 32)
+    with pytest.raises(WeightQuantError, match="q_proj: holds non-finite"):
+        quantize(np.array([[np.nan] * 16], np.float32), WeightQuantConfig(), name="q_proj")
+
+
+# -- packed layout -----------------------------------------------------------------------------------
+def test_matmul_nbits_layout_by_hand():
+    """Codes 0..15 then 15..0 in one 32-wide block: byte j = code[2j] | code[2j+1] << 4."""
+    q = quantize(np.zeros((1, 32), np.float32), WeightQuantConfig(4, 32, symmetric=False))
+    codes = np.array([list(range(16)) + list(range(15, -1, -1))], np.uint8)
+    q = type(q)(codes, np.ones((1, 1), np.float32), np.array([[3]], np.uint8), 32, 32, q.cfg)
+    a = pack_matmul_nbits(q)
+    assert a.b.shape == (1, 1, 16) and a.b.dtype == np.uint8
+    assert a.b[0, 0, 0] == 0x10 and a.b[0, 0, 1] == 0x32 and a.b[0, 0, 8] == 0xEF
+    assert a.zero_points.tolist() == [3]
+    np.testing.assert_array_equal(unpack_low_first(a.b.reshape(1, -1), 4, 32), codes)
+
+
+@pytest.mark.parametrize("bits,group,sym,k", CASES)
+def test_packed_shapes(bits, group, sym, k):
+    q = quantize(_w(10, k), WeightQuantConfig(bits, group, sym))
+    a = pack_matmul_nbits(q)
+    nb = math.ceil(k / q.block)
+    assert a.b.shape == (10, nb, q.block * bits // 8)
+    assert a.scales.shape == (10 * nb,)
+    assert (a.zero_points is None) == sym
+    if not sym:
+        assert a.zero_points.shape == (10 * math.ceil(nb * bits / 8),)
+
+
+# -- ONNX forms against numpy ------------------------------------------------------------------------
+def _reference(x: np.ndarray, q, input_scale=None) -> np.ndarray:
+    xs = x.astype(np.float64) if input_scale is None else x.astype(np.float64) / input_scale
+    return xs @ dequantize(q).astype(np.float64).T
+
+
+def _rel(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(y - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("bits,group,sym,k", CASES)
+def test_matmul_nbits_equals_numpy(bits, group, sym, k):
+    n = 48
+    q = quantize(_w(n, k), WeightQuantConfig(bits, group, sym))
+    x = np.random.default_rng(1).standard_normal((7, k)).astype(np.float32)
+    m = standalone_model(matmul_nbits("x", "y", "L0.q_proj", q), "x", k, n)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert y.shape == (7, n)
+    assert _rel(y, _reference(x, q)) <= 1e-4
+
+
+def test_matmul_nbits_with_awq_input_scale():
+    k, n = 192, 32
+    s = np.random.default_rng(2).uniform(0.3, 3.0, k)
+    w = _w(n, k)
+    q = quantize(w * s[None, :].astype(np.float32), WeightQuantConfig(4, 64))
+    x = np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
+    m = standalone_model(matmul_nbits("x", "y", "L0.o_proj", q, input_scale=s), "x", k, n)
+    y = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert _rel(y, _reference(x, q, s)) <= 1e-4
+    assert _rel(y, x.astype(np.float64) @ w.T) < 0.2  # and it still is the layer (INT4 error)
+
+
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 96), (4, 32, 100), (4, 128, 576), (4, 64, 130),
+                                          (8, None, 576), (8, None, 70)])
+def test_dq_matmul_reference_evaluator(bits, group, k):
+    """The TensorRT form (DequantizeLinear opset 21 + MatMul) run by onnx's reference evaluator."""
+    from onnx.reference import ReferenceEvaluator
+
+    n = 24
+    q = quantize(_w(n, k), WeightQuantConfig(bits, group))
+    x = np.random.default_rng(4).standard_normal((6, k)).astype(np.float32)
+    parts = dq_matmul("x", "y", "L0.gate_proj", q, act_dtype="float32")
+    dq = next(nd for nd in parts.nodes if nd.op_type == "DequantizeLinear")
+    attrs = {a.name: a.i for a in dq.attribute}
+    assert attrs == ({"axis": 0, "block_size": group} if bits == 4 else {"axis": 1})
+    y = ReferenceEvaluator(standalone_model(parts, "x", k, n)).run(None, {"x": x})[0]
+    assert _rel(y, _reference(x, q)) <= 1e-5
+
+
+def test_dq_matmul_fp16_scales_and_refusals():
+    from onnx import TensorProto
+
+    q = quantize(_w(8, 64), WeightQuantConfig(4, 32))
+    parts = dq_matmul("x", "y", "p", q, act_dtype="float16")
+    types = {i.name: i.data_type for i in parts.inits}
+    assert types == {"p.qweight": TensorProto.INT4, "p.scales": TensorProto.FLOAT16}
+    with pytest.raises(WeightQuantError, match="symmetric"):
+        dq_matmul("x", "y", "p", quantize(_w(8, 64), WeightQuantConfig(4, 32, symmetric=False)))
+    with pytest.raises(WeightQuantError, match="per channel"):
+        dq_matmul("x", "y", "p", quantize(_w(8, 64), WeightQuantConfig(8, 32)))
+
+
+# -- bytes -------------------------------------------------------------------------------------------
+def test_quantized_bytes_by_hand():
+    # 4096 x 4096 INT4 g128 symmetric: 8 MiB codes + 4096*32 fp16 scales
+    assert quantized_bytes(4096, 4096, WeightQuantConfig(4, 128)) == 4096 * 2048 + 4096 * 32 * 2
+    # INT8 per channel: K bytes + one fp16 scale per row
+    assert quantized_bytes(4096, 14336, WeightQuantConfig(8, None)) == 4096 * 14336 + 4096 * 2
+    # asymmetric INT4, 3 groups: two packed zero-point bytes per row
+    assert quantized_bytes(10, 96, WeightQuantConfig(4, 32, symmetric=False)) == 10 * 48 + 10 * 3 * 2 + 10 * 2
