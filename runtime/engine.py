@@ -1,0 +1,449 @@
+"""Engine: many requests over one Runtime, with continuous batching on one scheduler thread.
+
+    eng = Engine(runtime.load(bundle)).start()              # warm-up runs here, not in the first request
+    h = eng.submit("Once upon a time", max_new_tokens=32, temperature=0.0, deadline_s=5)
+    for tok in h:                                            # or: async for tok in h.aiter()
+        print(tok.text, end="")
+    print(h.finish_reason)                                   # stop | length | context | cancelled | deadline | error
+    eng.close()
+
+One thread owns the runtime. Each iteration it admits waiting requests up to `max_running` (new
+requests join between decode steps), drops cancelled and expired ones, asks the `stepper` for one
+forward call per running sequence (the prompt's prefill for a request that just joined, else one
+decode step), samples each request's next token with that request's own sampler, and retires the
+finished ones. `SequentialStepper` makes one backend call per sequence; a batched backend replaces it
+with one call for the whole list (the scheduler only hands it `Work` items and takes logits back).
+Requests are checked by the Runtime's own `stream` / `chat_stream` (same RequestError messages) and
+their sequences are never shared, so greedy outputs equal the same requests run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from runtime.model import Runtime
+from runtime.request import Token
+from runtime.sampling import RequestError, Sampler, SamplingParams
+from runtime.text import Detokenizer
+
+log = logging.getLogger("runtime.engine")
+
+FINISH_REASONS = ("stop", "length", "context", "cancelled", "deadline", "error")
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at its limit; `retry_after_s` estimates when to try again."""
+
+    def __init__(self, limit: int, retry_after_s: float) -> None:
+        super().__init__(f"the request queue is full ({limit} waiting); retry in about {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
+class EngineClosedError(RuntimeError):
+    """submit() after close()."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling limits. max_running 0: the bundle's max_batch, or `interleave` sequences when the
+    bundle was built for batch 1 (their steps are then interleaved, one call each)."""
+
+    max_running: int = 0
+    interleave: int = 8
+    max_queue: int = 64
+    default_deadline_s: float | None = None  # per request, from submission; None: no limit
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "interleave", "max_queue"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "max_running" else 1):
+                raise ValueError(f"EngineConfig.{name}: expected an integer >= {0 if name == 'max_running' else 1}, "
+                                 f"got {v!r}")
+        if self.default_deadline_s is not None and not self.default_deadline_s > 0:
+            raise ValueError(f"EngineConfig.default_deadline_s: expected a number > 0 or None, "
+                             f"got {self.default_deadline_s!r}")
+
+
+@dataclass
+class Work:
+    """One forward call the stepper must make: the prompt (prefill) or one token (decode)."""
+
+    seq: Any  # runtime.model.Sequence_
+    ids: list[int]
+    prefill: bool
+
+
+class Stepper(Protocol):
+    def new_sequence(self) -> Any: ...
+
+    def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
+        """Last-position logits [V] per work item, or the exception that item raised."""
+        ...
+
+
+class SequentialStepper:
+    """One Runtime call per sequence. A batched decode API replaces this with one call for the batch."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def new_sequence(self) -> Any:
+        return self.rt.new_sequence()
+
+    def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
+        out: list[np.ndarray | Exception] = []
+        for w in work:
+            try:
+                out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0]))
+            except Exception as e:  # one sequence's failure must not stop the others
+                out.append(e)
+        return out
+
+
+class Observer:
+    """Hooks the scheduler thread calls (metrics, fallback policies); the default does nothing.
+    They run on the scheduler thread: keep them short."""
+
+    def on_submit(self, req: EngineRequest) -> None: ...
+
+    def on_reject(self, reason: str) -> None: ...
+
+    def on_first_token(self, req: EngineRequest) -> None: ...
+
+    def on_finish(self, req: EngineRequest) -> None: ...
+
+    def on_step(self, engine: Engine, running: Sequence[EngineRequest]) -> None: ...
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class EngineRequest:
+    """A submitted request: iterate it (or `aiter()`) for tokens; `cancel()` ends it. After it ends:
+    `ids`, `text`, `finish_reason` (and `error` when finish_reason is "error")."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    deadline: float | None  # time.monotonic() value
+    detok: Detokenizer | None
+    id: int = field(default_factory=lambda: next(_ids))
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    t_end: float | None = None
+    # scheduler-side state
+    seq: Any = None
+    sampler: Sampler | None = None
+    next_token: int | None = None
+    _cancel: bool = False
+    _events: list[Token] = field(default_factory=list)
+    _done: bool = False
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str | None:
+        return None if self.detok is None else self.detok.text
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        """Ask the scheduler to end this request (finish_reason "cancelled"); its cache is dropped."""
+        self._cancel = True
+
+    # -- producer side (scheduler thread) --
+    def _push(self, tok: Token | None) -> None:
+        with self._cond:
+            if tok is None:
+                self._done = True
+            else:
+                self._events.append(tok)
+            self._cond.notify_all()
+            wakers = list(self._wakers)
+        for loop, ev in wakers:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
+    # -- consumer side --
+    def __iter__(self) -> Iterator[Token]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._events) and not self._done:
+                    self._cond.wait()
+                if i >= len(self._events):
+                    return
+                tok = self._events[i]
+            i += 1
+            yield tok
+
+    async def aiter(self) -> AsyncIterator[Token]:
+        """The tokens, for asyncio code: waits without blocking the event loop."""
+        loop, ev = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._wakers.append((loop, ev))
+        i = 0
+        try:
+            while True:
+                ev.clear()  # before reading: a push after the read sets it again
+                with self._cond:
+                    new, done = self._events[i:], self._done
+                for tok in new:
+                    yield tok
+                i += len(new)
+                if done and not new:
+                    return
+                if not new:
+                    await ev.wait()
+        finally:
+            with self._cond:
+                self._wakers.remove((loop, ev))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done, timeout)
+
+    def result(self, timeout: float | None = None) -> EngineRequest:
+        """Wait for the end; raises the error of a request that failed while running."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"request {self.id} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class Engine:
+    """Thread-safe request queue and scheduler over one Runtime (see the module doc)."""
+
+    def __init__(self, rt: Runtime, config: EngineConfig | None = None, *, stepper: Stepper | None = None,
+                 observer: Observer | None = None) -> None:
+        self.rt = rt
+        self.config = config or EngineConfig()
+        self.stepper = stepper or SequentialStepper(rt)
+        self.observers: list[Observer] = [observer] if observer is not None else []
+        max_batch = int(rt.cfg.get("max_batch", 1))
+        self.max_running = self.config.max_running or (max_batch if max_batch > 1 else self.config.interleave)
+        self.ready = threading.Event()  # set after warm-up
+        self.warmup_s: float | None = None
+        self.warmup_error: BaseException | None = None  # the engine refuses requests when warm-up failed
+        self.steps = 0
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._step_time = 0.0  # EMA of one iteration, for Retry-After
+
+    # -- public --
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gsm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler; requests still queued or running end as "cancelled"."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> list[EngineRequest]:
+        return list(self._running)
+
+    def submit(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
+               deadline_s: float | None = None) -> EngineRequest:
+        """Queue a completion. Inputs are checked now (RequestError); QueueFullError when the queue is full."""
+        ts = self.rt.stream(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop_ids=stop_ids)
+        return self._enqueue(ts, deadline_s)
+
+    def submit_chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, *,
+                    deadline_s: float | None = None, **sampling: Any) -> EngineRequest:
+        """Queue a chat turn: the bundle's chat template, stopping at EOS and its end-of-turn token."""
+        ts = self.rt.chat_stream(messages, max_new_tokens, **sampling)
+        return self._enqueue(ts, deadline_s)
+
+    # -- internals --
+    def _enqueue(self, ts: Any, deadline_s: float | None) -> EngineRequest:
+        # The TokenStream is only a checked request here (never iterated): its fields are what we run.
+        d = self.config.default_deadline_s if deadline_s is None else deadline_s
+        if d is not None and not (isinstance(d, (int, float)) and d > 0):
+            raise RequestError("deadline_s", f"must be a number > 0 (seconds), got {d!r}")
+        req = EngineRequest(prompt_ids=list(ts.prompt_ids), max_new_tokens=ts.max_new_tokens, params=ts.params,
+                            stop_ids=frozenset(ts.stop_ids), deadline=None,
+                            detok=None if ts.text is None else Detokenizer(self.rt.decode, ts.prompt_ids))
+        if d is not None:
+            req.deadline = req.t_submit + float(d)
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            if len(self._waiting) >= self.config.max_queue:
+                self._notify("on_reject", "queue_full")
+                raise QueueFullError(self.config.max_queue, self.retry_after_s())
+            self._waiting.append(req)
+            self._notify("on_submit", req)
+            self._cond.notify_all()
+        return req
+
+    def retry_after_s(self) -> float:
+        """A guess at when a queue slot frees: the queue drained at the running cap, at least 1 s."""
+        per_request = self._step_time * 64  # a typical request: a few dozen steps
+        return max(1.0, len(self._waiting) / max(1, self.max_running) * per_request)
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        for o in self.observers:
+            try:
+                getattr(o, hook)(*args)
+            except Exception:  # a metrics bug must not take the scheduler down
+                log.exception("observer %s.%s failed", type(o).__name__, hook)
+
+    def _warmup(self) -> None:
+        """First calls of each graph shape (prefill chunk, single-token prefill, decode) before serving."""
+        t0 = time.monotonic()
+        n = max(1, min(self.rt.max_input, self.rt.n_max - 3))
+        seq = self.stepper.new_sequence()
+        for w in ([Work(seq, [self.rt.bos_token_id] * n, True)], [Work(seq, [self.rt.bos_token_id], False)]):
+            for r in self.stepper.step(w):
+                if isinstance(r, Exception):
+                    raise r
+        one = self.stepper.new_sequence()
+        for r in self.stepper.step([Work(one, [self.rt.bos_token_id], True)]):
+            if isinstance(r, Exception):
+                raise r
+        self.warmup_s = time.monotonic() - t0
+        log.info("warm-up took %.3f s", self.warmup_s)
+
+    def _finish(self, req: EngineRequest, reason: str, error: BaseException | None = None) -> None:
+        if req.detok is not None and reason not in ("cancelled", "error"):
+            req.detok.flush()  # bytes held back before a stop id: in .text, no token carries them
+        req.finish_reason, req.error, req.t_end = reason, error, time.monotonic()
+        close = getattr(req.seq, "close", None)  # backends with a buffer pool take the slot back now
+        if close is not None:
+            close()
+        req.seq = None
+        self._notify("on_finish", req)
+        req._push(None)
+
+    def _loop(self) -> None:
+        try:
+            if self.config.warmup:
+                self._warmup()
+        except Exception as e:
+            log.exception("warm-up failed")
+            self.warmup_error = e
+            with self._cond:
+                self._closed = True
+        self.ready.set()
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._closed:
+                    pending = list(self._waiting) + self._running
+                    self._waiting.clear()
+                    self._running = []
+                    break
+            t0 = time.monotonic()
+            self._iteration()
+            self._step_time = 0.9 * self._step_time + 0.1 * (time.monotonic() - t0)
+        for req in pending:
+            self._finish(req, "cancelled")
+
+    def _iteration(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            keep = deque()
+            for req in self._waiting:  # cancelled or expired before they ever ran
+                if req._cancel or (req.deadline is not None and now >= req.deadline):
+                    self._finish(req, "cancelled" if req._cancel else "deadline")
+                else:
+                    keep.append(req)
+            self._waiting = keep
+            while self._waiting and len(self._running) < self.max_running:
+                req = self._waiting.popleft()
+                req.sampler = Sampler.from_params(req.params)
+                if req.max_new_tokens == 0:
+                    self._finish(req, "length")
+                    continue
+                req.seq = self.stepper.new_sequence()
+                self._running.append(req)
+        live = []
+        for req in self._running:
+            if req._cancel:
+                self._finish(req, "cancelled")
+            elif req.deadline is not None and now >= req.deadline:
+                self._finish(req, "deadline")
+            else:
+                live.append(req)
+        work = [Work(r.seq, r.prompt_ids, True) if r.next_token is None else Work(r.seq, [r.next_token], False)
+                for r in live]
+        results = self.stepper.step(work) if work else []
+        self.steps += 1
+        still = []
+        for req, res in zip(live, results):
+            if isinstance(res, Exception):
+                log.error("request %d failed: %s", req.id, res)
+                self._finish(req, "error", res)
+            elif self._advance(req, res):
+                still.append(req)
+        with self._cond:
+            self._running = still
+        self._notify("on_step", self, still)
+
+    def _advance(self, req: EngineRequest, logits: np.ndarray) -> bool:
+        """Sample the request's next token from `logits`; False when the request ends here. Same
+        order of checks as TokenStream: stop id (not emitted), then emit, then length, then context."""
+        assert req.sampler is not None
+        tok = req.sampler(logits)
+        if tok in req.stop_ids:
+            self._finish(req, "stop")
+            return False
+        req.ids.append(tok)
+        last = len(req.ids) == req.max_new_tokens
+        full = req.seq.length >= self.rt.n_max
+        text = "" if req.detok is None else req.detok.add(tok)
+        if (last or full) and req.detok is not None:
+            text += req.detok.flush()
+        if req.t_first is None:
+            req.t_first = time.monotonic()
+            self._notify("on_first_token", req)
+        req._push(Token(tok, text))
+        if last or full:
+            self._finish(req, "length" if last else "context")
+            return False
+        req.next_token = tok
+        return True
