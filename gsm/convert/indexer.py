@@ -20,7 +20,7 @@ import torch
 
 from gsm.config import GSMParams
 from gsm.convert.svd import LowRank
-from gsm.golden.selection import index_scores, select
+from gsm.golden.selection import select
 
 
 @dataclass
@@ -30,9 +30,9 @@ class Indexer:
     w: torch.Tensor  # [nI, H]
 
 
-def init_from_projections(wq: torch.Tensor, k_lowrank: LowRank, x: torch.Tensor, *, n_heads: int,
-                          n_kv: int, n_idx: int, d_idx: int) -> Indexer:
-    """wq: [nH*D, H]; k_lowrank: full-rank whitened SVD of Wk; x: [N, H] calibration inputs."""
+def init_from_projections(wq: torch.Tensor, k_lowrank: LowRank, xx: torch.Tensor, x_sum: torch.Tensor, *,
+                          n_heads: int, n_kv: int, n_idx: int, d_idx: int) -> Indexer:
+    """wq: [nH*D, H]; k_lowrank: full-rank whitened SVD of Wk; xx = Σ x xᵀ, x_sum = Σ x of the inputs."""
     H = wq.shape[1]
     D = wq.shape[0] // n_heads
     d = min(d_idx, k_lowrank.full_rank)
@@ -45,49 +45,57 @@ def init_from_projections(wq: torch.Tensor, k_lowrank: LowRank, x: torch.Tensor,
         g = j % n_kv
         wq_g = wq.view(n_heads, D, H)[g * group:(g + 1) * group].mean(0)  # [D, H]
         q[j, :d] = P[g * D:(g + 1) * D, :d].T @ wq_g * math.sqrt(d_idx / D)
-    ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
-    w = torch.linalg.lstsq(x.double(), ones).solution.T.float()  # [1, H]: x·w ≈ 1
+    # least squares x·w ≈ 1 by its normal equations (Σ x xᵀ) w = Σ x; the tiny ridge only guards
+    # input directions the calibration text never excites
+    G = xx.double() + (1e-9 * float(torch.diagonal(xx).mean()) + 1e-30) * torch.eye(H, dtype=torch.float64)
+    w = torch.linalg.solve(G, x_sum.double())[None].float()  # [1, H]
     return Indexer(q=q.reshape(n_idx * d_idx, H), k=key, w=w.repeat(n_idx, 1))
 
 
 def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, steps: int = 200,
-        lr: float = 3e-3, batch: int = 8, seed: int = 0) -> tuple[Indexer, list[float]]:
-    """Fit the indexer to attention. xs: [B, T, H] inputs; attn: [B, T, T] head-summed probs.
+        lr: float = 3e-3, batch: int = 8, seed: int = 0, device: torch.device | None = None,
+        ) -> tuple[Indexer, list[float]]:
+    """Fit the indexer to attention. xs: [B, T, H] inputs (any float dtype); attn: [B, T, T] head-summed probs.
 
-    Returns the fitted indexer and the loss every 20 steps (first and last included).
+    Each step scores a minibatch of sequences in one batched pass (on `device`). Returns the fitted
+    indexer and the loss every 20 steps (first and last included).
     """
+    dev = device or torch.device("cpu")
     torch.manual_seed(seed)
     B, T, _ = xs.shape
-    pos = torch.arange(T)
+    pos = torch.arange(T, device=dev)
     causal = pos[None, :] <= pos[:, None]
     fixed = (pos[None, :] < p.sink_tokens) | (pos[None, :] > pos[:, None] - p.sparse_window)
     cand = causal & ~fixed  # [T, T]
     rows = cand.any(-1)
-    target = attn * cand  # [B, T, T]
-    target = target / target.sum(-1, keepdim=True).clamp_min(1e-12)
-    params = [t.clone().requires_grad_(True) for t in (ix.q, ix.k, ix.w)]
+    params = [t.to(dev, torch.float32).clone().requires_grad_(True) for t in (ix.q, ix.k, ix.w)]
     opt = torch.optim.Adam(params, lr=lr)
     n_heads = ix.w.shape[0]
+    d_idx = ix.k.shape[0]
     losses: list[float] = []
     gen = torch.Generator().manual_seed(seed)
+    # the target and its entropy do not change during the fit: computed once, on the fixed sample
+    targets = attn.to(torch.float32) * cand.cpu()  # [B, T, T]
+    targets = (targets / targets.sum(-1, keepdim=True).clamp_min(1e-12))[:, rows.cpu()]  # [B, R, T]
+    entropy = (targets * torch.log(targets.clamp_min(1e-12))).sum(-1)  # [B, R]
     for step in range(steps):
         idx = torch.randint(0, B, (min(batch, B),), generator=gen)
-        loss = 0.0
-        for b in idx.tolist():
-            x = xs[b]
-            keys = x @ params[1].T  # [T, dI]
-            scores = index_scores(x, params[0], params[2], keys, n_heads)  # [T, T]
-            logq = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), dim=-1)
-            tb = target[b][rows]
-            kl = (tb * (torch.log(tb.clamp_min(1e-12)) - logq[rows].clamp_min(-1e4))).sum(-1)
-            loss = loss + kl.mean()
-        loss = loss / len(idx)
+        x = xs[idx].to(dev, torch.float32)  # [b, T, H]
+        target = targets[idx].to(dev)  # [b, R, T]
+        q = (x @ params[0].T).unflatten(-1, (n_heads, d_idx))  # [b, T, nI, dI]
+        keys = x @ params[1].T  # [b, T, dI]
+        w = x @ params[2].T  # [b, T, nI]
+        dots = torch.relu(torch.einsum("btjd,bsd->btjs", q, keys))  # [b, T, nI, T]
+        scores = torch.einsum("btj,btjs->bts", w, dots) / math.sqrt(d_idx)  # as index_scores
+        logq = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), dim=-1)[:, rows]
+        kl = entropy[idx].to(dev) - (target * logq.clamp_min(-1e4)).sum(-1)  # [b, R]
+        loss = kl.mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 20 == 0 or step == steps - 1:
             losses.append(float(loss.detach()))
-    q, k, w = (t.detach() for t in params)
+    q, k, w = (t.detach().cpu() for t in params)
     return Indexer(q=q, k=k, w=w), losses
 
 

@@ -1,18 +1,23 @@
 """Dense LLaMA-family model -> GSM checkpoint: the steps, in order, as plain functions.
 
-1. Run the dense model over calibration text and keep each layer's attention inputs, K/V outputs
-   and (for a few sequences) its attention probabilities.
+0. Check every length (calibration/eval sequences, agreement steps, the selection budget) against
+   the model's context before any work.
+1. Stream calibration text through the dense model and keep statistics, not activations
+   (gsm.convert.stats): per-layer input moments, projector moments for nearby layer pairs, and a
+   bounded sample of sequences with their attention for the indexer.
 2. Whitened SVD of every layer's k_proj/v_proj (gsm.convert.svd); ranks from the tolerance or a
    byte budget.
-3. Indexer of every layer, initialised from its projections and fitted to its attention.
-4. Sharing: none, a user map, or auto (least-squares projector, best source, kept while the
-   calibration perplexity cost stays within budget).
+3. Window/top-k split (optional search on the sample), then the indexer of every layer,
+   initialised from its projections and fitted to its attention.
+4. Sharing: none, a user map, or auto (least-squares projector from the nearest few earlier
+   layers, kept while the calibration perplexity cost stays within budget).
 5. Assemble the tensors of spec 3, measure the result on held-out text (gsm.convert.quality),
    write the checkpoint atomically.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -24,18 +29,26 @@ import torch
 from tokenizers import Tokenizer
 
 from gsm import names
-from gsm.config import GSMParams, KVQuantConfig, ModelConfig
+from gsm.config import GSMParams, KVQuantConfig
 from gsm.convert import indexer as ixr
 from gsm.convert.data import text_sha256, token_sequences
-from gsm.convert.sharing import ProjectorFit, best_source, fit_projector, parse_sharing_map
-from gsm.convert.svd import LowRank, input_covariance, ranks_for_budget, whitened_svd
+from gsm.convert.plan import LowRanks, Plan, assemble, golden_of, mean_nll, ranks_at, resident
+from gsm.convert.quality import AGREEMENT_STEPS, PROMPT_TOKENS, quality_report
+from gsm.convert.sharing import ProjectorFit, fit_projector_from_moments, latent_moments, parse_sharing_map
+from gsm.convert.stages import Stages, resolve_device
+from gsm.convert.stats import CalibStats, collect_stats, sharing_pairs
+from gsm.convert.svd import whitened_svd
 from gsm.dense import DenseLlama
-from gsm.golden.model import GoldenModel
 from gsm.golden.selection import index_scores
-from gsm.golden.weights import GoldenWeights
 from gsm.sources import DenseSource
 
+__all__ = ["ConvertOptions", "Lengths", "Plan", "assemble", "check_lengths", "convert", "golden_of", "mean_nll",
+           "ranks_at"]
+
 WINDOW_CANDIDATES = (3, 8, 16, 32, 48)
+SHARING_REACH = 3  # auto sharing: a layer may read the latents of one of the 3 layers before it
+SHARING_MAX_REJECTIONS = 3  # auto sharing stops after this many rejected trials in a row
+SHARING_EVAL_SEQUENCES = 8  # calibration sequences each sharing trial is scored on
 
 
 @dataclass(frozen=True)
@@ -49,149 +62,89 @@ class ConvertOptions:
     seq_len: int = 256
     calib_tokens: int = 65536
     eval_tokens: int = 16384
-    indexer_sequences: int = 32
+    indexer_sequences: int = 32  # the bounded sample the indexer and the window search are fitted on
     indexer_steps: int = 200
     seed: int = 0
     gsm: GSMParams = field(default_factory=GSMParams)
     tradeoff_tolerances: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1, 0.2)
     auto_window: bool = False  # search the window/top-k split of the budget (choose_window)
+    device: str = "auto"  # cpu | cuda | auto: where statistics, SVDs and indexer fits run
 
 
-@dataclass
-class Activations:
-    """Per layer, flattened over calibration tokens: x [N, H], k and v outputs [N, kvD]."""
+@dataclass(frozen=True)
+class Lengths:
+    """Every length the conversion will use, already fitted to the model's context."""
 
-    x: list[torch.Tensor]
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    seq_x: list[torch.Tensor]  # [B_ix, T, H] inputs of the indexer sequences
-    attn: list[torch.Tensor]  # [B_ix, T, T] head-summed attention of those sequences
+    seq_len: int
+    agreement_steps: int
+    notes: tuple[str, ...] = ()
 
 
-@dataclass
-class Plan:
-    """Everything decided about the GSM model before its tensors are assembled."""
+def check_lengths(max_positions: int, opts: ConvertOptions) -> Lengths:
+    """Clamp the lengths to max_position_embeddings, or refuse before any work when nothing useful fits.
 
-    ranks: dict[int, tuple[int, int]]  # every layer's (r_k, r_v) at the tolerance/budget
-    sharing: dict[int, ProjectorFit]  # sharing layer -> projector
-    indexers: dict[int, ixr.Indexer]
-    indexer_losses: dict[int, list[float]]
-    params: GSMParams = field(default_factory=GSMParams)  # selection numbers after the window search
-    sharing_trials: list[dict[str, Any]] = field(default_factory=list)
-    window_search: list[dict[str, Any]] = field(default_factory=list)
-
-
-@torch.no_grad()
-def collect(dense: DenseLlama, ids: torch.Tensor, n_attn: int) -> Activations:
-    L = dense.config.num_hidden_layers
-    xs: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    ks: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    vs: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    seq_x: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    attn: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    for b0 in range(0, ids.shape[0], 8):
-        chunk = ids[b0:b0 + 8]
-        want_probs = b0 < n_attn
-        _, cap = dense.forward(chunk, capture=True, capture_probs=want_probs)
-        for i in range(L):
-            lc = cap.layers[i]
-            xs[i].append(lc.x.reshape(-1, lc.x.shape[-1]))
-            ks[i].append(lc.k.reshape(-1, lc.k.shape[-1]))
-            vs[i].append(lc.v.reshape(-1, lc.v.shape[-1]))
-            if want_probs:
-                take = min(n_attn - b0, chunk.shape[0])
-                seq_x[i].append(lc.x[:take])
-                attn[i].append(lc.probs[:take].sum(1))
-    return Activations(
-        x=[torch.cat(a) for a in xs], k=[torch.cat(a) for a in ks], v=[torch.cat(a) for a in vs],
-        seq_x=[torch.cat(a) for a in seq_x], attn=[torch.cat(a) for a in attn])
+    Sequences longer than the context are cut to it (the dense model could not run them); the
+    greedy-agreement measurement gets the steps that fit after its prompt. Refused: a context (or
+    --seq-len) that leaves no position where the selection is sparse, because then there is
+    nothing to fit the indexer to and nothing to measure.
+    """
+    p = opts.gsm
+    notes = []
+    seq_len = opts.seq_len
+    if seq_len > max_positions:
+        notes.append(f"--seq-len {seq_len} is longer than the model's context (max_position_embeddings "
+                     f"{max_positions}); using {max_positions}")
+        seq_len = max_positions
+    budget = p.sink_tokens + p.sparse_window + p.sparse_top_k
+    if seq_len <= budget:
+        who = (f"the model's context (max_position_embeddings {max_positions})" if seq_len == max_positions
+               else f"--seq-len {seq_len}")
+        raise ValueError(f"{who} is not longer than the selection budget sinks + window + top-k = {budget}: "
+                         "every position would attend densely, leaving nothing to fit the indexer to; "
+                         "lower --top-k or raise --seq-len")
+    if max_positions < PROMPT_TOKENS + 2:
+        raise ValueError(f"the model's context (max_position_embeddings {max_positions}) is shorter than the "
+                         f"{PROMPT_TOKENS + 2} positions the greedy-agreement measurement needs")
+    steps = min(AGREEMENT_STEPS, max_positions - PROMPT_TOKENS)
+    if steps < AGREEMENT_STEPS:
+        notes.append(f"greedy agreement measured over {steps} steps (context {max_positions})")
+    return Lengths(seq_len=seq_len, agreement_steps=steps, notes=tuple(notes))
 
 
-def lowranks_of(src: DenseSource, acts: Activations) -> dict[tuple[int, str], LowRank]:
+def lowranks_of(src: DenseSource, stats: CalibStats, device: torch.device) -> LowRanks:
     out = {}
     for i in range(src.config.num_hidden_layers):
-        cov = input_covariance(acts.x[i])
+        cov = stats.covariance(i)
         for kv in ("k", "v"):
-            out[(i, kv)] = whitened_svd(src.get(names.layer_name(f"{kv}_proj", i)), cov)
+            out[(i, kv)] = whitened_svd(src.get(names.layer_name(f"{kv}_proj", i)), cov, device)
     return out
 
 
-def ranks_at(lowranks: dict[tuple[int, str], LowRank], layers: list[int], tolerance: float,
-             kv_budget: int | None, d_idx: int) -> dict[int, tuple[int, int]]:
-    """Ranks of `layers` by tolerance, or, with a byte budget, by ranks_for_budget (FP16 bytes)."""
-    if kv_budget is None:
-        return {i: (lowranks[(i, "k")].rank_for_tolerance(tolerance),
-                    lowranks[(i, "v")].rank_for_tolerance(tolerance)) for i in layers}
-    values = (kv_budget - 2 * d_idx * len(layers)) // 2
-    r = ranks_for_budget({key: lowranks[key] for i in layers for key in ((i, "k"), (i, "v"))}, values)
-    return {i: (r[(i, "k")], r[(i, "v")]) for i in layers}
+def projector(lowranks: LowRanks, stats: CalibStats, s: int, d: int, ranks: tuple[int, int]) -> ProjectorFit:
+    """kv_projector of sharing layer d reading owning layer s at `ranks`, from the moments alone."""
+    A = torch.cat([lowranks[(s, kv)].latent_map(r) for kv, r in zip(("k", "v"), ranks)], dim=1)
+    m, md = stats.layers[s], stats.layers[d]
+    if (s, d) not in stats.cross or md.yy is None or md.y_sum is None:
+        raise ValueError(f"no calibration moments for sharing pair {d}:{s}")
+    ztz, zty = latent_moments(A, m.xx, m.x_sum, stats.tokens, stats.cross[(s, d)], md.y_sum)
+    return fit_projector_from_moments(ztz, zty, float(torch.trace(md.yy)), s)
 
 
-def latents(lowranks: dict[tuple[int, str], LowRank], acts: Activations, i: int,
-            ranks: tuple[int, int]) -> torch.Tensor:
-    """[N, r_k + r_v] latents of layer i on the calibration inputs: c = (x Vtᵀ) ⊙ S."""
-    parts = []
-    for kv, r in zip(("k", "v"), ranks):
-        _, S, Vt = lowranks[(i, kv)].factors(r)
-        parts.append((acts.x[i] @ Vt.T) * S)
-    return torch.cat(parts, dim=1)
-
-
-def assemble(src: DenseSource, lowranks: dict[tuple[int, str], LowRank], plan: Plan,
-             ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and the tensors of spec 3 (float32 numpy arrays) for the planned GSM model."""
-    sharing = {i: f.source for i, f in plan.sharing.items()}
-    shared = tuple(sorted(set(sharing.values())))
-    p = replace(plan.params, kv_sharing=sharing, shared_layers=shared)
-    cfg = src.config.replace(gsm=p)
-    t: dict[str, np.ndarray] = {names.EMBED: src.get(names.EMBED).numpy(),
-                                names.FINAL_NORM: src.get(names.FINAL_NORM).numpy()}
-    if not cfg.tie_word_embeddings:
-        t[names.LM_HEAD] = src.get(names.LM_HEAD).numpy()
-    for i in range(cfg.num_hidden_layers):
-        for key in names.COMMON:
-            t[names.layer_name(key, i)] = src.get(names.layer_name(key, i)).numpy()
-        if i in plan.sharing:
-            f = plan.sharing[i]
-            t[names.layer_name("proj_w", i)] = f.weight.numpy()
-            t[names.layer_name("proj_b", i)] = f.bias.numpy()
-            continue
-        for kv, r in zip(("k", "v"), plan.ranks[i]):
-            U, S, Vt = lowranks[(i, kv)].factors(r)
-            t[names.layer_name(f"{kv}_U", i)] = U.numpy()
-            t[names.layer_name(f"{kv}_S", i)] = S.numpy()
-            t[names.layer_name(f"{kv}_Vt", i)] = Vt.numpy()
-        ix = plan.indexers[i]
-        t[names.layer_name("idx_q", i)] = ix.q.numpy()
-        t[names.layer_name("idx_k", i)] = ix.k.numpy()
-        t[names.layer_name("idx_w", i)] = ix.w.numpy()
-    return cfg, {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in t.items()}
-
-
-def golden_of(cfg: ModelConfig, tensors: dict[str, np.ndarray], **kw: Any) -> GoldenModel:
-    return GoldenModel(GoldenWeights.from_tensors(cfg, tensors), mode="exact", **kw)
-
-
-def mean_nll(model: GoldenModel, ids: torch.Tensor) -> float:
-    """Token-weighted mean NLL over sequences [B, T] (each scored in one prefill)."""
-    return float(np.mean([model.nll(row) for row in ids]))
-
-
-def fit_indexers(src: DenseSource, lowranks: dict[tuple[int, str], LowRank], acts: Activations,
-                 params: GSMParams, steps: int, seed: int, progress: Any | None,
-                 n_fit: int | None = None) -> tuple[dict[int, ixr.Indexer], dict[int, list[float]]]:
-    """Indexer of every layer, fitted on the first n_fit indexer sequences (all by default)."""
+def fit_indexers(src: DenseSource, lowranks: LowRanks, stats: CalibStats, params: GSMParams, steps: int,
+                 seed: int, device: torch.device, advance: Any, n_fit: int | None = None,
+                 ) -> tuple[dict[int, ixr.Indexer], dict[int, list[float]]]:
+    """Indexer of every layer, fitted on the first n_fit sample sequences (all by default)."""
     cfg = src.config
     out, losses = {}, {}
     for i in range(cfg.num_hidden_layers):
+        m = stats.layers[i]
         init = ixr.init_from_projections(
-            src.get(names.layer_name("q_proj", i)), lowranks[(i, "k")], acts.x[i],
+            src.get(names.layer_name("q_proj", i)), lowranks[(i, "k")], m.xx, m.x_sum,
             n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads,
             n_idx=params.indexer_heads, d_idx=params.indexer_dim)
-        out[i], losses[i] = ixr.fit(init, acts.seq_x[i][:n_fit], acts.attn[i][:n_fit], params,
-                                    steps=steps, seed=seed + i)
-        if progress is not None:
-            progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
+        out[i], losses[i] = ixr.fit(init, stats.seq_x[i][:n_fit], stats.attn[i][:n_fit], params,
+                                    steps=steps, seed=seed + i, device=device)
+        advance(1)
     return out, losses
 
 
@@ -203,140 +156,176 @@ def window_candidates(params: GSMParams) -> list[GSMParams]:
                     max_sparse_window=max(params.max_sparse_window, w)) for w in ws]
 
 
-def choose_window(src: DenseSource, lowranks: dict[tuple[int, str], LowRank], acts: Activations,
-                  opts: ConvertOptions, progress: Any) -> tuple[GSMParams, list[dict[str, Any]]]:
+def choose_window(src: DenseSource, lowranks: LowRanks, stats: CalibStats, opts: ConvertOptions,
+                  device: torch.device, stages: Stages) -> tuple[GSMParams, list[dict[str, Any]]]:
     """The window/top-k split with the best mean mask hit rate on held-in calibration sequences.
 
     The spec's indexer sees no positions, so it cannot reproduce the local part of attention that
     a recency window captures; a wider window absorbs that part and leaves the indexer the
-    content-addressed part. Indexers are fitted briefly on 3/4 of the indexer sequences and
-    scored on the other 1/4 (all calibration text: the evaluation text is never looked at).
+    content-addressed part. Indexers are fitted briefly on 3/4 of the sample sequences and scored
+    on the other 1/4 (all calibration text: the evaluation text is never looked at). Cost: one
+    short fit per layer and candidate on the fixed-size sample, so linear in the layer count.
     """
-    n = acts.seq_x[0].shape[0]
+    n = stats.seq_x[0].shape[0]
     n_fit = max(1, (3 * n) // 4)
+    L = src.config.num_hidden_layers
+    cands = window_candidates(opts.gsm)
     table = []
-    for p in window_candidates(opts.gsm):
-        ix, _ = fit_indexers(src, lowranks, acts, p, steps=max(20, opts.indexer_steps // 4),
-                             seed=opts.seed, progress=None, n_fit=n_fit)
-        rates = []
-        for i in range(src.config.num_hidden_layers):
-            for b in range(n_fit, n):
-                x = acts.seq_x[i][b]
-                sc = index_scores(x, ix[i].q, ix[i].w, x @ ix[i].k.T, p.indexer_heads)
-                probs = acts.attn[i][b][None] / src.config.num_attention_heads  # head mean
-                rates.append(ixr.hit_rate(sc, probs, p))
-        table.append({"sparse_window": p.sparse_window, "sparse_top_k": p.sparse_top_k,
-                      "calib_hit_rate": float(np.mean(rates))})
-        progress(f"window {p.sparse_window:3d} + top-k {p.sparse_top_k:3d}: "
-                 f"calibration hit rate {table[-1]['calib_hit_rate']:.4f}")
+    with stages.run("window search", total=len(cands) * L) as advance:
+        for p in cands:
+            ix, _ = fit_indexers(src, lowranks, stats, p, steps=max(20, opts.indexer_steps // 4), seed=opts.seed,
+                                 device=device, advance=advance, n_fit=n_fit)
+            rates = []
+            for i in range(L):
+                for b in range(n_fit, n):
+                    x = stats.seq_x[i][b].float()
+                    sc = index_scores(x, ix[i].q, ix[i].w, x @ ix[i].k.T, p.indexer_heads)
+                    probs = stats.attn[i][b][None] / src.config.num_attention_heads  # head mean
+                    rates.append(ixr.hit_rate(sc, probs, p))
+            table.append({"sparse_window": p.sparse_window, "sparse_top_k": p.sparse_top_k,
+                          "calib_hit_rate": float(np.mean(rates))})
+            stages.progress(f"window {p.sparse_window:3d} + top-k {p.sparse_top_k:3d}: "
+                            f"calibration hit rate {table[-1]['calib_hit_rate']:.4f}")
     best = max(table, key=lambda r: (r["calib_hit_rate"], -r["sparse_window"]))
-    chosen = next(p for p in window_candidates(opts.gsm) if p.sparse_window == best["sparse_window"])
+    chosen = next(p for p in cands if p.sparse_window == best["sparse_window"])
     return chosen, table
 
 
-def decide_sharing(src: DenseSource, lowranks: dict[tuple[int, str], LowRank],
-                   acts: Activations, plan: Plan, opts: ConvertOptions, calib_eval: torch.Tensor,
-                   progress: Any) -> None:
-    """Fill plan.sharing according to opts.sharing (mutates plan)."""
+def decide_sharing(src: DenseSource, lowranks: LowRanks, stats: CalibStats, plan: Plan, opts: ConvertOptions,
+                   calib_eval: torch.Tensor, stages: Stages) -> None:
+    """Fill plan.sharing according to opts.sharing (mutates plan).
+
+    auto: every (source, layer) pair within SHARING_REACH is fitted once from the moments (linear
+    in the layer count); then, best residual first, a layer is tried as sharing and kept while the
+    calibration perplexity stays within budget; SHARING_MAX_REJECTIONS rejections in a row end
+    the search (the remaining candidates fit worse).
+    """
     L = src.config.num_hidden_layers
     if opts.sharing == "none":
         return
-
-    def targets(i: int) -> torch.Tensor:
-        return torch.cat([acts.k[i], acts.v[i]], dim=1)
-
     if opts.sharing != "auto":
         for dst, s in parse_sharing_map(opts.sharing, L).items():
-            plan.sharing[dst] = fit_projector(latents(lowranks, acts, s, plan.ranks[s]), targets(dst), s)
+            plan.sharing[dst] = projector(lowranks, stats, s, dst, plan.ranks[s])
         return
-    lat = {i: latents(lowranks, acts, i, plan.ranks[i]) for i in range(L)}
-    cfg0, t0 = assemble(src, lowranks, plan)
-    base = mean_nll(golden_of(cfg0, t0), calib_eval)
-    rejected: set[int] = set()
-    while True:
-        owning = [i for i in range(L) if i not in plan.sharing]
-        sources = set(f.source for f in plan.sharing.values())
-        cands = [i for i in owning if i >= 1 and i not in rejected and i not in sources]
-        fits = [best_source(lat, targets(i), [s for s in owning if s < i]) for i in cands
-                if any(s < i for s in owning)]
-        fits_by_layer = dict(zip([i for i in cands if any(s < i for s in owning)], fits))
-        if not fits_by_layer:
-            break
-        dst, fit = min(fits_by_layer.items(), key=lambda kv: (kv[1].rel_residual, kv[0]))
-        plan.sharing[dst] = fit
-        cfg1, t1 = assemble(src, lowranks, plan)
-        nll = mean_nll(golden_of(cfg1, t1), calib_eval)
-        cost = math.exp(nll - base) - 1.0
-        ok = cost <= opts.sharing_budget
-        plan.sharing_trials.append({"layer": dst, "source": fit.source, "rel_residual": fit.rel_residual,
-                                    "calib_ppl_increase": cost, "accepted": ok})
-        progress(f"sharing layer {dst} <- {fit.source}: residual {fit.rel_residual:.3f}, "
-                 f"calibration perplexity {cost:+.1%} ({'kept' if ok else 'rejected'})")
-        if not ok:
-            del plan.sharing[dst]
-            rejected.add(dst)
+    with stages.run("sharing search") as advance:
+        fits = {(s, d): projector(lowranks, stats, s, d, plan.ranks[s]) for s, d in sharing_pairs(L, SHARING_REACH)}
+        cfg0, t0 = assemble(src, lowranks, plan)
+        base = mean_nll(golden_of(cfg0, t0), calib_eval)
+        rejected: set[int] = set()
+        in_a_row = 0
+        while in_a_row < SHARING_MAX_REJECTIONS:
+            sources = {f.source for f in plan.sharing.values()}
+            best: dict[int, ProjectorFit] = {}
+            for (s, d), f in fits.items():
+                if s in plan.sharing or d in plan.sharing or d in rejected or d in sources:
+                    continue
+                if d not in best or (f.rel_residual, f.source) < (best[d].rel_residual, best[d].source):
+                    best[d] = f
+            if not best:
+                break
+            dst, fit = min(best.items(), key=lambda kv: (kv[1].rel_residual, kv[0]))
+            plan.sharing[dst] = fit
+            cfg1, t1 = assemble(src, lowranks, plan)
+            cost = math.exp(mean_nll(golden_of(cfg1, t1), calib_eval) - base) - 1.0
+            ok = cost <= opts.sharing_budget
+            plan.sharing_trials.append({"layer": dst, "source": fit.source, "rel_residual": fit.rel_residual,
+                                        "calib_ppl_increase": cost, "accepted": ok})
+            stages.progress(f"sharing layer {dst} <- {fit.source}: residual {fit.rel_residual:.3f}, "
+                            f"calibration perplexity {cost:+.1%} ({'kept' if ok else 'rejected'})")
+            advance(1)
+            if not ok:
+                del plan.sharing[dst]
+                rejected.add(dst)
+            in_a_row = 0 if ok else in_a_row + 1
 
 
-def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, progress: Any,
-               ) -> tuple[Plan, dict[tuple[int, str], LowRank], Activations]:
-    dense = DenseLlama(src)
-    acts = collect(dense, calib, opts.indexer_sequences)
-    progress(f"collected activations of {calib.numel()} calibration tokens")
-    lowranks = lowranks_of(src, acts)
+def requested_pairs(opts: ConvertOptions, n_layers: int) -> list[tuple[int, int]]:
+    """The (source, sharing layer) pairs whose moments the calibration pass must keep."""
+    if opts.sharing == "none":
+        return []
+    if opts.sharing == "auto":
+        return sharing_pairs(n_layers, SHARING_REACH)
+    return [(s, d) for d, s in parse_sharing_map(opts.sharing, n_layers).items()]
+
+
+def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stages: Stages,
+               device: torch.device) -> tuple[Plan, LowRanks]:
     L = src.config.num_hidden_layers
+    dense = DenseLlama(src)
+    with stages.run("calibration statistics", total=calib.shape[0]) as advance:
+        stats = collect_stats(dense, calib, n_sample=opts.indexer_sequences, pairs=requested_pairs(opts, L),
+                              device=device, advance=advance)
+    stages.progress(f"statistics of {stats.tokens} calibration tokens: {stats.nbytes() / 2**20:.0f} MiB")
+    with stages.run("whitened SVD", total=L):
+        lowranks = lowranks_of(src, stats, device)
     params = opts.gsm
     window_table: list[dict[str, Any]] = []
     if opts.auto_window:
-        params, window_table = choose_window(src, lowranks, acts, opts, progress)
+        params, window_table = choose_window(src, lowranks, stats, opts, device, stages)
     ranks = ranks_at(lowranks, list(range(L)), opts.tolerance, opts.kv_budget, params.indexer_dim)
-    indexers, losses = fit_indexers(src, lowranks, acts, params, opts.indexer_steps, opts.seed, progress)
+    with stages.run("indexer fit", total=L) as advance:
+        indexers, losses = fit_indexers(src, lowranks, stats, params, opts.indexer_steps, opts.seed, device,
+                                        advance)
+    for i in range(L):
+        stages.progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
     plan = Plan(ranks=ranks, sharing={}, indexers=indexers, indexer_losses=losses, params=params,
                 window_search=window_table)
-    calib_eval = calib[: max(4, min(8, calib.shape[0]))]
-    decide_sharing(src, lowranks, acts, plan, opts, calib_eval, progress)
+    calib_eval = calib[: max(4, min(SHARING_EVAL_SEQUENCES, calib.shape[0]))]
+    decide_sharing(src, lowranks, stats, plan, opts, calib_eval, stages)
     if opts.kv_budget is not None and plan.sharing:
         # the budget is spent on the layers that still own a cache; refit projectors on new ranks
         owning = [i for i in range(L) if i not in plan.sharing]
         plan.ranks.update(ranks_at(lowranks, owning, opts.tolerance, opts.kv_budget, params.indexer_dim))
         for dst, f in list(plan.sharing.items()):
-            plan.sharing[dst] = fit_projector(latents(lowranks, acts, f.source, plan.ranks[f.source]),
-                                              torch.cat([acts.k[dst], acts.v[dst]], dim=1), f.source)
-    return plan, lowranks, acts
+            plan.sharing[dst] = projector(lowranks, stats, f.source, dst, plan.ranks[f.source])
+    return plan, lowranks
 
 
 def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: bool = False,
-            progress: Any = print) -> dict[str, Any]:
+            progress: Any = print, show_bars: bool | None = None) -> dict[str, Any]:
     """Convert `src`, measure it, write the checkpoint to `out`; returns the quality report."""
     from gsm.checkpoint import write_checkpoint_arrays
-    from gsm.convert.quality import quality_report
 
     t_start = time.perf_counter()
+    stages = Stages(progress, show_bars)
     if src.tokenizer_json is None:
         raise ValueError(f"{src.origin}: no tokenizer found; pass --tokenizer (the GSM checkpoint must "
                          "carry tokenizer.json so the runtime needs only the tokenizers library)")
-    tok = Tokenizer.from_str(src.tokenizer_json)
     cfg = src.config
-    seq = lambda path, n: token_sequences(path, tok, seq_len=min(opts.seq_len, cfg.max_position_embeddings),  # noqa: E731
-                                          max_tokens=n, bos_id=cfg.bos_token_id, vocab_size=cfg.vocab_size)
-    calib = seq(opts.calib_text, opts.calib_tokens)
-    plan, lowranks, acts = plan_model(src, opts, calib, progress)
+    lengths = check_lengths(cfg.max_position_embeddings, opts)
+    for note in lengths.notes:
+        progress(note)
+    device = resolve_device(opts.device)
+    tok = Tokenizer.from_str(src.tokenizer_json)
+
+    def seq(path: Path, n: int) -> torch.Tensor:
+        return token_sequences(path, tok, seq_len=lengths.seq_len, max_tokens=n, bos_id=cfg.bos_token_id,
+                               vocab_size=cfg.vocab_size)
+
+    with stages.run("read text"):
+        calib = seq(opts.calib_text, opts.calib_tokens)
+        ev = seq(opts.eval_text, opts.eval_tokens) if opts.eval_text is not None else None
+    with stages.run("load weights"):
+        src = resident(src)
+    plan, lowranks = plan_model(src, opts, calib, stages, device)
     gcfg, tensors = assemble(src, lowranks, plan)
     report: dict[str, Any] = {
         "source": src.origin,
         "calibration": {"file": str(opts.calib_text), "sha256": text_sha256(opts.calib_text),
                         "tokens": int(calib.numel()), "seq_len": int(calib.shape[1])},
         "options": {"tolerance": opts.tolerance, "kv_budget": opts.kv_budget, "sharing": opts.sharing,
-                    "sharing_budget": opts.sharing_budget},
+                    "sharing_budget": opts.sharing_budget, "device": str(device)},
+        "length_notes": list(lengths.notes),
         "gsm_config": gcfg.gsm.to_json(),
         "window_search": plan.window_search,
         "sharing_trials": plan.sharing_trials,
     }
-    if opts.eval_text is not None:
-        ev = seq(opts.eval_text, opts.eval_tokens)
-        report.update(quality_report(src, gcfg, tensors, plan, lowranks, acts, ev, opts, progress))
+    if ev is not None:
+        with stages.run("quality report"):
+            report.update(quality_report(src, gcfg, tensors, plan, lowranks, ev, opts.tradeoff_tolerances,
+                                         lengths.agreement_steps, progress))
+    report["stage_seconds"] = dict(stages.seconds)
     report["convert_seconds"] = time.perf_counter() - t_start
-    import json
-
     write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, tokenizer_json=src.tokenizer_json,
                             tokenizer_config=src.tokenizer_config,
                             extra_files={"conversion_report.json": json.dumps(report, indent=1).encode()},

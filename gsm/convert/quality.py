@@ -9,7 +9,8 @@ Everything here runs on the evaluation text only (never fitted on). Figures:
 - greedy-token agreement over 128 steps (teacher-forced on the dense continuation, and the
   length of the identical free-running prefix);
 - KV bytes per position (spec 6) vs dense FP16, and a bytes <-> perplexity trade-off over
-  several tolerances.
+  several tolerances (on the first TRADEOFF_SEQUENCES evaluation sequences: one model pass per
+  tolerance is the costliest part of the report).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from gsm import names
 from gsm.config import KVQuantConfig, ModelConfig
 from gsm.convert import indexer as ixr
+from gsm.convert.plan import Plan, assemble, golden_of, mean_nll, ranks_at
 from gsm.convert.svd import LowRank
 from gsm.dense import DenseLlama
 from gsm.golden.quant import TIER_BYTES
@@ -32,6 +34,7 @@ from gsm.golden.selection import index_scores
 AGREEMENT_STEPS = 128
 AGREEMENT_PROMPTS = 4
 PROMPT_TOKENS = 16
+TRADEOFF_SEQUENCES = 16
 
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]],
@@ -58,22 +61,23 @@ def ppl(nll: float) -> float:
     return math.exp(nll)
 
 
-def greedy_agreement(dense: DenseLlama, gsm: Any, ev: torch.Tensor) -> dict[str, float]:
-    """Teacher-forced agreement and identical free-running prefix over AGREEMENT_STEPS steps."""
+def greedy_agreement(dense: DenseLlama, gsm: Any, ev: torch.Tensor, steps: int = AGREEMENT_STEPS,
+                     ) -> dict[str, float]:
+    """Teacher-forced agreement and identical free-running prefix over `steps` greedy steps."""
     agree, prefix = [], []
     for row in ev[:AGREEMENT_PROMPTS]:
         prompt = row[:PROMPT_TOKENS].tolist()
-        ref = dense.greedy(prompt, AGREEMENT_STEPS)
+        ref = dense.greedy(prompt, steps)
         logits = gsm.forward(gsm.new_cache(), prompt + ref[:-1]).logits[PROMPT_TOKENS - 1:]
         agree.append(float((logits.argmax(-1) == torch.tensor(ref)).float().mean()))
-        mine = gsm.greedy(prompt, AGREEMENT_STEPS)
-        same = next((k for k, (a, b) in enumerate(zip(mine, ref)) if a != b), AGREEMENT_STEPS)
+        mine = gsm.greedy(prompt, steps)
+        same = next((k for k, (a, b) in enumerate(zip(mine, ref)) if a != b), steps)
         prefix.append(same)
-    return {"steps": AGREEMENT_STEPS, "prompts": len(agree), "teacher_forced": float(np.mean(agree)),
+    return {"steps": steps, "prompts": len(agree), "teacher_forced": float(np.mean(agree)),
             "free_running_identical_prefix_mean": float(np.mean(prefix))}
 
 
-def hit_rates(cfg: ModelConfig, plan: Any, xs: list[torch.Tensor], probs: list[torch.Tensor]) -> dict:
+def hit_rates(cfg: ModelConfig, plan: Plan, xs: list[torch.Tensor], probs: list[torch.Tensor]) -> dict:
     """Owning layer -> mean hit rate of indexer / random / recency under dense attention."""
     out = {}
     p = cfg.gsm
@@ -92,11 +96,9 @@ def hit_rates(cfg: ModelConfig, plan: Any, xs: list[torch.Tensor], probs: list[t
 
 
 @torch.no_grad()
-def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], plan: Any,
-                   lowranks: dict[tuple[int, str], LowRank], acts: Any, ev: torch.Tensor, opts: Any,
-                   progress: Any) -> dict[str, Any]:
-    from gsm.convert.pipeline import assemble, golden_of, mean_nll, ranks_at
-
+def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], plan: Plan,
+                   lowranks: dict[tuple[int, str], LowRank], ev: torch.Tensor,
+                   tradeoff_tolerances: tuple[float, ...], agreement_steps: int, progress: Any) -> dict[str, Any]:
     dense = DenseLlama(src)
     n_probe = min(8, ev.shape[0])
     _, cap = dense.forward(ev[:n_probe], capture=True, capture_probs=True)
@@ -150,19 +152,21 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     progress("measuring greedy agreement and the bytes <-> perplexity trade-off")
     tradeoff = []
     L = gcfg.num_hidden_layers
-    for tol in opts.tradeoff_tolerances:
+    ev_tradeoff = ev[:TRADEOFF_SEQUENCES]
+    for tol in tradeoff_tolerances:
         r = ranks_at(lowranks, list(range(L)), tol, None, gcfg.gsm.indexer_dim)
         c, t = assemble(src, lowranks, replace(plan, ranks=r, sharing={}))
         tradeoff.append({"tolerance": tol, "sharing": "none",
                          "kv_bytes_per_position_fp16": kv_bytes_per_position(c, r)["gsm_fp16"],
-                         "perplexity": ppl(mean_nll(golden_of(c, t), ev))})
+                         "perplexity": ppl(mean_nll(golden_of(c, t), ev_tradeoff)),
+                         "sequences": int(ev_tradeoff.shape[0])})
     return {
         "evaluation": {"tokens": int(ev.numel()), "seq_len": int(ev.shape[1]),
                        "sequences": int(ev.shape[0])},
         "layers": layers,
         "perplexity": {"dense": ppl(dense_nll), "gsm": ppl(gsm_nll), "gsm_no_sharing": ppl(ns_nll),
                        "relative_increase": ppl(gsm_nll) / ppl(dense_nll) - 1.0},
-        "greedy_agreement": greedy_agreement(dense, gsm, ev),
+        "greedy_agreement": greedy_agreement(dense, gsm, ev, agreement_steps),
         "kv_bytes_per_position": kv_bytes_per_position(gcfg, plan.ranks),
         "tradeoff": tradeoff,
     }

@@ -6,6 +6,9 @@ on calibration activations of the dense model, and the source is the owning laye
 smallest relative residual. Which layers share at all is decided by the converter's policy
 (`--sharing auto` tries layers in order of residual and keeps those whose calibration perplexity
 cost stays within the budget).
+
+The converter keeps moments, not activations: with latents c = x A (A = Vtᵀ diag(S)) the normal
+equations need only Σ x_s x_sᵀ, Σ x_s, Σ x_s y_dᵀ, Σ y_d y_dᵀ and Σ y_d (`fit_projector_from_moments`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,28 @@ def fit_projector(latents: torch.Tensor, targets: torch.Tensor, source: int, rid
     rel = math.sqrt(float(resid.pow(2).sum() / Y.pow(2).sum().clamp_min(1e-300)))
     return ProjectorFit(source=source, weight=sol[:-1].T.float().contiguous(), bias=sol[-1].float().contiguous(),
                         rel_residual=rel)
+
+
+def fit_projector_from_moments(ztz: torch.Tensor, zty: torch.Tensor, yty_trace: float, source: int,
+                               ridge: float = 1e-6) -> ProjectorFit:
+    """The same fit from moments of Z = [latents, 1]: ZᵀZ [r+1, r+1], ZᵀY [r+1, 2*kvD], tr(YᵀY)."""
+    G = ztz.double()
+    Gr = G + ridge * float(torch.diagonal(G).mean()) * torch.eye(G.shape[0], dtype=torch.float64)
+    sol = torch.linalg.solve(Gr, zty.double())
+    # ||Z sol - Y||² expanded; clamp: rounding can make a perfect fit's residual slightly negative
+    resid = yty_trace - 2.0 * float((sol * zty).sum()) + float((sol * (G @ sol)).sum())
+    rel = math.sqrt(max(resid, 0.0) / max(yty_trace, 1e-300))
+    return ProjectorFit(source=source, weight=sol[:-1].T.float().contiguous(), bias=sol[-1].float().contiguous(),
+                        rel_residual=rel)
+
+
+def latent_moments(A: torch.Tensor, xx: torch.Tensor, x_sum: torch.Tensor, n: int, cross: torch.Tensor,
+                   y_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ZᵀZ and ZᵀY for Z = [x_s A, 1] from the source's Σ x xᵀ, Σ x and the pair's Σ x_s y_dᵀ, Σ y_d."""
+    A = A.double()
+    top = torch.cat([A.T @ xx @ A, (A.T @ x_sum)[:, None]], dim=1)
+    bottom = torch.cat([x_sum @ A, torch.tensor([float(n)], dtype=torch.float64)])[None]
+    return torch.cat([top, bottom]), torch.cat([A.T @ cross, y_sum[None]])
 
 
 def best_source(latents: dict[int, torch.Tensor], targets: torch.Tensor, candidates: list[int]) -> ProjectorFit:

@@ -54,26 +54,32 @@ class LowRank:
                 self.QtLinv[:r].float().contiguous())
 
 
+    def latent_map(self, r: int) -> torch.Tensor:
+        """A [H, r] float64 with latents c = x A = (x Vtᵀ) ⊙ S at rank r."""
+        return self.QtLinv[:r].T * self.sigma[:r]
+
+
 def input_covariance(x: torch.Tensor) -> torch.Tensor:
     """x: [N, H] -> C = xᵀx / N in float64."""
     x64 = x.double()
     return (x64.T @ x64) / x64.shape[0]
 
 
-def whitened_svd(w: torch.Tensor, cov: torch.Tensor | None) -> LowRank:
-    """w: [kvD, H]; cov: [H, H] input covariance (None: plain weight SVD)."""
-    w64 = w.double()
+def whitened_svd(w: torch.Tensor, cov: torch.Tensor | None, device: torch.device | None = None) -> LowRank:
+    """w: [kvD, H]; cov: [H, H] input covariance (None: plain weight SVD); computed on `device`."""
+    dev = device or torch.device("cpu")
+    w64 = w.to(dev, torch.float64)
     H = w64.shape[1]
     if cov is None:
-        L = torch.eye(H, dtype=torch.float64)
+        L = torch.eye(H, dtype=torch.float64, device=dev)
     else:
         # a tiny ridge keeps Cholesky defined when some input directions never occur in the data
         ridge = 1e-6 * float(torch.diagonal(cov).mean()) + 1e-12
-        L = torch.linalg.cholesky(cov.double() + ridge * torch.eye(H, dtype=torch.float64))
+        L = torch.linalg.cholesky(cov.to(dev, torch.float64) + ridge * torch.eye(H, dtype=torch.float64, device=dev))
     P, sigma, Qt = torch.linalg.svd(w64 @ L, full_matrices=False)
     # Qᵀ L⁻¹ = (L⁻ᵀ Q)ᵀ: solve Lᵀ Z = Q rather than forming the inverse
     Z = torch.linalg.solve_triangular(L.T, Qt.T, upper=True)
-    return LowRank(P=P, sigma=sigma, QtLinv=Z.T)
+    return LowRank(P=P.cpu(), sigma=sigma.cpu(), QtLinv=Z.T.cpu())
 
 
 def ranks_for_budget(lowranks: dict[tuple[int, str], LowRank], budget_values: int) -> dict[tuple[int, str], int]:

@@ -1,0 +1,52 @@
+"""Stages of a conversion: a rich progress bar while one runs, its wall time when it ends.
+
+A 1B conversion runs for a long time on a CPU; the user must see which stage is running, how far
+it is, and afterwards what each stage cost (the times also go into the report).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """`--device`: cpu, cuda, or auto (cuda when one is visible)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu, cuda or auto, got {name!r}")
+    return torch.device(name)
+
+
+class Stages:
+    """`with stages.run("name", total) as advance:` shows a bar, then reports and records the time."""
+
+    def __init__(self, progress: Callable[[str], Any], show_bars: bool | None = None) -> None:
+        self.progress = progress
+        self.seconds: dict[str, float] = {}
+        self.show_bars = sys.stderr.isatty() if show_bars is None else show_bars
+
+    @contextmanager
+    def run(self, name: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+        t0 = time.perf_counter()
+        if self.show_bars:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+                task = bar.add_task(name, total=total)
+                yield lambda n=1: bar.advance(task, n)
+        else:
+            yield lambda n=1: None
+        dt = time.perf_counter() - t0
+        self.seconds[name] = self.seconds.get(name, 0.0) + dt
+        self.progress(f"{name}: {dt:.1f} s")
