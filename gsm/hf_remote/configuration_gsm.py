@@ -52,7 +52,6 @@ class GSMConfig(PretrainedConfig):
         # shapes); GSMForCausalLM.from_pretrained fills it from the safetensors headers.
         self.latent_ranks = dict(latent_ranks or {})
         self.tie_word_embeddings = tie_word_embeddings
-        kwargs.setdefault("use_cache", False)  # the reference forward keeps no cache between calls
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 

@@ -12,9 +12,11 @@ description, not a fast one, and it computes what the golden model's `exact` mod
 - sharing layer: [Kpre; V] = kv_projector([c_k; c_v] of its source layer), K = RoPE(Kpre), and the
   source layer's selection.
 
-No KV cache: every call (each `generate` step included) recomputes the whole sequence, so the
-selection of each query is that of spec 4.1 whatever the call pattern; quadratic cost per step.
-Operations follow the golden model's order and formulas so that logits agree to float rounding.
+No transformers cache object (its API moved across 4.x/5.x): a plain forward computes the whole
+sequence; inside `generate` the model keeps the previous step's latents per batch row (gsm_memo)
+and computes only the new position when the ids extend the previous ones, as the golden model's
+decode step does. Operations follow the golden model's shapes and order, so logits agree bit for
+bit on the same machine (docs/remote_code.md).
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ RANK_TENSOR = "model.layers.{i}.self_attn.{kv}_svd_S.weight"
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
-# -- math (the golden model's formulas, with a leading batch axis) ------------------------------
+# -- math: the golden model's formulas and operation order, one sequence at a time --------------
+# Same shapes as gsm/golden (2-D per sequence), so the floats match bit for bit: the indexer's
+# top-k meets exact ties (a repeated token has the same layer-0 indexer key) that any rounding
+# difference would break differently from the golden model.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
@@ -59,51 +64,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, n, heads*D] -> [B, heads, n, D]."""
-    B, n = x.shape[:2]
-    return x.view(B, n, n_heads, -1).transpose(1, 2)
+def heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[n, heads*D] -> [heads, n, D]."""
+    return x.reshape(x.shape[0], n_heads, -1).transpose(0, 1)
 
 
 def index_scores(x: torch.Tensor, idx_q: torch.Tensor, idx_w: torch.Tensor, keys: torch.Tensor,
                  n_heads: int) -> torch.Tensor:
-    """I(t, s) = sum_j w_j ReLU(q_j . e_s) / sqrt(dI): x [B, T, H], keys [B, n, dI] -> [B, T, n]."""
-    B, T = x.shape[:2]
-    dI = keys.shape[-1]
-    q = (x @ idx_q.T).view(B, T, n_heads, dI)
-    w = x @ idx_w.T  # [B, T, nI]
-    dots = torch.relu(torch.einsum("btjd,bsd->btjs", q, keys))
-    return torch.einsum("btj,btjs->bts", w, dots) / math.sqrt(dI)
+    """I(t, s) = sum_j w_j ReLU(q_j . e_s) / sqrt(dI): x [T, H], keys [n, dI] -> [T, n]."""
+    T, dI = x.shape[0], keys.shape[1]
+    q = (x @ idx_q.T).view(T, n_heads, dI)
+    w = x @ idx_w.T  # [T, nI]
+    dots = torch.relu(torch.einsum("tjd,sd->tjs", q, keys))
+    return torch.einsum("tj,tjs->ts", w, dots) / math.sqrt(dI)
 
 
-def select(scores: torch.Tensor, sinks: int, window: int, top_k: int) -> torch.Tensor:
-    """Sel [B, T, n] bool for queries at positions 0..T-1 (spec 4.1)."""
-    T, n = scores.shape[-2:]
-    s = torch.arange(n)
-    t = torch.arange(T)
-    causal = s[None, :] <= t[:, None]  # [T, n]
+def select(scores: torch.Tensor, n0: int, sinks: int, window: int, top_k: int) -> torch.Tensor:
+    """Sel [T, n] bool for queries at positions n0..n0+T-1 over positions 0..n-1 (spec 4.1)."""
+    T, n = scores.shape
+    s = torch.arange(n, device=scores.device)
+    t = torch.arange(n0, n0 + T, device=scores.device)
+    causal = s[None, :] <= t[:, None]
     fixed = causal & ((s[None, :] < sinks) | (s[None, :] > t[:, None] - window))
     cand = causal & ~fixed
-    mask = fixed.expand_as(scores).clone()
+    mask = fixed.clone()
     k = min(top_k, n)
     if k > 0:
         # stable descending sort: equal scores keep the lower position first (spec tie rule)
         order = torch.sort(scores.masked_fill(~cand, float("-inf")), dim=-1, descending=True,
-                           stable=True).indices[..., :k]
-        mask |= torch.zeros_like(mask).scatter_(-1, order, True) & cand
+                           stable=True).indices[:, :k]
+        mask |= torch.zeros_like(mask).scatter_(1, order, True) & cand
     dense_rows = t + 1 <= sinks + window + top_k
-    mask[:, dense_rows] = causal[dense_rows]
+    mask[dense_rows] = causal[dense_rows]
     return mask
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, nH, T, D], k/v [B, nKV, n, D], mask [B, T, n] -> head outputs [B, T, nH*D]."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    probs = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), dim=-1)
-    out = probs @ v.repeat_interleave(group, dim=1)  # [B, nH, T, D]
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    """q [nH, T, D], k/v [nKV, n, D], mask [T, n] -> head outputs concatenated [T, nH*D]."""
+    group = q.shape[0] // k.shape[0]
+    logits = (q @ k.repeat_interleave(group, dim=0).transpose(1, 2)) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(logits.masked_fill(~mask[None], float("-inf")), dim=-1)
+    out = probs @ v.repeat_interleave(group, dim=0)  # [nH, T, D]
+    return out.transpose(0, 1).reshape(probs.shape[1], -1)
 
 
 # -- modules: parameter names are the checkpoint's tensor names (spec section 3) ------------------
@@ -149,21 +151,21 @@ class GSMAttention(nn.Module):
             self.kv_projector = nn.Linear(rk + rv, 2 * kvd, bias=True)
 
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Owning layer: c_k [B, n, r_k], c_v [B, n, r_v], indexer keys e [B, n, dI]."""
+        """Owning layer: c_k [T, r_k], c_v [T, r_v], indexer keys e [T, dI] of x [T, H]."""
         w = lambda m: m.weight.float()  # noqa: E731
         ck = (x @ w(self.k_svd_Vt).T) * w(self.k_svd_S)
         cv = (x @ w(self.v_svd_Vt).T) * w(self.v_svd_S)
         return ck, cv, x @ w(self.sparse_mask_generator.k_proj).T
 
     def key_values(self, ck: torch.Tensor, cv: torch.Tensor, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents of the owning layer (this one or the source) -> K before RoPE, V: [B, nKV, n, D]."""
+        """Latents [n, r] of the owning layer (this one or the source) -> K before RoPE, V: [nKV, n, D]."""
         if self.source is None:
             k = ck @ self.k_svd_U.weight.float().T
             v = cv @ self.v_svd_U.weight.float().T
         else:
-            kv = torch.cat([ck, cv], dim=-1) @ self.kv_projector.weight.float().T + self.kv_projector.bias.float()
-            k, v = kv.chunk(2, dim=-1)
-        return split_heads(k, n_kv), split_heads(v, n_kv)
+            kv = torch.cat([ck, cv], dim=1) @ self.kv_projector.weight.float().T + self.kv_projector.bias.float()
+            k, v = kv.chunk(2, dim=1)
+        return heads(k, n_kv), heads(v, n_kv)
 
 
 class GSMMLP(nn.Module):
@@ -221,39 +223,67 @@ class GSMModel(GSMPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """input_ids [B, n] at positions 0..n-1 -> final normalised hidden states [B, n, H] (float32)."""
+    def forward(self, input_ids: torch.LongTensor, memo: dict[int, Any] | None = None) -> torch.Tensor:
+        """input_ids [B, n] at positions 0..n-1 -> final normalised hidden states [B, n, H] (float32).
+
+        memo (generate only): per batch row, the ids and latents of the previous call. When a row
+        extends those ids, only its new positions are computed (the golden model's decode step);
+        every row must then have the same number of new positions, and only those are returned.
+        """
+        cfg = self.config
+        if cfg.gsm("sparse_window") > cfg.gsm("max_sparse_window"):
+            raise ValueError(f"gsm_config.sparse_window {cfg.gsm('sparse_window')} exceeds max_sparse_window "
+                             f"{cfg.gsm('max_sparse_window')}")
+        starts = [_reusable_prefix(None if memo is None else memo.get(b), row) for b, row in enumerate(input_ids)]
+        if len(set(starts)) > 1:  # rows must return the same length: recompute all
+            starts = [0] * len(starts)
+        out = []
+        for b, row in enumerate(input_ids):
+            past = memo[b] if starts[b] else None
+            hidden, latents = self.sequence(row, starts[b], None if past is None else past[1])
+            if memo is not None:
+                memo[b] = (row.clone(), latents)
+            out.append(hidden)
+        return torch.stack(out)
+
+    def sequence(self, ids: torch.Tensor, n0: int, past: dict[int, tuple[torch.Tensor, ...]] | None
+                 ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, ...]]]:
+        """One sequence ids [n] whose first n0 positions' latents are `past` -> hidden states of
+        positions n0..n-1 [n-n0, H] and the latents (c_k, c_v, e) of all n positions."""
         cfg = self.config
         sinks, window, top_k = cfg.gsm("sink_tokens"), cfg.gsm("sparse_window"), cfg.gsm("sparse_top_k")
-        if window > cfg.gsm("max_sparse_window"):
-            raise ValueError(f"gsm_config.sparse_window {window} exceeds max_sparse_window "
-                             f"{cfg.gsm('max_sparse_window')}")
-        nH, nKV, theta, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_theta, cfg.rms_norm_eps
-        n = input_ids.shape[1]
-        cos, sin = rope_tables(torch.arange(n), cfg.head_dim, theta)
-        cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
-        latents: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        nH, nKV, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+        n = ids.shape[0]
+        cos, sin = (t.to(ids.device) for t in rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_theta))
+        latents: dict[int, tuple[torch.Tensor, ...]] = {}
         sel: dict[int, torch.Tensor] = {}
-        h = self.embed_tokens.weight.float()[input_ids]  # [B, n, H]
+        h = self.embed_tokens.weight.float()[ids[n0:]]  # [T, H], new positions only
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = rms_norm(h, layer.input_layernorm.weight, eps)
-            q = apply_rope(split_heads(x @ attn.q_proj.weight.float().T, nH), cos, sin)  # [B, nH, n, D]
+            q = apply_rope(heads(x @ attn.q_proj.weight.float().T, nH), cos[n0:], sin[n0:])  # [nH, T, D]
             if attn.source is None:
-                ck, cv, keys = attn.latents(x)
-                latents[i] = (ck, cv)
+                new = attn.latents(x)
+                latents[i] = tuple(torch.cat([old, t]) for old, t in zip(past[i], new)) if past else new
                 ix = attn.sparse_mask_generator
-                scores = index_scores(x, ix.q_proj.weight.float(), ix.w_proj.weight.float(), keys,
-                                      cfg.gsm("indexer_heads"))
-                sel[i] = select(scores, sinks, window, top_k).to(h.device)
+                scores = index_scores(x, ix.q_proj.weight.float(), ix.w_proj.weight.float(), latents[i][2],
+                                      cfg.gsm("indexer_heads"))  # [T, n]
+                sel[i] = select(scores, n0, sinks, window, top_k)
+                ck, cv = latents[i][:2]
             else:
-                ck, cv = latents[attn.source]
+                ck, cv = latents[attn.source][:2]
                 sel[i] = sel[attn.source]  # the mask is shared with the memory (spec 4.2)
             k, v = attn.key_values(ck, cv, nKV)
-            out = attention(q, apply_rope(k, cos, sin), v, sel[i])
-            h = h + out @ attn.o_proj.weight.float().T
+            h = h + attention(q, apply_rope(k, cos, sin), v, sel[i]) @ attn.o_proj.weight.float().T
             h = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm.weight, eps))
-        return rms_norm(h, self.norm.weight, eps)
+        return rms_norm(h, self.norm.weight, eps), latents
+
+
+def _reusable_prefix(past: tuple[torch.Tensor, Any] | None, ids: torch.Tensor) -> int:
+    """Number of leading positions of ids [n] whose latents `past` (ids, latents) holds (0: none)."""
+    if past is None or past[0].shape[0] >= ids.shape[0] or not torch.equal(past[0], ids[:past[0].shape[0]]):
+        return 0
+    return past[0].shape[0]
 
 
 class GSMForCausalLM(GSMPreTrainedModel, GenerationMixin):
@@ -267,7 +297,7 @@ class GSMForCausalLM(GSMPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike[str], *model_args: Any,
-                        **kwargs: Any) -> GSMForCausalLM:
+                        **kwargs: Any) -> Any:
         """Size the latent factors from the checkpoint's tensor shapes before loading (spec 2: the
         ranks are not in config.json), then load as usual."""
         hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
@@ -276,7 +306,19 @@ class GSMForCausalLM(GSMPreTrainedModel, GenerationMixin):
             config = GSMConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         config.latent_ranks = read_latent_ranks(pretrained_model_name_or_path, config, hub)
         kwargs["config"] = config
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded)._realign_cpu_parameters()  # tuple: output_loading_info
+        return loaded
+
+    @torch.no_grad()
+    def _realign_cpu_parameters(self) -> None:
+        """Move CPU parameters left in memory-mapped safetensors storage (8-byte aligned) to fresh
+        storage. With misaligned operands BLAS takes another vector path for one-row products (a
+        decode step) and rounds differently from the golden model; exact indexer ties (a repeated
+        token's keys) then break the other way and greedy outputs part after some tokens."""
+        for p in self.parameters():
+            if p.device.type == "cpu" and p.data_ptr() % 64:
+                p.data = p.data.clone()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -285,11 +327,12 @@ class GSMForCausalLM(GSMPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+                labels: torch.LongTensor | None = None, gsm_memo: dict[int, Any] | None = None,
+                **kwargs: Any) -> CausalLMOutputWithPast:
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("GSM reference model: padded batches are not supported (attention_mask has "
                              "zeros); run sequences one at a time or of equal length")
-        hidden = self.model(input_ids)
+        hidden = self.model(input_ids, gsm_memo)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = hidden @ head.float().T  # [B, n, V]
         loss = None
@@ -298,14 +341,24 @@ class GSMForCausalLM(GSMPreTrainedModel, GenerationMixin):
                                    ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    # -- generation: no cache, every step sees the whole sequence ---------------------------------
+    # -- generation: no transformers cache; the latents of the previous step ride in gsm_memo ----
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self._gsm_memo: dict[int, Any] | None = {}
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self._gsm_memo = None
+
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                                       **kwargs: Any) -> dict[str, Any]:
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        # always the whole sequence: forward reuses what gsm_memo holds for its prefix, so a
+        # reordered or edited batch (beam search) is recomputed rather than misread
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "gsm_memo": getattr(self, "_gsm_memo", None)}
 
 
 # -- latent ranks from the safetensors headers -----------------------------------------------------
