@@ -1,4 +1,5 @@
 """`python -m runtime generate BUNDLE --prompt TEXT | --ids 1,2,3 | --chat TEXT` — prints tokens as they come.
+`python -m runtime serve BUNDLE [--host 127.0.0.1] [--port 8000]` — OpenAI-compatible HTTP server (docs/serving.md).
 
 Exit codes: 0 ok, 2 bad usage or bad input (one `error:` line naming the flag or file), 1 a failure
 while generating, 130 interrupted.
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONNX Runtime intra-op threads (0: its default)")
     g.add_argument("--sparse-window", type=lambda t: _at_least(1)(_int(t)),
                    help="run-time window, 1..max_sparse_window (default: the model's)")
+    from runtime.serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub, positive=lambda t: _at_least(1)(_int(t)), at_least_zero=lambda t: _at_least(0)(_int(t)),
+                     number=_float)
     return p
 
 
@@ -124,6 +129,9 @@ def generate(args: argparse.Namespace) -> int:
         return _error(f"bundle {args.bundle}: {e}")
     except RuntimeError as e:  # a backend that cannot start here (TensorRT missing, ...)
         return _error(str(e), 1)
+    except ImportError as e:  # the backend's library is not installed on this machine
+        return _error(f"backend {args.backend}: {e} (the ONNX Runtime backend needs `pip install onnxruntime`; "
+                      "TensorRT comes with JetPack)", 1)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               stop_ids=args.stop_ids)
     try:
@@ -169,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else 2
     try:
+        if args.command == "serve":
+            from runtime.serve.cli import serve
+
+            return serve(args)
         return generate(args)
     except KeyboardInterrupt:
-        print(f"{PROG} generate: interrupted", file=sys.stderr)
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

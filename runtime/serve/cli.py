@@ -1,0 +1,85 @@
+"""`python -m runtime serve BUNDLE [--host 127.0.0.1] [--port 8000]`: the argument parser and the command.
+
+Exit codes: 0 ok, 2 bad usage or bad bundle (one `error:` line), 1 a failure while working (a backend or
+the serve extra missing, the port taken), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+PROG = "python -m runtime serve"
+
+
+def add_parser(sub: Any, positive: Any, at_least_zero: Any, number: Any) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a bundle (needs the serve extra)")
+    s.add_argument("bundle", type=Path)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=lambda t: _port(t), default=8000)
+    s.add_argument("--model-name", help="the model id clients send (default: the bundle directory's name)")
+    s.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
+    s.add_argument("--threads", type=at_least_zero, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    s.add_argument("--max-running", type=at_least_zero, default=0,
+                   help="sequences in the running batch (0: the bundle's max_batch, or --interleave at batch 1)")
+    s.add_argument("--interleave", type=positive, default=8,
+                   help="sequences whose steps are interleaved on a bundle built for batch 1")
+    s.add_argument("--max-queue", type=positive, default=64, help="waiting requests before 429")
+    s.add_argument("--deadline", type=number, help="seconds a request may take from submission (default: none)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer port, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
+    return v
+
+
+def _error(message: str, code: int = 2) -> int:
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return code
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from runtime.serve.app import Server
+    except ImportError as e:
+        return _error(f"the serve command needs the serve extra (pip install 'gsm-edge[serve]'): {e}", 1)
+    import runtime
+    from runtime.engine import Engine, EngineConfig
+
+    if args.deadline is not None and not args.deadline > 0:
+        return _error(f"argument --deadline: must be a number > 0 (seconds), got {args.deadline}")
+    try:
+        rt = runtime.load(args.bundle, args.backend, threads=args.threads)
+    except runtime.BundleError as e:
+        return _error(f"bundle {e}")
+    except runtime.RequestError as e:
+        return _error(f"argument --{e.field.replace('_', '-')}: {e.detail}")
+    except ValueError as e:
+        return _error(f"bundle {args.bundle}: {e}")
+    except RuntimeError as e:
+        return _error(str(e), 1)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(rt, EngineConfig(max_running=args.max_running, interleave=args.interleave,
+                                      max_queue=args.max_queue, default_deadline_s=args.deadline))
+    name = args.model_name or Path(args.bundle).resolve().name
+    server = Server(engine, model_name=name)
+    engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
+    if (rt.manifest.get("checkpoint") or {}).get("demo"):
+        logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "
+                                                   "random words")
+    try:
+        uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,96 @@
+"""Prometheus metrics of a serving engine (prometheus_client, one registry per server).
+
+Names follow the GSM deployment description where it names them (`gsm_kv_compression_ratio`); the
+mask hit rate and the shared-KV noise level are not exported: the runtime's graphs give no dense
+attention to measure them against (docs/serving.md, "Not yet").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from runtime.engine import FINISH_REASONS, Engine, EngineRequest, Observer
+from runtime.metrics import CacheGeometry, cache_bytes, compression_ratio, tier_counts
+
+# Buckets for an edge model: from a millisecond (tiny models on a GPU) to a minute.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+def geometry(bundle: Path) -> CacheGeometry | None:
+    try:
+        return CacheGeometry.from_bundle(json.loads((bundle / "bundle.json").read_text(encoding="utf-8")),
+                                         json.loads((bundle / "config.json").read_text(encoding="utf-8")))
+    except (OSError, KeyError, TypeError, ValueError):  # an older bundle: no cache figures, the rest works
+        return None
+
+
+class ServeMetrics(Observer):
+    """Engine observer that keeps the Prometheus series up to date."""
+
+    def __init__(self, registry: CollectorRegistry, geo: CacheGeometry | None, n_max: int) -> None:
+        self.registry, self.geo, self.n_max = registry, geo, n_max
+        r = registry
+        self.requests = Counter("gsm_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        self.rejected = Counter("gsm_requests_rejected", "Requests refused before queueing", ["reason"], registry=r)
+        self.prompt_tokens = Counter("gsm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("gsm_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("gsm_time_to_first_token_seconds", "Submission to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("gsm_time_per_output_token_seconds", "Mean time per token after the first",
+                              registry=r, buckets=TOKEN_BUCKETS)
+        self.latency = Histogram("gsm_request_latency_seconds", "Submission to the end of the request",
+                                 registry=r, buckets=LATENCY_BUCKETS)
+        self.queue_depth = Gauge("gsm_queue_depth", "Requests waiting", registry=r)
+        self.running = Gauge("gsm_running_sequences", "Sequences in the running batch", registry=r)
+        self.occupancy = Gauge("gsm_kv_cache_occupancy", "Cached positions over running sequences x max-seq",
+                               registry=r)
+        self.cache_bytes = Gauge("gsm_kv_cache_bytes", "Bytes the live caches hold, by tier", ["tier"], registry=r)
+        self.ratio = Gauge("gsm_kv_compression_ratio", "Dense FP16 KV bytes over the bytes the live caches hold",
+                           registry=r)
+        self.fallbacks = Counter("gsm_fallbacks", "Fallback policies taken", ["policy"], registry=r)
+        self.steps = Counter("gsm_scheduler_steps", "Scheduler iterations", registry=r)
+        self.last_ratio: float | None = None
+
+    def on_reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def on_submit(self, req: EngineRequest) -> None:
+        self.queue_depth.inc()
+
+    def on_finish(self, req: EngineRequest) -> None:
+        assert req.finish_reason is not None and req.t_end is not None
+        self.requests.labels(req.finish_reason).inc()
+        self.prompt_tokens.inc(len(req.prompt_ids))
+        self.generation_tokens.inc(len(req.ids))
+        self.latency.observe(req.t_end - req.t_submit)
+        if req.t_first is not None and len(req.ids) > 1:
+            self.tpot.observe((req.t_end - req.t_first) / (len(req.ids) - 1))
+
+    def on_first_token(self, req: EngineRequest) -> None:
+        assert req.t_first is not None
+        self.ttft.observe(req.t_first - req.t_submit)
+
+    def on_step(self, engine: Engine, running: Sequence[EngineRequest]) -> None:
+        self.steps.inc()
+        self.queue_depth.set(engine.queue_depth)
+        self.running.set(len(running))
+        states = [getattr(r.seq, "state", None) for r in running]
+        tiers = [s.tier for s in states if s is not None and hasattr(s, "tier")]
+        counts = tier_counts(tiers)
+        self.occupancy.set(float(counts.sum()) / (engine.max_running * self.n_max))
+        if self.geo is None:
+            return
+        for name, b in cache_bytes(counts, self.geo).items():
+            self.cache_bytes.labels(name).set(b)
+        ratio = compression_ratio(counts, self.geo)
+        if ratio is not None:  # keep the last live figure while idle
+            self.ratio.set(ratio)
+            self.last_ratio = ratio
+
