@@ -24,6 +24,7 @@ import numpy as np
 from gsm import names
 from gsm.atomic import MANIFEST_NAME, atomic_output_dir, is_inside
 from gsm.config import ConfigError, KVQuantConfig, ModelConfig
+from gsm.remote_code import REMOTE_FILES, install_remote_code
 from gsm.safetensors_io import (
     LazySafetensors,
     SafetensorsFormatError,
@@ -41,7 +42,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HF's: bos/eos tokens, add_bos
 # from_json raises ConfigError for what it checks; wrongly-typed JSON it does not check can leak
 # the others (e.g. an empty eos_token_id list: IndexError)
 CONFIG_PARSE_ERRORS = (ConfigError,)  # from_json turns every malformed field into a ConfigError
-STANDARD_FILES = frozenset({CONFIG_FILE, QUANT_FILE, WEIGHTS_FILE, INDEX_FILE, MANIFEST_NAME})
+STANDARD_FILES = frozenset({CONFIG_FILE, QUANT_FILE, WEIGHTS_FILE, INDEX_FILE, MANIFEST_NAME, *REMOTE_FILES})
 
 
 class CheckpointError(ValueError):
@@ -343,7 +344,9 @@ def write_checkpoint(out_dir: str | os.PathLike[str], cfg: ModelConfig, quant: K
     plan = plan_shards(specs, max_shard_bytes)
     total = sum(s.nbytes for s in specs)
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
-        _dump_json(tmp / CONFIG_FILE, cfg.to_json())
+        config = cfg.to_json()
+        config["auto_map"] = install_remote_code(tmp)  # AutoModelForCausalLM(..., trust_remote_code=True)
+        _dump_json(tmp / CONFIG_FILE, config)
         _dump_json(tmp / QUANT_FILE, quant.to_json())
         if tokenizer_json is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")

@@ -199,8 +199,6 @@ def test_batch_rows_are_independent_and_padding_is_refused(tiny, tmp_path):
         m(torch.tensor([a, b]), attention_mask=mask)
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint writer does not install the remote code yet "
-                                       "(gsm/checkpoint.py, see docs/remote_code.md); drop this mark when it does")
 def test_written_checkpoints_carry_remote_code(tiny):
     cfg = json.loads((tiny / "config.json").read_text())
     assert cfg.get("auto_map") == EXPECTED_AUTO_MAP
