@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--logits", choices=["last", "all"], default="last")
     b.add_argument("--trt-precision", choices=["fp16", "fp32"], default="fp16",
                    help="activations of model.onnx (fp32: to check the plugin path against the portable graph)")
+    b.add_argument("--uncalibrated", choices=["fp16", "data-free"], default="fp16",
+                   help="a checkpoint without calibration tables: keep the KV cache FP16 (default, safe) or use "
+                   "INT12/INT8 tiers with data-free scales (measurably worse on real models)")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
@@ -57,6 +60,7 @@ def _build(args: argparse.Namespace) -> int:
         r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
                   max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
+                  uncalibrated=args.uncalibrated,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:
