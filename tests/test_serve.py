@@ -311,3 +311,27 @@ def test_serve_cli_bad_input_is_one_error_line(bundles, args, words):
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and words in errors[0], r.stderr
+
+
+def test_tegrastats_figures_in_metrics(rts):
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+    from test_tegrastats import ORIN_NANO
+
+    from jetson.tegrastats import TegrastatsMonitor
+    from runtime.engine import Engine
+    from runtime.serve.app import Server
+
+    mon = TegrastatsMonitor()
+    srv = Server(Engine(rts["demo"]), model_name="demo", tegrastats=mon)
+    with TestClient(srv.app) as tc:
+        assert "gsm_gpu_load_ratio" not in tc.get("/metrics").text  # no sample yet: nothing made up
+        mon.feed(ORIN_NANO)
+        fams = {s.name: s for f in text_string_to_metric_families(tc.get("/metrics").text) for s in f.samples
+                if s.name != "gsm_device_power_watts"}
+        rails = {s.labels["rail"]: s.value for f in text_string_to_metric_families(tc.get("/metrics").text)
+                 for s in f.samples if s.name == "gsm_device_power_watts"}
+    assert fams["gsm_device_memory_used_bytes"].value == 3162 * 2**20
+    assert fams["gsm_device_memory_total_bytes"].value == 7620 * 2**20
+    assert fams["gsm_gpu_load_ratio"].value == pytest.approx(0.01)
+    assert rails == {"VDD_IN": 3.913, "VDD_CPU_GPU_CV": 0.598, "VDD_SOC": 1.238}

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from runtime.engine import Engine, EngineClosedError, EngineRequest, QueueFullError
 from runtime.sampling import RequestError
 from runtime.serve import protocol
-from runtime.serve.metrics import ServeMetrics, geometry
+from runtime.serve.metrics import ServeMetrics, TegrastatsCollector, geometry
 from runtime.serve.protocol import ApiError, GenerationArgs
 from runtime.text import ChatTemplateError
 
@@ -40,11 +40,14 @@ def error_response(e: ApiError) -> JSONResponse:
 class Server:
     """Holds the engine, its metrics and the model name; `app` is the ASGI application."""
 
-    def __init__(self, engine: Engine, *, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: Engine, *, model_name: str, registry: CollectorRegistry | None = None,
+                 tegrastats: Any = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         self.metrics = ServeMetrics(self.registry, geometry(engine.rt.bundle), engine.rt.n_max)
+        if tegrastats is not None:  # a jetson.tegrastats.TegrastatsMonitor (started by the caller)
+            self.registry.register(TegrastatsCollector(tegrastats))
         engine.observers.append(self.metrics)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),

@@ -29,6 +29,8 @@ def add_parser(sub: Any, positive: Any, at_least_zero: Any, number: Any) -> None
                    help="sequences whose steps are interleaved on a bundle built for batch 1")
     s.add_argument("--max-queue", type=positive, default=64, help="waiting requests before 429")
     s.add_argument("--deadline", type=number, help="seconds a request may take from submission (default: none)")
+    s.add_argument("--tegrastats", choices=["auto", "on", "off"], default="auto",
+                   help="device memory / GPU load / power in /metrics from tegrastats (auto: when it is installed)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
@@ -73,7 +75,15 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(rt, EngineConfig(max_running=args.max_running, interleave=args.interleave,
                                       max_queue=args.max_queue, default_deadline_s=args.deadline))
     name = args.model_name or Path(args.bundle).resolve().name
-    server = Server(engine, model_name=name)
+    monitor = None
+    if args.tegrastats != "off":
+        from jetson.tegrastats import TegrastatsMonitor
+
+        if TegrastatsMonitor.available():
+            monitor = TegrastatsMonitor().start()
+        elif args.tegrastats == "on":
+            return _error("argument --tegrastats: on, but no tegrastats program on PATH (not a Jetson?)")
+    server = Server(engine, model_name=name, tegrastats=monitor)
     engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "
@@ -82,4 +92,6 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()
+        if monitor is not None:
+            monitor.stop()
     return 0

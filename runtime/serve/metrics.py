@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from runtime.engine import FINISH_REASONS, Engine, EngineRequest, Observer
 from runtime.metrics import CacheGeometry, cache_bytes, compression_ratio, tier_counts
@@ -94,3 +96,29 @@ class ServeMetrics(Observer):
             self.ratio.set(ratio)
             self.last_ratio = ratio
 
+
+
+class TegrastatsCollector:
+    """Device memory, GPU load and power rails from the newest tegrastats sample, read at scrape time."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+
+    def collect(self) -> Any:
+        s = self.monitor.latest
+        if s is None:
+            return
+        mib = 1024 * 1024
+        if s.ram_used_mb is not None:
+            yield GaugeMetricFamily("gsm_device_memory_used_bytes", "Device RAM in use (tegrastats)",
+                                    value=s.ram_used_mb * mib)
+            yield GaugeMetricFamily("gsm_device_memory_total_bytes", "Device RAM (tegrastats)",
+                                    value=s.ram_total_mb * mib)
+        if s.gpu_load is not None:
+            yield GaugeMetricFamily("gsm_gpu_load_ratio", "GPU load 0..1, mean over GPCs (tegrastats GR3D_FREQ)",
+                                    value=s.gpu_load)
+        rails = GaugeMetricFamily("gsm_device_power_watts", "Power rail, current reading (tegrastats)",
+                                  labels=["rail"])
+        for name, (cur, _avg) in s.power_mw.items():
+            rails.add_metric([name], cur / 1000)
+        yield rails
