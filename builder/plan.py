@@ -6,7 +6,10 @@ buffer the engine and the runtime will allocate, refuses a request that does not
 writes anything*, and says by how much and what would fit.
 
 What is counted (all on the target, TensorRT FP16 engine):
-- weights: every tensor of spec 3 the engine uses, FP16 (dense K/V projections are ignored);
+- weights: every tensor of spec 3 the engine uses, FP16 (dense K/V projections are ignored); with
+  `weights="int8"|"int4"` the projections q, o, gate, up, down (and the LM head when asked) are
+  counted at their quantised bytes (packed codes + FP16 group scales, builder/wquant.py), the rest
+  FP16 (docs/weights.md);
 - KV pools (spec 5, docs/engine_io.md section 3): per owning layer and sequence one byte buffer of
   FP16 / INT12 / INT8 regions sized by `pool_rows`, FP16 indexer keys for every position, and
   one int32 slot table per sequence;
@@ -26,6 +29,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
 from gsm.config import KVQuantConfig, ModelConfig
 from jetson.profiles import PROFILES, DeviceProfile
@@ -37,6 +41,12 @@ SLOT_ENTRY_BYTES = 4  # kv_slots entry: int32 (tier << 24) | row (docs/engine_io
 # bytes per latent value of the FP16 / INT12 / INT8 tiers (spec 6); equal to gsm.golden.quant.TIER_BYTES
 # (a test checks), repeated so the builder's planning never imports torch
 TIER_BYTES = (2.0, 1.5, 1.0)
+# --weights choices, highest precision first (the order `--weights auto` tries them in)
+WEIGHT_CHOICES = ("fp16", "int8", "int4")
+DEFAULT_GROUP_SIZE = 128
+# weight-only quantised projections (issue 11); GSM latent / indexer / projector weights, embeddings
+# and norms stay FP16 (small, and the latents' error budget is the KV tiers')
+QUANTISED_KEYS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class PlanError(ValueError):
@@ -107,6 +117,9 @@ class MemoryPlan:
     largest_fitting_seq: int  # at this max_batch (0 when even one position does not fit)
     decode_bytes_per_token: int  # estimate, batch 1 at max_seq
     decode_tokens_per_s_estimate: float
+    weights: str = "fp16"  # WEIGHT_CHOICES: what weight_bytes counts
+    group_size: int = DEFAULT_GROUP_SIZE  # INT4 group (INT8 is per channel)
+    quantize_head: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -129,6 +142,41 @@ class MemoryPlan:
 def param_count(cfg: ModelConfig, ranks: dict[int, tuple[int, int]]) -> int:
     """Parameters the engine holds (spec 3 required tensors; tied heads counted once)."""
     return sum(math.prod(s) for s in names.expected_shapes(cfg, ranks).values())
+
+
+def weight_config(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> WeightQuantConfig | None:
+    """The quantisation a --weights choice means: None for fp16, INT8 per channel, INT4 per group."""
+    if weights not in WEIGHT_CHOICES:
+        raise PlanError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)} or auto, got {weights!r}")
+    if weights == "fp16":
+        return None
+    try:
+        return WeightQuantConfig(8, None) if weights == "int8" else WeightQuantConfig(4, group_size)
+    except ValueError as e:
+        raise PlanError(f"--group-size: {e}") from None
+
+
+def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
+                 group_size: int = DEFAULT_GROUP_SIZE, quantize_head: bool = False) -> dict[str, int]:
+    """Device bytes of every spec-3 tensor the engine holds (tied head once) under a --weights choice."""
+    wq = weight_config(weights, group_size)
+    quantised = {names.layer_name(k, i) for k in QUANTISED_KEYS for i in range(cfg.num_hidden_layers)}
+    if quantize_head and not cfg.tie_word_embeddings:
+        quantised.add(names.LM_HEAD)
+    out = {}
+    for name, shape in names.expected_shapes(cfg, ranks).items():
+        if wq is not None and name in quantised:
+            out[name] = quantized_bytes(shape[0], shape[1], wq)
+        else:
+            out[name] = math.prod(shape) * ENGINE_WEIGHT_BYTES
+    return out
+
+
+def weight_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
+                 group_size: int = DEFAULT_GROUP_SIZE, quantize_head: bool = False) -> int:
+    """Engine weight bytes under a --weights choice (fp16 = 2 bytes per parameter)."""
+    return sum(tensor_bytes(cfg, ranks, weights=weights, group_size=group_size,
+                            quantize_head=quantize_head).values())
 
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig) -> float:
@@ -163,12 +211,13 @@ def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: 
 
 
 def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
-                           params: int, context: int) -> int:
-    """Bytes one decode step reads at batch 1: all weights (the embedding only one row, unless it is
-    the tied head), every indexer key of the context, the selected latent rows of every layer."""
+                           tensors: dict[str, int], context: int) -> int:
+    """Bytes one decode step reads at batch 1: all weights (`tensors`: bytes by name; the embedding
+    only one row, unless it is the tied head), every indexer key of the context, the selected latent
+    rows of every layer."""
     g = cfg.gsm
-    embed = cfg.vocab_size * cfg.hidden_size
-    weights = params - (0 if cfg.tie_word_embeddings else embed) + cfg.hidden_size
+    embed = 0 if cfg.tie_word_embeddings else tensors[names.EMBED]
+    weights = sum(tensors.values()) - embed + cfg.hidden_size * ENGINE_WEIGHT_BYTES
     selected = min(context, g.sink_tokens + g.sparse_window + g.sparse_top_k)
     avg = sum(f * b for f, b in zip(quant.tier_fractions, TIER_BYTES))
     kv = 0.0
@@ -177,14 +226,16 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
         kv += selected * (rk + rv) * avg
         if cfg.is_owning(i):
             kv += context * g.indexer_dim * 2
-    return int(weights * ENGINE_WEIGHT_BYTES + kv)
+    return int(weights + kv)
 
 
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
-              max_input: int | None = None) -> MemoryPlan:
+              max_input: int | None = None, weights: str = "fp16", group_size: int = DEFAULT_GROUP_SIZE,
+              quantize_head: bool = False) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
-    callers decide, see `require_fit`)."""
+    callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
+    for auto)."""
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
     if max_seq > cfg.max_position_embeddings:
         raise PlanError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings "
@@ -195,24 +246,41 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     if not 1 <= max_input <= max_seq:
         raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
     params = param_count(cfg, ranks)
-    weights = params * ENGINE_WEIGHT_BYTES
+    tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, quantize_head=quantize_head)
+    wbytes = sum(tensors.values())
 
     def total(S: int) -> int:
         T = min(max_input, S)
         rows = pool_rows(S, T, cfg, quant)
-        return weights + kv_pool_bytes(cfg, ranks, rows, S, max_batch) + \
+        return wbytes + kv_pool_bytes(cfg, ranks, rows, S, max_batch) + \
             activation_bytes(cfg, S, max_batch, T) + WORKSPACE_BYTES
 
     largest = _largest(total, profile.usable_bytes, cfg.max_position_embeddings)
     rows = pool_rows(max_seq, max_input, cfg, quant)
-    dbytes = decode_bytes_per_token(cfg, ranks, quant, params, max_seq)
+    dbytes = decode_bytes_per_token(cfg, ranks, quant, tensors, max_seq)
     return MemoryPlan(
         device=profile.name, max_seq=max_seq, max_batch=max_batch, max_input=max_input, params=params,
-        weight_bytes=weights, pool_rows=rows, kv_pool_bytes=kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch),
+        weight_bytes=wbytes, pool_rows=rows, kv_pool_bytes=kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch),
         activation_bytes=activation_bytes(cfg, max_seq, max_batch, max_input), workspace_bytes=WORKSPACE_BYTES,
         usable_bytes=profile.usable_bytes, kv_bytes_per_position=kv_bytes_per_position(cfg, ranks, quant),
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
-        decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes)
+        decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
+        weights=weights, group_size=group_size, quantize_head=quantize_head)
+
+
+def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
+                   profile: DeviceProfile, *, weights: str = "auto", **kw) -> MemoryPlan:
+    """The plan at `weights`; for "auto" the highest precision of WEIGHT_CHOICES whose plan fits
+    (the lowest one's plan when none does, so `require_fit` explains the refusal)."""
+    if weights != "auto":
+        return make_plan(cfg, ranks, quant, profile, weights=weights, **kw)
+    plan = None
+    for choice in WEIGHT_CHOICES:
+        plan = make_plan(cfg, ranks, quant, profile, weights=choice, **kw)
+        if plan.fits:
+            return plan
+    assert plan is not None
+    return plan
 
 
 def _largest(total, budget: int, hi: int) -> int:
@@ -243,21 +311,26 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
         return
     short = plan.total_bytes - plan.usable_bytes
     msg = (f"the plan does not fit {plan.device}: it needs {fmt_bytes(plan.total_bytes)} (weights "
-           f"{fmt_bytes(plan.weight_bytes)}, KV pools {fmt_bytes(plan.kv_pool_bytes)}, activations "
+           f"{fmt_bytes(plan.weight_bytes)} {plan.weights.upper()}, KV pools {fmt_bytes(plan.kv_pool_bytes)}, "
+           f"activations "
            f"{fmt_bytes(plan.activation_bytes)}, workspace {fmt_bytes(plan.workspace_bytes)}), "
            f"{fmt_bytes(plan.usable_bytes)} usable: short by {fmt_bytes(short)}. ")
     if plan.largest_fitting_seq > 0:
         msg += f"At --max-batch {plan.max_batch}, --max-seq {plan.largest_fitting_seq} fits"
         if plan.max_batch > 1:
             one = make_plan(cfg, ranks, quant, PROFILES[plan.device], max_seq=plan.max_seq, max_batch=1,
-                            max_input=plan.max_input)
+                            max_input=plan.max_input, **_weight_kw(plan))
             if one.fits:
                 msg += f"; at --max-batch 1, --max-seq {plan.max_seq} fits"
         msg += "."
     else:
         bigger = [p.name for p in sorted(PROFILES.values(), key=lambda p: p.usable_bytes)
                   if make_plan(cfg, ranks, quant, p, max_seq=plan.max_seq, max_batch=plan.max_batch,
-                               max_input=plan.max_input).fits]
+                               max_input=plan.max_input, **_weight_kw(plan)).fits]
         msg += "No context length fits on this device; " + (
             f"it fits on: {', '.join(bigger)}." if bigger else "no known device fits it.")
     raise PlanError(msg)
+
+
+def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
+    return {"weights": plan.weights, "group_size": plan.group_size, "quantize_head": plan.quantize_head}

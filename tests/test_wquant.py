@@ -199,3 +199,128 @@ def test_quantized_bytes_by_hand():
     assert quantized_bytes(4096, 14336, WeightQuantConfig(8, None)) == 4096 * 14336 + 4096 * 2
     # asymmetric INT4, 3 groups: two packed zero-point bytes per row
     assert quantized_bytes(10, 96, WeightQuantConfig(4, 32, symmetric=False)) == 10 * 48 + 10 * 3 * 2 + 10 * 2
+
+
+# -- memory plan -------------------------------------------------------------------------------------
+def _llama3_8b():
+    """LLaMA-3-8B dimensions with GSM defaults (every layer owning, ranks from the 3.2 ratio)."""
+    from gsm.config import GSMParams, ModelConfig
+
+    cfg = ModelConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False, gsm=GSMParams())
+    r = int(2 * 1024 / 3.2) // 2  # 320 + 320 latent channels per layer
+    return cfg, {i: (r, r) for i in cfg.owning_layers}
+
+
+def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int = 128) -> int:
+    """By hand: projections q, o, gate, up, down quantised, every other parameter FP16."""
+    H, I, L, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.q_dim, cfg.kv_dim
+    g = cfg.gsm
+    proj = [(qd, H), (H, qd), (I, H), (I, H), (H, I)]  # [N, K] of q, o, gate, up, down
+    other = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H + L * 2 * H
+    for i in range(L):
+        if cfg.is_owning(i):
+            rk, rv = ranks[i]
+            other += (rk + rv) * H + kvd * (rk + rv) + rk + rv + (g.indexer_heads * g.indexer_dim + g.indexer_dim
+                                                                   + g.indexer_heads) * H
+        else:
+            rk, rv = ranks[g.kv_sharing[i]]
+            other += 2 * kvd * (rk + rv) + 2 * kvd
+    if bits is None:
+        q = sum(n * k for n, k in proj) * 2
+    elif bits == 8:
+        q = sum(n * k + n * 2 for n, k in proj)
+    else:
+        q = sum(n * k // 2 + n * math.ceil(k / group) * 2 for n, k in proj)
+    return other * 2 + L * q
+
+
+@pytest.mark.parametrize("which", ["1b", "8b"])
+def test_weight_bytes_by_hand(which):
+    from builder.plan import weight_bytes
+
+    if which == "1b":
+        from gsm.synth import PRESETS, preset_config, preset_ranks
+
+        cfg = preset_config(PRESETS["1b"])
+        ranks = preset_ranks(PRESETS["1b"], cfg)
+    else:
+        cfg, ranks = _llama3_8b()
+    fp16 = weight_bytes(cfg, ranks)
+    assert fp16 == _hand_weight_bytes(cfg, ranks, None)
+    assert weight_bytes(cfg, ranks, weights="int8") == _hand_weight_bytes(cfg, ranks, 8)
+    assert weight_bytes(cfg, ranks, weights="int4") == _hand_weight_bytes(cfg, ranks, 4)
+    assert weight_bytes(cfg, ranks, weights="int4", group_size=32) == _hand_weight_bytes(cfg, ranks, 4, 32)
+    if which == "8b":  # about 14.7 GiB at FP16, 5.4 GiB at INT4 with the FP16 embedding and head
+        assert 14.5 < fp16 / 2**30 < 14.9
+        assert 5.2 < weight_bytes(cfg, ranks, weights="int4") / 2**30 < 5.6
+
+
+def test_8b_plan_on_orin_nano_and_agx():
+    from builder.plan import PlanError, choose_weights, make_plan, require_fit
+    from gsm.config import KVQuantConfig
+    from jetson.profiles import PROFILES
+
+    cfg, ranks = _llama3_8b()
+    q = KVQuantConfig()
+    nano, agx = PROFILES["orin-nano-8"], PROFILES["orin-agx-64"]
+    fits = {(dev.name, w): make_plan(cfg, ranks, q, dev, max_seq=4096, weights=w).fits
+            for dev in (nano, agx) for w in ("fp16", "int8", "int4")}
+    assert fits == {("orin-nano-8", "fp16"): False, ("orin-nano-8", "int8"): False, ("orin-nano-8", "int4"): True,
+                    ("orin-agx-64", "fp16"): True, ("orin-agx-64", "int8"): True, ("orin-agx-64", "int4"): True}
+    with pytest.raises(PlanError, match="weights .* FP16"):
+        require_fit(make_plan(cfg, ranks, q, nano, max_seq=4096), cfg, ranks, q)
+    # auto picks the highest precision that fits
+    assert choose_weights(cfg, ranks, q, nano, max_seq=4096).weights == "int4"
+    assert choose_weights(cfg, ranks, q, agx, max_seq=4096).weights == "fp16"
+    # the roofline reads fewer bytes: decode estimate grows by at least 2.5x fp16 -> int4
+    p16 = make_plan(cfg, ranks, q, agx, max_seq=4096)
+    p4 = make_plan(cfg, ranks, q, agx, max_seq=4096, weights="int4")
+    assert p4.decode_tokens_per_s_estimate > 2.5 * p16.decode_tokens_per_s_estimate
+    assert p16.decode_bytes_per_token - p4.decode_bytes_per_token == pytest.approx(
+        p16.weight_bytes - p4.weight_bytes, rel=1e-9)  # embedding (one row read) is FP16 in both
+    # a model too big for any precision: auto returns the INT4 plan, which require_fit refuses
+    huge = cfg.replace(num_hidden_layers=32, intermediate_size=14336 * 4)
+    p = choose_weights(huge, ranks, q, nano, max_seq=4096)
+    assert p.weights == "int4" and not p.fits
+    with pytest.raises(PlanError, match="INT4"):
+        require_fit(p, huge, ranks, q)
+
+
+# -- AWQ on real activations -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_awq_beats_rtn_on_held_out_smollm2_activations():
+    """SmolLM2-135M layers on calibration text: scales searched on some windows reduce the INT4 g128
+    output error on other windows' activations, compared with plain RTN of the same weights."""
+    import torch
+    from conftest import CALIB_TEXT, DATA
+
+    from calibration.awq import GROUPS, collect_inputs, output_error, search_scales
+    from gsm import names
+    from gsm.dense import DenseLlama
+    from gsm.sources.gguf import read_gguf
+    from gsm.tokenizer import tokenizer_from_json
+
+    gguf = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file() or not CALIB_TEXT.is_file():
+        pytest.skip(f"real data not found at {DATA}")
+    src = read_gguf(gguf)
+    model = DenseLlama(src)
+    ids = tokenizer_from_json(src.tokenizer_json).encode(CALIB_TEXT.read_text()).ids
+    wins = [torch.tensor(ids[i * 256:(i + 1) * 256]) for i in range(4)]
+    search = collect_inputs(model, wins[:2], rows_per_sequence=96, seed=0)
+    held = collect_inputs(model, wins[2:], rows_per_sequence=128, seed=1)
+    cfg = WeightQuantConfig(4, 128)
+    better, total_awq, total_rtn = 0, 0.0, 0.0
+    keys = [(i, g) for i in (0, 14, 29) for g in GROUPS]
+    for i, group in keys:
+        ws = [model.w[names.layer_name(k, i)].numpy() for k in GROUPS[group]]
+        r = search_scales(search[(i, group)].sample, search[(i, group)].mean_abs, ws, cfg)
+        x = held[(i, group)].sample
+        e_awq, e_rtn = output_error(x, ws, cfg, r.scales), output_error(x, ws, cfg, None)
+        better += e_awq < e_rtn
+        total_awq += e_awq / e_rtn
+        total_rtn += 1.0
+    assert better >= len(keys) - 2  # nearly every projection group
+    assert total_awq / total_rtn < 0.9  # on average at least 10 % less output error

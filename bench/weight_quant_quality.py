@@ -1,0 +1,112 @@
+"""Held-out perplexity of a dense GGUF model with weight-only quantised projections (issue 11).
+
+    OMP_NUM_THREADS=1 python bench/weight_quant_quality.py [--gguf ../shared/data/SmolLM2-135M-Instruct.Q4_1.gguf]
+        [--windows 8] [--window 512] [--settings fp32,fp16,int8,rtn4-g128,awq4-g128,...] [--json out.json]
+
+The projections q, k, v, o, gate, up, down are quantised and dequantised (builder/wquant.py, the
+numbers the ONNX graphs compute with); embeddings, norms and the tied head stay float32. AWQ scales
+(calibration/awq.py) are searched on tinystories_calib.txt; perplexity is measured on
+tinystories_eval.txt only: contiguous windows of `--window` tokens, no BOS (SmolLM2's
+add_bos_token is false), exp(mean next-token NLL) over all windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from builder.wquant import WeightQuantConfig
+from calibration.awq import GROUP_OF, awq_model_scales, collect_inputs, quantized_dense_weights
+from gsm import names
+from gsm.dense import DenseLlama
+from gsm.sources.gguf import read_gguf
+from gsm.tokenizer import tokenizer_from_json
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DEFAULT_SETTINGS = "fp32,fp16,int8,rtn4-g32,rtn4-g64,rtn4-g128,rtn4a-g128,awq4-g32,awq4-g64,awq4-g128"
+
+
+def parse_setting(s: str) -> tuple[WeightQuantConfig | None, bool, str]:
+    """'fp32' | 'fp16' | 'int8' | 'rtn4-g128' | 'rtn4a-g128' (asymmetric) | 'awq4-g64' -> (cfg, awq, name)."""
+    if s in ("fp32", "fp16"):
+        return None, False, s
+    if s == "int8":
+        return WeightQuantConfig(8, None), False, s
+    kind, g = s.split("-g")
+    awq = kind.startswith("awq")
+    return WeightQuantConfig(4, int(g), symmetric=not kind.endswith("a")), awq, s
+
+
+def windows(tok, path: Path, n: int, length: int) -> list[torch.Tensor]:
+    ids = tok.encode(path.read_text()).ids
+    if len(ids) < n * length:
+        raise SystemExit(f"error: {path} has {len(ids)} tokens, fewer than {n} windows of {length}")
+    return [torch.tensor(ids[i * length:(i + 1) * length]) for i in range(n)]
+
+
+def perplexity(model: DenseLlama, wins: list[torch.Tensor]) -> float:
+    nll = [model.nll(w) for w in wins]  # equal lengths: the mean of means is the mean over tokens
+    return math.exp(sum(nll) / len(nll))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gguf", type=Path, default=DATA / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--calib-sequences", type=int, default=16)
+    ap.add_argument("--calib-rows", type=int, default=32, help="activation rows sampled per calibration sequence")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    src = read_gguf(a.gguf)
+    model = DenseLlama(src)
+    tok = tokenizer_from_json(src.tokenizer_json)
+    evals = windows(tok, DATA / "tinystories_eval.txt", a.windows, a.window)
+    calib = windows(tok, DATA / "tinystories_calib.txt", a.calib_sequences, a.window)
+    original = {n: model.w[n] for k in GROUP_OF for n in [names.layer_name(k, i)
+                                                             for i in range(model.config.num_hidden_layers)]}
+    stats = None
+    rows = []
+    for s in a.settings.split(","):
+        cfg, awq, name = parse_setting(s)
+        t0 = time.perf_counter()
+        extra = {}
+        if name == "fp32":
+            new = original
+        elif name == "fp16":
+            new = {n: w.half().float() for n, w in original.items()}
+        else:
+            scales = None
+            if awq:
+                if stats is None:
+                    stats = collect_inputs(model, calib, rows_per_sequence=a.calib_rows)
+                scales = awq_model_scales(model, stats, cfg)
+                alphas = [r.alpha for r in scales.values()]
+                gain = [r.error / r.error_rtn for r in scales.values() if r.error_rtn > 0]
+                extra = {"alpha_mean": float(np.mean(alphas)), "search_error_vs_rtn_mean": float(np.mean(gain))}
+            new = quantized_dense_weights(model, cfg, scales)
+        model.w.update(new)
+        ppl = perplexity(model, evals)
+        model.w.update(original)
+        rows.append({"setting": name, "perplexity": ppl, "seconds": round(time.perf_counter() - t0, 1), **extra})
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r["perplexity"] for r in rows if r["setting"] == "fp16"), rows[0]["perplexity"])
+    print(f"\n{a.gguf.name}: {a.windows} windows x {a.window} tokens of tinystories_eval.txt, no BOS")
+    print(f"{'setting':<12} {'ppl':>9} {'vs fp16':>9}")
+    for r in rows:
+        print(f"{r['setting']:<12} {r['perplexity']:9.4f} {r['perplexity'] / base - 1:+9.2%}")
+    if a.json:
+        a.json.write_text(json.dumps({"windows": a.windows, "window": a.window, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
