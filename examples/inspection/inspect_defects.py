@@ -1,0 +1,235 @@
+"""Inspection app: detections (JSON lines) -> an LLM description and severity per detection -> JSON report.
+
+Runs the engine in-process (`--bundle`) or talks to `python -m runtime serve` with the plain OpenAI client
+(`--server`). See README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SEVERITIES = ("low", "medium", "high")
+SYSTEM = ("You are a quality inspector on a production line. Describe the defect in one sentence, then write "
+          "'Severity: low', 'Severity: medium' or 'Severity: high' on its own line.")
+_SEVERITY = re.compile(r"severity\s*[:=-]\s*(low|medium|high)", re.IGNORECASE)
+# Classes that weaken a part, whatever the confidence.
+STRUCTURAL = frozenset({"crack", "porosity", "fracture", "missing_part"})
+
+
+class DetectionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Detection:
+    part_id: str
+    defect_class: str
+    bbox: tuple[float, float, float, float]
+    confidence: float
+    sensor_notes: str
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Detection:
+        if not isinstance(d, dict):
+            raise DetectionError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        for key, kind in (("part_id", str), ("defect_class", str)):
+            if not isinstance(d.get(key), kind) or not d[key]:
+                raise DetectionError(f"{where}: '{key}' must be a non-empty string, got {d.get(key)!r}")
+        box = d.get("bbox")
+        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and not
+                                                                  isinstance(v, bool) for v in box)):
+            raise DetectionError(f"{where}: 'bbox' must be [x, y, w, h] numbers, got {box!r}")
+        c = d.get("confidence")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c <= 1:
+            raise DetectionError(f"{where}: 'confidence' must be a number in [0, 1], got {c!r}")
+        notes = d.get("sensor_notes", "")
+        if not isinstance(notes, str):
+            raise DetectionError(f"{where}: 'sensor_notes' must be a string, got {notes!r}")
+        return cls(d["part_id"], d["defect_class"], tuple(float(v) for v in box), float(c), notes)
+
+    def prompt(self) -> str:
+        x, y, w, h = self.bbox
+        notes = f" Sensor notes: {self.sensor_notes}." if self.sensor_notes else ""
+        return (f"Part {self.part_id}: a {self.defect_class} detected with confidence {self.confidence:.2f} "
+                f"at x={x:g}, y={y:g}, size {w:g}x{h:g} px.{notes}")
+
+
+def read_detections(path: Path) -> list[Detection]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DetectionError(f"{path}:{i}: not JSON ({e})") from None
+            out.append(Detection.from_json(d, f"{path}:{i}"))
+    if not out:
+        raise DetectionError(f"{path}: no detections")
+    return out
+
+
+def rule_severity(d: Detection) -> str:
+    if d.defect_class in STRUCTURAL:
+        return "high" if d.confidence >= 0.5 else "medium"
+    return "medium" if d.confidence >= 0.8 else "low"
+
+
+def first_sentence(text: str) -> str:
+    text = _SEVERITY.sub("", text).strip()
+    m = re.search(r"^(.+?[.!?])(\s|$)", text, re.DOTALL)
+    return " ".join((m.group(1) if m else text).split())
+
+
+@dataclass
+class Item:
+    part_id: str
+    defect_class: str
+    confidence: float
+    description: str
+    severity: str
+    severity_source: str  # "model" | "rule"
+    finish_reason: str
+    completion_tokens: int
+    latency_s: float
+
+
+def to_item(d: Detection, text: str, finish_reason: str, tokens: int, latency: float) -> Item:
+    m = _SEVERITY.search(text)
+    return Item(d.part_id, d.defect_class, d.confidence, first_sentence(text),
+                m.group(1).lower() if m else rule_severity(d), "model" if m else "rule", finish_reason, tokens,
+                round(latency, 4))
+
+
+def messages(d: Detection) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": d.prompt()}]
+
+
+def plain_prompt(d: Detection) -> str:
+    return f"{SYSTEM}\n{d.prompt()}\nDescription:"
+
+
+def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int) -> tuple[str, list[Item]]:
+    """All detections submitted at once to an in-process engine; answers collected in order."""
+    import runtime
+    from runtime.engine import Engine
+
+    rt = runtime.load(bundle)
+    with Engine(rt) as eng:
+        eng.ready.wait()
+        t0 = time.monotonic()
+        reqs = [eng.submit_chat(messages(d), max_tokens, temperature=0.0) if rt.has_chat_template
+                else eng.submit(plain_prompt(d), max_tokens, temperature=0.0) for d in dets]
+        items = []
+        for d, r in zip(dets, reqs):
+            r.result()
+            items.append(to_item(d, r.text or "", r.finish_reason or "", len(r.ids), (r.t_end or t0) - r.t_submit))
+    return bundle.resolve().name, items
+
+
+def run_http(url: str, dets: Sequence[Detection], max_tokens: int, workers: int = 8) -> tuple[str, list[Item]]:
+    """The same through the HTTP server with the plain OpenAI client (chat, else completions)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=2, timeout=120)
+    model = client.models.list().data[0].id
+    use_chat = [True]
+
+    def ask(d: Detection) -> Item:
+        t0 = time.monotonic()
+        if use_chat[0]:
+            try:
+                r = client.chat.completions.create(model=model, messages=messages(d), max_tokens=max_tokens,
+                                                   temperature=0)
+                c = r.choices[0]
+                return to_item(d, c.message.content or "", c.finish_reason, r.usage.completion_tokens,
+                               time.monotonic() - t0)
+            except openai.BadRequestError as e:
+                if "chat template" not in str(e):
+                    raise
+                use_chat[0] = False
+        r = client.completions.create(model=model, prompt=plain_prompt(d), max_tokens=max_tokens, temperature=0)
+        c = r.choices[0]
+        return to_item(d, c.text, c.finish_reason, r.usage.completion_tokens, time.monotonic() - t0)
+
+    with ThreadPoolExecutor(workers) as pool:
+        return model, list(pool.map(ask, dets))
+
+
+def report(model: str, mode: str, items: Sequence[Item], wall_s: float) -> dict[str, Any]:
+    return {"model": model, "mode": mode, "created": int(time.time()), "wall_s": round(wall_s, 3),
+            "summary": {"detections": len(items), "by_severity": dict(Counter(i.severity for i in items)),
+                        "severity_from_model": sum(i.severity_source == "model" for i in items),
+                        "completion_tokens": sum(i.completion_tokens for i in items)},
+            "items": [asdict(i) for i in items]}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)  # readers never see half a report
+
+
+def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = None) -> int:
+    err = err or (lambda m: print(f"inspect_defects: error: {m}", file=sys.stderr))
+    p = argparse.ArgumentParser(prog="inspect_defects", description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bundle", type=Path, help="run the engine in-process on this bundle")
+    src.add_argument("--server", help="base URL of `python -m runtime serve` (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--detections", type=Path, required=True, help="JSON lines, one detection each")
+    p.add_argument("--out", type=Path, required=True, help="the JSON report to write")
+    p.add_argument("--max-tokens", type=int, default=48)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    if args.max_tokens < 1:
+        err(f"argument --max-tokens: must be >= 1, got {args.max_tokens}")
+        return 2
+    if not args.out.parent.is_dir():
+        err(f"argument --out: directory {args.out.parent} does not exist")
+        return 2
+    try:
+        dets = read_detections(args.detections)
+    except (OSError, UnicodeDecodeError) as e:
+        err(f"argument --detections: {e}")
+        return 2
+    except DetectionError as e:
+        err(str(e))
+        return 2
+    if args.bundle is not None:
+        import runtime
+
+        try:
+            runtime.verify_bundle(args.bundle)
+        except runtime.BundleError as e:
+            err(f"argument --bundle: {e}")
+            return 2
+    t0 = time.monotonic()
+    try:
+        if args.bundle is not None:
+            model, items = run_in_process(args.bundle, dets, args.max_tokens)
+        else:
+            model, items = run_http(args.server, dets, args.max_tokens)
+    except Exception as e:  # a bundle that does not load, a server that does not answer
+        err(f"{type(e).__name__}: {e}")
+        return 1
+    write_json(args.out, report(model, "in-process" if args.bundle else "http", items, time.monotonic() - t0))
+    print(f"{len(items)} detections -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
