@@ -308,7 +308,7 @@ def test_awq_beats_rtn_on_held_out_smollm2_activations():
     src = read_gguf(gguf)
     model = DenseLlama(src)
     ids = tokenizer_from_json(src.tokenizer_json).encode(CALIB_TEXT.read_text()).ids
-    wins = [torch.tensor(ids[i * 256:(i + 1) * 256]) for i in range(4)]
+    wins = [torch.tensor(ids[i * 160:(i + 1) * 160]) for i in range(4)]
     search = collect_inputs(model, wins[:2], rows_per_sequence=96, seed=0)
     held = collect_inputs(model, wins[2:], rows_per_sequence=128, seed=1)
     cfg = WeightQuantConfig(4, 128)
