@@ -38,6 +38,9 @@ class PluginOps:
     def selected_type(self) -> tuple[int, list[Any]]:
         return I32, ["B", "S", self.k_sel]
 
+    def mass_shape(self) -> list[Any]:
+        return ["B", self.n_max]
+
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, dI = self.g, self.cfg.gsm.indexer_dim

@@ -74,16 +74,18 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
 
 
 def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
+    """Over the M rows a re-tier pass changes (gathered by the runtime), not the whole cache."""
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PortableOps(g, cfg, ranks, n)
-    tier = g.input("new_tier", I32, ["B", n])
+    tier = g.input("new_tier", I32, ["M"])
     for l in cfg.owning_layers:
         rk, rv = ranks[l]
         for kind, r, c0 in (("k", rk, 0), ("v", rv, rk)):
-            lat = g.input(f"latent_{kind}.{l}", F32, ["B", n, r])
+            lat = g.input(f"latent_{kind}.{l}", F32, ["M", r])
             ops.demote(l, lat, tier, g.weight(quant_name(l)), (c0, c0 + r), f"latent_{kind}_out.{l}")
-            g.output(f"latent_{kind}_out.{l}", F32, ["B", n, r])
-    save_model(g.model("gsm_demote_portable", doc="re-encode latents to their new tier (docs/engine_io.md 5)"), path)
+            g.output(f"latent_{kind}_out.{l}", F32, ["M", r])
+    save_model(g.model("gsm_demote_portable", doc="re-encode changed latent rows to their new tier "
+                                                  "(docs/engine_io.md 5)"), path)
 
 
 def _demote_trt(g: GraphBuilder, spec: NetSpec, rows: PoolRows, path: Path) -> None:

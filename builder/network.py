@@ -58,7 +58,7 @@ class NetSpec:
     ranks: dict[int, tuple[int, int]]
     n_max: int
     logits: str = "last"  # "last" ([B, 1, V]) or "all" ([B, S, V])
-    debug: bool = False  # portable only: also output each owning layer's selection mask
+    debug: bool = False  # portable only: also output each owning layer's selected positions
 
 
 class Network:
@@ -150,7 +150,7 @@ class Network:
         for m in masses[1:]:
             total = g.op("Add", [total, m])
         g.op("Identity", [total], outputs=["attn_mass"])
-        g.output("attn_mass", F32, ["B", spec.n_max])
+        g.output("attn_mass", F32, ops.mass_shape())
         ops.declare_cache_outputs()
         if spec.debug:
             for l in cfg.owning_layers:

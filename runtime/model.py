@@ -10,6 +10,7 @@ applies through the backend's demotion graph. The call order equals gsm.golden's
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,58 +35,38 @@ class ContextFullError(RuntimeError):
 
 
 class Sequence_:
-    """One sequence's cache and tier state; use Runtime.new_sequence()."""
+    """One sequence's cache and tier state; use Runtime.new_sequence(). Its place in the backend's
+    buffers is given back when the sequence is garbage-collected (or by `close()`)."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.cache = rt.backend.new_cache(1)
+        self.cache = rt.backend.new_cache()
         self.state = SequenceState()
         self.last: StepOutput | None = None
+        release = getattr(self.cache, "release", None)
+        self._finalizer = weakref.finalize(self, release) if release is not None else None
 
     @property
     def length(self) -> int:
         return self.state.length
 
-    def _forward(self, ids: Sequence[int]) -> StepOutput:
-        rt = self.rt
-        n0 = self.state.length
-        if n0 + len(ids) > rt.n_max:
-            raise ContextFullError(f"sequence of {n0 + len(ids)} positions exceeds the bundle's max-seq "
-                                   f"{rt.n_max} (rebuild with a larger --max-seq)")
-        self.state.add_positions(list(ids))
-        out = rt.backend.forward(self.cache, np.asarray([ids], np.int64), np.array([n0], np.int32),
-                                 np.array([len(ids)], np.int32), rt.sparse_window)
-        self.state.update_hotness(out.attn_mass[0], rt.policy.hotness_decay)
-        self.last = out
-        return out
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
 
     def _retier(self) -> None:
-        new_tier = retier(self.state, self.rt.policy, self.rt.n_max)
+        new_tier = retier(self.state, self.rt.policy, self.state.length)
         if new_tier is not None:
-            self.rt.backend.demote(self.cache, new_tier[None])
+            self.rt.backend.demote(self.cache, new_tier)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Prompt (or more of it), in chunks of at most max-input tokens, each followed by a re-tier
         pass as golden `prefill` does; returns the last position's logits [V]."""
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        if self.state.length + len(ids) > self.rt.n_max:  # the whole prompt, not the chunk, before any work
-            raise ContextFullError(f"{self.state.length} positions + a prompt of {len(ids)} tokens exceed the "
-                                   f"bundle's max-seq {self.rt.n_max} (rebuild with a larger --max-seq)")
-        step = self.rt.max_input
-        for i in range(0, len(ids), step):
-            out = self._forward(ids[i:i + step])
-            self._retier()
-        return out.logits[0, -1]
+        return self.rt.prefill_batch([self], [ids])[0]
 
     def decode(self, token: int) -> np.ndarray:
         """One decode step; re-tier after every `rate`-th step. Returns logits [V]."""
-        out = self._forward([int(token)])
-        self.state.decode_steps += 1
-        if self.state.decode_steps % self.rt.policy.rate == 0:
-            self._retier()
-        return out.logits[0, -1]
+        return self.rt.decode_batch([self], [token])[0]
 
 
 def check_sparse_window(w: int | None, cfg: Mapping[str, Any]) -> int:
@@ -131,6 +112,94 @@ class Runtime:
 
     def new_sequence(self) -> Sequence_:
         return Sequence_(self)
+
+    # -- the step API: one backend call for several sequences (a scheduler drives these) -----------
+    def forward_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]]) -> StepOutput:
+        """One call: sequence b adds chunks[b] (1..max-input tokens) at its current length. Updates each
+        sequence's positions and hotness (no re-tier: prefill_batch / decode_batch do that)."""
+        if not seqs or len(seqs) != len(chunks):
+            raise ValueError("forward_batch needs one chunk of tokens per sequence, at least one sequence")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        chunks = [[int(t) for t in c] for c in chunks]
+        S = max(len(c) for c in chunks)
+        if min(len(c) for c in chunks) < 1 or S > self.max_input:
+            raise ValueError(f"each chunk needs 1..{self.max_input} tokens (max-input), got "
+                             f"{[len(c) for c in chunks]}")
+        past = np.array([s.length for s in seqs], np.int32)
+        if int(past.max()) + S > self.n_max:
+            raise ContextFullError(f"a call of {S} tokens after {int(past.max())} positions exceeds the bundle's "
+                                   f"max-seq {self.n_max} (rebuild with a larger --max-seq)")
+        ids = np.zeros((len(seqs), S), np.int64)  # padding rows: any valid id
+        for b, c in enumerate(chunks):
+            ids[b, :len(c)] = c
+        out = self.backend.forward([s.cache for s in seqs], ids, past,
+                                   np.array([len(c) for c in chunks], np.int32), self.sparse_window)
+        for b, (s, c) in enumerate(zip(seqs, chunks)):
+            s.state.add_positions(c)
+            s.state.update_hotness(out.attn_mass[b], self.policy.hotness_decay)
+            s.last = StepOutput(out.logits[b:b + 1], out.attn_mass[b:b + 1],
+                                None if out.selected is None else {l: v[b:b + 1] for l, v in out.selected.items()})
+        return out
+
+    def prefill_batch(self, seqs: Sequence[Sequence_], prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Each sequence's prompt, in rounds of at most max-input tokens per sequence (the chunks a
+        sequence alone would get), each call followed by a re-tier pass of every sequence in it.
+        Returns each sequence's last-position logits [B, V]."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        if len(prompts) != len(seqs):
+            raise ValueError("prefill_batch needs one prompt per sequence")
+        for s, p in zip(seqs, prompts):
+            if not p:
+                raise ValueError("prefill needs at least one token")
+            if s.length + len(p) > self.n_max:  # the whole prompt, not the chunk, before any work
+                raise ContextFullError(f"{s.length} positions + a prompt of {len(p)} tokens exceed the "
+                                       f"bundle's max-seq {self.n_max} (rebuild with a larger --max-seq)")
+        out = np.zeros((len(seqs), self.vocab_size), np.float32)
+        step = self.max_input
+        for i in range(0, max(len(p) for p in prompts), step):
+            part = [b for b, p in enumerate(prompts) if len(p) > i]
+            res = self.forward_batch([seqs[b] for b in part], [prompts[b][i:i + step] for b in part])
+            last = res.logits.shape[1] > 1  # logits=all: [B, S, V]; pick each sequence's last new row
+            for k, b in enumerate(part):
+                n = len(prompts[b][i:i + step])
+                out[b] = res.logits[k, n - 1 if last else -1]
+                seqs[b]._retier()
+        return out
+
+    def decode_batch(self, seqs: Sequence[Sequence_], tokens: Sequence[int]) -> np.ndarray:
+        """One decode step of each sequence in one call; each re-tiers after its own every `rate`-th
+        step, as alone. Returns logits [B, V]."""
+        res = self.forward_batch(seqs, [[int(t)] for t in tokens])
+        for s in seqs:
+            s.state.decode_steps += 1
+            if s.state.decode_steps % self.policy.rate == 0:
+                s._retier()
+        return res.logits[:, -1]
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64,
+                       **kw: Any) -> list[Generation]:
+        """Several requests decoded together, one backend call per step for all unfinished ones; each
+        result equals `generate` of that prompt alone (same sampling parameters for all)."""
+        streams = [self.stream(p, max_new_tokens, **kw) for p in prompts]  # every input checked first
+        live = [s for s in streams if s.max_new_tokens]
+        seqs = {id(s): self.new_sequence() for s in live}
+        logits = self.prefill_batch([seqs[id(s)] for s in live], [s.prompt_ids for s in live]) if live else []
+        while live:
+            going = []
+            for s, lg in zip(live, logits):
+                s.accept(lg, seqs[id(s)].length)
+                if s.finish_reason is None:
+                    going.append(s)
+                else:
+                    seqs.pop(id(s)).close()
+            live = going
+            if live:
+                logits = self.decode_batch([seqs[id(s)] for s in live], [s.ids[-1] for s in live])
+        for s in streams:
+            if s.finish_reason is None:  # max_new_tokens = 0
+                s._finish("length")
+        return [Generation(s.prompt_ids, list(s.ids), s.text, s.finish_reason) for s in streams]
 
     def encode(self, text: str) -> list[int]:
         """BOS + the text's pieces; no BOS when tokenizer_config.json has add_bos_token: false."""

@@ -1,13 +1,22 @@
 """ONNX Runtime backend: runs model.portable.onnx and gsm_demote.portable.onnx on the CPU (or any
-ORT execution provider), holding the cache as the portable graphs define it (docs/engine_io.md 5):
-dequantised float32 latents and FP16 indexer keys by position, one array per owning layer.
+ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5, rev 2).
 
-ONNX Runtime cannot alias an output to an input, so after each call the backend keeps the
-`*_out` arrays as the next call's cache inputs (no copy: the arrays are handed over).
+The cache is what the portable graph reads: per owning layer float32 latents `latent_k/v.{l}`
+[R, N_max, r] and FP16 indexer keys `index_keys.{l}` [R, N_max, dI], one row per live sequence.
+They are numpy arrays wrapped as OrtValues (same memory) and bound to the session's I/O binding at
+creation; a call binds only the small per-call inputs (ids, lengths, `cache_rows`), the graph
+returns only the new rows, and the backend writes those into the buffers in place. So a step
+neither copies nor transfers anything that grows with N_max. `np.zeros` takes zeroed pages from the
+OS lazily: resident memory grows with the positions written, not with N_max x R.
+
+When more sequences are alive than rows, the buffers grow (doubling, copied once, bound again).
+One lock serialises calls on a backend: batch sequences (Runtime.decode_batch) to use the cores
+together rather than running requests on threads.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,57 +30,156 @@ PORTABLE_DEMOTE = "gsm_demote.portable.onnx"
 @dataclass
 class StepOutput:
     logits: np.ndarray  # [B, 1 or S, V] float32
-    attn_mass: np.ndarray  # [B, N_max] float32
-    selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, N_max] bool (debug bundles)
+    attn_mass: np.ndarray  # [B, L] float32, L >= every sequence's length after the call (positions 0..L-1)
+    selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, K_sel] int32 positions, -1 padded
+
+
+@dataclass(frozen=True)
+class SessionTuning:
+    """How the ONNX Runtime sessions are set up (the reasons are in docs/runtime.md, "Speed")."""
+
+    threads: int = 0  # intra-op threads; 0 = ONNX Runtime's default (one per physical core)
+    spinning: bool = False  # intra-op workers spin between ops (faster alone, burns shared cores)
+    optimization: str = "all"  # "all" | "extended" | "basic" | "none"
+    arena: bool = True  # CPU memory arena: allocations reused from step to step
+
+
+def session_options(t: SessionTuning) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                   "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                   "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[t.optimization]
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # one chain of layers: nothing to overlap
+    so.intra_op_num_threads = t.threads
+    so.inter_op_num_threads = 1
+    so.enable_cpu_mem_arena = t.arena
+    so.enable_mem_pattern = False  # shapes change every step (the context grows): no plan to reuse
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if t.spinning else "0")
+    so.log_severity_level = 3  # unused-initializer notes are not the user's business
+    return so
+
+
+@dataclass
+class OrtCache:
+    """One sequence's place in the backend's buffers (its row); see OrtBackend.new_cache."""
+
+    backend: OrtBackend
+    row: int
+    released: bool = False
+
+    def latents(self, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the first n positions of this sequence's latents (tests, debugging)."""
+        b = self.backend
+        return b.buffers[f"latent_k.{layer}"][self.row, :n], b.buffers[f"latent_v.{layer}"][self.row, :n]
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.backend.release_row(self.row)
 
 
 class OrtBackend:
     name = "onnxruntime"
 
     def __init__(self, bundle: Path, cfg: dict[str, Any], *, threads: int = 0,
-                 providers: list[str] | None = None) -> None:
+                 providers: list[str] | None = None, tuning: SessionTuning | None = None) -> None:
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3  # unused-initializer notes are not the user's business
+        self.ort = ort
+        self.tuning = tuning or SessionTuning(threads=threads)
+        so = session_options(self.tuning)
         prov = providers or ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(str(bundle / PORTABLE_MODEL), so, providers=prov)
         self.demote_session = ort.InferenceSession(str(bundle / PORTABLE_DEMOTE), so, providers=prov)
         self.cfg = cfg
-        self.out_names = [o.name for o in self.session.get_outputs()]
+        self.n_max = int(cfg["n_max"])
         self.layers = [int(l) for l in cfg["owning_layers"]]
+        self.out_names = [o.name for o in self.session.get_outputs()]
+        self.debug = f"selected.{self.layers[0]}" in self.out_names
+        self.demote_out = [o.name for o in self.demote_session.get_outputs()]
+        self.lock = threading.Lock()
+        self.binding = self.session.io_binding()
+        self.buffers: dict[str, np.ndarray] = {}
+        self.free_rows: list[int] = []
+        self.rows = 0
+        self._grow(max(1, int(cfg.get("max_batch", 1))))
 
-    def new_cache(self, batch: int = 1) -> dict[str, np.ndarray]:
-        n, dI = self.cfg["n_max"], self.cfg["index_dim"]
-        cache = {}
+    # -- cache rows --------------------------------------------------------------------------------
+    def _shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        dI, shapes = int(self.cfg["index_dim"]), {}
         for l in self.layers:
             rk, rv = self.cfg["ranks"][str(l)]
-            cache[f"latent_k.{l}"] = np.zeros((batch, n, rk), np.float32)
-            cache[f"latent_v.{l}"] = np.zeros((batch, n, rv), np.float32)
-            cache[f"index_keys.{l}"] = np.zeros((batch, n, dI), np.float16)
-        return cache
+            shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
+            shapes[f"latent_v.{l}"] = ((self.n_max, rv), np.float32)
+            shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.float16)
+        return shapes
 
-    def forward(self, cache: dict[str, np.ndarray], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+    def _grow(self, rows: int) -> None:
+        """Buffers of `rows` sequences (the old rows copied over), bound once to the session."""
+        for name, (shape, dtype) in self._shapes().items():
+            buf = np.zeros((rows, *shape), dtype)
+            if name in self.buffers:
+                buf[: self.rows] = self.buffers[name]
+            self.buffers[name] = buf
+            # an OrtValue over the numpy memory (CPU: no copy); the graph reads it in place
+            self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buf))
+        self.free_rows = sorted(set(self.free_rows) | set(range(self.rows, rows)), reverse=True)
+        self.rows = rows
+
+    def new_cache(self) -> OrtCache:
+        with self.lock:
+            if not self.free_rows:
+                self._grow(2 * self.rows)
+            return OrtCache(self, self.free_rows.pop())
+
+    def release_row(self, row: int) -> None:
+        with self.lock:
+            self.free_rows.append(row)
+            self.free_rows.sort(reverse=True)  # lowest row first: live sequences stay packed
+
+    # -- calls -------------------------------------------------------------------------------------
+    def forward(self, caches: list[OrtCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int) -> StepOutput:
-        """One call over ids [B, S] at positions past[b]..; updates `cache` in place (dict entries)."""
-        feeds = dict(cache)
-        feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
-                     new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32))
-        outs = dict(zip(self.out_names, self.session.run(None, feeds)))
-        for l in self.layers:
-            for k in ("latent_k", "latent_v", "index_keys"):
-                cache[f"{k}.{l}"] = outs[f"{k}_out.{l}"]
-        sel = {l: outs[f"selected.{l}"] for l in self.layers} if f"selected.{self.layers[0]}" in outs else None
+        """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. to the row of
+        caches[b]. Writes the new rows into the buffers; returns logits and attention mass."""
+        B, S = ids.shape
+        past, new = past.astype(np.int32), new.astype(np.int32)
+        if int(past.max()) + S > self.n_max:
+            raise ValueError(f"positions up to {int(past.max()) + S} exceed max-seq {self.n_max}")
+        small = {"input_ids": np.ascontiguousarray(ids, np.int64), "past_lengths": past, "new_lengths": new,
+                 "sparse_window": np.array([sparse_window], np.int32),
+                 "cache_rows": np.array([c.row for c in caches], np.int32)}
+        with self.lock:
+            for name, a in small.items():
+                self.binding.bind_cpu_input(name, a)
+            # outputs change shape every step: ORT allocates them (from its arena) on each run
+            self.binding.clear_binding_outputs()
+            for name in self.out_names:
+                self.binding.bind_output(name)
+            self.session.run_with_iobinding(self.binding)
+            outs = dict(zip(self.out_names, self.binding.copy_outputs_to_cpu()))
+            for l in self.layers:
+                for kind in ("latent_k", "latent_v", "index_keys"):
+                    buf, rows = self.buffers[f"{kind}.{l}"], outs[f"new_{kind}.{l}"]
+                    for b, c in enumerate(caches):
+                        p0, n = int(past[b]), int(new[b])
+                        buf[c.row, p0:p0 + n] = rows[b, :n]
+        sel = {l: outs[f"selected.{l}"] for l in self.layers} if self.debug else None
         return StepOutput(outs["logits"], outs["attn_mass"], sel)
 
-    def demote(self, cache: dict[str, np.ndarray], new_tier: np.ndarray) -> None:
-        """Re-encode the rows whose new_tier [B, N_max] is >= 0 (the portable GsmKVDemote)."""
-        feeds: dict[str, np.ndarray] = {"new_tier": new_tier.astype(np.int32)}
-        for l in self.layers:
-            feeds[f"latent_k.{l}"] = cache[f"latent_k.{l}"]
-            feeds[f"latent_v.{l}"] = cache[f"latent_v.{l}"]
-        names = [o.name for o in self.demote_session.get_outputs()]
-        for name, arr in zip(names, self.demote_session.run(None, feeds)):
-            cache[name.replace("_out", "")] = arr
+    def demote(self, cache: OrtCache, new_tier: np.ndarray) -> None:
+        """Re-encode the positions whose new_tier (int32 by position, -1 = unchanged) is >= 0: only
+        those rows go through the demotion graph and come back into the buffers."""
+        where = np.nonzero(np.asarray(new_tier) >= 0)[0]
+        if where.size == 0:
+            return
+        feeds: dict[str, np.ndarray] = {"new_tier": np.asarray(new_tier, np.int32)[where]}
+        with self.lock:
+            for l in self.layers:
+                for kind in ("latent_k", "latent_v"):
+                    feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
+            for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
+                self.buffers[name.replace("_out.", ".")][cache.row, where] = arr

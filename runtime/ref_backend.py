@@ -81,7 +81,7 @@ def _ops() -> list[type]:
 
 
 class RefBackend:
-    """Same interface as OrtBackend; the cache is the engine's (pools, index keys, slot table)."""
+    """Same interface as OrtBackend; a cache is one sequence's engine state (pools, index keys, slot table)."""
 
     name = "reference"
 
@@ -102,34 +102,38 @@ class RefBackend:
         proto = onnx.load(str(bundle / PLUGIN_MODEL), load_external_data=False)
         self.shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
 
-    def new_cache(self, batch: int = 1) -> dict[str, Any]:
+    def new_cache(self) -> dict[str, Any]:
+        """One sequence: its slot table, its kv_pool.{l} [1, P32] and index_keys.{l} [1, N_max, dI]."""
         cache: dict[str, Any] = {"slots": SlotTable(self.n_max, self.rows)}
         for l in self.layers:
-            cache[f"kv_pool.{l}"] = np.zeros((batch, self.shapes[f"kv_pool.{l}"][1]), np.int32)
-            cache[f"index_keys.{l}"] = np.zeros((batch, self.n_max, self.cfg["index_dim"]), np.float16)
+            cache[f"kv_pool.{l}"] = np.zeros((1, self.shapes[f"kv_pool.{l}"][1]), np.int32)
+            cache[f"index_keys.{l}"] = np.zeros((1, self.n_max, self.cfg["index_dim"]), np.float16)
         return cache
 
-    def forward(self, cache: dict[str, Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+    def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int) -> StepOutput:
-        slots: SlotTable = cache["slots"]
-        p0, n = int(past[0]), int(new[0])
-        moves = slots.compaction(n)
-        if moves:
-            self._run_demote(cache, moves)
-        slots.allocate(range(p0, p0 + n))
-        feeds = {k: v for k, v in cache.items() if k != "slots"}
+        """Batch entry b is caches[b]: pools and slot tables are stacked into [B, ...] for the call."""
+        for c, p0, n in zip(caches, past, new):
+            slots: SlotTable = c["slots"]
+            moves = slots.compaction(int(n))
+            if moves:
+                self._run_demote(c, moves)
+            slots.allocate(range(int(p0), int(p0) + int(n)))
+        feeds = {k: np.concatenate([c[k] for c in caches]) for k in caches[0] if k != "slots"}
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
-                     kv_slots=slots.entries[None].copy())
+                     kv_slots=np.stack([c["slots"].entries for c in caches]))
         names = [o.name for o in self.model.proto_.graph.output]
         outs = dict(zip(names, self.model.run(None, feeds)))
-        for l in self.layers:
-            cache[f"kv_pool.{l}"] = outs[f"kv_pool_out.{l}"]
-            cache[f"index_keys.{l}"] = outs[f"index_keys_out.{l}"]
+        for b, c in enumerate(caches):
+            for l in self.layers:
+                c[f"kv_pool.{l}"] = outs[f"kv_pool_out.{l}"][b:b + 1]
+                c[f"index_keys.{l}"] = outs[f"index_keys_out.{l}"][b:b + 1]
         return StepOutput(outs["logits"], outs["attn_mass"])
 
     def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> None:
-        moves = cache["slots"].demote(new_tier[0])
+        """new_tier: int32 by position (-1 = unchanged)."""
+        moves = cache["slots"].demote(np.asarray(new_tier))
         if moves:
             self._run_demote(cache, moves)
 

@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from runtime.sampling import RequestError, Sampler, SamplingParams
 from runtime.text import Detokenizer
 
@@ -70,6 +72,7 @@ class TokenStream:
         self._rt = rt
         self._detok = None if rt.codec is None else Detokenizer(rt.codec.decode, self.prompt_ids)
         self._iter: Iterator[Token] | None = None
+        self._sampler: Sampler | None = None
 
     @property
     def text(self) -> str | None:
@@ -85,32 +88,42 @@ class TokenStream:
         return next(iter(self))
 
     def _run(self) -> Iterator[Token]:
-        rt, detok = self._rt, self._detok
-        sample = Sampler.from_params(self.params)
-        reason = "length"
         if self.max_new_tokens:
-            seq = rt.new_sequence()
+            seq = self._rt.new_sequence()
             logits = seq.prefill(self.prompt_ids)
             while True:
-                tok = sample(logits)
-                if tok in self.stop_ids:
-                    reason = "stop"
-                    break
-                self.ids.append(tok)
-                last = len(self.ids) == self.max_new_tokens
-                full = seq.length >= rt.n_max
-                text = "" if detok is None else detok.add(tok)
-                if (last or full) and detok is not None:
-                    text += detok.flush()
-                yield Token(tok, text)
-                if last:
-                    break
-                if full:
-                    reason = "context"
-                    break
-                logits = seq.decode(tok)
-        if detok is not None:
-            detok.flush()  # bytes held back before a stop id: no token left to carry them, .text has them
+                tok = self.accept(logits, seq.length)
+                if tok is not None:
+                    yield tok
+                if self.finish_reason is not None:
+                    return
+                logits = seq.decode(self.ids[-1])
+        self._finish("length")
+
+    # -- the step-driven core (Runtime.generate_batch drives several streams with it) ---------------
+    def accept(self, logits: np.ndarray, length: int) -> Token | None:
+        """Sample from the logits after `length` positions; returns the token to emit (None for a stop
+        id). When the stream ends here `finish_reason` is set; otherwise the caller decodes `ids[-1]`."""
+        if self._sampler is None:
+            self._sampler = Sampler.from_params(self.params)
+        detok = self._detok
+        tok = self._sampler(logits)
+        if tok in self.stop_ids:
+            self._finish("stop")
+            return None
+        self.ids.append(tok)
+        last = len(self.ids) == self.max_new_tokens
+        full = length >= self._rt.n_max
+        text = "" if detok is None else detok.add(tok)
+        if (last or full) and detok is not None:
+            text += detok.flush()
+        if last or full:
+            self._finish("length" if last else "context")
+        return Token(tok, text)
+
+    def _finish(self, reason: str) -> None:
+        if self._detok is not None:
+            self._detok.flush()  # bytes held back before a stop id: no token left to carry them, .text has them
         self.finish_reason = reason
 
     def collect(self) -> Generation:

@@ -152,14 +152,14 @@ class TrtBackend:
         return name.replace("_out.", ".") if "_out." in name else name
 
     # -- backend interface -------------------------------------------------------------------------
-    def new_cache(self, batch: int = 1) -> dict[str, Any]:
-        if batch != 1:
-            raise NotImplementedError("the runtime drives one sequence per backend for now")
+    def new_cache(self) -> dict[str, Any]:
         return {"slots": SlotTable(self.n_max, self.rows)}
 
-    def forward(self, cache: dict[str, Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+    def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int) -> StepOutput:
-        slots: SlotTable = cache["slots"]
+        if len(caches) != 1:
+            raise NotImplementedError("the TensorRT backend runs one sequence per call for now (batch row 0)")
+        slots: SlotTable = caches[0]["slots"]
         B, S = ids.shape
         p0, n = int(past[0]), int(new[0])
         moves = slots.compaction(n)
@@ -188,7 +188,7 @@ class TrtBackend:
         return StepOutput(logits, mass)
 
     def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> None:
-        moves = cache["slots"].demote(new_tier[0])
+        moves = cache["slots"].demote(np.asarray(new_tier))  # int32 by position, -1 = unchanged
         if moves:
             self._run_demote(moves)
 

@@ -32,12 +32,19 @@ def io(values):
                      [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]) for v in values}
 
 
-def cache_map(cfg):
-    """TensorRT-variant cache tensor -> the portable tensors that stand for it (engine_io section 5)."""
-    m = {"kv_slots": set()}
+def cache_map(cfg, *, read=False):
+    """TensorRT-variant cache tensor -> the portable tensors that stand for it (engine_io section 5, rev 2).
+
+    The portable graph returns only the new rows, so the pool *after* the update (`kv_pool_out.{l}`,
+    `index_keys_out.{l}`) is, where a node reads it (`read`), the cache input plus the new rows."""
+    m = {"kv_slots": {"cache_rows"}}
     for l in cfg.owning_layers:
         m[f"kv_pool.{l}"] = {f"latent_k.{l}", f"latent_v.{l}"}
-        m[f"kv_pool_out.{l}"] = {f"latent_k_out.{l}", f"latent_v_out.{l}"}
+        m[f"kv_pool_out.{l}"] = {f"new_latent_k.{l}", f"new_latent_v.{l}"}
+        m[f"index_keys_out.{l}"] = {f"new_index_keys.{l}"}
+        if read:
+            m[f"kv_pool_out.{l}"] |= m[f"kv_pool.{l}"]
+            m[f"index_keys_out.{l}"] |= {f"index_keys.{l}"}
     return m
 
 
@@ -49,11 +56,19 @@ def test_same_interface(bundle):
     cmap = cache_map(cfg)
     for name in ("input_ids", "past_lengths", "new_lengths", "sparse_window"):
         assert ti[name] == pi[name]
-    for name in ("logits", "attn_mass"):
-        assert to[name] == po[name]
+    assert to["logits"] == po["logits"]
+    # attention mass: the TensorRT engine covers N_max positions, the portable graph L = max(past) + S
+    assert to["attn_mass"] == (onnx.TensorProto.FLOAT, ["B", N_MAX]) and po["attn_mass"] == (onnx.TensorProto.FLOAT,
+                                                                                            ["B", "L"])
+    dI = cfg.gsm.indexer_dim
+    assert pi["cache_rows"] == (onnx.TensorProto.INT32, ["B"])
     for l in cfg.owning_layers:
-        assert ti[f"index_keys.{l}"] == pi[f"index_keys.{l}"]
-        assert to[f"index_keys_out.{l}"] == po[f"index_keys_out.{l}"]
+        assert ti[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["B", N_MAX, dI])
+        assert pi[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["R", N_MAX, dI])  # one row per live sequence
+        assert po[f"new_index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["B", "S", dI])  # the new rows only
+        for kind in ("k", "v"):
+            assert pi[f"latent_{kind}.{l}"][1][:2] == ["R", N_MAX]
+            assert po[f"new_latent_{kind}.{l}"][1][:2] == ["B", "S"]
     mapped_in = set().union(*(cmap.get(n, {n}) for n in ti))
     mapped_out = set().union(*(cmap.get(n, {n}) for n in to))
     assert mapped_in == set(pi) and mapped_out == set(po)
@@ -69,7 +84,7 @@ def _subgraph(nodes, prefix):
 def test_every_gsm_node_is_one_portable_subgraph(bundle):
     out, cfg = bundle
     trt, port = load(out / "model.onnx"), load(out / "model.portable.onnx")
-    cmap = cache_map(cfg)
+    cmap, read_map = cache_map(cfg), cache_map(cfg, read=True)
     inits = {i.name for i in port.graph.initializer}
     gsm_nodes = [n for n in trt.graph.node if n.domain == DOMAIN]
     expected = 2 * len(cfg.owning_layers) + len(cfg.sharing_layers)
@@ -89,15 +104,19 @@ def test_every_gsm_node_is_one_portable_subgraph(bundle):
         assert sub, f"no portable subgraph for {node.name}"
         assert all(n.domain in ("", "ai.onnx") for n in sub)
         # inputs: everything the subgraph reads from outside is an input of the plugin node (mapped)
-        node_in = set().union(*(cmap.get(i, {i}) for i in node.input))
+        node_in = set().union(*(read_map.get(i, {i}) for i in node.input))
         assert ext_in - inits <= node_in, f"{scope} reads {sorted(ext_in - inits - node_in)} that the node does not"
         # outputs: the subgraph produces every node output (mapped), and nothing else leaves it
         # (an owning layer's `selected` is only read when a sharing layer uses that source)
         leaving = {t for t in produced if t in graph_outputs or consumers_outside.get(t, set()) - {scope}}
         node_out = set().union(*(cmap.get(o, {o}) for o in node.output))
         assert leaving <= node_out <= produced, f"{scope}: leaving {sorted(leaving)}, node outputs {sorted(node_out)}"
-        # connected: a single weakly connected component through its internal tensors
-        assert _connected(sub), f"{scope} is not one connected subgraph"
+        # connected: a single weakly connected component through its internal tensors (rev 2: the update
+        # only rounds the three kinds of new row, one independent chain each, the runtime writes them)
+        if node.op_type != "GsmKVCacheUpdate":
+            assert _connected(sub), f"{scope} is not one connected subgraph"
+        else:
+            assert len(sub) == 8 and all(n.op_type in ("Cast", "Identity") for n in sub)
 
 
 def _connected(nodes):
