@@ -111,6 +111,41 @@ class SequentialStepper:
         return out
 
 
+class BatchedStepper:
+    """All prefills in one `Runtime.prefill_batch` call and all decode steps in one `decode_batch` call
+    (the runtime's batched step API). A call that raises fails every request in it: re-running them one
+    by one could repeat positions a half-done call already added."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def new_sequence(self) -> Any:
+        return self.rt.new_sequence()
+
+    def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
+        out: list[np.ndarray | Exception] = [ValueError("not run")] * len(work)
+        for prefill in (True, False):
+            idx = [i for i, w in enumerate(work) if w.prefill is prefill]
+            if not idx:
+                continue
+            seqs = [work[i].seq for i in idx]
+            try:
+                res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx]) if prefill
+                       else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx]))
+                for k, i in enumerate(idx):
+                    out[i] = res[k]
+            except Exception as e:
+                for i in idx:
+                    out[i] = e
+        return out
+
+
+def default_stepper(rt: Runtime) -> Stepper:
+    """The batched step API when the runtime has it, else one call per sequence."""
+    has_batch = callable(getattr(rt, "prefill_batch", None)) and callable(getattr(rt, "decode_batch", None))
+    return BatchedStepper(rt) if has_batch else SequentialStepper(rt)
+
+
 class Observer:
     """Hooks the scheduler thread calls (metrics, fallback policies); the default does nothing.
     They run on the scheduler thread: keep them short."""
@@ -239,7 +274,7 @@ class Engine:
                  observer: Observer | None = None) -> None:
         self.rt = rt
         self.config = config or EngineConfig()
-        self.stepper = stepper or SequentialStepper(rt)
+        self.stepper = stepper or default_stepper(rt)
         self.observers: list[Observer] = [observer] if observer is not None else []
         max_batch = int(rt.cfg.get("max_batch", 1))
         self.max_running = self.config.max_running or (max_batch if max_batch > 1 else self.config.interleave)

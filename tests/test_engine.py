@@ -25,12 +25,15 @@ def rt(tmp_path_factory):
 
 
 class SlowStepper:
-    """The sequential stepper with a pause per call, so tests can act while requests run; counts calls."""
+    """A stepper with a pause per call, so tests can act while requests run; counts calls and batch sizes."""
 
-    def __init__(self, rt, delay=0.0):
-        from runtime.engine import SequentialStepper
+    def __init__(self, rt, delay=0.0, batched=False):
+        from runtime.engine import BatchedStepper, SequentialStepper
 
-        self.inner, self.delay, self.calls, self.batches = SequentialStepper(rt), delay, 0, []
+        if batched and not hasattr(rt, "decode_batch"):
+            pytest.skip("this runtime has no batched step API (Runtime.prefill_batch / decode_batch) yet")
+        inner = BatchedStepper(rt) if batched else SequentialStepper(rt)
+        self.inner, self.delay, self.calls, self.batches = inner, delay, 0, []
 
     def new_sequence(self):
         return self.inner.new_sequence()
@@ -54,12 +57,13 @@ REQUESTS = [
 ]
 
 
-def test_concurrent_requests_equal_sequential_runs(rt):
+@pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
+def test_concurrent_requests_equal_sequential_runs(rt, batched):
     from runtime.engine import Engine, EngineConfig
 
     alone = [rt.generate(p, n, **kw) for p, n, kw in REQUESTS]
     assert {g.finish_reason for g in alone} >= {"length", "context"}
-    stepper = SlowStepper(rt)
+    stepper = SlowStepper(rt, batched=batched)
     with Engine(rt, EngineConfig(max_running=4), stepper=stepper) as eng:
         with ThreadPoolExecutor(len(REQUESTS)) as pool:  # submitted from several threads at once
             reqs = list(pool.map(lambda r: eng.submit(r[0], r[1], **r[2]), REQUESTS))

@@ -289,6 +289,7 @@ def test_serving_never_imports_torch(bundles):
         "from runtime.serve.app import Server\n"
         f"eng = Engine(runtime.load({str(bundles['demo'])!r}, 'onnxruntime', threads=1)).start()\n"
         "tc = TestClient(Server(eng, model_name='demo').app)\n"
+        "assert eng.ready.wait(30)\n"
         "r = tc.post('/v1/completions', json={'prompt': 'x', 'max_tokens': 2})\n"
         "assert r.status_code == 200, r.text\n"
         "eng.close()\n"
@@ -335,3 +336,48 @@ def test_tegrastats_figures_in_metrics(rts):
     assert fams["gsm_device_memory_total_bytes"].value == 7620 * 2**20
     assert fams["gsm_gpu_load_ratio"].value == pytest.approx(0.01)
     assert rails == {"VDD_IN": 3.913, "VDD_CPU_GPU_CV": 0.598, "VDD_SOC": 1.238}
+
+
+def test_compression_ratio_fallback_forced_threshold(rts, bundles, tmp_path, caplog):
+    """The demo's FP16 rows give 512/228 = 2.25 < 2.5: the default threshold fires; a forced threshold
+    of 2.0 does not. The integrity check passes on the real bundle and fails on a changed copy."""
+    import logging
+    import shutil
+
+    from starlette.testclient import TestClient
+
+    import runtime
+    from runtime.engine import Engine
+    from runtime.serve.app import Server
+    from runtime.serve.fallbacks import FallbackConfig
+
+    def serve_one(rt, cfg):
+        eng = Engine(rt).start()
+        srv = Server(eng, model_name="demo", fallbacks=cfg)
+        assert eng.ready.wait(30)
+        with TestClient(srv.app) as tc:
+            for _ in range(2):  # the second is inside the check interval: counted once
+                assert tc.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
+            if srv.ratio_policy is not None and srv.ratio_policy.checks == 0 and srv.ratio_policy._last is not None:
+                assert srv.ratio_policy.check_done.wait(30)
+            from prometheus_client.parser import text_string_to_metric_families
+
+            m = {(s.name, tuple(s.labels.items())): s.value
+                 for f in text_string_to_metric_families(tc.get("/metrics").text) for s in f.samples}
+        eng.close()
+        return {("gsm_bundle_integrity_ok", ()) if k[0] == "gsm_bundle_integrity_ok" else k: v for k, v in m.items()}
+
+    caplog.set_level(logging.INFO, logger="runtime.serve.fallbacks")
+    m = serve_one(rts["demo"], FallbackConfig(min_compression_ratio=2.0))
+    assert m[("gsm_fallbacks_total", (("policy", "compression_ratio"),))] == 0
+    assert ("gsm_bundle_integrity_ok", ()) not in m
+    m = serve_one(rts["demo"], FallbackConfig())  # the published 2.5
+    assert m[("gsm_fallbacks_total", (("policy", "compression_ratio"),))] == 1
+    assert m[("gsm_bundle_integrity_ok", ())] == 1
+    assert "KV compression ratio 2.25 < 2.50" in caplog.text
+    bad = tmp_path / "bad"
+    shutil.copytree(bundles["demo"], bad)
+    rt = runtime.load(bad, "onnxruntime", threads=1)
+    (bad / "plan.json").write_text((bad / "plan.json").read_text() + " ")  # changed after load
+    m = serve_one(rt, FallbackConfig())
+    assert m[("gsm_bundle_integrity_ok", ())] == 0 and "integrity check FAILED" in caplog.text

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from runtime.engine import Engine, EngineClosedError, EngineRequest, QueueFullError
 from runtime.sampling import RequestError
 from runtime.serve import protocol
+from runtime.serve.fallbacks import CompressionRatioPolicy, FallbackConfig
 from runtime.serve.metrics import ServeMetrics, TegrastatsCollector, geometry
 from runtime.serve.protocol import ApiError, GenerationArgs
 from runtime.text import ChatTemplateError
@@ -41,11 +42,18 @@ class Server:
     """Holds the engine, its metrics and the model name; `app` is the ASGI application."""
 
     def __init__(self, engine: Engine, *, model_name: str, registry: CollectorRegistry | None = None,
-                 tegrastats: Any = None) -> None:
+                 tegrastats: Any = None, fallbacks: FallbackConfig | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        self.metrics = ServeMetrics(self.registry, geometry(engine.rt.bundle), engine.rt.n_max)
+        geo = geometry(engine.rt.bundle)
+        self.metrics = ServeMetrics(self.registry, geo, engine.rt.n_max)
+        self.ratio_policy: CompressionRatioPolicy | None = None
+        fallbacks = fallbacks or FallbackConfig()
+        if geo is not None and fallbacks.min_compression_ratio > 0:
+            self.ratio_policy = CompressionRatioPolicy(engine.rt.bundle, geo, fallbacks,
+                                                       lambda p: self.metrics.fallbacks.labels(p).inc(), self.registry)
+            engine.observers.append(self.ratio_policy)
         if tegrastats is not None:  # a jetson.tegrastats.TegrastatsMonitor (started by the caller)
             self.registry.register(TegrastatsCollector(tegrastats))
         engine.observers.append(self.metrics)

@@ -31,6 +31,8 @@ def add_parser(sub: Any, positive: Any, at_least_zero: Any, number: Any) -> None
     s.add_argument("--deadline", type=number, help="seconds a request may take from submission (default: none)")
     s.add_argument("--tegrastats", choices=["auto", "on", "off"], default="auto",
                    help="device memory / GPU load / power in /metrics from tegrastats (auto: when it is installed)")
+    s.add_argument("--min-compression-ratio", type=number, default=2.5,
+                   help="live KV compression ratio below which a warning and a bundle hash check run (0: off)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
@@ -59,6 +61,8 @@ def serve(args: argparse.Namespace) -> int:
     import runtime
     from runtime.engine import Engine, EngineConfig
 
+    if not args.min_compression_ratio >= 0:
+        return _error(f"argument --min-compression-ratio: must be a number >= 0, got {args.min_compression_ratio}")
     if args.deadline is not None and not args.deadline > 0:
         return _error(f"argument --deadline: must be a number > 0 (seconds), got {args.deadline}")
     try:
@@ -83,7 +87,10 @@ def serve(args: argparse.Namespace) -> int:
             monitor = TegrastatsMonitor().start()
         elif args.tegrastats == "on":
             return _error("argument --tegrastats: on, but no tegrastats program on PATH (not a Jetson?)")
-    server = Server(engine, model_name=name, tegrastats=monitor)
+    from runtime.serve.fallbacks import FallbackConfig
+
+    server = Server(engine, model_name=name, tegrastats=monitor,
+                    fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio))
     engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "

@@ -57,6 +57,7 @@ class ServeMetrics(Observer):
         self.ratio = Gauge("gsm_kv_compression_ratio", "Dense FP16 KV bytes over the bytes the live caches hold",
                            registry=r)
         self.fallbacks = Counter("gsm_fallbacks", "Fallback policies taken", ["policy"], registry=r)
+        self.fallbacks.labels("compression_ratio")
         self.steps = Counter("gsm_scheduler_steps", "Scheduler iterations", registry=r)
         self.last_ratio: float | None = None
 
