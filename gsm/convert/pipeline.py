@@ -60,7 +60,7 @@ class ConvertOptions:
     sharing: str = "auto"  # "auto" | "none" | "3:1,4:2"
     sharing_budget: float = 0.05  # auto: allowed relative calibration-perplexity increase
     seq_len: int = 256
-    calib_tokens: int = 65536
+    calib_tokens: int = 16384  # moments of H x H need far fewer tokens than the forward costs
     eval_tokens: int = 16384
     indexer_sequences: int = 32  # the bounded sample the indexer and the window search are fitted on
     indexer_steps: int = 200
@@ -251,7 +251,9 @@ def requested_pairs(opts: ConvertOptions, n_layers: int) -> list[tuple[int, int]
 def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stages: Stages,
                device: torch.device) -> tuple[Plan, LowRanks]:
     L = src.config.num_hidden_layers
-    dense = DenseLlama(src)
+    dense = DenseLlama(src)  # shares the resident weights
+    # statistics need the layers, not the logits: an empty head skips the [B, T, vocab] matmul
+    dense.lm_head = torch.empty(0, src.config.hidden_size)
     with stages.run("calibration statistics", total=calib.shape[0]) as advance:
         stats = collect_stats(dense, calib, n_sample=opts.indexer_sequences, pairs=requested_pairs(opts, L),
                               device=device, advance=advance)
