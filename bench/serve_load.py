@@ -139,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"serve_load: error: the server exited: {log.read()[-2000:]}", file=sys.stderr)
                 return 1
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                h = httpx.get(url + "/health", timeout=2)
+                if h.status_code == 200:
                     break
+                if h.json().get("status") == "failed":
+                    print(f"serve_load: error: the server's warm-up failed: {h.json().get('error')}", file=sys.stderr)
+                    return 1
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:

@@ -398,7 +398,8 @@ class Engine:
             if self.config.warmup:
                 self._warmup()
         except Exception as e:
-            log.exception("warm-up failed")
+            log.error("warm-up failed: %s", e)
+            log.debug("warm-up failure", exc_info=True)
             self.warmup_error = e
             with self._cond:
                 self._closed = True

@@ -235,3 +235,20 @@ def test_engine_reports_live_tiers(rt):
     with Engine(rt, observer=Watch()) as eng:
         eng.submit([1] + list(range(40, 87)), 2, stop_ids=[]).result(10)
     assert seen[0] == [48 - 4 - 8, 4, 8]
+
+
+def test_failed_warmup_refuses_requests(rt):
+    from runtime.engine import Engine, EngineClosedError
+
+    class Broken:
+        def new_sequence(self):
+            return rt.new_sequence()
+
+        def step(self, work):
+            return [RuntimeError("graph input missing") for _ in work]
+
+    eng = Engine(rt, stepper=Broken()).start()
+    assert eng.ready.wait(10) and "graph input missing" in str(eng.warmup_error)
+    with pytest.raises(EngineClosedError):
+        eng.submit([1, 5], 2)
+    eng.close()

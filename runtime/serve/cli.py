@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,18 @@ def serve(args: argparse.Namespace) -> int:
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "
                                                    "random words")
+    uv = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level))
+
+    def stop_if_warmup_fails() -> None:  # /health says "failed" meanwhile; a server that cannot serve exits
+        engine.ready.wait()
+        if engine.warmup_error is not None:
+            uv.should_exit = True
+
+    threading.Thread(target=stop_if_warmup_fails, daemon=True).start()
     try:
-        uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+        uv.run()
+        if engine.warmup_error is not None:
+            return _error(f"warm-up failed, the bundle cannot run on this backend: {engine.warmup_error}", 1)
     finally:
         engine.close()
         if monitor is not None:
