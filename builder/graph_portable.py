@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from builder.nodes import F16, F32, I32, I64, apply_rope, cast, linear, positions, valid_rows
+from builder.nodes import F16, F32, I32, I64, apply_rope, cast, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm.config import ModelConfig
 
@@ -41,6 +41,7 @@ class PortableOps:
         self.g, self.cfg, self.ranks, self.n_max = g, cfg, ranks, n_max
         p = cfg.gsm
         self.k_sel = p.sink_tokens + p.max_sparse_window + p.sparse_top_k
+        self._geo: dict[str, str] = {}
 
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
@@ -75,10 +76,65 @@ class PortableOps:
         """[R, N_max, w] -> [R * N_max, w] (a Reshape aliases its input: no copy)."""
         return self.g.op("Reshape", [cache, self.g.const([-1, width], np.int64, f"flat{width}")])
 
-    def _cache_base(self) -> str:
-        """cache_rows[b] * N_max as int64 [B]."""
-        g = self.g
-        return g.op("Mul", [cast(g, self.rows, I64), g.const(self.n_max, np.int64, "n_max")])
+    def _call(self, rope: tuple[str, str]) -> dict[str, str]:
+        """Per-call geometry every layer shares, emitted once in scope `call` from the graph inputs
+        (input shape, past/new lengths, cache rows, window): positions, validity, gather bases, the
+        context columns with their causal/sink/window masks, the query RoPE factors. Emitting it once
+        instead of per layer removes most of a layer's small operators (ONNX Runtime pays a fixed cost
+        per operator, which dominates a decode step of a small model)."""
+        if self._geo:
+            return self._geo
+        g, p, N = self.g, self.cfg.gsm, self.n_max
+        c64 = {v: g.const(v, np.int64, f"i{v}") for v in (0, 1)}
+        with g.in_scope("call"):
+            past, new, rows, window = "past_lengths", "new_lengths", "cache_rows", "sparse_window"
+            shape_bs = g.op("Shape", ["input_ids"])
+            s_len = g.op("Shape", ["input_ids"], start=1, end=2)  # [1]
+            pos, j = positions(g, past, "input_ids")  # [B, S]
+            valid = valid_rows(g, j, new)
+            past3 = g.op("Unsqueeze", [past, g.const([1, 2], np.int64, "ax12")])  # [B, 1, 1]
+            base = g.op("Mul", [cast(g, rows, I64), g.const(N, np.int64, "n_max")])  # [B]: row * N_max
+            b_idx = g.op("Range", [c64[0], g.op("Squeeze", [g.op("Shape", ["input_ids"], end=1)]), c64[1]])
+            geo = {"pos": pos, "past3": past3,
+                   "valid3": g.op("Unsqueeze", [cast(g, valid, F32), g.const([2], np.int64, "ax2")]),  # [B, S, 1]
+                   "base3": g.op("Unsqueeze", [base, g.const([1, 2], np.int64, "ax12")]),
+                   "nb3": g.op("Mul", [g.op("Unsqueeze", [b_idx, g.const([1, 2], np.int64, "ax12")]), s_len]),
+                   "s_last": g.op("Sub", [g.op("Squeeze", [s_len]), c64[1]])}
+            cos, sin = rope
+            geo["cos_q"] = g.op("Unsqueeze", [g.op("Gather", [cos, pos], axis=0), g.const([2], np.int64, "ax2")])
+            geo["sin_q"] = g.op("Unsqueeze", [g.op("Gather", [sin, pos], axis=0), g.const([2], np.int64, "ax2")])
+            # context columns: cached positions 0..T_c-1 (T_c = largest past), then the S new rows
+            tc = g.op("ReduceMax", [cast(g, past, I64)], keepdims=1)  # [1]
+            col = g.op("Range", [c64[0], g.op("Squeeze", [tc]), c64[1]])  # [T_c]
+            geo["key_idx"] = g.op("Add", [g.op("Unsqueeze", [base, g.const([1], np.int64, "ax1")]), col])  # [B, T_c]
+            past2 = g.op("Unsqueeze", [past, g.const([1], np.int64, "ax1")])  # [B, 1]
+            old_pos = g.op("Expand", [g.op("Unsqueeze", [cast(g, col, I32), g.const([0], np.int64, "ax0")]),
+                                      g.op("Shape", [past2])])  # [B, T_c]
+            new_pos = g.op("Add", [past2, cast(g, j, I32)])  # [B, S]
+            col_pos = g.op("Concat", [old_pos, new_pos], axis=1)  # [B, C]
+            # stale cache columns past a shorter sequence's length are none of its positions
+            col_ok = g.op("Concat", [g.op("Less", [old_pos, past2]),
+                                     g.op("Expand", [g.const(True, np.bool_, "true"), g.op("Shape", [new_pos])])],
+                          axis=1)
+            s3 = g.op("Unsqueeze", [col_pos, g.const([1], np.int64, "ax1")])  # [B, 1, C]
+            t3 = g.op("Unsqueeze", [pos, g.const([2], np.int64, "ax2")])  # [B, S, 1]
+            geo["causal"] = g.op("And", [g.op("Unsqueeze", [col_ok, g.const([1], np.int64, "ax1")]),
+                                         g.op("LessOrEqual", [s3, t3])])  # [B, S, C]
+            sink = g.op("Less", [s3, g.const(p.sink_tokens, np.int32, "sinks")])
+            win = g.op("Greater", [g.op("Add", [s3, window]), t3])  # s > t - window
+            geo["fixed"] = g.op("Or", [sink, win])  # [B, S, C]
+            n_cols = g.op("Add", [tc, s_len])  # [1]
+            geo["col_pos"] = g.op("Expand", [s3, g.op("Concat", [shape_bs, n_cols], axis=0)])  # [B, S, C]
+            budget = g.op("Add", [cast(g, window, I64), g.const([p.sink_tokens + p.sparse_top_k], np.int64,
+                                                                "sinks_topk")])
+            geo["k"] = k = g.op("Min", [budget, n_cols])  # [1]
+            geo["pad"] = g.op("Concat", [g.const([0, 0, 0, 0, 0], np.int64, "pad0"),
+                                         g.op("Sub", [g.const([self.k_sel], np.int64, "k_sel"), k])], axis=0)
+            length = g.op("Add", [tc, s_len])  # attn_mass covers positions 0..max(past) + S - 1
+            geo["mass0"] = g.op("ConstantOfShape", [g.op("Concat", [g.op("Shape", ["input_ids"], end=1), length],
+                                                         axis=0)], value=_zero_f32())
+        self._geo = geo
+        return geo
 
     # -- GsmKVCacheUpdate ----------------------------------------------------------------------------
     def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
@@ -109,36 +165,37 @@ class PortableOps:
         nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         grp = cfg.gqa_group
         owning = selected is None
+        geo = self._call(rope)
         with g.in_scope(f"L{l}.GsmSparseAttention"):
-            pos, j = positions(g, past, q)  # [B, S]
-            valid = valid_rows(g, j, new)  # [B, S]
             if owning:
-                selected = self._select(l, pos, past, index_q, index_w, cache, sparse_window)
+                selected = self._select(l, geo, index_q, index_w, cache)
             sel_ok = g.op("GreaterOrEqual", [selected, g.const(0, np.int32, "zero_i32")])  # [B, S, K]
             p = g.op("Max", [selected, g.const(0, np.int32, "zero_i32")])  # padding reads position 0, masked
             rk, rv = self.ranks[l if owning else source]
-            lat_k = self._gather_rows(cache["k"], cache["new_k"], p, past, rk)  # [B, S, K, rk]
-            lat_v = self._gather_rows(cache["v"], cache["new_v"], p, past, rv)
+            where = self._row_index(geo, p)
+            lat_k = self._gather_rows(cache["k"], cache["new_k"], where, rk)  # [B, S, K, rk]
+            lat_v = self._gather_rows(cache["v"], cache["new_v"], where, rv)
+            # K/V of the gathered rows straight into head-major [B, S, nKV, K, D]: a broadcast MatMul of
+            # [B, S, 1, K, r] with the up-projection as [nKV, r, D] (folded once by ONNX Runtime), so no
+            # activation is transposed
             if owning:
-                k_pre = self._up(lat_k, up[0], None, rk, nKV * D)
-                v = self._up(lat_v, up[1], None, rv, nKV * D)
+                k = self._up_heads(lat_k, up[0], None, rk, 0)
+                v = self._up_heads(lat_v, up[1], None, rv, 0)
             else:
-                kv = self._up(g.op("Concat", [lat_k, lat_v], axis=-1), up[0], up[1], rk + rv, 2 * nKV * D)
-                k_pre, v = g.op("Split", [kv, g.const([nKV * D, nKV * D], np.int64, "kv_split")], n_out=2, axis=-1)
+                lat = g.op("Concat", [lat_k, lat_v], axis=-1)
+                k = self._up_heads(lat, up[0], up[1], rk + rv, 0)
+                v = self._up_heads(lat, up[0], up[1], rk + rv, nKV * D)
             cos, sin = rope
-            kvshape = g.const([0, 0, 0, nKV, D], np.int64, "bskhd")
-            k = g.op("Reshape", [k_pre, kvshape])  # [B, S, K, nKV, D]
-            cos_k = g.op("Unsqueeze", [g.op("Gather", [cos, p], axis=0), g.const([3], np.int64, "ax3")])  # [B,S,K,1,D]
-            sin_k = g.op("Unsqueeze", [g.op("Gather", [sin, p], axis=0), g.const([3], np.int64, "ax3")])
-            k = g.op("Transpose", [apply_rope(g, k, cos_k, sin_k, D)], perm=[0, 1, 3, 4, 2])  # [B, S, nKV, D, K]
-            v = g.op("Transpose", [g.op("Reshape", [v, kvshape])], perm=[0, 1, 3, 2, 4])  # [B, S, nKV, K, D]
+            cos_k = g.op("Unsqueeze", [g.op("Gather", [cos, p], axis=0), g.const([2], np.int64, "ax2")])  # [B,S,1,K,D]
+            sin_k = g.op("Unsqueeze", [g.op("Gather", [sin, p], axis=0), g.const([2], np.int64, "ax2")])
+            k = apply_rope(g, k, cos_k, sin_k, D)  # [B, S, nKV, K, D]
             # queries: RoPE at pos; head h reads key head h // grp
             qh = g.op("Reshape", [q, g.const([0, 0, nH, D], np.int64, "bshd")])  # [B, S, nH, D]
-            cos_q = g.op("Unsqueeze", [g.op("Gather", [cos, pos], axis=0), g.const([2], np.int64, "ax2")])  # [B,S,1,D]
-            sin_q = g.op("Unsqueeze", [g.op("Gather", [sin, pos], axis=0), g.const([2], np.int64, "ax2")])
-            qh = g.op("Reshape", [apply_rope(g, qh, cos_q, sin_q, D), g.const([0, 0, nKV, grp, D], np.int64, "bskgd")])
+            qh = g.op("Reshape", [apply_rope(g, qh, geo["cos_q"], geo["sin_q"], D),
+                                  g.const([0, 0, nKV, grp, D], np.int64, "bskgd")])
+            kt = g.op("Transpose", [k], perm=[0, 1, 2, 4, 3])  # last two axes: fused into the MatMul
             # [B, S, nKV, grp, K]
-            logits = g.op("Div", [g.op("MatMul", [qh, k]), g.const(math.sqrt(D), np.float32, "sqrt_d")])
+            logits = g.op("Div", [g.op("MatMul", [qh, kt]), g.const(math.sqrt(D), np.float32, "sqrt_d")])
             mask = g.op("Unsqueeze", [sel_ok, g.const([2, 3], np.int64, "ax23")])  # [B, S, 1, 1, K]
             probs = g.op("Softmax", [g.op("Where", [mask, logits, g.const(NEG_INF, np.float32, "neg_inf")])],
                          axis=-1)
@@ -146,105 +203,79 @@ class PortableOps:
                        outputs=[f"L{l}.attn_out"])  # [B, S, nKV, grp, D] -> [B, S, nH*D]
             mass = None
             if owning:
-                w = g.op("Unsqueeze", [cast(g, valid, F32), g.const([2], np.int64, "ax2")])  # [B, S, 1]
-                per_pos = g.op("Mul", [g.op("ReduceSum", [probs, g.const([2, 3], np.int64, "ax23")], keepdims=0), w])
-                mass = self._scatter_mass(l, per_pos, p, past, pos)
+                per_pos = g.op("Mul", [g.op("ReduceSum", [probs, g.const([2, 3], np.int64, "ax23")], keepdims=0),
+                                       geo["valid3"]])
+                flat = g.const([0, -1], np.int64, "b_flat")
+                mass = g.op("ScatterElements", [geo["mass0"], g.op("Reshape", [cast(g, p, I64), flat]),
+                                                g.op("Reshape", [per_pos, flat])], axis=1, reduction="add",
+                            outputs=[f"L{l}.attn_mass"])  # [B, L]
         return out, (selected if owning else None), mass
 
-    def _gather_rows(self, cache: str, new_rows: str, p: str, past: str, r: int) -> str:
-        """Latent rows of positions p [B, S, K]: from the cache row of the sequence for p < past, from
-        this call's new rows [B, S, r] otherwise. Two Gathers of B*S*K rows and a Where."""
+    def _row_index(self, geo: dict[str, str], p: str) -> tuple[str, str, str]:
+        """For positions p [B, S, K]: whether each is one of this call's new rows, its flat row in the
+        cache buffers (cache_rows[b] * N_max + p) and its flat row in the new rows (b * S + p - past)."""
         g = self.g
-        past_b = g.op("Unsqueeze", [past, g.const([1, 2], np.int64, "ax12")])  # [B, 1, 1]
-        is_new = g.op("GreaterOrEqual", [p, past_b])
-        base = g.op("Unsqueeze", [self._cache_base(), g.const([1, 2], np.int64, "ax12")])  # [B, 1, 1]
-        from_cache = g.op("Gather", [self._flat_rows(cache, r), g.op("Add", [base, cast(g, p, I64)])], axis=0)
-        shape = g.op("Shape", [new_rows])  # [B, S, r]
-        s_len = g.op("Slice", [shape, g.const([1], np.int64, "one1"), g.const([2], np.int64, "two1")])  # [1]
-        b_len = g.op("Slice", [shape, g.const([0], np.int64, "zero1"), g.const([1], np.int64, "one1")])
-        b_idx = g.op("Range", [g.const(0, np.int64, "zero"), g.op("Squeeze", [b_len]), g.const(1, np.int64, "one")])
-        nb = g.op("Mul", [g.op("Unsqueeze", [b_idx, g.const([1, 2], np.int64, "ax12")]), s_len])  # [B, 1, 1]: b * S
-        j = g.op("Clip", [cast(g, g.op("Sub", [p, past_b]), I64), g.const(0, np.int64, "zero"),
-                          g.op("Sub", [g.op("Squeeze", [s_len]), g.const(1, np.int64, "one")])])
-        flat_new = g.op("Reshape", [new_rows, g.const([-1, r], np.int64, f"flat{r}")])
-        from_new = g.op("Gather", [flat_new, g.op("Add", [nb, j])], axis=0)  # [B, S, K, r]
-        return g.op("Where", [g.op("Unsqueeze", [is_new, g.const([3], np.int64, "ax3")]), from_new, from_cache])
+        is_new = g.op("GreaterOrEqual", [p, geo["past3"]])
+        p64 = cast(g, p, I64)
+        in_cache = g.op("Add", [geo["base3"], p64])
+        j = g.op("Clip", [g.op("Sub", [p64, cast(g, geo["past3"], I64)]), g.const(0, np.int64, "i0"), geo["s_last"]])
+        return g.op("Unsqueeze", [is_new, g.const([3], np.int64, "ax3")]), in_cache, g.op("Add", [geo["nb3"], j])
 
-    def _scatter_mass(self, l: int, per_pos: str, p: str, past: str, pos: str) -> str:
-        """Probability per selected entry [B, S, K] summed into positions: [B, L], L = max(past) + S."""
+    def _gather_rows(self, cache: str, new_rows: str, where: tuple[str, str, str], r: int) -> str:
+        """Latent rows [B, S, K, r] of the positions indexed by `where` (_row_index): from the sequence's
+        cache row for cached positions, from this call's new rows [B, S, r] otherwise."""
         g = self.g
-        length = g.op("Add", [g.op("ReduceMax", [cast(g, past, I64)], keepdims=1),
-                              g.op("Slice", [g.op("Shape", [pos]), g.const([1], np.int64, "one1"),
-                                             g.const([2], np.int64, "two1")])])  # [1]
-        shape = g.op("Concat", [g.op("Slice", [g.op("Shape", [pos]), g.const([0], np.int64, "zero1"),
-                                               g.const([1], np.int64, "one1")]), length], axis=0)
-        zeros = g.op("ConstantOfShape", [shape], value=_zero_f32())
-        flat = g.const([0, -1], np.int64, "b_flat")
-        idx, val = g.op("Reshape", [cast(g, p, I64), flat]), g.op("Reshape", [per_pos, flat])
-        return g.op("ScatterElements", [zeros, idx, val], axis=1, reduction="add", outputs=[f"L{l}.attn_mass"])
+        is_new, in_cache, in_new = where
+        from_cache = g.op("Gather", [self._flat_rows(cache, r), in_cache], axis=0)
+        from_new = g.op("Gather", [g.op("Reshape", [new_rows, g.const([-1, r], np.int64, f"flat{r}")]), in_new],
+                        axis=0)
+        return g.op("Where", [is_new, from_new, from_cache])
 
-    def _up(self, lat: str, weight: str, bias: str | None, r: int, n_out: int) -> str:
-        """Gathered latents [B, S, K, r] -> [B, S, K, n_out] = lat @ W^T (+ b)."""
-        g = self.g
-        flat = g.op("Reshape", [lat, g.const([-1, r], np.int64, f"flat{r}")])
-        y = linear(g, flat, weight, bias)  # [B*S*K, n_out]
-        shape = g.op("Concat", [g.op("Shape", [lat], end=3), g.const([n_out], np.int64, f"w{n_out}")], axis=0)
-        return g.op("Reshape", [y, shape])
+    def _up_heads(self, lat: str, weight: str, bias: str | None, r: int, row0: int) -> str:
+        """Gathered latents [B, S, K, r] -> [B, S, nKV, K, D] = lat @ W[row0 : row0 + nKV*D]^T (+ b), per head."""
+        g, cfg = self.g, self.cfg
+        nKV, D = cfg.num_key_value_heads, cfg.head_dim
+        w = weight
+        if row0 or g.store.tensors[weight].shape[0] != nKV * D:
+            w = g.op("Slice", [weight, g.const([row0], np.int64, f"r{row0}"), g.const([row0 + nKV * D], np.int64,
+                                                                                    f"r{row0 + nKV * D}"),
+                               g.const([0], np.int64, "zero1")])
+        w = g.op("Transpose", [g.op("Reshape", [w, g.const([nKV, D, r], np.int64, f"hd{r}")])], perm=[0, 2, 1])
+        y = g.op("MatMul", [g.op("Unsqueeze", [lat, g.const([2], np.int64, "ax2")]), w])  # [B, S, nKV, K, D]
+        if bias is not None:
+            b = g.op("Slice", [bias, g.const([row0], np.int64, f"r{row0}"), g.const([row0 + nKV * D], np.int64,
+                                                                                 f"r{row0 + nKV * D}"),
+                               g.const([0], np.int64, "zero1")])
+            y = g.op("Add", [y, g.op("Reshape", [b, g.const([nKV, 1, D], np.int64, "h1d")])])
+        return y
 
-    def _select(self, l: int, pos: str, past: str, index_q: str, index_w: str, cache: dict[str, str],
-                window: str) -> str:
+    def _select(self, l: int, geo: dict[str, str], index_q: str, index_w: str, cache: dict[str, str]) -> str:
         """Sel(t) by spec 4.1 as positions [B, S, K_sel] int32, ascending, padded with -1."""
         g, p = self.g, self.cfg.gsm
         nI, dI = p.indexer_heads, p.indexer_dim
-        # context columns: cached positions 0..T_c-1 of the sequence's row, then this call's S new keys
-        tc = g.op("ReduceMax", [cast(g, past, I64)], keepdims=1)  # [1]
-        col = g.op("Range", [g.const(0, np.int64, "zero"), g.op("Squeeze", [tc]), g.const(1, np.int64, "one")])
-        base = g.op("Unsqueeze", [self._cache_base(), g.const([1], np.int64, "ax1")])  # [B, 1]
-        old_keys = g.op("Gather", [self._flat_rows(cache["keys"], dI), g.op("Add", [base, col])], axis=0)  # [B,Tc,dI]
-        keys = g.op("Concat", [old_keys, cache["new_keys"]], axis=1)  # [B, C, dI], C = T_c + S
+        # keys of the context columns: the sequence's cached positions 0..T_c-1, then the S new keys
+        old_keys = g.op("Gather", [self._flat_rows(cache["keys"], dI), geo["key_idx"]], axis=0)  # [B, T_c, dI]
+        keys = g.op("Concat", [old_keys, cache["new_keys"]], axis=1)  # [B, C, dI]
         # index scores I(t, s) = sum_j w_j ReLU(q_j . e_s) / sqrt(dI): [B, S, C]
         qi = g.op("Reshape", [index_q, g.const([0, 0, nI, dI], np.int64, "bsid")])  # [B, S, nI, dI]
-        kt = g.op("Unsqueeze", [g.op("Transpose", [cast(g, keys, F32)], perm=[0, 2, 1]),
-                                g.const([1], np.int64, "ax1")])  # [B, 1, dI, C]
+        kt = g.op("Transpose", [g.op("Unsqueeze", [cast(g, keys, F32), g.const([1], np.int64, "ax1")])],
+                  perm=[0, 1, 3, 2])  # [B, 1, dI, C]: last two axes, fused into the MatMul by ONNX Runtime
         dots = g.op("Relu", [g.op("MatMul", [qi, kt])])  # [B, S, nI, C]
         wi = g.op("Unsqueeze", [index_w, g.const([3], np.int64, "ax3")])  # [B, S, nI, 1]
         scores = g.op("Div", [g.op("ReduceSum", [g.op("Mul", [wi, dots]), g.const([2], np.int64, "ax2")], keepdims=0),
                               g.const(math.sqrt(dI), np.float32, "sqrt_di")])  # [B, S, C]
-        # the position of each column, and whether it holds one of the sequence's positions
-        s_len = g.op("Slice", [g.op("Shape", [pos]), g.const([1], np.int64, "one1"), g.const([2], np.int64, "two1")])
-        new_col = cast(g, g.op("Range", [g.const(0, np.int64, "zero"), g.op("Squeeze", [s_len]),
-                                         g.const(1, np.int64, "one")]), I32)  # [S]
-        past_b = g.op("Unsqueeze", [past, g.const([1], np.int64, "ax1")])  # [B, 1]
-        old_pos = g.op("Expand", [g.op("Unsqueeze", [cast(g, col, I32), g.const([0], np.int64, "ax0")]),
-                                  g.op("Shape", [past_b])])  # [B, T_c] (Expand broadcasts [1, T_c] with [B, 1])
-        new_pos = g.op("Add", [past_b, new_col])  # [B, S]
-        col_pos = g.op("Concat", [old_pos, new_pos], axis=1)  # [B, C]
-        # stale cache columns past a shorter sequence's length are none of its positions
-        col_ok = g.op("Concat", [g.op("Less", [old_pos, past_b]),
-                                 g.op("Expand", [g.const(True, np.bool_, "true"), g.op("Shape", [new_pos])])], axis=1)
-        s = g.op("Unsqueeze", [col_pos, g.const([1], np.int64, "ax1")])  # [B, 1, C]
-        t = g.op("Unsqueeze", [pos, g.const([2], np.int64, "ax2")])  # [B, S, 1]
-        causal = g.op("And", [g.op("Unsqueeze", [col_ok, g.const([1], np.int64, "ax1")]), g.op("LessOrEqual", [s, t])])
-        sink = g.op("Less", [s, g.const(p.sink_tokens, np.int32, "sinks")])
-        win = g.op("Greater", [g.op("Add", [s, window]), t])  # s > t - window
-        fixed = g.op("Or", [sink, win])
         inf = g.const(POS_INF, np.float32, "pos_inf")
         ninf = g.const(NEG_INF, np.float32, "neg_inf")
-        ranked = g.op("Where", [causal, g.op("Where", [fixed, inf, scores]), ninf])  # [B, S, C]
-        budget = g.op("Add", [cast(g, window, I64), g.const([p.sink_tokens + p.sparse_top_k], np.int64, "sinks_topk")])
-        n_cols = g.op("Shape", [ranked], start=2, end=3)
-        k = g.op("Min", [budget, n_cols])  # [1]
-        vals, idx = g.op("TopK", [ranked, k], n_out=2, axis=-1, largest=1, sorted=1)  # [B, S, k]
+        ranked = g.op("Where", [geo["causal"], g.op("Where", [geo["fixed"], inf, scores]), ninf])  # [B, S, C]
+        vals, idx = g.op("TopK", [ranked, geo["k"]], n_out=2, axis=-1, largest=1, sorted=1)  # [B, S, k]
         chosen = g.op("Greater", [vals, ninf])
-        sel_pos = g.op("GatherElements", [g.op("Expand", [s, g.op("Shape", [ranked])]), idx], axis=2)  # [B, S, k]
+        sel_pos = g.op("GatherElements", [geo["col_pos"], idx], axis=2)  # [B, S, k]
         # ascending positions, unselected last: TopK of -position (exact in float32 below 2^24)
         key = g.op("Where", [chosen, g.op("Neg", [cast(g, sel_pos, F32)]), ninf])
-        svals, order = g.op("TopK", [key, k], n_out=2, axis=-1, largest=1, sorted=1)
+        svals, order = g.op("TopK", [key, geo["k"]], n_out=2, axis=-1, largest=1, sorted=1)
         ordered = g.op("Where", [g.op("Greater", [svals, ninf]), g.op("GatherElements", [sel_pos, order], axis=2),
                                  g.const(-1, np.int32, "minus1")])
-        pad = g.op("Concat", [g.const([0, 0, 0, 0, 0], np.int64, "pad0"),
-                              g.op("Sub", [g.const([self.k_sel], np.int64, "k_sel"), k])], axis=0)
-        return g.op("Pad", [ordered, pad, g.const(-1, np.int32, "minus1")], mode="constant",
+        return g.op("Pad", [ordered, geo["pad"], g.const(-1, np.int32, "minus1")], mode="constant",
                     outputs=[f"L{l}.selected"])
 
     # -- GsmKVDemote (demotion graph) ---------------------------------------------------------------
