@@ -3,10 +3,13 @@
 Accepted inputs (`--data`, `--eval-data`):
 - text (`.txt` or any non-token file): paragraphs, tokenised with the checkpoint's tokenizer.json
   (or `--tokenizer`), BOS + seq_len - 1 tokens per window, the converter's recipe
-  (gsm.convert.data.token_sequences), so calibration sees text exactly as conversion did;
+  (gsm.convert.data.token_sequences) -- but no BOS when the checkpoint's tokenizer_config.json says
+  `add_bos_token: false` (SmolLM2): a token the model never saw at the start of its training
+  windows would distort the latent statistics and the measured perplexity; then seq_len tokens of
+  text per window;
 - token ids: `.npy` of any integer dtype, or `.bin` of raw little-endian int32. A 1-D array is a
-  token stream cut into windows like text (BOS prepended); a 2-D [B, T] array is B ready-made
-  sequences, cut to `--seq-len`. Ids must lie in [0, vocab_size);
+  token stream cut into windows like text (BOS prepended as for text); a 2-D [B, T] array is B
+  ready-made sequences, cut to `--seq-len`. Ids must lie in [0, vocab_size);
 - a directory: its single `*calib*` data file (and, for held-out quality, its single `*eval*` one).
 
 Every failure is a `CalibrationInputError` naming the file and the flag it came from.
@@ -14,6 +17,7 @@ Every failure is a `CalibrationInputError` naming the file and the flag it came 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +25,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from gsm.convert.data import DataError, token_sequences
+from gsm.checkpoint import TOKENIZER_CONFIG_FILE
+from gsm.convert.data import DataError, read_paragraphs
 from gsm.tokenizer import TokenizerError, load_tokenizer, tokenizer_from_json, tokenizer_json_from_file
 
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -90,6 +95,50 @@ def checkpoint_tokenizer(checkpoint: Path, tokenizer: Path | None, vocab_size: i
         raise CalibrationInputError(f"--tokenizer {tokenizer}: unreadable ({e})") from e
 
 
+def checkpoint_bos(checkpoint: Path, bos_token_id: int) -> int | None:
+    """The BOS id to start each window with, or None when tokenizer_config.json has add_bos_token false.
+
+    Without the file (or the key) a BOS is prepended, as runtime.text does and as checkpoints did
+    before the file existed.
+    """
+    path = checkpoint / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        return bos_token_id
+    try:
+        add = json.loads(path.read_text(encoding="utf-8")).get("add_bos_token", True)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CalibrationInputError(f"--checkpoint {path}: not a readable JSON object ({e})") from e
+    if not isinstance(add, bool):
+        raise CalibrationInputError(f"--checkpoint {path}: add_bos_token must be true or false, got {add!r}")
+    return bos_token_id if add else None
+
+
+def windows(stream: torch.Tensor, n: int, seq_len: int, bos_id: int | None) -> torch.Tensor:
+    """n consecutive windows of a token stream, [n, seq_len]: BOS + seq_len - 1 tokens, or seq_len tokens."""
+    body = seq_len - (bos_id is not None)
+    rows = stream[: n * body].reshape(n, body)
+    if bos_id is None:
+        return rows.clone()
+    return torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
+
+
+def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_tokens: int, bos_id: int | None,
+                    vocab_size: int) -> torch.Tensor:
+    """gsm.convert.data.token_sequences (same paragraphs, stream and window count), BOS optional."""
+    stream: list[int] = []
+    for para in read_paragraphs(path):
+        stream.extend(tokenizer.encode(para, add_special_tokens=False).ids)
+        if len(stream) >= max_tokens:
+            break
+    n = min(len(stream), max_tokens) // seq_len
+    if n == 0:
+        raise DataError(f"{path}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
+    ids = windows(torch.tensor(stream, dtype=torch.long), n, seq_len, bos_id)
+    if int(ids.max()) >= vocab_size:
+        raise DataError(f"{path}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
+    return ids
+
+
 def read_token_file(path: Path, flag: str, vocab_size: int) -> np.ndarray:
     """int64 ids of a .npy (integer dtype, 1-D or 2-D) or a .bin (raw int32 little-endian)."""
     try:
@@ -117,7 +166,7 @@ def read_token_file(path: Path, flag: str, vocab_size: int) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def token_file_sequences(path: Path, flag: str, *, seq_len: int, max_sequences: int, bos_id: int,
+def token_file_sequences(path: Path, flag: str, *, seq_len: int, max_sequences: int, bos_id: int | None,
                          vocab_size: int) -> torch.Tensor:
     a = read_token_file(path, flag, vocab_size)
     if a.ndim == 2:
@@ -125,17 +174,15 @@ def token_file_sequences(path: Path, flag: str, *, seq_len: int, max_sequences: 
             raise CalibrationInputError(f"{flag} {path}: sequences of {a.shape[1]} tokens, shorter than "
                                         f"--seq-len {seq_len}")
         return torch.from_numpy(a[:max_sequences, :seq_len].copy())
-    body = seq_len - 1
-    n = min(a.size // body, max_sequences)
+    n = min(a.size // (seq_len - (bos_id is not None)), max_sequences)
     if n == 0:
         raise CalibrationInputError(f"{flag} {path}: {a.size} tokens, fewer than one sequence of "
                                     f"--seq-len {seq_len}")
-    rows = torch.from_numpy(a[: n * body].copy()).view(n, body)
-    return torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
+    return windows(torch.from_numpy(a.copy()), n, seq_len, bos_id)
 
 
 def text_sequences(path: Path, flag: str, tokenizer: Tokenizer, *, seq_len: int, max_sequences: int,
-                   bos_id: int, vocab_size: int) -> torch.Tensor:
+                   bos_id: int | None, vocab_size: int) -> torch.Tensor:
     try:
         head = path.read_bytes()[:1 << 20]
     except OSError as e:
@@ -150,16 +197,18 @@ def text_sequences(path: Path, flag: str, tokenizer: Tokenizer, *, seq_len: int,
         raise CalibrationInputError(f"{flag} {e} (--seq-len {seq_len})") from e
     unk = tokenizer.token_to_id("<unk>")
     if unk is not None:
-        frac = float((ids[:, 1:] == unk).float().mean())
+        frac = float((ids[:, int(bos_id is not None):] == unk).float().mean())
         if frac > MAX_UNK_FRACTION:
             raise CalibrationInputError(f"{flag} {path}: {frac:.1%} of the tokens are <unk>; the checkpoint's "
                                         "tokenizer cannot encode this text (wrong language or file?)")
     return ids
 
 
-def load_sequences(path: Path, flag: str, tokenizer_fn, *, seq_len: int, max_sequences: int, bos_id: int,
+def load_sequences(path: Path, flag: str, tokenizer_fn, *, seq_len: int, max_sequences: int, bos_id: int | None,
                    vocab_size: int) -> Sequences:
-    """[B, seq_len] ids of a data file; tokenizer_fn() is only called for text (it may raise)."""
+    """[B, seq_len] ids of a data file; tokenizer_fn() is only called for text (it may raise).
+
+    bos_id None: windows of text alone (checkpoint_bos: add_bos_token false)."""
     if seq_len < 3:
         raise CalibrationInputError(f"--seq-len must be >= 3, got {seq_len}")
     if max_sequences < 1:

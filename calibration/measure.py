@@ -22,12 +22,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from calibration.lockstep import Config, bytes_per_row, decode_scores, prefill_sequence
+from calibration.stats import LatentObserver
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
 from gsm.golden.quant import TIER_BYTES
 from gsm.golden.weights import GoldenWeights, KVCalibration
 
 Fractions = tuple[float, float, float]
+MAX_STATE_BYTES = 512 << 20  # decode state of the rows measured together (lockstep.bytes_per_row each)
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,11 @@ def deployed_model(weights: GoldenWeights, quant: KVQuantConfig, calib: KVCalibr
 
 @torch.no_grad()
 def exact_logprobs(model: GoldenModel, ids: torch.Tensor, prefill_len: int) -> torch.Tensor:
-    """log p of the next token at positions prefill_len .. T-2 ([T - 1 - prefill_len, V]), exact mode."""
-    logits = model.forward(model.new_cache(), ids[:-1]).logits[prefill_len:]
+    """log p of the next token at positions prefill_len .. T-2 ([T - 1 - prefill_len, V]), exact mode.
+
+    The forward call covers all T tokens (the last logits unused) so that latent hooks see every
+    row, as a statistics pass over the same sequence does."""
+    logits = model.forward(model.new_cache(), ids).logits[prefill_len:-1]
     return F.log_softmax(logits, dim=-1)
 
 
@@ -137,24 +143,57 @@ def score(logprobs: torch.Tensor, ids: torch.Tensor, prefill_len: int,
 
 
 class Evaluator:
-    """Scores configurations on fixed sequences; exact-mode log-probs are computed once."""
+    """Scores configurations on fixed sequences; exact-mode log-probs and the prefills are computed once.
+
+    Configurations are decoded together in lockstep (calibration/lockstep.py): every (sequence,
+    configuration) pair is one row of a batch, at most `max_state_bytes` of decode state at a time,
+    so memory does not grow with the number of configurations measured.
+    """
 
     def __init__(self, weights: GoldenWeights, quant: KVQuantConfig, sequences: torch.Tensor,
-                 protocol: Protocol) -> None:
+                 protocol: Protocol, *, max_state_bytes: int = MAX_STATE_BYTES,
+                 observer: LatentObserver | None = None) -> None:
+        """observer: also fed the exact pass's latent rows (stats.LatentObserver), so statistics
+        over the same sequences need no forward pass of their own."""
         protocol.check(int(sequences.shape[1]))
         self.weights, self.quant, self.seqs, self.protocol = weights, quant, sequences, protocol
+        self.params = replace(weights.cfg.gsm, quantization_adaptation_rate=protocol.adaptation_rate)
         exact = GoldenModel(weights, mode="exact", quant=quant)
-        self.reference = [exact_logprobs(exact, row, protocol.prefill_len) for row in sequences]
+        with torch.inference_mode():
+            # [B, S, V]: every row is scored against its own sequence's exact distribution
+            if observer is not None:
+                exact.latent_hooks.append(observer)
+            ref = []
+            for row in sequences:
+                if observer is not None:
+                    observer.begin_sequence(row.tolist())
+                ref.append(exact_logprobs(exact, row, protocol.prefill_len))
+            self.reference = torch.stack(ref)
+            exact.latent_hooks.clear()
+            prefiller = GoldenModel(weights, mode="deployed", quant=quant, params=self.params)
+            self.prefilled = [prefill_sequence(prefiller, row[: protocol.prefill_len]) for row in sequences]
         self.exact = sum((score(lp, row, protocol.prefill_len) for lp, row in zip(self.reference, sequences)),
                          Score())
+        self.rows_per_batch = max(1, max_state_bytes // bytes_per_row(weights, int(sequences.shape[1])))
 
     def deployed(self, calib: KVCalibration, fractions: Fractions) -> Score:
-        model = deployed_model(self.weights, self.quant, calib, fractions, self.protocol)
-        total = Score()
-        for ref, row in zip(self.reference, self.seqs):
-            lp = deployed_logprobs(model, row, self.protocol.prefill_len)
-            total = total + score(lp, row, self.protocol.prefill_len, ref)
-        return total
+        return self.deployed_many([(calib, fractions)])[0]
+
+    def deployed_many(self, configs: list[tuple[KVCalibration, Fractions]]) -> list[Score]:
+        """One Score per configuration (per-sequence sums, sequences in order), decoded in lockstep."""
+        cfgs = [Config(c, tuple(f)) for c, f in configs]
+        B = int(self.seqs.shape[0])
+        rows = [(b, c) for c in range(len(cfgs)) for b in range(B)]
+        nll = torch.zeros(len(rows), dtype=torch.float64)
+        kl = torch.zeros(len(rows), dtype=torch.float64)
+        with torch.inference_mode():
+            for a in range(0, len(rows), self.rows_per_batch):
+                part = rows[a:a + self.rows_per_batch]
+                nll[a:a + len(part)], kl[a:a + len(part)] = decode_scores(
+                    self.weights, self.quant, self.params, self.seqs, self.prefilled, cfgs, self.reference, part)
+        n_tok = int(self.seqs.shape[1]) - 1 - self.protocol.prefill_len
+        return [Score(tuple(float(x) for x in nll[c * B:(c + 1) * B]), tuple(float(x) for x in kl[c * B:(c + 1) * B]),
+                      (n_tok,) * B) for c in range(len(cfgs))]
 
     def relative_increase(self, s: Score, z: float = 0.0) -> float:
         """Relative perplexity increase over exact mode on the same tokens (upper bound when z > 0)."""

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from calibration import scales as sc
 from calibration.data import (
     CalibrationInputError,
     Sequences,
+    checkpoint_bos,
     checkpoint_tokenizer,
     ids_sha256,
     load_sequences,
@@ -31,8 +33,8 @@ from calibration.data import (
 )
 from calibration.measure import Evaluator, Fractions, Protocol, Score, kv_bytes_per_position
 from calibration.report import latent_errors, split_half_ratio
-from calibration.stats import collect_stats
-from calibration.tiers import Choice, candidate_fractions, choose_fractions
+from calibration.stats import LatentObserver, observe
+from calibration.tiers import Choice, candidate_fractions, choose_fractions, cost_key
 from calibration.writer import check_destination, check_unmodified, write_calibrated
 from gsm import checkpoint as ckpt
 from gsm.golden.model import GoldenModel
@@ -124,8 +126,10 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
             tok_cache.append(checkpoint_tokenizer(o.checkpoint, o.tokenizer, cfg.vocab_size))
         return tok_cache[0]
 
+    bos = checkpoint_bos(o.checkpoint, cfg.bos_token_id)
+
     def seqs(path: Path, flag: str, n: int) -> Sequences:
-        return load_sequences(path, flag, tokenizer, seq_len=o.seq_len, max_sequences=n, bos_id=cfg.bos_token_id,
+        return load_sequences(path, flag, tokenizer, seq_len=o.seq_len, max_sequences=n, bos_id=bos,
                               vocab_size=cfg.vocab_size)
 
     cal = seqs(calib_path, "--data", o.samples)
@@ -138,28 +142,41 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
     quant = quant0.replace(**{k: v for k, v in (("fp16_window", o.fp16_window),
                                                  ("hotness_decay", o.hotness_decay)) if v is not None})
-    exact = GoldenModel(weights, mode="exact", quant=quant)
-    stats = collect_stats(exact, cal.ids, capacity=o.reservoir, seed=o.seed)
+    # statistics read latents only: a one-row output head spares the [T, vocab] logits (latents unchanged)
+    exact = GoldenModel(dataclasses.replace(weights, lm_head=weights.lm_head[:1]), mode="exact", quant=quant)
+    protocol = o.protocol
+    search_seqs = cal.ids[: o.search_samples]
+    observer = LatentObserver(exact, capacity=o.reservoir, seed=o.seed)
+    # the search's exact pass over the first calibration sequences feeds the statistics as well (same
+    # rows, same order as a separate pass): the statistics pass covers only the rest
+    search = None if o.tier_fractions is not None else Evaluator(weights, quant, search_seqs, protocol,
+                                                                   observer=observer)
+    observe(exact, cal.ids[0 if search is None else search_seqs.shape[0]:], observer)
+    stats = observer.stats
     calib = sc.calibrate(stats, o.method, percentile=o.percentile)
     naive = sc.naive_calibration(stats)
     progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")
 
-    protocol = o.protocol
-    search_seqs = cal.ids[: o.search_samples]
-    if o.tier_fractions is not None:
+    if search is None:
         choice = Choice(tuple(o.tier_fractions), o.error_budget, True, [])
         progress(f"tier fractions fixed by --tier-fractions: {list(choice.fractions)}")
         search_exact = None
     else:
-        search = Evaluator(weights, quant, search_seqs, protocol)
         search_exact = search.exact.perplexity
-        choice = choose_fractions(lambda f: search.deployed(calib, f), search.exact, o.error_budget,
-                                  candidate_fractions(o.fraction_step), z=o.confidence_z, progress=progress)
+        choice = choose_fractions(level_measure(search, calib, candidate_fractions(o.fraction_step)), search.exact,
+                                  o.error_budget, candidate_fractions(o.fraction_step), z=o.confidence_z,
+                                  progress=progress)
+        del search  # its exact log-probs ([sequences, tokens, vocab]) are not needed again
 
-    # per-latent errors on held-out rows (calibration rows, labelled so, when there are none);
-    # the whole-model table only on held-out text: quality measured on fitted text is no evidence
-    rows_src = ev.ids if ev else cal.ids
-    held = collect_stats(exact, rows_src, capacity=max(1, rows_src.numel()), seed=o.seed, fp16=False)
+    # per-latent errors on held-out rows (calibration rows, labelled so, when there are none): every row up
+    # to the reservoir size (all of the default 8 x 256), a uniform sample beyond; on held-out text they
+    # come from the report's own exact pass. The whole-model table only on held-out text: quality
+    # measured on fitted text is no evidence
+    held_obs = LatentObserver(exact, capacity=o.reservoir, seed=o.seed, fp16=False)
+    measured = Evaluator(weights, quant, ev.ids, protocol, observer=held_obs) if ev is not None else None
+    if ev is None:
+        observe(exact, cal.ids, held_obs)
+    held = held_obs.stats
     layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
                                                          naive.scales[(i, kv)]),
                # rows are in sequence order only while the reservoir holds them all
@@ -167,8 +184,7 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
                else None}
               for (i, kv) in sorted(stats)]
     model, swept = None, None
-    if ev is not None:
-        measured = Evaluator(weights, quant, ev.ids, protocol)
+    if measured is not None:
         model = model_table(measured, weights, choice, calib, naive, f"held-out {ev.path.name}", progress,
                             z=o.confidence_z, reference=tuple(quant0.tier_fractions))
         if o.sweep:
@@ -185,6 +201,7 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         "percentile": o.percentile if o.method == "percentile" else None,
         "data": {"file": str(cal.path), "kind": cal.kind, "sequences": int(cal.ids.shape[0]),
                  "seq_len": o.seq_len, "data_hash": quant_out.data_hash,
+                 "bos_token_id": bos,  # None: windows without BOS (tokenizer_config.json add_bos_token false)
                  "latent_rows_per_layer": next(iter(stats.values())).count,
                  "reservoir_exact": all(s.exact for s in stats.values())},
         "held_out": None if ev is None else {"file": str(ev.path), "kind": ev.kind,
@@ -207,6 +224,23 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
                      metadata={"method": o.method, "data_hash": quant_out.data_hash}, expected=expected)
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def level_measure(ev: Evaluator, calib: KVCalibration, candidates: list[Fractions]) -> Callable[[Fractions], Score]:
+    """`measure` for choose_fractions that decodes all candidates of one cost level together.
+
+    The search measures a whole cost level before deciding, so nothing is measured that the
+    one-candidate-at-a-time search would not have measured; batching them only shares the steps.
+    """
+    done: dict[Fractions, Score] = {}
+
+    def measure(f: Fractions) -> Score:
+        if f not in done:
+            level = [g for g in candidates if cost_key(g) == cost_key(f) and g not in done]
+            done.update(zip(level, ev.deployed_many([(calib, g) for g in level])))
+        return done[f]
+
+    return measure
 
 
 def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KVCalibration,
@@ -237,17 +271,19 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
         ("calibrated all-INT8, no compensation", no_comp, ALL_INT8),
         ("naive per-tensor all-INT8", naive, ALL_INT8),
     ]
-    done: dict[tuple[int, Fractions], Score] = {}
+    todo: dict[tuple[int, Fractions], tuple[KVCalibration, Fractions]] = {}
+    for _, cal, fr in configs:
+        if cal is not None and fr is not None:
+            todo.setdefault((id(cal), fr), (cal, fr))
+    progress(f"held-out report: {len(todo)} configurations x {ev.seqs.shape[0]} sequences, decoded together")
+    done: dict[tuple[int, Fractions], Score] = dict(zip(todo, ev.deployed_many(list(todo.values()))))
     rows = []
     for name, cal, fr in configs:
         if cal is None or fr is None:
             s, b = ev.exact, kv_bytes_per_position(weights, ALL_FP16)  # exact holds float32; FP16 for bytes
         else:
-            key = (id(cal), fr)
-            if key not in done:
-                done[key] = ev.deployed(cal, fr)
-                progress(f"{name}: perplexity {done[key].perplexity:.4f}")
-            s, b = done[key], kv_bytes_per_position(weights, fr)
+            s, b = done[(id(cal), fr)], kv_bytes_per_position(weights, fr)
+            progress(f"{name}: perplexity {s.perplexity:.4f}")
         rows.append({"name": name, "tier_fractions": None if fr is None else list(fr), "kv_bytes_per_position": b,
                      "perplexity": s.perplexity, "mean_nll": s.mean_nll,
                      "relative_increase": None if cal is None else ev.relative_increase(s),

@@ -35,12 +35,20 @@ class ChannelStats:
     absmax: torch.Tensor = field(init=False)  # [r] float32
     total: torch.Tensor = field(init=False)  # [r] float64 sum
     count: int = 0
-    rows: torch.Tensor = field(init=False)  # [min(count, capacity), r] float32 reservoir
+    # reservoir storage, grown by doubling up to capacity (appending by torch.cat would copy every row
+    # held so far on every update); `rows` is its filled part
+    _buf: torch.Tensor = field(init=False, repr=False)
+    _held: int = field(init=False, default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.absmax = torch.zeros(self.r)
         self.total = torch.zeros(self.r, dtype=torch.float64)
-        self.rows = torch.zeros(0, self.r)
+        self._buf = torch.zeros(0, self.r)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """[min(count, capacity), r] float32 reservoir (a view)."""
+        return self._buf[: self._held]
 
     def update(self, x: torch.Tensor) -> None:
         """x: [T, r] float32 rows, already the values to be quantised."""
@@ -49,17 +57,23 @@ class ChannelStats:
         x = x.detach().float()
         self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0))
         self.total += x.double().sum(dim=0)
-        free = max(0, self.capacity - self.rows.shape[0])
+        free = max(0, self.capacity - self._held)
         head, tail = x[:free], x[free:]
         if head.shape[0]:
-            self.rows = torch.cat([self.rows, head.clone()])
+            need = self._held + head.shape[0]
+            if need > self._buf.shape[0]:
+                grown = torch.zeros(min(self.capacity, max(need, 2 * self._buf.shape[0])), self.r)
+                grown[: self._held] = self.rows
+                self._buf = grown
+            self._buf[self._held:need] = head
+            self._held = need
         seen = self.count + head.shape[0]
         if tail.shape[0]:
             # algorithm R: the k-th row overall (0-based) replaces slot j ~ U[0, k] when j < capacity
             k = torch.arange(seen, seen + tail.shape[0], dtype=torch.float64)
             j = (torch.rand(tail.shape[0], generator=self.generator, dtype=torch.float64) * (k + 1)).long()
             for idx in (j < self.capacity).nonzero().squeeze(1).tolist():  # in order: later rows win
-                self.rows[int(j[idx])] = tail[idx]
+                self._buf[int(j[idx])] = tail[idx]
         self.count += x.shape[0]
 
     @property
@@ -108,16 +122,21 @@ class LatentObserver:
         return not (pos < len(self._tokens) and self._tokens[pos] in self.hot_ids)
 
 
-@torch.no_grad()
+@torch.inference_mode()
+def observe(model: GoldenModel, sequences: torch.Tensor, observer: LatentObserver) -> None:
+    """Feed `observer` the latent rows of `model`'s forward calls over [B, T] ids, in order."""
+    model.latent_hooks.append(observer)
+    try:
+        for row in sequences:
+            observer.begin_sequence(row.tolist())
+            model.forward(model.new_cache(), row)
+    finally:
+        model.latent_hooks.remove(observer)
+
+
 def collect_stats(model: GoldenModel, sequences: torch.Tensor, *, capacity: int = 16384,
                   seed: int = 0, fp16: bool = True) -> dict[tuple[int, str], ChannelStats]:
     """Run `model` (exact mode: float32 latents, rounded to FP16 by the observer) over [B, T] ids."""
     obs = LatentObserver(model, capacity=capacity, seed=seed, fp16=fp16)
-    model.latent_hooks.append(obs)
-    try:
-        for row in sequences:
-            obs.begin_sequence(row.tolist())
-            model.forward(model.new_cache(), row)
-    finally:
-        model.latent_hooks.remove(obs)
+    observe(model, sequences, obs)
     return obs.stats

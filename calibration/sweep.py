@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from calibration.measure import Evaluator, Fractions, Score, kv_bytes_per_position, relative_increase
+from calibration.measure import Evaluator, Fractions, kv_bytes_per_position, relative_increase
 from calibration.tiers import choose_fractions
 from gsm.golden.weights import KVCalibration
 
@@ -22,12 +22,10 @@ BUDGETS = (0.0, 0.0001, 0.0003, 0.001, 0.003, 0.01)
 
 def sweep(search: Evaluator, held: Evaluator, calib: KVCalibration, candidates: list[Fractions], *, z: float,
           budgets: tuple[float, ...] = BUDGETS, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    on_calib: dict[Fractions, Score] = {}
-    on_held: dict[Fractions, Score] = {}
     rows = []
+    on_calib = dict(zip(candidates, search.deployed_many([(calib, f) for f in candidates])))
+    on_held = dict(zip(candidates, held.deployed_many([(calib, f) for f in candidates])))
     for f in candidates:
-        on_calib[f] = search.deployed(calib, f)
-        on_held[f] = held.deployed(calib, f)
         c, h = on_calib[f], on_held[f]
         rows.append({"tier_fractions": list(f), "kv_bytes_per_position": kv_bytes_per_position(search.weights, f),
                      "calib_relative_increase": relative_increase(c, search.exact),

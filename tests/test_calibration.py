@@ -292,7 +292,7 @@ def _bad(ckpt_dir: Path, capsys, *args: str) -> str:
     rc = main(["run", "--checkpoint", str(ckpt_dir), *SMALL, "--eval-samples", "0", *args])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith("error: ") and "Traceback" not in err
+    assert err.startswith("calibration: error: ") and "Traceback" not in err
     assert snapshot(ckpt_dir) == before
     return err
 
@@ -354,8 +354,8 @@ def test_bad_flags_and_modified_checkpoint(ckpt_copy, capsys):
     assert "--seq-len" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--seq-len", "4096")
     assert "the calibration file itself" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--eval-data",
                                                  str(CALIB_TEXT))
-    assert "inside --checkpoint" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--out",
-                                         str(ckpt_copy / "calibrated"))
+    assert "lies inside" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--out",
+                                 str(ckpt_copy / "calibrated"))
     taken = ckpt_copy.parent / "taken"
     taken.mkdir()
     assert "already exists" in _bad(ckpt_copy, capsys, "--data", str(CALIB_TEXT), "--out", str(taken))
