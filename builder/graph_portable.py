@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from builder.nodes import F16, F32, I32, I64, apply_rope, cast, positions, valid_rows
+from builder.nodes import F16, F32, I32, I64, apply_rope, cast, linear, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm.config import ModelConfig
 
@@ -172,23 +172,7 @@ class PortableOps:
             sel_ok = g.op("GreaterOrEqual", [selected, g.const(0, np.int32, "zero_i32")])  # [B, S, K]
             p = g.op("Max", [selected, g.const(0, np.int32, "zero_i32")])  # padding reads position 0, masked
             rk, rv = self.ranks[l if owning else source]
-            where = self._row_index(geo, p)
-            lat_k = self._gather_rows(cache["k"], cache["new_k"], where, rk)  # [B, S, K, rk]
-            lat_v = self._gather_rows(cache["v"], cache["new_v"], where, rv)
-            # K/V of the gathered rows straight into head-major [B, S, nKV, K, D]: a broadcast MatMul of
-            # [B, S, 1, K, r] with the up-projection as [nKV, r, D] (folded once by ONNX Runtime), so no
-            # activation is transposed
-            if owning:
-                k = self._up_heads(lat_k, up[0], None, rk, 0)
-                v = self._up_heads(lat_v, up[1], None, rv, 0)
-            else:
-                lat = g.op("Concat", [lat_k, lat_v], axis=-1)
-                k = self._up_heads(lat, up[0], up[1], rk + rv, 0)
-                v = self._up_heads(lat, up[0], up[1], rk + rv, nKV * D)
-            cos, sin = rope
-            cos_k = g.op("Unsqueeze", [g.op("Gather", [cos, p], axis=0), g.const([2], np.int64, "ax2")])  # [B,S,1,K,D]
-            sin_k = g.op("Unsqueeze", [g.op("Gather", [sin, p], axis=0), g.const([2], np.int64, "ax2")])
-            k = apply_rope(g, k, cos_k, sin_k, D)  # [B, S, nKV, K, D]
+            k, v = self._selected_kv(geo, p, cache, rk, rv, up, owning, rope)  # [B, S, nKV, K, D] each
             # queries: RoPE at pos; head h reads key head h // grp
             qh = g.op("Reshape", [q, g.const([0, 0, nH, D], np.int64, "bshd")])  # [B, S, nH, D]
             qh = g.op("Reshape", [apply_rope(g, qh, geo["cos_q"], geo["sin_q"], D),
@@ -211,43 +195,51 @@ class PortableOps:
                             outputs=[f"L{l}.attn_mass"])  # [B, L]
         return out, (selected if owning else None), mass
 
-    def _row_index(self, geo: dict[str, str], p: str) -> tuple[str, str, str]:
-        """For positions p [B, S, K]: whether each is one of this call's new rows, its flat row in the
-        cache buffers (cache_rows[b] * N_max + p) and its flat row in the new rows (b * S + p - past)."""
-        g = self.g
-        is_new = g.op("GreaterOrEqual", [p, geo["past3"]])
-        p64 = cast(g, p, I64)
-        in_cache = g.op("Add", [geo["base3"], p64])
-        j = g.op("Clip", [g.op("Sub", [p64, cast(g, geo["past3"], I64)]), g.const(0, np.int64, "i0"), geo["s_last"]])
-        return g.op("Unsqueeze", [is_new, g.const([3], np.int64, "ax3")]), in_cache, g.op("Add", [geo["nb3"], j])
+    def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int,
+                     up: tuple[str, str], owning: bool, rope: tuple[str, str]) -> tuple[str, str]:
+        """K (RoPE applied) and V of the selected positions p [B, S, K], head-major [B, S, nKV, K, D].
 
-    def _gather_rows(self, cache: str, new_rows: str, where: tuple[str, str, str], r: int) -> str:
-        """Latent rows [B, S, K, r] of the positions indexed by `where` (_row_index): from the sequence's
-        cache row for cached positions, from this call's new rows [B, S, r] otherwise."""
-        g = self.g
-        is_new, in_cache, in_new = where
-        from_cache = g.op("Gather", [self._flat_rows(cache, r), in_cache], axis=0)
-        from_new = g.op("Gather", [g.op("Reshape", [new_rows, g.const([-1, r], np.int64, f"flat{r}")]), in_new],
-                        axis=0)
-        return g.op("Where", [is_new, from_new, from_cache])
-
-    def _up_heads(self, lat: str, weight: str, bias: str | None, r: int, row0: int) -> str:
-        """Gathered latents [B, S, K, r] -> [B, S, nKV, K, D] = lat @ W[row0 : row0 + nKV*D]^T (+ b), per head."""
+        Rows are reconstructed once per *distinct* selected row (`Unique` over the batch's picks): a
+        decode step reconstructs at most K_sel rows per sequence, a prefill chunk at most its context
+        (queries of one chunk select mostly the same rows), never S * K_sel."""
         g, cfg = self.g, self.cfg
         nKV, D = cfg.num_key_value_heads, cfg.head_dim
-        w = weight
-        if row0 or g.store.tensors[weight].shape[0] != nKV * D:
-            w = g.op("Slice", [weight, g.const([row0], np.int64, f"r{row0}"), g.const([row0 + nKV * D], np.int64,
-                                                                                    f"r{row0 + nKV * D}"),
-                               g.const([0], np.int64, "zero1")])
-        w = g.op("Transpose", [g.op("Reshape", [w, g.const([nKV, D, r], np.int64, f"hd{r}")])], perm=[0, 2, 1])
-        y = g.op("MatMul", [g.op("Unsqueeze", [lat, g.const([2], np.int64, "ax2")]), w])  # [B, S, nKV, K, D]
-        if bias is not None:
-            b = g.op("Slice", [bias, g.const([row0], np.int64, f"r{row0}"), g.const([row0 + nKV * D], np.int64,
-                                                                                 f"r{row0 + nKV * D}"),
-                               g.const([0], np.int64, "zero1")])
-            y = g.op("Add", [y, g.op("Reshape", [b, g.const([nKV, 1, D], np.int64, "h1d")])])
-        return y
+        is_new = g.op("GreaterOrEqual", [p, geo["past3"]])
+        p64 = cast(g, p, I64)
+        zero, minus1 = g.const(0, np.int64, "i0"), g.const(-1, np.int64, "i_minus1")
+        in_cache = g.op("Add", [geo["base3"], p64])  # row in the cache buffer viewed as [R * N_max, r]
+        j = g.op("Clip", [g.op("Sub", [p64, cast(g, geo["past3"], I64)]), zero, geo["s_last"]])
+        in_new = g.op("Add", [geo["nb3"], j])  # row in this call's new rows viewed as [B * S, r]
+        key = g.op("Where", [is_new, g.op("Sub", [minus1, in_new]), in_cache])  # new rows as negative keys
+        flat = g.const([-1], np.int64, "flat")
+        uniq, first, inverse, _ = g.op("Unique", [g.op("Reshape", [key, flat])], n_out=4, sorted=0)
+        u_new = g.op("Unsqueeze", [g.op("Less", [uniq, zero]), g.const([1], np.int64, "ax1")])
+        cache_row = g.op("Max", [uniq, zero])
+        new_row = g.op("Max", [g.op("Sub", [minus1, uniq]), zero])
+
+        def rows(kind: str, r: int) -> str:  # [U, r]
+            from_cache = g.op("Gather", [self._flat_rows(cache[kind], r), cache_row], axis=0)
+            new_flat = g.op("Reshape", [cache["new_" + kind], g.const([-1, r], np.int64, f"flat{r}")])
+            return g.op("Where", [u_new, g.op("Gather", [new_flat, new_row], axis=0), from_cache])
+
+        lat_k, lat_v = rows("k", rk), rows("v", rv)
+        if owning:
+            k_u, v_u = linear(g, lat_k, up[0]), linear(g, lat_v, up[1])  # [U, kvD]
+        else:
+            kv = linear(g, g.op("Concat", [lat_k, lat_v], axis=-1), up[0], up[1])
+            k_u, v_u = g.op("Split", [kv, g.const([nKV * D, nKV * D], np.int64, "kv_split")], n_out=2, axis=-1)
+        heads = g.const([-1, nKV, D], np.int64, "u_hd")
+        pos_u = g.op("Gather", [g.op("Reshape", [p, flat]), first], axis=0)  # [U]
+        cos_u = g.op("Unsqueeze", [g.op("Gather", [rope[0], pos_u], axis=0), g.const([1], np.int64, "ax1")])
+        sin_u = g.op("Unsqueeze", [g.op("Gather", [rope[1], pos_u], axis=0), g.const([1], np.int64, "ax1")])
+        k_u = apply_rope(g, g.op("Reshape", [k_u, heads]), cos_u, sin_u, D)  # [U, nKV, D]
+        inv = g.op("Reshape", [inverse, g.op("Shape", [p])])  # [B, S, K]
+
+        def spread(x: str) -> str:  # [U, nKV, D] -> [nKV, B, S, K, D] -> [B, S, nKV, K, D] (moves K*D blocks)
+            y = g.op("Gather", [g.op("Transpose", [x], perm=[1, 0, 2]), inv], axis=1)
+            return g.op("Transpose", [y], perm=[1, 2, 0, 3, 4])
+
+        return spread(k_u), spread(g.op("Reshape", [v_u, heads]))
 
     def _select(self, l: int, geo: dict[str, str], index_q: str, index_w: str, cache: dict[str, str]) -> str:
         """Sel(t) by spec 4.1 as positions [B, S, K_sel] int32, ascending, padded with -1."""
