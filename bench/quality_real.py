@@ -1,0 +1,390 @@
+"""Quality of a GSM checkpoint at real scale, on held-out text (issue 12, "Quality at real scale").
+
+    python bench/quality_real.py long  --checkpoint C --dense SRC --eval-text EVAL [--lengths 1024,2048,4096]
+    python bench/quality_real.py curve --checkpoint C [C2 ...] --dense SRC --eval-text EVAL [--fractions ...]
+    python bench/quality_real.py chat  --checkpoint C --dense SRC [--prompt "..."]
+
+`long`: mask hit rate of the checkpoint's indexer against a random indexer and a recency window of the
+SAME budget (sinks + window + top-k), under the dense model's causal attention (as the converter's
+quality report scores it), per layer and averaged, at several context lengths; then perplexity of
+dense, GSM exact and GSM deployed (FP16 rows; and INT tiers on a decoded tail) at one length.
+`curve`: KV bytes per position (spec 6) against held-out perplexity for each checkpoint (rank
+tolerance / budget / sharing variants) and each tier-fraction setting (its own calibration scales).
+`chat`: greedy chat answer of the GSM model (golden, exact mode) next to the dense one.
+
+Held-out text only: sequences are cut from EVAL (paragraphs joined by a blank line, tokenised as one
+stream, non-overlapping windows from the start). BOS is prepended only when the checkpoint's
+tokenizer_config.json says add_bos_token (SmolLM2: no). Writes one JSON (`--out`) and prints a table.
+Memory is bounded by scoring one layer and one block of query rows at a time: a [heads, block, T]
+slice of attention instead of the [heads, T, T] matrix (600 MB per layer at 4K for SmolLM2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gsm import checkpoint
+from gsm.config import ModelConfig
+from gsm.dense import DenseLlama
+from gsm.golden import attention as A
+from gsm.golden.model import GoldenModel
+from gsm.golden.selection import index_scores, select
+from gsm.golden.weights import OwningKV
+from gsm.sources import read_source
+
+BASELINES = ("indexer", "random", "recency")
+README_PROMPT = "Describe a scratch defect on a steel plate in one sentence."
+
+
+# -- data ------------------------------------------------------------------------------------------
+def tokenizer_config(ckpt: Path) -> dict[str, Any]:
+    p = Path(ckpt) / "tokenizer_config.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def eval_stream(text_path: Path, tokenizer: Any, max_tokens: int) -> list[int]:
+    """Paragraphs (blank-line separated) joined by a blank line, tokenised in order, first max_tokens ids."""
+    paras = [" ".join(p.split()) for p in Path(text_path).read_text(encoding="utf-8").split("\n\n")]
+    stream: list[int] = []
+    for k, para in enumerate(p for p in paras if p):
+        stream.extend(tokenizer.encode(("\n\n" if k else "") + para, add_special_tokens=False).ids)
+        if len(stream) >= max_tokens:
+            break
+    return stream[:max_tokens]
+
+
+def windows(stream: list[int], seq_len: int, n: int, bos_id: int | None) -> torch.Tensor:
+    """[n', seq_len] non-overlapping windows from the start (n' <= n); BOS first when the model wants one."""
+    body = seq_len - (bos_id is not None)
+    n = min(n, len(stream) // body)
+    if n == 0:
+        raise ValueError(f"the evaluation text has {len(stream)} tokens, fewer than one window of {seq_len}")
+    rows = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
+    if bos_id is not None:
+        rows = torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
+    return rows
+
+
+class Setup:
+    """The dense source, the GSM checkpoint (exact golden model) and the held-out sequences' rules."""
+
+    def __init__(self, ckpt: Path, dense_path: Path, eval_text: Path | None) -> None:
+        from tokenizers import Tokenizer
+
+        self.ckpt = Path(ckpt)
+        self.src = read_source(Path(dense_path))
+        self.dense = DenseLlama(self.src)
+        self.gsm = GoldenModel.from_checkpoint(self.ckpt, mode="exact")
+        self.cfg: ModelConfig = self.gsm.cfg
+        self.tok_cfg = tokenizer_config(self.ckpt)
+        self.tokenizer = Tokenizer.from_file(str(self.ckpt / "tokenizer.json"))
+        add_bos = bool(self.tok_cfg.get("add_bos_token", True))
+        self.bos_id = self.cfg.bos_token_id if add_bos else None
+        self.eval_text = eval_text
+
+    def sequences(self, seq_len: int, n: int) -> torch.Tensor:
+        body = seq_len - (self.bos_id is not None)
+        return windows(eval_stream(self.eval_text, self.tokenizer, n * body), seq_len, n, self.bos_id)
+
+
+# -- mask hit rate ---------------------------------------------------------------------------------
+def owner_of(cfg: ModelConfig, i: int, weights: Any) -> int:
+    """The layer whose indexer (and mask) layer i uses: itself, or its sharing source (spec 4.2)."""
+    return i if cfg.is_owning(i) else weights.layers[i].kv.source
+
+
+@torch.no_grad()
+def layer_hit_rates(cfg: ModelConfig, kv: OwningKV, x_own: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
+                    block: int = 512, seed: int = 0) -> dict[str, float]:
+    """Mean dense attention mass of Sel(t) over the sparse query rows of one sequence, per selector.
+
+    x_own: [T, H] normalised input of the owning layer (the indexer's input); q: [nH, T, D] and
+    k: [nKV, T, D] RoPE'd dense queries/keys of the scored layer. Query rows are taken `block` at a
+    time, so memory is [nH, block, T] rather than [nH, T, T]. Selectors share the budget of the
+    checkpoint's gsm_config: sinks + window always, top-k chosen by the indexer / uniform random
+    scores / position (recency: = a window of window + top-k).
+    """
+    p = cfg.gsm
+    T = x_own.shape[0]
+    keys = x_own @ kv.idx_k.T  # [T, dI]
+    gen = torch.Generator().manual_seed(seed)
+    sums = dict.fromkeys(BASELINES, 0.0)
+    rows = 0
+    first_sparse = p.sink_tokens + p.sparse_window + p.sparse_top_k  # rows t >= this are sparse
+    for a in range(first_sparse, T, block):
+        q_pos = torch.arange(a, min(a + block, T))
+        dense = A.attention_probs(q[:, q_pos], k, A.causal_mask(q_pos, T))  # [nH, b, T]
+        scores = {
+            "indexer": index_scores(x_own[q_pos], kv.idx_q, kv.idx_w, keys, p.indexer_heads),
+            "random": torch.rand(q_pos.numel(), T, generator=gen),
+            "recency": torch.arange(T, dtype=torch.float32)[None].expand(q_pos.numel(), T),
+        }
+        for name, sc in scores.items():
+            sel = select(sc, q_pos, p)  # [b, T]
+            sums[name] += float((dense * sel[None]).sum(-1).mean(0).sum())
+        rows += q_pos.numel()
+    return {name: s / max(rows, 1) for name, s in sums.items()} | {"rows": rows}
+
+
+@torch.no_grad()
+def sequence_hit_rates(setup: Setup, ids: torch.Tensor, *, block: int = 512, seed: int = 0) -> dict[int, dict]:
+    """Layer -> hit rates of one sequence ids [T], under the dense model's attention."""
+    cfg, dense = setup.cfg, setup.dense
+    _, cap = dense.forward(ids[None], capture=True)  # x, q, k per layer; no [T, T] kept
+    T, nH, nKV, D = ids.numel(), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = A.rope_tables(torch.arange(T), D, cfg.rope_theta)
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        own = owner_of(cfg, i, setup.gsm.w)
+        lc = cap.layers[i]
+        q = A.apply_rope(lc.q[0].view(T, nH, D).transpose(0, 1), cos, sin)
+        k = A.apply_rope(lc.k[0].view(T, nKV, D).transpose(0, 1), cos, sin)
+        out[i] = layer_hit_rates(cfg, setup.gsm.w.layers[own].kv, cap.layers[own].x[0], q, k, block=block,
+                                 seed=seed + i)
+    return out
+
+
+def average_layers(per_seq: list[dict[int, dict]]) -> dict[str, Any]:
+    layers = sorted(per_seq[0])
+    per_layer = {i: {b: float(np.mean([s[i][b] for s in per_seq])) for b in BASELINES} for i in layers}
+    mean = {b: float(np.mean([per_layer[i][b] for i in layers])) for b in BASELINES}
+    return {"per_layer": per_layer, "mean_over_layers": mean, "sequences": len(per_seq)}
+
+
+# -- perplexity ------------------------------------------------------------------------------------
+@torch.no_grad()
+def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:-1], ids[1:], reduction="none")
+
+
+@torch.no_grad()
+def perplexities(setup: Setup, seqs: torch.Tensor, *, deployed_fp16: bool = True) -> dict[str, Any]:
+    """Dense, GSM exact and GSM deployed-prefill (FP16 rows, spec 5) perplexity on the same tokens.
+
+    One prefill per sequence: deployed mode's INT tiers only take effect after the end-of-prefill
+    re-tier, so this deployed figure isolates the FP16 rounding; `tiered_tail` measures the tiers."""
+    sums = {"dense": 0.0, "gsm_exact": 0.0, "gsm_deployed_fp16_prefill": 0.0}
+    n_tok = 0
+    dep = GoldenModel(setup.gsm.w, mode="deployed", quant=setup.gsm.quant, calibration=setup.gsm.calib)
+    for row in seqs:
+        sums["dense"] += float(token_nll(setup.dense.forward(row[None])[0], row).sum())
+        sums["gsm_exact"] += float(token_nll(setup.gsm.forward(setup.gsm.new_cache(), row).logits, row).sum())
+        if deployed_fp16:
+            sums["gsm_deployed_fp16_prefill"] += float(token_nll(dep.forward(dep.new_cache(), row).logits, row).sum())
+        n_tok += row.numel() - 1
+    if not deployed_fp16:
+        sums.pop("gsm_deployed_fp16_prefill")
+    ppl = {k: math.exp(v / n_tok) for k, v in sums.items()}
+    return {"perplexity": ppl, "relative_to_dense": {k: v / ppl["dense"] - 1 for k, v in ppl.items()},
+            "sequences": int(seqs.shape[0]), "seq_len": int(seqs.shape[1]), "tokens": n_tok}
+
+
+def tiered_tail(weights: Any, quant: Any, calib: Any, seqs: torch.Tensor, fractions: list[tuple[float, ...]],
+                decode_steps: int, adaptation_rate: int = 16) -> dict[str, Any]:
+    """Deployed mode with INT tiers: prefill T - 1 - decode_steps tokens, decode the rest teacher-forced
+    (calibration.measure's protocol, lockstep), score only the decoded tokens; exact on the same tokens."""
+    from calibration.measure import Evaluator, Protocol, kv_bytes_per_position
+
+    prefill = int(seqs.shape[1]) - 1 - decode_steps
+    ev = Evaluator(weights, quant, seqs, Protocol(prefill_len=prefill, adaptation_rate=adaptation_rate))
+    scores = ev.deployed_many([(calib, tuple(f)) for f in fractions])
+    rows = [{"tier_fractions": list(f), "kv_bytes_per_position": kv_bytes_per_position(weights, tuple(f)),
+             "perplexity": s.perplexity, "relative_to_exact": ev.relative_increase(s),
+             "relative_upper_bound_z2": ev.relative_increase(s, 2.0), "mean_kl": s.mean_kl}
+            for f, s in zip(fractions, scores)]
+    return {"prefill_len": prefill, "decoded_tokens": ev.exact.n_tokens, "exact_perplexity": ev.exact.perplexity,
+            "adaptation_rate": adaptation_rate, "rows": rows}
+
+
+# -- chat ------------------------------------------------------------------------------------------
+def chat_prompt_ids(ckpt: Path, prompt: str) -> tuple[list[int], list[int]]:
+    """The ChatML prompt rendered by transformers' apply_chat_template; and the stop ids (EOS, end of turn)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tc = tokenizer_config(ckpt)
+    if not tc.get("chat_template"):
+        raise ValueError(f"{ckpt}: tokenizer_config.json has no chat_template (the model is not a chat model)")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(ckpt) / "tokenizer.json"),
+                                  bos_token=tc.get("bos_token"), eos_token=tc.get("eos_token"))
+    tok.chat_template = tc["chat_template"]
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    stops = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0}
+    return ids, sorted(stops)
+
+
+@torch.no_grad()
+def greedy_until(step_first: Any, step_next: Any, n: int, stops: list[int]) -> list[int]:
+    logits = step_first()
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        if tok in stops:
+            break
+        logits = step_next(tok)
+    return out
+
+
+def chat(setup: Setup, prompt: str, max_new: int) -> dict[str, Any]:
+    ids, stops = chat_prompt_ids(setup.ckpt, prompt)
+    g = setup.gsm
+    cache = g.new_cache()
+    gsm_ids = greedy_until(lambda: g.prefill(cache, ids).logits[-1], lambda t: g.decode(cache, t).logits[-1],
+                           max_new, stops)
+    dense_ids = setup.dense.greedy(ids, max_new)
+    if any(t in stops for t in dense_ids):
+        dense_ids = dense_ids[: next(k for k, t in enumerate(dense_ids) if t in stops) + 1]
+    same = next((k for k, (a, b) in enumerate(zip(gsm_ids, dense_ids)) if a != b), min(len(gsm_ids), len(dense_ids)))
+    dec = setup.tokenizer.decode
+    return {"prompt": prompt, "prompt_tokens": len(ids), "dense": dec(dense_ids), "gsm_exact": dec(gsm_ids),
+            "dense_ids": dense_ids, "gsm_ids": gsm_ids, "identical_prefix_tokens": same}
+
+
+# -- commands --------------------------------------------------------------------------------------
+def cmd_long(a: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(a.seed)
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    p = s.cfg.gsm
+    res: dict[str, Any] = {"checkpoint": str(a.checkpoint), "budget": {
+        "sinks": p.sink_tokens, "window": p.sparse_window, "top_k": p.sparse_top_k,
+        "positions": p.sink_tokens + p.sparse_window + p.sparse_top_k}, "hit_rate": {}}
+    for L in a.lengths:
+        t0 = time.perf_counter()
+        seqs = s.sequences(L, a.sequences)
+        per = [sequence_hit_rates(s, row, block=a.block, seed=a.seed + 1000 * b) for b, row in enumerate(seqs)]
+        res["hit_rate"][L] = average_layers(per) | {"seconds": time.perf_counter() - t0}
+        m = res["hit_rate"][L]["mean_over_layers"]
+        print(f"[long] {L}: hit rate indexer {m['indexer']:.4f} random {m['random']:.4f} recency {m['recency']:.4f}"
+              f" ({len(per)} seq, {time.perf_counter() - t0:.0f} s)", flush=True)
+    if a.ppl_len:
+        t0 = time.perf_counter()
+        seqs = s.sequences(a.ppl_len, a.ppl_sequences)
+        res["perplexity"] = perplexities(s, seqs) | {"seconds": time.perf_counter() - t0}
+        print(f"[long] perplexity at {a.ppl_len}: {res['perplexity']['perplexity']}", flush=True)
+        if a.tail_steps:
+            t0 = time.perf_counter()
+            fr = [tuple(float(x) for x in f.split(",")) for f in a.fractions]
+            res["tiered_tail"] = tiered_tail(s.gsm.w, s.gsm.quant, s.gsm.calib, seqs, fr, a.tail_steps) | {
+                "seconds": time.perf_counter() - t0, "calibrated": checkpoint.load_kv_calibration(s.ckpt) is not None}
+            print(f"[long] tiered tail: {json.dumps(res['tiered_tail']['rows'])}", flush=True)
+    return res
+
+
+def cmd_curve(a: argparse.Namespace) -> dict[str, Any]:
+    from calibration.measure import kv_bytes_per_position
+
+    rows = []
+    for ck in a.checkpoint:
+        t0 = time.perf_counter()
+        s = Setup(ck, a.dense, a.eval_text)
+        seqs = s.sequences(a.seq_len, a.sequences)
+        pp = perplexities(s, seqs, deployed_fp16=False)
+        dense_b = float(s.cfg.num_hidden_layers * 2 * s.cfg.kv_dim * 2)
+        base = {"checkpoint": str(ck), "owning_layers": len(s.cfg.owning_layers),
+                "ranks": {i: list(r) for i, r in s.gsm.w.ranks.items()}, "dense_fp16_bytes": dense_b,
+                "dense_perplexity": pp["perplexity"]["dense"],
+                "calibrated": checkpoint.load_kv_calibration(ck) is not None}
+        b16 = kv_bytes_per_position(s.gsm.w, (1.0, 0.0, 0.0))
+        rows.append(base | {"mode": "exact (FP16 bytes)", "tier_fractions": [1.0, 0.0, 0.0],
+                            "kv_bytes_per_position": b16,
+                            "ratio_to_dense": b16 / dense_b, "perplexity": pp["perplexity"]["gsm_exact"],
+                            "relative_to_dense": pp["relative_to_dense"]["gsm_exact"], "tokens": pp["tokens"]})
+        print(f"[curve] {ck}: {b16:.0f} B/pos ({b16 / dense_b:.3f}x) ppl {pp['perplexity']['gsm_exact']:.4f} "
+              f"dense {pp['perplexity']['dense']:.4f}", flush=True)
+        if a.fractions and a.tail_steps:
+            fr = [tuple(float(x) for x in f.split(",")) for f in a.fractions]
+            tail = tiered_tail(s.gsm.w, s.gsm.quant, s.gsm.calib, seqs, fr, a.tail_steps)
+            for r in tail["rows"]:
+                # tiers change the decoded tail only: apply the tail's increase over exact to the exact ppl
+                est = pp["perplexity"]["gsm_exact"] * (1 + r["relative_to_exact"])
+                rows.append(base | {"mode": "deployed (tiers, decoded tail)", "tier_fractions": r["tier_fractions"],
+                                    "kv_bytes_per_position": r["kv_bytes_per_position"],
+                                    "ratio_to_dense": r["kv_bytes_per_position"] / dense_b,
+                                    "tail_relative_to_exact": r["relative_to_exact"],
+                                    "tail_upper_bound_z2": r["relative_upper_bound_z2"],
+                                    "perplexity_estimate": est,
+                                    "relative_to_dense": est / pp["perplexity"]["dense"] - 1,
+                                    "tail": {k: v for k, v in tail.items() if k != "rows"}})
+                print(f"[curve]   tiers {r['tier_fractions']}: {r['kv_bytes_per_position']:.0f} B/pos "
+                      f"tail +{100 * r['relative_to_exact']:.2f}% vs exact", flush=True)
+        print(f"[curve]   {time.perf_counter() - t0:.0f} s", flush=True)
+    return {"seq_len": a.seq_len, "sequences": a.sequences, "rows": rows}
+
+
+def cmd_chat(a: argparse.Namespace) -> dict[str, Any]:
+    s = Setup(a.checkpoint, a.dense, None)
+    r = chat(s, a.prompt, a.max_new)
+    print(f"[chat] dense: {r['dense']!r}\n[chat] gsm:   {r['gsm_exact']!r}", flush=True)
+    return r
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench/quality_real.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p: argparse.ArgumentParser, many: bool = False) -> None:
+        p.add_argument("--checkpoint", type=Path, required=True, nargs="+" if many else None)
+        p.add_argument("--dense", type=Path, required=True, help="the dense source (.gguf, HF dir, llama2c .bin)")
+        p.add_argument("--out", type=Path, help="write the results JSON here")
+        p.add_argument("--threads", type=int, default=1)
+        p.add_argument("--seed", type=int, default=0)
+
+    lg = sub.add_parser("long", help="hit rates at long contexts, perplexity at one length")
+    common(lg)
+    lg.add_argument("--eval-text", type=Path, required=True)
+    lg.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    lg.add_argument("--sequences", type=int, default=2, help="sequences per length")
+    lg.add_argument("--block", type=int, default=512, help="query rows scored at once")
+    lg.add_argument("--ppl-len", type=int, default=2048, help="0 = skip perplexity")
+    lg.add_argument("--ppl-sequences", type=int, default=2)
+    lg.add_argument("--tail-steps", type=int, default=0, help="decode steps scored with INT tiers (0 = skip)")
+    lg.add_argument("--fractions", nargs="*", default=["0,0,1"], help="tier fractions FP16,INT12,INT8")
+
+    cv = sub.add_parser("curve", help="KV bytes per position vs held-out perplexity")
+    common(cv, many=True)
+    cv.add_argument("--eval-text", type=Path, required=True)
+    cv.add_argument("--seq-len", type=int, default=512)
+    cv.add_argument("--sequences", type=int, default=8)
+    cv.add_argument("--tail-steps", type=int, default=0)
+    cv.add_argument("--fractions", nargs="*", default=[])
+
+    ch = sub.add_parser("chat", help="greedy chat answer, GSM exact vs dense")
+    common(ch)
+    ch.add_argument("--prompt", default=README_PROMPT)
+    ch.add_argument("--max-new", type=int, default=64)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    torch.set_num_threads(a.threads)
+    try:
+        res = {"long": cmd_long, "curve": cmd_curve, "chat": cmd_chat}[a.cmd](a)
+    except (ValueError, KeyError, FileNotFoundError) as e:  # bad input: a flag, a file, a checkpoint
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    res["command"] = " ".join(sys.argv)
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
