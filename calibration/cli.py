@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reservoir", type=_INT1, default=16384, help="latent rows kept per layer for percentile/MSE "
                    "and compensation (default %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="seed of the latent-row reservoir")
-    r.add_argument("--threads", type=_INT1, default=1, help="torch threads (default 1: the per-token work is "
-                   "small, and more threads only fight over shared cores)")
+    r.add_argument("--threads", type=_INT1, default=1, help="torch threads (default 1, for shared build machines; "
+                   "the measurements are batched matrix products and use more threads when cores are free)")
     r.add_argument("--out", type=Path, help="write a calibrated copy here instead of rewriting --checkpoint")
     r.add_argument("--overwrite", action="store_true",
                    help="replace --out (and --report) if they exist and gsm-edge wrote them")

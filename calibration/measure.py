@@ -12,6 +12,11 @@ scored on the same tokens with one forward call (equal to decoding step by step 
 
 Figures per configuration: mean NLL (perplexity = exp), and the mean KL(exact || deployed) of the
 next-token distributions, a much less noisy measure of the same damage.
+
+Speed: deployed configurations are not decoded one sequence at a time through GoldenModel.decode
+(deployed_logprobs, kept as the plain reference) but all together by calibration/lockstep.py, the
+same algorithm with one row per (sequence, configuration); tests/test_calibration_speed.py holds
+the two together.
 """
 
 from __future__ import annotations
