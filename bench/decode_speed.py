@@ -1,73 +1,267 @@
-"""Decode speed: the portable bundle on ONNX Runtime vs the golden model (deployed mode), same machine.
+"""Decode speed of a GSM bundle on ONNX Runtime (CPU), with llama.cpp as the anchor, in one run.
 
-    python bench/decode_speed.py --checkpoint out/stories-gsm [--tokens 128] [--threads 1]
+    python bench/decode_speed.py --checkpoint out/smol-gsm --threads 2 --out bench-decode.json
+    python bench/decode_speed.py --bundle out/b8k --contexts 256,1024 --batches 1 --max-seqs ""   # quick
 
-Builds a bundle of the checkpoint for `--device` into a temp dir (or takes `--bundle`), then runs the
-same greedy decode on both after the same prompt and prints tokens/s of each, their ratio, and whether
-the greedy tokens agree. A figure for this machine's CPU, not a device figure.
+Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
+- decode tokens/s and ms per step against the context length (`--contexts`), batch 1, in the
+  bundle of the largest `--max-seq`; prefill tokens/s of that context;
+- decode ms per step at a fixed context (`--fixed-context`) in bundles built with each `--max-seqs`;
+- batch throughput at `--batch-context` for `--batches` sequences decoded together (decode_batch);
+- peak RSS of each; optionally (`--profile`) ONNX Runtime's profile of decode steps per op type;
+- llama.cpp on the same model and thread count when its tools are found (`--llama-dir`, default
+  ~/.cache/gsm-edge/llama.cpp, built by ../shared/tools/llama_cpp.sh): `llama-bench -p 0 -n N` from an
+  empty context, `llama-completion` after a prompt of each context length ("eval time" = decode,
+  "prompt eval time" = prefill), with its F32 GGUF (the precision of the portable graph).
+Bundles are built from `--checkpoint` into `--work` unless given. Figures are for this machine's CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+DEFAULT_LLAMA = Path.home() / ".cache" / "gsm-edge" / "llama.cpp"
 
 
-def timed_greedy(prefill, decode, prompt: list[int], n: int) -> tuple[list[int], float]:
-    logits = prefill(prompt)
-    out: list[int] = []
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+# -- one measurement, in its own process ---------------------------------------------------------
+def context_ids(rt, text_file: Path, n: int, offset: int = 0) -> list[int]:
+    """n tokens of the text (BOS first), starting `offset` characters in; repeated if too short."""
+    text = text_file.read_text(encoding="utf-8")[offset:]
+    ids = rt.encode(text)
+    while len(ids) < n:
+        ids += ids[1:]
+    return ids[:n]
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    import runtime
+    from runtime.ort_backend import SessionTuning
+
+    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads)
+    tuning = SessionTuning(threads=args.threads, spinning=args.spinning, optimization=args.optimization,
+                           arena=not args.no_arena)
+    if tuning != rt.backend.tuning:  # a session tuned otherwise than the runtime's default
+        from runtime.ort_backend import OrtBackend
+
+        rt.backend = OrtBackend(Path(args.bundle), rt.cfg, tuning=tuning)
+    if args.profile:  # ONNX Runtime's profiler on the decode steps only (a second session, same tuning)
+        import onnxruntime as ort
+
+        from runtime.ort_backend import session_options
+
+        be = rt.backend
+        so = session_options(tuning)
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(args.profile_dir) / "ort_profile")
+    B, ctx, steps = args.batch, args.context, args.steps
+    prompts = [context_ids(rt, args.text, ctx, offset=997 * b) for b in range(B)]
+    seqs = [rt.new_sequence() for _ in range(B)]
     t0 = time.perf_counter()
-    for _ in range(n):
-        tok = int(np.argmax(logits))
-        out.append(tok)
-        logits = decode(tok)
-    return out, time.perf_counter() - t0
+    logits = rt.prefill_batch(seqs, prompts)
+    prefill_s = time.perf_counter() - t0
+    if args.profile:
+        be.session = ort.InferenceSession(str(Path(args.bundle) / "model.portable.onnx"), so)
+        be.binding = be.session.io_binding()
+        for name, buf in be.buffers.items():
+            be.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))
+    rt.decode_batch(seqs, [int(np.argmax(lg)) for lg in logits])  # warm-up step (allocations, caches)
+    times = []
+    for _ in range(steps):
+        tok = [int(np.argmax(lg)) for lg in logits]
+        t = time.perf_counter()
+        logits = rt.decode_batch(seqs, tok)
+        times.append(time.perf_counter() - t)
+    res = {"bundle": str(args.bundle), "tuning": tuning.__dict__, "n_max": rt.n_max, "context": ctx, "batch": B,
+           "steps": steps,
+           "threads": args.threads, "prefill_tokens_per_s": B * ctx / prefill_s,
+           "decode_ms_per_step": 1e3 * float(np.median(times)),
+           "decode_tokens_per_s": B * steps / sum(times),
+           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if args.profile:
+        events = json.loads(Path(be.session.end_profiling()).read_text())
+        by_op: dict[str, float] = {}
+        for e in events:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+                by_op[e["args"]["op_name"]] = by_op.get(e["args"]["op_name"], 0.0) + e["dur"]
+        total = sum(by_op.values())
+        res["profile_ms_per_step_by_op"] = {k: round(v / 1e3 / (steps + 1), 3)
+                                            for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])}
+        res["profile_total_ms_per_step"] = round(total / 1e3 / (steps + 1), 3)
+    return res
+
+
+def run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool = False) -> dict:
+    """The best of `--repeat` fresh-process runs (the least disturbed one on a shared machine)."""
+    runs = [_run_one(bundle, context, batch, a, profile) for _ in range(1 if profile else a.repeat)]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    best = min(ok, key=lambda r: r["decode_ms_per_step"])
+    best["decode_ms_per_step_runs"] = [round(r["decode_ms_per_step"], 2) for r in ok]
+    best["prefill_tokens_per_s"] = max(r["prefill_tokens_per_s"] for r in ok)
+    return best
+
+
+def _run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool) -> dict:
+    cmd = [sys.executable, __file__, "--one", "--bundle", str(bundle), "--context", str(context), "--batch", str(batch),
+           "--steps", str(a.steps), "--threads", str(a.threads), "--text", str(a.text)]
+    if profile:
+        cmd += ["--profile", "--profile-dir", str(a.work)]
+    cmd += ["--optimization", a.optimization] + (["--spinning"] if a.spinning else []) + (["--no-arena"] if a.no_arena
+                                                                                           else [])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        return {"bundle": str(bundle), "context": context, "batch": batch, "error": r.stderr.strip().splitlines()[-1:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# -- bundles -------------------------------------------------------------------------------------
+def ensure_bundle(a: argparse.Namespace, max_seq: int) -> Path:
+    out = a.work / f"bundle-{max_seq}"
+    if not (out / "manifest.json").is_file():
+        r = subprocess.run([sys.executable, "-m", "builder", "build", "--device", a.device, "--checkpoint",
+                            str(a.checkpoint), "--output", str(out), "--max-seq", str(max_seq), "--max-batch",
+                            str(max(a.batches or [1])), "--max-input", "512", "--overwrite"],
+                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        if r.returncode != 0:
+            raise SystemExit(f"error: building the bundle failed: {r.stderr.strip()[-500:]}")
+    return out
+
+
+# -- llama.cpp -----------------------------------------------------------------------------------
+def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
+    d = a.llama_dir
+    bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
+    gguf = next(iter(sorted(d.glob("*.F32.gguf"))), None)
+    if not (bench.is_file() and gguf):
+        return {"status": f"not found in {d} (run ../shared/tools/llama_cpp.sh)"}
+    out: dict = {"gguf": gguf.name, "threads": a.threads}
+    r = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(a.steps * 2), "-t", str(a.threads), "-o",
+                        "json"], capture_output=True, text=True)
+    try:
+        out["empty_context_decode_tokens_per_s"] = json.loads(r.stdout)[0]["avg_ts"]
+    except (ValueError, IndexError, KeyError):
+        out["llama_bench_error"] = r.stderr.strip()[-300:]
+    import runtime
+
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    for ctx in a.contexts:
+        ids = context_ids(rt, a.text, ctx)
+        prompt = a.work / f"prompt-{ctx}.txt"
+        prompt.write_text(rt.decode(ids[1:]), encoding="utf-8")  # llama.cpp adds its own BOS
+        r = subprocess.run([str(compl), "-m", str(gguf), "-c", str(max(a.contexts) + 2 * a.steps + 64), "-n",
+                            str(a.steps), "-t", str(a.threads), "-f", str(prompt), "--temp", "0", "-no-cnv",
+                            "--no-warmup"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        text = r.stdout + r.stderr
+        pe = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", text)
+        ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", text)
+        row: dict = {"context": ctx}
+        if pe:
+            row["prompt_tokens"] = int(pe.group(2))
+            row["prefill_tokens_per_s"] = 1e3 * int(pe.group(2)) / float(pe.group(1))
+        if ev:
+            row["decode_tokens_per_s"] = 1e3 * int(ev.group(2)) / float(ev.group(1))
+        if not (pe and ev):
+            row["error"] = text.strip()[-300:]
+        out.setdefault("by_context", []).append(row)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", type=Path, required=True)
-    ap.add_argument("--bundle", type=Path, help="an existing bundle of that checkpoint (default: build one)")
-    ap.add_argument("--device", default="orin")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prompt", default="Once upon a time")
-    args = ap.parse_args()
+    ap.add_argument("--checkpoint", type=Path, help="GSM checkpoint to build the bundles from")
+    ap.add_argument("--bundle", type=Path, help="use this bundle for the context/batch runs (no build)")
+    ap.add_argument("--work", type=Path, default=Path("out/bench-decode"), help="bundles, prompts, profiles")
+    ap.add_argument("--device", default="orin-agx-64")
+    ap.add_argument("--contexts", type=ints, default=[256, 1024, 4096, 8192])
+    ap.add_argument("--max-seqs", type=ints, default=[2048, 8192], help="bundles compared at --fixed-context")
+    ap.add_argument("--fixed-context", type=int, default=1024)
+    ap.add_argument("--batches", type=ints, default=[1, 4, 8])
+    ap.add_argument("--batch-context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spinning", action="store_true", help="ONNX Runtime intra-op threads spin (default off)")
+    ap.add_argument("--optimization", default="all", choices=["all", "extended", "basic", "none"])
+    ap.add_argument("--no-arena", action="store_true", help="ONNX Runtime without its CPU memory arena")
+    ap.add_argument("--repeat", type=int, default=2, help="fresh-process runs per configuration; the best is kept")
+    ap.add_argument("--text", type=Path, default=DATA / "tinystories_eval.txt", help="context text")
+    ap.add_argument("--profile", action="store_true", help="ONNX Runtime profile per op type (with --one: here)")
+    ap.add_argument("--profile-context", type=int, default=4096)
+    ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--out", type=Path, help="write all results as JSON here")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-dir", default=".", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(measure(a)))
+        return 0
+    if not a.bundle and not a.checkpoint:
+        ap.error("give --checkpoint (bundles are built) or --bundle")
+    if not a.text.is_file():
+        ap.error(f"--text {a.text}: no such file")
+    a.work.mkdir(parents=True, exist_ok=True)
+    main_bundle = a.bundle or ensure_bundle(a, max(a.max_seqs or [max(a.contexts) + a.steps + 2]))
+    results: dict = {"threads": a.threads, "steps": a.steps, "machine": os.uname().nodename,
+                     "cpus": os.cpu_count(), "by_context": [], "by_max_seq": [], "by_batch": []}
 
-    import torch
+    def show(r: dict, label: str) -> None:
+        if "error" in r:
+            print(f"{label}: error {r['error']}", flush=True)
+            return
+        print(f"{label}: decode {r['decode_tokens_per_s']:7.2f} tok/s, {r['decode_ms_per_step']:7.1f} ms/step; "
+              f"prefill {r['prefill_tokens_per_s']:7.1f} tok/s; peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
 
-    import runtime
-    from gsm.golden.model import GoldenModel
-
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        bundle = args.bundle
-        if bundle is None:
-            bundle = Path(tmp) / "bundle"
-            subprocess.run([sys.executable, "-m", "builder", "build", "--device", args.device, "--checkpoint",
-                            str(args.checkpoint), "--output", str(bundle)], check=True, capture_output=True)
-        rt = runtime.load(bundle, backend="onnxruntime", threads=args.threads)
-        prompt = rt.encode(args.prompt)
-        seq = rt.new_sequence()
-        ort_ids, ort_s = timed_greedy(seq.prefill, seq.decode, prompt,
-                                      args.tokens)
-        gm = GoldenModel.from_checkpoint(args.checkpoint, mode="deployed")
-        cache = gm.new_cache()
-        with torch.no_grad():
-            gold_ids, gold_s = timed_greedy(lambda p: gm.prefill(cache, p).logits[-1].numpy(),
-                                            lambda t: gm.decode(cache, t).logits[-1].numpy(), prompt, args.tokens)
-    n = args.tokens
-    same = next((i for i, (a, b) in enumerate(zip(ort_ids, gold_ids)) if a != b), n)
-    print(f"checkpoint {args.checkpoint}  prompt {len(prompt)} tokens  decode {n} tokens  threads {args.threads}")
-    print(f"ONNX Runtime (portable bundle): {n / ort_s:8.1f} tokens/s")
-    print(f"golden model (deployed, torch): {n / gold_s:8.1f} tokens/s")
-    print(f"ratio ORT / golden: {gold_s / ort_s:.2f}x;  identical greedy tokens: {same} of {n}")
+    n_main = json.loads((main_bundle / "bundle.json").read_text())["n_max"]
+    room = n_main - a.steps - 2  # the decode steps (and the warm-up step) must fit after the context
+    if max(a.contexts) > room:
+        print(f"contexts above {room} are measured at {room}: bundle max-seq {n_main} - {a.steps + 2} decode steps",
+              flush=True)
+    a.contexts = sorted({min(c, room) for c in a.contexts})
+    for ctx in a.contexts:
+        r = run_one(main_bundle, ctx, 1, a)
+        results["by_context"].append(r)
+        show(r, f"context {ctx:5d}, batch 1, max-seq {r.get('n_max')}")
+    for n in a.max_seqs if not a.bundle else []:
+        r = run_one(ensure_bundle(a, n), a.fixed_context, 1, a)
+        results["by_max_seq"].append(r)
+        show(r, f"context {a.fixed_context:5d}, batch 1, max-seq {n}")
+    for b in a.batches:
+        r = run_one(main_bundle, a.batch_context, b, a)
+        results["by_batch"].append(r)
+        show(r, f"context {a.batch_context:5d}, batch {b}")
+    if a.profile:
+        r = run_one(main_bundle, min(a.profile_context, room), 1, a, profile=True)
+        results["profile"] = r
+        if "profile_ms_per_step_by_op" in r:
+            print(f"ONNX Runtime profile at context {a.profile_context} (ms per decode step, kernel time "
+                  f"{r['profile_total_ms_per_step']} of {r['decode_ms_per_step']:.1f}):")
+            for op, ms in list(r["profile_ms_per_step_by_op"].items())[:12]:
+                print(f"  {op:24s} {ms:8.3f}")
+    if not a.no_llama:
+        results["llama_cpp"] = llama_anchor(a, main_bundle)
+        print("llama.cpp:", json.dumps(results["llama_cpp"]), flush=True)
+    if a.out:
+        a.out.write_text(json.dumps(results, indent=1))
     return 0
 
 

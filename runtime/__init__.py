@@ -8,6 +8,9 @@
         print(tok.id, repr(tok.text))
     print(s.finish_reason, s.text)
     print(rt.chat([{"role": "user", "content": "Hi"}]).text)  # bundles with a chat template
+    gens = rt.generate_batch(["Once upon", "The dog"], 16)   # one backend call per step for all
+    a, b = rt.new_sequence(), rt.new_sequence()               # the step API a scheduler drives
+    logits = rt.prefill_batch([a, b], [[1, 415], [1, 9, 33, 7]]); logits = rt.decode_batch([a, b], [5, 6])
 """
 
 from runtime.bundle import BundleError, verify_bundle

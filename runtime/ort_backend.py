@@ -100,7 +100,7 @@ class OrtBackend:
         self.out_names = [o.name for o in self.session.get_outputs()]
         self.debug = f"selected.{self.layers[0]}" in self.out_names
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
         self.free_rows: list[int] = []
