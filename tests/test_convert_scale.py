@@ -122,6 +122,28 @@ def test_whitened_svd_from_streamed_covariance_matches_materialised(stories_src)
     assert torch.allclose(a.sigma, b.sigma, rtol=1e-6)
 
 
+@needs_data
+def test_sequences_follow_add_bos_token(stories_tok):
+    """BOS + seq_len - 1 text tokens when the tokenizer adds BOS (also when unsaid), seq_len text tokens when not."""
+    from gsm.convert.data import DataError, add_bos_of, token_sequences
+
+    assert add_bos_of(None) and add_bos_of({}) and add_bos_of({"add_bos_token": True})
+    assert not add_bos_of({"add_bos_token": False})
+    with pytest.raises(DataError, match="add_bos_token"):
+        add_bos_of({"add_bos_token": "no"})
+    stream: list[int] = []
+    for para in CALIB_TEXT.read_text(encoding="utf-8").split("\n\n"):
+        if " ".join(para.split()):
+            stream += stories_tok.encode(" ".join(para.split()), add_special_tokens=False).ids
+        if len(stream) >= 96:
+            break
+    plain = token_sequences(CALIB_TEXT, stories_tok, seq_len=32, max_tokens=96, bos_id=None, vocab_size=512)
+    assert plain.tolist() == torch.tensor(stream[:96]).view(3, 32).tolist()
+    with_bos = token_sequences(CALIB_TEXT, stories_tok, seq_len=32, max_tokens=96, bos_id=1, vocab_size=512)
+    assert with_bos[:, 0].tolist() == [1, 1, 1]
+    assert with_bos[:, 1:].tolist() == torch.tensor(stream[:93]).view(3, 31).tolist()
+
+
 SMOLLM2_GGUF = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -147,6 +169,7 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
     save_file({name: full.get(name).contiguous() for name in keep}, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps(llama_config_dict(cfg) | {"num_hidden_layers": n}))
     (src / "tokenizer.json").write_text(full.tokenizer_json)
+    (src / "tokenizer_config.json").write_text(json.dumps(full.tokenizer_config))
     out = tmp_path / "gsm"
     r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "hf", str(src), "--out", str(out),
                         "--calib-text", str(CALIB_TEXT), "--eval-text", str(EVAL_TEXT), "--calib-tokens", "4096",
@@ -155,6 +178,7 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert len(rep["layers"]) == n
+    assert rep["calibration"]["bos"] is False  # SmolLM2's tokenizer_config: add_bos_token false
     assert set(rep["stage_seconds"]) >= {"calibration statistics", "whitened SVD", "indexer fit", "quality report"}
     # 4 of 30 layers is not a language model any more; the GSM copy must still track its own dense model
     p = rep["perplexity"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -32,9 +33,18 @@ def text_sha256(path: Path) -> str:
     return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_tokens: int, bos_id: int,
+def add_bos_of(tokenizer_config: dict[str, Any] | None) -> bool:
+    """The source's `add_bos_token` (HF tokenizer_config.json); true when absent, as LLaMA tokenizers do."""
+    value = (tokenizer_config or {}).get("add_bos_token", True)
+    if not isinstance(value, bool):
+        raise DataError(f"tokenizer_config.json: add_bos_token must be true or false, got {value!r}")
+    return value
+
+
+def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_tokens: int, bos_id: int | None,
                     vocab_size: int) -> torch.Tensor:
-    """[B, seq_len] windows: BOS, then seq_len - 1 tokens of the text read as one stream.
+    """[B, seq_len] windows: BOS, then seq_len - 1 tokens of the text read as one stream; with
+    bos_id None (a model whose tokenizer adds no BOS, e.g. SmolLM2) seq_len tokens of text.
 
     Paragraphs are encoded one by one (a SentencePiece dummy prefix makes that equal to joining
     them with spaces) and concatenated in file order; windows do not overlap; at most max_tokens
@@ -43,7 +53,7 @@ def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_token
     """
     if seq_len < 2:
         raise DataError(f"sequence length must be >= 2, got {seq_len}")
-    body = seq_len - 1
+    body = seq_len if bos_id is None else seq_len - 1
     stream: list[int] = []
     for para in read_paragraphs(path):
         stream.extend(tokenizer.encode(para, add_special_tokens=False).ids)
@@ -53,7 +63,7 @@ def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_token
     if n == 0:
         raise DataError(f"{path}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
     rows = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
-    ids = torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
+    ids = rows if bos_id is None else torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
     if int(ids.max()) >= vocab_size:
         raise DataError(f"{path}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
     return ids

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from gsm import names
 from gsm.config import GSMParams, KVQuantConfig
 from gsm.convert import indexer as ixr
-from gsm.convert.data import text_sha256, token_sequences
+from gsm.convert.data import add_bos_of, text_sha256, token_sequences
 from gsm.convert.plan import LowRanks, Plan, assemble, golden_of, mean_nll, ranks_at, resident
 from gsm.convert.quality import AGREEMENT_STEPS, PROMPT_TOKENS, quality_report
 from gsm.convert.sharing import ProjectorFit, fit_projector_from_moments, latent_moments, parse_sharing_map
@@ -46,6 +46,7 @@ __all__ = ["ConvertOptions", "Lengths", "Plan", "assemble", "check_lengths", "co
            "ranks_at"]
 
 WINDOW_CANDIDATES = (3, 8, 16, 32, 48)
+WINDOW_SEARCH_LAYERS = 6  # the split is one number for the model: scored on this many layers, spread evenly
 SHARING_REACH = 3  # auto sharing: a layer may read the latents of one of the 3 layers before it
 SHARING_MAX_REJECTIONS = 3  # auto sharing stops after this many rejected trials in a row
 SHARING_EVAL_SEQUENCES = 8  # calibration sequences each sharing trial is scored on
@@ -132,11 +133,11 @@ def projector(lowranks: LowRanks, stats: CalibStats, s: int, d: int, ranks: tupl
 
 def fit_indexers(src: DenseSource, lowranks: LowRanks, stats: CalibStats, params: GSMParams, steps: int,
                  seed: int, device: torch.device, advance: Any, n_fit: int | None = None,
-                 ) -> tuple[dict[int, ixr.Indexer], dict[int, list[float]]]:
-    """Indexer of every layer, fitted on the first n_fit sample sequences (all by default)."""
+                 layers: list[int] | None = None) -> tuple[dict[int, ixr.Indexer], dict[int, list[float]]]:
+    """Indexer of each of `layers` (all by default), fitted on the first n_fit sample sequences (all by default)."""
     cfg = src.config
     out, losses = {}, {}
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers) if layers is None else layers:
         m = stats.layers[i]
         init = ixr.init_from_projections(
             src.get(names.layer_name("q_proj", i)), lowranks[(i, "k")], m.xx, m.x_sum,
@@ -146,6 +147,12 @@ def fit_indexers(src: DenseSource, lowranks: LowRanks, stats: CalibStats, params
                                     steps=steps, seed=seed + i, device=device)
         advance(1)
     return out, losses
+
+
+def search_layers(n_layers: int) -> list[int]:
+    """WINDOW_SEARCH_LAYERS layers spread evenly from the first to the last (all of a small model)."""
+    k = min(n_layers, WINDOW_SEARCH_LAYERS)
+    return sorted({round(j * (n_layers - 1) / max(1, k - 1)) for j in range(k)})
 
 
 def window_candidates(params: GSMParams) -> list[GSMParams]:
@@ -163,27 +170,28 @@ def choose_window(src: DenseSource, lowranks: LowRanks, stats: CalibStats, opts:
     The spec's indexer sees no positions, so it cannot reproduce the local part of attention that
     a recency window captures; a wider window absorbs that part and leaves the indexer the
     content-addressed part. Indexers are fitted briefly on 3/4 of the sample sequences and scored
-    on the other 1/4 (all calibration text: the evaluation text is never looked at). Cost: one
-    short fit per layer and candidate on the fixed-size sample, so linear in the layer count.
+    on the other 1/4 (all calibration text: the evaluation text is never looked at), on
+    WINDOW_SEARCH_LAYERS layers spread over the depth. Cost: one short fit per searched layer and
+    candidate, bounded whatever the layer count.
     """
     n = stats.seq_x[0].shape[0]
     n_fit = max(1, (3 * n) // 4)
-    L = src.config.num_hidden_layers
+    layers = search_layers(src.config.num_hidden_layers)
     cands = window_candidates(opts.gsm)
     table = []
-    with stages.run("window search", total=len(cands) * L) as advance:
+    with stages.run("window search", total=len(cands) * len(layers)) as advance:
         for p in cands:
             ix, _ = fit_indexers(src, lowranks, stats, p, steps=max(20, opts.indexer_steps // 4), seed=opts.seed,
-                                 device=device, advance=advance, n_fit=n_fit)
+                                 device=device, advance=advance, n_fit=n_fit, layers=layers)
             rates = []
-            for i in range(L):
+            for i in layers:
                 for b in range(n_fit, n):
                     x = stats.seq_x[i][b].float()
                     sc = index_scores(x, ix[i].q, ix[i].w, x @ ix[i].k.T, p.indexer_heads)
                     probs = stats.attn[i][b][None] / src.config.num_attention_heads  # head mean
                     rates.append(ixr.hit_rate(sc, probs, p))
             table.append({"sparse_window": p.sparse_window, "sparse_top_k": p.sparse_top_k,
-                          "calib_hit_rate": float(np.mean(rates))})
+                          "calib_hit_rate": float(np.mean(rates)), "layers": layers})
             stages.progress(f"window {p.sparse_window:3d} + top-k {p.sparse_top_k:3d}: "
                             f"calibration hit rate {table[-1]['calib_hit_rate']:.4f}")
     best = max(table, key=lambda r: (r["calib_hit_rate"], -r["sparse_window"]))
@@ -254,7 +262,7 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
     dense = DenseLlama(src)  # shares the resident weights
     # statistics need the layers, not the logits: an empty head skips the [B, T, vocab] matmul
     dense.lm_head = torch.empty(0, src.config.hidden_size)
-    with stages.run("calibration statistics", total=calib.shape[0]) as advance:
+    with stages.run("calibration statistics", total=calib.shape[0], parallel=True) as advance:
         stats = collect_stats(dense, calib, n_sample=opts.indexer_sequences, pairs=requested_pairs(opts, L),
                               device=device, advance=advance)
     stages.progress(f"statistics of {stats.tokens} calibration tokens: {stats.nbytes() / 2**20:.0f} MiB")
@@ -299,9 +307,11 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
         progress(note)
     device = resolve_device(opts.device)
     tok = Tokenizer.from_str(src.tokenizer_json)
+    # the model's own protocol: a BOS it was not trained with would skew statistics and perplexities
+    bos_id = cfg.bos_token_id if add_bos_of(src.tokenizer_config) else None
 
     def seq(path: Path, n: int) -> torch.Tensor:
-        return token_sequences(path, tok, seq_len=lengths.seq_len, max_tokens=n, bos_id=cfg.bos_token_id,
+        return token_sequences(path, tok, seq_len=lengths.seq_len, max_tokens=n, bos_id=bos_id,
                                vocab_size=cfg.vocab_size)
 
     with stages.run("read text"):
@@ -314,7 +324,7 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
     report: dict[str, Any] = {
         "source": src.origin,
         "calibration": {"file": str(opts.calib_text), "sha256": text_sha256(opts.calib_text),
-                        "tokens": int(calib.numel()), "seq_len": int(calib.shape[1])},
+                        "tokens": int(calib.numel()), "seq_len": int(calib.shape[1]), "bos": bos_id is not None},
         "options": {"tolerance": opts.tolerance, "kv_budget": opts.kv_budget, "sharing": opts.sharing,
                     "sharing_budget": opts.sharing_budget, "device": str(device)},
         "length_notes": list(lengths.notes),
