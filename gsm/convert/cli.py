@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, help="write the quality report JSON here")
     p.add_argument("--seq-len", type=int_at_least(2), default=256)
     p.add_argument("--calib-tokens", type=int_at_least(1), default=16384)
-    p.add_argument("--eval-tokens", type=int_at_least(1), default=16384)
+    p.add_argument("--eval-tokens", type=int_at_least(1), default=4096)
     p.add_argument("--indexer-steps", type=int_at_least(0), default=200)
     p.add_argument("--top-k", type=int_at_least(0), default=GSMParams.sparse_top_k, help="gsm_config.sparse_top_k")
     p.add_argument("--window", default="auto", type=window_arg,

@@ -62,7 +62,7 @@ class ConvertOptions:
     sharing_budget: float = 0.05  # auto: allowed relative calibration-perplexity increase
     seq_len: int = 256
     calib_tokens: int = 16384  # moments of H x H need far fewer tokens than the forward costs
-    eval_tokens: int = 16384
+    eval_tokens: int = 4096
     indexer_sequences: int = 32  # the bounded sample the indexer and the window search are fitted on
     indexer_steps: int = 200
     seed: int = 0

@@ -34,7 +34,7 @@ from gsm.golden.selection import index_scores
 AGREEMENT_STEPS = 128
 AGREEMENT_PROMPTS = 4
 PROMPT_TOKENS = 16
-TRADEOFF_SEQUENCES = 16
+TRADEOFF_SEQUENCES = 8
 
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]],
