@@ -26,7 +26,8 @@ import torch
 from tokenizers import Tokenizer
 
 from gsm.checkpoint import TOKENIZER_CONFIG_FILE
-from gsm.convert.data import DataError, read_paragraphs
+from gsm.convert.data import DataError
+from gsm.convert.data import token_sequences as convert_token_sequences
 from gsm.tokenizer import TokenizerError, load_tokenizer, tokenizer_from_json, tokenizer_json_from_file
 
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -124,19 +125,9 @@ def windows(stream: torch.Tensor, n: int, seq_len: int, bos_id: int | None) -> t
 
 def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_tokens: int, bos_id: int | None,
                     vocab_size: int) -> torch.Tensor:
-    """gsm.convert.data.token_sequences (same paragraphs, stream and window count), BOS optional."""
-    stream: list[int] = []
-    for para in read_paragraphs(path):
-        stream.extend(tokenizer.encode(para, add_special_tokens=False).ids)
-        if len(stream) >= max_tokens:
-            break
-    n = min(len(stream), max_tokens) // seq_len
-    if n == 0:
-        raise DataError(f"{path}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
-    ids = windows(torch.tensor(stream, dtype=torch.long), n, seq_len, bos_id)
-    if int(ids.max()) >= vocab_size:
-        raise DataError(f"{path}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
-    return ids
+    """The converter's windows of a text file (same paragraphs, stream and window count), BOS optional."""
+    return convert_token_sequences(path, tokenizer, seq_len=seq_len, max_tokens=max_tokens, bos_id=bos_id,
+                                   vocab_size=vocab_size)
 
 
 def read_token_file(path: Path, flag: str, vocab_size: int) -> np.ndarray:
