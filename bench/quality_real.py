@@ -154,6 +154,16 @@ def sequence_hit_rates(setup: Setup, ids: torch.Tensor, *, block: int = 512, see
     return out
 
 
+@torch.no_grad()
+def gsm_own_hit_rates(setup: Setup, ids: torch.Tensor) -> dict[int, float]:
+    """Layer -> spec 4.3 hit rate under the GSM model's own attention (golden exact-mode trace), mean over
+    the sparse query rows. The trace keeps every layer's [nH, T, T] probabilities: 1.1 GB at 1K for SmolLM2."""
+    tr = setup.gsm.forward(setup.gsm.new_cache(), ids, trace=True).trace
+    p = setup.cfg.gsm
+    sparse = torch.arange(ids.numel()) >= p.sink_tokens + p.sparse_window + p.sparse_top_k
+    return {i: float(hr[sparse].mean()) for i, hr in tr.hit_rate.items()}
+
+
 def average_layers(per_seq: list[dict[int, dict]]) -> dict[str, Any]:
     layers = sorted(per_seq[0])
     per_layer = {i: {b: float(np.mean([s[i][b] for s in per_seq])) for b in BASELINES} for i in layers}
@@ -265,6 +275,12 @@ def cmd_long(a: argparse.Namespace) -> dict[str, Any]:
         seqs = s.sequences(L, a.sequences)
         per = [sequence_hit_rates(s, row, block=a.block, seed=a.seed + 1000 * b) for b, row in enumerate(seqs)]
         res["hit_rate"][L] = average_layers(per) | {"seconds": time.perf_counter() - t0}
+        if a.gsm_trace:
+            own = [gsm_own_hit_rates(s, row) for row in seqs]
+            per_layer = {i: float(np.mean([o[i] for o in own])) for i in own[0]}
+            res["hit_rate"][L]["gsm_own"] = {"per_layer": per_layer, "mean_over_layers": float(np.mean(list(
+                per_layer.values())))}
+            print(f"[long] {L}: GSM's own hit rate {res['hit_rate'][L]['gsm_own']['mean_over_layers']:.4f}", flush=True)
         m = res["hit_rate"][L]["mean_over_layers"]
         print(f"[long] {L}: hit rate indexer {m['indexer']:.4f} random {m['random']:.4f} recency {m['recency']:.4f}"
               f" ({len(per)} seq, {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -347,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
     lg.add_argument("--sequences", type=int, default=2, help="sequences per length")
     lg.add_argument("--block", type=int, default=512, help="query rows scored at once")
+    lg.add_argument("--gsm-trace", action="store_true",
+                    help="also the hit rate under the GSM model's own attention (golden trace; memory ~ layers x T^2)")
     lg.add_argument("--ppl-len", type=int, default=2048, help="0 = skip perplexity")
     lg.add_argument("--ppl-sequences", type=int, default=2)
     lg.add_argument("--tail-steps", type=int, default=0, help="decode steps scored with INT tiers (0 = skip)")
