@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -178,19 +179,27 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexities(setup: Setup, seqs: torch.Tensor, *, deployed_fp16: bool = True) -> dict[str, Any]:
+def perplexities(setup: Setup, seqs: torch.Tensor, *, deployed_fp16: bool = True,
+                 full_selection: bool = False) -> dict[str, Any]:
     """Dense, GSM exact and GSM deployed-prefill (FP16 rows, spec 5) perplexity on the same tokens.
 
     One prefill per sequence: deployed mode's INT tiers only take effect after the end-of-prefill
-    re-tier, so this deployed figure isolates the FP16 rounding; `tiered_tail` measures the tiers."""
+    re-tier, so this deployed figure isolates the FP16 rounding; `tiered_tail` measures the tiers.
+    full_selection: also GSM exact with top-k = the sequence length (every position selected), which
+    isolates the latents' (rank, sharing) cost from the sparse selection's."""
     sums = {"dense": 0.0, "gsm_exact": 0.0, "gsm_deployed_fp16_prefill": 0.0}
     n_tok = 0
     dep = GoldenModel(setup.gsm.w, mode="deployed", quant=setup.gsm.quant, calibration=setup.gsm.calib)
+    full = GoldenModel(setup.gsm.w, mode="exact", params=replace(setup.cfg.gsm, sparse_top_k=int(seqs.shape[1])))
+    if full_selection:
+        sums["gsm_exact_full_selection"] = 0.0
     for row in seqs:
         sums["dense"] += float(token_nll(setup.dense.forward(row[None])[0], row).sum())
         sums["gsm_exact"] += float(token_nll(setup.gsm.forward(setup.gsm.new_cache(), row).logits, row).sum())
         if deployed_fp16:
             sums["gsm_deployed_fp16_prefill"] += float(token_nll(dep.forward(dep.new_cache(), row).logits, row).sum())
+        if full_selection:
+            sums["gsm_exact_full_selection"] += float(token_nll(full.forward(full.new_cache(), row).logits, row).sum())
         n_tok += row.numel() - 1
     if not deployed_fp16:
         sums.pop("gsm_deployed_fp16_prefill")
@@ -287,7 +296,8 @@ def cmd_long(a: argparse.Namespace) -> dict[str, Any]:
     if a.ppl_len:
         t0 = time.perf_counter()
         seqs = s.sequences(a.ppl_len, a.ppl_sequences)
-        res["perplexity"] = perplexities(s, seqs) | {"seconds": time.perf_counter() - t0}
+        res["perplexity"] = perplexities(s, seqs, full_selection=a.full_selection)
+        res["perplexity"]["seconds"] = time.perf_counter() - t0
         print(f"[long] perplexity at {a.ppl_len}: {res['perplexity']['perplexity']}", flush=True)
         if a.tail_steps:
             t0 = time.perf_counter()
@@ -367,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also the hit rate under the GSM model's own attention (golden trace; memory ~ layers x T^2)")
     lg.add_argument("--ppl-len", type=int, default=2048, help="0 = skip perplexity")
     lg.add_argument("--ppl-sequences", type=int, default=2)
+    lg.add_argument("--full-selection", action="store_true",
+                    help="also GSM with every position selected (isolates the latents' cost from the selection's)")
     lg.add_argument("--tail-steps", type=int, default=0, help="decode steps scored with INT tiers (0 = skip)")
     lg.add_argument("--fractions", nargs="*", default=["0,0,1"], help="tier fractions FP16,INT12,INT8")
 
