@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CALIB_TEXT, DATA, EVAL_TEXT, STORIES, needs_data
 
 from gsm.synth import synth_checkpoint
-from conftest import CALIB_TEXT, DATA, EVAL_TEXT, STORIES, needs_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
