@@ -62,3 +62,12 @@ def with_text_files(src: Path, out: Path, *, tokenizer_json: str | None = None,
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     write_manifest(out, {k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
     return out
+
+
+def demo_and_chat_bundles(d: Path, *, max_seq: int, max_input: int, vocab: int) -> dict[str, Path]:
+    """The demo bundle, and a copy with a ChatML byte-level tokenizer and template (no BOS)."""
+    demo = build_demo(d / "demo", max_seq=max_seq, max_input=max_input)
+    chat = with_text_files(demo, d / "chat", tokenizer_json=byte_bpe_json(vocab, ("<|im_start|>", "<|im_end|>")),
+                           tokenizer_config={"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>",
+                                             "add_bos_token": False})
+    return {"demo": demo, "chat": chat}

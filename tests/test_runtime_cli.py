@@ -12,19 +12,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_bundles import CHATML, build_demo, byte_bpe_json, run_module, with_text_files
+from runtime_bundles import demo_and_chat_bundles, run_module, with_text_files
 
 MAX_SEQ, MAX_INPUT, VOCAB = 64, 16, 384  # the demo model's vocabulary; prompts prefill in chunks of 16
 
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rtcli")
-    demo = build_demo(d / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT)
-    chat = with_text_files(demo, d / "chat", tokenizer_json=byte_bpe_json(VOCAB, ("<|im_start|>", "<|im_end|>")),
-                           tokenizer_config={"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>",
-                                             "add_bos_token": False})
-    return {"demo": demo, "chat": chat}
+    return demo_and_chat_bundles(tmp_path_factory.mktemp("rtcli"), max_seq=MAX_SEQ, max_input=MAX_INPUT,
+                                 vocab=VOCAB)
 
 
 def generate(bundle: Path, *args: str) -> tuple[int, str, str]:

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from runtime_bundles import CHATML, ROOT, build_demo, byte_bpe_json, run_module, with_text_files
+from runtime_bundles import ROOT, demo_and_chat_bundles, run_module
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -28,12 +28,8 @@ MAX_SEQ, MAX_INPUT, VOCAB = 64, 16, 384
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    demo = build_demo(d / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT)
-    chat = with_text_files(demo, d / "chat", tokenizer_json=byte_bpe_json(VOCAB, ("<|im_start|>", "<|im_end|>")),
-                           tokenizer_config={"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>",
-                                             "add_bos_token": False})
-    return {"demo": demo, "chat": chat}
+    return demo_and_chat_bundles(tmp_path_factory.mktemp("serve"), max_seq=MAX_SEQ, max_input=MAX_INPUT,
+                                 vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")
