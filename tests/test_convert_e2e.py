@@ -34,7 +34,7 @@ def convert(out: Path, *extra: str, src: Path = STORIES, fmt: str = "llama2c") -
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory):
     d = tmp_path_factory.mktemp("auto")
-    r = convert(d / "gsm", "--report", str(d / "report.json"))
+    r = convert(d / "gsm", "--sharing", "auto", "--report", str(d / "report.json"))
     assert r.returncode == 0, r.stderr
     return d / "gsm", json.loads((d / "report.json").read_text()), r
 

@@ -26,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="relative K/V output error allowed when picking ranks (default %(default)s)")
     p.add_argument("--kv-budget", type=int_at_least(1), help="bytes per position of the FP16 latent cache; "
                    "overrides --tolerance")
-    p.add_argument("--sharing", default="auto", help="auto | none | MAP like '3:1,4:2' (layer:source)")
+    p.add_argument("--sharing", default="none",
+                   help="none (default) | auto | MAP like '3:1,4:2' (layer:source); auto scores each trial on 8 "
+                   "calibration sequences, which on SmolLM2 accepted layers that cost +11.5 %% more on held-out text")
     p.add_argument("--sharing-budget", type=float_in(0, math.inf), default=0.05,
                    help="auto sharing keeps a layer only if calibration perplexity rises <= this (relative)")
     p.add_argument("--calib-text", type=Path, help="text to fit on (default: the one *calib*.txt beside SRC)")

@@ -58,7 +58,7 @@ class ConvertOptions:
     eval_text: Path | None = None
     tolerance: float = GSMParams.kv_compression_tolerance
     kv_budget: int | None = None  # bytes per position of the FP16 latent cache (spec 6 formula)
-    sharing: str = "auto"  # "auto" | "none" | "3:1,4:2"
+    sharing: str = "none"  # "none" | "auto" | "3:1,4:2" (docs/convert.md: why none is the default)
     sharing_budget: float = 0.05  # auto: allowed relative calibration-perplexity increase
     seq_len: int = 256
     calib_tokens: int = 16384  # moments of H x H need far fewer tokens than the forward costs
