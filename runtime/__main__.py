@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gsm.cli_support import int_at_least
+
 PROG = "python -m runtime"
 # request fields (RequestError.field) -> the flag that sets them; "prompt" is the source flag used
 FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
@@ -49,15 +51,6 @@ def _checked(parse: Callable[[str], Any], check: Callable[[Any], Any]) -> Callab
     return convert
 
 
-def _at_least(lo: int, what: str = "") -> Callable[[int], int]:
-    def check(n: int) -> int:
-        if n < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}{what}, got {n}")
-        return n
-
-    return check
-
-
 def _id_list(text: str, *, allow_empty: bool) -> list[int]:
     items = [t.strip() for t in text.split(",")]
     if items == [""]:
@@ -89,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", type=lambda t: _id_list(t, allow_empty=False),
                      help="comma-separated prompt token ids, used as given")
     src.add_argument("--chat", help="a user message, rendered with the bundle's chat template; prints the answer")
-    g.add_argument("--max-new-tokens", type=lambda t: _at_least(0)(_int(t)), default=64)
+    g.add_argument("--max-new-tokens", type=int_at_least(0), default=64)
     g.add_argument("--temperature", type=_checked(_float, check_temperature), default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=_checked(_int, check_top_k), default=0, help="0: off")
     g.add_argument("--top-p", type=_checked(_float, check_top_p), default=1.0, help="in (0, 1]; 1: off")
@@ -98,14 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated ids that end generation (default: EOS; with --chat also the "
                         "end-of-turn token; \"\": none)")
     g.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
-    g.add_argument("--threads", type=lambda t: _at_least(0, " (0: ONNX Runtime's default)")(_int(t)), default=0,
+    g.add_argument("--threads", type=int_at_least(0), default=0,
                    help="ONNX Runtime intra-op threads (0: its default)")
-    g.add_argument("--sparse-window", type=lambda t: _at_least(1)(_int(t)),
+    g.add_argument("--sparse-window", type=int_at_least(1),
                    help="run-time window, 1..max_sparse_window (default: the model's)")
     from runtime.serve.cli import add_parser as add_serve_parser
 
-    add_serve_parser(sub, positive=lambda t: _at_least(1)(_int(t)), at_least_zero=lambda t: _at_least(0)(_int(t)),
-                     number=_float)
+    add_serve_parser(sub)
     return p
 
 

@@ -8,43 +8,37 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+from gsm.cli_support import float_in, int_at_least
+
 PROG = "python -m runtime serve"
 
 
-def add_parser(sub: Any, positive: Any, at_least_zero: Any, number: Any) -> None:
+def add_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over a bundle (needs the serve extra)")
     s.add_argument("bundle", type=Path)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=lambda t: _port(t), default=8000)
+    s.add_argument("--port", type=int_at_least(0, 65535), default=8000)
     s.add_argument("--model-name", help="the model id clients send (default: the bundle directory's name)")
     s.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
-    s.add_argument("--threads", type=at_least_zero, default=0, help="ONNX Runtime intra-op threads (0: its default)")
-    s.add_argument("--max-running", type=at_least_zero, default=0,
+    s.add_argument("--threads", type=int_at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    s.add_argument("--max-running", type=int_at_least(0), default=0,
                    help="sequences in the running batch (0: the bundle's max_batch, or --interleave at batch 1)")
-    s.add_argument("--interleave", type=positive, default=8,
+    s.add_argument("--interleave", type=int_at_least(1), default=8,
                    help="sequences whose steps are interleaved on a bundle built for batch 1")
-    s.add_argument("--max-queue", type=positive, default=64, help="waiting requests before 429")
-    s.add_argument("--deadline", type=number, help="seconds a request may take from submission (default: none)")
+    s.add_argument("--max-queue", type=int_at_least(1), default=64, help="waiting requests before 429")
+    s.add_argument("--deadline", type=float_in(0, math.inf, lo_open=True),
+                   help="seconds a request may take from submission (default: none)")
     s.add_argument("--tegrastats", choices=["auto", "on", "off"], default="auto",
                    help="device memory / GPU load / power in /metrics from tegrastats (auto: when it is installed)")
-    s.add_argument("--min-compression-ratio", type=number, default=2.5,
+    s.add_argument("--min-compression-ratio", type=float_in(0, math.inf), default=2.5,
                    help="live KV compression ratio below which a warning and a bundle hash check run (0: off)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
-
-
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer port, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
-    return v
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -62,10 +56,6 @@ def serve(args: argparse.Namespace) -> int:
     import runtime
     from runtime.engine import Engine, EngineConfig
 
-    if not args.min_compression_ratio >= 0:
-        return _error(f"argument --min-compression-ratio: must be a number >= 0, got {args.min_compression_ratio}")
-    if args.deadline is not None and not args.deadline > 0:
-        return _error(f"argument --deadline: must be a number > 0 (seconds), got {args.deadline}")
     try:
         rt = runtime.load(args.bundle, args.backend, threads=args.threads)
     except runtime.BundleError as e:
