@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -18,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from gsm.outputs import write_text_atomic
 
 SEVERITIES = ("low", "medium", "high")
 SYSTEM = ("You are a quality inspector on a production line. Describe the defect in one sentence, then write "
@@ -177,9 +178,7 @@ def report(model: str, mode: str, items: Sequence[Item], wall_s: float) -> dict[
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # readers never see half a report
+    write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")  # never half a report
 
 
 def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = None) -> int:
