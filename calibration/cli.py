@@ -116,7 +116,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """--out and --report are safe to write (gsm.outputs), checked before any work."""
-    from gsm.outputs import OutputPathError, check_output_dir, check_output_file
+    from gsm.outputs import check_output_dir, check_output_file
 
     inputs = [("--checkpoint", args.checkpoint), ("--data", args.data), ("--eval-data", args.eval_data),
               ("--tokenizer", args.tokenizer)]
@@ -124,11 +124,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     if out is not None:
         check_output_dir(out, flag="--out", overwrite=args.overwrite, inputs=inputs)
     if args.report is not None:
-        written = out if out is not None else args.checkpoint
-        if args.report.resolve().is_relative_to(written.resolve()):
-            raise OutputPathError(f"--report {args.report} lies inside the checkpoint being written ({written}); "
-                                  "write it beside it")
-        check_output_file(args.report, flag="--report", overwrite=args.overwrite, inputs=inputs)
+        check_output_file(args.report, flag="--report", overwrite=args.overwrite, inputs=inputs,
+                          beside=("--out", out) if out is not None else ("--checkpoint", args.checkpoint))
 
 
 def main(argv: list[str] | None = None) -> int:

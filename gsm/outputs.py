@@ -97,10 +97,17 @@ def check_output_dir(out: Path, *, flag: str, overwrite: bool,
 
 
 def check_output_file(out: Path, *, flag: str, overwrite: bool,
-                      inputs: Iterable[tuple[str, Path | None]] = ()) -> None:
-    """Raise OutputPathError unless writing the file `out` (a report) is safe and possible."""
+                      inputs: Iterable[tuple[str, Path | None]] = (),
+                      beside: tuple[str, Path] | None = None) -> None:
+    """Raise OutputPathError unless writing the file `out` (a report) is safe and possible.
+
+    `beside`: (flag, directory) the same command writes atomically; a report inside it would be
+    added to it unhashed (or lost when it is renamed into place)."""
     out = Path(out)
     _overlap(out, flag, inputs)
+    if beside is not None and _resolved(out).is_relative_to(_resolved(Path(beside[1]))):
+        raise OutputPathError(f"{flag} {out} lies inside {beside[0]} {beside[1]}, which this command writes; "
+                              "write it beside that directory")
     if out.exists() or out.is_symlink():
         if out.is_dir():
             raise OutputPathError(f"{flag} {out} is a directory; it must name a file")

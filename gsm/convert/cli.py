@@ -81,7 +81,7 @@ def min_kv_budget(n_layers: int, indexer_dim: int) -> int:
 
 def check_paths(args: argparse.Namespace, src: Path, calib: Path, ev: Path) -> None:
     """Every input exists and every output is safe to write, before any work (gsm.outputs)."""
-    from gsm.outputs import OutputPathError, check_output_dir, check_output_file
+    from gsm.outputs import check_output_dir, check_output_file
 
     for flag, f in (("--calib-text", calib), ("--eval-text", ev)):
         if not f.is_file():
@@ -93,10 +93,8 @@ def check_paths(args: argparse.Namespace, src: Path, calib: Path, ev: Path) -> N
     out = Path(args.out)
     check_output_dir(out, flag="--out", overwrite=args.overwrite, inputs=inputs)
     if args.report:
-        if args.report.resolve().is_relative_to(out.resolve()):
-            raise OutputPathError(f"--report {args.report} lies inside --out {out}; it would be added to the "
-                                  "checkpoint unhashed. Write it beside the checkpoint")
-        check_output_file(args.report, flag="--report", overwrite=args.overwrite, inputs=inputs)
+        check_output_file(args.report, flag="--report", overwrite=args.overwrite, inputs=inputs,
+                          beside=("--out", out))
 
 
 def default_text(src: Path, flag: str, pattern: str) -> Path:
