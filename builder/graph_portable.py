@@ -1,4 +1,4 @@
-"""GSM operations in standard ONNX ops (docs/engine_io.md section 5, revision 2), for ONNX Runtime anywhere.
+"""GSM operations in standard ONNX ops (docs/engine_io.md section 5, revision 4), for ONNX Runtime anywhere.
 
 Each method emits, inside the scope `L{l}.<GsmNodeName>`, the subgraph that stands for one GSM
 plugin node of the TensorRT variant (graph_trt.py). The cache is held as the golden holds it:
@@ -9,10 +9,12 @@ runtime writes them at positions past + j) and reads the cache by `Gather` at fl
 `row * N_max + position`, so a step costs what it reads, not `N_max`:
 - the indexer scores the context columns: cached positions `0..T_c-1` (`T_c` = the batch's largest
   `past_lengths`) and this call's new rows, O(T_c * dI) per query (inherent to the indexer);
-- selection (spec 4.1) is one `TopK` of `k = sinks + window + top_k` over the columns, with the
-  sinks and window scored +inf and non-causal columns -inf: in the sparse case it returns the sinks,
-  the window and exactly the top-k others (ONNX TopK orders equal values by lower index, the tie rule;
-  columns are in position order), in the dense case (t + 1 <= k) every causal position;
+- selection (spec 4.1) is one `TopK` of `k = min(max_b(sinks + window + top_k[b]), columns)` over the
+  columns, with the sinks and window scored +inf and non-causal columns -inf, then every pick past
+  sequence b's own budget `sinks + window + top_k[b]` dropped: in the sparse case that leaves the sinks,
+  the window and exactly top_k[b] others (ONNX TopK orders equal values by lower index, the tie rule;
+  columns are in position order), in the dense case (t + 1 <= budget) every causal position. The
+  budget is the run-time input `sparse_top_k` [B] (revision 4), so `selected` is k wide, not K_sel;
 - attention gathers the `K_sel` selected latent rows per query, reconstructs K/V for them only, and
   takes the softmax over them: O(K_sel * (r * kvD + nH * D)) per query, whatever `N_max` or `T_c`.
 """
@@ -47,6 +49,9 @@ class PortableOps:
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         self.rows = g.input("cache_rows", I32, ["B"])
+        # the per-sequence selection budget (revision 4); declared with the cache because the layer stack
+        # (network.py) is shared with the plugin variant, which declares it the same way
+        g.input("sparse_top_k", I32, ["B"])
         state = {}
         for l in self.cfg.owning_layers:
             rk, rv = self.ranks[l]
@@ -62,10 +67,16 @@ class PortableOps:
             g.output(f"new_latent_k.{l}", F32, ["B", "S", rk])
             g.output(f"new_latent_v.{l}", F32, ["B", "S", rv])
             g.output(f"new_index_keys.{l}", F16, ["B", "S", dI])
+        # per-layer probes (revision 4): always in the graph, where they are intermediate tensors anyway;
+        # the runtime binds them only when asked (hit-rate probe, debug bundles), so a step pays nothing
+        for l in self.cfg.owning_layers:
+            g.output(f"selected.{l}", *self.selected_type())
+            g.output(f"attn_mass.{l}", F32, self.mass_shape())
 
     def selected_type(self) -> tuple[int, list[Any]]:
-        """Element type and shape of `L{l}.selected`: positions ascending, padded with -1 (as the plugin)."""
-        return I32, ["B", "S", self.k_sel]
+        """Element type and shape of `selected.{l}`: positions ascending, padded with -1 (as the plugin); the
+        width is the call's k = min(max_b budget_b, columns) (revision 4), at most K_sel at the default budget."""
+        return I32, ["B", "S", "K"]
 
     def mass_shape(self) -> list[Any]:
         """attn_mass covers positions 0..L-1, L = max(past_lengths) + S (every position of the call)."""
@@ -125,11 +136,13 @@ class PortableOps:
             geo["fixed"] = g.op("Or", [sink, win])  # [B, S, C]
             n_cols = g.op("Add", [tc, s_len])  # [1]
             geo["col_pos"] = g.op("Expand", [s3, g.op("Concat", [shape_bs, n_cols], axis=0)])  # [B, S, C]
-            budget = g.op("Add", [cast(g, window, I64), g.const([p.sink_tokens + p.sparse_top_k], np.int64,
-                                                                "sinks_topk")])
-            geo["k"] = k = g.op("Min", [budget, n_cols])  # [1]
-            geo["pad"] = g.op("Concat", [g.const([0, 0, 0, 0, 0], np.int64, "pad0"),
-                                         g.op("Sub", [g.const([self.k_sel], np.int64, "k_sel"), k])], axis=0)
+            # per-sequence budget sinks + window + top_k[b]; one TopK of the batch's largest (capped by the
+            # columns: a budget >= the context is dense attention), each sequence then keeps its own
+            budget = g.op("Add", [g.op("Add", [cast(g, "sparse_top_k", I64), cast(g, window, I64)]),
+                                  g.const(p.sink_tokens, np.int64, "sinks")])  # [B]
+            geo["k"] = k = g.op("Min", [g.op("ReduceMax", [budget], keepdims=1), n_cols])  # [1]
+            rank = g.op("Range", [c64[0], g.op("Squeeze", [k]), c64[1]])  # [k]
+            geo["in_budget"] = g.op("Less", [rank, g.op("Unsqueeze", [budget, g.const([1, 2], np.int64, "ax12")])])
             length = g.op("Add", [tc, s_len])  # attn_mass covers positions 0..max(past) + S - 1
             geo["mass0"] = g.op("ConstantOfShape", [g.op("Concat", [g.op("Shape", ["input_ids"], end=1), length],
                                                          axis=0)], value=_zero_f32())
@@ -159,8 +172,8 @@ class PortableOps:
                   quant: str | None = None) -> tuple[str, str | None, str | None]:
         """Owning (index_q given): select and attend; sharing (selected given): attend over the source's
         selection with K/V projected from the source's latents. Returns attn_out [B, S, nH*D], the
-        selection (int32 [B, S, K_sel] positions, -1 padded, named `L{l}.selected`) and this layer's
-        attention mass [B, L] (owning layers only)."""
+        selection (int32 [B, S, k] positions, -1 padded, named `selected.{l}`) and this layer's
+        attention mass [B, L] (`attn_mass.{l}`, owning layers only)."""
         g, cfg = self.g, self.cfg
         nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         grp = cfg.gqa_group
@@ -192,7 +205,7 @@ class PortableOps:
                 flat = g.const([0, -1], np.int64, "b_flat")
                 mass = g.op("ScatterElements", [geo["mass0"], g.op("Reshape", [cast(g, p, I64), flat]),
                                                 g.op("Reshape", [per_pos, flat])], axis=1, reduction="add",
-                            outputs=[f"L{l}.attn_mass"])  # [B, L]
+                            outputs=[f"attn_mass.{l}"])  # [B, L]
         return out, (selected if owning else None), mass
 
     def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int,
@@ -242,7 +255,7 @@ class PortableOps:
         return spread(k_u), spread(g.op("Reshape", [v_u, heads]))
 
     def _select(self, l: int, geo: dict[str, str], index_q: str, index_w: str, cache: dict[str, str]) -> str:
-        """Sel(t) by spec 4.1 as positions [B, S, K_sel] int32, ascending, padded with -1."""
+        """Sel(t) by spec 4.1 as positions [B, S, k] int32, ascending, padded with -1."""
         g, p = self.g, self.cfg.gsm
         nI, dI = p.indexer_heads, p.indexer_dim
         # keys of the context columns: the sequence's cached positions 0..T_c-1, then the S new keys
@@ -260,15 +273,13 @@ class PortableOps:
         ninf = g.const(NEG_INF, np.float32, "neg_inf")
         ranked = g.op("Where", [geo["causal"], g.op("Where", [geo["fixed"], inf, scores]), ninf])  # [B, S, C]
         vals, idx = g.op("TopK", [ranked, geo["k"]], n_out=2, axis=-1, largest=1, sorted=1)  # [B, S, k]
-        chosen = g.op("Greater", [vals, ninf])
+        chosen = g.op("And", [g.op("Greater", [vals, ninf]), geo["in_budget"]])  # [B, S, k]
         sel_pos = g.op("GatherElements", [geo["col_pos"], idx], axis=2)  # [B, S, k]
         # ascending positions, unselected last: TopK of -position (exact in float32 below 2^24)
         key = g.op("Where", [chosen, g.op("Neg", [cast(g, sel_pos, F32)]), ninf])
         svals, order = g.op("TopK", [key, geo["k"]], n_out=2, axis=-1, largest=1, sorted=1)
-        ordered = g.op("Where", [g.op("Greater", [svals, ninf]), g.op("GatherElements", [sel_pos, order], axis=2),
-                                 g.const(-1, np.int32, "minus1")])
-        return g.op("Pad", [ordered, geo["pad"], g.const(-1, np.int32, "minus1")], mode="constant",
-                    outputs=[f"L{l}.selected"])
+        return g.op("Where", [g.op("Greater", [svals, ninf]), g.op("GatherElements", [sel_pos, order], axis=2),
+                              g.const(-1, np.int32, "minus1")], outputs=[f"selected.{l}"])
 
     # -- GsmKVDemote (demotion graph) ---------------------------------------------------------------
     def demote(self, l: int, lat: str, new_tier: str, quant: str, cols: tuple[int, int], out: str) -> str:

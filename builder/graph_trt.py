@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from builder.nodes import F16, I32
+from builder.nodes import F16, F32, I32
 from builder.onnx_util import GraphBuilder
 from builder.plan import PoolRows, pool_words
 from gsm.config import ModelConfig
@@ -45,6 +45,7 @@ class PluginOps:
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         self.slots = g.input("kv_slots", I32, ["B", self.n_max])
+        self.top_k = g.input("sparse_top_k", I32, ["B"])  # per-sequence selection budget (engine_io rev 4)
         state = {}
         for l in self.cfg.owning_layers:
             state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["B", pool_words(*self.ranks[l], self.rows)]),
@@ -56,6 +57,9 @@ class PluginOps:
         for l in self.cfg.owning_layers:
             g.output(f"kv_pool_out.{l}", I32, ["B", pool_words(*self.ranks[l], self.rows)])
             g.output(f"index_keys_out.{l}", F16, ["B", self.n_max, dI])
+        for l in self.cfg.owning_layers:  # per-layer probes (rev 4); the runtime binds them when asked
+            g.output(f"selected.{l}", *self.selected_type())
+            g.output(f"attn_mass.{l}", F32, self.mass_shape())
 
     # -- nodes -------------------------------------------------------------------------------------
     def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
@@ -83,7 +87,7 @@ class PluginOps:
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)
             ins += [index_q, index_w, cache["keys"], sparse_window]
-            outs = [f"L{l}.attn_out", f"L{l}.selected", f"L{l}.attn_mass"]
+            outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:
             ins += [selected]
             outs = [f"L{l}.attn_out"]

@@ -9,7 +9,7 @@ All four reference `weights.bin`; each checkpoint tensor is read, written and dr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,8 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)
-        Network(g, PortableOps(g, cfg, ranks, n_max), spec, source, quant, F32).build()
+        # the portable graph always outputs selected.{l} / attn_mass.{l} (engine_io rev 4): no debug copies
+        Network(g, PortableOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32).build()
         save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
                    out / MODEL_PORTABLE)
         progress("TensorRT graph")

@@ -21,7 +21,7 @@ PROG = "python -m runtime"
 # request fields (RequestError.field) -> the flag that sets them; "prompt" is the source flag used
 FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "max_new_tokens": "--max-new-tokens", "stop_ids": "--stop-ids", "threads": "--threads",
-         "sparse_window": "--sparse-window"}
+         "sparse_window": "--sparse-window", "sparse_top_k": "--sparse-top-k"}
 
 
 def _int(text: str) -> int:
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONNX Runtime intra-op threads (0: its default)")
     g.add_argument("--sparse-window", type=int_at_least(1),
                    help="run-time window, 1..max_sparse_window (default: the model's)")
+    g.add_argument("--sparse-top-k", type=int_at_least(0),
+                   help="selection budget (spec 4.1 top-k), 0..max-seq; >= the context is dense attention "
+                        "(default: the model's sparse_top_k; --top-k is the sampling top-k)")
     from runtime.serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
@@ -112,7 +115,8 @@ def generate(args: argparse.Namespace) -> int:
     source = "--prompt" if args.prompt is not None else "--ids" if args.ids is not None else "--chat"
     flags = {**FLAGS, "prompt": source, "messages": source}
     try:
-        rt = runtime.load(args.bundle, args.backend, threads=args.threads, sparse_window=args.sparse_window)
+        rt = runtime.load(args.bundle, args.backend, threads=args.threads, sparse_window=args.sparse_window,
+                          top_k=args.sparse_top_k)
     except runtime.RequestError as e:
         return _error(f"argument {flags.get(e.field, e.field)}: {e.detail}")
     except runtime.BundleError as e:

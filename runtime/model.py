@@ -36,13 +36,23 @@ class ContextFullError(RuntimeError):
 
 class Sequence_:
     """One sequence's cache and tier state; use Runtime.new_sequence(). Its place in the backend's
-    buffers is given back when the sequence is garbage-collected (or by `close()`)."""
+    buffers is given back when the sequence is garbage-collected (or by `close()`).
+
+    Monitoring (issue 10): `top_k` is this sequence's selection budget (None: the runtime's default;
+    `use_dense()` switches it to dense attention); after a probed decode step `last_hit_rate` /
+    `last_hit_rates` hold the mask hit rate (docs/runtime.md "Probes"); after every re-tier pass
+    `last_kv_noise` holds the relative error the pass's demotions added (None when it demoted nothing)."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.cache = rt.backend.new_cache()
         self.state = SequenceState()
         self.last: StepOutput | None = None
+        self._top_k: int | None = None
+        self.last_hit_rate: float | None = None  # mean over owning layers, from the last probed step
+        self.last_hit_rates: dict[int, float] | None = None  # owning layer -> hit rate, same step
+        self.last_kv_noise: float | None = None  # from the last re-tier pass (None: it demoted nothing)
+        self.retier_passes = 0  # re-tier passes run so far (tells a new last_kv_noise from an old one)
         release = getattr(self.cache, "release", None)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
 
@@ -50,23 +60,58 @@ class Sequence_:
     def length(self) -> int:
         return self.state.length
 
+    @property
+    def top_k(self) -> int | None:
+        """Selection budget (spec 4.1 top-k) of this sequence's next calls; None: the runtime's default."""
+        return self._top_k
+
+    @top_k.setter
+    def top_k(self, k: int | None) -> None:
+        self._top_k = None if k is None else check_top_k(k, self.rt.n_max)
+
+    @property
+    def effective_top_k(self) -> int:
+        return self.rt.top_k if self._top_k is None else self._top_k
+
+    def use_dense(self) -> None:
+        """Dense attention over the whole cache from the next call on (the spec's dense case: a budget of
+        n_max covers every position), e.g. as a quality fallback; `top_k = None` goes back to sparse."""
+        self._top_k = self.rt.n_max
+
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
 
     def _retier(self) -> None:
         new_tier = retier(self.state, self.rt.policy, self.state.length)
-        if new_tier is not None:
-            self.rt.backend.demote(self.cache, new_tier)
+        self.retier_passes += 1
+        self.last_kv_noise = None if new_tier is None else self.rt.backend.demote(self.cache, new_tier)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Prompt (or more of it), in chunks of at most max-input tokens, each followed by a re-tier
         pass as golden `prefill` does; returns the last position's logits [V]."""
         return self.rt.prefill_batch([self], [ids])[0]
 
-    def decode(self, token: int) -> np.ndarray:
+    def decode(self, token: int, *, probe: bool = False) -> np.ndarray:
         """One decode step; re-tier after every `rate`-th step. Returns logits [V]."""
-        return self.rt.decode_batch([self], [token])[0]
+        return self.rt.decode_batch([self], [token], probe=[probe])[0]
+
+
+def check_top_k(k: int, n_max: int) -> int:
+    """A selection budget 0..n_max (n_max or anything >= the context: dense attention)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= n_max:
+        raise RequestError("sparse_top_k", f"must be an integer in 0..{n_max} (the bundle's max-seq; a value >= "
+                                           f"the context is dense attention), got {k!r}")
+    return int(k)
+
+
+def hit_rate(dense_mass: np.ndarray, selected: np.ndarray) -> float:
+    """Spec 4.3 for one query: the dense attention mass (summed over heads, one query) that falls on the
+    selected positions, over the whole mass (= the number of heads up to rounding): the mean over heads
+    of the dense softmax probability of Sel(t)."""
+    m = np.asarray(dense_mass, np.float64)
+    picks = np.asarray(selected)
+    return float(m[picks[picks >= 0]].sum() / m.sum())
 
 
 def check_sparse_window(w: int | None, cfg: Mapping[str, Any]) -> int:
@@ -82,7 +127,8 @@ def check_sparse_window(w: int | None, cfg: Mapping[str, Any]) -> int:
 class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
 
-    def __init__(self, bundle: Path, manifest: dict[str, Any], backend: Any, *, sparse_window: int | None) -> None:
+    def __init__(self, bundle: Path, manifest: dict[str, Any], backend: Any, *, sparse_window: int | None,
+                 top_k: int | None = None) -> None:
         self.bundle = bundle
         self.manifest = manifest
         self.cfg = json.loads((bundle / "bundle.json").read_text(encoding="utf-8"))
@@ -95,6 +141,8 @@ class Runtime:
                                  rate=self.cfg["quantization_adaptation_rate"],
                                  hot_token_ids=frozenset(q.get("hot_token_ids", [])))
         self.sparse_window = check_sparse_window(sparse_window, self.cfg)
+        # default selection budget of every sequence (Sequence_.top_k overrides it per sequence)
+        self.top_k = int(self.cfg["sparse_top_k"]) if top_k is None else check_top_k(top_k, self.n_max)
         self.vocab_size = int(self.cfg["vocab_size"])
         self.bos_token_id = int(self.cfg["bos_token_id"])
         self.eos_token_id = int(self.cfg["eos_token_id"])
@@ -114,9 +162,27 @@ class Runtime:
         return Sequence_(self)
 
     # -- the step API: one backend call for several sequences (a scheduler drives these) -----------
-    def forward_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]]) -> StepOutput:
-        """One call: sequence b adds chunks[b] (1..max-input tokens) at its current length. Updates each
-        sequence's positions and hotness (no re-tier: prefill_batch / decode_batch do that)."""
+    def forward_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]], *,
+                      probes: bool = False) -> StepOutput:
+        """One call: sequence b adds chunks[b] (1..max-input tokens) at its current length, selecting with
+        its own budget (`Sequence_.top_k`). Updates each sequence's positions and hotness (no re-tier:
+        prefill_batch / decode_batch do that). probes: also return each owning layer's selection and mass."""
+        ids, past, new = self._call_inputs(seqs, chunks)
+        out = self.backend.forward([s.cache for s in seqs], ids, past, new, self.sparse_window,
+                                   self._budgets(seqs), probes=probes)
+        for b, (s, c) in enumerate(zip(seqs, chunks)):
+            s.state.add_positions([int(t) for t in c])
+            s.state.update_hotness(out.attn_mass[b], self.policy.hotness_decay)
+            s.last = StepOutput(out.logits[b:b + 1], out.attn_mass[b:b + 1],
+                                None if out.selected is None else {l: v[b:b + 1] for l, v in out.selected.items()})
+        return out
+
+    def _budgets(self, seqs: Sequence[Sequence_]) -> np.ndarray:
+        return np.array([s.effective_top_k for s in seqs], np.int32)
+
+    def _call_inputs(self, seqs: Sequence[Sequence_],
+                     chunks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids [B, S] (padding rows: any valid id), past and new lengths [B], after checking the call."""
         if not seqs or len(seqs) != len(chunks):
             raise ValueError("forward_batch needs one chunk of tokens per sequence, at least one sequence")
         if len({id(s) for s in seqs}) != len(seqs):
@@ -130,17 +196,10 @@ class Runtime:
         if int(past.max()) + S > self.n_max:
             raise ContextFullError(f"a call of {S} tokens after {int(past.max())} positions exceeds the bundle's "
                                    f"max-seq {self.n_max} (rebuild with a larger --max-seq)")
-        ids = np.zeros((len(seqs), S), np.int64)  # padding rows: any valid id
+        ids = np.zeros((len(seqs), S), np.int64)
         for b, c in enumerate(chunks):
             ids[b, :len(c)] = c
-        out = self.backend.forward([s.cache for s in seqs], ids, past,
-                                   np.array([len(c) for c in chunks], np.int32), self.sparse_window)
-        for b, (s, c) in enumerate(zip(seqs, chunks)):
-            s.state.add_positions(c)
-            s.state.update_hotness(out.attn_mass[b], self.policy.hotness_decay)
-            s.last = StepOutput(out.logits[b:b + 1], out.attn_mass[b:b + 1],
-                                None if out.selected is None else {l: v[b:b + 1] for l, v in out.selected.items()})
-        return out
+        return ids, past, np.array([len(c) for c in chunks], np.int32)
 
     def prefill_batch(self, seqs: Sequence[Sequence_], prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Each sequence's prompt, in rounds of at most max-input tokens per sequence (the chunks a
@@ -167,10 +226,29 @@ class Runtime:
                 seqs[b]._retier()
         return out
 
-    def decode_batch(self, seqs: Sequence[Sequence_], tokens: Sequence[int]) -> np.ndarray:
+    def decode_batch(self, seqs: Sequence[Sequence_], tokens: Sequence[int],
+                     probe: Sequence[bool] | None = None) -> np.ndarray:
         """One decode step of each sequence in one call; each re-tiers after its own every `rate`-th
-        step, as alone. Returns logits [B, V]."""
-        res = self.forward_batch(seqs, [[int(t)] for t in tokens])
+        step, as alone. Returns logits [B, V].
+
+        probe[b]: measure sequence b's mask hit rate at this step (spec 4.3): a dense shadow call of the
+        probed sequences first (nothing of it is kept but each owning layer's attention mass), then the
+        real call, whose selection Sel(t) is scored against that dense mass; sets `last_hit_rate(s)`."""
+        probe = [False] * len(seqs) if probe is None else [bool(p) for p in probe]
+        if len(probe) != len(seqs):
+            raise ValueError("decode_batch: probe needs one flag per sequence")
+        probed = [b for b, p in enumerate(probe) if p]
+        dense = None
+        if probed:
+            pseqs = [seqs[b] for b in probed]
+            ids, past, new = self._call_inputs(pseqs, [[int(tokens[b])] for b in probed])
+            dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self.sparse_window,
+                                         np.full(len(pseqs), self.n_max, np.int32), probes=True, commit=False)
+        res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed))
+        for k, b in enumerate(probed):
+            rates = {l: hit_rate(dense.layer_mass[l][k], res.selected[l][b, 0]) for l in res.selected}
+            seqs[b].last_hit_rates = rates
+            seqs[b].last_hit_rate = float(np.mean(list(rates.values())))
         for s in seqs:
             s.state.decode_steps += 1
             if s.state.decode_steps % self.policy.rate == 0:
@@ -242,8 +320,12 @@ class Runtime:
         return self.chat_stream(messages, max_new_tokens, **kw).collect()
 
 
-def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None) -> Runtime:
+def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
+         top_k: int | None = None) -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
+
+    top_k: the default selection budget (spec 4.1 sparse_top_k) of every sequence, 0..max-seq (a value
+    >= the context is dense attention); None: the checkpoint's. Not the sampling top_k of `generate`.
 
     auto: TensorRT when the bundle has an engine.plan and TensorRT imports, else ONNX Runtime.
     reference: the TensorRT graph (model.onnx) with the plugins' C++ CPU reference; slow, for checks.
@@ -258,6 +340,8 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         raise BundleError(f"{root / 'bundle.json'}: not readable JSON ({e})") from None
     try:
         check_sparse_window(sparse_window, cfg)  # before any graph is opened
+        if top_k is not None:
+            check_top_k(top_k, int(cfg["n_max"]))
     except KeyError as e:
         raise BundleError(f"{root / 'bundle.json'}: no {e} field (rebuild the bundle)") from None
     if isinstance(threads, bool) or int(threads) != threads or threads < 0:
@@ -277,6 +361,6 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     else:
         be = OrtBackend(root, cfg, threads=threads)
     try:
-        return Runtime(root, manifest, be, sparse_window=sparse_window)
+        return Runtime(root, manifest, be, sparse_window=sparse_window, top_k=top_k)
     except KeyError as e:
         raise BundleError(f"{root / 'bundle.json'}: no {e} field (rebuild the bundle)") from None

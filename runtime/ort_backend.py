@@ -1,5 +1,5 @@
 """ONNX Runtime backend: runs model.portable.onnx and gsm_demote.portable.onnx on the CPU (or any
-ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5, rev 2).
+ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5, rev 4).
 
 The cache is what the portable graph reads: per owning layer float32 latents `latent_k/v.{l}`
 [R, N_max, r] and FP16 indexer keys `index_keys.{l}` [R, N_max, dI], one row per live sequence.
@@ -12,6 +12,10 @@ OS lazily: resident memory grows with the positions written, not with N_max x R.
 When more sequences are alive than rows, the buffers grow (doubling, copied once, bound again).
 One lock serialises calls on a backend: batch sequences (Runtime.decode_batch) to use the cores
 together rather than running requests on threads.
+
+The per-layer probe outputs `selected.{l}` / `attn_mass.{l}` (rev 4) are bound only when a call asks
+for them (`probes=True`, or every call of a bundle built with debug outputs): an unbound output is an
+intermediate tensor ONNX Runtime frees, never copied to the caller.
 """
 
 from __future__ import annotations
@@ -31,7 +35,23 @@ PORTABLE_DEMOTE = "gsm_demote.portable.onnx"
 class StepOutput:
     logits: np.ndarray  # [B, 1 or S, V] float32
     attn_mass: np.ndarray  # [B, L] float32, L >= every sequence's length after the call (positions 0..L-1)
-    selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, K_sel] int32 positions, -1 padded
+    selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, k] int32 positions, -1 padded
+    layer_mass: dict[int, np.ndarray] | None = None  # owning layer -> [B, L] float32: that layer's attn_mass
+
+
+def kv_noise_sums(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
+    """(sum of squared changes, sum of squared old values) in float64 over re-encoded rows: the runtime's KV
+    noise of a demotion pass is sqrt(first / second) over all its rows, layers, K and V (issue 10)."""
+    o, n = np.asarray(old, np.float64), np.asarray(new, np.float64)
+    return float(np.sum((n - o) ** 2)), float(np.sum(o ** 2))
+
+
+def relative_noise(sums: list[tuple[float, float]]) -> float | None:
+    """||x_new - x_old||_F / ||x_old||_F from kv_noise_sums parts; None when nothing was re-encoded."""
+    if not sums:
+        return None
+    num, den = sum(a for a, _ in sums), sum(b for _, b in sums)
+    return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
 @dataclass(frozen=True)
@@ -98,7 +118,9 @@ class OrtBackend:
         self.n_max = int(cfg["n_max"])
         self.layers = [int(l) for l in cfg["owning_layers"]]
         self.out_names = [o.name for o in self.session.get_outputs()]
-        self.debug = f"selected.{self.layers[0]}" in self.out_names
+        self.debug = bool(cfg.get("debug_outputs"))  # fetch selected.{l} on every call (tests, debugging)
+        self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
+        self.has_top_k = "sparse_top_k" in {i.name for i in self.session.get_inputs()}  # rev 4 bundles
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
@@ -142,9 +164,11 @@ class OrtBackend:
 
     # -- calls -------------------------------------------------------------------------------------
     def forward(self, caches: list[OrtCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
-                sparse_window: int) -> StepOutput:
+                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
         """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. to the row of
-        caches[b]. Writes the new rows into the buffers; returns logits and attention mass."""
+        caches[b], selecting with budget top_k[b] (int [B]). Writes the new rows into the buffers unless
+        `commit` is False (a shadow step: the buffers are left as they were); returns logits and attention
+        mass, and with `probes` each owning layer's selection and attention mass."""
         B, S = ids.shape
         past, new = past.astype(np.int32), new.astype(np.int32)
         if int(past.max()) + S > self.n_max:
@@ -152,34 +176,44 @@ class OrtBackend:
         small = {"input_ids": np.ascontiguousarray(ids, np.int64), "past_lengths": past, "new_lengths": new,
                  "sparse_window": np.array([sparse_window], np.int32),
                  "cache_rows": np.array([c.row for c in caches], np.int32)}
+        if self.has_top_k:
+            small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
+        want = [n for n in self.out_names if n not in self.probe_names or probes
+                or (self.debug and n.startswith("selected."))]
         with self.lock:
             for name, a in small.items():
                 self.binding.bind_cpu_input(name, a)
             # outputs change shape every step: ORT allocates them (from its arena) on each run
             self.binding.clear_binding_outputs()
-            for name in self.out_names:
+            for name in want:
                 self.binding.bind_output(name)
             self.session.run_with_iobinding(self.binding)
-            outs = dict(zip(self.out_names, self.binding.copy_outputs_to_cpu()))
-            for l in self.layers:
-                for kind in ("latent_k", "latent_v", "index_keys"):
-                    buf, rows = self.buffers[f"{kind}.{l}"], outs[f"new_{kind}.{l}"]
-                    for b, c in enumerate(caches):
-                        p0, n = int(past[b]), int(new[b])
-                        buf[c.row, p0:p0 + n] = rows[b, :n]
-        sel = {l: outs[f"selected.{l}"] for l in self.layers} if self.debug else None
-        return StepOutput(outs["logits"], outs["attn_mass"], sel)
+            outs = dict(zip(want, self.binding.copy_outputs_to_cpu()))
+            if commit:
+                for l in self.layers:
+                    for kind in ("latent_k", "latent_v", "index_keys"):
+                        buf, rows = self.buffers[f"{kind}.{l}"], outs[f"new_{kind}.{l}"]
+                        for b, c in enumerate(caches):
+                            p0, n = int(past[b]), int(new[b])
+                            buf[c.row, p0:p0 + n] = rows[b, :n]
+        sel = {l: outs[f"selected.{l}"] for l in self.layers} if f"selected.{self.layers[0]}" in outs else None
+        mass = {l: outs[f"attn_mass.{l}"] for l in self.layers} if probes else None
+        return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
 
-    def demote(self, cache: OrtCache, new_tier: np.ndarray) -> None:
+    def demote(self, cache: OrtCache, new_tier: np.ndarray) -> float | None:
         """Re-encode the positions whose new_tier (int32 by position, -1 = unchanged) is >= 0: only
-        those rows go through the demotion graph and come back into the buffers."""
+        those rows go through the demotion graph and come back into the buffers. Returns the pass's
+        relative KV noise ||new - old||_F / ||old||_F over those rows (all layers, K and V), None if none."""
         where = np.nonzero(np.asarray(new_tier) >= 0)[0]
         if where.size == 0:
-            return
+            return None
         feeds: dict[str, np.ndarray] = {"new_tier": np.asarray(new_tier, np.int32)[where]}
+        sums = []
         with self.lock:
             for l in self.layers:
                 for kind in ("latent_k", "latent_v"):
                     feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
             for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
+                sums.append(kv_noise_sums(feeds[name.replace("_out.", ".")], arr))
                 self.buffers[name.replace("_out.", ".")][cache.row, where] = arr
+        return relative_noise(sums)

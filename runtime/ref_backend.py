@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.ort_backend import StepOutput
+from runtime.ort_backend import StepOutput, kv_noise_sums, relative_noise
 from runtime.slots import SlotTable
 
 PLUGIN_MODEL, PLUGIN_DEMOTE = "model.onnx", "gsm_demote.onnx"
@@ -101,6 +101,10 @@ class RefBackend:
         self.rows = (cfg["pool_rows"]["fp16"], cfg["pool_rows"]["int12"], cfg["pool_rows"]["int8"])
         proto = onnx.load(str(bundle / PLUGIN_MODEL), load_external_data=False)
         self.shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
+        from onnx import numpy_helper
+
+        tables = {i.name: i for i in self.demote_model.proto_.graph.initializer}
+        self.quant = {l: numpy_helper.to_array(tables[f"gsm.layers.{l}.quant"]) for l in self.layers}
 
     def new_cache(self) -> dict[str, Any]:
         """One sequence: its slot table, its kv_pool.{l} [1, P32] and index_keys.{l} [1, N_max, dI]."""
@@ -111,31 +115,55 @@ class RefBackend:
         return cache
 
     def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
-                sparse_window: int) -> StepOutput:
-        """Batch entry b is caches[b]: pools and slot tables are stacked into [B, ...] for the call."""
+                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
+        """Batch entry b is caches[b]: pools and slot tables are stacked into [B, ...] for the call. With
+        commit False (a shadow step) the pools and slot tables are left as they were (a compaction the
+        call needed stays done: it moves rows without changing any value)."""
+        saved = []
         for c, p0, n in zip(caches, past, new):
             slots: SlotTable = c["slots"]
             moves = slots.compaction(int(n))
             if moves:
                 self._run_demote(c, moves)
+            saved.append((slots.entries.copy(), [list(f) for f in slots.free]))
             slots.allocate(range(int(p0), int(p0) + int(n)))
         feeds = {k: np.concatenate([c[k] for c in caches]) for k in caches[0] if k != "slots"}
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
                      kv_slots=np.stack([c["slots"].entries for c in caches]))
+        if "sparse_top_k" in self.shapes:
+            feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
         names = [o.name for o in self.model.proto_.graph.output]
         outs = dict(zip(names, self.model.run(None, feeds)))
         for b, c in enumerate(caches):
-            for l in self.layers:
-                c[f"kv_pool.{l}"] = outs[f"kv_pool_out.{l}"][b:b + 1]
-                c[f"index_keys.{l}"] = outs[f"index_keys_out.{l}"][b:b + 1]
-        return StepOutput(outs["logits"], outs["attn_mass"])
+            if commit:
+                for l in self.layers:
+                    c[f"kv_pool.{l}"] = outs[f"kv_pool_out.{l}"][b:b + 1]
+                    c[f"index_keys.{l}"] = outs[f"index_keys_out.{l}"][b:b + 1]
+            else:
+                c["slots"].entries[:], c["slots"].free = saved[b]
+        sel = mass = None
+        if probes or self.cfg.get("debug_outputs"):
+            sel = {l: outs[f"selected.{l}"] for l in self.layers if f"selected.{l}" in outs} or None
+        if probes:
+            mass = {l: outs[f"attn_mass.{l}"] for l in self.layers}
+        return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
 
-    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> None:
-        """new_tier: int32 by position (-1 = unchanged)."""
+    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> float | None:
+        """new_tier: int32 by position (-1 = unchanged). Returns the pass's relative KV noise over the
+        re-encoded rows (all owning layers, K and V; read back dequantised), None when none changed."""
+        where = np.nonzero(np.asarray(new_tier) >= 0)[0]
+        before = {l: self.latents(cache, l) for l in self.layers} if where.size else {}
         moves = cache["slots"].demote(np.asarray(new_tier))
         if moves:
             self._run_demote(cache, moves)
+        if not where.size:
+            return None
+        sums = []
+        for l in self.layers:
+            for old, now in zip(before[l], self.latents(cache, l)):
+                sums.append(kv_noise_sums(old[0, where], now[0, where]))
+        return relative_noise(sums)
 
     def _run_demote(self, cache: dict[str, Any], moves: list[tuple[int, int]]) -> None:
         feeds: dict[str, np.ndarray] = {"demote_list": np.array([(0, o, n) for o, n in moves], np.int32)}
@@ -145,12 +173,16 @@ class RefBackend:
         for name, arr in zip(names, self.demote_model.run(None, feeds)):
             cache[name.replace("_out.", ".")] = arr
 
-    def latents(self, cache: dict[str, Any], layer: int, quant: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Dequantised latents of one layer by position (for tests), through the reference reader."""
+    def latents(self, cache: dict[str, Any], layer: int,
+                quant: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantised latents of one layer by position [1, N_max, r] (NaN where no row), through the
+        reference reader; quant: the layer's [3, r] table (default: the bundle's)."""
         from gsm_edge_plugins import ref
 
         rk, rv = self.cfg["ranks"][str(layer)]
         d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=self.n_max,
                      rows_fp16=self.rows[0], rows_int12=self.rows[1], rows_int8=self.rows[2],
                      index_dim=self.cfg["index_dim"])
+        if quant is None:
+            quant = self.quant[layer]
         return ref.read_latents(d, cache[f"kv_pool.{layer}"], cache["slots"].entries[None], quant)

@@ -54,7 +54,7 @@ def test_same_interface(bundle):
     ti, pi = io(trt.graph.input), io(port.graph.input)
     to, po = io(trt.graph.output), io(port.graph.output)
     cmap = cache_map(cfg)
-    for name in ("input_ids", "past_lengths", "new_lengths", "sparse_window"):
+    for name in ("input_ids", "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"):
         assert ti[name] == pi[name]
     assert to["logits"] == po["logits"]
     # attention mass: the TensorRT engine covers N_max positions, the portable graph L = max(past) + S
@@ -95,11 +95,13 @@ def test_every_gsm_node_is_one_portable_subgraph(bundle):
             consumers_outside.setdefault(i, set()).add(n.name.split("/")[0])
     graph_outputs = {o.name for o in port.graph.output}
     # per-call geometry shared by every layer (scope `call`): functions of the input shape, the past /
-    # new lengths, cache_rows and the window only, which every GSM node reads (q's shape gives B, S)
+    # new lengths, cache_rows, the window and the per-sequence budget (rev 4) only, which every GSM node
+    # reads (q's shape gives B, S)
     call = {o for n in port.graph.node if n.name.startswith("call/") for o in n.output}
     call_in = {i for n in port.graph.node if n.name.startswith("call/") for i in n.input} - call
     assert call_in - inits - {"rope_cos", "rope_sin"} <= {"input_ids", "past_lengths", "new_lengths", "cache_rows",
-                                                          "sparse_window", "gsm.rope_cos", "gsm.rope_sin"}
+                                                          "sparse_window", "sparse_top_k", "gsm.rope_cos",
+                                                          "gsm.rope_sin"}
     for node in gsm_nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["plugin_version"] == PLUGIN_VERSION.encode()

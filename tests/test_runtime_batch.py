@@ -43,6 +43,15 @@ def greedy_alone(rt, prompt, steps):
     return logits, tokens, tiers, sels
 
 
+def same_selection(a, b):
+    """Equal selections; the width is the call's k (engine_io rev 4: the batch's largest budget, capped by
+    its context), so a sequence's rows may carry more -1 padding in a batch than alone."""
+    w = max(a.shape[-1], b.shape[-1])
+    pad = [(0, 0)] * (a.ndim - 1)
+    return np.array_equal(np.pad(a, pad + [(0, w - a.shape[-1])], constant_values=-1),
+                          np.pad(b, pad + [(0, w - b.shape[-1])], constant_values=-1))
+
+
 def test_batched_decode_equals_each_alone(bundle):
     import runtime
 
@@ -78,7 +87,7 @@ def test_batched_decode_equals_each_alone(bundle):
             worst = max(worst, float(np.abs(out[k] - alone[b][0][i]).max()))
             assert np.array_equal(seqs[b].state.tier, alone[b][2][i - 1]), f"tiers of sequence {b}, step {i}"
             for l, sel in alone[b][3][i - 1].items():
-                assert np.array_equal(seqs[b].last.selected[l], sel), f"selection of sequence {b}, step {i}"
+                assert same_selection(seqs[b].last.selected[l], sel), f"selection of sequence {b}, step {i}"
     assert all(len(t) == steps for t in tokens)
     assert worst <= 1e-4, worst
     assert {t for s in seqs for t in s.state.tier.tolist()} == {0, 1, 2}  # demoted rows were read
