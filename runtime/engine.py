@@ -20,6 +20,7 @@ their sequences are never shared, so greedy outputs equal the same requests run 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import threading
@@ -63,16 +64,27 @@ class EngineConfig:
     max_queue: int = 64
     default_deadline_s: float | None = None  # per request, from submission; None: no limit
     warmup: bool = True
+    # Fallback policies of the sequences (docs/serving.md "Fallback policies"; thresholds of the GSM
+    # deployment description). The hit rate needs the dense attention of the step: probed on a sequence's
+    # decode steps 1, 1 + n, 1 + 2n, ... (n = hit_rate_every; 0: never probed, no hit-rate fallback).
+    min_hit_rate: float = 0.85  # a probed hit rate below this -> dense attention for that sequence; 0: off
+    hit_rate_every: int = 64
+    max_kv_noise: float | None = 0.05  # KV noise of a re-tier pass above this -> cache refreshed; None: off
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "interleave", "max_queue"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "max_running" else 1):
-                raise ValueError(f"EngineConfig.{name}: expected an integer >= {0 if name == 'max_running' else 1}, "
-                                 f"got {v!r}")
+        for name in ("max_running", "interleave", "max_queue", "hit_rate_every"):
+            v, lo = getattr(self, name), 0 if name in ("max_running", "hit_rate_every") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"EngineConfig.{name}: expected an integer >= {lo}, got {v!r}")
         if self.default_deadline_s is not None and not self.default_deadline_s > 0:
             raise ValueError(f"EngineConfig.default_deadline_s: expected a number > 0 or None, "
                              f"got {self.default_deadline_s!r}")
+        if isinstance(self.min_hit_rate, bool) or not 0 <= self.min_hit_rate <= 1:
+            raise ValueError(f"EngineConfig.min_hit_rate: expected a number in [0, 1], got {self.min_hit_rate!r}")
+        if self.max_kv_noise is not None and (isinstance(self.max_kv_noise, bool)
+                                              or not 0 <= self.max_kv_noise < float("inf")):
+            raise ValueError(f"EngineConfig.max_kv_noise: expected a finite number >= 0 or None (off), "
+                             f"got {self.max_kv_noise!r}")
 
 
 @dataclass
@@ -82,6 +94,7 @@ class Work:
     seq: Any  # runtime.model.Sequence_
     ids: list[int]
     prefill: bool
+    probe: bool = False  # decode only: also measure the sparse mask hit rate of this step (seq.last_hit_rate)
 
 
 class Stepper(Protocol):
@@ -105,7 +118,10 @@ class SequentialStepper:
         out: list[np.ndarray | Exception] = []
         for w in work:
             try:
-                out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0]))
+                if w.probe:
+                    out.append(w.seq.rt.decode_batch([w.seq], w.ids, probe=[True])[0])
+                else:
+                    out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0]))
             except Exception as e:  # one sequence's failure must not stop the others
                 out.append(e)
         return out
@@ -130,14 +146,52 @@ class BatchedStepper:
                 continue
             seqs = [work[i].seq for i in idx]
             try:
-                res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx]) if prefill
-                       else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx]))
+                if prefill:
+                    res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx])
+                elif any(work[i].probe for i in idx):
+                    res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
+                                               probe=[work[i].probe for i in idx])
+                else:
+                    res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx])
                 for k, i in enumerate(idx):
                     out[i] = res[k]
             except Exception as e:
                 for i in idx:
                     out[i] = e
         return out
+
+
+def can_probe(rt: Runtime) -> bool:
+    """Whether the runtime measures the sparse mask hit rate of a decode step (decode_batch(probe=...))."""
+    try:
+        return "probe" in inspect.signature(rt.decode_batch).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def switch_to_dense(seq: Any, n_max: int) -> None:
+    """Dense attention over the sequence's whole cache from its next step on."""
+    use_dense = getattr(seq, "use_dense", None)
+    if callable(use_dense):
+        use_dense()
+    else:
+        seq.top_k = n_max  # every cached position selected
+
+
+def keep_fp16(seq: Any) -> None:
+    """No re-tier pass on this sequence any more: every row it caches stays FP16 (a refreshed cache)."""
+    pin = getattr(seq, "keep_fp16", None)
+    if callable(pin):
+        pin()
+    else:  # until the runtime has a per-sequence switch: its re-tier pass becomes a no-op
+        seq._retier = lambda: None
+
+
+def new_kv_noise(seq: Any, passes_seen: int) -> tuple[float | None, int]:
+    """The KV noise of the sequence's last re-tier pass if a pass ran since `passes_seen` (None: none ran,
+    or it re-encoded no row), and the pass count to remember."""
+    passes = int(getattr(seq, "retier_passes", 0))
+    return (getattr(seq, "last_kv_noise", None) if passes != passes_seen else None), passes
 
 
 def default_stepper(rt: Runtime) -> Stepper:
@@ -159,6 +213,15 @@ class Observer:
     def on_finish(self, req: EngineRequest) -> None: ...
 
     def on_step(self, engine: Engine, running: Sequence[EngineRequest]) -> None: ...
+
+    def on_hit_rate(self, req: EngineRequest, hit_rate: float) -> None:
+        """A probed decode step's sparse mask hit rate (mean over owning layers)."""
+
+    def on_kv_noise(self, req: EngineRequest, noise: float) -> None:
+        """The KV noise a re-tier pass of the request's sequence added (docs/serving.md)."""
+
+    def on_fallback(self, req: EngineRequest, policy: str, value: float) -> None:
+        """A fallback policy was taken for the request: "hit_rate" (dense from here) or "kv_noise" (refreshed)."""
 
 
 _ids = itertools.count(1)
@@ -186,6 +249,12 @@ class EngineRequest:
     seq: Any = None
     sampler: Sampler | None = None
     next_token: int | None = None
+    decode_steps: int = 0
+    hit_rate: float | None = None  # the last probed sparse mask hit rate
+    dense: bool = False  # switched to dense attention by the hit-rate fallback
+    kv_noise: float | None = None  # the KV noise of the last re-tier pass that re-encoded rows
+    refreshes: int = 0  # caches rebuilt by the KV-noise fallback
+    retier_passes: int = 0  # of its sequence, when last looked at
     _cancel: bool = False
     _events: list[Token] = field(default_factory=list)
     _done: bool = False
@@ -282,6 +351,8 @@ class Engine:
         self.warmup_s: float | None = None
         self.warmup_error: BaseException | None = None  # the engine refuses requests when warm-up failed
         self.steps = 0
+        self.probes = can_probe(rt) and self.config.hit_rate_every > 0
+        self.fallbacks: dict[str, int] = {"hit_rate": 0, "kv_noise": 0}  # taken so far, by policy
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._cond = threading.Condition()
@@ -445,20 +516,90 @@ class Engine:
                 self._finish(req, "deadline")
             else:
                 live.append(req)
-        work = [Work(r.seq, r.prompt_ids, True) if r.next_token is None else Work(r.seq, [r.next_token], False)
-                for r in live]
+        work = [Work(r.seq, r.prompt_ids, True) if r.next_token is None
+                else Work(r.seq, [r.next_token], False, probe=self._probe_now(r)) for r in live]
         results = self.stepper.step(work) if work else []
         self.steps += 1
-        still = []
-        for req, res in zip(live, results):
+        still, refresh = [], []
+        for req, w, res in zip(live, work, results):
             if isinstance(res, Exception):
                 log.error("request %d failed: %s", req.id, res)
                 self._finish(req, "error", res)
-            elif self._advance(req, res):
+                continue
+            if not w.prefill:
+                req.decode_steps += 1
+            noise, req.retier_passes = new_kv_noise(req.seq, req.retier_passes)
+            if w.probe:
+                self._judge_hit_rate(req)
+            if self._advance(req, res):
                 still.append(req)
+                if noise is not None and self._noisy(req, noise):
+                    refresh.append(req)
+        if refresh:
+            still = [r for r in still if r not in self._refresh(refresh)]
         with self._cond:
             self._running = still
         self._notify("on_step", self, still)
+
+    # -- fallback policies (docs/serving.md) --
+    def _probe_now(self, req: EngineRequest) -> bool:
+        return self.probes and not req.dense and req.decode_steps % self.config.hit_rate_every == 0
+
+    def _judge_hit_rate(self, req: EngineRequest) -> None:
+        hr = getattr(req.seq, "last_hit_rate", None)
+        if hr is None:
+            return
+        req.hit_rate = float(hr)
+        self._notify("on_hit_rate", req, req.hit_rate)
+        if req.hit_rate < self.config.min_hit_rate:
+            switch_to_dense(req.seq, self.rt.n_max)
+            req.dense = True
+            self.fallbacks["hit_rate"] += 1
+            log.warning("request %d: sparse mask hit rate %.3f < %.3f at position %d: dense attention over its "
+                        "cache from here", req.id, req.hit_rate, self.config.min_hit_rate, req.seq.length)
+            self._notify("on_fallback", req, "hit_rate", req.hit_rate)
+
+    def _noisy(self, req: EngineRequest, noise: float) -> bool:
+        req.kv_noise = float(noise)
+        self._notify("on_kv_noise", req, req.kv_noise)
+        limit = self.config.max_kv_noise
+        if limit is None or not noise > limit or req.refreshes:
+            return False  # a refreshed cache stays FP16: it is never re-encoded again
+        log.warning("request %d: KV noise %.4f > %.4f after a re-tier pass: refreshing its cache at FP16 from "
+                    "%d tokens", req.id, noise, limit, req.seq.length)
+        return True
+
+    def _refresh(self, reqs: Sequence[EngineRequest]) -> list[EngineRequest]:
+        """A fresh cache per request: the prompt and the tokens generated so far (all but the sampled next
+        token, which the next decode step feeds as before) prefilled with no re-tier pass, so every row is
+        FP16 and stays so. The sampler is untouched: the same sampling stream goes on. Returns the
+        requests that failed (finished with "error")."""
+        fresh = []
+        for req in reqs:
+            seq = self.stepper.new_sequence()
+            keep_fp16(seq)
+            if req.dense:
+                switch_to_dense(seq, self.rt.n_max)
+            fresh.append(seq)
+        results = self.stepper.step([Work(s, r.prompt_ids + r.ids[:-1], True) for s, r in zip(fresh, reqs)])
+        failed = []
+        for req, seq, res in zip(reqs, fresh, results):
+            if isinstance(res, Exception):
+                log.error("request %d: cache refresh failed: %s", req.id, res)
+                close = getattr(seq, "close", None)
+                if close is not None:
+                    close()
+                self._finish(req, "error", res)
+                failed.append(req)
+                continue
+            old, req.seq, req.retier_passes = req.seq, seq, int(getattr(seq, "retier_passes", 0))
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
+            req.refreshes += 1
+            self.fallbacks["kv_noise"] += 1
+            self._notify("on_fallback", req, "kv_noise", req.kv_noise)
+        return failed
 
     def _advance(self, req: EngineRequest, logits: np.ndarray) -> bool:
         """Sample the request's next token from `logits`; False when the request ends here. Same

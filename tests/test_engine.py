@@ -14,6 +14,8 @@ import pytest
 from runtime_bundles import build_demo
 
 MAX_SEQ, MAX_INPUT = 64, 16
+# The fallback policies off: a sequence then always runs as `rt.generate` runs it (probes still measure).
+NO_FALLBACKS = dict(min_hit_rate=0.0, max_kv_noise=None)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_concurrent_requests_equal_sequential_runs(rt, batched):
     alone = [rt.generate(p, n, **kw) for p, n, kw in REQUESTS]
     assert {g.finish_reason for g in alone} >= {"length", "context"}
     stepper = SlowStepper(rt, batched=batched)
-    with Engine(rt, EngineConfig(max_running=4), stepper=stepper) as eng:
+    with Engine(rt, EngineConfig(max_running=4, **NO_FALLBACKS), stepper=stepper) as eng:
         with ThreadPoolExecutor(len(REQUESTS)) as pool:  # submitted from several threads at once
             reqs = list(pool.map(lambda r: eng.submit(r[0], r[1], **r[2]), REQUESTS))
             got = [r.result(60) for r in reqs]
@@ -78,7 +80,7 @@ def test_request_joins_a_running_batch_between_steps(rt):
     from runtime.engine import Engine, EngineConfig
 
     stepper = SlowStepper(rt, delay=0.002)
-    with Engine(rt, EngineConfig(max_running=4), stepper=stepper) as eng:
+    with Engine(rt, EngineConfig(max_running=4, **NO_FALLBACKS), stepper=stepper) as eng:
         a = eng.submit([1, 76, 111], 40, stop_ids=[])
         it = iter(a)
         for _ in range(5):
@@ -172,7 +174,7 @@ def test_warmup_runs_before_ready_and_first_request(rt):
 
 
 def test_asyncio_consumers(rt):
-    from runtime.engine import Engine
+    from runtime.engine import Engine, EngineConfig
 
     prompts = [[1, 76, 111], [1, 40], [1, 9, 9, 9]]
 
@@ -183,7 +185,7 @@ def test_asyncio_consumers(rt):
     async def main(eng):
         return await asyncio.gather(*(consume(eng, p) for p in prompts))
 
-    with Engine(rt) as eng:
+    with Engine(rt, EngineConfig(**NO_FALLBACKS)) as eng:
         out = asyncio.run(main(eng))
     for (ids, r), p in zip(out, prompts):
         assert ids == r.ids == rt.generate(p, 10, stop_ids=[]).ids

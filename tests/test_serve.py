@@ -61,7 +61,8 @@ def live_server(rt, name="demo", *, config=None, stepper=None, start=True):
     from runtime.engine import Engine, EngineConfig
     from runtime.serve.app import Server
 
-    eng = Engine(rt, config or EngineConfig(), stepper=stepper)
+    # fallbacks off by default here: the tests compare the server's tokens with the plain runtime's
+    eng = Engine(rt, config or EngineConfig(min_hit_rate=0.0, max_kv_noise=None), stepper=stepper)
     srv = Server(eng, model_name=name)
     if start:
         eng.start()
@@ -301,6 +302,10 @@ def test_serving_never_imports_torch(bundles):
     (["BUNDLE", "--port", "70000"], "--port"),
     (["BUNDLE", "--max-queue", "0"], "--max-queue"),
     (["BUNDLE", "--deadline", "-1"], "--deadline"),
+    (["BUNDLE", "--min-hit-rate", "1.5"], "--min-hit-rate"),
+    (["BUNDLE", "--hit-rate-every", "-1"], "--hit-rate-every"),
+    (["BUNDLE", "--max-kv-noise", "-0.1"], "--max-kv-noise"),
+    (["BUNDLE", "--max-kv-noise", "nan"], "--max-kv-noise"),
 ])
 def test_serve_cli_bad_input_is_one_error_line(bundles, args, words):
     args = [str(bundles["demo"]) if a == "BUNDLE" else a for a in args]
@@ -308,6 +313,19 @@ def test_serve_cli_bad_input_is_one_error_line(bundles, args, words):
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and words in errors[0], r.stderr
+
+
+def test_serve_fallback_flags():
+    import argparse
+
+    from runtime.serve.cli import add_parser
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    a = p.parse_args(["serve", "b"])
+    assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (0.85, 64, 0.05)  # the published thresholds
+    a = p.parse_args(["serve", "b", "--min-hit-rate", "1", "--hit-rate-every", "0", "--max-kv-noise", "off"])
+    assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (1.0, 0, None)
 
 
 def test_tegrastats_figures_in_metrics(rts):
@@ -377,3 +395,36 @@ def test_compression_ratio_fallback_forced_threshold(rts, bundles, tmp_path, cap
     (bad / "plan.json").write_text((bad / "plan.json").read_text() + " ")  # changed after load
     m = serve_one(rt, FallbackConfig())
     assert m[("gsm_bundle_integrity_ok", ())] == 0 and "integrity check FAILED" in caplog.text
+
+
+def test_sequence_fallbacks_in_metrics(rts):
+    """Forced thresholds through the server: hit rate 1.0 (every step probed) and KV noise 0.0 on a
+    48-token prompt (its re-tier pass demotes rows): each policy once, counted by kind, and the two
+    GSM series carry the values the engine measured (tests/test_fallbacks.py checks the switch itself)."""
+    from runtime.engine import EngineConfig, Observer, can_probe
+
+    rt = rts["demo"]
+    if not can_probe(rt):
+        pytest.skip("this runtime has no probed decode step (Runtime.decode_batch(probe=...)) yet")
+    seen = {}
+
+    class Seen(Observer):
+        def on_hit_rate(self, req, hit_rate):
+            seen.setdefault("hit_rate", hit_rate)
+
+        def on_kv_noise(self, req, noise):
+            seen.setdefault("noise", noise)
+
+    cfg = EngineConfig(min_hit_rate=1.0, hit_rate_every=1, max_kv_noise=0.0)
+    with live_server(rt, config=cfg) as (srv, url):
+        srv.engine.observers.append(Seen())
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1] + list(range(40, 87)), "max_tokens": 6,
+                                                      "temperature": 0, "stop_token_ids": []}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        m = metric_samples(url)
+    assert m[("gsm_fallbacks_total", (("policy", "hit_rate"),))] == 1
+    assert m[("gsm_fallbacks_total", (("policy", "kv_noise"),))] == 1
+    assert m[("gsm_sparse_mask_probes_total", ())] == 1  # dense after the first probe: no more
+    assert m[("gsm_sparse_mask_hit_rate", ())] == pytest.approx(seen["hit_rate"]) and seen["hit_rate"] < 1
+    assert m[("gsm_kv_noise_measurements_total", ())] == 1  # the refreshed cache is never re-encoded
+    assert m[("gsm_shared_kv_noise_level", ())] == pytest.approx(seen["noise"]) and seen["noise"] > 0

@@ -11,6 +11,7 @@ import logging
 import math
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,22 @@ def add_parser(sub: Any) -> None:
                    help="device memory / GPU load / power in /metrics from tegrastats (auto: when it is installed)")
     s.add_argument("--min-compression-ratio", type=float_in(0, math.inf), default=2.5,
                    help="live KV compression ratio below which a warning and a bundle hash check run (0: off)")
+    s.add_argument("--min-hit-rate", type=float_in(0, 1), default=0.85,
+                   help="sparse mask hit rate below which a sequence switches to dense attention (0: off)")
+    s.add_argument("--hit-rate-every", type=int_at_least(0), default=64,
+                   help="measure the hit rate on one decode step in this many per sequence (0: never)")
+    s.add_argument("--max-kv-noise", type=off_or(float_in(0, math.inf)), default=0.05,
+                   help="KV noise of a re-tier pass above which the sequence's cache is refreshed at FP16 (off: never)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def off_or(parse: Callable[[str], float]) -> Callable[[str], float | None]:
+    """argparse type: "off" (None) or what `parse` accepts."""
+    def off(text: str) -> float | None:
+        return None if text.strip().lower() == "off" else parse(text)
+
+    off.__name__ = f"'off' or {parse.__name__}"
+    return off
 
 
 def _error(message: str, code: int = 2) -> int:
@@ -68,7 +84,9 @@ def serve(args: argparse.Namespace) -> int:
         return _error(str(e), 1)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(rt, EngineConfig(max_running=args.max_running, interleave=args.interleave,
-                                      max_queue=args.max_queue, default_deadline_s=args.deadline))
+                                      max_queue=args.max_queue, default_deadline_s=args.deadline,
+                                      min_hit_rate=args.min_hit_rate, hit_rate_every=args.hit_rate_every,
+                                      max_kv_noise=args.max_kv_noise))
     name = args.model_name or Path(args.bundle).resolve().name
     monitor = None
     if args.tegrastats != "off":

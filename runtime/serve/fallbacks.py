@@ -1,14 +1,13 @@
-"""Fallback policies of the serving engine, each with the default threshold of the GSM deployment
-description, counted in /metrics (`gsm_fallbacks_total{policy}`) and logged.
+"""The server-side fallback policy: compression ratio < 2.5 (the GSM deployment description's
+threshold) -> a warning and a background integrity check of the bundle's hashes
+(`gsm_bundle_integrity_ok` 1 / 0), counted in /metrics (`gsm_fallbacks_total{policy="compression_ratio"}`).
+A cache that holds less than expected most often means the tier policy is not demoting (contexts shorter
+than the FP16 window sit at the FP16 ratio), but a changed bundle file is the failure that must not go
+unnoticed on a device that runs for months.
 
-Implemented: compression ratio < 2.5 -> a warning and a background integrity check of the bundle's
-hashes (`gsm_bundle_integrity_ok` 1 / 0). A cache that holds less than expected most often means the
-tier policy is not demoting (contexts shorter than the FP16 window sit at the FP16 ratio), but a
-changed bundle file is the failure that must not go unnoticed on a device that runs for months.
-
-Not implemented (docs/serving.md): mask hit rate < 0.85 -> dense attention for that sequence, and
-KV noise > 0.05 -> re-prefill at FP16; both need the dense attention of the step, which the bundle's
-graphs do not return.
+The per-sequence policies (hit rate < 0.85 -> dense attention, KV noise > 0.05 -> cache refreshed at
+FP16) act on the scheduler's sequences, so they live in the engine (runtime.engine, EngineConfig); the
+server counts them through its metrics observer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Prometheus metrics of a serving engine (prometheus_client, one registry per server).
 
-Names follow the GSM deployment description where it names them (`gsm_kv_compression_ratio`); the
-mask hit rate and the shared-KV noise level are not exported: the runtime's graphs give no dense
-attention to measure them against (docs/serving.md, "Not yet").
+Names follow the GSM deployment description where it names them (`gsm_kv_compression_ratio`,
+`gsm_sparse_mask_hit_rate`, `gsm_shared_kv_noise_level`). The hit rate is measured on sampled decode
+steps (EngineConfig.hit_rate_every) and the KV noise on re-tier passes that re-encode rows; both series
+stay absent until a first measurement (docs/serving.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from runtime.metrics import CacheGeometry, cache_bytes, compression_ratio, tier_
 # Buckets for an edge model: from a millisecond (tiny models on a GPU) to a minute.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+# gsm_fallbacks_total{policy}: the engine's two per-sequence policies and the server's integrity check
+FALLBACK_POLICIES = ("hit_rate", "kv_noise", "compression_ratio")
 
 
 def geometry(bundle: Path) -> CacheGeometry | None:
@@ -57,7 +60,16 @@ class ServeMetrics(Observer):
         self.ratio = Gauge("gsm_kv_compression_ratio", "Dense FP16 KV bytes over the bytes the live caches hold",
                            registry=r)
         self.fallbacks = Counter("gsm_fallbacks", "Fallback policies taken", ["policy"], registry=r)
-        self.fallbacks.labels("compression_ratio")
+        for policy in FALLBACK_POLICIES:
+            self.fallbacks.labels(policy)
+        self.hit_rate = Gauge("gsm_sparse_mask_hit_rate", "Sparse mask hit rate of the last probed decode step "
+                              "(mean over owning layers; sampled steps only)", registry=r)
+        self.hit_rate_probes = Counter("gsm_sparse_mask_probes", "Decode steps whose hit rate was measured",
+                                       registry=r)
+        self.kv_noise = Gauge("gsm_shared_kv_noise_level", "Relative error the last re-tier pass added to the "
+                              "latent rows it re-encoded, ||x_new - x_old||_F / ||x_old||_F", registry=r)
+        self.kv_noise_passes = Counter("gsm_kv_noise_measurements", "Re-tier passes that re-encoded rows",
+                                       registry=r)
         self.steps = Counter("gsm_scheduler_steps", "Scheduler iterations", registry=r)
         self.last_ratio: float | None = None
 
@@ -75,6 +87,17 @@ class ServeMetrics(Observer):
         self.latency.observe(req.t_end - req.t_submit)
         if req.t_first is not None and len(req.ids) > 1:
             self.tpot.observe((req.t_end - req.t_first) / (len(req.ids) - 1))
+
+    def on_hit_rate(self, req: EngineRequest, hit_rate: float) -> None:
+        self.hit_rate.set(hit_rate)
+        self.hit_rate_probes.inc()
+
+    def on_kv_noise(self, req: EngineRequest, noise: float) -> None:
+        self.kv_noise.set(noise)
+        self.kv_noise_passes.inc()
+
+    def on_fallback(self, req: EngineRequest, policy: str, value: float) -> None:
+        self.fallbacks.labels(policy).inc()
 
     def on_first_token(self, req: EngineRequest) -> None:
         assert req.t_first is not None
