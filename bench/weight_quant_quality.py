@@ -29,17 +29,20 @@ from gsm.sources.gguf import read_gguf
 from gsm.tokenizer import tokenizer_from_json
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-DEFAULT_SETTINGS = "fp32,fp16,int8,rtn4-g32,rtn4-g64,rtn4-g128,rtn4a-g128,awq4-g32,awq4-g64,awq4-g128"
+DEFAULT_SETTINGS = "fp32,fp16,int8,rtn4f-g32,rtn4-g32,rtn4-g64,rtn4-g128,rtn4a-g128,awq4-g32,awq4-g64,awq4-g128"
 
 
 def parse_setting(s: str) -> tuple[WeightQuantConfig | None, bool, str]:
-    """'fp32' | 'fp16' | 'int8' | 'rtn4-g128' | 'rtn4a-g128' (asymmetric) | 'awq4-g64' -> (cfg, awq, name)."""
+    """'fp32' | 'fp16' | 'int8' | 'rtn4-g128' | 'rtn4a-g128' (asymmetric, integer zero point) | 'rtn4f-g32'
+    (asymmetric min/max grid, float zero point: `--int4-grid asym-f`) | 'awq4-g64' -> (cfg, awq, name)."""
     if s in ("fp32", "fp16"):
         return None, False, s
     if s == "int8":
         return WeightQuantConfig(8, None), False, s
     kind, g = s.split("-g")
     awq = kind.startswith("awq")
+    if kind.endswith("f"):
+        return WeightQuantConfig(4, int(g), symmetric=False, float_zero_point=True), awq, s
     return WeightQuantConfig(4, int(g), symmetric=not kind.endswith("a")), awq, s
 
 

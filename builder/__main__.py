@@ -30,6 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--uncalibrated", choices=["fp16", "data-free"], default="fp16",
                    help="a checkpoint without calibration tables: keep the KV cache FP16 (default, safe) or use "
                    "INT12/INT8 tiers with data-free scales (measurably worse on real models)")
+    b.add_argument("--weights", choices=["fp16", "int8", "int4", "auto"], default="fp16",
+                   help="projection weights (q, o, gate, up, down): fp16, INT8 per channel, INT4 per group, or auto "
+                   "(the highest precision whose memory plan fits the device at --max-seq)")
+    b.add_argument("--group-size", type=int_at_least(16),
+                   help="INT4 group along the input dimension, a power of two (default 128, or the detected grid's)")
+    b.add_argument("--int4-grid", choices=["auto", "sym", "asym-f"], default="auto",
+                   help="INT4 codes: sym (symmetric), asym-f (min/max grid with a float zero point, reproduces a "
+                   "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")
+    b.add_argument("--quantize-head", action="store_true", help="also quantise an untied LM head")
+    b.add_argument("--matmul-accuracy", choices=["exact", "fast"], default="exact",
+                   help="portable graph's quantised matmuls: exact (float32 on the dequantised weights) or fast "
+                   "(ONNX Runtime quantises activations to INT8 blocks)")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
@@ -60,7 +72,8 @@ def _build(args: argparse.Namespace) -> int:
         r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
                   max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
-                  uncalibrated=args.uncalibrated,
+                  uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
+                  int4_grid=args.int4_grid, quantize_head=args.quantize_head, matmul_accuracy=args.matmul_accuracy,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:

@@ -31,7 +31,17 @@ from builder.bundle import (
 from builder.calib import quant_tables
 from builder.graphs import MODEL_PORTABLE, MODEL_TRT, write_graphs
 from builder.network import CheckpointSource, NetSpec
-from builder.plan import MemoryPlan, fmt_bytes, make_plan, pool_rows, require_fit
+from builder.plan import (
+    DEFAULT_GROUP_SIZE,
+    MemoryPlan,
+    choose_weights,
+    fmt_bytes,
+    pool_rows,
+    quantised_names,
+    require_fit,
+    weight_bytes,
+    weight_config,
+)
 from gsm import checkpoint
 from gsm.checker import verify
 from gsm.config import KVQuantConfig
@@ -75,10 +85,16 @@ def default_output(checkpoint_dir: Path | None, device: str) -> Path:
 def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | None = None, max_seq: int | None = None,
           max_batch: int = 1, max_input: int | None = None, calibration: Path | None = None,
           overwrite: bool = False, logits: str = "last", debug_outputs: bool = False, trt_precision: str = "fp16",
-          uncalibrated: str = "data-free",
+          uncalibrated: str = "data-free", weights: str = "fp16", group_size: int | None = None,
+          int4_grid: str = "auto", quantize_head: bool = False, matmul_accuracy: str = "exact",
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
-    """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written."""
+    """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
+
+    weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: INT4 group
+    (default 128, or the detected grid's); int4_grid: auto | sym | asym-f (docs/weights.md);
+    matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4)."""
     t0 = time.perf_counter()
+    _check_weight_options(weights, group_size, int4_grid, matmul_accuracy)
     from jetson import DetectionError, UnknownDeviceError
 
     try:
@@ -109,11 +125,16 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         ranks = tensors.ranks(cfg)
         from builder.plan import PlanError
 
+        grid, grid_note, group = resolve_int4_grid(tensors, cfg, weights, int4_grid, group_size)
         try:
-            plan = make_plan(cfg, ranks, quant, profile, max_seq=max_seq, max_batch=max_batch, max_input=max_input)
+            plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
+                                  max_input=max_input, group_size=group, quantize_head=quantize_head, int4_grid=grid)
             require_fit(plan, cfg, ranks, quant)
         except PlanError as e:
             raise BuildError(str(e)) from None
+        wreport = _weights_report(plan, cfg, ranks, weights, grid_note, matmul_accuracy)
+        if weights == "auto":
+            say(f"--weights auto: {wreport['why']}")
         step("quantisation tables")
         from builder.calib import CalibrationError
 
@@ -122,22 +143,27 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         except CalibrationError as e:
             raise BuildError(str(e)) from None
         rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
-        spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs)
+        wcfg = weight_config(plan.weights, plan.group_size, plan.int4_grid)
+        spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs,
+                       quantised=frozenset(quantised_names(cfg, plan.quantize_head)) if wcfg else frozenset(),
+                       nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy])
         ck_hash = checkpoint_hash(ckpt)
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
             info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
-                                progress=step)
+                                weights=wcfg, progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
                          checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
                     shutil.copyfile(ckpt / name, tmp / name)
             runtime_cfg = _runtime_config(spec, plan, rows, quant, logits, debug_outputs)
+            runtime_cfg["weights"] = _weights_record(wreport)
             write_json(tmp / BUNDLE_FILE, runtime_cfg)
             write_json(tmp / PLAN_FILE, plan.to_json())
             engine = _maybe_engine(tmp, plan, profile, step)
             report = _report(cfg, plan, info, qt.source, demo, ck_hash, engine, time.perf_counter() - t0, out)
             report["kv_tiers"] = kv_tiers
+            report["weights"] = wreport
             write_json(tmp / REPORT_FILE, report)
             meta.update({
                 "gsm_edge_version": gsm.__version__, "checkpoint": {"hash": ck_hash, "demo": demo,
@@ -147,6 +173,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                             "versions": info.plugins},
                 "graphs": {"tensorrt": MODEL_TRT, "portable": MODEL_PORTABLE},
                 "engine": engine, "calibration": qt.source, "trt_precision": trt_precision,
+                "portable_opset": info.portable_opset, "weights": _weights_record(wreport),
             })
             files = sorted(p.name for p in tmp.iterdir()) + ["manifest.json"]
     return BuildResult(out, plan, report, demo, files)
@@ -167,6 +194,80 @@ def _runtime_config(spec: NetSpec, plan: MemoryPlan, rows: Any, quant: Any, logi
 
 
 UNCALIBRATED = ("fp16", "data-free")
+WEIGHTS = ("fp16", "int8", "int4", "auto")
+INT4_GRID_CHOICES = ("auto", "sym", "asym-f")
+MATMUL_ACCURACY = {"exact": 0, "fast": 4}  # MatMulNBits accuracy_level
+GRID_GROUP = 32  # the block of llama.cpp's Q4_0/Q4_1 grids, what `--int4-grid auto` looks for by default
+
+
+def _check_weight_options(weights: str, group_size: int | None, int4_grid: str, matmul_accuracy: str) -> None:
+    if weights not in WEIGHTS:
+        raise BuildError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if int4_grid not in INT4_GRID_CHOICES:
+        raise BuildError(f"--int4-grid must be one of {', '.join(INT4_GRID_CHOICES)}, got {int4_grid!r}")
+    if matmul_accuracy not in MATMUL_ACCURACY:
+        raise BuildError(f"--matmul-accuracy must be one of {', '.join(MATMUL_ACCURACY)}, got {matmul_accuracy!r}")
+    if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
+        raise BuildError(f"--group-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got {group_size}")
+
+
+def resolve_int4_grid(tensors: Any, cfg: Any, weights: str, int4_grid: str, group_size: int | None
+                      ) -> tuple[str, str, int]:
+    """(grid, why, group) for INT4. `auto`: if the projections already lie on an asymmetric 4-bit block
+    grid (a llama.cpp Q4_1 source: min at code 0, max at code 15, checked on the first rows of the first
+    and last layers' q_proj and down_proj), `asym-f` at that group reproduces them; otherwise `sym`."""
+    group = group_size if group_size is not None else DEFAULT_GROUP_SIZE
+    if weights not in ("int4", "auto"):
+        return "sym", "", group
+    if int4_grid != "auto":
+        return int4_grid, f"--int4-grid {int4_grid}", group
+    from builder.wquant import on_block_grid
+    from gsm import names
+
+    probe = group_size if group_size is not None else GRID_GROUP
+    last = cfg.num_hidden_layers - 1
+    checked = [names.layer_name(k, i) for k, i in (("q_proj", 0), ("down_proj", 0), ("q_proj", last),
+                                                   ("down_proj", last))]
+    for name in checked:
+        k = tensors.shape(name)[1]
+        first = next(iter(tensors.reader(name).iter_chunks(name, 4 << 20)))
+        rows = first[: (first.size // k) * k].reshape(-1, k)
+        if rows.shape[0] == 0 or not on_block_grid(rows, 4, probe):
+            return "sym", (f"--int4-grid auto: the projections are not on a 4-bit group-{probe} grid ({name}), "
+                           f"so symmetric INT4 at group {group}"), group
+    return "asym-f", (f"--int4-grid auto: the projections already lie on an asymmetric 4-bit group-{probe} grid "
+                      "(a Q4_1-style source), so asym-f at that group reproduces them"), probe
+
+
+def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid_note: str,
+                    matmul_accuracy: str) -> dict[str, Any]:
+    fp16 = weight_bytes(cfg, ranks)
+    rep: dict[str, Any] = {
+        "requested": requested, "format": plan.weights, "bytes": plan.weight_bytes, "fp16_bytes": fp16,
+        "ratio_vs_fp16": plan.weight_bytes / fp16, "quantised": sorted({"q_proj", "o_proj", "gate_proj", "up_proj",
+                                                                        "down_proj"}) if plan.weights != "fp16" else [],
+        "quantize_head": plan.quantize_head and not cfg.tie_word_embeddings,
+    }
+    if plan.weights == "int4":
+        rep.update({"group_size": plan.group_size, "int4_grid": plan.int4_grid, "grid_note": grid_note})
+    if plan.weights == "int8":
+        rep["group_size"] = None  # per output channel
+    if plan.weights != "fp16":
+        rep["matmul_accuracy"] = matmul_accuracy
+    if requested == "auto":
+        tried = ["fp16", "int8", "int4"][: ["fp16", "int8", "int4"].index(plan.weights)]
+        rep["why"] = (f"{plan.weights} is the highest precision whose plan fits {plan.device} at --max-seq "
+                      f"{plan.max_seq} x --max-batch {plan.max_batch} ({fmt_bytes(plan.total_bytes)} of "
+                      f"{fmt_bytes(plan.usable_bytes)})" + (f"; {', '.join(tried)} did not fit" if tried else ""))
+    else:
+        rep["why"] = f"--weights {requested}"
+    return rep
+
+
+def _weights_record(rep: dict[str, Any]) -> dict[str, Any]:
+    """The weight format as the bundle's manifest and bundle.json record it."""
+    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "quantize_head", "quantised", "matmul_accuracy")
+            if k in rep}
 
 
 def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, demo: bool,
@@ -211,7 +312,7 @@ def _report(cfg: Any, plan: MemoryPlan, info: Any, calib: str, demo: bool, ck_ha
             seconds: float, out: Path) -> dict[str, Any]:
     return {
         "demo_model": demo, "checkpoint_hash": ck_hash, "device": plan.device, "params": plan.params,
-        "engine_weight_bytes_fp16": plan.weight_bytes, "portable_weight_file_bytes": info.weight_file_bytes,
+        "engine_weight_bytes": plan.weight_bytes, "portable_weight_file_bytes": info.weight_file_bytes,
         "largest_array_held_bytes": info.largest_tensor_bytes,
         "kv_bytes_per_position": plan.kv_bytes_per_position,
         "dense_fp16_kv_bytes_per_position": plan.dense_fp16_bytes_per_position,
@@ -225,6 +326,15 @@ def _report(cfg: Any, plan: MemoryPlan, info: Any, calib: str, demo: bool, ck_ha
     }
 
 
+def _weights_words(rep: dict[str, Any]) -> str:
+    w = rep.get("weights", {"format": "fp16"})
+    if w["format"] == "fp16":
+        return "FP16"
+    words = w["format"].upper() + (f" g{w['group_size']} {w['int4_grid']}" if w["format"] == "int4" else
+                                   " per channel")
+    return f"{words} ({w['ratio_vs_fp16']:.1%} of FP16; {w['why']})"
+
+
 def summary(r: BuildResult) -> str:
     """The short human summary printed at the end of a build."""
     p, rep = r.plan, r.report
@@ -232,7 +342,7 @@ def summary(r: BuildResult) -> str:
         f"bundle {r.bundle}" + ("  (DEMO model: synthetic random weights)" if r.demo else ""),
         f"  device {p.device}: plan {fmt_bytes(p.total_bytes)} of {fmt_bytes(p.usable_bytes)} usable "
         f"(max-seq {p.max_seq} x max-batch {p.max_batch}); largest context that fits: {p.largest_fitting_seq}",
-        f"  parameters {p.params:,}; weights {fmt_bytes(p.weight_bytes)} FP16 on the device",
+        f"  parameters {p.params:,}; weights {fmt_bytes(p.weight_bytes)} {_weights_words(rep)} on the device",
         f"  KV cache {p.kv_bytes_per_position:,.1f} B/position vs dense FP16 {p.dense_fp16_bytes_per_position:,} B "
         f"({rep['kv_ratio_vs_dense_fp16']:.1%})",
         f"  decode estimate {p.decode_tokens_per_s_estimate:,.0f} tokens/s (bandwidth roofline, batch 1, an estimate)",

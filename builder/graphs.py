@@ -3,7 +3,8 @@
 - `model.portable.onnx`: the network in standard ops (fp32), ONNX Runtime runs it anywhere;
 - `model.onnx`: the same network with GSM plugin nodes and FP16 activations, for TensorRT;
 - `gsm_demote.portable.onnx` / `gsm_demote.onnx`: the demotion graphs (engine_io 4.3 / section 5).
-All four reference `weights.bin`; each checkpoint tensor is read, written and dropped once.
+All four reference `weights.bin`; each checkpoint tensor is read, written and dropped once (a
+quantised projection is written in both graphs' forms at its first read, builder/qlinear.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from builder.graph_portable import PortableOps
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
 from builder.network import NetSpec, Network, TensorSource, quant_name
 from builder.nodes import F16, F32, I32
-from builder.onnx_util import OPSET, GraphBuilder, WeightStore, save_model
+from builder.onnx_util import OPSET, OPSET_INT4, GraphBuilder, WeightStore, save_model
 from builder.plan import PoolRows
+from builder.qlinear import ProjectionStore
+from builder.wquant import WeightQuantConfig
 
 WEIGHTS_FILE = "weights.bin"
 MODEL_TRT = "model.onnx"
@@ -30,36 +33,45 @@ DEMOTE_PORTABLE = "gsm_demote.portable.onnx"
 
 @dataclass(frozen=True)
 class GraphsInfo:
-    opset: int
+    opset: int  # of model.onnx (the TensorRT graph): 21 with INT4 weights, else 17
     plugins: dict[str, str]  # op_type -> plugin_version
     plugin_namespace: str
     plugin_domain: str
     files: list[str]
-    largest_tensor_bytes: int  # largest array the build held at once (a chunk of a streamed tensor)
+    largest_tensor_bytes: int  # largest array the build held at once (a chunk of a streamed tensor, or a
+    # quantised projection's uint8 codes)
     weight_file_bytes: int
+    portable_opset: int = OPSET
 
 
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
-                 rows: PoolRows, *, trt_precision: str = "fp16",
+                 rows: PoolRows, *, trt_precision: str = "fp16", weights: WeightQuantConfig | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
-    path with the portable graph to float32 rounding (runtime backend "reference")."""
+    path with the portable graph to float32 rounding (runtime backend "reference").
+    weights: the quantisation of the tensors in spec.quantised (None: none quantised)."""
     if trt_precision not in ("fp16", "fp32"):
         raise ValueError(f"trt_precision must be fp16 or fp32, got {trt_precision!r}")
+    if bool(spec.quantised) != (weights is not None):
+        raise ValueError("spec.quantised and weights go together")
     store = WeightStore(out / WEIGHTS_FILE)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
+    projections = None if weights is None else ProjectionStore(
+        store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32")
+    trt_opset = OPSET_INT4 if weights is not None and weights.bits == 4 else OPSET
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)
         # the portable graph always outputs selected.{l} / attn_mass.{l} (engine_io rev 4): no debug copies
-        Network(g, PortableOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32).build()
+        Network(g, PortableOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32,
+                projections=projections).build()
         save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
                    out / MODEL_PORTABLE)
         progress("TensorRT graph")
-        g = GraphBuilder(store)
-        trt_spec = NetSpec(cfg, ranks, n_max, logits=spec.logits, debug=False)
+        g = GraphBuilder(store, opset=trt_opset)
+        trt_spec = replace(spec, debug=False)
         Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, source, quant,
-                F16 if trt_precision == "fp16" else F32).build()
+                F16 if trt_precision == "fp16" else F32, projections=projections, form="tensorrt").build()
         doc = f"GSM network with GSM plugin nodes, {trt_precision} activations (docs/engine_io.md 2-4)"
         save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1}, doc=doc), out / MODEL_TRT)
         progress("demotion graphs")
@@ -67,7 +79,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         _demote_trt(GraphBuilder(store), spec, rows, out / DEMOTE_TRT)
     finally:
         store.close()
-    return GraphsInfo(opset=OPSET, plugins=dict.fromkeys(PLUGINS, PLUGIN_VERSION),
+    return GraphsInfo(opset=trt_opset, plugins=dict.fromkeys(PLUGINS, PLUGIN_VERSION),
                       plugin_namespace=PLUGIN_NAMESPACE, plugin_domain=DOMAIN,
                       files=[WEIGHTS_FILE, MODEL_TRT, MODEL_PORTABLE, DEMOTE_TRT, DEMOTE_PORTABLE],
                       largest_tensor_bytes=store.peak_tensor_bytes,

@@ -5,7 +5,10 @@ operations go through an `ops` object: `PortableOps` (standard ops, ONNX Runtime
 (custom nodes for the TensorRT plugins). Both variants therefore share every tensor name outside
 the GSM nodes, and the external weight data: the checkpoint tensors are stored in their own layout
 (linear layers are `Gemm(transB=1)`) and read lazily, one tensor at a time, the first time a
-graph needs them.
+graph needs them. With weight-only quantisation (NetSpec.weights, docs/weights.md) the projections
+q, o, gate, up, down (and optionally the LM head) are read, quantised and stored in both forms
+instead (builder/qlinear.py ProjectionStore), and each variant emits its own form: MatMulNBits
+(portable) or DequantizeLinear + MatMul (TensorRT).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, swiglu
+from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, silu_mul
 from builder.onnx_util import GraphBuilder
+from builder.qlinear import DQ_BLOCK_OPSET, MS_DOMAIN, ProjectionStore, dq_nodes, nbits_node
 from gsm import names
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
@@ -59,15 +63,40 @@ class NetSpec:
     n_max: int
     logits: str = "last"  # "last" ([B, 1, V]) or "all" ([B, S, V])
     debug: bool = False  # portable only: also output each owning layer's selected positions
+    quantised: frozenset[str] = frozenset()  # checkpoint tensors emitted as quantised projections
+    nbits_accuracy: int = 0  # MatMulNBits accuracy_level of the portable graph (0 exact, 4 INT8 activations)
 
 
 class Network:
     def __init__(self, g: GraphBuilder, ops: Any, spec: NetSpec, source: TensorSource,
-                 quant_tables: dict[int, np.ndarray], act: int) -> None:
+                 quant_tables: dict[int, np.ndarray], act: int, *, projections: ProjectionStore | None = None,
+                 form: str = "portable") -> None:
         self.g, self.ops, self.spec, self.source, self.act = g, ops, spec, source, act
         self.cfg = spec.cfg
         self.quant_tables = quant_tables
         self._cast: dict[str, str] = {}
+        if spec.quantised and projections is None:
+            raise ValueError("quantised projections need a ProjectionStore")
+        if form not in ProjectionStore.FORMS:
+            raise ValueError(f"form must be one of {ProjectionStore.FORMS}, got {form!r}")
+        self.projections, self.form = projections, form
+
+    def proj(self, x2d: str, name: str) -> str:
+        """x [M, in] @ W^T for checkpoint weight `name` (activation type): Gemm on the stored tensor, or
+        the quantised form of this variant."""
+        if name not in self.spec.quantised:
+            return linear(self.g, x2d, self.w(name))
+        assert self.projections is not None
+        lay = self.projections.ensure(name, self.source)
+        for n in self.projections.init_names[(name, self.form)]:
+            self.g.weight(n)
+        prefix, out = ProjectionStore.prefix(name, self.form), self.g.fresh("qlinear")
+        if self.form == "portable":
+            self.g.add_nodes([nbits_node(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy)],
+                             {MS_DOMAIN: 1})
+        else:
+            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay), {"": DQ_BLOCK_OPSET if lay.bits == 4 else 13})
+        return out
 
     def w(self, name: str, *, keep_f32: bool = False) -> str:
         """Checkpoint tensor `name` (streamed into the weight file on first use), cast to the activation
@@ -111,7 +140,7 @@ class Network:
             with g.in_scope(f"L{i}"):
                 x32 = rms_norm(g, h, self.lw("input_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act, F32)
                 x = x32 if self.act == F32 else cast(g, x32, self.act)
-                q = linear(g, x, self.lw("q_proj", i))
+                q = self.proj(x, names.layer_name("q_proj", i))
                 q = bs(q if self.act == F32 else cast(g, q, F32), qd, f"L{i}.q")  # [B, S, nH*D] f32
                 if cfg.is_owning(i):
                     # the GSM-side projections (latents, indexer) run in float32 in both variants: they
@@ -141,10 +170,11 @@ class Network:
             with g.in_scope(f"L{i}"):
                 a2 = g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])  # f32 from the GSM node
                 a2 = a2 if self.act == F32 else cast(g, a2, self.act)
-                h = g.op("Add", [h, linear(g, a2, self.lw("o_proj", i))])
+                h = g.op("Add", [h, self.proj(a2, names.layer_name("o_proj", i))])
                 y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)
-                h = g.op("Add", [h, swiglu(g, y, self.lw("gate_proj", i), self.lw("up_proj", i),
-                                           self.lw("down_proj", i))])
+                mlp = silu_mul(g, self.proj(y, names.layer_name("gate_proj", i)),
+                               self.proj(y, names.layer_name("up_proj", i)))
+                h = g.op("Add", [h, self.proj(mlp, names.layer_name("down_proj", i))])
         self._head(h, shape_bs, new)
         total = masses[0]
         for m in masses[1:]:
@@ -171,7 +201,7 @@ class Network:
                                                   g.const([1, H], np.int64, "one_h")], axis=0)])  # [B, 1, H]
             h = g.op("Reshape", [g.op("GatherElements", [h3, idx], axis=1), g.const([-1, H], np.int64, "flat_h")])
         x = rms_norm(g, h, self.w(names.FINAL_NORM, keep_f32=True), cfg.rms_norm_eps, self.act)
-        logits = linear(g, x, self.w(head))  # [B or B*S, V]
+        logits = self.proj(x, head)  # [B or B*S, V]
         if self.act != F32:
             logits = cast(g, logits, F32)
         if self.spec.logits == "last":

@@ -42,9 +42,13 @@ def linear(g: GraphBuilder, x2d: str, weight: str, bias: str | None = None) -> s
     return g.op("Gemm", [x2d, weight] + ([bias] if bias else []), transB=1)
 
 
+def silu_mul(g: GraphBuilder, a: str, b: str) -> str:
+    """silu(a) * b, the SwiGLU product between the gate/up and the down projections."""
+    return g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a])]), b])
+
+
 def swiglu(g: GraphBuilder, x2d: str, gate: str, up: str, down: str) -> str:
-    a = linear(g, x2d, gate)
-    return linear(g, g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a])]), linear(g, x2d, up)]), down)
+    return linear(g, silu_mul(g, linear(g, x2d, gate), linear(g, x2d, up)), down)
 
 
 def rotate_half(g: GraphBuilder, x: str, head_dim: int) -> str:

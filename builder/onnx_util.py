@@ -21,17 +21,22 @@ import onnx
 from onnx import TensorProto, helper
 
 OPSET = 17  # docs/engine_io.md: standard ops at opset 17
+OPSET_INT4 = 21  # a TensorRT graph with INT4 weights: DequantizeLinear's INT4 type and block_size
+# opset 18 moved `axes` of these reductions from an attribute to an input
+_AXES_TO_INPUT = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+                  "ReduceLogSumExp", "ReduceSumSquare"}
 ALIGN = 4096  # external data offsets aligned to a page, so runtimes can mmap each tensor
 
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
-               np.dtype(np.bool_): TensorProto.BOOL, np.dtype(np.uint8): TensorProto.UINT8}
+               np.dtype(np.bool_): TensorProto.BOOL, np.dtype(np.uint8): TensorProto.UINT8,
+               np.dtype(np.int8): TensorProto.INT8}
 
 
 @dataclass(frozen=True)
 class StoredTensor:
     shape: tuple[int, ...]
-    dtype: np.dtype
+    data_type: int  # onnx.TensorProto enum
     offset: int
     length: int
 
@@ -47,18 +52,27 @@ class WeightStore:
         self.peak_tensor_bytes = 0  # largest array held at once (a chunk, for streamed tensors)
 
     def put(self, name: str, array: np.ndarray) -> str:
+        a = np.ascontiguousarray(array)
+        return self.put_raw(name, _NP_TO_ONNX[a.dtype], tuple(a.shape),
+                            a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+
+    def put_raw(self, name: str, data_type: int, dims: tuple[int, ...], raw: bytes) -> str:
+        """Store raw little-endian bytes of an ONNX tensor (types numpy lacks, e.g. INT4 packed two per byte)."""
         if name in self.tensors:
             raise ValueError(f"tensor {name!r} stored twice")
-        a = np.ascontiguousarray(array)
         pos = self._f.tell()
         pad = (-pos) % ALIGN
         if pad:
             self._f.write(b"\0" * pad)
         offset = pos + pad
-        self._f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-        self.tensors[name] = StoredTensor(tuple(a.shape), a.dtype, offset, a.nbytes)
-        self.peak_tensor_bytes = max(self.peak_tensor_bytes, a.nbytes)
+        self._f.write(raw)
+        self.tensors[name] = StoredTensor(tuple(dims), data_type, offset, len(raw))
+        self.note_held(len(raw))
         return name
+
+    def note_held(self, nbytes: int) -> None:
+        """Record an array the build held while producing stored data (the reported streaming bound)."""
+        self.peak_tensor_bytes = max(self.peak_tensor_bytes, nbytes)
 
     def put_chunks(self, name: str, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> str:
         """Store a float32 tensor from flat chunks, so not even one whole tensor sits in memory."""
@@ -76,7 +90,7 @@ class WeightStore:
             biggest = max(biggest, c32.nbytes)
         if n != math.prod(shape):
             raise ValueError(f"tensor {name!r}: {n} elements streamed, shape {list(shape)} needs {math.prod(shape)}")
-        self.tensors[name] = StoredTensor(tuple(shape), np.dtype(np.float32), offset, n * 4)
+        self.tensors[name] = StoredTensor(tuple(shape), TensorProto.FLOAT, offset, n * 4)
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, biggest)
         return name
 
@@ -91,7 +105,7 @@ class WeightStore:
         s = self.tensors[name]
         t = TensorProto()
         t.name = name
-        t.data_type = _NP_TO_ONNX[s.dtype]
+        t.data_type = s.data_type
         t.dims.extend(s.shape)
         t.data_location = TensorProto.EXTERNAL
         for k, v in (("location", self.location), ("offset", str(s.offset)), ("length", str(s.length))):
@@ -112,8 +126,10 @@ class GraphBuilder:
     GSM plugin node of the TensorRT variant with the standard-op subgraph of the portable one.
     """
 
-    def __init__(self, store: WeightStore) -> None:
+    def __init__(self, store: WeightStore, opset: int = OPSET) -> None:
         self.store = store
+        self.opset = opset
+        self.domains: dict[str, int] = {}  # non-standard domains of added nodes -> opset version
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -164,19 +180,32 @@ class GraphBuilder:
            outputs: Sequence[str] | None = None, domain: str = "", **attrs: Any) -> Any:
         """Add a node; returns its output name (or a list when n_out > 1)."""
         outs = list(outputs) if outputs is not None else [self.fresh(op_type.lower()) for _ in range(n_out)]
+        if self.opset >= 18 and op_type in _AXES_TO_INPUT and "axes" in attrs:
+            inputs = [*inputs, self.const(attrs.pop("axes"), np.int64, "axes")]
         node_name = name or (f"{self.scope}/{op_type}_{self._n}" if self.scope else f"{op_type}_{self._n}")
         self._n += 1
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=node_name, domain=domain or None,
                                            **attrs))
         return outs[0] if len(outs) == 1 else outs
 
+    def add_nodes(self, nodes: Sequence[onnx.NodeProto], domains: dict[str, int] | None = None) -> None:
+        """Nodes made elsewhere (builder/qlinear.py), with the domains (and least opsets) they need."""
+        self.nodes.extend(nodes)
+        for d, v in (domains or {}).items():
+            if d:
+                self.domains[d] = max(v, self.domains.get(d, 0))
+            elif v > self.opset:
+                raise ValueError(f"nodes need opset {v}, this graph is opset {self.opset}")
+
     def model(self, graph_name: str, *, extra_opsets: dict[str, int] | None = None,
               doc: str = "") -> onnx.ModelProto:
         inits = [self.store.initializer(n) for n in self.external] + self.consts
         g = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, initializer=inits, doc_string=doc)
-        opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
+        extra = {**self.domains, **(extra_opsets or {})}
+        opsets = [helper.make_opsetid("", self.opset)] + [helper.make_opsetid(d, v) for d, v in extra.items()]
         m = helper.make_model(g, opset_imports=opsets, producer_name="gsm-edge builder")
-        m.ir_version = 8  # opset 17 needs IR >= 8; keeps older runtimes (TensorRT 10.3's parser) happy
+        # opset 17 needs IR >= 8 (kept: older runtimes, TensorRT 10.3's parser); INT4 tensors need IR 10
+        m.ir_version = 8 if self.opset < 21 else 10
         return m
 
 

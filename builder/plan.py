@@ -44,6 +44,9 @@ TIER_BYTES = (2.0, 1.5, 1.0)
 # --weights choices, highest precision first (the order `--weights auto` tries them in)
 WEIGHT_CHOICES = ("fp16", "int8", "int4")
 DEFAULT_GROUP_SIZE = 128
+# INT4 grids: symmetric codes (TensorRT's native form), or asymmetric with a float zero point (min -> 0,
+# max -> 15: llama.cpp's Q4_1 grid, exact for Q4_1 sources at group 32; docs/weights.md)
+INT4_GRIDS = ("sym", "asym-f")
 # weight-only quantised projections (issue 11); GSM latent / indexer / projector weights, embeddings
 # and norms stay FP16 (small, and the latents' error budget is the KV tiers')
 QUANTISED_KEYS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -120,6 +123,7 @@ class MemoryPlan:
     weights: str = "fp16"  # WEIGHT_CHOICES: what weight_bytes counts
     group_size: int = DEFAULT_GROUP_SIZE  # INT4 group (INT8 is per channel)
     quantize_head: bool = False
+    int4_grid: str = "sym"  # INT4_GRIDS
 
     @property
     def total_bytes(self) -> int:
@@ -144,25 +148,40 @@ def param_count(cfg: ModelConfig, ranks: dict[int, tuple[int, int]]) -> int:
     return sum(math.prod(s) for s in names.expected_shapes(cfg, ranks).values())
 
 
-def weight_config(weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> WeightQuantConfig | None:
-    """The quantisation a --weights choice means: None for fp16, INT8 per channel, INT4 per group."""
+def weight_config(weights: str, group_size: int = DEFAULT_GROUP_SIZE, int4_grid: str = "sym"
+                  ) -> WeightQuantConfig | None:
+    """The quantisation a --weights choice means: None for fp16, INT8 per channel (symmetric), INT4 per
+    group on `int4_grid`."""
     if weights not in WEIGHT_CHOICES:
         raise PlanError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)} or auto, got {weights!r}")
+    if int4_grid not in INT4_GRIDS:
+        raise PlanError(f"--int4-grid must be one of {', '.join(INT4_GRIDS)} or auto, got {int4_grid!r}")
     if weights == "fp16":
         return None
+    if weights == "int8":
+        return WeightQuantConfig(8, None)
     try:
-        return WeightQuantConfig(8, None) if weights == "int8" else WeightQuantConfig(4, group_size)
+        if int4_grid == "asym-f":
+            return WeightQuantConfig(4, group_size, symmetric=False, float_zero_point=True)
+        return WeightQuantConfig(4, group_size)
     except ValueError as e:
         raise PlanError(f"--group-size: {e}") from None
 
 
-def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
-                 group_size: int = DEFAULT_GROUP_SIZE, quantize_head: bool = False) -> dict[str, int]:
-    """Device bytes of every spec-3 tensor the engine holds (tied head once) under a --weights choice."""
-    wq = weight_config(weights, group_size)
-    quantised = {names.layer_name(k, i) for k in QUANTISED_KEYS for i in range(cfg.num_hidden_layers)}
+def quantised_names(cfg: ModelConfig, quantize_head: bool = False) -> set[str]:
+    """Checkpoint tensors a quantised --weights choice replaces (the LM head only when untied and asked)."""
+    out = {names.layer_name(k, i) for k in QUANTISED_KEYS for i in range(cfg.num_hidden_layers)}
     if quantize_head and not cfg.tie_word_embeddings:
-        quantised.add(names.LM_HEAD)
+        out.add(names.LM_HEAD)
+    return out
+
+
+def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
+                 group_size: int = DEFAULT_GROUP_SIZE, quantize_head: bool = False,
+                 int4_grid: str = "sym") -> dict[str, int]:
+    """Device bytes of every spec-3 tensor the engine holds (tied head once) under a --weights choice."""
+    wq = weight_config(weights, group_size, int4_grid)
+    quantised = quantised_names(cfg, quantize_head)
     out = {}
     for name, shape in names.expected_shapes(cfg, ranks).items():
         if wq is not None and name in quantised:
@@ -173,10 +192,10 @@ def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights
 
 
 def weight_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
-                 group_size: int = DEFAULT_GROUP_SIZE, quantize_head: bool = False) -> int:
+                 group_size: int = DEFAULT_GROUP_SIZE, quantize_head: bool = False, int4_grid: str = "sym") -> int:
     """Engine weight bytes under a --weights choice (fp16 = 2 bytes per parameter)."""
     return sum(tensor_bytes(cfg, ranks, weights=weights, group_size=group_size,
-                            quantize_head=quantize_head).values())
+                            quantize_head=quantize_head, int4_grid=int4_grid).values())
 
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig) -> float:
@@ -232,7 +251,7 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
               max_input: int | None = None, weights: str = "fp16", group_size: int = DEFAULT_GROUP_SIZE,
-              quantize_head: bool = False) -> MemoryPlan:
+              quantize_head: bool = False, int4_grid: str = "sym") -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
     callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
     for auto)."""
@@ -246,7 +265,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     if not 1 <= max_input <= max_seq:
         raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
     params = param_count(cfg, ranks)
-    tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, quantize_head=quantize_head)
+    tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, quantize_head=quantize_head,
+                           int4_grid=int4_grid)
     wbytes = sum(tensors.values())
 
     def total(S: int) -> int:
@@ -265,7 +285,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         usable_bytes=profile.usable_bytes, kv_bytes_per_position=kv_bytes_per_position(cfg, ranks, quant),
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
-        weights=weights, group_size=group_size, quantize_head=quantize_head)
+        weights=weights, group_size=group_size, quantize_head=quantize_head, int4_grid=int4_grid)
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
@@ -329,8 +349,16 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
                                max_input=plan.max_input, **_weight_kw(plan)).fits]
         msg += "No context length fits on this device; " + (
             f"it fits on: {', '.join(bigger)}." if bigger else "no known device fits it.")
+    profile = PROFILES.get(plan.device)
+    lower = [w for w in WEIGHT_CHOICES[WEIGHT_CHOICES.index(plan.weights) + 1:]
+             if profile is not None and make_plan(cfg, ranks, quant, profile, max_seq=plan.max_seq,
+                                                  max_batch=plan.max_batch, max_input=plan.max_input,
+                                                  **{**_weight_kw(plan), "weights": w}).fits]
+    if lower:
+        msg += f" With --weights {lower[0]} it fits at --max-seq {plan.max_seq}."
     raise PlanError(msg)
 
 
 def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
-    return {"weights": plan.weights, "group_size": plan.group_size, "quantize_head": plan.quantize_head}
+    return {"weights": plan.weights, "group_size": plan.group_size, "quantize_head": plan.quantize_head,
+            "int4_grid": plan.int4_grid}

@@ -6,8 +6,8 @@ Two forms, one per graph variant:
 - tensorrt: standard `DequantizeLinear` (signed INT4 / INT8 codes stored as W^T [K, N], scales in the
   activation dtype so the strongly typed network keeps FP16) feeding `MatMul`. INT4 uses opset-21
   blocked quantisation (`axis=0`, `block_size` = group); INT8 per output channel (`axis=1`, scales
-  [N]), the weight-only forms TensorRT 10 builds (docs/weights.md). Symmetric only: TensorRT rejects
-  non-zero zero points.
+  [N]), the weight-only forms TensorRT 10 builds (docs/weights.md). TensorRT rejects non-zero zero
+  points, so a float-zero-point (asymmetric) weight becomes signed codes plus a per-group offset term.
 
 An AWQ input scale `s` (calibration/awq.py) is applied as `x * (1/s)` before the matmul; the
 quantised weight is then that of W diag(s), so the product is unchanged up to quantisation error.
@@ -68,6 +68,41 @@ def _input_scale(parts: QLinearParts, x: str, prefix: str, input_scale: np.ndarr
     return out
 
 
+@dataclass(frozen=True)
+class QLayout:
+    """What the nodes of a quantised projection need to know once its initializers are stored (so a
+    second graph over the same weight file emits its nodes without the weights)."""
+
+    k: int
+    n: int
+    bits: int
+    block: int
+    zero_points: bool  # MatMulNBits has a zero_points input
+    offsets: bool  # the TensorRT form adds a per-group offset term (float zero point)
+
+    @classmethod
+    def of(cls, q: QuantizedWeight) -> QLayout:
+        return cls(q.k, q.n, q.cfg.bits, q.block, not q.cfg.symmetric, q.cfg.float_zero_point)
+
+
+def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
+    """MatMulNBits initializers: packed codes, float32 scales, [zero points]."""
+    a = pack_matmul_nbits(q)
+    inits = [_init(prefix + ".qweight", a.b, TensorProto.UINT8), _init(prefix + ".scales", a.scales, TensorProto.FLOAT)]
+    if a.zero_points is not None:
+        zt = TensorProto.FLOAT if a.zero_points.dtype == np.float32 else TensorProto.UINT8
+        inits.append(_init(prefix + ".zero_points", a.zero_points, zt))
+    return inits
+
+
+def nbits_node(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0) -> onnx.NodeProto:
+    names = [prefix + ".qweight", prefix + ".scales"] + ([prefix + ".zero_points"] if lay.zero_points else [])
+    attrs = {"K": lay.k, "N": lay.n, "bits": lay.bits, "block_size": lay.block}
+    if accuracy_level:
+        attrs["accuracy_level"] = accuracy_level
+    return helper.make_node("MatMulNBits", [x, *names], [out], name=prefix + "/MatMulNBits", domain=MS_DOMAIN, **attrs)
+
+
 def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_scale: np.ndarray | None = None,
                  accuracy_level: int = 0) -> QLinearParts:
     """Portable form: [Mul(x, 1/s)] -> com.microsoft.MatMulNBits, float32 activations.
@@ -75,20 +110,73 @@ def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_sca
     `accuracy_level` 0 keeps ONNX Runtime's float32 compute on the dequantised weights (the numbers
     the tests pin); 4 lets it quantise activations to INT8 blocks (faster, not bit-comparable)."""
     parts = QLinearParts(opsets={MS_DOMAIN: 1})
-    a = pack_matmul_nbits(q)
     xin = _input_scale(parts, x, prefix, input_scale, np.dtype(np.float32), TensorProto.FLOAT)
-    names = [prefix + ".qweight", prefix + ".scales"]
-    parts.inits += [_init(names[0], a.b, TensorProto.UINT8), _init(names[1], a.scales, TensorProto.FLOAT)]
-    if a.zero_points is not None:
-        names.append(prefix + ".zero_points")
-        parts.inits.append(_init(names[2], a.zero_points, TensorProto.UINT8))
-    attrs = {"K": a.k, "N": a.n, "bits": a.bits, "block_size": a.block_size}
-    if accuracy_level:
-        attrs["accuracy_level"] = accuracy_level
-    parts.nodes.append(helper.make_node("MatMulNBits", [xin, *names], [out], name=prefix + "/MatMulNBits",
-                                        domain=MS_DOMAIN, **attrs))
+    parts.inits += nbits_inits(prefix, q)
+    parts.nodes.append(nbits_node(xin, out, prefix, QLayout.of(q), accuracy_level=accuracy_level))
     parts.output = out
     return parts
+
+
+def _act_type(act_dtype: str) -> tuple[np.dtype, int]:
+    dt = np.dtype(act_dtype)
+    return dt, {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}[dt]
+
+
+def dq_inits(prefix: str, q: QuantizedWeight, act_dtype: str = "float16") -> list[QInit]:
+    """TensorRT-form initializers: signed codes W^T [K, N] (INT4 packed / INT8), scales in the activation
+    dtype, and with a float zero point the per-group offsets [n_blocks, N] (see dq_nodes)."""
+    if not q.cfg.symmetric and not q.cfg.float_zero_point:
+        raise WeightQuantError(f"{prefix}: the TensorRT form needs symmetric quantisation (zero points must be 0) "
+                               "or a float zero point (folded into a per-group offset)")
+    dt, onnx_act = _act_type(act_dtype)
+    codes_t = np.ascontiguousarray(q.signed_codes().T)  # [K, N] int8
+    scales_t = np.ascontiguousarray(q.scales.T).astype(dt)  # [n_blocks, N]
+    w, s = prefix + ".qweight", prefix + ".scales"
+    if q.cfg.bits == 4:
+        raw = _pack_low_first((codes_t.reshape(-1).view(np.uint8) & 0x0F), 4).tobytes()
+        inits = [QInit(w, TensorProto.INT4, codes_t.shape, raw), _init(s, scales_t, onnx_act)]
+    else:
+        if q.n_blocks != 1:
+            raise WeightQuantError(f"{prefix}: INT8 for TensorRT must be per channel (group_size None), "
+                                   f"got {q.n_blocks} groups per row")
+        inits = [_init(w, codes_t, TensorProto.INT8), _init(s, scales_t[0], onnx_act)]
+    if q.cfg.float_zero_point:
+        inits.append(_init(prefix + ".offsets", np.ascontiguousarray(q.group_offsets().T).astype(dt), onnx_act))
+    return inits
+
+
+def dq_nodes(x: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
+    """DequantizeLinear(W^T codes, scales) -> MatMul(x, .); with a float zero point also
+    `+ MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N])`: w = s (u - 8) + s (8 - zp), the
+    second term constant per group, since TensorRT's DequantizeLinear takes no zero points."""
+    w, s, deq = prefix + ".qweight", prefix + ".scales", prefix + ".weight_dq"
+    attrs = {"axis": 0, "block_size": lay.block} if lay.bits == 4 else {"axis": 1}
+    nodes = [helper.make_node("DequantizeLinear", [w, s], [deq], name=prefix + "/DequantizeLinear", **attrs)]
+    if not lay.offsets:
+        nodes.append(helper.make_node("MatMul", [x, deq], [out], name=prefix + "/MatMul"))
+        return nodes
+    main, shape, xg, xs, corr = (prefix + t for t in (".main", ".group_shape", ".x_groups", ".x_group_sums", ".corr"))
+    axes = prefix + ".group_axis"
+    nb = -(-lay.k // lay.block)
+    nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
+    if lay.k % lay.block:  # the last group is short: pad x with zeros so its sum covers the real columns only
+        pads, xp = prefix + ".group_pads", prefix + ".x_padded"
+        nodes += [helper.make_node("Constant", [], [pads], name=prefix + "/group_pads",
+                                   value=helper.make_tensor(pads, TensorProto.INT64, [4],
+                                                            [0, 0, 0, nb * lay.block - lay.k])),
+                  helper.make_node("Pad", [x, pads], [xp], name=prefix + "/Pad")]
+        x = xp
+    nodes += [
+        helper.make_node("Constant", [], [shape], name=prefix + "/group_shape",
+                         value=helper.make_tensor(shape, TensorProto.INT64, [3], [-1, nb, lay.block])),
+        helper.make_node("Constant", [], [axes], name=prefix + "/group_axis",
+                         value=helper.make_tensor(axes, TensorProto.INT64, [1], [2])),
+        helper.make_node("Reshape", [x, shape], [xg], name=prefix + "/Reshape"),
+        helper.make_node("ReduceSum", [xg, axes], [xs], name=prefix + "/ReduceSum", keepdims=0),
+        helper.make_node("MatMul", [xs, prefix + ".offsets"], [corr], name=prefix + "/offset_MatMul"),
+        helper.make_node("Add", [main, corr], [out], name=prefix + "/Add"),
+    ]
+    return nodes
 
 
 def dq_matmul(x: str, out: str, prefix: str, q: QuantizedWeight, *, act_dtype: str = "float16",
@@ -96,30 +184,12 @@ def dq_matmul(x: str, out: str, prefix: str, q: QuantizedWeight, *, act_dtype: s
     """TensorRT form: DequantizeLinear(W^T codes [K, N], scales) -> MatMul(x, .), activations `act_dtype`.
 
     INT4: blocked along K (axis 0, block_size = group, scales [ceil(K/g), N]); INT8 must be per output
-    channel (axis 1, scales [N]): TensorRT 10 blocks INT4 only."""
-    if not q.cfg.symmetric:
-        raise WeightQuantError(f"{prefix}: the TensorRT form needs symmetric quantisation (zero points must be 0)")
-    dt = np.dtype(act_dtype)
-    onnx_act = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}[dt]
+    channel (axis 1, scales [N]): TensorRT 10 blocks INT4 only. x is 2-D [M, K]."""
+    dt, onnx_act = _act_type(act_dtype)
     parts = QLinearParts(opsets={"": DQ_BLOCK_OPSET})
     xin = _input_scale(parts, x, prefix, input_scale, dt, onnx_act)
-    codes_t = np.ascontiguousarray(q.signed_codes().T)  # [K, N] int8
-    scales_t = np.ascontiguousarray(q.scales.T).astype(dt)  # [n_blocks, N]
-    w, s = prefix + ".qweight", prefix + ".scales"
-    if q.cfg.bits == 4:
-        raw = _pack_low_first((codes_t.reshape(-1).view(np.uint8) & 0x0F), 4).tobytes()
-        parts.inits += [QInit(w, TensorProto.INT4, codes_t.shape, raw), _init(s, scales_t, onnx_act)]
-        attrs = {"axis": 0, "block_size": q.block}
-    else:
-        if q.n_blocks != 1:
-            raise WeightQuantError(f"{prefix}: INT8 for TensorRT must be per channel (group_size None), "
-                                   f"got {q.n_blocks} groups per row")
-        parts.inits += [_init(w, codes_t, TensorProto.INT8), _init(s, scales_t[0], onnx_act)]
-        attrs = {"axis": 1}
-    deq = prefix + ".weight_dq"
-    parts.nodes.append(helper.make_node("DequantizeLinear", [w, s], [deq], name=prefix + "/DequantizeLinear",
-                                        **attrs))
-    parts.nodes.append(helper.make_node("MatMul", [xin, deq], [out], name=prefix + "/MatMul"))
+    parts.inits += dq_inits(prefix, q, act_dtype)
+    parts.nodes += dq_nodes(xin, out, prefix, QLayout.of(q))
     parts.output = out
     return parts
 
@@ -133,3 +203,42 @@ def standalone_model(parts: QLinearParts, x: str, k: int, n: int, elem: int = Te
     ops = [helper.make_opsetid("", max(opset, parts.opsets.get("", 0)))]
     ops += [helper.make_opsetid(d, v) for d, v in parts.opsets.items() if d]
     return helper.make_model(g, opset_imports=ops, producer_name="gsm-edge qlinear")
+
+
+class ProjectionStore:
+    """Quantised projections streamed into a bundle's weight file once, in both forms.
+
+    The first graph that uses a projection reads its checkpoint tensor a block of rows at a time
+    (`quantize_chunks`: only the uint8 codes are held whole, 1 byte per weight), writes the
+    MatMulNBits initializers (`<name>.nbits.*`) and the TensorRT ones (`<name>.dq.*`), and drops
+    everything; the other graph finds them stored and only emits its nodes.
+    """
+
+    FORMS = ("portable", "tensorrt")
+
+    def __init__(self, store, cfg, *, trt_act_dtype: str = "float16") -> None:
+        self.store, self.cfg, self.trt_act_dtype = store, cfg, trt_act_dtype
+        self.layouts: dict[str, QLayout] = {}
+        self.init_names: dict[tuple[str, str], list[str]] = {}
+
+    @staticmethod
+    def prefix(name: str, form: str) -> str:
+        return name + (".nbits" if form == "portable" else ".dq")
+
+    def ensure(self, name: str, source) -> QLayout:
+        """Quantise and store `name` (from a TensorSource) unless done; its layout."""
+        if name in self.layouts:
+            return self.layouts[name]
+        from builder.wquant import quantize_chunks
+
+        q = quantize_chunks(tuple(source.shape(name)), source.chunks(name), self.cfg, name=name)
+        self.store.note_held(q.codes.nbytes)
+        for form, make in (("portable", lambda p: nbits_inits(p, q)),
+                           ("tensorrt", lambda p: dq_inits(p, q, self.trt_act_dtype))):
+            inits = make(self.prefix(name, form))
+            for i in inits:
+                self.store.put_raw(i.name, i.data_type, i.dims, i.raw)
+            self.init_names[(name, form)] = [i.name for i in inits]
+            del inits
+        self.layouts[name] = QLayout.of(q)
+        return self.layouts[name]

@@ -7,7 +7,12 @@ way, `w = (u - zp) * scale`:
 - symmetric (the default, and the only form TensorRT accepts: its DequantizeLinear rejects non-zero
   zero points): `zp = 2^(bits-1)` for every group, `scale = absmax / (2^(bits-1) - 1)`; the signed
   code `u - zp` lies in [-7, 7] (INT4) / [-127, 127] (INT8);
-- asymmetric: `scale = (max - min) / (2^bits - 1)`, `zp = round(-min / scale)` per group.
+- asymmetric: `scale = (max - min) / (2^bits - 1)`, `zp = round(-min / scale)` per group;
+- asymmetric with a *float* zero point (`float_zero_point`, portable graph and the TensorRT form's
+  per-block correction): `scale = (max - min) / (2^bits - 1)`, `zp = -min / scale` unrounded, so the
+  group's min maps to code 0 and its max to code 2^bits - 1 exactly. This is llama.cpp's Q4_1 grid
+  (`w = q d + m`): a Q4_1 source re-quantised this way at group 32 gets its own codes back
+  (`on_block_grid` detects such weights).
 
 Scales are rounded to the storage dtype (float16 by default: what the TensorRT graph holds) *before*
 the codes are computed, so every graph variant, at any activation precision, dequantises to the
@@ -43,8 +48,11 @@ class WeightQuantConfig:
     group_size: int | None = 128
     symmetric: bool = True
     scale_dtype: str = "float16"  # the dtype scales are stored (and therefore rounded) in
+    float_zero_point: bool = False  # asymmetric only: zp = -min/scale unrounded (float32)
 
     def __post_init__(self) -> None:
+        if self.float_zero_point and self.symmetric:
+            raise WeightQuantError("a float zero point needs asymmetric quantisation")
         if self.bits not in BITS:
             raise WeightQuantError(f"bits must be one of {BITS}, got {self.bits}")
         if self.group_size is not None and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
@@ -66,7 +74,7 @@ class QuantizedWeight:
 
     codes: np.ndarray  # [N, n_blocks * block] uint8, unsigned codes (padding columns = zero point)
     scales: np.ndarray  # [N, n_blocks] float32, values exactly representable in cfg.scale_dtype
-    zero_points: np.ndarray  # [N, n_blocks] uint8
+    zero_points: np.ndarray  # [N, n_blocks] uint8 (float32 with cfg.float_zero_point)
     k: int
     block: int
     cfg: WeightQuantConfig
@@ -80,10 +88,18 @@ class QuantizedWeight:
         return self.scales.shape[1]
 
     def signed_codes(self) -> np.ndarray:
-        """int8 [N, K] codes - zero point (symmetric only: TensorRT's signed INT4/INT8 weights)."""
-        if not self.cfg.symmetric:
-            raise WeightQuantError("signed codes exist only for symmetric quantisation")
+        """int8 [N, K] codes - 2^(bits-1) (TensorRT's signed INT4/INT8 weights). Symmetric: exactly the
+        weight / scale; with a float zero point the weight is (signed + 2^(bits-1) - zp) * scale, the
+        second term a per-group offset (`group_offsets`)."""
+        if not self.cfg.symmetric and not self.cfg.float_zero_point:
+            raise WeightQuantError("signed codes exist only for symmetric or float-zero-point quantisation")
         return (self.codes[:, : self.k].astype(np.int16) - (1 << (self.cfg.bits - 1))).astype(np.int8)
+
+    def group_offsets(self) -> np.ndarray:
+        """float32 [N, n_blocks]: (2^(bits-1) - zp) * scale, what every weight of a group adds to
+        signed_codes() * scale (zero when symmetric)."""
+        zp = self.zero_points.astype(np.float32)
+        return ((1 << (self.cfg.bits - 1)) - zp) * self.scales
 
 
 def quantize(w: np.ndarray, cfg: WeightQuantConfig, *, name: str = "weight") -> QuantizedWeight:
@@ -104,14 +120,46 @@ def quantize(w: np.ndarray, cfg: WeightQuantConfig, *, name: str = "weight") -> 
         qmax = (1 << (cfg.bits - 1)) - 1
         scale = np.abs(g).max(axis=2) / qmax
         zp = np.full((n, nb), 1 << (cfg.bits - 1), np.int32)
+    elif cfg.float_zero_point:
+        lo, hi = _group_range(g, k, block)
+        scale = (hi - lo) / levels
     else:
         lo, hi = np.minimum(g.min(axis=2), 0.0), np.maximum(g.max(axis=2), 0.0)  # keep 0 exact
         scale = (hi - lo) / levels
     scale = _storable(scale, cfg, name)
+    if cfg.float_zero_point:
+        zpf = (-lo / scale).astype(np.float32)
+        # codes from the distance to the group's min: min -> 0 and max -> 2^bits - 1 exactly
+        u = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, levels)
+        return QuantizedWeight(u.reshape(n, nb * block).astype(np.uint8), scale, zpf, k, block, cfg)
     if not cfg.symmetric:
         zp = np.clip(np.rint(-lo / scale), 0, levels).astype(np.int32)
     u = np.clip(np.rint(g / scale[..., None]) + zp[..., None], 0, levels)
     return QuantizedWeight(u.reshape(n, nb * block).astype(np.uint8), scale, zp.astype(np.uint8), k, block, cfg)
+
+
+def _group_range(g: np.ndarray, k: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """min and max of each group over its real columns (the zero padding of the last group excluded)."""
+    pad = g.shape[1] * block - k
+    if not pad:
+        return g.min(axis=2), g.max(axis=2)
+    real = np.ones(g.shape[1:], bool)
+    real[-1, block - pad:] = False
+    return np.where(real, g, np.inf).min(axis=2), np.where(real, g, -np.inf).max(axis=2)
+
+
+def on_block_grid(w: np.ndarray, bits: int = 4, group: int = 32, tol: float = 1e-3) -> bool:
+    """Whether every group of `group` columns of W [N, K] already lies on an asymmetric `bits`-bit grid
+    with its min at code 0 and its max at code 2^bits - 1 (llama.cpp Q4_1 / Q5_1 style weights): then
+    float-zero-point quantisation at that group reproduces the weights (within float rounding)."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % group:
+        return False
+    b = w.reshape(-1, group)
+    lo, hi = b.min(axis=1, keepdims=True), b.max(axis=1, keepdims=True)
+    step = (hi - lo) / ((1 << bits) - 1)
+    r = (b - lo) / np.where(step > 0, step, 1.0)
+    return bool(np.abs(r - np.rint(r)).max() <= tol)
 
 
 def _storable(scale: np.ndarray, cfg: WeightQuantConfig, name: str) -> np.ndarray:
@@ -132,6 +180,49 @@ def dequantize(q: QuantizedWeight) -> np.ndarray:
     return (u * q.scales[..., None]).reshape(n, nb * b)[:, : q.k]
 
 
+def quantize_chunks(shape: tuple[int, ...], chunks, cfg: WeightQuantConfig, *, name: str = "weight",
+                    rows_per_step: int | None = None) -> QuantizedWeight:
+    """`quantize` of W [N, K] given as flat float32 chunks in C order, a block of rows at a time (rows
+    quantise independently), so the float tensor is never held whole: only the uint8 codes (1 byte per
+    weight) and one block of rows. Same result as quantize(W) (tests check)."""
+    if len(shape) != 2 or 0 in shape:
+        raise WeightQuantError(f"{name}: expected a non-empty 2-D weight [N, K], got shape {list(shape)}")
+    n, k = shape
+    block = cfg.block(k)
+    nb = math.ceil(k / block)
+    step = rows_per_step or max(1, (16 << 20) // (4 * k))
+    codes = np.empty((n, nb * block), np.uint8)
+    scales = np.empty((n, nb), np.float32)
+    zps = np.empty((n, nb), np.float32 if cfg.float_zero_point else np.uint8)
+    pending: list[np.ndarray] = []
+    have = row = 0
+
+    def flush(rows: np.ndarray) -> None:
+        nonlocal row
+        q = quantize(rows, cfg, name=name)
+        r = rows.shape[0]
+        codes[row:row + r], scales[row:row + r], zps[row:row + r] = q.codes, q.scales, q.zero_points
+        row += r
+
+    def take(rows: int) -> None:
+        nonlocal pending, have
+        flat = np.concatenate(pending) if len(pending) > 1 else pending[0]
+        flush(flat[: rows * k].reshape(rows, k))
+        rest = flat[rows * k:]
+        pending, have = ([rest] if rest.size else []), rest.size
+
+    for c in chunks:
+        pending.append(np.asarray(c, np.float32).reshape(-1))
+        have += pending[-1].size
+        while have >= step * k and row + step <= n:
+            take(step)
+    if have and have % k == 0 and row + have // k == n:
+        take(have // k)
+    if row != n or have:
+        raise WeightQuantError(f"{name}: streamed {row * k + have} values, shape {list(shape)} needs {n * k}")
+    return QuantizedWeight(codes, scales, zps, k, block, cfg)
+
+
 def fake_quantize(w: np.ndarray, cfg: WeightQuantConfig, *, name: str = "weight") -> np.ndarray:
     """dequantize(quantize(w)): the weight the quantised graph computes with."""
     return dequantize(quantize(w, cfg, name=name))
@@ -143,7 +234,8 @@ class MatMulNBitsArrays:
 
     b: np.ndarray  # uint8 [N, n_blocks, blob]
     scales: np.ndarray  # float32 [N * n_blocks]
-    zero_points: np.ndarray | None  # uint8 [N * ceil(n_blocks * bits / 8)], None when symmetric
+    zero_points: np.ndarray | None  # uint8 [N * ceil(n_blocks * bits / 8)] (float32 [N * n_blocks] when float),
+    # None when symmetric
     k: int
     n: int
     bits: int
@@ -171,7 +263,12 @@ def unpack_low_first(packed: np.ndarray, bits: int, m: int) -> np.ndarray:
 def pack_matmul_nbits(q: QuantizedWeight) -> MatMulNBitsArrays:
     n, nb, bits = q.n, q.n_blocks, q.cfg.bits
     b = _pack_low_first(q.codes.reshape(n, nb, q.block), bits)
-    zp = None if q.cfg.symmetric else _pack_low_first(q.zero_points, bits).reshape(-1)
+    if q.cfg.symmetric:
+        zp = None
+    elif q.cfg.float_zero_point:  # MatMulNBits takes zero points of the scales' type unpacked, [N * n_blocks]
+        zp = q.zero_points.reshape(-1).astype(np.float32)
+    else:
+        zp = _pack_low_first(q.zero_points, bits).reshape(-1)
     return MatMulNBitsArrays(b, q.scales.reshape(-1).astype(np.float32), zp, q.k, n, bits, q.block)
 
 
@@ -180,5 +277,10 @@ def quantized_bytes(n: int, k: int, cfg: WeightQuantConfig) -> int:
     one scale per group in the scale dtype, and packed zero points when asymmetric."""
     nb = math.ceil(k / cfg.block(k))
     scale_bytes = 2 if cfg.scale_dtype == "float16" else 4
-    zp = 0 if cfg.symmetric else n * math.ceil(nb * cfg.bits / 8)
+    if cfg.symmetric:
+        zp = 0
+    elif cfg.float_zero_point:  # one float per group (the TensorRT form's FP16 per-group offset)
+        zp = n * nb * scale_bytes
+    else:
+        zp = n * math.ceil(nb * cfg.bits / 8)
     return n * math.ceil(k * cfg.bits / 8) + n * nb * scale_bytes + zp

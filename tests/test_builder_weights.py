@@ -1,0 +1,239 @@
+"""`python -m builder build --weights`: quantised bundles (issue 11, docs/weights.md).
+
+References are independent of the builder's graph code: the golden model (gsm/golden, torch) loaded
+with the dequantised weights `wquant.dequantize(wquant.quantize(W))` of the whole tensor (the builder
+streams rows through `quantize_chunks` and packs them for ONNX Runtime), hand-made Q4_1 blocks, and
+the onnx reference evaluator for the TensorRT form.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import retiering_copy
+from runtime_bundles import run_module
+
+from builder.build import BuildError, build
+from builder.plan import quantised_names
+from builder.wquant import WeightQuantConfig, dequantize, on_block_grid, quantize, quantize_chunks
+from gsm import checkpoint
+from gsm.golden.model import GoldenModel
+from gsm.golden.weights import GoldenWeights, KVCalibration
+from gsm.synth import synth_checkpoint
+
+N_MAX = 96
+PROMPT_LEN, STEPS = 24, 24
+LOGIT_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "tiny-retier")
+
+
+def golden_with(ckpt, wcfg: WeightQuantConfig | None) -> GoldenModel:
+    """The golden model in deployed mode on the checkpoint's weights, projections dequantised."""
+    cfg = checkpoint.load_config(ckpt)
+    sd = dict(checkpoint.load_state_dict(ckpt))
+    if wcfg is not None:
+        for name in quantised_names(cfg):
+            sd[name] = dequantize(quantize(np.asarray(sd[name], np.float32), wcfg))
+    calib_t = checkpoint.load_kv_calibration(ckpt)
+    calib = KVCalibration.from_tensors(cfg, calib_t) if calib_t is not None else None
+    return GoldenModel(GoldenWeights.from_tensors(cfg, sd), mode="deployed", quant=checkpoint.load_quant(ckpt),
+                       calibration=calib)
+
+
+def run_both(bundle, golden: GoldenModel, prompt: list[int]) -> tuple[float, list[int], list[int]]:
+    import runtime
+
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    seq, cache = rt.new_sequence(), golden.new_cache()
+    with torch.no_grad():
+        g = golden.prefill(cache, prompt).logits[-1]
+    r = seq.prefill(prompt)
+    worst, gt, rt_ = float(np.abs(r - g.numpy()).max()), [], []
+    for _ in range(STEPS):
+        gt.append(int(torch.argmax(g)))
+        rt_.append(int(np.argmax(r)))
+        if gt[-1] != rt_[-1]:
+            break
+        with torch.no_grad():
+            g = golden.decode(cache, gt[-1]).logits[-1]
+        r = seq.decode(rt_[-1])
+        worst = max(worst, float(np.abs(r - g.numpy()).max()))
+    return worst, gt, rt_
+
+
+@pytest.mark.parametrize("weights,grid,group", [("int8", "auto", None), ("int4", "sym", 32), ("int4", "sym", 128),
+                                                ("int4", "asym-f", 32)])
+def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, weights, grid, group):
+    bundle = tmp_path / "b"
+    r = build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
+              int4_grid=grid, matmul_accuracy="exact")
+    wcfg = (WeightQuantConfig(8, None) if weights == "int8" else
+            WeightQuantConfig(4, group, symmetric=grid == "sym", float_zero_point=grid == "asym-f"))
+    prompt = np.random.default_rng(1).integers(3, 259, PROMPT_LEN).tolist()
+    worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg), prompt)
+    assert gt == rt, f"greedy tokens diverge: {gt} vs {rt}"
+    assert worst <= LOGIT_TOL, worst
+    # and the quantisation is real: the fp32 golden's logits differ by far more than the tolerance
+    worst_fp, _, _ = run_both(bundle, golden_with(tiny, None), prompt[:8])
+    assert worst_fp > 10 * LOGIT_TOL
+    w = r.report["weights"]
+    assert w["format"] == weights and w["bytes"] == r.plan.weight_bytes < w["fp16_bytes"]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["weights"]["format"] == weights == json.loads((bundle / "bundle.json").read_text())[
+        "weights"]["format"]
+    if weights == "int4":
+        assert (w["group_size"], w["int4_grid"]) == (group, grid)
+        assert manifest["opset"] == 21  # model.onnx: INT4 DequantizeLinear with block_size
+    import onnx
+
+    portable = onnx.load(bundle / "model.portable.onnx", load_external_data=False)
+    ops = [n.op_type for n in portable.graph.node]
+    assert ops.count("MatMulNBits") == 5 * 4 and "Gemm" in ops  # 4 layers x 5 projections; GSM side stays Gemm
+    trt = onnx.load(bundle / "model.onnx", load_external_data=False)
+    assert sum(n.op_type == "DequantizeLinear" for n in trt.graph.node) == 5 * 4
+
+
+def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path):
+    """model.onnx with INT4 asym-f weights (DQ + MatMul + per-group offsets), activations fp32, through
+    the onnx reference evaluator and the plugins' CPU reference: equals the portable bundle."""
+    import runtime
+    from runtime.ref_backend import reference_usable
+
+    ok, why = reference_usable()
+    if not ok:
+        pytest.skip(why)
+    bundle = tmp_path / "b"
+    build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights="int4", group_size=32,
+          int4_grid="asym-f", trt_precision="fp32")
+    prompt = np.random.default_rng(2).integers(3, 259, 12).tolist()
+    a = runtime.load(bundle, backend="onnxruntime", threads=1).new_sequence().prefill(prompt)
+    b = runtime.load(bundle, backend="reference", threads=1).new_sequence().prefill(prompt)
+    assert np.abs(a - b).max() <= 1e-3 and int(np.argmax(a)) == int(np.argmax(b))
+
+
+def test_q4_1_blocks_are_reproduced_exactly():
+    """Hand-made llama.cpp Q4_1 blocks (w = q d + m, fp16 d and m): asym-f at group 32 gets q back and
+    dequantises to w within float32 rounding; symmetric INT4 cannot."""
+    rng = np.random.default_rng(0)
+    n, k = 48, 160
+    q = rng.integers(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15  # llama.cpp's min maps to 0 and max to 15
+    d = (rng.random((n, k // 32, 1)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (-rng.random((n, k // 32, 1)) * 0.1).astype(np.float16).astype(np.float32)
+    w = (q * d + m).astype(np.float32).reshape(n, k)
+    assert on_block_grid(w, 4, 32) and not on_block_grid(rng.standard_normal((n, k)), 4, 32)
+    qw = quantize(w, WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True))
+    assert np.array_equal(qw.codes.reshape(n, k // 32, 32), q)
+    assert np.abs(dequantize(qw) - w).max() <= 4e-7 * np.abs(w).max()
+    sym = dequantize(quantize(w, WeightQuantConfig(4, 32)))
+    assert np.abs(sym - w).max() > 1e-3
+
+
+@pytest.mark.parametrize("cfg", [WeightQuantConfig(4, 32), WeightQuantConfig(8, None),
+                                 WeightQuantConfig(4, 64, symmetric=False, float_zero_point=True)])
+def test_streamed_quantisation_equals_whole_tensor(cfg):
+    w = np.random.default_rng(3).standard_normal((37, 100)).astype(np.float32)
+    flat = w.reshape(-1)
+    chunks = [flat[i:i + 333] for i in range(0, flat.size, 333)]  # not row-aligned
+    a, b = quantize(w, cfg), quantize_chunks(w.shape, iter(chunks), cfg, rows_per_step=5)
+    for x, y in ((a.codes, b.codes), (a.scales, b.scales), (a.zero_points, b.zero_points)):
+        assert np.array_equal(x, y)
+
+
+def test_streamed_build_bound(tiny, tmp_path):
+    """With 4 KiB chunks the build never holds a projection's float32 tensor: the largest array is a
+    chunk or a quantised projection's 1-byte codes (both graphs' forms written at its first read)."""
+    from builder.graphs import write_graphs
+    from builder.network import CheckpointSource, NetSpec
+    from builder.plan import pool_rows
+
+    cfg = checkpoint.load_config(tiny)
+    tensors = checkpoint.CheckpointTensors(tiny)
+    ranks = tensors.ranks(cfg)
+    quant = checkpoint.load_quant(tiny)
+    names = quantised_names(cfg)
+    spec = NetSpec(cfg, ranks, 64, quantised=frozenset(names))
+    tmp_path.joinpath("g").mkdir()
+    from builder.calib import quant_tables
+
+    qt = quant_tables(cfg, ranks, tensors, tiny, None).tables
+    info = write_graphs(tmp_path / "g", spec, CheckpointSource(tensors, chunk_bytes=4096), qt,
+                        pool_rows(64, 16, cfg, quant), weights=WeightQuantConfig(4, 32))
+    shapes = [tensors.shape(n) for n in names]
+    codes = max(n * -(-k // 32) * 32 for n, k in shapes)  # one byte per weight, K padded to the group
+    assert info.largest_tensor_bytes <= max(4096, codes)
+    assert info.largest_tensor_bytes < max(4 * n * k for n, k in shapes)
+
+
+def _tiny_profile(monkeypatch, usable: int):
+    """A fake device whose usable memory lies between the tiny model's INT4/INT8 and FP16 plans."""
+    import dataclasses
+
+    import builder.build as bb
+    from jetson.profiles import PROFILES
+
+    fake = dataclasses.replace(PROFILES["orin-nano-8"], name="tiny-dev", reserve_bytes=0, memory_bytes=usable)
+    monkeypatch.setitem(PROFILES, "tiny-dev", fake)
+    monkeypatch.setattr(bb, "resolve_device", lambda name: fake)
+
+
+def _plan_totals(ckpt) -> dict[str, int]:
+    from builder.plan import make_plan
+    from jetson.profiles import PROFILES
+
+    cfg = checkpoint.load_config(ckpt)
+    ranks = checkpoint.CheckpointTensors(ckpt).ranks(cfg)
+    return {w: make_plan(cfg, ranks, checkpoint.load_quant(ckpt), PROFILES["orin-nano-8"], max_seq=N_MAX,
+                     weights=w).total_bytes
+            for w in ("fp16", "int8", "int4")}
+
+
+def test_refusal_names_the_weights_that_fit_and_auto_picks_it(tiny, tmp_path, monkeypatch):
+    tot = _plan_totals(tiny)
+    assert tot["fp16"] > tot["int8"] > tot["int4"]
+    _tiny_profile(monkeypatch, (tot["fp16"] + tot["int8"]) // 2)  # int8 fits, fp16 does not
+    with pytest.raises(BuildError) as e:
+        build(device="tiny-dev", checkpoint_dir=tiny, output=tmp_path / "no", max_seq=N_MAX)
+    assert "With --weights int8 it fits" in str(e.value)
+    assert not (tmp_path / "no").exists()
+    r = build(device="tiny-dev", checkpoint_dir=tiny, output=tmp_path / "auto", max_seq=N_MAX, weights="auto")
+    w = r.report["weights"]
+    assert (w["requested"], w["format"]) == ("auto", "int8")
+    assert "int8 is the highest precision" in w["why"] and "fp16 did not fit" in w["why"]
+    _tiny_profile(monkeypatch, (tot["int8"] + tot["int4"]) // 2)
+    r = build(device="tiny-dev", checkpoint_dir=tiny, output=tmp_path / "auto4", max_seq=N_MAX, weights="auto")
+    assert r.report["weights"]["format"] == "int4"
+    assert r.report["weights"]["int4_grid"] == "sym"  # random weights are not on a 4-bit grid
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--weights", "int3"], "invalid choice: 'int3'"),
+    (["--weights", "int4", "--group-size", "100"], "--group-size must be a power of two"),
+    (["--weights", "int4", "--group-size", "8"], "--group-size"),
+    (["--int4-grid", "asym"], "invalid choice: 'asym'"),
+])
+def test_cli_flag_errors(tmp_path, args, needle):
+    r = run_module("builder", "build", "--device", "orin", "--output", str(tmp_path / "b"), *args, cwd=tmp_path)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if "error" in ln]) == 1
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_int4_build_report(tmp_path):
+    r = run_module("builder", "build", "--device", "orin", "--output", str(tmp_path / "b"), "--max-seq", "64",
+                   "--weights", "int4", "--group-size", "32", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    w = rep["weights"]
+    assert (w["format"], w["group_size"], w["int4_grid"]) == ("int4", 32, "sym")
+    assert "not on a 4-bit group-32 grid" in w["grid_note"]
+    assert rep["engine_weight_bytes"] == w["bytes"] and 0.2 < w["ratio_vs_fp16"] < 0.7
