@@ -105,3 +105,40 @@ def test_weights_alone_too_big_names_devices_that_fit():
     plan = make_plan(big, ranks, q, get_profile("orin-nano-4"), max_seq=4096)
     with pytest.raises(PlanError, match="it fits on: .*h200"):
         require_fit(plan, big, ranks, q)
+
+
+def _llama3_8b():
+    """LLaMA-3-8B dimensions with GSM defaults (every layer owning, r_k = r_v = 320)."""
+    from gsm.config import GSMParams, ModelConfig
+
+    cfg = ModelConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False)
+    assert cfg.gsm == GSMParams()
+    return cfg, {i: (320, 320) for i in cfg.owning_layers}
+
+
+def test_fp16_refusal_names_the_weights_that_fit():
+    cfg, ranks = _llama3_8b()
+    nano = get_profile("orin-nano-8")
+    plan = make_plan(cfg, ranks, KVQuantConfig(), nano, max_seq=4096)
+    with pytest.raises(PlanError, match=r"With --weights int4 it fits at --max-seq 4096\.") as e:
+        require_fit(plan, cfg, ranks, KVQuantConfig())
+    assert "weights 14.69 GiB FP16" in str(e.value)
+    # INT4 itself fits: no suggestion to go lower
+    require_fit(make_plan(cfg, ranks, KVQuantConfig(), nano, max_seq=4096, weights="int4"), cfg, ranks,
+                KVQuantConfig())
+
+
+def test_asym_f_grid_bytes_by_hand():
+    """asym-f: packed codes + an FP16 scale and an FP16 offset (the float zero point) per group."""
+    from builder.plan import weight_bytes
+
+    cfg, ranks = _llama3_8b()
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    proj = [(H, H), (H, H), (I, H), (I, H), (H, I)]  # q, o, gate, up, down [N, K]
+    sym = weight_bytes(cfg, ranks, weights="int4", group_size=32)
+    asym = weight_bytes(cfg, ranks, weights="int4", group_size=32, int4_grid="asym-f")
+    assert asym - sym == L * sum(n * (k // 32) * 2 for n, k in proj)
+    with pytest.raises(PlanError, match="--int4-grid"):
+        weight_bytes(cfg, ranks, weights="int4", int4_grid="asym")

@@ -178,6 +178,26 @@ def test_dq_matmul_reference_evaluator(bits, group, k):
     assert _rel(y, _reference(x, q)) <= 1e-5
 
 
+FLOAT_ZP = WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)
+
+
+@pytest.mark.parametrize("k", [96, 100, 576])
+def test_float_zero_point_forms_equal_numpy(k):
+    """asym-f (float zero point): ONNX Runtime's MatMulNBits (float32 zero points, unpacked) and the
+    TensorRT form (signed codes + per-group offsets; K = 100 pads x) against the float64 product."""
+    from onnx.reference import ReferenceEvaluator
+
+    n = 40
+    q = quantize(_w(n, k) + 0.05, FLOAT_ZP)  # a shifted weight: the groups' ranges exclude 0
+    x = np.random.default_rng(5).standard_normal((6, k)).astype(np.float32)
+    m = standalone_model(matmul_nbits("x", "y", "L0.up_proj", q), "x", k, n)
+    y = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert _rel(y, _reference(x, q)) <= 1e-4
+    y = ReferenceEvaluator(standalone_model(dq_matmul("x", "y", "p", q, act_dtype="float32"), "x", k, n)).run(
+        None, {"x": x})[0]
+    assert _rel(y, _reference(x, q)) <= 1e-5
+
+
 def test_dq_matmul_fp16_scales_and_refusals():
     from onnx import TensorProto
 
