@@ -143,6 +143,7 @@ class Runtime:
         self.sparse_window = check_sparse_window(sparse_window, self.cfg)
         # default selection budget of every sequence (Sequence_.top_k overrides it per sequence)
         self.top_k = int(self.cfg["sparse_top_k"]) if top_k is None else check_top_k(top_k, self.n_max)
+        self._check_budgets(np.array([self.top_k]))
         self.vocab_size = int(self.cfg["vocab_size"])
         self.bos_token_id = int(self.cfg["bos_token_id"])
         self.eos_token_id = int(self.cfg["eos_token_id"])
@@ -178,7 +179,17 @@ class Runtime:
         return out
 
     def _budgets(self, seqs: Sequence[Sequence_]) -> np.ndarray:
-        return np.array([s.effective_top_k for s in seqs], np.int32)
+        return self._check_budgets(np.array([s.effective_top_k for s in seqs], np.int32))
+
+    def _check_budgets(self, budgets: np.ndarray) -> np.ndarray:
+        """The TensorRT graph's plugins still select with their build-time top_k (docs/engine_io.md rev 4,
+        "Not yet"): refuse another budget there rather than silently running the build-time one."""
+        fixed = int(self.cfg["sparse_top_k"])
+        if not getattr(self.backend, "per_sequence_top_k", False) and np.any(budgets != fixed):
+            raise RequestError("sparse_top_k", f"backend {self.backend.name} runs the bundle's build-time budget "
+                                               f"{fixed} only (a per-sequence budget, dense fallback and the hit-rate "
+                                               "probe need the onnxruntime backend for now)")
+        return budgets
 
     def _call_inputs(self, seqs: Sequence[Sequence_],
                      chunks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -243,7 +254,8 @@ class Runtime:
             pseqs = [seqs[b] for b in probed]
             ids, past, new = self._call_inputs(pseqs, [[int(tokens[b])] for b in probed])
             dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self.sparse_window,
-                                         np.full(len(pseqs), self.n_max, np.int32), probes=True, commit=False)
+                                         self._check_budgets(np.full(len(pseqs), self.n_max, np.int32)),
+                                         probes=True, commit=False)
         res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed))
         for k, b in enumerate(probed):
             rates = {l: hit_rate(dense.layer_mass[l][k], res.selected[l][b, 0]) for l in res.selected}

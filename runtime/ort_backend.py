@@ -120,7 +120,8 @@ class OrtBackend:
         self.out_names = [o.name for o in self.session.get_outputs()]
         self.debug = bool(cfg.get("debug_outputs"))  # fetch selected.{l} on every call (tests, debugging)
         self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
-        self.has_top_k = "sparse_top_k" in {i.name for i in self.session.get_inputs()}  # rev 4 bundles
+        # rev 4 bundles take the budget per sequence; older ones select with their build-time top_k only
+        self.per_sequence_top_k = "sparse_top_k" in {i.name for i in self.session.get_inputs()}
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
@@ -176,7 +177,7 @@ class OrtBackend:
         small = {"input_ids": np.ascontiguousarray(ids, np.int64), "past_lengths": past, "new_lengths": new,
                  "sparse_window": np.array([sparse_window], np.int32),
                  "cache_rows": np.array([c.row for c in caches], np.int32)}
-        if self.has_top_k:
+        if self.per_sequence_top_k:
             small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
         want = [n for n in self.out_names if n not in self.probe_names or probes
                 or (self.debug and n.startswith("selected."))]

@@ -84,6 +84,7 @@ class RefBackend:
     """Same interface as OrtBackend; a cache is one sequence's engine state (pools, index keys, slot table)."""
 
     name = "reference"
+    per_sequence_top_k = False  # the plugins select with their build-time top_k (engine_io rev 4, "Not yet")
 
     def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
         ok, why = reference_usable()

@@ -96,6 +96,7 @@ class TrtBackend:
     (slot tables) while the pools stay on the device."""
 
     name = "tensorrt"
+    per_sequence_top_k = False  # the plugins select with their build-time top_k (engine_io rev 4, "Not yet")
 
     def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
         ok, why = trt_usable(bundle)
@@ -140,6 +141,10 @@ class TrtBackend:
                  "logits": (self.B, T if self.cfg["logits"] == "all" else 1, V), "attn_mass": (self.B, self.n_max)}
         if name in fixed:
             return fixed[name]
+        if name.startswith("selected."):  # [B, S, K_sel] (engine_io rev 4 per-layer probe output)
+            return (self.B, T, int(self.engine.get_tensor_shape(name)[-1]))
+        if name.startswith("attn_mass."):
+            return (self.B, self.n_max)
         shape = list(self.engine.get_tensor_shape(name))
         shape[0] = self.B
         return tuple(int(d) for d in shape)
@@ -156,7 +161,13 @@ class TrtBackend:
         return {"slots": SlotTable(self.n_max, self.rows)}
 
     def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
-                sparse_window: int) -> StepOutput:
+                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
+        """top_k: bound as `sparse_top_k` when the engine has that input; the plugins still select with their
+        build-time top_k (engine_io rev 4, "Not yet"), so Runtime only sends that value. The per-layer
+        outputs are bound to device buffers on every call (TensorRT needs every I/O address) but read back
+        only with `probes`. A shadow call (commit False) is not possible: the pools are updated in place."""
+        if not commit:
+            raise NotImplementedError("the TensorRT backend updates its pools in place: no shadow call")
         if len(caches) != 1:
             raise NotImplementedError("the TensorRT backend runs one sequence per call for now (batch row 0)")
         slots: SlotTable = caches[0]["slots"]
@@ -168,7 +179,7 @@ class TrtBackend:
         slots.allocate(range(p0, p0 + n))
         host = {"input_ids": ids.astype(np.int64), "past_lengths": past.astype(np.int32),
                 "new_lengths": new.astype(np.int32), "sparse_window": np.array([sparse_window], np.int32),
-                "kv_slots": slots.entries[None]}
+                "kv_slots": slots.entries[None], "sparse_top_k": np.asarray(top_k, np.int32).reshape(B)}
         ctx = self.contexts[DECODE_PROFILE if S == 1 else PREFILL_PROFILE]
         for name in self._io_names(self.engine):
             buf = self.bufs[self._alias(name)]
@@ -184,13 +195,23 @@ class TrtBackend:
         logits = self.bufs["logits"].download(
             np.empty((B, S if self.cfg["logits"] == "all" else 1, V), np.float32), self.stream)
         mass = self.bufs["attn_mass"].download(np.empty((B, self.n_max), np.float32), self.stream)
+        sel = layer_mass = None
+        if probes:
+            k_sel = self._max_shape(f"selected.{self.layers[0]}")[-1]
+            sel = {l: self.bufs[f"selected.{l}"].download(np.empty((B, S, k_sel), np.int32), self.stream)
+                   for l in self.layers}
+            layer_mass = {l: self.bufs[f"attn_mass.{l}"].download(np.empty((B, self.n_max), np.float32), self.stream)
+                          for l in self.layers}
         _check(self.cudart.cudaStreamSynchronize(self.stream))
-        return StepOutput(logits, mass)
+        return StepOutput(logits, mass, sel, layer_mass)
 
-    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> None:
+    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> float | None:
+        """Returns None: the KV noise of a pass would need the rows read back from the device before and
+        after (not done yet; the onnxruntime and reference backends measure it)."""
         moves = cache["slots"].demote(np.asarray(new_tier))  # int32 by position, -1 = unchanged
         if moves:
             self._run_demote(moves)
+        return None
 
     def _run_demote(self, moves: list[tuple[int, int]]) -> None:
         lst = np.array([(0, old, new) for old, new in moves], np.int32)  # b = 0: one sequence per backend

@@ -87,3 +87,28 @@ def test_plugin_path_fp16_close_to_portable(ckpt, tmp_path):
         assert np.abs(la - lb).max() <= 2e-2 * np.abs(la).max()
         tok = int(np.argmax(la))
         la, lb = a.decode(tok), b.decode(tok)
+
+
+def test_reference_kv_noise_and_fixed_budget(ckpt, tmp_path):
+    """KV noise of the end-of-prefill pass equals ||new - old|| / ||old|| on the golden's cache (numpy);
+    the plugins select with their build-time top_k, so the runtime refuses another budget there."""
+    from test_runtime_topk import noise_of_pass
+
+    import runtime
+
+    out = tmp_path / "b32"
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32")
+    rt = runtime.load(out, backend="reference")
+    golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
+    gcache, seq = golden.new_cache(), rt.new_sequence()
+    prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
+    with torch.no_grad():
+        golden.forward(gcache, prompt)
+        expected = noise_of_pass(gcache, lambda: golden._maybe_retier(gcache))
+    seq.prefill(prompt)
+    assert expected is not None and abs(seq.last_kv_noise - expected) <= 1e-4 * expected
+    with pytest.raises(runtime.RequestError, match="build-time budget"):
+        seq.use_dense()
+        seq.decode(3)
+    with pytest.raises(runtime.RequestError, match="build-time budget"):
+        runtime.load(out, backend="reference", top_k=3)
