@@ -242,3 +242,15 @@ def test_cli_sparse_top_k_dense_runs(bundle, tmp_path):
                    "--backend", "onnxruntime", "--sparse-top-k", str(N_MAX), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 3
+
+
+def test_probe_outputs_add_no_node(bundle):
+    """selected.{l} / attn_mass.{l} name tensors the graph computes anyway (no copy node): a call that does
+    not bind them pays nothing for them."""
+    import onnx
+
+    m = onnx.load(str(bundle / "model.portable.onnx"), load_external_data=False)
+    producer = {o: n.op_type for n in m.graph.node for o in n.output}
+    names = {o.name for o in m.graph.output if o.name.startswith(("selected.", "attn_mass."))}
+    assert len(names) == 2 * sum(i.name.startswith("latent_k.") for i in m.graph.input)  # two per owning layer
+    assert {producer[n] for n in names} == {"Where", "ScatterElements"}
