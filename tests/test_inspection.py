@@ -1,10 +1,13 @@
 """examples/inspection: the inspection app on the demo bundle (a random model: structure, not content),
-in-process and through the HTTP server with the plain OpenAI client, plain-prompt and chat bundles; bad
-detection lines are exit 2 with one error line and no report."""
+in-process and through the HTTP server with the plain OpenAI client, plain-prompt and chat bundles; the
+answer parser on answers SmolLM2-135M-Instruct really gave; the app on a SmolLM2 bundle when one is at
+$GSM_EDGE_SMOLLM2_BUNDLE (slow: building it needs the 8-minute conversion); bad detection lines are exit 2
+with one error line and no report."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,8 +15,13 @@ import pytest
 from runtime_bundles import ROOT
 
 APP = ROOT / "examples" / "inspection"
-KEYS = {"part_id", "defect_class", "confidence", "description", "severity", "severity_source", "finish_reason",
-        "completion_tokens", "latency_s"}
+KEYS = {"part_id", "defect_class", "confidence", "description", "severity", "severity_source", "rule_severity",
+        "finish_reason", "completion_tokens", "latency_s"}
+
+
+# the class/confidence rule on detections.jsonl, by hand: structural classes high at confidence >= 0.5,
+# others medium at >= 0.8, else low
+RULE = {"BRK-0001": "medium", "BRK-0002": "high", "BRK-0003": "low", "HSG-0107": "high", "HSG-0108": "low"}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +33,7 @@ def app():
     sys.path.remove(str(APP))
 
 
-def check_report(path, mode, n=5):
+def check_report(path, mode, n=5, max_tokens=12):
     rep = json.loads(path.read_text())
     assert rep["mode"] == mode and rep["summary"]["detections"] == n and len(rep["items"]) == n
     dets = [json.loads(ln) for ln in (APP / "detections.jsonl").read_text().splitlines() if ln.strip()]
@@ -33,7 +41,8 @@ def check_report(path, mode, n=5):
         assert set(item) == KEYS and item["part_id"] == det["part_id"]
         assert item["severity"] in ("low", "medium", "high") and item["severity_source"] in ("model", "rule")
         assert isinstance(item["description"], str) and "\n" not in item["description"]
-        assert 0 <= item["completion_tokens"] <= 12 and item["finish_reason"] in ("stop", "length")
+        assert 0 <= item["completion_tokens"] <= max_tokens and item["finish_reason"] in ("stop", "length")
+        assert item["rule_severity"] == RULE[det["part_id"]]
     assert sum(rep["summary"]["by_severity"].values()) == n
     return rep
 
@@ -48,7 +57,7 @@ def test_in_process_plain_and_chat(app, tmp_path):
     for b in (demo, chat):
         out = tmp_path / f"{b.name}.json"
         assert app.main(["--bundle", str(b), "--detections", str(APP / "detections.jsonl"), "--out", str(out),
-                         "--max-tokens", "12"]) == 0
+                         "--max-tokens", "12", "--examples", "0"]) == 0
         rep = check_report(out, "in-process")
         assert rep["model"] == b.name
 
@@ -63,7 +72,7 @@ def test_through_http_server(app, tmp_path):
     with live_server(rt, "demo") as (_, url):
         out = tmp_path / "http.json"
         assert app.main(["--server", url, "--detections", str(APP / "detections.jsonl"), "--out", str(out),
-                         "--max-tokens", "12"]) == 0
+                         "--max-tokens", "12", "--examples", "0"]) == 0
     rep = check_report(out, "http")
     assert rep["model"] == "demo"
 
@@ -74,6 +83,60 @@ def test_rule_severity_and_sentence(app):
     assert app.to_item(d, "A thin crack. It runs along.\nSeverity: HIGH", "stop", 9, 0.1).severity == "high"
     assert app.first_sentence("A thin crack runs along the seam. More text\nSeverity: high") == \
         "A thin crack runs along the seam."
+
+
+# Answers SmolLM2-135M-Instruct gave (GSM bundle, greedy, examples/inspection/README.md) and forms other
+# small models write; the expected description and severity read by hand.
+ANSWERS = [
+    ("A crack in a weld seam.\nSeverity: high", "A crack in a weld seam.", "high"),
+    ("A scratch detected with confidence that is not visible to the naked eye.\nSeverity: high",
+     "A scratch detected with confidence that is not visible to the naked eye.", "high"),
+    ("Description: A shallow dent. More text\nSeverity: **Medium**", "A shallow dent.", "medium"),
+    ("**A porous area in the casting.** Severity level: moderate", "A porous area in the casting.", "medium"),
+    ("The defect is minor. severity - minor", "The defect is minor.", "low"),
+    ("Severity: critical\nA crack through the wall.", "", "high"),
+    ("A dent detected with confidence 0.64 at x=40, y=40, size 22x22 pixels.",
+     "A dent detected with confidence 0.64 at x=40, y=40, size 22x22 pixels.", None),
+    ("This defect is low, medium, or high.", "This defect is low, medium, or high.", None),
+]
+
+
+@pytest.mark.parametrize("text,sentence,severity", ANSWERS)
+def test_answer_parsing(app, text, sentence, severity):
+    assert app.model_severity(text) == severity
+    assert app.first_sentence(text) == sentence
+    d = app.Detection("P1", "dent", (0, 0, 1, 1), 0.6, "")
+    item = app.to_item(d, text, "stop", 9, 0.1)
+    assert (item.severity, item.severity_source) == ((severity, "model") if severity else ("low", "rule"))
+
+
+def test_prompt_has_the_worked_examples(app):
+    d = app.Detection("P1", "dent", (1, 2, 3, 4), 0.5, "")
+    msgs = app.messages(d)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert all(app.model_severity(m["content"]) in app.SEVERITIES for m in msgs if m["role"] == "assistant")
+    assert msgs[-1]["content"] == "Part P1: a dent detected with confidence 0.50 at x=1, y=2, size 3x4 px."
+    assert app.plain_prompt(d).endswith("Report: " + msgs[-1]["content"] + "\nAnswer:")
+    assert app.messages(d, 0) == [msgs[0], msgs[-1]]  # --examples 0 (the demo bundles' max-seq 512)
+
+
+SMOLLM2_BUNDLE = os.environ.get("GSM_EDGE_SMOLLM2_BUNDLE")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM2_BUNDLE, reason="no SmolLM2 bundle at $GSM_EDGE_SMOLLM2_BUNDLE (docs/serving.md)")
+def test_smollm2_bundle_in_process(app, tmp_path):
+    """The real model: every answer holds a parseable severity, and a one-sentence description that
+    names the defect (the class or its stem), ending at a stop, not at max-tokens."""
+    out = tmp_path / "smol.json"
+    assert app.main(["--bundle", SMOLLM2_BUNDLE, "--detections", str(APP / "detections.jsonl"), "--out",
+                     str(out)]) == 0
+    rep = check_report(out, "in-process", max_tokens=48)
+    stems = {"scratch": "scratch", "crack": "crack", "dent": "dent", "porosity": "por", "discoloration": "discolo"}
+    for item in rep["items"]:
+        assert item["severity_source"] == "model" and item["finish_reason"] == "stop"
+        assert stems[item["defect_class"]] in item["description"].lower() and item["description"].endswith(".")
+    assert set(rep["engine"]["fallbacks"]) == {"hit_rate", "kv_noise"}
 
 
 @pytest.mark.parametrize("line,words", [

@@ -418,6 +418,8 @@ def test_sequence_fallbacks_in_metrics(rts):
     cfg = EngineConfig(min_hit_rate=1.0, hit_rate_every=1, max_kv_noise=0.0)
     with live_server(rt, config=cfg) as (srv, url):
         srv.engine.observers.append(Seen())
+        before = metric_samples(url)  # no measurement yet: the two series are absent, not 0
+        assert ("gsm_sparse_mask_hit_rate", ()) not in before and ("gsm_shared_kv_noise_level", ()) not in before
         r = httpx.post(url + "/v1/completions", json={"prompt": [1] + list(range(40, 87)), "max_tokens": 6,
                                                       "temperature": 0, "stop_token_ids": []}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6

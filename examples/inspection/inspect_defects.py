@@ -21,9 +21,21 @@ from typing import Any
 from gsm.outputs import write_text_atomic
 
 SEVERITIES = ("low", "medium", "high")
-SYSTEM = ("You are a quality inspector on a production line. Describe the defect in one sentence, then write "
-          "'Severity: low', 'Severity: medium' or 'Severity: high' on its own line.")
-_SEVERITY = re.compile(r"severity\s*[:=-]\s*(low|medium|high)", re.IGNORECASE)
+SYSTEM = ("You are a quality inspector on a production line. Answer with one sentence that describes the defect, "
+          "then a line 'Severity: low', 'Severity: medium' or 'Severity: high'.")
+# Two worked examples before the real detection: a 135M chat model (SmolLM2) follows the answer format
+# after them; without them it repeats the request or the instruction (docs/serving.md, inspection).
+EXAMPLES = (
+    ("Part A-1: a scratch detected with confidence 0.60 at x=10, y=10, size 20x4 px. Sensor notes: light surface "
+     "mark.", "A light surface scratch on part A-1 that does not affect its function.\nSeverity: low"),
+    ("Part B-7: a crack detected with confidence 0.95 at x=200, y=30, size 8x50 px. Sensor notes: near a bolt "
+     "hole.", "A long crack next to a bolt hole of part B-7 that can grow under load.\nSeverity: high"),
+)
+# "Severity: high", "severity - **High**", "Severity level: moderate", "severity is minor": the word after
+# "severity" (a few separator or filler words between), synonyms mapped onto the three levels.
+_SEVERITY = re.compile(r"severity\W{0,4}(?:(?:level|rating|is)\W{0,3})?[*_\"'`]*"
+                       r"(low|medium|high|minor|moderate|major|severe|critical)\b", re.IGNORECASE)
+SYNONYMS = {"minor": "low", "moderate": "medium", "major": "high", "severe": "high", "critical": "high"}
 # Classes that weaken a part, whatever the confidence.
 STRUCTURAL = frozenset({"crack", "porosity", "fracture", "missing_part"})
 
@@ -88,8 +100,17 @@ def rule_severity(d: Detection) -> str:
     return "medium" if d.confidence >= 0.8 else "low"
 
 
+def model_severity(text: str) -> str | None:
+    m = _SEVERITY.search(text)
+    return None if m is None else SYNONYMS.get(m.group(1).lower(), m.group(1).lower())
+
+
 def first_sentence(text: str) -> str:
-    text = _SEVERITY.sub("", text).strip()
+    """The description: the answer before its severity line, markdown and a "Description:" label
+    dropped, up to the end of the first sentence."""
+    m = _SEVERITY.search(text)
+    text = (text[:m.start()] if m else text).replace("**", "").strip()
+    text = re.sub(r"^\s*(description|answer)\s*:\s*", "", text, flags=re.IGNORECASE)
     m = re.search(r"^(.+?[.!?])(\s|$)", text, re.DOTALL)
     return " ".join((m.group(1) if m else text).split())
 
@@ -102,28 +123,34 @@ class Item:
     description: str
     severity: str
     severity_source: str  # "model" | "rule"
+    rule_severity: str  # the class/confidence rule's, beside the model's: a small model's judgement is weak
     finish_reason: str
     completion_tokens: int
     latency_s: float
 
 
 def to_item(d: Detection, text: str, finish_reason: str, tokens: int, latency: float) -> Item:
-    m = _SEVERITY.search(text)
-    return Item(d.part_id, d.defect_class, d.confidence, first_sentence(text),
-                m.group(1).lower() if m else rule_severity(d), "model" if m else "rule", finish_reason, tokens,
-                round(latency, 4))
+    sev, rule = model_severity(text), rule_severity(d)
+    return Item(d.part_id, d.defect_class, d.confidence, first_sentence(text), sev or rule,
+                "rule" if sev is None else "model", rule, finish_reason, tokens, round(latency, 4))
 
 
-def messages(d: Detection) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": d.prompt()}]
+def messages(d: Detection, examples: int = len(EXAMPLES)) -> list[dict[str, str]]:
+    out = [{"role": "system", "content": SYSTEM}]
+    for question, answer in EXAMPLES[:examples]:
+        out += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return out + [{"role": "user", "content": d.prompt()}]
 
 
-def plain_prompt(d: Detection) -> str:
-    return f"{SYSTEM}\n{d.prompt()}\nDescription:"
+def plain_prompt(d: Detection, examples: int = len(EXAMPLES)) -> str:
+    shots = "".join(f"Report: {q}\nAnswer: {a}\n\n" for q, a in EXAMPLES[:examples])
+    return f"{SYSTEM}\n\n{shots}Report: {d.prompt()}\nAnswer:"
 
 
-def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int) -> tuple[str, list[Item]]:
-    """All detections submitted at once to an in-process engine; answers collected in order."""
+def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
+                   examples: int = len(EXAMPLES)) -> tuple[str, list[Item], dict]:
+    """All detections submitted at once to an in-process engine; answers collected in order. Also
+    returns the engine's fallback counts (docs/serving.md, "Fallback policies")."""
     import runtime
     from runtime.engine import Engine
 
@@ -131,16 +158,18 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int) -> 
     with Engine(rt) as eng:
         eng.ready.wait()
         t0 = time.monotonic()
-        reqs = [eng.submit_chat(messages(d), max_tokens, temperature=0.0) if rt.has_chat_template
-                else eng.submit(plain_prompt(d), max_tokens, temperature=0.0) for d in dets]
+        reqs = [eng.submit_chat(messages(d, examples), max_tokens, temperature=0.0) if rt.has_chat_template
+                else eng.submit(plain_prompt(d, examples), max_tokens, temperature=0.0) for d in dets]
         items = []
         for d, r in zip(dets, reqs):
             r.result()
             items.append(to_item(d, r.text or "", r.finish_reason or "", len(r.ids), (r.t_end or t0) - r.t_submit))
-    return bundle.resolve().name, items
+        fallbacks = dict(eng.fallbacks)
+    return bundle.resolve().name, items, {"fallbacks": fallbacks}
 
 
-def run_http(url: str, dets: Sequence[Detection], max_tokens: int, workers: int = 8) -> tuple[str, list[Item]]:
+def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int = len(EXAMPLES),
+             workers: int = 8) -> tuple[str, list[Item], dict]:
     """The same through the HTTP server with the plain OpenAI client (chat, else completions)."""
     import openai
 
@@ -152,7 +181,7 @@ def run_http(url: str, dets: Sequence[Detection], max_tokens: int, workers: int 
         t0 = time.monotonic()
         if use_chat[0]:
             try:
-                r = client.chat.completions.create(model=model, messages=messages(d), max_tokens=max_tokens,
+                r = client.chat.completions.create(model=model, messages=messages(d, examples), max_tokens=max_tokens,
                                                    temperature=0)
                 c = r.choices[0]
                 return to_item(d, c.message.content or "", c.finish_reason, r.usage.completion_tokens,
@@ -161,20 +190,25 @@ def run_http(url: str, dets: Sequence[Detection], max_tokens: int, workers: int 
                 if "chat template" not in str(e):
                     raise
                 use_chat[0] = False
-        r = client.completions.create(model=model, prompt=plain_prompt(d), max_tokens=max_tokens, temperature=0)
+        r = client.completions.create(model=model, prompt=plain_prompt(d, examples), max_tokens=max_tokens,
+                                      temperature=0)
         c = r.choices[0]
         return to_item(d, c.text, c.finish_reason, r.usage.completion_tokens, time.monotonic() - t0)
 
     with ThreadPoolExecutor(workers) as pool:
-        return model, list(pool.map(ask, dets))
+        return model, list(pool.map(ask, dets)), {}
 
 
-def report(model: str, mode: str, items: Sequence[Item], wall_s: float) -> dict[str, Any]:
-    return {"model": model, "mode": mode, "created": int(time.time()), "wall_s": round(wall_s, 3),
-            "summary": {"detections": len(items), "by_severity": dict(Counter(i.severity for i in items)),
-                        "severity_from_model": sum(i.severity_source == "model" for i in items),
-                        "completion_tokens": sum(i.completion_tokens for i in items)},
-            "items": [asdict(i) for i in items]}
+def report(model: str, mode: str, items: Sequence[Item], wall_s: float, engine: dict | None = None) -> dict[str, Any]:
+    out = {"model": model, "mode": mode, "created": int(time.time()), "wall_s": round(wall_s, 3),
+           "summary": {"detections": len(items), "by_severity": dict(Counter(i.severity for i in items)),
+                       "severity_from_model": sum(i.severity_source == "model" for i in items),
+                       "severity_agrees_with_rule": sum(i.severity == i.rule_severity for i in items),
+                       "completion_tokens": sum(i.completion_tokens for i in items)},
+           "items": [asdict(i) for i in items]}
+    if engine:
+        out["engine"] = engine
+    return out
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -190,6 +224,9 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
     p.add_argument("--detections", type=Path, required=True, help="JSON lines, one detection each")
     p.add_argument("--out", type=Path, required=True, help="the JSON report to write")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--examples", type=int, choices=range(len(EXAMPLES) + 1), default=len(EXAMPLES),
+                   help="worked examples before each detection (a small model needs them to keep the answer "
+                        "format; fewer: a shorter prompt)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -219,13 +256,13 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
     t0 = time.monotonic()
     try:
         if args.bundle is not None:
-            model, items = run_in_process(args.bundle, dets, args.max_tokens)
+            model, items, extra = run_in_process(args.bundle, dets, args.max_tokens, args.examples)
         else:
-            model, items = run_http(args.server, dets, args.max_tokens)
+            model, items, extra = run_http(args.server, dets, args.max_tokens, args.examples)
     except Exception as e:  # a bundle that does not load, a server that does not answer
         err(f"{type(e).__name__}: {e}")
         return 1
-    write_json(args.out, report(model, "in-process" if args.bundle else "http", items, time.monotonic() - t0))
+    write_json(args.out, report(model, "in-process" if args.bundle else "http", items, time.monotonic() - t0, extra))
     print(f"{len(items)} detections -> {args.out}", file=sys.stderr)
     return 0
 

@@ -62,12 +62,12 @@ class ServeMetrics(Observer):
         self.fallbacks = Counter("gsm_fallbacks", "Fallback policies taken", ["policy"], registry=r)
         for policy in FALLBACK_POLICIES:
             self.fallbacks.labels(policy)
-        self.hit_rate = Gauge("gsm_sparse_mask_hit_rate", "Sparse mask hit rate of the last probed decode step "
-                              "(mean over owning layers; sampled steps only)", registry=r)
+        # The two GSM measurements are registered at their first value: a 0 before any measurement would
+        # read as "no hit" / "no noise".
+        self.hit_rate: Gauge | None = None
+        self.kv_noise: Gauge | None = None
         self.hit_rate_probes = Counter("gsm_sparse_mask_probes", "Decode steps whose hit rate was measured",
                                        registry=r)
-        self.kv_noise = Gauge("gsm_shared_kv_noise_level", "Relative error the last re-tier pass added to the "
-                              "latent rows it re-encoded, ||x_new - x_old||_F / ||x_old||_F", registry=r)
         self.kv_noise_passes = Counter("gsm_kv_noise_measurements", "Re-tier passes that re-encoded rows",
                                        registry=r)
         self.steps = Counter("gsm_scheduler_steps", "Scheduler iterations", registry=r)
@@ -89,10 +89,17 @@ class ServeMetrics(Observer):
             self.tpot.observe((req.t_end - req.t_first) / (len(req.ids) - 1))
 
     def on_hit_rate(self, req: EngineRequest, hit_rate: float) -> None:
+        if self.hit_rate is None:
+            self.hit_rate = Gauge("gsm_sparse_mask_hit_rate", "Sparse mask hit rate of the last probed decode step "
+                                  "(mean over owning layers; sampled steps only)", registry=self.registry)
         self.hit_rate.set(hit_rate)
         self.hit_rate_probes.inc()
 
     def on_kv_noise(self, req: EngineRequest, noise: float) -> None:
+        if self.kv_noise is None:
+            self.kv_noise = Gauge("gsm_shared_kv_noise_level", "Relative error the last re-tier pass added to the "
+                                  "latent rows it re-encoded, ||x_new - x_old||_F / ||x_old||_F",
+                                  registry=self.registry)
         self.kv_noise.set(noise)
         self.kv_noise_passes.inc()
 
