@@ -77,30 +77,38 @@ class QLayout:
     n: int
     bits: int
     block: int
-    zero_points: bool  # MatMulNBits has a zero_points input
-    offsets: bool  # the TensorRT form adds a per-group offset term (float zero point)
+    zero_points: bool  # MatMulNBits has a (uint8) zero_points input
+    offsets: bool  # float zero point: codes taken as symmetric, plus a per-group offset term
 
     @classmethod
     def of(cls, q: QuantizedWeight) -> QLayout:
-        return cls(q.k, q.n, q.cfg.bits, q.block, not q.cfg.symmetric, q.cfg.float_zero_point)
+        return cls(q.k, q.n, q.cfg.bits, q.block, not q.cfg.symmetric and not q.cfg.float_zero_point,
+                   q.cfg.float_zero_point)
 
 
 def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
-    """MatMulNBits initializers: packed codes, float32 scales, [zero points]."""
+    """MatMulNBits initializers: packed codes, float32 scales, [uint8 zero points]; with a float zero point
+    no zero points (the kernel's implicit 2^(bits-1)) but float32 per-group offsets [n_blocks, N]:
+    ONNX Runtime 1.32 has a float-zero-point path, but it ran 30-100x slower than the symmetric
+    kernel (N=1536, K=576, M=1: 6.3 ms vs 0.21 ms), the offset term costs one small MatMul."""
     a = pack_matmul_nbits(q)
     inits = [_init(prefix + ".qweight", a.b, TensorProto.UINT8), _init(prefix + ".scales", a.scales, TensorProto.FLOAT)]
-    if a.zero_points is not None:
-        zt = TensorProto.FLOAT if a.zero_points.dtype == np.float32 else TensorProto.UINT8
-        inits.append(_init(prefix + ".zero_points", a.zero_points, zt))
+    if q.cfg.float_zero_point:
+        inits.append(_init(prefix + ".offsets", np.ascontiguousarray(q.group_offsets().T), TensorProto.FLOAT))
+    elif a.zero_points is not None:
+        inits.append(_init(prefix + ".zero_points", a.zero_points, TensorProto.UINT8))
     return inits
 
 
-def nbits_node(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0) -> onnx.NodeProto:
+def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0) -> list[onnx.NodeProto]:
     names = [prefix + ".qweight", prefix + ".scales"] + ([prefix + ".zero_points"] if lay.zero_points else [])
     attrs = {"K": lay.k, "N": lay.n, "bits": lay.bits, "block_size": lay.block}
     if accuracy_level:
         attrs["accuracy_level"] = accuracy_level
-    return helper.make_node("MatMulNBits", [x, *names], [out], name=prefix + "/MatMulNBits", domain=MS_DOMAIN, **attrs)
+    main = prefix + ".main" if lay.offsets else out
+    nodes = [helper.make_node("MatMulNBits", [x, *names], [main], name=prefix + "/MatMulNBits", domain=MS_DOMAIN,
+                              **attrs)]
+    return nodes + (_offset_nodes(x, main, out, prefix, lay) if lay.offsets else [])
 
 
 def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_scale: np.ndarray | None = None,
@@ -112,7 +120,7 @@ def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_sca
     parts = QLinearParts(opsets={MS_DOMAIN: 1})
     xin = _input_scale(parts, x, prefix, input_scale, np.dtype(np.float32), TensorProto.FLOAT)
     parts.inits += nbits_inits(prefix, q)
-    parts.nodes.append(nbits_node(xin, out, prefix, QLayout.of(q), accuracy_level=accuracy_level))
+    parts.nodes += nbits_nodes(xin, out, prefix, QLayout.of(q), accuracy_level=accuracy_level)
     parts.output = out
     return parts
 
@@ -152,13 +160,18 @@ def dq_nodes(x: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto
     w, s, deq = prefix + ".qweight", prefix + ".scales", prefix + ".weight_dq"
     attrs = {"axis": 0, "block_size": lay.block} if lay.bits == 4 else {"axis": 1}
     nodes = [helper.make_node("DequantizeLinear", [w, s], [deq], name=prefix + "/DequantizeLinear", **attrs)]
-    if not lay.offsets:
-        nodes.append(helper.make_node("MatMul", [x, deq], [out], name=prefix + "/MatMul"))
-        return nodes
-    main, shape, xg, xs, corr = (prefix + t for t in (".main", ".group_shape", ".x_groups", ".x_group_sums", ".corr"))
+    main = prefix + ".main" if lay.offsets else out
+    nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
+    return nodes + (_offset_nodes(x, main, out, prefix, lay) if lay.offsets else [])
+
+
+def _offset_nodes(x: str, main: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
+    """out = main + MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N]): the float zero point's
+    per-group constant `scale (2^(bits-1) - zp)` times the sum of the inputs it multiplies."""
+    shape, xg, xs, corr = (prefix + t for t in (".group_shape", ".x_groups", ".x_group_sums", ".corr"))
     axes = prefix + ".group_axis"
     nb = -(-lay.k // lay.block)
-    nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
+    nodes = []
     if lay.k % lay.block:  # the last group is short: pad x with zeros so its sum covers the real columns only
         pads, xp = prefix + ".group_pads", prefix + ".x_padded"
         nodes += [helper.make_node("Constant", [], [pads], name=prefix + "/group_pads",
