@@ -22,14 +22,23 @@ PLUGINS = ("GsmKVCacheUpdate", "GsmSparseAttention", "GsmKVDemote")
 
 
 class PluginOps:
-    """GSM nodes for TensorRT; the cache is the engine_io byte pools (int32 words) + slot table."""
+    """GSM nodes for TensorRT; the cache is the engine_io byte pools (int32 words) + slot table.
+
+    max_top_k: the largest per-sequence budget (`sparse_top_k` input) the attention nodes honour; it
+    fixes K_sel = sinks + max_sparse_window + max_top_k (the `selected` width, the CUDA workspace).
+    Default N_max: every run-time budget 0..max-seq works, the dense fallback included
+    (docs/engine_io.md section 4.2, "max_top_k" for the memory it costs)."""
 
     variant = "trt"
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
-                 rows: PoolRows) -> None:
+                 rows: PoolRows, max_top_k: int | None = None) -> None:
         self.g, self.cfg, self.ranks, self.n_max, self.rows = g, cfg, ranks, n_max, rows
-        self.k_sel = cfg.gsm.sink_tokens + cfg.gsm.max_sparse_window + cfg.gsm.sparse_top_k
+        self.max_top_k = n_max if max_top_k is None else max_top_k
+        if not min(cfg.gsm.sparse_top_k, n_max) <= self.max_top_k <= n_max:  # the default budget must fit
+            raise ValueError(f"max_top_k must be in [min(sparse_top_k {cfg.gsm.sparse_top_k}, max-seq), "
+                             f"max-seq {n_max}], got {self.max_top_k}")
+        self.k_sel = cfg.gsm.sink_tokens + cfg.gsm.max_sparse_window + self.max_top_k
 
     def _attrs(self, **kw: Any) -> dict[str, Any]:
         return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "n_max": self.n_max,
@@ -82,11 +91,12 @@ class PluginOps:
         g.weight(quant)
         attrs = self._attrs(layer_kind=0 if owning else 1, num_heads=cfg.num_attention_heads,
                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rank_k=rk, rank_v=rv,
-                            sink_tokens=p.sink_tokens, top_k=p.sparse_top_k, max_sparse_window=p.max_sparse_window)
+                            sink_tokens=p.sink_tokens, max_top_k=self.max_top_k,
+                            max_sparse_window=p.max_sparse_window)
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)
-            ins += [index_q, index_w, cache["keys"], sparse_window]
+            ins += [index_q, index_w, cache["keys"], sparse_window, self.top_k]
             outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:
             ins += [selected]

@@ -15,9 +15,20 @@ from typing import Any
 import numpy as np
 
 from runtime.ort_backend import StepOutput, kv_noise_sums, relative_noise
+from runtime.sampling import RequestError
 from runtime.slots import SlotTable
 
 PLUGIN_MODEL, PLUGIN_DEMOTE = "model.onnx", "gsm_demote.onnx"
+
+
+def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
+    """The plugin nodes select at most max_top_k per sequence (engine_io rev 4, K_sel); the CUDA kernel
+    would clamp a larger budget silently, so the plugin backends refuse it (a builder choice)."""
+    worst = int(np.max(top_k)) if np.size(top_k) else 0
+    if worst > max_top_k:
+        raise RequestError("sparse_top_k", f"{worst} is above the bundle's max_top_k {max_top_k} on backend "
+                                           f"{backend} (the plugin graph's selection width; build with a larger "
+                                           "max_top_k, or use the onnxruntime backend)")
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -39,6 +50,8 @@ def _ops() -> list[type]:
 
     def dims(node: Any) -> tuple[Any, dict[str, Any]]:
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        if "top_k" in a:  # the attribute's name before engine_io revision 4
+            a.setdefault("max_top_k", a.pop("top_k"))
         names = {f for f in ref.Dims.__dataclass_fields__}
         d = ref.Dims(**{k: int(v) for k, v in a.items() if k in names and not isinstance(v, bytes)},
                      **{k: 0 for k in ("num_heads", "num_kv_heads", "head_dim") if k not in a})
@@ -62,9 +75,10 @@ def _ops() -> list[type]:
             q, pool, slots, past, new, quant, cos, sin, w0, w1 = x[:10]
             f32 = np.float32
             if int(a["layer_kind"]) == 0:
+                # input 14 sparse_top_k [B] since engine_io rev 4; an older node selects max_top_k for all
                 r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                          index_q=x[10].astype(f32), index_w=x[11].astype(f32), index_keys=x[12],
-                                         sparse_window=int(x[13][0]))
+                                         sparse_window=int(x[13][0]), sparse_top_k=x[14] if len(x) > 14 else None)
                 return r.out.astype(q.dtype), r.selected, r.mass
             r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                      selected=x[10])
@@ -84,7 +98,6 @@ class RefBackend:
     """Same interface as OrtBackend; a cache is one sequence's engine state (pools, index keys, slot table)."""
 
     name = "reference"
-    per_sequence_top_k = False  # the plugins select with their build-time top_k (engine_io rev 4, "Not yet")
 
     def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
         ok, why = reference_usable()
@@ -102,6 +115,12 @@ class RefBackend:
         self.rows = (cfg["pool_rows"]["fp16"], cfg["pool_rows"]["int12"], cfg["pool_rows"]["int8"])
         proto = onnx.load(str(bundle / PLUGIN_MODEL), load_external_data=False)
         self.shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
+        # per-sequence budgets when the owning attention nodes read sparse_top_k (engine_io rev 4), up to
+        # their max_top_k; an older graph selects with its build-time top_k only (Runtime refuses others)
+        owning = [n for n in proto.graph.node if n.op_type == "GsmSparseAttention" and len(n.input) > 11]
+        self.per_sequence_top_k = bool(owning) and all(len(n.input) > 14 for n in owning)
+        attrs = {a.name: a.i for a in owning[0].attribute} if owning else {}
+        self.max_top_k = int(attrs.get("max_top_k", attrs.get("top_k", cfg["sparse_top_k"])))
         from onnx import numpy_helper
 
         tables = {i.name: i for i in self.demote_model.proto_.graph.initializer}
@@ -119,7 +138,9 @@ class RefBackend:
                 sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
         """Batch entry b is caches[b]: pools and slot tables are stacked into [B, ...] for the call. With
         commit False (a shadow step) the pools and slot tables are left as they were (a compaction the
-        call needed stays done: it moves rows without changing any value)."""
+        call needed stays done: it moves rows without changing any value). top_k: each sequence's budget,
+        at most the nodes' max_top_k (RequestError otherwise, before anything changes)."""
+        check_max_top_k(top_k, self.max_top_k, self.name)
         saved = []
         for c, p0, n in zip(caches, past, new):
             slots: SlotTable = c["slots"]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from runtime.ort_backend import StepOutput
+from runtime.ref_backend import check_max_top_k
 from runtime.slots import SlotTable
 
 ENGINE_FILE, DEMOTE_ENGINE_FILE = "engine.plan", "demote.plan"
@@ -96,7 +97,6 @@ class TrtBackend:
     (slot tables) while the pools stay on the device."""
 
     name = "tensorrt"
-    per_sequence_top_k = False  # the plugins select with their build-time top_k (engine_io rev 4, "Not yet")
 
     def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
         ok, why = trt_usable(bundle)
@@ -129,6 +129,12 @@ class TrtBackend:
                 continue  # kv_pool_out.{l} / index_keys_out.{l} are bound to their input's buffer
             self.bufs[name] = DeviceBuffer(self.cudart, self._max_bytes(name))
         self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.B * self.n_max * 3 * 4)
+        # engine_io rev 4: the attention plugins read sparse_top_k [B], each budget up to max_top_k, which
+        # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An engine
+        # without the input (older graph) selects with its build-time top_k only (Runtime refuses others).
+        self.per_sequence_top_k = "sparse_top_k" in self._io_names(self.engine)
+        k_sel = int(self.engine.get_tensor_shape(f"selected.{self.layers[0]}")[-1]) if self.per_sequence_top_k else 0
+        self.max_top_k = k_sel - int(cfg["sink_tokens"]) - int(cfg["max_sparse_window"])
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -162,10 +168,12 @@ class TrtBackend:
 
     def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
-        """top_k: bound as `sparse_top_k` when the engine has that input; the plugins still select with their
-        build-time top_k (engine_io rev 4, "Not yet"), so Runtime only sends that value. The per-layer
-        outputs are bound to device buffers on every call (TensorRT needs every I/O address) but read back
-        only with `probes`. A shadow call (commit False) is not possible: the pools are updated in place."""
+        """top_k: each sequence's budget, bound as `sparse_top_k` [B] (at most max_top_k: RequestError
+        otherwise, before anything changes). The per-layer outputs are bound to device buffers on every call
+        (TensorRT needs every I/O address) but read back only with `probes`. A shadow call (commit False) is
+        not possible: the pools are updated in place."""
+        if self.per_sequence_top_k:
+            check_max_top_k(top_k, self.max_top_k, self.name)
         if not commit:
             raise NotImplementedError("the TensorRT backend updates its pools in place: no shadow call")
         if len(caches) != 1:

@@ -63,9 +63,10 @@ def golden_check(sc: Scenario, res: ref.AttentionResult, selected_in: np.ndarray
     """Compare one reference call with the golden ops, sequence by sequence."""
     d = sc.dims
     ck_h, cv_h = golden_held(sc)
-    p = GSMParams(sparse_window=sc.window, max_sparse_window=d.max_sparse_window, sparse_top_k=d.top_k,
-                  sink_tokens=d.sink_tokens, indexer_heads=d.index_heads, indexer_dim=d.index_dim)
     for b in range(len(sc.past)):
+        # the golden selects with one sparse_top_k: this sequence's own budget (engine_io rev 4)
+        p = GSMParams(sparse_window=sc.window, max_sparse_window=d.max_sparse_window, sparse_top_k=sc.budget(b),
+                      sink_tokens=d.sink_tokens, indexer_heads=d.index_heads, indexer_dim=d.index_dim)
         n, T, past = int(sc.lengths[b]), int(sc.new[b]), int(sc.past[b])
         q_pos = torch.arange(past, past + T)
         ck, cv = torch.from_numpy(ck_h[b, :n]), torch.from_numpy(cv_h[b, :n])
@@ -210,7 +211,7 @@ def test_owning_attention_matches_golden(name: str) -> None:
     sc = _scenario(name)
     res = sc.call(return_scores=True)
     golden_check(sc, res)
-    dense = [int(t) + 1 <= sc.dims.sink_tokens + sc.window + sc.dims.top_k
+    dense = [int(t) + 1 <= sc.dims.sink_tokens + sc.window + sc.dims.max_top_k
              for b in range(len(sc.past)) for t in range(sc.past[b], sc.lengths[b])]
     if name.startswith("topk-covers"):
         assert all(dense)
@@ -227,6 +228,47 @@ def test_sharing_attention_matches_golden(name: str) -> None:
     res = sc.call(selected=sel)
     assert res.selected is None and res.mass is None
     golden_check(sc, res, selected_in=sel)
+
+
+# ---- per-sequence selection budget (engine_io rev 4: node input sparse_top_k [B], attribute max_top_k) ----
+@pytest.mark.parametrize("new", [[1, 1, 1, 1, 1], [3, 1, 4, 2, 5]], ids=["decode", "chunked-prefill"])
+def test_per_sequence_budgets_equal_golden_at_each_top_k(new: list[int]) -> None:
+    """One call, five sequences: budgets 0, small, the checkpoint-like default, max_top_k = N_max
+    (dense: it covers every context), and a budget that covers only this short sequence's context.
+    Each equals the golden configured with that sequence's sparse_top_k (golden_check)."""
+    sinks, window, n_max = 2, 3, 160
+    budgets = [0, 5, 24, n_max, 40]
+    rng = np.random.default_rng(11 + len(set(new)))
+    sc = make_scenario(rng, num_heads=4, num_kv_heads=2, head_dim=8, rank_k=6, rank_v=5, index_heads=2,
+                       index_dim=4, sink_tokens=sinks, top_k=n_max, max_sparse_window=4, window=window,
+                       n_max=n_max, past=[100, 120, 60, 90, 30], new=new, tier_mix=(0.4, 0.2, 0.2, 0.2),
+                       seq_top_k=budgets)
+    res = sc.call(return_scores=True)
+    golden_check(sc, res)
+    assert res.selected.shape[-1] == sinks + 4 + n_max  # K_sel is fixed by max_top_k, not by the budgets
+    for b, k in enumerate(budgets):
+        for j in range(int(sc.new[b])):
+            t = int(sc.past[b]) + j
+            got = int((res.selected[b, j] >= 0).sum())
+            assert got == (t + 1 if t + 1 <= sinks + window + k else sinks + window + k), (b, j)
+    assert int(sc.past[4]) + int(sc.new[4]) <= sinks + window + 40  # sequence 4 really is the short dense case
+    # without the input every sequence selects max_top_k: the node form before revision 4
+    legacy, explicit = sc.call(sparse_top_k=None), sc.call(sparse_top_k=np.full(5, n_max, np.int32))
+    assert np.array_equal(legacy.selected, explicit.selected)
+    assert np.array_equal(legacy.out.view(np.uint32), explicit.out.view(np.uint32))
+
+
+@pytest.mark.parametrize("bad, b", [(-1, 0), (17, 1)])
+def test_budget_outside_max_top_k_is_refused(bad: int, b: int) -> None:
+    sc = _scenario("gqa4-odd-ranks")  # max_top_k 10
+    assert sc.dims.max_top_k == 10
+    budgets = np.array([3, 10], np.int32)
+    budgets[b] = bad if bad < 0 else sc.dims.max_top_k + 7
+    with pytest.raises(ref.PluginContractError, match=rf"sparse_top_k\[{b}\] = {budgets[b]} outside "
+                                                        r"0\.\.max_top_k = 10"):
+        sc.call(sparse_top_k=budgets)
+    with pytest.raises(ValueError, match="sparse_top_k: expected shape"):
+        sc.call(sparse_top_k=np.array([3], np.int32))
 
 
 def test_selection_ties_go_to_lower_positions() -> None:

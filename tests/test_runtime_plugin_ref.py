@@ -89,9 +89,8 @@ def test_plugin_path_fp16_close_to_portable(ckpt, tmp_path):
         la, lb = a.decode(tok), b.decode(tok)
 
 
-def test_reference_kv_noise_and_fixed_budget(ckpt, tmp_path):
-    """KV noise of the end-of-prefill pass equals ||new - old|| / ||old|| on the golden's cache (numpy);
-    the plugins select with their build-time top_k, so the runtime refuses another budget there."""
+def test_reference_kv_noise(ckpt, tmp_path):
+    """KV noise of the end-of-prefill pass equals ||new - old|| / ||old|| on the golden's cache (numpy)."""
     from test_runtime_topk import noise_of_pass
 
     import runtime
@@ -107,8 +106,131 @@ def test_reference_kv_noise_and_fixed_budget(ckpt, tmp_path):
         expected = noise_of_pass(gcache, lambda: golden._maybe_retier(gcache))
     seq.prefill(prompt)
     assert expected is not None and abs(seq.last_kv_noise - expected) <= 1e-4 * expected
+
+
+@pytest.fixture(scope="module")
+def budget_bundle(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("budget") / "b32"
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True)
+    return out
+
+
+def test_reference_per_sequence_budgets_equal_golden_at_each_top_k(ckpt, budget_bundle):
+    """engine_io rev 4 on the plugin path: one batch whose sequences select with budgets 0, 3, the
+    checkpoint's, dense (max-seq) and one switched to dense mid-generation each equal GoldenModel
+    deployed at that sparse_top_k (logits, selections, tiers: test_runtime_topk.check_step); the node's
+    max_top_k is max-seq, so a probed step (dense shadow call) works and agrees with onnxruntime's."""
+    from test_runtime_topk import check_step, golden_at, selection_mask
+
+    import runtime
+
+    rt = runtime.load(budget_bundle, backend="reference")
+    assert rt.backend.per_sequence_top_k and rt.backend.max_top_k == N_MAX
+    base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
+    default = base.p.sparse_top_k
+    budgets = [0, 3, None, N_MAX, None]  # None: the bundle default; the last goes dense at step 3
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 259, n).tolist() for n in (40, 25, 33, 12, 30)]
+    seqs = [rt.new_sequence() for _ in budgets]
+    goldens, caches, g_out = [], [], []
+    for s, k, p in zip(seqs, budgets, prompts):
+        s.top_k = k
+        goldens.append(golden_at(base, default if k is None else k))
+        caches.append(goldens[-1].new_cache())
+        with torch.no_grad():
+            g_out.append(goldens[-1].prefill(caches[-1], p, trace=True))
+    logits = rt.prefill_batch(seqs, prompts)
+    for b, s in enumerate(seqs):
+        check_step(s, logits[b], g_out[b], caches[b], f"prefill of sequence {b}")
+    for step in range(8):
+        if step == 3:
+            seqs[4].use_dense()
+            goldens[4] = golden_at(base, N_MAX)  # same cache, dense from now on
+        toks = [int(np.argmax(lg)) for lg in logits]
+        assert toks == [int(torch.argmax(g.logits[-1])) for g in g_out], f"greedy tokens diverge at step {step}"
+        with torch.no_grad():
+            g_out = [g.decode(c, t, trace=True) for g, c, t in zip(goldens, caches, toks)]
+        logits = rt.decode_batch(seqs, toks)
+        for b, s in enumerate(seqs):
+            check_step(s, logits[b], g_out[b], caches[b], f"sequence {b}, step {step}")
+    first = rt.cfg["owning_layers"][0]
+    sinks, w = rt.cfg["sink_tokens"], rt.sparse_window
+    for b, k in ((0, 0), (1, 3), (2, default)):  # sparse: exactly sinks + window + top_k positions
+        assert int((seqs[b].last.selected[first][0] >= 0).sum()) == sinks + w + k
+    for b in (3, 4):  # dense: every position 0..t
+        assert selection_mask(seqs[b].last.selected[first][0], seqs[b].length).all()
+    # the hit-rate probe runs a dense shadow call first: the same rate as onnxruntime on the same sequence
+    port = runtime.load(budget_bundle, backend="onnxruntime", threads=1)
+    a, b = rt.new_sequence(), port.new_sequence()
+    tok = int(np.argmax(a.prefill(prompts[0])))
+    assert tok == int(np.argmax(b.prefill(prompts[0])))
+    a.decode(tok, probe=True)
+    b.decode(tok, probe=True)
+    assert a.last_hit_rate is not None and 0 < a.last_hit_rate < 1
+    assert abs(a.last_hit_rate - b.last_hit_rate) <= 1e-4
+    for l, r in b.last_hit_rates.items():
+        assert abs(a.last_hit_rates[l] - r) <= 1e-4
+
+
+def test_reference_refuses_budget_above_max_top_k_before_any_change(budget_bundle):
+    """A budget above the nodes' max_top_k (a smaller K_sel than max-seq) is refused with a RequestError
+    naming sparse_top_k, and the sequence is left as it was (the CUDA kernel would clamp it silently)."""
+    import runtime
+
+    rt = runtime.load(budget_bundle, backend="reference")
+    seq = rt.new_sequence()
+    seq.prefill([5, 6, 7, 8])
+    rt.backend.max_top_k = 6  # as a bundle built with max_top_k 6 would read it from its nodes
+    seq.top_k = 7
+    entries = seq.cache["slots"].entries.copy()
+    with pytest.raises(runtime.RequestError, match="sparse_top_k: 7 is above the bundle's max_top_k 6") as e:
+        seq.decode(9)
+    assert e.value.field == "sparse_top_k"
+    assert seq.length == 4 and np.array_equal(seq.cache["slots"].entries, entries)
+    seq.top_k = 6
+    seq.decode(9)
+    assert seq.length == 5
+
+
+def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bundle):
+    """A plugin graph built before engine_io rev 4 (owning nodes with 14 inputs and attribute `top_k`)
+    still runs: every sequence selects with that top_k (= the golden at the checkpoint's budget), and the
+    runtime refuses any other budget since such a graph cannot honour it."""
+    import json
+    import shutil
+
+    import onnx
+    from onnx import helper
+
+    import runtime
+    from gsm.atomic import MANIFEST_NAME, write_manifest
+
+    old = tmp_path / "old"
+    shutil.copytree(budget_bundle, old)
+    m = onnx.load(str(old / "model.onnx"), load_external_data=False)
+    default = GoldenModel.from_checkpoint(ckpt, mode="deployed").p.sparse_top_k
+    for n in m.graph.node:
+        if n.op_type == "GsmSparseAttention":  # sharing nodes carry the attribute too (it fixes K_sel)
+            if len(n.input) == 15:
+                del n.input[14]
+            keep = [a for a in n.attribute if a.name != "max_top_k"]
+            del n.attribute[:]
+            n.attribute.extend(keep + [helper.make_attribute("top_k", default)])
+    onnx.save(m, str(old / "model.onnx"))  # weights stay in the copied external file
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    write_manifest(old, {k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
+    rt = runtime.load(old, backend="reference")
+    assert not rt.backend.per_sequence_top_k and rt.backend.max_top_k == default
+    golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
+    prompt = np.random.default_rng(6).integers(3, 259, PROMPT_LEN).tolist()
+    gcache, seq = golden.new_cache(), rt.new_sequence()
+    with torch.no_grad():
+        g = golden.prefill(gcache, prompt).logits[-1].numpy()
+    assert float(np.abs(seq.prefill(prompt) - g).max()) <= 1e-3
+    sel = seq.last.selected[rt.cfg["owning_layers"][0]][0, -1]
+    assert int((sel >= 0).sum()) == rt.cfg["sink_tokens"] + rt.sparse_window + default
     with pytest.raises(runtime.RequestError, match="build-time budget"):
         seq.use_dense()
         seq.decode(3)
     with pytest.raises(runtime.RequestError, match="build-time budget"):
-        runtime.load(out, backend="reference", top_k=3)
+        runtime.load(old, backend="reference", top_k=3)

@@ -69,10 +69,11 @@ GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
     float const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
-    float* out, int32_t* selectedOut, float* mass, void* workspace, int64_t workspaceBytes, void* stream)
+    int32_t const* sparseTopKDevice, float* out, int32_t* selectedOut, float* mass, void* workspace,
+    int64_t workspaceBytes, void* stream)
 {
     gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
-        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass};
+        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice};
     return status(gsm::cuda::launchSparseAttention<float>(
         *d, B, S, a, workspace, static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
 }

@@ -56,7 +56,7 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
             AttrSpec const* spec = nullptr;
             for (AttrSpec const& s : specs)
             {
-                if (name == s.name)
+                if (name == s.name || (s.legacyName != nullptr && name == s.legacyName))
                 {
                     spec = &s;
                 }
@@ -70,6 +70,11 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
                 }
                 throw std::invalid_argument(std::string(pluginName) + ": unknown attribute '" + name + "' (known: " + known + ")");
             }
+            if (seen.count(spec->name))
+            {
+                throw std::invalid_argument(std::string(pluginName) + ": attribute '" + spec->name + "' is given twice"
+                    + (spec->legacyName ? std::string(" (also as its old name '") + spec->legacyName + "')" : ""));
+            }
             int64_t const v = readInteger(pluginName, f);
             if (v < spec->minValue || v > spec->maxValue)
             {
@@ -78,7 +83,7 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
                     + "] (docs/engine_io.md section 4)");
             }
             d.*(spec->field) = static_cast<int32_t>(v);
-            seen.insert(name);
+            seen.insert(spec->name);
         }
     }
     for (AttrSpec const& s : specs)
@@ -158,7 +163,7 @@ IPluginCapability* GsmPluginBase::getCapabilityInterface(PluginCapabilityType ty
 int32_t GsmPluginBase::configurePlugin(
     DynamicPluginTensorDesc const* /*in*/, int32_t nbInputs, DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != expectedInputs() || nbOutputs != getNbOutputs())
+    if (!inputCountOk(nbInputs) || nbOutputs != getNbOutputs())
     {
         reportError(std::string(getPluginName()) + ": expected " + std::to_string(expectedInputs()) + " inputs and "
             + std::to_string(getNbOutputs()) + " outputs, got " + std::to_string(nbInputs) + " and "
@@ -171,7 +176,7 @@ int32_t GsmPluginBase::configurePlugin(
 bool GsmPluginBase::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != expectedInputs() || nbOutputs != getNbOutputs() || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!inputCountOk(nbInputs) || nbOutputs != getNbOutputs() || pos < 0 || pos >= nbInputs + nbOutputs)
     {
         return false;
     }

@@ -44,7 +44,9 @@ constexpr char const* kPluginNamespace = "gsm";
 // declarator with parentheses, which g++ -Wall then flags).
 using GsmDimsField = int32_t GsmDims::*;
 
-// One integer attribute: its ONNX/field name, valid range, and where it lands in GsmDims.
+// One integer attribute: its ONNX/field name, valid range, and where it lands in GsmDims. A renamed
+// attribute keeps its old name as `legacyName`, accepted when parsing (graphs and engines built
+// before the rename) but never serialised.
 struct AttrSpec
 {
     char const* name;
@@ -53,6 +55,7 @@ struct AttrSpec
     bool required;
     int32_t defaultValue;
     GsmDimsField field;
+    char const* legacyName = nullptr;
 };
 
 // Reads `fc` against `specs`: every required attribute present, each an integer within range,
@@ -118,6 +121,11 @@ protected:
         int32_t nbInputs) const noexcept = 0;
     // Expected number of inputs for the configured variant.
     virtual int32_t expectedInputs() const noexcept = 0;
+    // Whether a node with nbInputs inputs is accepted (a plugin may also take an older form).
+    virtual bool inputCountOk(int32_t nbInputs) const noexcept
+    {
+        return nbInputs == expectedInputs();
+    }
 
     std::string mName;
     GsmDims mDims;

@@ -33,7 +33,7 @@ GSM_EXPORT char const* gsm_ref_last_error()
 // Bumped whenever a signature below or docs/engine_io.md's layout changes.
 GSM_EXPORT int32_t gsm_ref_abi_version()
 {
-    return 1;
+    return 2; // 2: gsm_ref_sparse_attention takes sparseTopK (engine_io rev 4)
 }
 
 GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)
@@ -74,11 +74,11 @@ GSM_EXPORT int32_t gsm_ref_read_latents(GsmDims const* d, int32_t B, int32_t con
 GSM_EXPORT int32_t gsm_ref_sparse_attention(GsmDims const* d, int32_t B, int32_t S, float const* q,
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
-    float const* indexW, uint16_t const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn, float* out,
-    int32_t* selectedOut, float* mass, float* scores, int32_t nThreads)
+    float const* indexW, uint16_t const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn,
+    int32_t const* sparseTopK, float* out, int32_t* selectedOut, float* mass, float* scores, int32_t nThreads)
 {
     gsm::ref::AttnInputs in{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
-        indexKeys, sparseWindow, selectedIn};
+        indexKeys, sparseWindow, selectedIn, sparseTopK};
     gsm::ref::AttnOutputs o{out, selectedOut, mass, scores};
     std::string err;
     bool const ok = gsm::ref::sparseAttention(*d, B, S, in, o, nThreads, &err);

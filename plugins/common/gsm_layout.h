@@ -26,7 +26,7 @@ struct GsmDims
     int32_t indexHeads;      // nI
     int32_t indexDim;        // dI
     int32_t sinkTokens;      // spec 2 sink_tokens
-    int32_t topK;            // spec 2 sparse_top_k
+    int32_t maxTopK;         // the largest per-sequence sparse_top_k a call may use (fixes K_sel; engine_io rev 4)
     int32_t maxSparseWindow; // spec 2 max_sparse_window (fixes K_sel)
     int32_t nMax;            // N_max
     int32_t rowsFP16;        // C16
@@ -63,11 +63,11 @@ GSM_HD int32_t latentRank(GsmDims const& d)
     return d.rankK + d.rankV;
 }
 
-// K_sel: the most positions one query can select (sparse: exactly sinks + window + top_k; dense:
-// t + 1 <= that budget).
+// K_sel: the most positions one query can select (sparse: exactly sinks + window + top_k[b] <= this;
+// dense: t + 1 <= that budget).
 GSM_HD int32_t maxSelected(GsmDims const& d)
 {
-    return d.sinkTokens + d.maxSparseWindow + d.topK;
+    return d.sinkTokens + d.maxSparseWindow + d.maxTopK;
 }
 
 // Bytes of one row of each region. A wider region must hold any narrower tier's row, and with

@@ -183,7 +183,10 @@ __global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
         // The runtime validates sparse_window (the CPU reference rejects it); a kernel cannot raise,
         // so clamp to [1, max_sparse_window] rather than write past K_sel.
         int32_t const w = min(max(*a.sparseWindow, 1), d.maxSparseWindow);
-        if (selectionIsDense(t, d.sinkTokens, w, d.topK))
+        // Same for the sequence's budget (engine_io rev 4): clamped to [0, max_top_k] so that the
+        // selection never outgrows K_sel = sinks + max_sparse_window + max_top_k.
+        int32_t const topK = a.sparseTopK != nullptr ? min(max(a.sparseTopK[b], 0), d.maxTopK) : d.maxTopK;
+        if (selectionIsDense(t, d.sinkTokens, w, topK))
         {
             for (int32_t s = threadIdx.x; s <= t; s += blockDim.x)
             {
@@ -199,13 +202,13 @@ __global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
             {
                 out[s] = s;
             }
-            if (d.topK > 0)
+            if (topK > 0)
             {
                 if (threadIdx.x == 0)
                 {
                     sPrefix = 0u;
                     sMask = 0u;
-                    sRemain = d.topK;
+                    sRemain = topK;
                 }
                 for (int32_t shift = 24; shift >= 0; shift -= 8)
                 {
@@ -265,9 +268,9 @@ __global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
             }
             for (int32_t s = c1 + 1 + threadIdx.x; s <= t; s += blockDim.x)
             {
-                out[d.sinkTokens + d.topK + (s - c1 - 1)] = s;
+                out[d.sinkTokens + topK + (s - c1 - 1)] = s;
             }
-            count = d.sinkTokens + d.topK + w;
+            count = d.sinkTokens + topK + w;
         }
     }
     for (int32_t k = count + threadIdx.x; k < kSel; k += blockDim.x)

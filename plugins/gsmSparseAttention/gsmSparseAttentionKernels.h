@@ -39,6 +39,8 @@ struct AttnDeviceArgs
     void* out;
     int32_t* selectedOut;           // owning
     float* mass;                    // owning (may be null)
+    int32_t const* sparseTopK;      // owning, device [B]: each sequence's budget, clamped to 0..max_top_k
+                                    // (null: max_top_k for every sequence, the pre-rev-4 behaviour)
 };
 
 // Workspace for calls of up to maxRows = B*S query rows.

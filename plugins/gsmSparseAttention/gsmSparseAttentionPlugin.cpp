@@ -30,8 +30,10 @@ enum : int32_t
     kIndexW,           // owning only from here
     kIndexKeys,
     kWindow,
+    kTopK, // owning, engine_io rev 4: sparse_top_k [B]
 };
-constexpr int32_t kOwningInputs = 14;
+constexpr int32_t kOwningInputs = 15;
+constexpr int32_t kOwningInputsV3 = 14; // before rev 4: no sparse_top_k, every sequence selects max_top_k
 constexpr int32_t kSharingInputs = 11;
 constexpr int32_t kMaxI = 1 << 30;
 } // namespace
@@ -48,7 +50,7 @@ std::vector<AttrSpec> const& GsmSparseAttentionPlugin::attributeSpecs()
         {"index_heads", 1, 64, false, 1, &GsmDims::indexHeads},
         {"index_dim", 1, 512, false, 1, &GsmDims::indexDim},
         {"sink_tokens", 0, kMaxI, true, 0, &GsmDims::sinkTokens},
-        {"top_k", 0, kMaxI, true, 0, &GsmDims::topK},
+        {"max_top_k", 0, kMaxI, true, 0, &GsmDims::maxTopK, "top_k"}, // "top_k" before engine_io rev 4
         {"max_sparse_window", 1, kMaxI, true, 0, &GsmDims::maxSparseWindow},
         {"n_max", 1, 1 << 24, true, 0, &GsmDims::nMax},
         {"rows_fp16", 0, 1 << 24, true, 0, &GsmDims::rowsFP16},
@@ -69,9 +71,9 @@ void GsmSparseAttentionPlugin::validate(GsmDims const& d)
     {
         throw std::invalid_argument(std::string(kName) + ": head_dim " + std::to_string(d.headDim) + " must be even (RoPE)");
     }
-    if (static_cast<int64_t>(d.sinkTokens) + d.maxSparseWindow + d.topK > (int64_t{1} << 24))
+    if (static_cast<int64_t>(d.sinkTokens) + d.maxSparseWindow + d.maxTopK > (int64_t{1} << 24))
     {
-        throw std::invalid_argument(std::string(kName) + ": sink_tokens + max_sparse_window + top_k exceeds 2^24");
+        throw std::invalid_argument(std::string(kName) + ": sink_tokens + max_sparse_window + max_top_k exceeds 2^24");
     }
     validateLayout(kName, d);
 }
@@ -85,7 +87,9 @@ IPluginV3* GsmSparseAttentionPlugin::clone() noexcept
 {
     try
     {
-        return new GsmSparseAttentionPlugin(mName, mDims);
+        auto* p = new GsmSparseAttentionPlugin(mName, mDims);
+        p->mHasTopKInput = mHasTopKInput;
+        return p;
     }
     catch (std::exception const& e)
     {
@@ -97,6 +101,25 @@ IPluginV3* GsmSparseAttentionPlugin::clone() noexcept
 int32_t GsmSparseAttentionPlugin::expectedInputs() const noexcept
 {
     return mDims.layerKind == 0 ? kOwningInputs : kSharingInputs;
+}
+
+bool GsmSparseAttentionPlugin::inputCountOk(int32_t nbInputs) const noexcept
+{
+    return nbInputs == expectedInputs() || (mDims.layerKind == 0 && nbInputs == kOwningInputsV3);
+}
+
+int32_t GsmSparseAttentionPlugin::configurePlugin(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    mHasTopKInput = nbInputs > kTopK;
+    return GsmPluginBase::configurePlugin(in, nbInputs, out, nbOutputs);
+}
+
+int32_t GsmSparseAttentionPlugin::onShapeChange(
+    PluginTensorDesc const* /*in*/, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
+{
+    mHasTopKInput = nbInputs > kTopK; // the runtime phase's plugin was rebuilt from fields: learn the form here
+    return 0;
 }
 
 int32_t GsmSparseAttentionPlugin::getNbOutputs() const noexcept
@@ -132,7 +155,8 @@ bool GsmSparseAttentionPlugin::allowedType(
     case kIndexQOrSelected: return owning ? type == act : type == DataType::kINT32;
     case kIndexW: return type == act;
     case kIndexKeys: return type == DataType::kHALF;
-    case kWindow: return type == DataType::kINT32;
+    case kWindow:
+    case kTopK: return type == DataType::kINT32;
     default: return false;
     }
 }
@@ -140,7 +164,7 @@ bool GsmSparseAttentionPlugin::allowedType(
 int32_t GsmSparseAttentionPlugin::getOutputDataTypes(
     DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
 {
-    if (nbInputs != expectedInputs() || nbOutputs != getNbOutputs())
+    if (!inputCountOk(nbInputs) || nbOutputs != getNbOutputs())
     {
         return 1;
     }
@@ -157,7 +181,7 @@ int32_t GsmSparseAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32
     DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
     IExprBuilder& exprBuilder) noexcept
 {
-    if (nbInputs != expectedInputs() || nbOutputs != getNbOutputs() || inputs[kQ].nbDims != 3)
+    if (!inputCountOk(nbInputs) || nbOutputs != getNbOutputs() || inputs[kQ].nbDims != 3)
     {
         reportError(std::string(kName) + ": q must be [B, S, num_heads*head_dim] with the documented inputs");
         return 1;
@@ -213,6 +237,7 @@ int32_t GsmSparseAttentionPlugin::enqueueImpl(PluginTensorDesc const* inputDesc,
         a.indexW = inputs[kIndexW];
         a.indexKeys = static_cast<uint16_t const*>(inputs[kIndexKeys]);
         a.sparseWindow = static_cast<int32_t const*>(inputs[kWindow]);
+        a.sparseTopK = mHasTopKInput ? static_cast<int32_t const*>(inputs[kTopK]) : nullptr;
         a.selectedOut = static_cast<int32_t*>(outputs[1]);
         a.mass = static_cast<float*>(outputs[2]);
     }

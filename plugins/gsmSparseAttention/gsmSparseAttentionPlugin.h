@@ -1,6 +1,7 @@
 /*
- * GsmSparseAttention TensorRT plugin (docs/engine_io.md 4.2). Owning variant (layer_kind 0): 14
- * inputs, outputs attn_out, selected, attn_mass. Sharing variant (layer_kind 1): 11 inputs, output
+ * GsmSparseAttention TensorRT plugin (docs/engine_io.md 4.2). Owning variant (layer_kind 0): 15
+ * inputs (the last, sparse_top_k [B], since engine_io rev 4; a 14-input node of an older graph
+ * selects max_top_k for every sequence), outputs attn_out, selected, attn_mass. Sharing variant (layer_kind 1): 11 inputs, output
  * attn_out. The math is gsmSparseAttentionKernels.cu; this file is shapes, types and dispatch.
  */
 #pragma once
@@ -30,6 +31,8 @@ public:
     }
     // IPluginV3OneBuild
     int32_t getNbOutputs() const noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
         int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
@@ -43,6 +46,8 @@ public:
         return -1;
     }
     // IPluginV3OneRuntime
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 
@@ -50,8 +55,11 @@ protected:
     bool allowedType(int32_t pos, nvinfer1::DataType type, nvinfer1::DynamicPluginTensorDesc const* inOut,
         int32_t nbInputs) const noexcept override;
     int32_t expectedInputs() const noexcept override;
+    bool inputCountOk(int32_t nbInputs) const noexcept override;
 
 private:
+    bool mHasTopKInput = true; // owning: node input 14 sparse_top_k present (set by configurePlugin / onShapeChange)
+
     template <typename T>
     int32_t enqueueImpl(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs,
         void* workspace, size_t workspaceBytes, cudaStream_t stream) noexcept;

@@ -92,6 +92,11 @@ private:
     bool loadRow(int32_t b, int32_t s, float* c) const;
     // K (rotated) and V of position s: kvD values each.
     bool reconstruct(int32_t b, int32_t s, float* K, float* V) const;
+    // Selection budget of sequence b (validated in run()).
+    int32_t topKOf(int32_t b) const
+    {
+        return in_.sparseTopK != nullptr ? in_.sparseTopK[b] : d_.maxTopK;
+    }
     void select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* scoresRow) const;
     void attendRow(int32_t b, int32_t j, int32_t count, float const* K, float const* V, int64_t const* rowOf,
         float* rowMass) const;
@@ -175,8 +180,9 @@ void Runner::select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* s
 {
     int32_t const t = in_.pastLengths[b] + j;
     int32_t const w = in_.sparseWindow;
+    int32_t const topK = topKOf(b);
     count = 0;
-    if (selectionIsDense(t, d_.sinkTokens, w, d_.topK))
+    if (selectionIsDense(t, d_.sinkTokens, w, topK))
     {
         for (int32_t s = 0; s <= t; ++s)
         {
@@ -227,7 +233,7 @@ void Runner::select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* s
     {
         sel[count++] = s;
     }
-    if (d_.topK > 0)
+    if (topK > 0)
     {
         std::vector<int32_t> cand;
         for (int32_t s = d_.sinkTokens; s <= candEnd; ++s)
@@ -235,9 +241,9 @@ void Runner::select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* s
             cand.push_back(s);
         }
         auto before = [&](int32_t a, int32_t c) { return selectsBefore(score[a], a, score[c], c); };
-        std::nth_element(cand.begin(), cand.begin() + (d_.topK - 1), cand.end(), before);
-        std::sort(cand.begin(), cand.begin() + d_.topK);
-        for (int32_t k = 0; k < d_.topK; ++k)
+        std::nth_element(cand.begin(), cand.begin() + (topK - 1), cand.end(), before);
+        std::sort(cand.begin(), cand.begin() + topK);
+        for (int32_t k = 0; k < topK; ++k)
         {
             sel[count++] = cand[k];
         }
@@ -316,6 +322,16 @@ bool Runner::run(int32_t nThreads, std::string* err)
     {
         return fail("GsmSparseAttention: sparse_window " + std::to_string(in_.sparseWindow) + " outside 1..max_sparse_window = "
             + std::to_string(d_.maxSparseWindow));
+    }
+    for (int32_t b = 0; d_.layerKind == 0 && b < B_; ++b)
+    {
+        // a kernel clamps instead (it cannot raise); the reference names the value, as for sparse_window
+        int32_t const k = topKOf(b);
+        if (k < 0 || k > d_.maxTopK)
+        {
+            return fail("GsmSparseAttention: sparse_top_k[" + std::to_string(b) + "] = " + std::to_string(k)
+                + " outside 0..max_top_k = " + std::to_string(d_.maxTopK));
+        }
     }
     for (int32_t b = 0; b < B_; ++b)
     {

@@ -2,7 +2,7 @@
  * CPU reference of GsmSparseAttention (docs/engine_io.md 4.2): indexer scores, sink + window + top-k
  * selection, gather and dequantisation of the selected latent rows, K/V reconstruction (U of an
  * owning layer or kv_projector of a sharing layer), RoPE, GQA softmax attention and the attention
- * mass per position. float32 activations; multi-threaded over query rows.
+ * mass per position. Each sequence selects with its own sparse_top_k (engine_io rev 4). float32 activations; multi-threaded over query rows.
  */
 #pragma once
 
@@ -33,6 +33,7 @@ struct AttnInputs
     uint16_t const* indexKeys;  // owning: [B, N_max, dI] float16 bits
     int32_t sparseWindow;       // owning: run-time window
     int32_t const* selectedIn;  // sharing: [B, S, K_sel]
+    int32_t const* sparseTopK;  // owning: [B] budget of each sequence, 0..max_top_k (nullptr: max_top_k for all)
 };
 
 struct AttnOutputs
@@ -43,7 +44,7 @@ struct AttnOutputs
     float* scores;     // optional diagnostics: [B, S, N_max] index scores, NaN where not computed
 };
 
-// Returns false with *err set on invalid lengths, window or slot entries. nThreads <= 0: all cores.
+// Returns false with *err set on invalid lengths, window, sparse_top_k or slot entries. nThreads <= 0: all cores.
 bool sparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnInputs const& in, AttnOutputs const& out,
     int32_t nThreads, std::string* err);
 

@@ -39,12 +39,12 @@ CASES = {
 }
 
 
-def _scenario(name: str, layer_kind: int = 0):
+def _scenario(name: str, layer_kind: int = 0, seq_top_k: list[int] | None = None):
     nH, nKV, D, rk, rv, nI, dI, sinks, topk, mw, w, n_max, past, new, mix = CASES[name]
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
                          index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
-                         past=past, new=new, tier_mix=mix, layer_kind=layer_kind)
+                         past=past, new=new, tier_mix=mix, layer_kind=layer_kind, seq_top_k=seq_top_k)
 
 
 def _near_tie_rows(sc, scores: np.ndarray) -> set[tuple[int, int]]:
@@ -52,11 +52,11 @@ def _near_tie_rows(sc, scores: np.ndarray) -> set[tuple[int, int]]:
     d, rows = sc.dims, set()
     for b in range(len(sc.past)):
         for j in range(int(sc.new[b])):
-            t = int(sc.past[b]) + j
-            if t + 1 <= d.sink_tokens + sc.window + d.top_k or d.top_k == 0:
+            t, k = int(sc.past[b]) + j, sc.budget(b)
+            if t + 1 <= d.sink_tokens + sc.window + k or k == 0:
                 continue
             cand = np.sort(scores[b, j, d.sink_tokens:t - sc.window + 1])[::-1]
-            if abs(cand[d.top_k - 1] - cand[d.top_k]) <= TOL * max(1.0, abs(cand[d.top_k])):
+            if abs(cand[k - 1] - cand[k]) <= TOL * max(1.0, abs(cand[k])):
                 rows.add((b, j))
     return rows
 
@@ -83,6 +83,17 @@ def test_owning_attention_cuda_matches_reference(name: str) -> None:
     skip = _near_tie_rows(sc, want.scores)
     assert len(skip) <= max(1, sum(sc.new) // 50), f"too many near ties to be a fair test: {len(skip)}"
     _compare(sc, want, got, skip)
+
+
+def test_per_sequence_budgets_cuda_match_reference_and_clamp() -> None:
+    """engine_io rev 4: each sequence selects with its own sparse_top_k (0, small, max_top_k, and dense by
+    covering its context); the kernel clamps what the reference refuses (< 0, > max_top_k)."""
+    sc = _scenario("decode-mqa-2048", seq_top_k=[0, 3, 64, 64])  # max_top_k 64; sequence 1 (t = 5) is dense
+    want = sc.call(return_scores=True)
+    skip = _near_tie_rows(sc, want.scores)
+    _compare(sc, want, gcuda.sparse_attention(sc), skip)
+    sc.top_k = np.array([-4, 3, 64, 1000], np.int32)
+    _compare(sc, want, gcuda.sparse_attention(sc), skip)
 
 
 @pytest.mark.parametrize("name", ["chunked-mixed-tiers", "decode-mqa-2048", "decode-gqa8-d128"])

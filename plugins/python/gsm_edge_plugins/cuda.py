@@ -31,7 +31,7 @@ class CudaKernels:
             "gsm_cuda_kv_demote_workspace_bytes": (i64, [p, i64]),
             "gsm_cuda_kv_demote": (i32, [p, i32, i32, p, p, p, p, p]),
             "gsm_cuda_attention_workspace_bytes": (i64, [p, i64]),
-            "gsm_cuda_sparse_attention": (i32, [p, i32, i32] + [p] * 18 + [p, i64, p]),
+            "gsm_cuda_sparse_attention": (i32, [p, i32, i32] + [p] * 19 + [p, i64, p]),
             "gsm_cuda_synchronize": (i32, []),
         }
         for name, (res, args) in sig.items():
@@ -92,8 +92,8 @@ class DeviceCall:
         K.check(K.lib.gsm_cuda_sparse_attention(
             _c.byref(self.dims_c), self.B, self.S, _p(t["q"]), _p(t["pool"]), _p(t["slots"]), _p(t["past"]),
             _p(t["new"]), _p(t["quant"]), _p(t["cos"]), _p(t["sin"]), _p(t["w0"]), _p(t["w1"]), _p(t.get("iq")),
-            _p(t.get("iw")), _p(t.get("ik")), _p(t.get("window")), _p(t.get("sel_in")), _p(t["out"]),
-            _p(t.get("sel_out")), _p(t.get("mass")), _p(self.workspace), self.ws_bytes, None))
+            _p(t.get("iw")), _p(t.get("ik")), _p(t.get("window")), _p(t.get("sel_in")), _p(t.get("top_k")),
+            _p(t["out"]), _p(t.get("sel_out")), _p(t.get("mass")), _p(self.workspace), self.ws_bytes, None))
 
     def result(self) -> AttentionResult:
         import torch
@@ -120,6 +120,7 @@ def prepare_attention(sc, selected: np.ndarray | None = None) -> DeviceCall:
     if owning:
         t.update(iq=_dev(sc.index_q), iw=_dev(sc.index_w), ik=_dev(sc.index_keys.view(np.int16)),
                  window=_dev(np.array([sc.window], np.int32)),
+                 top_k=None if sc.top_k is None else _dev(np.asarray(sc.top_k, np.int32)),
                  sel_out=torch.full((B, S, d.k_sel), -7, dtype=torch.int32, device="cuda"),
                  mass=torch.full((B, d.n_max), float("nan"), device="cuda"))
     else:

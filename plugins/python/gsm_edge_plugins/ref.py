@@ -14,6 +14,7 @@ import numpy as np
 
 from gsm_edge_plugins._lib import REF_LIB, load
 
+ABI_VERSION = 2  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
 FP16, INT12, INT8 = 0, 1, 2
 SLOT_EMPTY = -1
 _c = ctypes
@@ -24,7 +25,7 @@ class GsmDims(_c.Structure):
 
     _fields_ = [(n, _c.c_int32) for n in (
         "layerKind", "numHeads", "numKvHeads", "headDim", "rankK", "rankV", "indexHeads", "indexDim",
-        "sinkTokens", "topK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8")]
+        "sinkTokens", "maxTopK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8")]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Dims:
     index_heads: int = 1
     index_dim: int = 8
     sink_tokens: int = 1
-    top_k: int = 64
+    max_top_k: int = 64  # the largest per-sequence sparse_top_k (engine_io rev 4; the attribute was `top_k`)
     max_sparse_window: int = 8
     layer_kind: int = 0
 
@@ -60,8 +61,8 @@ class Dims:
 
     @property
     def k_sel(self) -> int:
-        """K_sel = sink_tokens + max_sparse_window + top_k."""
-        return self.sink_tokens + self.max_sparse_window + self.top_k
+        """K_sel = sink_tokens + max_sparse_window + max_top_k."""
+        return self.sink_tokens + self.max_sparse_window + self.max_top_k
 
     @property
     def kv_dim(self) -> int:
@@ -69,7 +70,7 @@ class Dims:
 
     def c(self) -> GsmDims:
         return GsmDims(self.layer_kind, self.num_heads, self.num_kv_heads, self.head_dim, self.rank_k, self.rank_v,
-                       self.index_heads, self.index_dim, self.sink_tokens, self.top_k, self.max_sparse_window,
+                       self.index_heads, self.index_dim, self.sink_tokens, self.max_top_k, self.max_sparse_window,
                        self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8)
 
 
@@ -106,7 +107,7 @@ class _Ref:
             "gsm_ref_kv_update": (i32, [dp, i32, i32, p, p, p, p, p, p, p, p]),
             "gsm_ref_kv_demote": (i32, [dp, i32, i32, p, p, p]),
             "gsm_ref_read_latents": (i32, [dp, i32, p, p, p, p, p]),
-            "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p, p, p, p, i32]),
+            "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p, p, p, p, p, i32]),
             "gsm_ref_hotness_update": (None, [i32, p, p, f64]),
             "gsm_ref_ranked_tiers": (None, [i32, p, p, i32, p, i32, i32, f64, f64, p]),
             "gsm_ref_f32_to_f16": (None, [p, p, i64]),
@@ -119,6 +120,10 @@ class _Ref:
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
+        found = lib.gsm_ref_abi_version()
+        if found != ABI_VERSION:  # a library built from other sources would take other arguments
+            raise ImportError(f"{REF_LIB} has ABI {found}, these bindings need {ABI_VERSION}: rebuild it "
+                              "(`pip install -e .`, or GSM_EDGE_PLUGINS_DIR=<a fresh CMake build>)")
 
     def check(self, rc: int) -> None:
         if rc != 0:
@@ -223,11 +228,13 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
                      new_lengths: np.ndarray, quant: np.ndarray, rope_cos: np.ndarray, rope_sin: np.ndarray,
                      w0: np.ndarray, w1: np.ndarray, *, index_q: np.ndarray | None = None,
                      index_w: np.ndarray | None = None, index_keys: np.ndarray | None = None,
-                     sparse_window: int | None = None, selected: np.ndarray | None = None,
-                     return_scores: bool = False, threads: int = 0) -> AttentionResult:
+                     sparse_window: int | None = None, sparse_top_k: np.ndarray | None = None,
+                     selected: np.ndarray | None = None, return_scores: bool = False,
+                     threads: int = 0) -> AttentionResult:
     """One GsmSparseAttention call. Owning (d.layer_kind 0): w0 = k_svd_U [kvD, r_k], w1 = v_svd_U [kvD, r_v],
-    index_q/index_w/index_keys/sparse_window required. Sharing (1): w0 = kv_projector weight [2kvD, r],
-    w1 = its bias [2kvD], selected = the source layer's selection [B, S, K_sel]."""
+    index_q/index_w/index_keys/sparse_window required; sparse_top_k: int [B], each sequence's budget in
+    0..d.max_top_k (None: d.max_top_k for all, a node without that input). Sharing (1): w0 = kv_projector
+    weight [2kvD, r], w1 = its bias [2kvD], selected = the source layer's selection [B, S, K_sel]."""
     B, S = q.shape[:2]
     nq = d.num_heads * d.head_dim
     owning = d.layer_kind == 0
@@ -250,20 +257,21 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
         sel_out: np.ndarray | None = np.empty((B, S, d.k_sel), np.int32)
         mass: np.ndarray | None = np.empty((B, d.n_max), np.float32)
         sel_in = None
+        top_k = None if sparse_top_k is None else _arr(np.reshape(sparse_top_k, -1), np.int32, (B,), "sparse_top_k")
     else:
         w0 = _arr(w0, np.float32, (2 * d.kv_dim, d.rank), "kv_proj_weight")
         w1 = _arr(w1, np.float32, (2 * d.kv_dim,), "kv_proj_bias")
         if selected is None:
             raise ValueError("a sharing layer needs the source layer's `selected`")
         sel_in = _arr(selected, np.int32, (B, S, d.k_sel), "selected")
-        sel_out = mass = None
+        sel_out = mass = top_k = None
     out = np.empty((B, S, nq), np.float32)
     scores = np.empty((B, S, d.n_max), np.float32) if return_scores and owning else None
     L = lib()
     rc = L.lib.gsm_ref_sparse_attention(
         _c.byref(d.c()), B, S, _p(q), _p(pool), _p(slots), _p(past), _p(new), _p(quant), _p(rope_cos),
         _p(rope_sin), _p(w0), _p(w1), _p(index_q), _p(index_w), _p(index_keys),
-        int(sparse_window or 0), _p(sel_in), _p(out), _p(sel_out), _p(mass), _p(scores), int(threads))
+        int(sparse_window or 0), _p(sel_in), _p(top_k), _p(out), _p(sel_out), _p(mass), _p(scores), int(threads))
     L.check(rc)
     return AttentionResult(out, sel_out, mass, scores)
 

@@ -44,6 +44,7 @@ class Scenario:
     rope_sin: np.ndarray
     w0: np.ndarray  # owning: k_up [kvD, r_k]; sharing: kv_proj_weight [2kvD, r]
     w1: np.ndarray  # owning: v_up [kvD, r_v]; sharing: kv_proj_bias [2kvD]
+    top_k: np.ndarray | None = None  # [B] int32 per-sequence sparse_top_k (None: the node's max_top_k for all)
 
     @property
     def S(self) -> int:
@@ -54,11 +55,16 @@ class Scenario:
         return self.past + self.new
 
     def call(self, selected: np.ndarray | None = None, **kw) -> ref.AttentionResult:
-        """Run the CPU reference on this scenario."""
+        """Run the CPU reference on this scenario (with its per-sequence budgets when it has them)."""
+        kw.setdefault("sparse_top_k", self.top_k if self.dims.layer_kind == 0 else None)
         return ref.sparse_attention(self.dims, self.q, self.pool, self.slots, self.past, self.new, self.quant,
                                     self.rope_cos, self.rope_sin, self.w0, self.w1, index_q=self.index_q,
                                     index_w=self.index_w, index_keys=self.index_keys, sparse_window=self.window,
                                     selected=selected, **kw)
+
+    def budget(self, b: int) -> int:
+        """Selection budget of sequence b: its sparse_top_k, or max_top_k without per-sequence budgets."""
+        return self.dims.max_top_k if self.top_k is None else int(self.top_k[b])
 
 
 def rope_tables_np(n: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -73,10 +79,12 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
                   rank_v: int, index_heads: int, index_dim: int, sink_tokens: int, top_k: int,
                   max_sparse_window: int, window: int, n_max: int, past: list[int], new: list[int],
                   tier_mix: tuple[float, float, float, float] = (1.0, 0.0, 0.0, 0.0), layer_kind: int = 0,
-                  theta: float = 10000.0, poison: bool = True, key_value: float | None = None) -> Scenario:
-    """tier_mix: fractions of the cached positions outside the call's new rows that end as FP16,
-    INT12, INT8 (from FP16) and INT8 (from INT12). key_value: every indexer key equal to this
-    constant (all scores tie) instead of random."""
+                  theta: float = 10000.0, poison: bool = True, key_value: float | None = None,
+                  seq_top_k: list[int] | None = None) -> Scenario:
+    """top_k: the node's max_top_k (K_sel); seq_top_k: each sequence's sparse_top_k input (None: the call
+    passes none, every sequence selects max_top_k). tier_mix: fractions of the cached positions outside
+    the call's new rows that end as FP16, INT12, INT8 (from FP16) and INT8 (from INT12). key_value: every
+    indexer key equal to this constant (all scores tie) instead of random."""
     B = len(past)
     past_a, new_a = np.asarray(past, np.int32), np.asarray(new, np.int32)
     n_b = past_a + new_a
@@ -84,7 +92,7 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     spare = 2
     d = Dims(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rank_k=rank_k, rank_v=rank_v,
              n_max=n_max, rows_fp16=n_max + spare, rows_int12=n_max // 2 + 1, rows_int8=n_max // 2 + 1,
-             index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens, top_k=top_k,
+             index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens, max_top_k=top_k,
              max_sparse_window=max_sparse_window, layer_kind=layer_kind)
     r, kvD = d.rank, d.kv_dim
     nan = np.float32(np.nan)
@@ -171,5 +179,6 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     else:
         w0 = (rng.standard_normal((2 * kvD, r), dtype=np.float32) * scale).astype(np.float32)
         w1 = rng.standard_normal(2 * kvD, dtype=np.float32) * np.float32(0.1)
+    seq_k = None if seq_top_k is None else np.asarray(seq_top_k, np.int32)
     return Scenario(d, window, past_a, new_a, ck, cv, keys, path, s8, s12, comp, quant, pool, index_keys, slots,
-                    q, iq, iw, cos, sin, w0, w1)
+                    q, iq, iw, cos, sin, w0, w1, seq_k)
