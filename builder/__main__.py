@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INT4 codes: sym (symmetric), asym-f (min/max grid with a float zero point, reproduces a "
                    "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")
     b.add_argument("--quantize-head", action="store_true", help="also quantise an untied LM head")
-    b.add_argument("--matmul-accuracy", choices=["exact", "fast"], default="exact",
+    b.add_argument("--matmul-accuracy", choices=["exact", "fast"],
                    help="portable graph's quantised matmuls: exact (float32 on the dequantised weights) or fast "
-                   "(ONNX Runtime quantises activations to INT8 blocks)")
+                   "(ONNX Runtime quantises activations to INT8 blocks); default exact, fast for int8")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")

@@ -237,3 +237,17 @@ def test_cli_int4_build_report(tmp_path):
     assert (w["format"], w["group_size"], w["int4_grid"]) == ("int4", 32, "sym")
     assert "not on a 4-bit group-32 grid" in w["grid_note"]
     assert rep["engine_weight_bytes"] == w["bytes"] and 0.2 < w["ratio_vs_fp16"] < 0.7
+    assert w["matmul_accuracy"] == "exact"
+
+
+def test_int8_defaults_to_fast_matmuls(tiny, tmp_path):
+    """ONNX Runtime's exact INT8 MatMulNBits is slower than FP32 (docs/weights.md), so INT8 builds use
+    accuracy_level 4 unless --matmul-accuracy exact."""
+    import onnx
+
+    r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=64, weights="int8")
+    assert r.report["weights"]["matmul_accuracy"] == "fast"
+    m = onnx.load(tmp_path / "b" / "model.portable.onnx", load_external_data=False)
+    levels = {a.i for n in m.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level"}
+    assert levels == {4}
