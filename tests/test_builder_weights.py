@@ -251,3 +251,49 @@ def test_int8_defaults_to_fast_matmuls(tiny, tmp_path):
     levels = {a.i for n in m.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
               if a.name == "accuracy_level"}
     assert levels == {4}
+
+
+@pytest.fixture(scope="module")
+def q4_1_checkpoint(tmp_path_factory):
+    """The tiny synthetic model (FFN width 192, so every projection's K is a multiple of 32) with its
+    projections snapped to llama.cpp's Q4_1 grid by hand: per 32 inputs, d = (max - min)/15 and m = min
+    in FP16, w = q d + m with q = round((w - m)/d) in 0..15."""
+    import dataclasses
+
+    from gsm.synth import PRESETS
+
+    root = tmp_path_factory.mktemp("q41")
+    mp = pytest.MonkeyPatch()
+    mp.setitem(PRESETS, "tiny192", dataclasses.replace(PRESETS["tiny"], intermediate_size=192))
+    try:
+        base = synth_checkpoint("tiny192", root / "base", seed=9)
+    finally:
+        mp.undo()
+    cfg = checkpoint.load_config(base)
+    sd = {k: np.asarray(v, np.float32) for k, v in checkpoint.load_state_dict(base).items()}
+    for name in quantised_names(cfg):
+        w = sd[name]
+        b = w.reshape(-1, 32).astype(np.float64)
+        m = b.min(axis=1, keepdims=True).astype(np.float16).astype(np.float64)
+        d = ((b.max(axis=1, keepdims=True) - m) / 15).astype(np.float16).astype(np.float64)
+        q = np.clip(np.rint((b - m) / d), 0, 15)
+        sd[name] = (q * d + m).astype(np.float32).reshape(w.shape)
+    tok = (base / "tokenizer.json").read_text()
+    return checkpoint.write_checkpoint_arrays(root / "q41", cfg, checkpoint.load_quant(base), sd, tokenizer_json=tok,
+                                              progress=False)
+
+
+def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, tmp_path):
+    """`--weights int4` detects the Q4_1 grid (asym-f, group 32) and loses nothing: the bundle matches the
+    golden on the checkpoint's own weights; symmetric INT4 does not."""
+    r = build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX, weights="int4")
+    w = r.report["weights"]
+    assert (w["int4_grid"], w["group_size"]) == ("asym-f", 32) and "Q4_1" in w["grid_note"]
+    prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
+    golden = golden_with(q4_1_checkpoint, None)
+    worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
+    assert gt == rt and worst <= LOGIT_TOL, (worst, gt, rt)
+    build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "s", max_seq=N_MAX, weights="int4",
+          int4_grid="sym")
+    worst_sym, _, _ = run_both(tmp_path / "s", golden, prompt[:8])
+    assert worst_sym > 10 * LOGIT_TOL
