@@ -3,6 +3,7 @@
     python bench/quality_real.py long  --checkpoint C --dense SRC --eval-text EVAL [--lengths 1024,2048,4096]
     python bench/quality_real.py curve --checkpoint C [C2 ...] --dense SRC --eval-text EVAL [--fractions ...]
     python bench/quality_real.py chat  --checkpoint C --dense SRC [--prompt "..."]
+    python bench/quality_real.py topk  --checkpoint C --dense SRC --eval-text EVAL [--ks 64,128,...] [--lengths ...]
 
 `long`: mask hit rate of the checkpoint's indexer against a random indexer and a recency window of the
 SAME budget (sinks + window + top-k), under the dense model's causal attention (as the converter's
@@ -10,6 +11,9 @@ quality report scores it), per layer and averaged, at several context lengths; t
 dense, GSM exact and GSM deployed (FP16 rows; and INT tiers on a decoded tail) at one length.
 `curve`: KV bytes per position (spec 6) against held-out perplexity for each checkpoint (rank
 tolerance / budget / sharing variants) and each tier-fraction setting (its own calibration scales).
+`topk`: the selection budget as a variable: hit rate of the checkpoint's indexer and of recency for every
+top-k of a ladder (one dense pass per sequence, gsm.convert.budget's curve), and perplexity at one length of
+GSM exact at each top-k and of recency (top-k 0, window + top-k) at the same budget.
 `chat`: greedy chat answer of the GSM model (golden, exact mode) next to the dense one.
 
 Held-out text only: sequences are cut from EVAL (paragraphs joined by a blank line, tokenised as one
@@ -225,6 +229,82 @@ def tiered_tail(weights: Any, quant: Any, calib: Any, seqs: torch.Tensor, fracti
             "adaptation_rate": adaptation_rate, "rows": rows}
 
 
+# -- top-k ladder ----------------------------------------------------------------------------------
+@torch.no_grad()
+def topk_curve(setup: Setup, seqs: torch.Tensor, ks: list[int], block: int = 256) -> dict[str, Any]:
+    """gsm.convert.budget's hit-rate curve (indexer and recency) over sequences [B, T] at the checkpoint's
+    sinks and window, every k of `ks` from one dense pass per sequence."""
+    from gsm.convert.budget import HitRateCurve, add_layer, rope_qk
+
+    cfg = setup.cfg
+    p = cfg.gsm
+    curve = HitRateCurve(tuple(ks), cfg.num_hidden_layers)
+    for row in seqs:
+        _, cap = setup.dense.forward(row[None], capture=True)
+        for i in range(cfg.num_hidden_layers):
+            own = owner_of(cfg, i, setup.gsm.w)
+            kv = setup.gsm.w.layers[own].kv
+            q, k = rope_qk(cap.layers[i].q[0], cap.layers[i].k[0], cfg.num_attention_heads,
+                           cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta)
+            add_layer(curve, i, cap.layers[own].x[0], kv.idx_q, kv.idx_k, kv.idx_w, p.indexer_heads, q, k,
+                      p.sink_tokens, p.sparse_window, block=block)
+        del cap
+    return {"rows": curve.to_json(), "sequences": int(seqs.shape[0]), "seq_len": int(seqs.shape[1])}
+
+
+@torch.no_grad()
+def topk_perplexities(setup: Setup, seqs: torch.Tensor, ks: list[int], recency: bool,
+                      dense: bool = True) -> dict[str, Any]:
+    """Perplexity of dense, GSM exact at each top-k, and (recency) GSM exact with the same budget as a window."""
+    p = setup.cfg.gsm
+    models: dict[str, GoldenModel | None] = {"dense": None} if dense else {}
+    for k in ks:
+        models[f"top_k={k}"] = GoldenModel(setup.gsm.w, mode="exact", params=replace(p, sparse_top_k=k))
+        if recency:
+            # the checkpoint's max_sparse_window bounds a deployed ring buffer; exact mode keeps every row
+            w = p.sparse_window + k
+            rp = replace(p, sparse_top_k=0, sparse_window=w, max_sparse_window=max(p.max_sparse_window, w))
+            models[f"recency_window={w}"] = GoldenModel(replace(setup.gsm.w, cfg=setup.cfg.replace(gsm=rp)),
+                                                        mode="exact")
+    sums = dict.fromkeys(models, 0.0)
+    n_tok = 0
+    for b, row in enumerate(seqs):
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            logits = setup.dense.forward(row[None])[0] if m is None else m.forward(m.new_cache(), row).logits
+            nll = float(token_nll(logits, row).sum())
+            sums[name] += nll
+            # per sequence, so that a run stopped early still gives its finished sequences
+            print(f"[topk] seq {b} {name}: ppl {math.exp(nll / (row.numel() - 1)):.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        n_tok += row.numel() - 1
+    return {"perplexity": {k: math.exp(v / n_tok) for k, v in sums.items()}, "tokens": n_tok,
+            "sequences": int(seqs.shape[0]), "seq_len": int(seqs.shape[1])}
+
+
+def cmd_topk(a: argparse.Namespace) -> dict[str, Any]:
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    p = s.cfg.gsm
+    res: dict[str, Any] = {"checkpoint": str(a.checkpoint), "sinks": p.sink_tokens, "window": p.sparse_window,
+                           "checkpoint_top_k": p.sparse_top_k, "hit_rate": {}}
+    for L in a.lengths:
+        t0 = time.perf_counter()
+        res["hit_rate"][L] = topk_curve(s, s.sequences(L, a.sequences), a.ks, block=a.block)
+        res["hit_rate"][L]["seconds"] = time.perf_counter() - t0
+        rows = ", ".join(f"k={r['sparse_top_k']} {r['hit_rate']:.4f}/{r['recency_hit_rate']:.4f}"
+                         for r in res["hit_rate"][L]["rows"])
+        print(f"[topk] {L}: {rows} ({res['hit_rate'][L]['seconds']:.0f} s)", flush=True)
+        if a.out:  # after each length: a long run stopped early keeps what it measured
+            a.out.write_text(json.dumps(res, indent=1, default=str))
+    if a.ppl_len:
+        t0 = time.perf_counter()
+        res["perplexity"] = topk_perplexities(s, s.sequences(a.ppl_len, a.ppl_sequences), a.ppl_ks or [],
+                                              a.recency, dense=not a.no_dense)
+        res["perplexity"]["seconds"] = time.perf_counter() - t0
+        print(f"[topk] perplexity at {a.ppl_len}: {res['perplexity']['perplexity']}", flush=True)
+    return res
+
+
 # -- chat ------------------------------------------------------------------------------------------
 def chat_prompt_ids(ckpt: Path, prompt: str) -> tuple[list[int], list[int]]:
     """The ChatML prompt rendered by transformers' apply_chat_template; and the stop ids (EOS, end of turn)."""
@@ -390,6 +470,20 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--tail-steps", type=int, default=0)
     cv.add_argument("--fractions", nargs="*", default=[])
 
+    tk = sub.add_parser("topk", help="hit rate and perplexity as functions of top-k")
+    common(tk)
+    ints = lambda t: [int(x) for x in t.split(",") if x]  # noqa: E731
+    tk.add_argument("--eval-text", type=Path, required=True)
+    tk.add_argument("--ks", type=ints, default=[64, 128, 256, 512, 1024, 2048])
+    tk.add_argument("--lengths", type=ints, default=[1024, 2048], help="hit-rate lengths ('' = none)")
+    tk.add_argument("--sequences", type=int, default=2, help="sequences per hit-rate length")
+    tk.add_argument("--block", type=int, default=256)
+    tk.add_argument("--ppl-len", type=int, default=2048, help="0 = skip perplexity")
+    tk.add_argument("--ppl-sequences", type=int, default=2)
+    tk.add_argument("--ppl-ks", type=ints, default=[], help="top-k values scored for perplexity")
+    tk.add_argument("--recency", action="store_true", help="also recency (window + top-k) at each --ppl-ks budget")
+    tk.add_argument("--no-dense", action="store_true", help="skip the dense perplexity (run in another process)")
+
     ch = sub.add_parser("chat", help="greedy chat answer, GSM exact vs dense")
     common(ch)
     ch.add_argument("--prompt", default=README_PROMPT)
@@ -401,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
-        res = {"long": cmd_long, "curve": cmd_curve, "chat": cmd_chat}[a.cmd](a)
+        res = {"long": cmd_long, "curve": cmd_curve, "chat": cmd_chat, "topk": cmd_topk}[a.cmd](a)
     except (ValueError, KeyError, FileNotFoundError) as e:  # bad input: a flag, a file, a checkpoint
         print(f"error: {e}", file=sys.stderr)
         return 2

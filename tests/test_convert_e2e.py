@@ -58,8 +58,10 @@ def test_report_fields_are_sane(auto):
             assert row["rel_error_v_calib"] <= rep["options"]["tolerance"] + 1e-9
             assert row["rel_error_k_heldout"] < 0.05  # held-out error stays the same order
             h = row["mask_hit_rate"]
-            assert 0 < h["random"] < h["indexer"] <= 1  # the indexer beats chance on real text
-            assert h["indexer"] >= h["recency"] - 0.02
+            # at the auto top-k (stories260K: window 48 + top-k 128, 177 of these 256 positions) even a random
+            # selection keeps ~95 % of the mass here, so this short report no longer ranks the selectors; the
+            # selection is measured where it is sparse, in the selection-budget curve (test below)
+            assert 0.85 < h["indexer"] <= 1 and 0 < h["random"] <= 1
             assert row["indexer_kl_first_last"][1] < row["indexer_kl_first_last"][0]
         assert 0 < row["gsm_mask_hit_rate"] <= 1
     p = rep["perplexity"]
@@ -74,9 +76,52 @@ def test_report_fields_are_sane(auto):
     sizes = [r["kv_bytes_per_position_fp16"] for r in rep["tradeoff"]]
     assert sizes == sorted(sizes, reverse=True)  # looser tolerance -> fewer bytes
     assert math.isfinite(rep["tradeoff"][-1]["perplexity"])
-    assert cfg["sparse_window"] + cfg["sparse_top_k"] == 3 + 64  # auto window keeps the budget
+    assert all(r["sparse_window"] + r["sparse_top_k"] == 3 + 64 for r in rep["window_search"])  # one budget split
     assert len(rep["window_search"]) >= 2
+    assert cfg["sparse_top_k"] == rep["selection_budget"]["sparse_top_k"]  # --top-k auto (the default)
     assert "perplexity dense" in proc.stderr  # the on-screen table
+
+
+def test_auto_top_k_is_the_smallest_ladder_k_reaching_the_target_on_an_independent_recount(auto):
+    """The report's curve, recomputed from the written checkpoint's indexers with the converter's select()-based
+    hit rate on the same calibration windows (stories260K: context 512, so the curve is measured at 512)."""
+    from dataclasses import replace
+
+    import torch
+
+    from gsm.convert import indexer as ixr
+    from gsm.convert.data import stream_windows, token_stream
+    from gsm.dense import DenseLlama
+    from gsm.golden.selection import index_scores
+    from gsm.sources.llama2c import read_llama2c
+
+    out, rep, _ = auto
+    sb = rep["selection_budget"]
+    from gsm.convert.budget import HIT_RATE_TARGET
+
+    assert sb["mode"] == "auto" and sb["hit_rate_target"] == HIT_RATE_TARGET
+    assert sb["seq_len"] == 512 and sb["sequences"] == 2
+    assert "selection budget" in rep["stage_seconds"]
+    assert any("selection budget measured at 512" in n for n in rep["length_notes"])
+    ks = [r["sparse_top_k"] for r in sb["curve"]]
+    assert ks == [64, 128, 256]  # 512 leaves no sparse row in a 512-token window
+    reached = [r["sparse_top_k"] for r in sb["curve"] if r["hit_rate"] >= HIT_RATE_TARGET]
+    assert sb["sparse_top_k"] == (reached[0] if reached else 256) and sb["target_reached"] == bool(reached)
+    gsm = GoldenModel.from_checkpoint(out)
+    p = gsm.cfg.gsm
+    tok = load_tokenizer(out)
+    stream = token_stream(CALIB_TEXT, tok, 32 * 256 + 2 * 512)[32 * 256:]  # after the indexer's fit sample
+    seqs = stream_windows(stream, seq_len=512, max_tokens=1024, bos_id=1, vocab_size=512, where="calib")
+    _, cap = DenseLlama(read_llama2c(STORIES)).forward(seqs, capture=True, capture_probs=True)
+    for row in sb["curve"]:
+        pk = replace(p, sparse_top_k=row["sparse_top_k"])
+        for i in gsm.cfg.owning_layers:  # a sharing layer's own indexer is not written (it uses its source's)
+            lc, kv = cap.layers[i], gsm.w.layers[i].kv
+            rates = [ixr.hit_rate(index_scores(lc.x[b], kv.idx_q, kv.idx_w, lc.x[b] @ kv.idx_k.T, p.indexer_heads),
+                                  lc.probs[b], pk) for b in range(2)]
+            # equal row counts in both windows; the report rounds to 4 digits
+            assert row["per_layer"][i] == pytest.approx(float(torch.tensor(rates).mean()), abs=2e-4)
+        assert row["hit_rate"] == pytest.approx(sum(row["per_layer"]) / len(row["per_layer"]), abs=1e-3)
 
 
 def test_written_checkpoint_reproduces_reported_perplexity(auto):
@@ -123,6 +168,10 @@ def test_hf_directory_converts_like_llama2c(tmp_path, stories_hf, stories_src):
     (["--eval-text", str(CALIB_TEXT)], "same file"),
     (["--sharing", "1:3"], "--sharing"),
     (["--window", "wide"], "--window"),
+    (["--top-k", "many"], "--top-k"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--hit-rate-target", "1.5"], "--hit-rate-target"),
+    (["--top-k", "64", "--hit-rate-target", "0.9"], "--hit-rate-target"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = convert(tmp_path / "out", *args)
@@ -145,9 +194,12 @@ def test_missing_source_and_default_texts(tmp_path):
 
 def test_kv_budget_bounds_bytes_per_position(tmp_path):
     r = convert(tmp_path / "gsm", "--kv-budget", "400", "--sharing", "none", "--window", "3", "--indexer-dim", "8",
-                "--report", str(tmp_path / "r.json"))
+                "--top-k", "40", "--report", str(tmp_path / "r.json"))
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["gsm_config"]["sparse_top_k"] == 40  # --top-k N: written as given, no budget stage
+    assert rep["selection_budget"] == {"mode": "fixed", "sparse_top_k": 40}
+    assert "selection budget" not in rep["stage_seconds"]
     b = rep["kv_bytes_per_position"]
     assert 400 - 2 * 5 < b["gsm_fp16"] <= 400  # the budget is spent, to within one latent value
     ranks = [row["rank_k"] + row["rank_v"] for row in rep["layers"]]

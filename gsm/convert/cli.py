@@ -39,7 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-tokens", type=int_at_least(1), default=16384)
     p.add_argument("--eval-tokens", type=int_at_least(1), default=4096)
     p.add_argument("--indexer-steps", type=int_at_least(0), default=200)
-    p.add_argument("--top-k", type=int_at_least(0), default=GSMParams.sparse_top_k, help="gsm_config.sparse_top_k")
+    p.add_argument("--top-k", type=top_k_arg, default="auto",
+                   help="gsm_config.sparse_top_k, or 'auto' (default): the smallest top-k of a ladder "
+                   "whose mean indexer hit rate on calibration sequences of 2K tokens (at most the model's "
+                   "context) reaches --hit-rate-target (docs/convert.md)")
+    p.add_argument("--hit-rate-target", type=float_in(0, 1, lo_open=True, hi_open=True),
+                   help="--top-k auto: mean mask hit rate to reach (default gsm.convert.budget.HIT_RATE_TARGET; "
+                   "docs/quality.md: what it costs in perplexity on SmolLM2)")
     p.add_argument("--window", default="auto", type=window_arg,
                    help="gsm_config.sparse_window, or 'auto' (default): split the budget sinks + "
                    f"{GSMParams.sparse_window} + top-k between window and top-k by calibration hit rate")
@@ -58,6 +64,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def default_indexer_dim(kv_dim: int) -> int:
     """Spec default 32, but at most a quarter of kvD (DeepSeek-V3.2's indexer key is ~1/4 of its latent)."""
     return min(GSMParams.indexer_dim, max(8, kv_dim // 4))
+
+
+def top_k_arg(text: str) -> str | int:
+    """--top-k: 'auto' or gsm_config.sparse_top_k (>= 0)."""
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
+    return v
 
 
 def window_arg(text: str) -> str | int:
@@ -162,6 +181,7 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
 
 def convert_command(args: argparse.Namespace) -> int:
     """CLI body: validate every flag and path, then convert; refusals raise ValueError (exit 2)."""
+    from gsm.convert.budget import HIT_RATE_TARGET
     from gsm.convert.pipeline import ConvertOptions, convert
     from gsm.convert.sharing import parse_sharing_map
     from gsm.outputs import write_text_atomic
@@ -181,7 +201,10 @@ def convert_command(args: argparse.Namespace) -> int:
         parse_sharing_map(args.sharing, n_layers)
     auto_window = args.window == "auto"
     window = GSMParams.sparse_window if auto_window else args.window
-    params = GSMParams(sparse_top_k=args.top_k, sparse_window=window,
+    auto_top_k = args.top_k == "auto"
+    if not auto_top_k and args.hit_rate_target is not None:
+        raise ValueError(f"--hit-rate-target applies to --top-k auto only, not --top-k {args.top_k}")
+    params = GSMParams(sparse_top_k=GSMParams.sparse_top_k if auto_top_k else args.top_k, sparse_window=window,
                        max_sparse_window=max(GSMParams.max_sparse_window, window),
                        sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
                        indexer_dim=args.indexer_dim or default_indexer_dim(source.config.kv_dim),
@@ -195,7 +218,9 @@ def convert_command(args: argparse.Namespace) -> int:
                           sharing_budget=args.sharing_budget, seq_len=args.seq_len,
                           calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
                           indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
-                          auto_window=auto_window, device=args.device)
+                          auto_window=auto_window, auto_top_k=auto_top_k,
+                          hit_rate_target=HIT_RATE_TARGET if args.hit_rate_target is None else args.hit_rate_target,
+                          device=args.device)
     report = convert(source, Path(args.out), opts, overwrite=args.overwrite,
                      progress=lambda msg: print(f"[convert] {msg}", file=sys.stderr))
     if args.report:

@@ -53,17 +53,30 @@ def token_sequences(path: Path, tokenizer: Tokenizer, *, seq_len: int, max_token
     """
     if seq_len < 2:
         raise DataError(f"sequence length must be >= 2, got {seq_len}")
-    body = seq_len if bos_id is None else seq_len - 1
+    return stream_windows(token_stream(path, tokenizer, max_tokens), seq_len=seq_len, max_tokens=max_tokens,
+                          bos_id=bos_id, vocab_size=vocab_size, where=str(path))
+
+
+def token_stream(path: Path, tokenizer: Tokenizer, max_tokens: int) -> list[int]:
+    """The text's paragraphs encoded one by one and concatenated in file order: at least max_tokens ids
+    when the text has them (the last paragraph is not cut)."""
     stream: list[int] = []
     for para in read_paragraphs(path):
         stream.extend(tokenizer.encode(para, add_special_tokens=False).ids)
         if len(stream) >= max_tokens:
             break
+    return stream
+
+
+def stream_windows(stream: list[int], *, seq_len: int, max_tokens: int, bos_id: int | None, vocab_size: int,
+                   where: str) -> torch.Tensor:
+    """token_sequences' windows of an already encoded stream."""
+    body = seq_len if bos_id is None else seq_len - 1
     n = min(len(stream), max_tokens) // seq_len
     if n == 0:
-        raise DataError(f"{path}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
+        raise DataError(f"{where}: {len(stream)} tokens, fewer than one sequence of {seq_len}")
     rows = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
     ids = rows if bos_id is None else torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), rows], dim=1)
     if int(ids.max()) >= vocab_size:
-        raise DataError(f"{path}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
+        raise DataError(f"{where}: tokenizer produced id {int(ids.max())}, model vocabulary is {vocab_size}")
     return ids

@@ -8,7 +8,9 @@
 2. Whitened SVD of every layer's k_proj/v_proj (gsm.convert.svd); ranks from the tolerance or a
    byte budget.
 3. Window/top-k split (optional search on the sample), then the indexer of every layer,
-   initialised from its projections and fitted to its attention.
+   initialised from its projections and fitted to its attention; then (optional) the selection
+   budget: the smallest top-k of a ladder whose hit rate at a long calibration context reaches a
+   target (gsm.convert.budget).
 4. Sharing: none, a user map, or auto (least-squares projector from the nearest few earlier
    layers, kept while the calibration perplexity cost stays within budget).
 5. Assemble the tensors of spec 3, measure the result on held-out text (gsm.convert.quality),
@@ -30,8 +32,10 @@ from tokenizers import Tokenizer
 
 from gsm import names
 from gsm.config import GSMParams, KVQuantConfig
+from gsm.convert import budget as bud
 from gsm.convert import indexer as ixr
-from gsm.convert.data import add_bos_of, text_sha256, token_sequences
+from gsm.convert.budget import BUDGET_SEQ_LEN, BUDGET_SEQUENCES, HIT_RATE_TARGET
+from gsm.convert.data import DataError, add_bos_of, stream_windows, text_sha256, token_sequences, token_stream
 from gsm.convert.plan import LowRanks, Plan, assemble, golden_of, mean_nll, ranks_at, resident
 from gsm.convert.quality import AGREEMENT_STEPS, PROMPT_TOKENS, quality_report
 from gsm.convert.sharing import ProjectorFit, fit_projector_from_moments, latent_moments, parse_sharing_map
@@ -69,6 +73,10 @@ class ConvertOptions:
     gsm: GSMParams = field(default_factory=GSMParams)
     tradeoff_tolerances: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1, 0.2)
     auto_window: bool = False  # search the window/top-k split of the budget (choose_window)
+    auto_top_k: bool = False  # choose sparse_top_k from bud.LADDER by hit rate (choose_top_k)
+    hit_rate_target: float = HIT_RATE_TARGET
+    budget_seq_len: int = BUDGET_SEQ_LEN
+    budget_sequences: int = BUDGET_SEQUENCES
     device: str = "auto"  # cpu | cuda | auto: where statistics, SVDs and indexer fits run
 
 
@@ -78,6 +86,7 @@ class Lengths:
 
     seq_len: int
     agreement_steps: int
+    budget_seq_len: int = 0  # context of the selection-budget measurement (0: no measurement)
     notes: tuple[str, ...] = ()
 
 
@@ -96,7 +105,10 @@ def check_lengths(max_positions: int, opts: ConvertOptions) -> Lengths:
         notes.append(f"--seq-len {seq_len} is longer than the model's context (max_position_embeddings "
                      f"{max_positions}); using {max_positions}")
         seq_len = max_positions
-    budget = p.sink_tokens + p.sparse_window + p.sparse_top_k
+    # the fit sequences need sparse rows at the fitting budget; a larger top-k (given, or chosen by the
+    # budget stage) only makes the short held-out report's selection dense, which it then says
+    fit_k = p.sparse_top_k if opts.auto_top_k else min(p.sparse_top_k, GSMParams.sparse_top_k)
+    budget = p.sink_tokens + p.sparse_window + fit_k
     if seq_len <= budget:
         who = (f"the model's context (max_position_embeddings {max_positions})" if seq_len == max_positions
                else f"--seq-len {seq_len}")
@@ -106,10 +118,21 @@ def check_lengths(max_positions: int, opts: ConvertOptions) -> Lengths:
     if max_positions < PROMPT_TOKENS + 2:
         raise ValueError(f"the model's context (max_position_embeddings {max_positions}) is shorter than the "
                          f"{PROMPT_TOKENS + 2} positions the greedy-agreement measurement needs")
+    if not opts.auto_top_k and p.selection_is_dense(seq_len):
+        notes.append(f"top-k {p.sparse_top_k}: every position of the {seq_len}-token held-out sequences is "
+                     "selected, so the report's hit rates and perplexity there do not measure the selection")
     steps = min(AGREEMENT_STEPS, max_positions - PROMPT_TOKENS)
     if steps < AGREEMENT_STEPS:
         notes.append(f"greedy agreement measured over {steps} steps (context {max_positions})")
-    return Lengths(seq_len=seq_len, agreement_steps=steps, notes=tuple(notes))
+    budget_len = 0
+    if opts.auto_top_k:
+        budget_len = min(opts.budget_seq_len, max_positions)
+        if budget_len < opts.budget_seq_len:
+            notes.append(f"selection budget measured at {budget_len} tokens (max_position_embeddings "
+                         f"{max_positions}), not {opts.budget_seq_len}")
+        if budget_len < seq_len:
+            raise ValueError(f"the selection-budget context {budget_len} is shorter than --seq-len {seq_len}")
+    return Lengths(seq_len=seq_len, agreement_steps=steps, budget_seq_len=budget_len, notes=tuple(notes))
 
 
 def lowranks_of(src: DenseSource, stats: CalibStats, device: torch.device) -> LowRanks:
@@ -199,6 +222,77 @@ def choose_window(src: DenseSource, lowranks: LowRanks, stats: CalibStats, opts:
     return chosen, table
 
 
+def budget_sequences(path: Path, tok: Tokenizer, lengths: Lengths, opts: ConvertOptions, bos_id: int | None,
+                     vocab_size: int) -> tuple[torch.Tensor, list[str]]:
+    """opts.budget_sequences calibration windows of lengths.budget_seq_len, for the selection budget.
+
+    They start after the indexer's fit sample (its first opts.indexer_sequences windows) when the text
+    is long enough, so the curve scores the indexers on text they were not fitted to; with a shorter
+    text they overlap it, and with less text than asked the windows are fewer or shorter (never shorter
+    than the fit sequences): a note says which.
+    """
+    n, L = opts.budget_sequences, lengths.budget_seq_len
+    skip = opts.indexer_sequences * lengths.seq_len
+    stream = token_stream(path, tok, skip + n * L)
+    notes = []
+    if len(stream) >= skip + n * L:
+        stream = stream[skip:]
+    else:
+        notes.append(f"selection budget: {path} is too short to measure it beyond the indexer's fit sample")
+    if len(stream) < n * L:
+        L2 = max(lengths.seq_len, min(L, len(stream) // n))
+        n2 = max(1, min(n, len(stream) // L2))
+        notes.append(f"selection budget measured on {n2} x {L2} calibration tokens ({path} holds fewer than "
+                     f"{n} x {L})")
+        n, L = n2, L2
+    try:
+        return stream_windows(stream, seq_len=L, max_tokens=n * L, bos_id=bos_id, vocab_size=vocab_size,
+                              where=str(path)), notes
+    except DataError as e:
+        raise ValueError(str(e)) from e
+
+
+@torch.no_grad()
+def choose_top_k(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float,
+                 stages: Stages) -> tuple[GSMParams, dict[str, Any]]:
+    """The smallest sparse_top_k of bud.LADDER whose mean indexer hit rate (under the dense attention, on
+    calibration sequences `seqs` [B, T]) reaches `target`; the largest measurable one when none does.
+
+    The indexers were fitted with sinks and window only (the fit does not depend on top-k), so they are
+    scored as fitted; every layer uses its own indexer (sharing is decided afterwards, at the chosen k).
+    Memory: one sequence's layer inputs/projections and one block of attention rows at a time.
+    """
+    cfg = src.config
+    p = plan.params
+    ks = tuple(k for k in bud.LADDER if k + p.sink_tokens + p.sparse_window < seqs.shape[1])
+    curve = bud.HitRateCurve(ks, cfg.num_hidden_layers)
+    dense = DenseLlama(src)
+    dense.lm_head = torch.empty(0, cfg.hidden_size)  # the curve needs the layers, not the logits
+    with stages.run("selection budget", total=seqs.shape[0] * cfg.num_hidden_layers) as advance:
+        for row in seqs:
+            _, cap = dense.forward(row[None], capture=True)
+            for i in range(cfg.num_hidden_layers):
+                lc, ix = cap.layers[i], plan.indexers[i]
+                q, k = bud.rope_qk(lc.q[0], lc.k[0], cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   cfg.head_dim, cfg.rope_theta)
+                bud.add_layer(curve, i, lc.x[0].float(), ix.q, ix.k, ix.w, p.indexer_heads, q, k, p.sink_tokens,
+                              p.sparse_window)
+                advance(1)
+            del cap
+    if curve.measured_ks():
+        k, reached = bud.choose_top_k(curve, target)
+    else:
+        k, reached = p.sparse_top_k, False
+    info = {"mode": "auto", "hit_rate_target": target, "seq_len": int(seqs.shape[1]),
+            "sequences": int(seqs.shape[0]), "sparse_top_k": k, "target_reached": reached,
+            "curve": curve.to_json()}
+    for r in info["curve"]:
+        stages.progress(f"top-k {r['sparse_top_k']:5d}: hit rate {r['hit_rate']:.4f} at {seqs.shape[1]} tokens "
+                        f"(recency {r['recency_hit_rate']:.4f})")
+    stages.progress(f"sparse_top_k {k}" + ("" if reached else f" (no top-k reached the hit-rate target {target})"))
+    return replace(p, sparse_top_k=k), info
+
+
 def decide_sharing(src: DenseSource, lowranks: LowRanks, stats: CalibStats, plan: Plan, opts: ConvertOptions,
                    calib_eval: torch.Tensor, stages: Stages) -> None:
     """Fill plan.sharing according to opts.sharing (mutates plan).
@@ -257,7 +351,7 @@ def requested_pairs(opts: ConvertOptions, n_layers: int) -> list[tuple[int, int]
 
 
 def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stages: Stages,
-               device: torch.device) -> tuple[Plan, LowRanks]:
+               device: torch.device, budget_seqs: torch.Tensor | None = None) -> tuple[Plan, LowRanks]:
     L = src.config.num_hidden_layers
     dense = DenseLlama(src)  # shares the resident weights
     # statistics need the layers, not the logits: an empty head skips the [B, T, vocab] matmul
@@ -280,6 +374,12 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
         stages.progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
     plan = Plan(ranks=ranks, sharing={}, indexers=indexers, indexer_losses=losses, params=params,
                 window_search=window_table)
+    if budget_seqs is not None:
+        t0 = time.perf_counter()
+        plan.params, plan.selection_budget = choose_top_k(src, plan, budget_seqs, opts.hit_rate_target, stages)
+        plan.selection_budget["seconds"] = time.perf_counter() - t0
+    else:
+        plan.selection_budget = {"mode": "fixed", "sparse_top_k": params.sparse_top_k}
     calib_eval = calib[: max(4, min(SHARING_EVAL_SEQUENCES, calib.shape[0]))]
     decide_sharing(src, lowranks, stats, plan, opts, calib_eval, stages)
     if opts.kv_budget is not None and plan.sharing:
@@ -317,9 +417,15 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
     with stages.run("read text"):
         calib = seq(opts.calib_text, opts.calib_tokens)
         ev = seq(opts.eval_text, opts.eval_tokens) if opts.eval_text is not None else None
+        budget_seqs, notes = None, list(lengths.notes)
+        if opts.auto_top_k:
+            budget_seqs, more = budget_sequences(opts.calib_text, tok, lengths, opts, bos_id, cfg.vocab_size)
+            notes += more
+            for note in more:
+                progress(note)
     with stages.run("load weights"):
         src = resident(src)
-    plan, lowranks = plan_model(src, opts, calib, stages, device)
+    plan, lowranks = plan_model(src, opts, calib, stages, device, budget_seqs)
     gcfg, tensors = assemble(src, lowranks, plan)
     report: dict[str, Any] = {
         "source": src.origin,
@@ -327,9 +433,10 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
                         "tokens": int(calib.numel()), "seq_len": int(calib.shape[1]), "bos": bos_id is not None},
         "options": {"tolerance": opts.tolerance, "kv_budget": opts.kv_budget, "sharing": opts.sharing,
                     "sharing_budget": opts.sharing_budget, "device": str(device)},
-        "length_notes": list(lengths.notes),
+        "length_notes": notes,
         "gsm_config": gcfg.gsm.to_json(),
         "window_search": plan.window_search,
+        "selection_budget": plan.selection_budget,
         "sharing_trials": plan.sharing_trials,
     }
     if ev is not None:

@@ -36,6 +36,7 @@ class Plan:
     params: GSMParams = field(default_factory=GSMParams)  # selection numbers after the window search
     sharing_trials: list[dict[str, Any]] = field(default_factory=list)
     window_search: list[dict[str, Any]] = field(default_factory=list)
+    selection_budget: dict[str, Any] = field(default_factory=dict)  # how sparse_top_k was chosen (report)
 
 
 def resident(src: DenseSource) -> DenseSource:

@@ -1,0 +1,150 @@
+"""The selection budget (`sparse_top_k`) as a measured choice: mask hit rate as a function of top-k.
+
+A fixed top-k covers a shrinking share of attention as the context grows (SmolLM2, 68 positions:
+hit rate 0.92 at 256 tokens, 0.74 at 2K, +81 % perplexity at 2K; docs/quality.md). So the
+converter measures, at a long context on calibration text, the hit rate of the fitted indexers for
+every top-k of a ladder, and keeps the smallest top-k that reaches a target (docs/decisions.md
+"Selection budget").
+
+One sort per query row gives the whole curve: with the candidates (causal, neither sink nor window)
+in descending score order, the mass that top-k selects is the sum of the first k sorted masses, so
+hit(k) = mass(sinks ∪ window) + cumsum(sorted candidate mass)[k - 1]. Only per-layer sums and row
+counts are accumulated; the attention itself is formed one block of query rows at a time and
+dropped (a [heads, block, T] slice, never [heads, T, T]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gsm.golden import attention as A
+from gsm.golden.selection import index_scores
+
+LADDER = (64, 128, 256, 512, 1024, 2048)
+# on SmolLM2 at 2K, a mean indexer hit rate of HIT_RATE_TARGET costs the perplexity given in
+# docs/quality.md ("Selection budget"); docs/decisions.md says why a hit rate and not a perplexity
+HIT_RATE_TARGET = 0.95
+BUDGET_SEQ_LEN = 2048  # the context the curve is measured at (clamped to the model's)
+BUDGET_SEQUENCES = 2  # calibration sequences of BUDGET_SEQ_LEN the curve is measured on
+SELECTORS = ("indexer", "recency")
+
+
+def selected_mass(scores: torch.Tensor, probs: torch.Tensor, q_pos: torch.Tensor, sinks: int, window: int,
+                  ks: Sequence[int]) -> torch.Tensor:
+    """Attention mass of Sel(t) = sinks ∪ window ∪ top-k(scores) for every k at once: [b, len(ks)].
+
+    scores: [b, n] selection scores of query rows at absolute positions q_pos [b] over cached
+    positions 0..n-1; probs: [b, n] their attention (mean over heads: the hit rate is linear in it).
+    Ties are broken as gsm.golden.selection.select does (stable sort: the lower position first).
+    Rows where the selection would be dense are not special-cased here: see `sparse_rows`.
+    """
+    n = scores.shape[-1]
+    s = torch.arange(n)
+    causal = s[None, :] <= q_pos[:, None]
+    fixed = causal & ((s[None, :] < sinks) | (s[None, :] > q_pos[:, None] - window))
+    cand = causal & ~fixed
+    base = (probs * fixed).sum(-1)  # [b]
+    order = torch.sort(scores.masked_fill(~cand, float("-inf")), dim=-1, descending=True, stable=True).indices
+    cum = torch.gather(probs * cand, 1, order).cumsum(-1)  # non-candidates sort last and add nothing
+    cols = torch.tensor([min(k, n) - 1 for k in ks])
+    top = torch.where(cols[None, :] >= 0, cum[:, cols.clamp_min(0)], torch.zeros(()))
+    return base[:, None] + top
+
+
+def sparse_rows(q_pos: torch.Tensor, sinks: int, window: int, ks: Sequence[int]) -> torch.Tensor:
+    """[b, len(ks)]: whether row t's selection is sparse at top-k (spec 4.1: t + 1 > sinks + window + k)."""
+    return (q_pos[:, None] + 1) > torch.tensor([sinks + window + k for k in ks])[None, :]
+
+
+@dataclass
+class HitRateCurve:
+    """Per-layer, per-selector sums of the selected mass over sparse query rows, for every k of `ks`."""
+
+    ks: tuple[int, ...]
+    n_layers: int
+    sums: dict[str, np.ndarray] = field(default_factory=dict)  # selector -> [L, K] float64
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [L, K] sparse rows counted
+
+    def __post_init__(self) -> None:
+        shape = (self.n_layers, len(self.ks))
+        self.sums = {s: np.zeros(shape) for s in SELECTORS}
+        self.rows = np.zeros(shape, dtype=np.int64)
+
+    def add(self, layer: int, selector: str, mass: torch.Tensor, sparse: torch.Tensor) -> None:
+        """mass, sparse: [b, K] from selected_mass / sparse_rows for one block of query rows."""
+        self.sums[selector][layer] += (mass.double() * sparse).sum(0).numpy()
+        if selector == SELECTORS[0]:
+            self.rows[layer] += sparse.sum(0).numpy()
+
+    def per_layer(self, selector: str = "indexer") -> np.ndarray:
+        """[L, K] hit rate (nan where no row was sparse at that k)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.rows > 0, self.sums[selector] / np.maximum(self.rows, 1), np.nan)
+
+    def mean(self, selector: str = "indexer") -> np.ndarray:
+        """[K] hit rate averaged over layers (each layer weighs the same, as the quality report does)."""
+        return self.per_layer(selector).mean(0)
+
+    def measured_ks(self) -> list[int]:
+        """The ks with sparse rows in every layer (a k the context cannot exceed tells nothing)."""
+        return [k for j, k in enumerate(self.ks) if (self.rows[:, j] > 0).all()]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        out = []
+        for j, k in enumerate(self.ks):
+            if k not in self.measured_ks():
+                continue
+            out.append({"sparse_top_k": k, "hit_rate": float(self.mean("indexer")[j]),
+                        "recency_hit_rate": float(self.mean("recency")[j]),
+                        "sparse_rows_per_layer": int(self.rows[0, j]),
+                        "per_layer": [round(float(v), 4) for v in self.per_layer("indexer")[:, j]]})
+        return out
+
+
+@torch.no_grad()
+def add_layer(curve: HitRateCurve, layer: int, x_own: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor,
+              idx_w: torch.Tensor, n_idx: int, q: torch.Tensor, k: torch.Tensor, sinks: int, window: int,
+              block: int = 256) -> None:
+    """Accumulate one sequence of one layer into `curve`.
+
+    x_own: [T, H] input of the layer whose indexer selects (itself, or its sharing source);
+    q: [nH, T, D], k: [nKV, T, D] RoPE'd dense queries/keys of the scored layer.
+    """
+    T = x_own.shape[0]
+    keys = x_own @ idx_k.T  # [T, dI]
+    first = sinks + window + min(curve.ks) if curve.ks else T  # earlier rows are dense for every k
+    for a in range(first, T, block):
+        q_pos = torch.arange(a, min(a + block, T))
+        probs = A.attention_probs(q[:, q_pos], k, A.causal_mask(q_pos, T)).mean(0)  # [b, T]
+        sparse = sparse_rows(q_pos, sinks, window, curve.ks)
+        sc = index_scores(x_own[q_pos], idx_q, idx_w, keys, n_idx)
+        curve.add(layer, "indexer", selected_mass(sc, probs, q_pos, sinks, window, curve.ks), sparse)
+        rec = torch.arange(T, dtype=torch.float32)[None].expand(q_pos.numel(), T)
+        curve.add(layer, "recency", selected_mass(rec, probs, q_pos, sinks, window, curve.ks), sparse)
+
+
+def rope_qk(cap_q: torch.Tensor, cap_k: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+            theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Captured pre-RoPE projections [T, nH*D], [T, kvD] -> RoPE'd [nH, T, D], [nKV, T, D]."""
+    T = cap_q.shape[0]
+    cos, sin = A.rope_tables(torch.arange(T), head_dim, theta)
+    q = A.apply_rope(cap_q.float().view(T, n_heads, head_dim).transpose(0, 1), cos, sin)
+    k = A.apply_rope(cap_k.float().view(T, n_kv, head_dim).transpose(0, 1), cos, sin)
+    return q, k
+
+
+def choose_top_k(curve: HitRateCurve, target: float) -> tuple[int, bool]:
+    """The smallest measured k whose mean hit rate reaches `target`; (largest measured k, False) when none does."""
+    ks = curve.measured_ks()
+    if not ks:
+        raise ValueError("no top-k of the ladder leaves a sparse query row at the measurement length")
+    mean = dict(zip(curve.ks, curve.mean("indexer")))
+    for k in ks:
+        if mean[k] >= target:
+            return k, True
+    return ks[-1], False
