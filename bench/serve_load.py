@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="server's ONNX Runtime threads")
     p.add_argument("--time-limit", type=float, default=900, help="seconds for the whole run")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument("--server-args", default="",
+                   help="more `runtime serve` flags, e.g. \"--hit-rate-every 0 --max-kv-noise off\" (the fallback "
+                        "policies are on at their defaults otherwise)")
     args = p.parse_args(argv)
     try:
         levels = [int(x) for x in args.levels.split(",")]
@@ -129,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     server = subprocess.Popen([sys.executable, "-m", "runtime", "serve", str(args.bundle), "--host", "127.0.0.1",
                                "--port", str(port), "--threads", str(args.threads), "--max-queue", "256",
-                               "--log-level", "warning", "--tegrastats", "off"], env=env, stderr=log)
+                               "--log-level", "warning", "--tegrastats", "off", *shlex.split(args.server_args)],
+                              env=env, stderr=log)
     out: dict[str, Any] = {"bundle": str(args.bundle), "max_tokens": args.max_tokens, "levels": {},
-                           "cpus": os.cpu_count()}
+                           "cpus": os.cpu_count(), "server_args": args.server_args}
     try:
         while True:
             if server.poll() is not None:

@@ -438,11 +438,13 @@ class Engine:
                 log.exception("observer %s.%s failed", type(o).__name__, hook)
 
     def _warmup(self) -> None:
-        """First calls of each graph shape (prefill chunk, single-token prefill, decode) before serving."""
+        """First calls of each graph shape (prefill chunk, single-token prefill, decode, probe) before serving."""
         t0 = time.monotonic()
         n = max(1, min(self.rt.max_input, self.rt.n_max - 3))
         seq = self.stepper.new_sequence()
-        for w in ([Work(seq, [self.rt.bos_token_id] * n, True)], [Work(seq, [self.rt.bos_token_id], False)]):
+        # the decode step is a probed one when probes are on: the dense shadow call's first run is here too
+        for w in ([Work(seq, [self.rt.bos_token_id] * n, True)],
+                  [Work(seq, [self.rt.bos_token_id], False, probe=self.probes)]):
             for r in self.stepper.step(w):
                 if isinstance(r, Exception):
                     raise r
