@@ -198,3 +198,35 @@ def test_engine_config_ranges():
             EngineConfig(**bad)
     assert EngineConfig().min_hit_rate == 0.85 and EngineConfig().max_kv_noise == 0.05
     assert EngineConfig().hit_rate_every == 64
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_kv_noise_refresh_mid_decode_continues_the_same_stream(rt, sampling):
+    """A runtime that re-tiers every 4 decode steps behind an 8-row FP16 window: a 9-token prompt has
+    nothing to demote, the pass after decode step 4 demotes 3 of positions 1..4 (13 cached). Threshold
+    0.0: the cache is rebuilt from the prompt and the first 4 generated tokens, FP16, then decoding goes
+    on with the same sampler. Reference: a runtime that never demotes (before step 4 nothing was demoted
+    either), same seed; the rebuilt rows were computed by a prefill instead of single-token steps, so
+    they are compared with a float tolerance, the tokens exactly."""
+    import runtime
+    from runtime.engine import Engine, EngineConfig
+
+    short = runtime.load(rt.bundle, "onnxruntime", threads=1)
+    short.policy = dataclasses.replace(short.policy, rate=4, fp16_window=8)
+    prompt = [1, 50, 51, 52, 53, 54, 55, 56, 57]
+    want = no_demotion(rt).generate(prompt, 14, stop_ids=[], **sampling).ids
+    ev = Events()
+    with Engine(short, EngineConfig(max_kv_noise=0.0, min_hit_rate=0.0), observer=ev.observer) as eng:
+        r = eng.submit(prompt, 14, stop_ids=[], **sampling).result(30)
+        assert eng.fallbacks["kv_noise"] == 1
+    (tokens, noise), = ev.of("kv_noise")
+    assert tokens == 5 and noise > 0  # after decode step 4 (the prefill's token + 4)
+    assert r.ids == want and r.refreshes == 1
+    seq = ev.of("fallback")[0][2]  # closed with its request; its rows stay readable (nothing reused them)
+    assert seq.length == len(prompt) + 13 and not seq.state.tier.any()  # FP16 to the end: no pass ran on it
+    ref = rt.new_sequence()
+    ref.prefill(prompt + want[:-1])
+    for layer in rt.cfg["owning_layers"]:
+        for got, exp in zip(seq.cache.latents(layer, seq.length), ref.cache.latents(layer, seq.length)):
+            np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-5)
