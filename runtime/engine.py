@@ -20,7 +20,6 @@ their sequences are never shared, so greedy outputs equal the same requests run 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import threading
@@ -161,37 +160,11 @@ class BatchedStepper:
         return out
 
 
-def can_probe(rt: Runtime) -> bool:
-    """Whether the runtime measures the sparse mask hit rate of a decode step (decode_batch(probe=...))."""
-    try:
-        return "probe" in inspect.signature(rt.decode_batch).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-def switch_to_dense(seq: Any, n_max: int) -> None:
-    """Dense attention over the sequence's whole cache from its next step on."""
-    use_dense = getattr(seq, "use_dense", None)
-    if callable(use_dense):
-        use_dense()
-    else:
-        seq.top_k = n_max  # every cached position selected
-
-
-def keep_fp16(seq: Any) -> None:
-    """No re-tier pass on this sequence any more: every row it caches stays FP16 (a refreshed cache)."""
-    pin = getattr(seq, "keep_fp16", None)
-    if callable(pin):
-        pin()
-    else:  # until the runtime has a per-sequence switch: its re-tier pass becomes a no-op
-        seq._retier = lambda: None
-
-
 def new_kv_noise(seq: Any, passes_seen: int) -> tuple[float | None, int]:
     """The KV noise of the sequence's last re-tier pass if a pass ran since `passes_seen` (None: none ran,
     or it re-encoded no row), and the pass count to remember."""
-    passes = int(getattr(seq, "retier_passes", 0))
-    return (getattr(seq, "last_kv_noise", None) if passes != passes_seen else None), passes
+    passes = seq.retier_passes
+    return (seq.last_kv_noise if passes != passes_seen else None), passes
 
 
 def default_stepper(rt: Runtime) -> Stepper:
@@ -351,7 +324,10 @@ class Engine:
         self.warmup_s: float | None = None
         self.warmup_error: BaseException | None = None  # the engine refuses requests when warm-up failed
         self.steps = 0
-        self.probes = can_probe(rt) and self.config.hit_rate_every > 0
+        self.probes = rt.can_probe and self.config.hit_rate_every > 0
+        if not rt.can_probe and self.config.min_hit_rate > 0 and self.config.hit_rate_every > 0:
+            log.warning("backend %s cannot measure the sparse mask hit rate (no shadow call): the hit-rate "
+                        "fallback is off", rt.backend.name)
         self.fallbacks: dict[str, int] = {"hit_rate": 0, "kv_noise": 0}  # taken so far, by policy
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
@@ -548,13 +524,13 @@ class Engine:
         return self.probes and not req.dense and req.decode_steps % self.config.hit_rate_every == 0
 
     def _judge_hit_rate(self, req: EngineRequest) -> None:
-        hr = getattr(req.seq, "last_hit_rate", None)
+        hr = req.seq.last_hit_rate
         if hr is None:
             return
         req.hit_rate = float(hr)
         self._notify("on_hit_rate", req, req.hit_rate)
         if req.hit_rate < self.config.min_hit_rate:
-            switch_to_dense(req.seq, self.rt.n_max)
+            req.seq.use_dense()
             req.dense = True
             self.fallbacks["hit_rate"] += 1
             log.warning("request %d: sparse mask hit rate %.3f < %.3f at position %d: dense attention over its "
@@ -579,9 +555,9 @@ class Engine:
         fresh = []
         for req in reqs:
             seq = self.stepper.new_sequence()
-            keep_fp16(seq)
+            seq.keep_fp16()
             if req.dense:
-                switch_to_dense(seq, self.rt.n_max)
+                seq.use_dense()
             fresh.append(seq)
         results = self.stepper.step([Work(s, r.prompt_ids + r.ids[:-1], True) for s, r in zip(fresh, reqs)])
         failed = []
@@ -594,7 +570,7 @@ class Engine:
                 self._finish(req, "error", res)
                 failed.append(req)
                 continue
-            old, req.seq, req.retier_passes = req.seq, seq, int(getattr(seq, "retier_passes", 0))
+            old, req.seq, req.retier_passes = req.seq, seq, seq.retier_passes
             close = getattr(old, "close", None)
             if close is not None:
                 close()

@@ -53,6 +53,7 @@ class Sequence_:
         self.last_hit_rates: dict[int, float] | None = None  # owning layer -> hit rate, same step
         self.last_kv_noise: float | None = None  # from the last re-tier pass (None: it demoted nothing)
         self.retier_passes = 0  # re-tier passes run so far (tells a new last_kv_noise from an old one)
+        self._fp16_only = False  # keep_fp16(): no re-tier passes (nothing demoted)
         release = getattr(self.cache, "release", None)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
 
@@ -78,11 +79,18 @@ class Sequence_:
         n_max covers every position), e.g. as a quality fallback; `top_k = None` goes back to sparse."""
         self._top_k = self.rt.n_max
 
+    def keep_fp16(self) -> None:
+        """No re-tier pass from now on: every row this sequence writes stays FP16 (the KV-noise fallback's
+        refreshed cache, docs/serving.md). Rows already demoted stay as they are (demotion only)."""
+        self._fp16_only = True
+
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
 
     def _retier(self) -> None:
+        if self._fp16_only:
+            return
         new_tier = retier(self.state, self.rt.policy, self.state.length)
         self.retier_passes += 1
         self.last_kv_noise = None if new_tier is None else self.rt.backend.demote(self.cache, new_tier)
@@ -150,6 +158,12 @@ class Runtime:
         self.codec = TextCodec.load(bundle, self.bos_token_id, self.eos_token_id)  # None: ids only
 
     @property
+    def can_probe(self) -> bool:
+        """Whether decode_batch(probe=...) can measure the mask hit rate on this backend: it needs a shadow
+        call that leaves the cache as it was (onnxruntime and reference: yes; TensorRT: not yet)."""
+        return bool(getattr(self.backend, "shadow_calls", False)) and bool(self.backend.per_sequence_top_k)
+
+    @property
     def tokenizer(self) -> Any:
         """The `tokenizers.Tokenizer` of the bundle."""
         return self._need_codec().tokenizer
@@ -182,13 +196,13 @@ class Runtime:
         return self._check_budgets(np.array([s.effective_top_k for s in seqs], np.int32))
 
     def _check_budgets(self, budgets: np.ndarray) -> np.ndarray:
-        """The TensorRT graph's plugins still select with their build-time top_k (docs/engine_io.md rev 4,
-        "Not yet"): refuse another budget there rather than silently running the build-time one."""
+        """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
+        budget there rather than silently running the build-time one."""
         fixed = int(self.cfg["sparse_top_k"])
         if not getattr(self.backend, "per_sequence_top_k", False) and np.any(budgets != fixed):
-            raise RequestError("sparse_top_k", f"backend {self.backend.name} runs the bundle's build-time budget "
-                                               f"{fixed} only (a per-sequence budget, dense fallback and the hit-rate "
-                                               "probe need the onnxruntime backend for now)")
+            raise RequestError("sparse_top_k", f"this bundle's {self.backend.name} graph selects with its build-time "
+                                               f"budget {fixed} only (built before engine_io revision 4): rebuild "
+                                               "it with `python -m builder build` for per-sequence budgets")
         return budgets
 
     def _call_inputs(self, seqs: Sequence[Sequence_],

@@ -122,6 +122,7 @@ class OrtBackend:
         self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
         # rev 4 bundles take the budget per sequence; older ones select with their build-time top_k only
         self.per_sequence_top_k = "sparse_top_k" in {i.name for i in self.session.get_inputs()}
+        self.shadow_calls = True  # forward(commit=False) leaves the buffers as they were: probes possible
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()

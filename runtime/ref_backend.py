@@ -119,6 +119,7 @@ class RefBackend:
         # their max_top_k; an older graph selects with its build-time top_k only (Runtime refuses others)
         owning = [n for n in proto.graph.node if n.op_type == "GsmSparseAttention" and len(n.input) > 11]
         self.per_sequence_top_k = bool(owning) and all(len(n.input) > 14 for n in owning)
+        self.shadow_calls = True  # forward(commit=False) leaves pools and slot tables as they were
         attrs = {a.name: a.i for a in owning[0].attribute} if owning else {}
         self.max_top_k = int(attrs.get("max_top_k", attrs.get("top_k", cfg["sparse_top_k"])))
         from onnx import numpy_helper

@@ -133,6 +133,7 @@ class TrtBackend:
         # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An engine
         # without the input (older graph) selects with its build-time top_k only (Runtime refuses others).
         self.per_sequence_top_k = "sparse_top_k" in self._io_names(self.engine)
+        self.shadow_calls = False  # the pools are updated in place: no hit-rate probe on this backend yet
         k_sel = int(self.engine.get_tensor_shape(f"selected.{self.layers[0]}")[-1]) if self.per_sequence_top_k else 0
         self.max_top_k = k_sel - int(cfg["sink_tokens"]) - int(cfg["max_sparse_window"])
 

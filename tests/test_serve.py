@@ -401,11 +401,10 @@ def test_sequence_fallbacks_in_metrics(rts):
     """Forced thresholds through the server: hit rate 1.0 (every step probed) and KV noise 0.0 on a
     48-token prompt (its re-tier pass demotes rows): each policy once, counted by kind, and the two
     GSM series carry the values the engine measured (tests/test_fallbacks.py checks the switch itself)."""
-    from runtime.engine import EngineConfig, Observer, can_probe
+    from runtime.engine import EngineConfig, Observer
 
     rt = rts["demo"]
-    if not can_probe(rt):
-        pytest.skip("this runtime has no probed decode step (Runtime.decode_batch(probe=...)) yet")
+    assert rt.can_probe
     seen = {}
 
     class Seen(Observer):
