@@ -128,6 +128,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         from builder.plan import PlanError
 
         grid, grid_note, group = resolve_int4_grid(tensors, cfg, weights, int4_grid, group_size)
+        if quantize_head and cfg.tie_word_embeddings:
+            say("--quantize-head: the LM head is tied to the embedding (read by a Gather), so it stays unquantised")
         try:
             plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
                                   max_input=max_input, group_size=group, quantize_head=quantize_head, int4_grid=grid)

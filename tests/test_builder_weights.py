@@ -35,12 +35,12 @@ def tiny(tmp_path_factory):
     return retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "tiny-retier")
 
 
-def golden_with(ckpt, wcfg: WeightQuantConfig | None) -> GoldenModel:
+def golden_with(ckpt, wcfg: WeightQuantConfig | None, quantize_head: bool = False) -> GoldenModel:
     """The golden model in deployed mode on the checkpoint's weights, projections dequantised."""
     cfg = checkpoint.load_config(ckpt)
     sd = dict(checkpoint.load_state_dict(ckpt))
     if wcfg is not None:
-        for name in quantised_names(cfg):
+        for name in quantised_names(cfg, quantize_head):
             sd[name] = dequantize(quantize(np.asarray(sd[name], np.float32), wcfg))
     calib_t = checkpoint.load_kv_calibration(ckpt)
     calib = KVCalibration.from_tensors(cfg, calib_t) if calib_t is not None else None
@@ -99,6 +99,24 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     assert ops.count("MatMulNBits") == 5 * 4 and "Gemm" in ops  # 4 layers x 5 projections; GSM side stays Gemm
     trt = onnx.load(bundle / "model.onnx", load_external_data=False)
     assert sum(n.op_type == "DequantizeLinear" for n in trt.graph.node) == 5 * 4
+
+
+def test_quantize_head(tiny, tmp_path):
+    """--quantize-head on the (untied) tiny model: the LM head is a sixth MatMulNBits and the golden with
+    the dequantised head agrees."""
+    import onnx
+
+    r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+              quantize_head=True)
+    assert r.report["weights"]["quantize_head"] is True
+    no_head = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "n", max_seq=N_MAX, weights="int4",
+                    group_size=32)
+    assert r.plan.weight_bytes < no_head.plan.weight_bytes
+    ops = [n.op_type for n in onnx.load(tmp_path / "b" / "model.portable.onnx", load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 5 * 4 + 1
+    prompt = np.random.default_rng(6).integers(3, 259, PROMPT_LEN).tolist()
+    worst, gt, rt = run_both(tmp_path / "b", golden_with(tiny, WeightQuantConfig(4, 32), quantize_head=True), prompt)
+    assert gt == rt and worst <= LOGIT_TOL, (worst, gt, rt)
 
 
 def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path):
