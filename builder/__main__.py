@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--matmul-accuracy", choices=["exact", "fast"],
                    help="portable graph's quantised matmuls: exact (float32 on the dequantised weights) or fast "
                    "(ONNX Runtime quantises activations to INT8 blocks); default exact, fast for int8")
+    b.add_argument("--awq-scales", type=Path, help="AWQ input-channel scales from `python -m calibration.awq` "
+                   "(with --weights int4 --int4-grid sym)")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
@@ -74,6 +76,7 @@ def _build(args: argparse.Namespace) -> int:
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
                   uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
                   int4_grid=args.int4_grid, quantize_head=args.quantize_head, matmul_accuracy=args.matmul_accuracy,
+                  awq_scales=args.awq_scales,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:

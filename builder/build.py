@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import tempfile
 import time
@@ -87,6 +88,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           overwrite: bool = False, logits: str = "last", debug_outputs: bool = False, trt_precision: str = "fp16",
           uncalibrated: str = "data-free", weights: str = "fp16", group_size: int | None = None,
           int4_grid: str = "auto", quantize_head: bool = False, matmul_accuracy: str | None = None,
+          awq_scales: Path | None = None,
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
@@ -94,7 +96,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     (default 128, or the detected grid's); int4_grid: auto | sym | asym-f (docs/weights.md);
     matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4); default
     exact, except fast for INT8 (ONNX Runtime 1.32 has no fast float32 INT8 kernel: SmolLM2 decoded at
-    1.3 tok/s with exact INT8 vs 4.7 with FP32 weights, docs/weights.md)."""
+    1.3 tok/s with exact INT8 vs 4.7 with FP32 weights, docs/weights.md); awq_scales: a
+    `python -m calibration.awq` file (symmetric INT4 only)."""
     t0 = time.perf_counter()
     _check_weight_options(weights, group_size, int4_grid, matmul_accuracy)
     from jetson import DetectionError, UnknownDeviceError
@@ -108,7 +111,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
 
     try:
         check_output_dir(out, flag="--output", overwrite=overwrite,
-                         inputs=[("--checkpoint", checkpoint_dir), ("--calibration", calibration)])
+                         inputs=[("--checkpoint", checkpoint_dir), ("--calibration", calibration),
+                                 ("--awq-scales", awq_scales)])
     except OutputPathError as e:
         raise BuildError(str(e)) from None
     with _checkpoint_source(checkpoint_dir, say) as (ckpt, demo):
@@ -139,6 +143,9 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         if matmul_accuracy is None:
             matmul_accuracy = "fast" if plan.weights == "int8" else "exact"
         wreport = _weights_report(plan, cfg, ranks, weights, grid_note, matmul_accuracy)
+        awq = None
+        if awq_scales is not None:
+            awq, wreport["awq"] = load_awq_scales(Path(awq_scales), plan, tensors, cfg)
         if weights == "auto":
             say(f"--weights auto: {wreport['why']}")
         step("quantisation tables")
@@ -157,7 +164,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
             info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
-                                weights=wcfg, progress=step)
+                                weights=wcfg, input_scales=awq, progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
                          checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
@@ -272,8 +279,51 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
 
 def _weights_record(rep: dict[str, Any]) -> dict[str, Any]:
     """The weight format as the bundle's manifest and bundle.json record it."""
-    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "quantize_head", "quantised", "matmul_accuracy")
-            if k in rep}
+    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "quantize_head", "quantised", "matmul_accuracy",
+                                "awq") if k in rep}
+
+
+AWQ_FORMAT = "gsm-edge-awq-scales"  # calibration/awq.py's metadata["format"]
+
+
+def load_awq_scales(path: Path, plan: MemoryPlan, tensors: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The AWQ scales of `python -m calibration.awq` for this build, checked: symmetric INT4 at the group
+    they were searched for, one positive finite [K] per quantised projection of this checkpoint."""
+    import numpy as np
+
+    if plan.weights != "int4" or plan.int4_grid != "sym":
+        raise BuildError(f"--awq-scales applies to --weights int4 --int4-grid sym; this build is {plan.weights}"
+                         + (f" {plan.int4_grid}" if plan.weights == "int4" else "")
+                         + (" (the asym-f grid of a Q4_1-style source is exact already)"
+                            if plan.int4_grid == "asym-f" else ""))
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+            scales = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as e:  # safetensors raises its own error types for a bad file
+        raise BuildError(f"--awq-scales {path}: not a readable safetensors file ({e})") from None
+    if meta.get("format") != AWQ_FORMAT:
+        raise BuildError(f"--awq-scales {path}: not a scales file of `python -m calibration.awq` (metadata format "
+                         f"{meta.get('format')!r})")
+    if meta.get("group_size") != str(plan.group_size):
+        raise BuildError(f"--awq-scales {path}: searched for group {meta.get('group_size')}, this build quantises "
+                         f"at --group-size {plan.group_size}")
+    want = quantised_names(cfg)  # the LM head (--quantize-head) has no AWQ scale: it stays plain RTN
+    missing = sorted(want - set(scales))
+    if missing:
+        raise BuildError(f"--awq-scales {path}: no scale for {missing[0]} (and {len(missing) - 1} more); "
+                         "search them on this checkpoint")
+    for name in sorted(want):
+        s, k = scales[name], tensors.shape(name)[1]
+        if s.shape != (k,) or not np.isfinite(s).all() or (s <= 0).any():
+            raise BuildError(f"--awq-scales {path}: {name} must be {k} positive finite values, got shape "
+                             f"{list(s.shape)}")
+    alphas = json.loads(meta.get("alphas", "{}"))
+    return ({n: scales[n] for n in want},
+            {"scales": str(path), "projections": len(want),
+             "alpha_mean": float(np.mean(list(alphas.values()))) if alphas else None})
 
 
 def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, demo: bool,

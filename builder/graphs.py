@@ -46,10 +46,12 @@ class GraphsInfo:
 
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
                  rows: PoolRows, *, trt_precision: str = "fp16", weights: WeightQuantConfig | None = None,
+                 input_scales: dict[str, np.ndarray] | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
     path with the portable graph to float32 rounding (runtime backend "reference").
-    weights: the quantisation of the tensors in spec.quantised (None: none quantised)."""
+    weights: the quantisation of the tensors in spec.quantised (None: none quantised); input_scales: AWQ
+    scales of some of them (builder/qlinear.py ProjectionStore)."""
     if trt_precision not in ("fp16", "fp32"):
         raise ValueError(f"trt_precision must be fp16 or fp32, got {trt_precision!r}")
     if bool(spec.quantised) != (weights is not None):
@@ -57,7 +59,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     store = WeightStore(out / WEIGHTS_FILE)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     projections = None if weights is None else ProjectionStore(
-        store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32")
+        store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales)
     trt_opset = OPSET_INT4 if weights is not None and weights.bits == 4 else OPSET
     try:
         progress("portable graph + weights")

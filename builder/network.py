@@ -91,6 +91,9 @@ class Network:
         for n in self.projections.init_names[(name, self.form)]:
             self.g.weight(n)
         prefix, out = ProjectionStore.prefix(name, self.form), self.g.fresh("qlinear")
+        inv = self.projections.input_scale_name(name, self.form)
+        if inv is not None:  # AWQ: the stored weight is W diag(s), so the input is x / s
+            x2d = self.g.op("Mul", [x2d, inv])
         if self.form == "portable":
             self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy),
                              {MS_DOMAIN: 1})

@@ -229,10 +229,17 @@ class ProjectionStore:
 
     FORMS = ("portable", "tensorrt")
 
-    def __init__(self, store, cfg, *, trt_act_dtype: str = "float16") -> None:
+    def __init__(self, store, cfg, *, trt_act_dtype: str = "float16",
+                 input_scales: dict[str, np.ndarray] | None = None) -> None:
+        """input_scales: AWQ scale s [K] per weight name: W diag(s) is quantised and x / s fed to it."""
         self.store, self.cfg, self.trt_act_dtype = store, cfg, trt_act_dtype
+        self.input_scales = input_scales or {}
         self.layouts: dict[str, QLayout] = {}
         self.init_names: dict[tuple[str, str], list[str]] = {}
+
+    def input_scale_name(self, name: str, form: str) -> str | None:
+        """The stored 1/s of `name` in `form`, or None without AWQ."""
+        return self.prefix(name, form) + ".awq_inv_scale" if name in self.input_scales else None
 
     @staticmethod
     def prefix(name: str, form: str) -> str:
@@ -244,14 +251,32 @@ class ProjectionStore:
             return self.layouts[name]
         from builder.wquant import quantize_chunks
 
-        q = quantize_chunks(tuple(source.shape(name)), source.chunks(name), self.cfg, name=name)
+        shape = tuple(source.shape(name))
+        chunks = source.chunks(name)
+        s = self.input_scales.get(name)
+        if s is not None:
+            chunks = _scale_columns(chunks, np.asarray(s, np.float32), shape[1])
+        q = quantize_chunks(shape, chunks, self.cfg, name=name)
         self.store.note_held(q.codes.nbytes)
         for form, make in (("portable", lambda p: nbits_inits(p, q)),
                            ("tensorrt", lambda p: dq_inits(p, q, self.trt_act_dtype))):
             inits = make(self.prefix(name, form))
+            if s is not None:
+                dt, onnx_t = _act_type("float32" if form == "portable" else self.trt_act_dtype)
+                inv = (1.0 / np.asarray(s, np.float64)).astype(dt)
+                inits.append(_init(self.input_scale_name(name, form), inv, onnx_t))
             for i in inits:
                 self.store.put_raw(i.name, i.data_type, i.dims, i.raw)
             self.init_names[(name, form)] = [i.name for i in inits]
             del inits
         self.layouts[name] = QLayout.of(q)
         return self.layouts[name]
+
+
+def _scale_columns(chunks, s: np.ndarray, k: int):
+    """Flat C-order chunks of W [N, K] -> those of W diag(s) (a chunk may start mid-row)."""
+    pos = 0
+    for c in chunks:
+        c = np.asarray(c, np.float32).reshape(-1)
+        yield c * s[(pos + np.arange(c.size)) % k]
+        pos += c.size

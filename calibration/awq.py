@@ -36,8 +36,13 @@ GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 N_GRID = 20  # llm-awq's grid: alpha in {0, 0.05, ..., 0.95}
 
 
+_T_GETTER = torch.Tensor.T.__get__
+_MATMULS = (torch.Tensor.__matmul__, torch.Tensor.matmul, torch.matmul)
+
+
 class _Tap(torch.Tensor):
-    """A weight that reports the input of every F.linear it takes part in (then computes as usual)."""
+    """A weight that reports the input of every `F.linear(x, W)` and `x @ W.T` it takes part in (then
+    computes as usual): DenseLlama uses the first, the golden GSM model both."""
 
     tap_key: tuple[int, str]
     tap_sink: ActivationCollector
@@ -45,10 +50,19 @@ class _Tap(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and isinstance(args[1], _Tap):
+        if (func is torch.nn.functional.linear or func in _MATMULS) and isinstance(args[1], _Tap):
             args[1].tap_sink.record(args[1].tap_key, args[0])
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func == _T_GETTER and isinstance(args[0], _Tap):  # W.T stays a tap for the `x @ W.T` that follows
+            out = _tap(out, args[0].tap_key, args[0].tap_sink)
+        return out
+
+
+def _tap(w: torch.Tensor, key: tuple[int, str], sink: ActivationCollector) -> _Tap:
+    t = torch.Tensor._make_subclass(_Tap, w)
+    t.tap_key, t.tap_sink = key, sink
+    return t
 
 
 @dataclass
@@ -101,9 +115,7 @@ def collect_inputs(model: DenseLlama, sequences: Iterable[torch.Tensor], *, rows
         for group, keys in GROUPS.items():
             # one tap per group: the members share their input, so record it once (first member)
             name = names.layer_name(keys[0], i)
-            t = torch.Tensor._make_subclass(_Tap, original[name])
-            t.tap_key, t.tap_sink = (i, group), sink
-            model.w[name] = t
+            model.w[name] = _tap(original[name], (i, group), sink)
     try:
         for ids in sequences:
             sink.begin_sequence(int(ids.shape[-1]))
@@ -179,3 +191,121 @@ def quantized_dense_weights(model: DenseLlama, cfg: WeightQuantConfig,
                 wq = fake_quantize(w * s[None, :], cfg, name=name) / s[None, :]
             out[name] = torch.from_numpy(np.ascontiguousarray(wq, dtype=np.float32))
     return out
+
+
+# -- a GSM checkpoint: scales searched on the golden model, stored for `builder build --awq-scales` ----------
+# GSM layers have no k/v projections (latent factors instead, kept float32), so the attention-input group is q
+GSM_GROUPS: dict[str, tuple[str, ...]] = {"attn_in": ("q_proj",), **{g: GROUPS[g] for g in ("attn_out", "mlp_in",
+                                                                                             "mlp_out")}}
+
+
+@torch.no_grad()
+def collect_golden_inputs(golden, sequences: Iterable[torch.Tensor], *, rows_per_sequence: int = 64,
+                          seed: int = 0) -> dict[tuple[int, str], InputStats]:
+    """`collect_inputs` for `gsm.golden.GoldenModel` (exact mode): one fresh cache per sequence."""
+    sink = ActivationCollector(rows_per_sequence, seed)
+    saved = []
+    for i, lw in enumerate(golden.w.layers):
+        for group, keys in GSM_GROUPS.items():
+            saved.append((lw, keys[0], getattr(lw, keys[0])))
+            setattr(lw, keys[0], _tap(getattr(lw, keys[0]), (i, group), sink))
+    try:
+        for ids in sequences:
+            sink.begin_sequence(int(ids.shape[-1]))
+            golden.forward(golden.new_cache(), ids.reshape(-1))
+    finally:
+        for lw, key, w in saved:
+            setattr(lw, key, w)
+    return sink.stats
+
+
+def gsm_awq_scales(golden, stats: dict[tuple[int, str], InputStats], cfg: WeightQuantConfig, *,
+                   progress=None) -> dict[str, AwqResult]:
+    """AWQ result per projection weight name (the members of a group share it)."""
+    out = {}
+    for (i, group), st in sorted(stats.items()):
+        lw = golden.w.layers[i]
+        r = search_scales(st.sample, st.mean_abs, [getattr(lw, k).float().numpy() for k in GSM_GROUPS[group]], cfg)
+        for k in GSM_GROUPS[group]:
+            out[names.layer_name(k, i)] = r
+        if progress is not None:
+            progress(i, group, r)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m calibration.awq --checkpoint C --data TEXT --out awq_scales.safetensors`: AWQ input-channel
+    scales of a GSM checkpoint's q, o, gate, up, down projections for `builder build --weights int4
+    --int4-grid sym --awq-scales F` (searched for INT4 at --group-size)."""
+    import argparse
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    from gsm.cli_support import int_at_least, run_main
+
+    ap = argparse.ArgumentParser(prog="python -m calibration.awq", description=main.__doc__)
+    ap.add_argument("--checkpoint", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True, help="calibration text (or .npy / .bin token ids)")
+    ap.add_argument("--out", type=Path, required=True, help="scales file (safetensors, one [K] per projection)")
+    ap.add_argument("--group-size", type=int_at_least(16), default=128)
+    ap.add_argument("--samples", type=int_at_least(1), default=16, help="calibration windows")
+    ap.add_argument("--seq-len", type=int_at_least(3), default=512)
+    ap.add_argument("--rows", type=int_at_least(1), default=16, help="activation rows sampled per window for "
+                    "the search")
+    ap.add_argument("--overwrite", action="store_true")
+    a = ap.parse_args(argv)
+
+    def body() -> int:
+        from calibration.data import CalibrationInputError, checkpoint_bos, checkpoint_tokenizer, load_sequences
+        from gsm import checkpoint
+        from gsm.checker import verify
+        from gsm.golden.model import GoldenModel
+        from gsm.outputs import OutputPathError, check_output_file
+
+        try:
+            check_output_file(a.out, flag="--out", overwrite=a.overwrite, inputs=[("--checkpoint", a.checkpoint),
+                                                                                  ("--data", a.data)])
+            wcfg = WeightQuantConfig(4, a.group_size)
+        except (OutputPathError, ValueError) as e:
+            print(f"calibration.awq: error: {e}", file=sys.stderr)
+            return 2
+        rep = verify(a.checkpoint)
+        if not rep.ok:
+            print(f"calibration.awq: error: {a.checkpoint} is not a valid GSM checkpoint "
+                  f"(python -m gsm verify {a.checkpoint})", file=sys.stderr)
+            return 2
+        cfg = checkpoint.load_config(a.checkpoint)
+        try:
+            seqs = load_sequences(a.data, "--data", lambda: checkpoint_tokenizer(a.checkpoint, None, cfg.vocab_size),
+                                  seq_len=a.seq_len, max_sequences=a.samples,
+                                  bos_id=checkpoint_bos(a.checkpoint, cfg.bos_token_id), vocab_size=cfg.vocab_size)
+        except CalibrationInputError as e:
+            print(f"calibration.awq: error: {e}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        golden = GoldenModel.from_checkpoint(a.checkpoint, mode="exact")
+        stats = collect_golden_inputs(golden, list(seqs.ids), rows_per_sequence=a.rows)
+        res = gsm_awq_scales(golden, stats, wcfg, progress=lambda i, g, r: print(
+            f"layer {i} {g}: alpha {r.alpha:.2f}, error {r.error / max(r.error_rtn, 1e-30):.3f}x RTN", file=sys.stderr))
+        from safetensors.numpy import save
+
+        meta = {"format": "gsm-edge-awq-scales", "group_size": str(a.group_size), "bits": "4",
+                "samples": str(len(seqs.ids)), "seq_len": str(a.seq_len), "data": str(a.data),
+                "alphas": json.dumps({n: r.alpha for n, r in res.items()})}
+        raw = save({n: np.ascontiguousarray(r.scales, np.float32) for n, r in res.items()}, metadata=meta)
+        tmp = a.out.parent / f".{a.out.name}.tmp"
+        tmp.write_bytes(raw)
+        tmp.replace(a.out)
+        gain = np.mean([r.error / r.error_rtn for r in res.values() if r.error_rtn > 0])
+        print(f"wrote {a.out}: {len(res)} projections, mean alpha {np.mean([r.alpha for r in res.values()]):.2f}, "
+              f"search-sample error {gain:.3f}x RTN, {time.perf_counter() - t0:.0f} s")
+        return 0
+
+    return run_main("calibration.awq", body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

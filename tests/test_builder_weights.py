@@ -315,3 +315,62 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
           int4_grid="sym")
     worst_sym, _, _ = run_both(tmp_path / "s", golden, prompt[:8])
     assert worst_sym > 10 * LOGIT_TOL
+
+
+def _awq_file(path, scales: dict, group: int):
+    from safetensors.numpy import save_file
+
+    save_file({k: np.asarray(v, np.float32) for k, v in scales.items()}, str(path),
+              metadata={"format": "gsm-edge-awq-scales", "group_size": str(group), "bits": "4"})
+    return path
+
+
+def test_awq_scales_bundle_matches_golden(tiny, tmp_path):
+    """--awq-scales: the bundle computes x/s @ Q(W diag(s))^T; the golden holds Q(W diag(s)) diag(1/s)."""
+    cfg = checkpoint.load_config(tiny)
+    sd = dict(checkpoint.load_state_dict(tiny))
+    rng = np.random.default_rng(8)
+    scales = {n: rng.uniform(0.25, 4.0, np.asarray(sd[n]).shape[1]) for n in quantised_names(cfg)}
+    f = _awq_file(tmp_path / "awq.safetensors", scales, 32)
+    r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+              int4_grid="sym", awq_scales=f)
+    assert r.report["weights"]["awq"]["projections"] == 20
+    wcfg = WeightQuantConfig(4, 32)
+    for n, s in scales.items():
+        s32 = s.astype(np.float32)
+        sd[n] = dequantize(quantize(np.asarray(sd[n], np.float32) * s32[None, :], wcfg)) / s32[None, :]
+    golden = GoldenModel(GoldenWeights.from_tensors(cfg, sd), mode="deployed", quant=checkpoint.load_quant(tiny))
+    prompt = np.random.default_rng(9).integers(3, 259, PROMPT_LEN).tolist()
+    worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
+    assert gt == rt and worst <= LOGIT_TOL, (worst, gt, rt)
+    # refusals: wrong group, a missing projection, another grid
+    for bad, kw, needle in ((f, {"group_size": 64}, "searched for group 32"),
+                            (_awq_file(tmp_path / "m.safetensors", dict(list(scales.items())[1:]), 32),
+                             {"group_size": 32}, "no scale for"),
+                            (f, {"group_size": 32, "int4_grid": "asym-f"}, "--int4-grid sym")):
+        with pytest.raises(BuildError, match=needle):
+            build(device="orin", checkpoint_dir=tiny, output=tmp_path / "x", max_seq=N_MAX, weights="int4",
+                  awq_scales=bad, **{"int4_grid": "sym", **kw})
+        assert not (tmp_path / "x").exists()
+
+
+def test_awq_cli_scales_build(tiny, tmp_path):
+    """`python -m calibration.awq` on the tiny checkpoint writes scales `builder build` accepts; the search
+    never does worse than RTN on its own sample (alpha 0 is RTN)."""
+    from conftest import CALIB_TEXT
+
+    if not CALIB_TEXT.is_file():
+        pytest.skip("real data not found (../shared/data)")
+    out = tmp_path / "awq.safetensors"
+    r = run_module("calibration.awq", "--checkpoint", str(tiny), "--data", str(CALIB_TEXT), "--out", str(out),
+                   "--samples", "3", "--seq-len", "96", "--group-size", "32", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "20 projections" in r.stdout
+    errs = [float(ln.split("error ")[1].split("x")[0]) for ln in r.stderr.splitlines() if "x RTN" in ln]
+    assert len(errs) == 4 * 4 and max(errs) <= 1.0
+    b = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+              int4_grid="sym", awq_scales=out)
+    assert b.report["weights"]["awq"]["alpha_mean"] is not None
+    r = run_module("calibration.awq", "--checkpoint", str(tiny), "--data", str(CALIB_TEXT), "--out", str(out),
+                   cwd=tmp_path)
+    assert r.returncode == 2 and "already exists" in r.stderr
