@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(ONNX Runtime quantises activations to INT8 blocks); default exact, fast for int8")
     b.add_argument("--awq-scales", type=Path, help="AWQ input-channel scales from `python -m calibration.awq` "
                    "(with --weights int4 --int4-grid sym)")
+    b.add_argument("--max-top-k", type=int_at_least(0),
+                   help="largest per-sequence selection budget the TensorRT graph takes (default: the model's "
+                   "sparse_top_k; up to max-seq lets a sequence switch to dense attention there, at the cost of "
+                   "larger per-layer selection outputs, docs/engine_io.md 4.2); the portable graph takes any budget")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
@@ -76,7 +80,7 @@ def _build(args: argparse.Namespace) -> int:
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
                   uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
                   int4_grid=args.int4_grid, quantize_head=args.quantize_head, matmul_accuracy=args.matmul_accuracy,
-                  awq_scales=args.awq_scales,
+                  awq_scales=args.awq_scales, max_top_k=args.max_top_k,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:

@@ -88,7 +88,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           overwrite: bool = False, logits: str = "last", debug_outputs: bool = False, trt_precision: str = "fp16",
           uncalibrated: str = "data-free", weights: str = "fp16", group_size: int | None = None,
           int4_grid: str = "auto", quantize_head: bool = False, matmul_accuracy: str | None = None,
-          awq_scales: Path | None = None,
+          awq_scales: Path | None = None, max_top_k: int | None = None,
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
@@ -136,7 +136,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             say("--quantize-head: the LM head is tied to the embedding (read by a Gather), so it stays unquantised")
         try:
             plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
-                                  max_input=max_input, group_size=group, quantize_head=quantize_head, int4_grid=grid)
+                                  max_input=max_input, group_size=group, quantize_head=quantize_head, int4_grid=grid,
+                                  max_top_k=max_top_k)
             require_fit(plan, cfg, ranks, quant)
         except PlanError as e:
             raise BuildError(str(e)) from None
@@ -164,7 +165,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
             info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
-                                weights=wcfg, input_scales=awq, progress=step)
+                                weights=wcfg, input_scales=awq, max_top_k=plan.max_top_k,
+                                progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
                          checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
@@ -201,7 +203,8 @@ def _runtime_config(spec: NetSpec, plan: MemoryPlan, rows: Any, quant: Any, logi
         "ranks": {str(l): list(r) for l, r in spec.ranks.items()}, "index_dim": g.indexer_dim,
         "pool_rows": {"fp16": rows.fp16, "int12": rows.int12, "int8": rows.int8},
         "sink_tokens": g.sink_tokens, "sparse_window": g.sparse_window, "max_sparse_window": g.max_sparse_window,
-        "sparse_top_k": g.sparse_top_k, "quantization_adaptation_rate": g.quantization_adaptation_rate,
+        "sparse_top_k": g.sparse_top_k, "max_top_k": plan.max_top_k,
+        "quantization_adaptation_rate": g.quantization_adaptation_rate,
         "kv_quantization": quant.to_json()["kv_quantization"],
     }
 

@@ -46,7 +46,7 @@ class GraphsInfo:
 
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
                  rows: PoolRows, *, trt_precision: str = "fp16", weights: WeightQuantConfig | None = None,
-                 input_scales: dict[str, np.ndarray] | None = None,
+                 input_scales: dict[str, np.ndarray] | None = None, max_top_k: int | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
     path with the portable graph to float32 rounding (runtime backend "reference").
@@ -72,7 +72,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         progress("TensorRT graph")
         g = GraphBuilder(store, opset=trt_opset)
         trt_spec = replace(spec, debug=False)
-        Network(g, PluginOps(g, cfg, ranks, n_max, rows), trt_spec, source, quant,
+        Network(g, PluginOps(g, cfg, ranks, n_max, rows, max_top_k=max_top_k), trt_spec, source, quant,
                 F16 if trt_precision == "fp16" else F32, projections=projections, form="tensorrt").build()
         doc = f"GSM network with GSM plugin nodes, {trt_precision} activations (docs/engine_io.md 2-4)"
         save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1}, doc=doc), out / MODEL_TRT)

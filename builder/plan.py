@@ -124,6 +124,7 @@ class MemoryPlan:
     group_size: int = DEFAULT_GROUP_SIZE  # INT4 group (INT8 is per channel)
     quantize_head: bool = False
     int4_grid: str = "sym"  # INT4_GRIDS
+    max_top_k: int = 0  # largest per-sequence selection budget the TensorRT graph takes (0: not given)
 
     @property
     def total_bytes(self) -> int:
@@ -218,15 +219,22 @@ def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: Poo
     return per_seq * max_batch
 
 
-def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int) -> int:
-    """Largest live tensors of one forward call over B x T tokens at context S (estimate, FP16/FP32)."""
+def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int,
+                     max_top_k: int | None = None) -> int:
+    """Largest live tensors of one forward call over B x T tokens at context S (estimate, FP16/FP32),
+    plus the per-layer outputs the TensorRT engine holds all at once (engine_io rev 4: `selected.{l}`
+    [B, T, K_sel] int32 with K_sel = sinks + max_sparse_window + max_top_k, `attn_mass.{l}` [B, S] float32
+    for every owning layer; max_top_k None: the model's sparse_top_k, the default)."""
     B, T, S = max_batch, max_input, max_seq
+    g = cfg.gsm
     hidden = B * T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 2
-    sel = min(S, cfg.gsm.sink_tokens + cfg.gsm.max_sparse_window + cfg.gsm.sparse_top_k)
-    scores = B * T * (S * cfg.gsm.indexer_heads + sel * cfg.num_attention_heads) * 4  # index + attention
+    sel = min(S, g.sink_tokens + g.max_sparse_window + g.sparse_top_k)
+    scores = B * T * (S * g.indexer_heads + sel * cfg.num_attention_heads) * 4  # index + attention
     kv = B * S * 2 * cfg.kv_dim * 2  # one layer's reconstructed K/V
     logits = B * T * cfg.vocab_size * 4
-    return hidden + scores + kv + logits
+    k_sel = g.sink_tokens + g.max_sparse_window + (min(g.sparse_top_k, S) if max_top_k is None else max_top_k)
+    per_layer = len(cfg.owning_layers) * B * (T * k_sel + S) * 4
+    return hidden + scores + kv + logits + per_layer
 
 
 def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
@@ -251,10 +259,10 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
               max_input: int | None = None, weights: str = "fp16", group_size: int = DEFAULT_GROUP_SIZE,
-              quantize_head: bool = False, int4_grid: str = "sym") -> MemoryPlan:
+              quantize_head: bool = False, int4_grid: str = "sym", max_top_k: int | None = None) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
     callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
-    for auto)."""
+    for auto). max_top_k: the TensorRT graph's largest per-sequence budget (None: the model's sparse_top_k)."""
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
     if max_seq > cfg.max_position_embeddings:
         raise PlanError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings "
@@ -264,6 +272,10 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     max_input = min(max_seq, 512) if max_input is None else max_input
     if not 1 <= max_input <= max_seq:
         raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
+    low = min(cfg.gsm.sparse_top_k, max_seq)
+    if max_top_k is not None and not low <= max_top_k <= max_seq:
+        raise PlanError(f"--max-top-k must be in [{low} (the model's sparse_top_k), max-seq={max_seq}], "
+                        f"got {max_top_k}")
     params = param_count(cfg, ranks)
     tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, quantize_head=quantize_head,
                            int4_grid=int4_grid)
@@ -273,7 +285,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         T = min(max_input, S)
         rows = pool_rows(S, T, cfg, quant)
         return wbytes + kv_pool_bytes(cfg, ranks, rows, S, max_batch) + \
-            activation_bytes(cfg, S, max_batch, T) + WORKSPACE_BYTES
+            activation_bytes(cfg, S, max_batch, T, None if max_top_k is None else min(max_top_k, S)) + \
+            WORKSPACE_BYTES
 
     largest = _largest(total, profile.usable_bytes, cfg.max_position_embeddings)
     rows = pool_rows(max_seq, max_input, cfg, quant)
@@ -281,11 +294,13 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     return MemoryPlan(
         device=profile.name, max_seq=max_seq, max_batch=max_batch, max_input=max_input, params=params,
         weight_bytes=wbytes, pool_rows=rows, kv_pool_bytes=kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch),
-        activation_bytes=activation_bytes(cfg, max_seq, max_batch, max_input), workspace_bytes=WORKSPACE_BYTES,
+        activation_bytes=activation_bytes(cfg, max_seq, max_batch, max_input, max_top_k),
+        workspace_bytes=WORKSPACE_BYTES,
         usable_bytes=profile.usable_bytes, kv_bytes_per_position=kv_bytes_per_position(cfg, ranks, quant),
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
-        weights=weights, group_size=group_size, quantize_head=quantize_head, int4_grid=int4_grid)
+        weights=weights, group_size=group_size, quantize_head=quantize_head, int4_grid=int4_grid,
+        max_top_k=min(cfg.gsm.sparse_top_k, max_seq) if max_top_k is None else max_top_k)
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
@@ -356,9 +371,15 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
                                                   **{**_weight_kw(plan), "weights": w}).fits]
     if lower:
         msg += f" With --weights {lower[0]} it fits at --max-seq {plan.max_seq}."
+    low = min(cfg.gsm.sparse_top_k, plan.max_seq)
+    if profile is not None and plan.max_top_k > low and make_plan(
+            cfg, ranks, quant, profile, max_seq=plan.max_seq, max_batch=plan.max_batch, max_input=plan.max_input,
+            **{**_weight_kw(plan), "max_top_k": low}).fits:
+        msg += (f" With --max-top-k {low} it fits (the TensorRT graph's per-layer selection outputs shrink; "
+                "a sequence can then not switch to dense attention there).")
     raise PlanError(msg)
 
 
 def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
     return {"weights": plan.weights, "group_size": plan.group_size, "quantize_head": plan.quantize_head,
-            "int4_grid": plan.int4_grid}
+            "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k}

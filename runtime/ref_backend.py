@@ -27,8 +27,9 @@ def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
     worst = int(np.max(top_k)) if np.size(top_k) else 0
     if worst > max_top_k:
         raise RequestError("sparse_top_k", f"{worst} is above the bundle's max_top_k {max_top_k} on backend "
-                                           f"{backend} (the plugin graph's selection width; build with a larger "
-                                           "max_top_k, or use the onnxruntime backend)")
+                                           f"{backend} (the plugin graph's selection width: rebuild with "
+                                           f"`builder build --max-top-k {worst}` or more, or use the onnxruntime "
+                                           "backend)")
 
 
 def reference_usable() -> tuple[bool, str]:

@@ -196,3 +196,20 @@ def test_uncalibrated_real_checkpoint_ships_an_fp16_cache_unless_asked(tiny, tmp
     r = run_cli("builder", "build", "--device", "orin", "--output", str(tmp_path / "d"), "--max-seq", "64",
                 cwd=tmp_path)  # the demo: random weights, tiers kept to show the machinery
     assert json.loads((tmp_path / "d" / "report.json").read_text())["kv_tiers"]["mode"] == "data-free"
+
+
+def test_max_top_k_flag(tmp_path, tiny):
+    """--max-top-k N reaches the plugin nodes and bundle.json; out of range is one error, nothing written."""
+    import onnx
+
+    r = run_cli("builder", "build", "--device", "orin", "--checkpoint", str(tiny), "--max-seq", "128",
+                "--max-top-k", "129", "--output", str(tmp_path / "o"), cwd=tmp_path)
+    assert r.returncode == 2 and "--max-top-k must be in [" in r.stderr and "got 129" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+    out = tmp_path / "b"
+    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=128, max_top_k=100)
+    assert json.loads((out / "bundle.json").read_text())["max_top_k"] == 100
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    got = {a.i for n in m.graph.node if n.op_type == "GsmSparseAttention" for a in n.attribute
+           if a.name == "max_top_k"}
+    assert got == {100}

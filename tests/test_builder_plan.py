@@ -142,3 +142,32 @@ def test_asym_f_grid_bytes_by_hand():
     assert asym - sym == L * sum(n * (k // 32) * 2 for n, k in proj)
     with pytest.raises(PlanError, match="--int4-grid"):
         weight_bytes(cfg, ranks, weights="int4", int4_grid="asym")
+
+
+def test_max_top_k_outputs_counted_by_hand_and_refusal_names_the_flag():
+    """engine_io rev 4: the TensorRT graph outputs selected.{l} [B, T, K_sel] int32 and attn_mass.{l}
+    [B, S] float32 for every owning layer; K_sel = sinks + max_sparse_window + max_top_k."""
+    cfg, ranks, q = preset("tiny")
+    g, L = cfg.gsm, len(cfg.owning_layers)
+    orin = get_profile("orin")
+    base = make_plan(cfg, ranks, q, orin, max_seq=256, max_batch=2, max_input=32)
+    assert base.max_top_k == g.sparse_top_k  # the default
+    wide = make_plan(cfg, ranks, q, orin, max_seq=256, max_batch=2, max_input=32, max_top_k=256)
+    assert wide.activation_bytes - base.activation_bytes == L * 2 * 32 * (256 - g.sparse_top_k) * 4
+    with pytest.raises(PlanError, match=r"--max-top-k must be in \[8 .*max-seq=256\], got 257"):
+        make_plan(cfg, ranks, q, orin, max_seq=256, max_top_k=257)
+    # a device where only the default maximum fits: the refusal says so
+    import dataclasses
+
+    need_default = make_plan(cfg, ranks, q, orin, max_seq=256, max_batch=2, max_input=32).total_bytes
+    tight = dataclasses.replace(orin, memory_bytes=orin.reserve_bytes + need_default + 1)
+    from jetson.profiles import PROFILES
+
+    plan = make_plan(cfg, ranks, q, tight, max_seq=256, max_batch=2, max_input=32, max_top_k=256)
+    assert not plan.fits
+    orig, PROFILES[orin.name] = PROFILES[orin.name], tight
+    try:
+        with pytest.raises(PlanError, match=rf"With --max-top-k {g.sparse_top_k} it fits"):
+            require_fit(plan, cfg, ranks, q)
+    finally:
+        PROFILES[orin.name] = orig

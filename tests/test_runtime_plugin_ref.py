@@ -11,6 +11,8 @@ driving the engine's int32 byte pools, slot tables and demotion lists.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -40,6 +42,13 @@ def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):
     build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32")
     rt = runtime.load(out, backend="reference")
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
+    # default --max-top-k: the model's sparse_top_k; a larger run-time budget is refused, naming the flag
+    assert rt.backend.max_top_k == golden.p.sparse_top_k == json.loads((out / "bundle.json").read_text())["max_top_k"]
+    wide = rt.new_sequence()
+    wide.top_k = golden.p.sparse_top_k + 1
+    with pytest.raises(runtime.RequestError, match=f"--max-top-k {golden.p.sparse_top_k + 1}"):
+        wide.prefill([5, 6])
+    assert wide.length == 0
     prompt = np.random.default_rng(2).integers(3, 259, PROMPT_LEN).tolist()
     gcache, seq = golden.new_cache(), rt.new_sequence()
     with torch.no_grad():
@@ -111,7 +120,8 @@ def test_reference_kv_noise(ckpt, tmp_path):
 @pytest.fixture(scope="module")
 def budget_bundle(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("budget") / "b32"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True)
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True,
+          max_top_k=N_MAX)
     return out
 
 
