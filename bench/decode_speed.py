@@ -2,12 +2,15 @@
 
     python bench/decode_speed.py --checkpoint out/smol-gsm --threads 2 --out bench-decode.json
     python bench/decode_speed.py --bundle out/b8k --contexts 256,1024 --batches 1 --max-seqs ""   # quick
+    python bench/decode_speed.py --bundle out/b8k --threads 1 --contexts 256,1024,4096 --top-ks 64,256   # issue 9 table
 
 Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
 - decode tokens/s and ms per step against the context length (`--contexts`), batch 1, in the
   bundle of the largest `--max-seq`; prefill tokens/s of that context;
 - decode ms per step at a fixed context (`--fixed-context`) in bundles built with each `--max-seqs`;
-- batch throughput at `--batch-context` for `--batches` sequences decoded together (decode_batch);
+- batch throughput at each `--batch-contexts` for `--batches` sequences decoded together (decode_batch);
+- each of these at every run-time selection budget in `--top-ks` (`runtime.load(top_k=...)`; default the
+  checkpoint's);
 - peak RSS of each; optionally (`--profile`) ONNX Runtime's profile of decode steps per op type;
 - llama.cpp on the same model and thread count when its tools are found (`--llama-dir`, default
   ~/.cache/gsm-edge/llama.cpp, built by ../shared/tools/llama_cpp.sh): `llama-bench -p 0 -n N` from an
@@ -53,7 +56,7 @@ def measure(args: argparse.Namespace) -> dict:
     import runtime
     from runtime.ort_backend import SessionTuning
 
-    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads)
+    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, top_k=args.top_k)
     tuning = SessionTuning(threads=args.threads, spinning=args.spinning, optimization=args.optimization,
                            arena=not args.no_arena)
     if tuning != rt.backend.tuning:  # a session tuned otherwise than the runtime's default
@@ -88,6 +91,7 @@ def measure(args: argparse.Namespace) -> dict:
         logits = rt.decode_batch(seqs, tok)
         times.append(time.perf_counter() - t)
     res = {"bundle": str(args.bundle), "tuning": tuning.__dict__, "n_max": rt.n_max, "context": ctx, "batch": B,
+           "top_k": args.top_k,
            "steps": steps,
            "threads": args.threads, "prefill_tokens_per_s": B * ctx / prefill_s,
            "decode_ms_per_step": 1e3 * float(np.median(times)),
@@ -106,9 +110,10 @@ def measure(args: argparse.Namespace) -> dict:
     return res
 
 
-def run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool = False) -> dict:
+def run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool = False,
+            top_k: int | None = None) -> dict:
     """The best of `--repeat` fresh-process runs (the least disturbed one on a shared machine)."""
-    runs = [_run_one(bundle, context, batch, a, profile) for _ in range(1 if profile else a.repeat)]
+    runs = [_run_one(bundle, context, batch, a, profile, top_k) for _ in range(1 if profile else a.repeat)]
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[0]
@@ -118,9 +123,12 @@ def run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profi
     return best
 
 
-def _run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool) -> dict:
+def _run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool,
+             top_k: int | None) -> dict:
     cmd = [sys.executable, __file__, "--one", "--bundle", str(bundle), "--context", str(context), "--batch", str(batch),
            "--steps", str(a.steps), "--threads", str(a.threads), "--text", str(a.text)]
+    if top_k is not None:
+        cmd += ["--top-k", str(top_k)]
     if profile:
         cmd += ["--profile", "--profile-dir", str(a.work)]
     cmd += ["--optimization", a.optimization] + (["--spinning"] if a.spinning else []) + (["--no-arena"] if a.no_arena
@@ -128,7 +136,8 @@ def _run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, prof
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        return {"bundle": str(bundle), "context": context, "batch": batch, "error": r.stderr.strip().splitlines()[-1:]}
+        return {"bundle": str(bundle), "context": context, "batch": batch, "top_k": top_k,
+                "error": r.stderr.strip().splitlines()[-1:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -194,7 +203,10 @@ def main() -> int:
     ap.add_argument("--max-seqs", type=ints, default=[2048, 8192], help="bundles compared at --fixed-context")
     ap.add_argument("--fixed-context", type=int, default=1024)
     ap.add_argument("--batches", type=ints, default=[1, 4, 8])
-    ap.add_argument("--batch-context", type=int, default=256)
+    ap.add_argument("--batch-contexts", type=ints, default=[256], help="contexts of the batch runs")
+    ap.add_argument("--top-ks", type=ints, default=[],
+                    help="run-time selection budgets (runtime.load(top_k=...)) each run is measured at; "
+                         "default: the checkpoint's")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spinning", action="store_true", help="ONNX Runtime intra-op threads spin (default off)")
@@ -204,12 +216,15 @@ def main() -> int:
     ap.add_argument("--text", type=Path, default=DATA / "tinystories_eval.txt", help="context text")
     ap.add_argument("--profile", action="store_true", help="ONNX Runtime profile per op type (with --one: here)")
     ap.add_argument("--profile-context", type=int, default=4096)
+    ap.add_argument("--profile-batches", type=ints, default=[], help="with --profile: also profile these batch "
+                    "sizes at the first --batch-contexts")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--out", type=Path, help="write all results as JSON here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--top-k", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", default=".", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -233,30 +248,42 @@ def main() -> int:
 
     n_main = json.loads((main_bundle / "bundle.json").read_text())["n_max"]
     room = n_main - a.steps - 2  # the decode steps (and the warm-up step) must fit after the context
-    if max(a.contexts) > room:
+    if a.contexts and max(a.contexts) > room:
         print(f"contexts above {room} are measured at {room}: bundle max-seq {n_main} - {a.steps + 2} decode steps",
               flush=True)
     a.contexts = sorted({min(c, room) for c in a.contexts})
-    for ctx in a.contexts:
-        r = run_one(main_bundle, ctx, 1, a)
-        results["by_context"].append(r)
-        show(r, f"context {ctx:5d}, batch 1, max-seq {r.get('n_max')}")
+    top_ks = a.top_ks or [None]
+    tk = {k: "" if k is None else f", top-k {k}" for k in top_ks}
+    for k in top_ks:
+        for ctx in a.contexts:
+            r = run_one(main_bundle, ctx, 1, a, top_k=k)
+            results["by_context"].append(r)
+            show(r, f"context {ctx:5d}, batch 1, max-seq {r.get('n_max')}{tk[k]}")
     for n in a.max_seqs if not a.bundle else []:
-        r = run_one(ensure_bundle(a, n), a.fixed_context, 1, a)
+        r = run_one(ensure_bundle(a, n), a.fixed_context, 1, a, top_k=top_ks[0])
         results["by_max_seq"].append(r)
-        show(r, f"context {a.fixed_context:5d}, batch 1, max-seq {n}")
-    for b in a.batches:
-        r = run_one(main_bundle, a.batch_context, b, a)
-        results["by_batch"].append(r)
-        show(r, f"context {a.batch_context:5d}, batch {b}")
+        show(r, f"context {a.fixed_context:5d}, batch 1, max-seq {n}{tk[top_ks[0]]}")
+    for k in top_ks:
+        for ctx in a.batch_contexts:
+            for b in a.batches:
+                r = run_one(main_bundle, min(ctx, room), b, a, top_k=k)
+                results["by_batch"].append(r)
+                show(r, f"context {min(ctx, room):5d}, batch {b}{tk[k]}")
     if a.profile:
-        r = run_one(main_bundle, min(a.profile_context, room), 1, a, profile=True)
+        r = run_one(main_bundle, min(a.profile_context, room), 1, a, profile=True, top_k=top_ks[-1])
         results["profile"] = r
         if "profile_ms_per_step_by_op" in r:
             print(f"ONNX Runtime profile at context {a.profile_context} (ms per decode step, kernel time "
                   f"{r['profile_total_ms_per_step']} of {r['decode_ms_per_step']:.1f}):")
             for op, ms in list(r["profile_ms_per_step_by_op"].items())[:12]:
                 print(f"  {op:24s} {ms:8.3f}")
+        for b in a.profile_batches:  # per-op growth with the batch (issue 9: Transpose/Gather at B > 1)
+            r = run_one(main_bundle, min(a.batch_contexts[0], room), b, a, profile=True, top_k=top_ks[-1])
+            results.setdefault("profile_by_batch", []).append(r)
+            if "profile_ms_per_step_by_op" in r:
+                print(f"ONNX Runtime profile at context {r['context']}, batch {b} (kernel ms per decode step "
+                      f"{r['profile_total_ms_per_step']} of {r['decode_ms_per_step']:.1f}): " + ", ".join(
+                          f"{op} {ms:.2f}" for op, ms in list(r["profile_ms_per_step_by_op"].items())[:10]), flush=True)
     if not a.no_llama:
         results["llama_cpp"] = llama_anchor(a, main_bundle)
         print("llama.cpp:", json.dumps(results["llama_cpp"]), flush=True)
