@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from builder.nodes import F16, F32, I32, I64, apply_rope, cast, linear, positions, valid_rows
+from builder.nodes import F16, F32, I32, I64, cast, linear, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm.config import ModelConfig
 
@@ -120,8 +120,15 @@ class PortableOps:
                                            g.op("Range", [c64[0], g.op("Squeeze", [n_new]), c64[1]])])
             geo["pos_flat"] = g.op("Reshape", [pos, g.const([-1], np.int64, "flat")])
             cos, sin = rope
-            geo["cos_q"] = g.op("Unsqueeze", [g.op("Gather", [cos, pos], axis=0), g.const([2], np.int64, "ax2")])
-            geo["sin_q"] = g.op("Unsqueeze", [g.op("Gather", [sin, pos], axis=0), g.const([2], np.int64, "ax2")])
+            # RoPE tables by position as [N, 1, 2, D/2] halves, sin signed [-sin | +sin] (folded at load): a
+            # Gather gives factors that broadcast over heads, and rotate_half is one Slice (_rope)
+            D = self.cfg.head_dim
+            halves = g.const([-1, 1, 2, D // 2], np.int64, "n1_2_half")
+            sign = np.concatenate([-np.ones(D // 2), np.ones(D // 2)]).astype(np.float32)
+            geo["cos"] = g.op("Reshape", [cos, halves])
+            geo["sin"] = g.op("Reshape", [g.op("Mul", [sin, g.const(sign, np.float32, "rope_sign")]), halves])
+            geo["cos_q"] = g.op("Gather", [geo["cos"], pos], axis=0)  # [B, S, 1, 2, D/2]
+            geo["sin_q"] = g.op("Gather", [geo["sin"], pos], axis=0)
             # context columns: cached positions 0..T_c-1 (T_c = largest past), then the S new rows
             tc = g.op("ReduceMax", [cast(g, past, I64)], keepdims=1)  # [1]
             col = g.op("Range", [c64[0], g.op("Squeeze", [tc]), c64[1]])  # [T_c]
@@ -165,12 +172,9 @@ class PortableOps:
         g = self.g
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
             out = dict(cache)
-            out["new_k"] = cast(g, cast(g, ck, F16), F32)
-            out["new_v"] = cast(g, cast(g, cv, F16), F32)
-            out["new_keys"] = cast(g, key, F16)
-            for kind, name in (("new_k", f"new_latent_k.{l}"), ("new_v", f"new_latent_v.{l}"),
-                               ("new_keys", f"new_index_keys.{l}")):
-                out[kind] = g.op("Identity", [out[kind]], outputs=[name])
+            out["new_k"] = g.op("Cast", [cast(g, ck, F16)], to=F32, outputs=[f"new_latent_k.{l}"])
+            out["new_v"] = g.op("Cast", [cast(g, cv, F16)], to=F32, outputs=[f"new_latent_v.{l}"])
+            out["new_keys"] = g.op("Cast", [key], to=F16, outputs=[f"new_index_keys.{l}"])
         return out
 
     # -- GsmSparseAttention --------------------------------------------------------------------------
@@ -199,8 +203,8 @@ class PortableOps:
             # gathered [K, nKV*D] rows, read as they lie (no head-major Transpose of K rows, whose cost
             # grew with the batch); the zeros cost nH*K*(nKV-1)*D multiply-adds, small next to the
             # reconstruction's K*r*nKV*D (nH << r)
-            qh = g.op("Reshape", [q, g.const([0, 0, nH, D], np.int64, "bshd")])  # [B, S, nH, D]
-            qh = g.op("Reshape", [apply_rope(g, qh, geo["cos_q"], geo["sin_q"], D),
+            qh = g.op("Reshape", [q, g.const([0, 0, nH, 2, D // 2], np.int64, "bsh2d")])  # [B, S, nH, 2, D/2]
+            qh = g.op("Reshape", [_rope(g, qh, geo["cos_q"], geo["sin_q"]),
                                   g.const([0, 0, nKV, grp, 1, D], np.int64, "bskg1d")])
             if nKV > 1:
                 qh = g.op("Mul", [qh, g.const(_head_blocks(nKV), np.float32, f"head_blocks{nKV}")])
@@ -293,12 +297,12 @@ class PortableOps:
             lat_v = g.op("Concat", [lat_k, lat_v], axis=-1)
             half = (g.const([0], np.int64, "kv0"), g.const([nKV * D], np.int64, "kvd"), g.const([0], np.int64, "ax0"))
             k_u = linear(g, lat_v, g.op("Slice", [up[0], *half]), g.op("Slice", [up[1], *half]))
-        heads = g.const([-1, nKV, D], np.int64, "u_hd")
+        heads = g.const([-1, nKV, 2, D // 2], np.int64, "u_h2d")
         pos_u = g.op("Gather", [g.op("Concat", [geo["pos_flat"], g.op("Reshape", [p, flat])], axis=0), first],
                      axis=0)  # [U]
-        cos_u = g.op("Unsqueeze", [g.op("Gather", [rope[0], pos_u], axis=0), g.const([1], np.int64, "ax1")])
-        sin_u = g.op("Unsqueeze", [g.op("Gather", [rope[1], pos_u], axis=0), g.const([1], np.int64, "ax1")])
-        k_u = apply_rope(g, g.op("Reshape", [k_u, heads]), cos_u, sin_u, D)  # [U, nKV, D]
+        cos_u = g.op("Gather", [geo["cos"], pos_u], axis=0)  # [U, 1, 2, D/2]
+        sin_u = g.op("Gather", [geo["sin"], pos_u], axis=0)
+        k_u = _rope(g, g.op("Reshape", [k_u, heads]), cos_u, sin_u)  # [U, nKV, 2, D/2]
         inv = g.op("Reshape", [inverse, g.op("Shape", [p])])  # [B, S, K]
         k_u = g.op("Reshape", [k_u, g.const([-1, nKV * D], np.int64, "u_kvd")])
         # row gathers along axis 0: contiguous row copies, the layout the MatMuls read
@@ -357,6 +361,15 @@ class PortableOps:
             is8 = g.op("Equal", [tier, g.const(2, np.int32, "t8")])
             return g.op("Where", [is12, v12, g.op("Where", [is8, v8, lat])], outputs=[out])
 
+
+
+def _rope(g: GraphBuilder, x: str, cos: str, sin_signed: str) -> str:
+    """RoPE of x [..., 2, D/2] (halves on axis -2): x * cos + rotate_half(x) * sin, with rotate_half(x) * sin =
+    [x2, x1] * [-sin, +sin]: the halves swapped by one reversing Slice (bitwise the same as Split/Neg/Concat)."""
+    swapped = g.op("Slice", [x, g.const([-1], np.int64, "i_minus1_1"), g.const([np.iinfo(np.int64).min], np.int64,
+                                                                             "i64min"),
+                             g.const([-2], np.int64, "ax_minus2"), g.const([-1], np.int64, "step_minus1")])
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [swapped, sin_signed])])
 
 
 def _head_blocks(n_kv: int) -> np.ndarray:

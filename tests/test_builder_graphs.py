@@ -124,7 +124,8 @@ def test_every_gsm_node_is_one_portable_subgraph(bundle):
         if node.op_type != "GsmKVCacheUpdate":
             assert _connected(sub), f"{scope} is not one connected subgraph"
         else:
-            assert len(sub) == 8 and all(n.op_type in ("Cast", "Identity") for n in sub)
+            # (the FP16 round trip of each latent is two Casts, the keys' one; the last Cast names the output)
+            assert len(sub) == 5 and all(n.op_type == "Cast" for n in sub)
 
 
 def _connected(nodes):
