@@ -254,12 +254,13 @@ def topk_curve(setup: Setup, seqs: torch.Tensor, ks: list[int], block: int = 256
 
 @torch.no_grad()
 def topk_perplexities(setup: Setup, seqs: torch.Tensor, ks: list[int], recency: bool,
-                      dense: bool = True) -> dict[str, Any]:
+                      dense: bool = True, indexer: bool = True) -> dict[str, Any]:
     """Perplexity of dense, GSM exact at each top-k, and (recency) GSM exact with the same budget as a window."""
     p = setup.cfg.gsm
     models: dict[str, GoldenModel | None] = {"dense": None} if dense else {}
     for k in ks:
-        models[f"top_k={k}"] = GoldenModel(setup.gsm.w, mode="exact", params=replace(p, sparse_top_k=k))
+        if indexer:
+            models[f"top_k={k}"] = GoldenModel(setup.gsm.w, mode="exact", params=replace(p, sparse_top_k=k))
         if recency:
             # the checkpoint's max_sparse_window bounds a deployed ring buffer; exact mode keeps every row
             w = p.sparse_window + k
@@ -299,7 +300,7 @@ def cmd_topk(a: argparse.Namespace) -> dict[str, Any]:
     if a.ppl_len:
         t0 = time.perf_counter()
         res["perplexity"] = topk_perplexities(s, s.sequences(a.ppl_len, a.ppl_sequences), a.ppl_ks or [],
-                                              a.recency, dense=not a.no_dense)
+                                              a.recency, dense=not a.no_dense, indexer=not a.recency_only)
         res["perplexity"]["seconds"] = time.perf_counter() - t0
         print(f"[topk] perplexity at {a.ppl_len}: {res['perplexity']['perplexity']}", flush=True)
     return res
@@ -483,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--ppl-ks", type=ints, default=[], help="top-k values scored for perplexity")
     tk.add_argument("--recency", action="store_true", help="also recency (window + top-k) at each --ppl-ks budget")
     tk.add_argument("--no-dense", action="store_true", help="skip the dense perplexity (run in another process)")
+    tk.add_argument("--recency-only", action="store_true", help="with --recency: skip the indexer's top-k models")
 
     ch = sub.add_parser("chat", help="greedy chat answer, GSM exact vs dense")
     common(ch)

@@ -133,3 +133,32 @@ def test_budget_sequences_shrink_to_a_short_text(tmp_path, stories_tok):
     seqs, notes = budget_sequences(text, stories_tok, lengths, opts, None, 512)
     assert any("too short" in n for n in notes) and any("fewer than" in n for n in notes)
     assert seqs.numel() <= n_tok and seqs.shape[1] >= 64
+
+
+@needs_data
+def test_chunked_prefill_sequence_equals_whole_capture(stories_src):
+    """add_sequence (the converter's path: chunked prefill through the dense K/V cache) gives the curve of
+    add_layer on a whole-sequence capture, whose per-k values the tests above check by hand."""
+    from types import SimpleNamespace
+
+    from gsm.dense import DenseLlama
+
+    cfg = stories_src.config
+    dense = DenseLlama(stories_src)
+    g = torch.Generator().manual_seed(3)
+    H, nI, dI = cfg.hidden_size, 2, 8
+    ixs = [SimpleNamespace(q=torch.randn(nI * dI, H, generator=g), k=torch.randn(dI, H, generator=g),
+                           w=torch.randn(nI, H, generator=g)) for _ in range(cfg.num_hidden_layers)]
+    ids = torch.randint(3, cfg.vocab_size, (300,), generator=g)
+    ks, sinks, window = (8, 64, 128, 256), 1, 16
+    chunked = bud.HitRateCurve(ks, cfg.num_hidden_layers)
+    bud.add_sequence(chunked, dense, ids, ixs, nI, sinks, window, chunk=70)
+    whole = bud.HitRateCurve(ks, cfg.num_hidden_layers)
+    _, cap = dense.forward(ids[None], capture=True)
+    for i, lc in enumerate(cap.layers):
+        q, k = bud.rope_qk(lc.q[0], lc.k[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           cfg.rope_theta)
+        bud.add_layer(whole, i, lc.x[0], ixs[i].q, ixs[i].k, ixs[i].w, nI, q, k, sinks, window, block=50)
+    assert (chunked.rows == whole.rows).all()
+    for sel in bud.SELECTORS:
+        np.testing.assert_allclose(chunked.per_layer(sel), whole.per_layer(sel), atol=1e-5)

@@ -179,7 +179,12 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
     rep = json.loads((tmp_path / "r.json").read_text())
     assert len(rep["layers"]) == n
     assert rep["calibration"]["bos"] is False  # SmolLM2's tokenizer_config: add_bos_token false
-    assert set(rep["stage_seconds"]) >= {"calibration statistics", "whitened SVD", "indexer fit", "quality report"}
+    assert set(rep["stage_seconds"]) >= {"calibration statistics", "whitened SVD", "indexer fit", "selection budget",
+                                         "quality report"}
+    sb = rep["selection_budget"]  # --top-k auto at SmolLM2's context 8192: measured at the full 2K
+    assert sb["seq_len"] == 2048 and sb["sequences"] == 2
+    assert [r["sparse_top_k"] for r in sb["curve"]] == [64, 128, 256, 512, 1024]  # 2048 has no sparse row
+    assert rep["gsm_config"]["sparse_top_k"] == sb["sparse_top_k"]
     # 4 of 30 layers is not a language model any more; the GSM copy must still track its own dense model
     p = rep["perplexity"]
     assert p["gsm"] / p["dense"] - 1.0 < 0.15

@@ -106,6 +106,16 @@ class HitRateCurve:
         return out
 
 
+def add_block(curve: HitRateCurve, layer: int, scores: torch.Tensor, probs: torch.Tensor, q_pos: torch.Tensor,
+              sinks: int, window: int) -> None:
+    """Accumulate one block of query rows: index scores [b, n] and head-mean attention [b, n] at q_pos [b]."""
+    sparse = sparse_rows(q_pos, sinks, window, curve.ks)
+    curve.add(layer, "indexer", selected_mass(scores, probs, q_pos, sinks, window, curve.ks), sparse)
+    n = scores.shape[-1]
+    rec = torch.arange(n, dtype=torch.float32)[None].expand(q_pos.numel(), n)
+    curve.add(layer, "recency", selected_mass(rec, probs, q_pos, sinks, window, curve.ks), sparse)
+
+
 @torch.no_grad()
 def add_layer(curve: HitRateCurve, layer: int, x_own: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor,
               idx_w: torch.Tensor, n_idx: int, q: torch.Tensor, k: torch.Tensor, sinks: int, window: int,
@@ -121,11 +131,40 @@ def add_layer(curve: HitRateCurve, layer: int, x_own: torch.Tensor, idx_q: torch
     for a in range(first, T, block):
         q_pos = torch.arange(a, min(a + block, T))
         probs = A.attention_probs(q[:, q_pos], k, A.causal_mask(q_pos, T)).mean(0)  # [b, T]
-        sparse = sparse_rows(q_pos, sinks, window, curve.ks)
-        sc = index_scores(x_own[q_pos], idx_q, idx_w, keys, n_idx)
-        curve.add(layer, "indexer", selected_mass(sc, probs, q_pos, sinks, window, curve.ks), sparse)
-        rec = torch.arange(T, dtype=torch.float32)[None].expand(q_pos.numel(), T)
-        curve.add(layer, "recency", selected_mass(rec, probs, q_pos, sinks, window, curve.ks), sparse)
+        add_block(curve, layer, index_scores(x_own[q_pos], idx_q, idx_w, keys, n_idx), probs, q_pos, sinks, window)
+
+
+@torch.no_grad()
+def add_sequence(curve: HitRateCurve, dense: Any, ids: torch.Tensor, indexers: Sequence[Any], n_idx: int,
+                 sinks: int, window: int, chunk: int = 256) -> None:
+    """Accumulate one sequence ids [T], every layer scored with its own indexer (.q, .k, .w).
+
+    The dense model runs as a chunked prefill (its K/V cache path, `chunk` positions at a time), and each
+    chunk's query rows are scored against the cached RoPE'd keys right away: memory holds the K/V cache,
+    the indexer keys and one chunk's activations, never a [heads, T, T] attention nor every layer's
+    activations (a whole-sequence capture at 2K added 3.4 GB to a 1B model's conversion).
+    """
+    cfg = dense.config
+    T = ids.numel()
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    keys: list[torch.Tensor] = [torch.zeros(0, ix.k.shape[0]) for ix in indexers]
+    first = sinks + window + min(curve.ks) if curve.ks else T
+    for a in range(0, T, chunk):
+        q_pos = torch.arange(a, min(a + chunk, T))
+        _, layers = dense._run(ids[None, a:a + chunk], kv, capture=True)  # extends kv in place
+        cos, sin = A.rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
+        for i, lc in enumerate(layers):
+            ix = indexers[i]
+            x = lc.x[0].float()
+            keys[i] = torch.cat([keys[i], x @ ix.k.T])
+            rows = q_pos >= first
+            if not rows.any():
+                continue
+            q = A.apply_rope(lc.q[0].float().view(-1, cfg.num_attention_heads, cfg.head_dim).transpose(0, 1),
+                             cos, sin)[:, rows]
+            k = kv[i][0][0]  # [nKV, a + chunk, D], RoPE'd
+            probs = A.attention_probs(q, k, A.causal_mask(q_pos[rows], k.shape[1])).mean(0)
+            add_block(curve, i, index_scores(x[rows], ix.q, ix.w, keys[i], n_idx), probs, q_pos[rows], sinks, window)
 
 
 def rope_qk(cap_q: torch.Tensor, cap_k: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,

@@ -260,7 +260,7 @@ def choose_top_k(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float
 
     The indexers were fitted with sinks and window only (the fit does not depend on top-k), so they are
     scored as fitted; every layer uses its own indexer (sharing is decided afterwards, at the chosen k).
-    Memory: one sequence's layer inputs/projections and one block of attention rows at a time.
+    Memory: the dense K/V cache of one sequence and one chunk of activations (bud.add_sequence).
     """
     cfg = src.config
     p = plan.params
@@ -268,17 +268,11 @@ def choose_top_k(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float
     curve = bud.HitRateCurve(ks, cfg.num_hidden_layers)
     dense = DenseLlama(src)
     dense.lm_head = torch.empty(0, cfg.hidden_size)  # the curve needs the layers, not the logits
-    with stages.run("selection budget", total=seqs.shape[0] * cfg.num_hidden_layers) as advance:
+    indexers = [plan.indexers[i] for i in range(cfg.num_hidden_layers)]
+    with stages.run("selection budget", total=seqs.shape[0]) as advance:
         for row in seqs:
-            _, cap = dense.forward(row[None], capture=True)
-            for i in range(cfg.num_hidden_layers):
-                lc, ix = cap.layers[i], plan.indexers[i]
-                q, k = bud.rope_qk(lc.q[0], lc.k[0], cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   cfg.head_dim, cfg.rope_theta)
-                bud.add_layer(curve, i, lc.x[0].float(), ix.q, ix.k, ix.w, p.indexer_heads, q, k, p.sink_tokens,
-                              p.sparse_window)
-                advance(1)
-            del cap
+            bud.add_sequence(curve, dense, row, indexers, p.indexer_heads, p.sink_tokens, p.sparse_window)
+            advance(1)
     if curve.measured_ks():
         k, reached = bud.choose_top_k(curve, target)
     else:
