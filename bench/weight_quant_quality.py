@@ -33,12 +33,15 @@ DEFAULT_SETTINGS = "fp32,fp16,int8,rtn4f-g32,rtn4-g32,rtn4-g64,rtn4-g128,rtn4a-g
 
 
 def parse_setting(s: str) -> tuple[WeightQuantConfig | None, bool, str]:
-    """'fp32' | 'fp16' | 'int8' | 'rtn4-g128' | 'rtn4a-g128' (asymmetric, integer zero point) | 'rtn4f-g32'
-    (asymmetric min/max grid, float zero point: `--int4-grid asym-f`) | 'awq4-g64' -> (cfg, awq, name)."""
+    """'fp32' | 'fp16' | 'int8' (per channel) | 'int8-g128' (INT8 per group of 128 inputs) | 'rtn4-g128' |
+    'rtn4a-g128' (asymmetric, integer zero point) | 'rtn4f-g32' (asymmetric min/max grid, float zero point:
+    `--int4-grid asym-f`) | 'awq4-g64' -> (cfg, awq, name)."""
     if s in ("fp32", "fp16"):
         return None, False, s
     if s == "int8":
         return WeightQuantConfig(8, None), False, s
+    if s.startswith("int8-g"):
+        return WeightQuantConfig(8, int(s.removeprefix("int8-g"))), False, s
     kind, g = s.split("-g")
     awq = kind.startswith("awq")
     if kind.endswith("f"):

@@ -7,7 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+from builder.plan import DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL
 from gsm.cli_support import EXIT_BAD_INPUT, EXIT_FAILED, int_at_least, run_main
+
+
+def group_size_arg(text: str) -> int:
+    """--group-size: an integer >= 16 (build checks the power of two) or `channel` (plan.PER_CHANNEL)."""
+    if text == "channel":
+        return PER_CHANNEL
+    return int_at_least(16)(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", choices=["fp16", "int8", "int4", "auto"], default="fp16",
                    help="projection weights (q, o, gate, up, down): fp16, INT8 per channel, INT4 per group, or auto "
                    "(the highest precision whose memory plan fits the device at --max-seq)")
-    b.add_argument("--group-size", type=int_at_least(16),
-                   help="INT4 group along the input dimension, a power of two (default 128, or the detected grid's)")
+    b.add_argument("--group-size", type=group_size_arg,
+                   help="INT4/INT8 group along the input dimension, a power of two >= 16, or `channel` (INT8 only: "
+                   "one group per output row); default 128 for int4 (or the detected grid's) and "
+                   f"{DEFAULT_INT8_GROUP_SIZE} for int8")
     b.add_argument("--int4-grid", choices=["auto", "sym", "asym-f"], default="auto",
                    help="INT4 codes: sym (symmetric), asym-f (min/max grid with a float zero point, reproduces a "
                    "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")

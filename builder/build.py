@@ -34,6 +34,7 @@ from builder.graphs import MODEL_PORTABLE, MODEL_TRT, write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
+    PER_CHANNEL,
     MemoryPlan,
     choose_weights,
     fmt_bytes,
@@ -92,8 +93,9 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
-    weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: INT4 group
-    (default 128, or the detected grid's); int4_grid: auto | sym | asym-f (docs/weights.md);
+    weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: the group along
+    K (INT4 default 128 or the detected grid's; INT8 default 32, plan.PER_CHANNEL = one per row);
+    int4_grid: auto | sym | asym-f (docs/weights.md);
     matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4); default
     exact, except fast for INT8 (ONNX Runtime 1.32 has no fast float32 INT8 kernel: SmolLM2 decoded at
     1.3 tok/s with exact INT8 vs 4.7 with FP32 weights, docs/weights.md); awq_scales: a
@@ -149,6 +151,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             awq, wreport["awq"] = load_awq_scales(Path(awq_scales), plan, tensors, cfg)
         if weights == "auto":
             say(f"--weights auto: {wreport['why']}")
+        if "tensorrt_note" in wreport:
+            say(f"--weights int8 --group-size {plan.group_size}: {wreport['tensorrt_note']}")
         step("quantisation tables")
         from builder.calib import CalibrationError
 
@@ -213,6 +217,9 @@ UNCALIBRATED = ("fp16", "data-free")
 WEIGHTS = ("fp16", "int8", "int4", "auto")
 INT4_GRID_CHOICES = ("auto", "sym", "asym-f")
 MATMUL_ACCURACY = {"exact": 0, "fast": 4}  # MatMulNBits accuracy_level
+TRT_INT8_BLOCKED_NOTE = (
+    "model.onnx holds INT8 weights as blocked DequantizeLinear (opset 21); TensorRT documents block "
+    "quantisation for INT4 only, so for a TensorRT engine build with --group-size channel (docs/weights.md)")
 GRID_GROUP = 32  # the block of llama.cpp's Q4_0/Q4_1 grids, what `--int4-grid auto` looks for by default
 
 
@@ -223,16 +230,20 @@ def _check_weight_options(weights: str, group_size: int | None, int4_grid: str, 
         raise BuildError(f"--int4-grid must be one of {', '.join(INT4_GRID_CHOICES)}, got {int4_grid!r}")
     if matmul_accuracy is not None and matmul_accuracy not in MATMUL_ACCURACY:
         raise BuildError(f"--matmul-accuracy must be one of {', '.join(MATMUL_ACCURACY)}, got {matmul_accuracy!r}")
-    if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
-        raise BuildError(f"--group-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got {group_size}")
+    if group_size == PER_CHANNEL and weights != "int8":
+        raise BuildError(f"--group-size channel (one group per output row) is for --weights int8 only, not {weights}")
+    if group_size not in (None, PER_CHANNEL) and (group_size < 16 or group_size & (group_size - 1)):
+        raise BuildError(f"--group-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits) or channel, "
+                         f"got {group_size}")
 
 
 def resolve_int4_grid(tensors: Any, cfg: Any, weights: str, int4_grid: str, group_size: int | None
-                      ) -> tuple[str, str, int]:
+                      ) -> tuple[str, str, int | None]:
     """(grid, why, group) for INT4. `auto`: if the projections already lie on an asymmetric 4-bit block
     grid (a llama.cpp Q4_1 source: min at code 0, max at code 15, checked on the first rows of the first
-    and last layers' q_proj and down_proj), `asym-f` at that group reproduces them; otherwise `sym`."""
-    group = group_size if group_size is not None else DEFAULT_GROUP_SIZE
+    and last layers' q_proj and down_proj), `asym-f` at that group reproduces them; otherwise `sym`.
+    group None: the plan's default for the format (INT4 and INT8 differ)."""
+    group = group_size
     if weights not in ("int4", "auto"):
         return "sym", "", group
     if int4_grid != "auto":
@@ -250,7 +261,7 @@ def resolve_int4_grid(tensors: Any, cfg: Any, weights: str, int4_grid: str, grou
         rows = first[: (first.size // k) * k].reshape(-1, k)
         if rows.shape[0] == 0 or not on_block_grid(rows, 4, probe):
             return "sym", (f"--int4-grid auto: the projections are not on a 4-bit group-{probe} grid ({name}), "
-                           f"so symmetric INT4 at group {group}"), group
+                           f"so symmetric INT4 at group {group or DEFAULT_GROUP_SIZE}"), group
     return "asym-f", (f"--int4-grid auto: the projections already lie on an asymmetric 4-bit group-{probe} grid "
                       "(a Q4_1-style source), so asym-f at that group reproduces them"), probe
 
@@ -267,7 +278,9 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
     if plan.weights == "int4":
         rep.update({"group_size": plan.group_size, "int4_grid": plan.int4_grid, "grid_note": grid_note})
     if plan.weights == "int8":
-        rep["group_size"] = None  # per output channel
+        rep["group_size"] = None if plan.group_size == PER_CHANNEL else plan.group_size  # None: per output channel
+        if rep["group_size"] is not None:
+            rep["tensorrt_note"] = TRT_INT8_BLOCKED_NOTE
     if plan.weights != "fp16":
         rep["matmul_accuracy"] = matmul_accuracy
     if requested == "auto":
@@ -389,8 +402,8 @@ def _weights_words(rep: dict[str, Any]) -> str:
     w = rep.get("weights", {"format": "fp16"})
     if w["format"] == "fp16":
         return "FP16"
-    words = w["format"].upper() + (f" g{w['group_size']} {w['int4_grid']}" if w["format"] == "int4" else
-                                   " per channel")
+    group = f" g{w['group_size']}" if w["group_size"] is not None else " per channel"
+    words = w["format"].upper() + group + (f" {w['int4_grid']}" if w["format"] == "int4" else "")
     return f"{words} ({w['ratio_vs_fp16']:.1%} of FP16; {w['why']})"
 
 

@@ -33,7 +33,7 @@ DEMOTE_PORTABLE = "gsm_demote.portable.onnx"
 
 @dataclass(frozen=True)
 class GraphsInfo:
-    opset: int  # of model.onnx (the TensorRT graph): 21 with INT4 weights, else 17
+    opset: int  # of model.onnx (the TensorRT graph): 21 with INT4 / grouped INT8 weights, else 17
     plugins: dict[str, str]  # op_type -> plugin_version
     plugin_namespace: str
     plugin_domain: str
@@ -60,7 +60,8 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     projections = None if weights is None else ProjectionStore(
         store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales)
-    trt_opset = OPSET_INT4 if weights is not None and weights.bits == 4 else OPSET
+    # blocked DequantizeLinear (INT4, grouped INT8) needs opset 21
+    trt_opset = OPSET_INT4 if weights is not None and (weights.bits == 4 or weights.group_size is not None) else OPSET
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)

@@ -21,7 +21,7 @@ import numpy as np
 
 from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, silu_mul
 from builder.onnx_util import GraphBuilder
-from builder.qlinear import DQ_BLOCK_OPSET, MS_DOMAIN, ProjectionStore, dq_nodes, nbits_nodes
+from builder.qlinear import MS_DOMAIN, ProjectionStore, dq_nodes, nbits_nodes
 from gsm import names
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
@@ -98,7 +98,7 @@ class Network:
             self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy),
                              {MS_DOMAIN: 1})
         else:
-            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay), {"": DQ_BLOCK_OPSET if lay.bits == 4 else 13})
+            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay), {"": lay.dq_opset})
         return out
 
     def w(self, name: str, *, keep_f32: bool = False) -> str:

@@ -4,9 +4,9 @@ Two forms, one per graph variant:
 - portable (ONNX Runtime): `com.microsoft.MatMulNBits` (x [..., K] float32 -> [..., N]), the 4-/8-bit
   kernel that reads the packed weights directly, so the CPU path gets faster as well as smaller;
 - tensorrt: standard `DequantizeLinear` (signed INT4 / INT8 codes stored as W^T [K, N], scales in the
-  activation dtype so the strongly typed network keeps FP16) feeding `MatMul`. INT4 uses opset-21
-  blocked quantisation (`axis=0`, `block_size` = group); INT8 per output channel (`axis=1`, scales
-  [N]), the weight-only forms TensorRT 10 builds (docs/weights.md). TensorRT rejects non-zero zero
+  activation dtype so the strongly typed network keeps FP16) feeding `MatMul`. INT4 and grouped INT8 use
+  opset-21 blocked quantisation (`axis=0`, `block_size` = group); per-channel INT8 is per axis (`axis=1`,
+  scales [N]); which TensorRT versions build which: docs/weights.md. TensorRT rejects non-zero zero
   points, so a float-zero-point (asymmetric) weight becomes signed codes plus a per-group offset term.
 
 An AWQ input scale `s` (calibration/awq.py) is applied as `x * (1/s)` before the matmul; the
@@ -79,11 +79,22 @@ class QLayout:
     block: int
     zero_points: bool  # MatMulNBits has a (uint8) zero_points input
     offsets: bool  # float zero point: codes taken as symmetric, plus a per-group offset term
+    per_channel: bool = False  # one group per row (group_size None): TensorRT form per axis, not blocked
+
+    @property
+    def blocked(self) -> bool:
+        """The TensorRT form's DequantizeLinear is blocked along K (opset 21), not per axis."""
+        return not self.per_channel
+
+    @property
+    def dq_opset(self) -> int:
+        """Least ONNX opset of the TensorRT form: 21 for blocks (and INT4), 13 for per-axis INT8."""
+        return DQ_BLOCK_OPSET if self.blocked or self.bits == 4 else 13
 
     @classmethod
     def of(cls, q: QuantizedWeight) -> QLayout:
         return cls(q.k, q.n, q.cfg.bits, q.block, not q.cfg.symmetric and not q.cfg.float_zero_point,
-                   q.cfg.float_zero_point)
+                   q.cfg.float_zero_point, q.cfg.group_size is None)
 
 
 def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
@@ -143,11 +154,10 @@ def dq_inits(prefix: str, q: QuantizedWeight, act_dtype: str = "float16") -> lis
     if q.cfg.bits == 4:
         raw = _pack_low_first((codes_t.reshape(-1).view(np.uint8) & 0x0F), 4).tobytes()
         inits = [QInit(w, TensorProto.INT4, codes_t.shape, raw), _init(s, scales_t, onnx_act)]
-    else:
-        if q.n_blocks != 1:
-            raise WeightQuantError(f"{prefix}: INT8 for TensorRT must be per channel (group_size None), "
-                                   f"got {q.n_blocks} groups per row")
+    elif q.cfg.group_size is None:  # per channel: per-axis scales [N]
         inits = [_init(w, codes_t, TensorProto.INT8), _init(s, scales_t[0], onnx_act)]
+    else:  # blocked along K like INT4
+        inits = [_init(w, codes_t, TensorProto.INT8), _init(s, scales_t, onnx_act)]
     if q.cfg.float_zero_point:
         inits.append(_init(prefix + ".offsets", np.ascontiguousarray(q.group_offsets().T).astype(dt), onnx_act))
     return inits
@@ -158,7 +168,7 @@ def dq_nodes(x: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto
     `+ MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N])`: w = s (u - 8) + s (8 - zp), the
     second term constant per group, since TensorRT's DequantizeLinear takes no zero points."""
     w, s, deq = prefix + ".qweight", prefix + ".scales", prefix + ".weight_dq"
-    attrs = {"axis": 0, "block_size": lay.block} if lay.bits == 4 else {"axis": 1}
+    attrs = {"axis": 0, "block_size": lay.block} if lay.blocked else {"axis": 1}
     nodes = [helper.make_node("DequantizeLinear", [w, s], [deq], name=prefix + "/DequantizeLinear", **attrs)]
     main = prefix + ".main" if lay.offsets else out
     nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
@@ -196,8 +206,8 @@ def dq_matmul(x: str, out: str, prefix: str, q: QuantizedWeight, *, act_dtype: s
               input_scale: np.ndarray | None = None) -> QLinearParts:
     """TensorRT form: DequantizeLinear(W^T codes [K, N], scales) -> MatMul(x, .), activations `act_dtype`.
 
-    INT4: blocked along K (axis 0, block_size = group, scales [ceil(K/g), N]); INT8 must be per output
-    channel (axis 1, scales [N]): TensorRT 10 blocks INT4 only. x is 2-D [M, K]."""
+    Blocked along K (axis 0, block_size = group, scales [ceil(K/g), N]) for INT4 and grouped INT8; per
+    output channel (axis 1, scales [N]) for per-channel INT8 (group_size None). x is 2-D [M, K]."""
     dt, onnx_act = _act_type(act_dtype)
     parts = QLinearParts(opsets={"": DQ_BLOCK_OPSET})
     xin = _input_scale(parts, x, prefix, input_scale, dt, onnx_act)

@@ -17,7 +17,7 @@ from conftest import retiering_copy
 from runtime_bundles import run_module
 
 from builder.build import BuildError, build
-from builder.plan import quantised_names
+from builder.plan import DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL, quantised_names
 from builder.wquant import WeightQuantConfig, dequantize, on_block_grid, quantize, quantize_chunks
 from gsm import checkpoint
 from gsm.golden.model import GoldenModel
@@ -69,13 +69,15 @@ def run_both(bundle, golden: GoldenModel, prompt: list[int]) -> tuple[float, lis
     return worst, gt, rt_
 
 
-@pytest.mark.parametrize("weights,grid,group", [("int8", "auto", None), ("int4", "sym", 32), ("int4", "sym", 128),
+@pytest.mark.parametrize("weights,grid,group", [("int8", "auto", None), ("int8", "auto", PER_CHANNEL),
+                                                ("int8", "auto", 32), ("int4", "sym", 32), ("int4", "sym", 128),
                                                 ("int4", "asym-f", 32)])
 def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, weights, grid, group):
     bundle = tmp_path / "b"
     r = build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
               int4_grid=grid, matmul_accuracy="exact")
-    wcfg = (WeightQuantConfig(8, None) if weights == "int8" else
+    int8_group = {None: DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL: None}.get(group, group)
+    wcfg = (WeightQuantConfig(8, int8_group) if weights == "int8" else
             WeightQuantConfig(4, group, symmetric=grid == "sym", float_zero_point=grid == "asym-f"))
     prompt = np.random.default_rng(1).integers(3, 259, PROMPT_LEN).tolist()
     worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg), prompt)
@@ -92,13 +94,19 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     if weights == "int4":
         assert (w["group_size"], w["int4_grid"]) == (group, grid)
         assert manifest["opset"] == 21  # model.onnx: INT4 DequantizeLinear with block_size
+    else:
+        assert w["group_size"] == int8_group  # None: per output channel
+        assert manifest["opset"] == (17 if int8_group is None else 21)  # blocked INT8 DQ needs opset 21
     import onnx
 
     portable = onnx.load(bundle / "model.portable.onnx", load_external_data=False)
     ops = [n.op_type for n in portable.graph.node]
     assert ops.count("MatMulNBits") == 5 * 4 and "Gemm" in ops  # 4 layers x 5 projections; GSM side stays Gemm
     trt = onnx.load(bundle / "model.onnx", load_external_data=False)
-    assert sum(n.op_type == "DequantizeLinear" for n in trt.graph.node) == 5 * 4
+    dqs = [n for n in trt.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == 5 * 4
+    blocks = {a.i for n in dqs for a in n.attribute if a.name == "block_size"}
+    assert blocks == (set() if weights == "int8" and int8_group is None else {wcfg.group_size})
 
 
 def test_quantize_head(tiny, tmp_path):
@@ -119,9 +127,11 @@ def test_quantize_head(tiny, tmp_path):
     assert gt == rt and worst <= LOGIT_TOL, (worst, gt, rt)
 
 
-def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path):
-    """model.onnx with INT4 asym-f weights (DQ + MatMul + per-group offsets), activations fp32, through
-    the onnx reference evaluator and the plugins' CPU reference: equals the portable bundle."""
+@pytest.mark.parametrize("weights,group,grid", [("int4", 32, "asym-f"), ("int8", 32, "auto")])
+def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path, weights, group, grid):
+    """model.onnx with INT4 asym-f weights (DQ + MatMul + per-group offsets) or INT8 g32 (blocked INT8 DQ),
+    activations fp32, through the onnx reference evaluator and the plugins' CPU reference: equals the
+    portable bundle."""
     import runtime
     from runtime.ref_backend import reference_usable
 
@@ -129,8 +139,8 @@ def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path):
     if not ok:
         pytest.skip(why)
     bundle = tmp_path / "b"
-    build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights="int4", group_size=32,
-          int4_grid="asym-f", trt_precision="fp32")
+    build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
+          int4_grid=grid, trt_precision="fp32", matmul_accuracy="exact")
     prompt = np.random.default_rng(2).integers(3, 259, 12).tolist()
     a = runtime.load(bundle, backend="onnxruntime", threads=1).new_sequence().prefill(prompt)
     b = runtime.load(bundle, backend="reference", threads=1).new_sequence().prefill(prompt)
@@ -237,6 +247,9 @@ def test_refusal_names_the_weights_that_fit_and_auto_picks_it(tiny, tmp_path, mo
     (["--weights", "int4", "--group-size", "100"], "--group-size must be a power of two"),
     (["--weights", "int4", "--group-size", "8"], "--group-size"),
     (["--int4-grid", "asym"], "invalid choice: 'asym'"),
+    (["--weights", "int4", "--group-size", "channel"], "--group-size channel (one group per output row) is for "
+     "--weights int8 only"),
+    (["--weights", "int8", "--group-size", "chan"], "--group-size"),
 ])
 def test_cli_flag_errors(tmp_path, args, needle):
     r = run_module("builder", "build", "--device", "orin", "--output", str(tmp_path / "b"), *args, cwd=tmp_path)
@@ -260,11 +273,13 @@ def test_cli_int4_build_report(tmp_path):
 
 def test_int8_defaults_to_fast_matmuls(tiny, tmp_path):
     """ONNX Runtime's exact INT8 MatMulNBits is slower than FP32 (docs/weights.md), so INT8 builds use
-    accuracy_level 4 unless --matmul-accuracy exact."""
+    accuracy_level 4 unless --matmul-accuracy exact, at group 32 unless --group-size."""
     import onnx
 
     r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=64, weights="int8")
-    assert r.report["weights"]["matmul_accuracy"] == "fast"
+    w = r.report["weights"]
+    assert (w["matmul_accuracy"], w["group_size"]) == ("fast", 32)  # g32 fast: +0.06 % on SmolLM2, docs/weights.md
+    assert "--group-size channel" in w["tensorrt_note"]  # TensorRT documents blocked DQ for INT4 only
     m = onnx.load(tmp_path / "b" / "model.portable.onnx", load_external_data=False)
     levels = {a.i for n in m.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
               if a.name == "accuracy_level"}

@@ -29,7 +29,7 @@ ort = pytest.importorskip("onnxruntime")
 CASES = [  # bits, group (None = per channel), symmetric, K
     (4, 32, True, 96), (4, 32, True, 100), (4, 64, True, 200), (4, 128, True, 576), (4, 128, True, 300),
     (4, 32, False, 100), (4, 128, False, 576), (8, None, True, 576), (8, None, True, 70), (8, 32, True, 100),
-    (8, 64, False, 130),
+    (8, 64, False, 130), (8, 128, True, 576), (8, 32, True, 576), (8, 128, True, 1536), (8, 16, True, 70),
 ]
 
 
@@ -81,6 +81,20 @@ def test_round_trip_error_bound(bits, group, sym, k):
     # re-quantising the dequantised weight is a fixed point for symmetric (same scales, same codes)
     if sym:
         np.testing.assert_array_equal(quantize(d, cfg).codes, q.codes)
+
+
+def test_int8_groups_by_hand():
+    """Two INT8 groups of 16 with absmax 1.27 and 0.0127: each gets its own scale (0.01 / 0.0001 before
+    FP16 rounding), so the small group keeps 127 levels instead of rounding to 0 under one per-row scale."""
+    w = np.concatenate([np.linspace(-1.27, 1.27, 16), np.linspace(-0.0127, 0.0127, 16)])[None].astype(np.float32)
+    q = quantize(w, WeightQuantConfig(8, 16))
+    np.testing.assert_array_equal(q.scales, np.float16([[0.01, 0.0001]]).astype(np.float32))
+    assert q.codes[0, 0] == 128 - 127 and q.codes[0, 15] == 128 + 127  # signed -127 / 127 around zp 128
+    assert q.codes[0, 16] == 1 and q.codes[0, 31] == 255
+    per_row = dequantize(quantize(w, WeightQuantConfig(8, None)))
+    grouped = dequantize(q)
+    assert np.abs(grouped - w)[0, 16:].max() <= q.scales[0, 1] / 2  # half a step of the small group's scale
+    assert np.abs(per_row - w)[0, 16:].max() > 20 * q.scales[0, 1]  # the per-row step is 100x coarser
 
 
 def test_int8_much_closer_than_int4():
@@ -149,6 +163,26 @@ def test_matmul_nbits_equals_numpy(bits, group, sym, k):
     assert _rel(y, _reference(x, q)) <= 1e-4
 
 
+def test_fast_int8_error_shrinks_with_the_group():
+    """accuracy_level 4 (`--matmul-accuracy fast`): ONNX Runtime quantises the activations to INT8 in blocks
+    of the weight group, so smaller INT8 groups also mean finer activation scales (docs/weights.md
+    "INT8 groups"): the error vs the float64 product of the same dequantised weights falls from per
+    channel to g128 to g32 on activations with a few outlier channels."""
+    n, k = 256, 576
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    x[:, rng.integers(0, k, 4)] *= 30
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    errs = []
+    for group in (None, 128, 32):
+        q = quantize(_w(n, k), WeightQuantConfig(8, group))
+        m = standalone_model(matmul_nbits("x", "y", "p", q, accuracy_level=4), "x", k, n)
+        y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        errs.append(_rel(y, _reference(x, q)))
+    assert errs[0] > errs[1] > errs[2] > 1e-4, errs  # and still activation quantisation, not exact
+
+
 def test_matmul_nbits_with_awq_input_scale():
     k, n = 192, 32
     s = np.random.default_rng(2).uniform(0.3, 3.0, k)
@@ -162,7 +196,7 @@ def test_matmul_nbits_with_awq_input_scale():
 
 
 @pytest.mark.parametrize("bits,group,k", [(4, 32, 96), (4, 32, 100), (4, 128, 576), (4, 64, 130),
-                                          (8, None, 576), (8, None, 70)])
+                                          (8, None, 576), (8, None, 70), (8, 32, 96), (8, 128, 576), (8, 64, 130)])
 def test_dq_matmul_reference_evaluator(bits, group, k):
     """The TensorRT form (DequantizeLinear opset 21 + MatMul) run by onnx's reference evaluator."""
     from onnx.reference import ReferenceEvaluator
@@ -173,7 +207,9 @@ def test_dq_matmul_reference_evaluator(bits, group, k):
     parts = dq_matmul("x", "y", "L0.gate_proj", q, act_dtype="float32")
     dq = next(nd for nd in parts.nodes if nd.op_type == "DequantizeLinear")
     attrs = {a.name: a.i for a in dq.attribute}
-    assert attrs == ({"axis": 0, "block_size": group} if bits == 4 else {"axis": 1})
+    assert attrs == ({"axis": 0, "block_size": group} if group is not None else {"axis": 1})
+    scales = next(i for i in parts.inits if i.name.endswith(".scales"))
+    assert scales.dims == ((math.ceil(k / group), n) if group is not None else (n,))
     y = ReferenceEvaluator(standalone_model(parts, "x", k, n)).run(None, {"x": x})[0]
     assert _rel(y, _reference(x, q)) <= 1e-5
 
@@ -207,8 +243,9 @@ def test_dq_matmul_fp16_scales_and_refusals():
     assert types == {"p.qweight": TensorProto.INT4, "p.scales": TensorProto.FLOAT16}
     with pytest.raises(WeightQuantError, match="symmetric"):
         dq_matmul("x", "y", "p", quantize(_w(8, 64), WeightQuantConfig(4, 32, symmetric=False)))
-    with pytest.raises(WeightQuantError, match="per channel"):
-        dq_matmul("x", "y", "p", quantize(_w(8, 64), WeightQuantConfig(8, 32)))
+    parts = dq_matmul("x", "y", "p", quantize(_w(8, 64), WeightQuantConfig(8, 32)))  # INT8 blocked along K
+    assert {i.name: (i.data_type, i.dims) for i in parts.inits} == {
+        "p.qweight": (TensorProto.INT8, (64, 8)), "p.scales": (TensorProto.FLOAT16, (2, 8))}
 
 
 # -- bytes -------------------------------------------------------------------------------------------
@@ -217,6 +254,9 @@ def test_quantized_bytes_by_hand():
     assert quantized_bytes(4096, 4096, WeightQuantConfig(4, 128)) == 4096 * 2048 + 4096 * 32 * 2
     # INT8 per channel: K bytes + one fp16 scale per row
     assert quantized_bytes(4096, 14336, WeightQuantConfig(8, None)) == 4096 * 14336 + 4096 * 2
+    # INT8 g128 / g32: K bytes + K/g fp16 scales per row (SmolLM2's down_proj, K = 1536)
+    assert quantized_bytes(576, 1536, WeightQuantConfig(8, 128)) == 576 * 1536 + 576 * 12 * 2
+    assert quantized_bytes(576, 1536, WeightQuantConfig(8, 32)) == 576 * 1536 + 576 * 48 * 2
     # asymmetric INT4, 3 groups: two packed zero-point bytes per row
     assert quantized_bytes(10, 96, WeightQuantConfig(4, 32, symmetric=False)) == 10 * 48 + 10 * 3 * 2 + 10 * 2
 
@@ -233,8 +273,9 @@ def _llama3_8b():
     return cfg, {i: (r, r) for i in cfg.owning_layers}
 
 
-def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int = 128) -> int:
-    """By hand: projections q, o, gate, up, down quantised, every other parameter FP16."""
+def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128) -> int:
+    """By hand: projections q, o, gate, up, down quantised, every other parameter FP16 (group None: one
+    FP16 scale per row)."""
     H, I, L, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.q_dim, cfg.kv_dim
     g = cfg.gsm
     proj = [(qd, H), (H, qd), (I, H), (I, H), (H, I)]  # [N, K] of q, o, gate, up, down
@@ -250,7 +291,7 @@ def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int = 128) -> int:
     if bits is None:
         q = sum(n * k for n, k in proj) * 2
     elif bits == 8:
-        q = sum(n * k + n * 2 for n, k in proj)
+        q = sum(n * k + n * (1 if group is None else math.ceil(k / group)) * 2 for n, k in proj)
     else:
         q = sum(n * k // 2 + n * math.ceil(k / group) * 2 for n, k in proj)
     return other * 2 + L * q
@@ -258,7 +299,7 @@ def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int = 128) -> int:
 
 @pytest.mark.parametrize("which", ["1b", "8b"])
 def test_weight_bytes_by_hand(which):
-    from builder.plan import weight_bytes
+    from builder.plan import DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL, weight_bytes
 
     if which == "1b":
         from gsm.synth import PRESETS, preset_config, preset_ranks
@@ -269,7 +310,9 @@ def test_weight_bytes_by_hand(which):
         cfg, ranks = _llama3_8b()
     fp16 = weight_bytes(cfg, ranks)
     assert fp16 == _hand_weight_bytes(cfg, ranks, None)
-    assert weight_bytes(cfg, ranks, weights="int8") == _hand_weight_bytes(cfg, ranks, 8)
+    assert weight_bytes(cfg, ranks, weights="int8", group_size=PER_CHANNEL) == _hand_weight_bytes(cfg, ranks, 8, None)
+    assert weight_bytes(cfg, ranks, weights="int8", group_size=32) == _hand_weight_bytes(cfg, ranks, 8, 32)
+    assert weight_bytes(cfg, ranks, weights="int8") == _hand_weight_bytes(cfg, ranks, 8, DEFAULT_INT8_GROUP_SIZE)
     assert weight_bytes(cfg, ranks, weights="int4") == _hand_weight_bytes(cfg, ranks, 4)
     assert weight_bytes(cfg, ranks, weights="int4", group_size=32) == _hand_weight_bytes(cfg, ranks, 4, 32)
     if which == "8b":  # about 14.7 GiB at FP16, 5.4 GiB at INT4 with the FP16 embedding and head
