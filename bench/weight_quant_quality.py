@@ -29,7 +29,8 @@ from gsm.sources.gguf import read_gguf
 from gsm.tokenizer import tokenizer_from_json
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-DEFAULT_SETTINGS = "fp32,fp16,int8,rtn4f-g32,rtn4-g32,rtn4-g64,rtn4-g128,rtn4a-g128,awq4-g32,awq4-g64,awq4-g128"
+DEFAULT_SETTINGS = ("fp32,fp16,int8,int8-g32,rtn4f-g32,rtn4-g32,rtn4-g64,rtn4-g128,rtn4a-g128,"
+                    "awq4-g32,awq4-g64,awq4-g128")
 
 
 def parse_setting(s: str) -> tuple[WeightQuantConfig | None, bool, str]:
