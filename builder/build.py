@@ -151,8 +151,6 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             awq, wreport["awq"] = load_awq_scales(Path(awq_scales), plan, tensors, cfg)
         if weights == "auto":
             say(f"--weights auto: {wreport['why']}")
-        if "tensorrt_note" in wreport:
-            say(f"--weights int8 --group-size {plan.group_size}: {wreport['tensorrt_note']}")
         step("quantisation tables")
         from builder.calib import CalibrationError
 
@@ -218,8 +216,8 @@ WEIGHTS = ("fp16", "int8", "int4", "auto")
 INT4_GRID_CHOICES = ("auto", "sym", "asym-f")
 MATMUL_ACCURACY = {"exact": 0, "fast": 4}  # MatMulNBits accuracy_level
 TRT_INT8_BLOCKED_NOTE = (
-    "model.onnx holds INT8 weights as blocked DequantizeLinear (opset 21); TensorRT documents block "
-    "quantisation for INT4 only, so for a TensorRT engine build with --group-size channel (docs/weights.md)")
+    "model.onnx (TensorRT) holds these INT8 weights per output channel, not in groups: TensorRT documents "
+    "blocked DequantizeLinear for INT4 only (docs/weights.md \"INT8 groups\"); the portable graph keeps the groups")
 GRID_GROUP = 32  # the block of llama.cpp's Q4_0/Q4_1 grids, what `--int4-grid auto` looks for by default
 
 

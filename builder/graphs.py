@@ -61,7 +61,9 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     projections = None if weights is None else ProjectionStore(
         store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales)
     # blocked DequantizeLinear (INT4, grouped INT8) needs opset 21
-    trt_opset = OPSET_INT4 if weights is not None and (weights.bits == 4 or weights.group_size is not None) else OPSET
+    # any quantised TensorRT form at opset 21: blocked DQ needs it, and per-channel INT8 there too because
+    # onnx's reference evaluator (our TensorRT-less check of model.onnx) implements DequantizeLinear from 19 on
+    trt_opset = OPSET_INT4 if weights is not None else OPSET
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)

@@ -87,7 +87,7 @@ class Network:
         if name not in self.spec.quantised:
             return linear(self.g, x2d, self.w(name))
         assert self.projections is not None
-        lay = self.projections.ensure(name, self.source)
+        lay = self.projections.ensure(name, self.source, self.form)
         for n in self.projections.init_names[(name, self.form)]:
             self.g.weight(n)
         prefix, out = ProjectionStore.prefix(name, self.form), self.g.fresh("qlinear")

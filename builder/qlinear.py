@@ -19,13 +19,14 @@ bytes) so any graph writer can store them: inline, or streamed to external data.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from builder.wquant import QuantizedWeight, WeightQuantError, _pack_low_first, pack_matmul_nbits
+from builder.wquant import QuantizedWeight, WeightQuantConfig, WeightQuantError, _pack_low_first, pack_matmul_nbits
 
 MS_DOMAIN = "com.microsoft"
 DQ_BLOCK_OPSET = 21  # DequantizeLinear gained block_size (and INT4 inputs) in opset 21
@@ -235,6 +236,10 @@ class ProjectionStore:
     (`quantize_chunks`: only the uint8 codes are held whole, 1 byte per weight), writes the
     MatMulNBits initializers (`<name>.nbits.*`) and the TensorRT ones (`<name>.dq.*`), and drops
     everything; the other graph finds them stored and only emits its nodes.
+
+    Grouped INT8 is the exception: TensorRT documents blocked dequantisation for INT4 only, so the
+    TensorRT form of a grouped INT8 config is per output channel (`trt_config`), quantised in a second
+    streamed pass when the TensorRT graph first asks for it (docs/weights.md "INT8 groups").
     """
 
     FORMS = ("portable", "tensorrt")
@@ -244,7 +249,8 @@ class ProjectionStore:
         """input_scales: AWQ scale s [K] per weight name: W diag(s) is quantised and x / s fed to it."""
         self.store, self.cfg, self.trt_act_dtype = store, cfg, trt_act_dtype
         self.input_scales = input_scales or {}
-        self.layouts: dict[str, QLayout] = {}
+        self.trt_cfg = trt_config(cfg)
+        self.layouts: dict[tuple[str, str], QLayout] = {}
         self.init_names: dict[tuple[str, str], list[str]] = {}
 
     def input_scale_name(self, name: str, form: str) -> str | None:
@@ -255,32 +261,45 @@ class ProjectionStore:
     def prefix(name: str, form: str) -> str:
         return name + (".nbits" if form == "portable" else ".dq")
 
-    def ensure(self, name: str, source) -> QLayout:
-        """Quantise and store `name` (from a TensorSource) unless done; its layout."""
-        if name in self.layouts:
-            return self.layouts[name]
+    def config(self, form: str) -> WeightQuantConfig:
+        return self.cfg if form == "portable" else self.trt_cfg
+
+    def ensure(self, name: str, source, form: str) -> QLayout:
+        """Quantise and store `name` (from a TensorSource) for `form` unless done (for both forms at once
+        when they share the config); its layout in `form`."""
+        if (name, form) in self.layouts:
+            return self.layouts[(name, form)]
         from builder.wquant import quantize_chunks
 
+        forms = [f for f in self.FORMS if self.config(f) == self.config(form)]
         shape = tuple(source.shape(name))
         chunks = source.chunks(name)
         s = self.input_scales.get(name)
         if s is not None:
             chunks = _scale_columns(chunks, np.asarray(s, np.float32), shape[1])
-        q = quantize_chunks(shape, chunks, self.cfg, name=name)
+        q = quantize_chunks(shape, chunks, self.config(form), name=name)
         self.store.note_held(q.codes.nbytes)
-        for form, make in (("portable", lambda p: nbits_inits(p, q)),
-                           ("tensorrt", lambda p: dq_inits(p, q, self.trt_act_dtype))):
-            inits = make(self.prefix(name, form))
+        makers = {"portable": lambda p: nbits_inits(p, q), "tensorrt": lambda p: dq_inits(p, q, self.trt_act_dtype)}
+        for f in forms:
+            inits = makers[f](self.prefix(name, f))
             if s is not None:
-                dt, onnx_t = _act_type("float32" if form == "portable" else self.trt_act_dtype)
+                dt, onnx_t = _act_type("float32" if f == "portable" else self.trt_act_dtype)
                 inv = (1.0 / np.asarray(s, np.float64)).astype(dt)
-                inits.append(_init(self.input_scale_name(name, form), inv, onnx_t))
+                inits.append(_init(self.input_scale_name(name, f), inv, onnx_t))
             for i in inits:
                 self.store.put_raw(i.name, i.data_type, i.dims, i.raw)
-            self.init_names[(name, form)] = [i.name for i in inits]
+            self.init_names[(name, f)] = [i.name for i in inits]
             del inits
-        self.layouts[name] = QLayout.of(q)
-        return self.layouts[name]
+            self.layouts[(name, f)] = QLayout.of(q)
+        return self.layouts[(name, form)]
+
+
+def trt_config(cfg: WeightQuantConfig) -> WeightQuantConfig:
+    """The config of the TensorRT form: grouped INT8 becomes per channel (TensorRT 10 documents blocked
+    DequantizeLinear for INT4 only); everything else is the same as the portable form."""
+    if cfg.bits == 8 and cfg.group_size is not None:
+        return dataclasses.replace(cfg, group_size=None)
+    return cfg
 
 
 def _scale_columns(chunks, s: np.ndarray, k: int):
