@@ -130,50 +130,19 @@ def test_reference_per_sequence_budgets_equal_golden_at_each_top_k(ckpt, budget_
     checkpoint's, dense (max-seq) and one switched to dense mid-generation each equal GoldenModel
     deployed at that sparse_top_k (logits, selections, tiers: test_runtime_topk.check_step); the node's
     max_top_k is max-seq, so a probed step (dense shadow call) works and agrees with onnxruntime's."""
-    from test_runtime_topk import check_step, golden_at, selection_mask
+    from test_runtime_topk import drive_budgets
 
     import runtime
 
     rt = runtime.load(budget_bundle, backend="reference")
     assert rt.backend.per_sequence_top_k and rt.backend.max_top_k == N_MAX
     base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
-    default = base.p.sparse_top_k
-    budgets = [0, 3, None, N_MAX, None]  # None: the bundle default; the last goes dense at step 3
-    rng = np.random.default_rng(8)
-    prompts = [rng.integers(3, 259, n).tolist() for n in (40, 25, 33, 12, 30)]
-    seqs = [rt.new_sequence() for _ in budgets]
-    goldens, caches, g_out = [], [], []
-    for s, k, p in zip(seqs, budgets, prompts):
-        s.top_k = k
-        goldens.append(golden_at(base, default if k is None else k))
-        caches.append(goldens[-1].new_cache())
-        with torch.no_grad():
-            g_out.append(goldens[-1].prefill(caches[-1], p, trace=True))
-    logits = rt.prefill_batch(seqs, prompts)
-    for b, s in enumerate(seqs):
-        check_step(s, logits[b], g_out[b], caches[b], f"prefill of sequence {b}")
-    for step in range(8):
-        if step == 3:
-            seqs[4].use_dense()
-            goldens[4] = golden_at(base, N_MAX)  # same cache, dense from now on
-        toks = [int(np.argmax(lg)) for lg in logits]
-        assert toks == [int(torch.argmax(g.logits[-1])) for g in g_out], f"greedy tokens diverge at step {step}"
-        with torch.no_grad():
-            g_out = [g.decode(c, t, trace=True) for g, c, t in zip(goldens, caches, toks)]
-        logits = rt.decode_batch(seqs, toks)
-        for b, s in enumerate(seqs):
-            check_step(s, logits[b], g_out[b], caches[b], f"sequence {b}, step {step}")
-    first = rt.cfg["owning_layers"][0]
-    sinks, w = rt.cfg["sink_tokens"], rt.sparse_window
-    for b, k in ((0, 0), (1, 3), (2, default)):  # sparse: exactly sinks + window + top_k positions
-        assert int((seqs[b].last.selected[first][0] >= 0).sum()) == sinks + w + k
-    for b in (3, 4):  # dense: every position 0..t
-        assert selection_mask(seqs[b].last.selected[first][0], seqs[b].length).all()
+    prompt = drive_budgets(rt, base, seed=8, steps=8, dense_at=3)[0].state.tokens[:40]  # its prompt
     # the hit-rate probe runs a dense shadow call first: the same rate as onnxruntime on the same sequence
     port = runtime.load(budget_bundle, backend="onnxruntime", threads=1)
     a, b = rt.new_sequence(), port.new_sequence()
-    tok = int(np.argmax(a.prefill(prompts[0])))
-    assert tok == int(np.argmax(b.prefill(prompts[0])))
+    tok = int(np.argmax(a.prefill(prompt)))
+    assert tok == int(np.argmax(b.prefill(prompt)))
     a.decode(tok, probe=True)
     b.decode(tok, probe=True)
     assert a.last_hit_rate is not None and 0 < a.last_hit_rate < 1

@@ -68,29 +68,28 @@ def check_step(seq, logits, g, gcache, what):
     assert np.array_equal(seq.state.tier, gcache.tier.numpy()), what
 
 
-def test_per_sequence_top_k_in_one_batch_equals_golden_at_that_top_k(ckpt, bundle):
-    import runtime
-
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
-    base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
-    assert rt.top_k == base.p.sparse_top_k == 8
-    budgets = [0, 3, None, N_MAX, None]  # None: the bundle default; N_MAX: dense; the last goes dense at step 6
-    rng = np.random.default_rng(7)
+def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
+    """One batch of five sequences with budgets 0, 3, the bundle default, dense (N_MAX) and the default
+    switched to dense (`use_dense()`) at decode step `dense_at`: every prefill and decode step of each
+    equals GoldenModel deployed at that sparse_top_k (logits, selections, tiers: `check_step`), greedy.
+    Returns the sequences; afterwards checks the selection sizes of the sparse and dense ones."""
+    default = base.p.sparse_top_k
+    budgets = [0, 3, None, N_MAX, None]  # None: the bundle default
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 259, n).tolist() for n in (40, 25, 33, 12, 30)]
     seqs = [rt.new_sequence() for _ in budgets]
     goldens, caches, g_out = [], [], []
     for s, k, p in zip(seqs, budgets, prompts):
         s.top_k = k
-        goldens.append(golden_at(base, base.p.sparse_top_k if k is None else k))
+        goldens.append(golden_at(base, default if k is None else k))
         caches.append(goldens[-1].new_cache())
         with torch.no_grad():
             g_out.append(goldens[-1].prefill(caches[-1], p, trace=True))
     logits = rt.prefill_batch(seqs, prompts)
     for b, s in enumerate(seqs):
         check_step(s, logits[b], g_out[b], caches[b], f"prefill of sequence {b}")
-    dense_seen = False
-    for step in range(20):
-        if step == 6:
+    for step in range(steps):
+        if step == dense_at:
             seqs[4].use_dense()
             assert seqs[4].top_k == N_MAX
             goldens[4] = golden_at(base, N_MAX)  # same cache, dense from now on
@@ -101,16 +100,24 @@ def test_per_sequence_top_k_in_one_batch_equals_golden_at_that_top_k(ckpt, bundl
         logits = rt.decode_batch(seqs, toks)
         for b, s in enumerate(seqs):
             check_step(s, logits[b], g_out[b], caches[b], f"sequence {b}, step {step}")
-        for b in (3, 4) if step >= 6 else (3,):  # dense: every position 0..t is selected
+        for b in (3, 4) if step >= dense_at else (3,):  # dense: every position 0..t is selected
             for l in rt.cfg["owning_layers"]:
                 assert selection_mask(seqs[b].last.selected[l][0], seqs[b].length).all()
-                dense_seen = True
-    assert dense_seen
     # sparse budgets select exactly sinks + window + top_k positions once the context is longer
     sinks, w = rt.cfg["sink_tokens"], rt.sparse_window
-    for b, k in ((0, 0), (1, 3), (2, 8)):
+    for b, k in ((0, 0), (1, 3), (2, default)):
         got = seqs[b].last.selected[rt.cfg["owning_layers"][0]][0]
         assert int((got >= 0).sum()) == sinks + w + k
+    return seqs
+
+
+def test_per_sequence_top_k_in_one_batch_equals_golden_at_that_top_k(ckpt, bundle):
+    import runtime
+
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
+    assert rt.top_k == base.p.sparse_top_k == 8
+    drive_budgets(rt, base, seed=7, steps=20, dense_at=6)
 
 
 def test_probe_hit_rate_is_spec_4_3(ckpt, bundle):
