@@ -239,7 +239,7 @@ class PortableOps:
         g, cfg = self.g, self.cfg
         nKV, D, grp = cfg.num_key_value_heads, cfg.head_dim, cfg.gqa_group
         width = rv if owning else rk + rv
-        ctx = cast(g, g.op("MatMul", [cast(g, probs, F64), cast(g, lat, F64)]), F32)  # [B, S, nH, w]
+        ctx = cast(g, g.op("MatMul", [cast(g, probs, F64), lat]), F32)  # [B, S, nH, w]
         ctx = g.op("Reshape", [ctx, g.const([0, 0, nKV, grp, width], np.int64, f"bskg{width}")])
         if owning:
             w_v = up[1]  # [nKV*D, rv]
@@ -258,7 +258,7 @@ class PortableOps:
 
     def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int,
                      up: tuple[str, str], owning: bool, rope: tuple[str, str]) -> tuple[str, str]:
-        """K (RoPE applied) [B, S, K, nKV*D] and the latents V is made from [B, S, K, rv] (sharing: the
+        """K (RoPE applied) [B, S, K, nKV*D] and, in float64, the latents V is made from [B, S, K, rv] (sharing: the
         source's [c_k; c_v], [B, S, K, rk + rv]) of the selected positions p [B, S, K], row-major as gathered.
 
         K rows are reconstructed once per *distinct* selected row (`Unique` over the batch's picks): a
@@ -306,7 +306,8 @@ class PortableOps:
         inv = g.op("Reshape", [inverse, g.op("Shape", [p])])  # [B, S, K]
         k_u = g.op("Reshape", [k_u, g.const([-1, nKV * D], np.int64, "u_kvd")])
         # row gathers along axis 0: contiguous row copies, the layout the MatMuls read
-        return g.op("Gather", [k_u, inv], axis=0), g.op("Gather", [lat_v, inv], axis=0)
+        # V latents widened to float64 per distinct row, before the per-pick gather (_attend_v's sum)
+        return g.op("Gather", [k_u, inv], axis=0), g.op("Gather", [cast(g, lat_v, F64), inv], axis=0)
 
     def _select(self, l: int, geo: dict[str, str], index_q: str, index_w: str, cache: dict[str, str]) -> str:
         """Sel(t) by spec 4.1 as positions [B, S, k] int32, ascending, padded with -1."""
