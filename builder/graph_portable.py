@@ -15,8 +15,10 @@ runtime writes them at positions past + j) and reads the cache by `Gather` at fl
   the window and exactly top_k[b] others (ONNX TopK orders equal values by lower index, the tie rule;
   columns are in position order), in the dense case (t + 1 <= budget) every causal position. The
   budget is the run-time input `sparse_top_k` [B] (revision 4), so `selected` is k wide, not K_sel;
-- attention gathers the `K_sel` selected latent rows per query, reconstructs K/V for them only, and
-  takes the softmax over them: O(K_sel * (r * kvD + nH * D)) per query, whatever `N_max` or `T_c`.
+- attention gathers the `K_sel` selected latent rows per query, reconstructs K for them only (once per
+  distinct row), takes the softmax over them and attends over the V *latents*, up-projecting once per
+  head afterwards: O(K_sel * (r_k * kvD + nH * (nKV * D + r_v)) + nH * r_v * D) per query, whatever
+  `N_max` or `T_c` (docs/runtime.md "The attention's arithmetic").
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class PortableOps:
             sel_ok = g.op("GreaterOrEqual", [selected, g.const(0, np.int32, "zero_i32")])  # [B, S, K]
             p = g.op("Max", [selected, g.const(0, np.int32, "zero_i32")])  # padding reads position 0, masked
             rk, rv = self.ranks[l if owning else source]
-            k, lat_v = self._selected_kv(geo, p, cache, rk, rv, up, owning, rope)  # [B, S, K, kvD], [B, S, K, rv']
+            k, lat_v = self._selected_kv(geo, p, cache, rk, rv, up, owning)  # [B, S, K, kvD], [B, S, K, rv']
             # queries: RoPE at pos, then each head widened to all nKV key heads, zero outside its own
             # (head h reads key head h // grp): the logits are then one MatMul per query against the
             # gathered [K, nKV*D] rows, read as they lie (no head-major Transpose of K rows, whose cost
@@ -234,8 +236,9 @@ class PortableOps:
         The weighted latent sum is accumulated in float64: reassociated against the golden's
         U_v c_s-then-sum, a float32 sum moved a deployed latent across an FP16 rounding boundary in the
         stories260K golden test (logits 1.7e-3 off at one step, tolerance 1.67e-3); in float64 the
-        deviation is the golden's own float32 rounding (7e-4, as with reconstructed V). It costs two
-        Casts of [B, S, nH | K, ...] and a float64 MatMul of nH * K * r per query (no K * r * nKV * D)."""
+        deviation is the golden's own float32 rounding (7e-4, as with reconstructed V). It costs a Cast
+        of the probabilities and of the distinct latent rows (_selected_kv) and a float64 MatMul of
+        nH * K * r per query (no K * r * nKV * D)."""
         g, cfg = self.g, self.cfg
         nKV, D, grp = cfg.num_key_value_heads, cfg.head_dim, cfg.gqa_group
         width = rv if owning else rk + rv
@@ -257,7 +260,7 @@ class PortableOps:
         return out
 
     def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int,
-                     up: tuple[str, str], owning: bool, rope: tuple[str, str]) -> tuple[str, str]:
+                     up: tuple[str, str], owning: bool) -> tuple[str, str]:
         """K (RoPE applied) [B, S, K, nKV*D] and, in float64, the latents V is made from [B, S, K, rv] (sharing: the
         source's [c_k; c_v], [B, S, K, rk + rv]) of the selected positions p [B, S, K], row-major as gathered.
 
