@@ -45,8 +45,6 @@ class PortableOps:
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int) -> None:
         self.g, self.cfg, self.ranks, self.n_max = g, cfg, ranks, n_max
-        p = cfg.gsm
-        self.k_sel = p.sink_tokens + p.max_sparse_window + p.sparse_top_k
         self._geo: dict[str, str] = {}
 
     # -- I/O ---------------------------------------------------------------------------------------

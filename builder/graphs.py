@@ -33,7 +33,7 @@ DEMOTE_PORTABLE = "gsm_demote.portable.onnx"
 
 @dataclass(frozen=True)
 class GraphsInfo:
-    opset: int  # of model.onnx (the TensorRT graph): 21 with INT4 / grouped INT8 weights, else 17
+    opset: int  # of model.onnx (the TensorRT graph): 21 with quantised weights, else 17
     plugins: dict[str, str]  # op_type -> plugin_version
     plugin_namespace: str
     plugin_domain: str
@@ -60,7 +60,6 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     projections = None if weights is None else ProjectionStore(
         store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales)
-    # blocked DequantizeLinear (INT4, grouped INT8) needs opset 21
     # any quantised TensorRT form at opset 21: blocked DQ needs it, and per-channel INT8 there too because
     # onnx's reference evaluator (our TensorRT-less check of model.onnx) implements DequantizeLinear from 19 on
     trt_opset = OPSET_INT4 if weights is not None else OPSET

@@ -47,10 +47,6 @@ def silu_mul(g: GraphBuilder, a: str, b: str) -> str:
     return g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a])]), b])
 
 
-def swiglu(g: GraphBuilder, x2d: str, gate: str, up: str, down: str) -> str:
-    return linear(g, silu_mul(g, linear(g, x2d, gate), linear(g, x2d, up)), down)
-
-
 def rotate_half(g: GraphBuilder, x: str, head_dim: int) -> str:
     x1, x2 = g.op("Split", [x, g.const([head_dim // 2, head_dim // 2], np.int64, "halves")], n_out=2, axis=-1)
     return g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)

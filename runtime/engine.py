@@ -117,10 +117,7 @@ class SequentialStepper:
         out: list[np.ndarray | Exception] = []
         for w in work:
             try:
-                if w.probe:
-                    out.append(w.seq.rt.decode_batch([w.seq], w.ids, probe=[True])[0])
-                else:
-                    out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0]))
+                out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0], probe=w.probe))
             except Exception as e:  # one sequence's failure must not stop the others
                 out.append(e)
         return out
@@ -145,19 +142,22 @@ class BatchedStepper:
                 continue
             seqs = [work[i].seq for i in idx]
             try:
-                if prefill:
-                    res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx])
-                elif any(work[i].probe for i in idx):
-                    res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
-                                               probe=[work[i].probe for i in idx])
-                else:
-                    res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx])
+                res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx]) if prefill
+                       else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
+                                                 probe=[work[i].probe for i in idx]))
                 for k, i in enumerate(idx):
                     out[i] = res[k]
             except Exception as e:
                 for i in idx:
                     out[i] = e
         return out
+
+
+def release(seq: Any) -> None:
+    """Give a sequence's cache back now (backends with a buffer pool reuse its row); None: nothing to do."""
+    close = getattr(seq, "close", None)
+    if close is not None:
+        close()
 
 
 def new_kv_noise(seq: Any, passes_seen: int) -> tuple[float | None, int]:
@@ -435,9 +435,7 @@ class Engine:
         if req.detok is not None and reason not in ("cancelled", "error"):
             req.detok.flush()  # bytes held back before a stop id: in .text, no token carries them
         req.finish_reason, req.error, req.t_end = reason, error, time.monotonic()
-        close = getattr(req.seq, "close", None)  # backends with a buffer pool take the slot back now
-        if close is not None:
-            close()
+        release(req.seq)
         req.seq = None
         self._notify("on_finish", req)
         req._push(None)
@@ -564,16 +562,12 @@ class Engine:
         for req, seq, res in zip(reqs, fresh, results):
             if isinstance(res, Exception):
                 log.error("request %d: cache refresh failed: %s", req.id, res)
-                close = getattr(seq, "close", None)
-                if close is not None:
-                    close()
+                release(seq)
                 self._finish(req, "error", res)
                 failed.append(req)
                 continue
-            old, req.seq, req.retier_passes = req.seq, seq, seq.retier_passes
-            close = getattr(old, "close", None)
-            if close is not None:
-                close()
+            release(req.seq)
+            req.seq, req.retier_passes = seq, seq.retier_passes
             req.refreshes += 1
             self.fallbacks["kv_noise"] += 1
             self._notify("on_fallback", req, "kv_noise", req.kv_noise)
