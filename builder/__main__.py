@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from builder.plan import DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL
+from builder.plan import DEFAULT_INT8_GROUP_SIZE, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES
 from gsm.cli_support import EXIT_BAD_INPUT, EXIT_FAILED, int_at_least, run_main
 
 
@@ -38,14 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--uncalibrated", choices=["fp16", "data-free"], default="fp16",
                    help="a checkpoint without calibration tables: keep the KV cache FP16 (default, safe) or use "
                    "INT12/INT8 tiers with data-free scales (measurably worse on real models)")
-    b.add_argument("--weights", choices=["fp16", "int8", "int4", "auto"], default="fp16",
+    b.add_argument("--weights", choices=[*WEIGHT_CHOICES, "auto"], default="fp16",
                    help="projection weights (q, o, gate, up, down): fp16, INT8 per channel, INT4 per group, or auto "
                    "(the highest precision whose memory plan fits the device at --max-seq)")
     b.add_argument("--group-size", type=group_size_arg,
                    help="INT4/INT8 group along the input dimension, a power of two >= 16, or `channel` (INT8 only: "
                    "one group per output row); default 128 for int4 (or the detected grid's) and "
                    f"{DEFAULT_INT8_GROUP_SIZE} for int8")
-    b.add_argument("--int4-grid", choices=["auto", "sym", "asym-f"], default="auto",
+    b.add_argument("--int4-grid", choices=["auto", *INT4_GRIDS], default="auto",
                    help="INT4 codes: sym (symmetric), asym-f (min/max grid with a float zero point, reproduces a "
                    "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")
     b.add_argument("--quantize-head", action="store_true", help="also quantise an untied LM head")

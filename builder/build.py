@@ -34,7 +34,10 @@ from builder.graphs import MODEL_PORTABLE, MODEL_TRT, write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
+    INT4_GRIDS,
     PER_CHANNEL,
+    QUANTISED_KEYS,
+    WEIGHT_CHOICES,
     MemoryPlan,
     choose_weights,
     fmt_bytes,
@@ -212,8 +215,8 @@ def _runtime_config(spec: NetSpec, plan: MemoryPlan, rows: Any, quant: Any, logi
 
 
 UNCALIBRATED = ("fp16", "data-free")
-WEIGHTS = ("fp16", "int8", "int4", "auto")
-INT4_GRID_CHOICES = ("auto", "sym", "asym-f")
+WEIGHTS = (*WEIGHT_CHOICES, "auto")
+INT4_GRID_CHOICES = ("auto", *INT4_GRIDS)
 MATMUL_ACCURACY = {"exact": 0, "fast": 4}  # MatMulNBits accuracy_level
 TRT_INT8_BLOCKED_NOTE = (
     "model.onnx (TensorRT) holds these INT8 weights per output channel, not in groups: TensorRT documents "
@@ -269,8 +272,8 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
     fp16 = weight_bytes(cfg, ranks)
     rep: dict[str, Any] = {
         "requested": requested, "format": plan.weights, "bytes": plan.weight_bytes, "fp16_bytes": fp16,
-        "ratio_vs_fp16": plan.weight_bytes / fp16, "quantised": sorted({"q_proj", "o_proj", "gate_proj", "up_proj",
-                                                                        "down_proj"}) if plan.weights != "fp16" else [],
+        "ratio_vs_fp16": plan.weight_bytes / fp16,
+        "quantised": sorted(QUANTISED_KEYS) if plan.weights != "fp16" else [],
         "quantize_head": plan.quantize_head and not cfg.tie_word_embeddings,
     }
     if plan.weights == "int4":
@@ -282,7 +285,7 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
     if plan.weights != "fp16":
         rep["matmul_accuracy"] = matmul_accuracy
     if requested == "auto":
-        tried = ["fp16", "int8", "int4"][: ["fp16", "int8", "int4"].index(plan.weights)]
+        tried = WEIGHT_CHOICES[: WEIGHT_CHOICES.index(plan.weights)]
         rep["why"] = (f"{plan.weights} is the highest precision whose plan fits {plan.device} at --max-seq "
                       f"{plan.max_seq} x --max-batch {plan.max_batch} ({fmt_bytes(plan.total_bytes)} of "
                       f"{fmt_bytes(plan.usable_bytes)})" + (f"; {', '.join(tried)} did not fit" if tried else ""))
