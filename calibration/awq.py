@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         from gsm import checkpoint
         from gsm.checker import verify
         from gsm.golden.model import GoldenModel
-        from gsm.outputs import OutputPathError, check_output_file
+        from gsm.outputs import OutputPathError, check_output_file, write_bytes_atomic
 
         try:
             check_output_file(a.out, flag="--out", overwrite=a.overwrite, inputs=[("--checkpoint", a.checkpoint),
@@ -295,10 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"format": "gsm-edge-awq-scales", "group_size": str(a.group_size), "bits": "4",
                 "samples": str(len(seqs.ids)), "seq_len": str(a.seq_len), "data": str(a.data),
                 "alphas": json.dumps({n: r.alpha for n, r in res.items()})}
-        raw = save({n: np.ascontiguousarray(r.scales, np.float32) for n, r in res.items()}, metadata=meta)
-        tmp = a.out.parent / f".{a.out.name}.tmp"
-        tmp.write_bytes(raw)
-        tmp.replace(a.out)
+        write_bytes_atomic(a.out, save({n: np.ascontiguousarray(r.scales, np.float32) for n, r in res.items()},
+                                       metadata=meta))
         gain = np.mean([r.error / r.error_rtn for r in res.values() if r.error_rtn > 0])
         print(f"wrote {a.out}: {len(res)} projections, mean alpha {np.mean([r.alpha for r in res.values()]):.2f}, "
               f"search-sample error {gain:.3f}x RTN, {time.perf_counter() - t0:.0f} s")

@@ -118,11 +118,16 @@ def check_output_file(out: Path, *, flag: str, overwrite: bool,
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a small file (a report) via a temp file and rename: readers never see half of it."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """write_text_atomic for bytes (a scales file): temp file beside it, rename, temp removed on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(6)}"
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
