@@ -9,6 +9,11 @@ graph needs them. With weight-only quantisation (NetSpec.weights, docs/weights.m
 q, o, gate, up, down (and optionally the LM head) are read, quantised and stored in both forms
 instead (builder/qlinear.py ProjectionStore), and each variant emits its own form: MatMulNBits
 (portable) or DequantizeLinear + MatMul (TensorRT).
+
+Fewer, larger operators (ONNX Runtime pays a fixed cost per node, docs/runtime.md "Layer-stack
+fusions"): the projections that read the same input and are not quantised are stored once more as one
+row-concatenated weight (FUSED, streamed) and run as one Gemm whose output is split: an owning layer's
+GSM-side projections (+ q_proj in float32), and gate_proj + up_proj.
 """
 
 from __future__ import annotations
@@ -27,6 +32,21 @@ from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
 
 ROPE_COS, ROPE_SIN = "gsm.rope_cos", "gsm.rope_sin"
+
+# Stored tensors that are row-concatenations of checkpoint projections, `{i}` the layer. Not under
+# "gsm.layers." (that prefix is the plugin nodes' calibration tables): both graph variants read these.
+FUSED = {
+    "in_proj": "fused.layers.{i}.in_proj",  # [k_Vt; v_Vt; idx_k; idx_q; idx_w (; q_proj)] [rows, H]
+    "in_scale": "fused.layers.{i}.in_scale",  # [k_S; v_S; ones] over the GSM-side rows of in_proj
+    "gate_up": "fused.layers.{i}.gate_up",  # [gate_proj; up_proj] [2I, H]
+}
+GSM_SIDE = ("k_Vt", "v_Vt", "idx_k", "idx_q", "idx_w")  # in_proj's row blocks, in order
+# the tensor names the GSM nodes and the runtime's probes read, one per GSM_SIDE block
+GSM_SIDE_OUT = ("L{i}.latent_k_new", "L{i}.latent_v_new", "L{i}.index_key_new", "L{i}.index_q", "L{i}.index_w")
+
+
+def fused_name(key: str, i: int) -> str:
+    return FUSED[key].format(i=i)
 
 
 def quant_name(l: int) -> str:
@@ -116,6 +136,78 @@ class Network:
     def lw(self, key: str, i: int, **kw: Any) -> str:
         return self.w(names.layer_name(key, i), **kw)
 
+    def rows(self, key: str, i: int, parts: list[str]) -> str:
+        """Stored FUSED tensor `key` of layer i: checkpoint tensors `parts` ([rows, in] each, row-major)
+        concatenated along rows. Streamed: such a concatenation is the parts' bytes one after another."""
+        name = fused_name(key, i)
+        if name not in self.g.store.tensors:
+            shapes = [self.source.shape(p) for p in parts]
+            if len({s[1:] for s in shapes}) != 1:
+                raise ValueError(f"{name}: parts {parts} differ in shape past the rows: {shapes}")
+            shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+            self.g.store.put_chunks(name, shape, (c for p in parts for c in self.source.chunks(p)))
+        return self.g.weight(name)
+
+    def in_scale(self, i: int, n_ones: int) -> str:
+        """[k_S; v_S; ones(n_ones)] of owning layer i (stored once, streamed)."""
+        name = fused_name("in_scale", i)
+        if name not in self.g.store.tensors:
+            k_s, v_s = names.layer_name("k_S", i), names.layer_name("v_S", i)
+            n = self.source.shape(k_s)[0] + self.source.shape(v_s)[0] + n_ones
+            chunks = (*self.source.chunks(k_s), *self.source.chunks(v_s), np.ones(n_ones, np.float32))
+            self.g.store.put_chunks(name, (n,), chunks)
+        return self.g.weight(name)
+
+    def act_w(self, weight: str) -> str:
+        """A float32 stored tensor (or a node output over one) in the activation type."""
+        return weight if self.act == F32 else cast(self.g, weight, self.act)
+
+    def gsm_inputs(self, i: int, x32: str, x: str, bs: Any) -> tuple[str, list[str]]:
+        """q [B, S, q_dim] float32 and the GSM-side tensors (GSM_SIDE_OUT, [B, S, width] float32) of owning
+        layer i: one Gemm over in_proj, the latent scales applied after it as before ((x Vt^T) * S, not S
+        folded into Vt: the latents are rounded to FP16 next and the golden tolerance is tight).
+
+        q_proj is a block of in_proj unless quantised; in a float32 graph its rows ride the same Gemm, in a
+        lower-precision one they are split off the stored weight (a constant, folded by the engine builder)
+        and run in the activation type as before, so both variants read one stored tensor."""
+        g, cfg, spec = self.g, self.cfg, self.spec
+        rk, rv = spec.ranks[i]
+        nI, dI = cfg.gsm.indexer_heads, cfg.gsm.indexer_dim
+        widths = [rk, rv, dI, nI * dI, nI]
+        outs = [o.format(i=i) for o in GSM_SIDE_OUT]
+        q_name = names.layer_name("q_proj", i)
+        with_q = q_name not in spec.quantised
+        parts = [names.layer_name(k, i) for k in GSM_SIDE] + ([q_name] if with_q else [])
+        w = self.rows("in_proj", i, parts)
+        scale = self.in_scale(i, dI + nI * dI + nI)
+        if with_q and self.act == F32:
+            # the ones over q's rows are a constant Concat, folded at session creation
+            scale = g.op("Concat", [scale, g.const(np.ones(cfg.q_dim, np.float32), np.float32, "ones_q")], axis=0)
+            y = bs(g.op("Mul", [linear(g, x32, w), scale]), sum(widths) + cfg.q_dim)
+            *gsm, q = g.op("Split", [y, g.const([*widths, cfg.q_dim], np.int64, "in_split")], n_out=len(widths) + 1,
+                           axis=-1, outputs=[*outs, f"L{i}.q"])
+            return q, gsm
+        if with_q:
+            w, wq = g.op("Split", [w, g.const([sum(widths), cfg.q_dim], np.int64, "in_q_split")], n_out=2, axis=0)
+            q = linear(g, x, self.act_w(wq))
+        else:
+            q = self.proj(x, q_name)
+        q = bs(q if self.act == F32 else cast(g, q, F32), cfg.q_dim, f"L{i}.q")
+        y = bs(g.op("Mul", [linear(g, x32, w), scale]), sum(widths))
+        gsm = g.op("Split", [y, g.const(widths, np.int64, "gsm_split")], n_out=len(widths), axis=-1, outputs=outs)
+        return q, gsm
+
+    def mlp(self, i: int, y: str) -> str:
+        """silu(y gate^T) * (y up^T): one Gemm over gate_up and a Split unless either is quantised."""
+        gate, up = names.layer_name("gate_proj", i), names.layer_name("up_proj", i)
+        if gate in self.spec.quantised or up in self.spec.quantised:
+            return silu_mul(self.g, self.proj(y, gate), self.proj(y, up))
+        w = self.act_w(self.rows("gate_up", i, [gate, up]))
+        inter = self.cfg.intermediate_size
+        a, b = self.g.op("Split", [linear(self.g, y, w), self.g.const([inter, inter], np.int64, "gate_up_split")],
+                         n_out=2, axis=-1)
+        return silu_mul(self.g, a, b)
+
     def build(self) -> None:
         g, cfg, spec, ops = self.g, self.cfg, self.spec, self.ops
         H, qd = cfg.hidden_size, cfg.q_dim
@@ -130,10 +222,13 @@ class Network:
         quant = {l: g.store.get_or_put(quant_name(l), lambda l=l: self.quant_tables[l]) for l in cfg.owning_layers}
         shape_bs = g.op("Shape", [ids])
 
+        shapes: dict[int, str] = {}
+
         def bs(x2d: str, width: int, name: str | None = None) -> str:
-            """[B*S, width] -> [B, S, width]"""
-            return g.op("Reshape", [x2d, g.op("Concat", [shape_bs, g.const([width], np.int64, f"w{width}")], axis=0)],
-                        outputs=[name] if name else None)
+            """[B*S, width] -> [B, S, width] (each width's shape tensor made once, not per layer)"""
+            if width not in shapes:
+                shapes[width] = g.op("Concat", [shape_bs, g.const([width], np.int64, f"w{width}")], axis=0)
+            return g.op("Reshape", [x2d, shapes[width]], outputs=[name] if name else None)
 
         h = g.op("Gather", [self.w(names.EMBED, keep_f32=True), ids], axis=0)  # [B, S, H] f32
         h = g.op("Reshape", [h if self.act == F32 else cast(g, h, self.act), g.const([-1, H], np.int64, "flat_h")])
@@ -143,22 +238,14 @@ class Network:
             with g.in_scope(f"L{i}"):
                 x32 = rms_norm(g, h, self.lw("input_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act, F32)
                 x = x32 if self.act == F32 else cast(g, x32, self.act)
-                q = self.proj(x, names.layer_name("q_proj", i))
-                q = bs(q if self.act == F32 else cast(g, q, F32), qd, f"L{i}.q")  # [B, S, nH*D] f32
                 if cfg.is_owning(i):
                     # the GSM-side projections (latents, indexer) run in float32 in both variants: they
                     # are small (r and nI*dI rows), and float32 index scores keep the top-k selection
                     # of an FP16 engine equal to the golden's except at true near-ties
-                    rk, rv = spec.ranks[i]
-                    f32w = {"keep_f32": True}
-                    ck = bs(g.op("Mul", [linear(g, x32, self.lw("k_Vt", i, **f32w)), self.lw("k_S", i, **f32w)]), rk,
-                            f"L{i}.latent_k_new")
-                    cv = bs(g.op("Mul", [linear(g, x32, self.lw("v_Vt", i, **f32w)), self.lw("v_S", i, **f32w)]), rv,
-                            f"L{i}.latent_v_new")
-                    key = bs(linear(g, x32, self.lw("idx_k", i, **f32w)), cfg.gsm.indexer_dim, f"L{i}.index_key_new")
-                    iq = bs(linear(g, x32, self.lw("idx_q", i, **f32w)), cfg.gsm.indexer_heads * cfg.gsm.indexer_dim,
-                            f"L{i}.index_q")
-                    iw = bs(linear(g, x32, self.lw("idx_w", i, **f32w)), cfg.gsm.indexer_heads, f"L{i}.index_w")
+                    q, (ck, cv, key, iq, iw) = self.gsm_inputs(i, x32, x, bs)
+                else:
+                    q = self.proj(x, names.layer_name("q_proj", i))
+                    q = bs(q if self.act == F32 else cast(g, q, F32), qd, f"L{i}.q")  # [B, S, nH*D] f32
             if cfg.is_owning(i):
                 cache[i] = ops.kv_update(i, cache[i], ck, cv, key, past, new)
                 up = (self.lw("k_U", i, keep_f32=True), self.lw("v_U", i, keep_f32=True))
@@ -175,9 +262,7 @@ class Network:
                 a2 = a2 if self.act == F32 else cast(g, a2, self.act)
                 h = g.op("Add", [h, self.proj(a2, names.layer_name("o_proj", i))])
                 y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)
-                mlp = silu_mul(g, self.proj(y, names.layer_name("gate_proj", i)),
-                               self.proj(y, names.layer_name("up_proj", i)))
-                h = g.op("Add", [h, self.proj(mlp, names.layer_name("down_proj", i))])
+                h = g.op("Add", [h, self.proj(self.mlp(i, y), names.layer_name("down_proj", i))])
         self._head(h, shape_bs, new)
         total = masses[0]
         for m in masses[1:]:
@@ -216,4 +301,5 @@ class Network:
             g.output("logits", F32, ["B", "S", V])
 
 
-__all__ = ["F16", "CheckpointSource", "NetSpec", "Network", "ROPE_COS", "ROPE_SIN", "TensorSource", "quant_name"]
+__all__ = ["F16", "FUSED", "GSM_SIDE", "CheckpointSource", "NetSpec", "Network", "ROPE_COS", "ROPE_SIN", "TensorSource",
+           "fused_name", "quant_name"]

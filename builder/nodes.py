@@ -28,11 +28,15 @@ def cast(g: GraphBuilder, x: str, to: int) -> str:
 
 
 def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, act: int, out: int | None = None) -> str:
-    """x (of type act) * 1/sqrt(mean(x^2) + eps) * w, computed in float32; returned as `out` (default act)."""
+    """x (of type act) / sqrt(mean(x^2) + eps) * w, computed in float32; returned as `out` (default act).
+
+    The exact form Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul is the one ONNX Runtime's
+    SimplifiedLayerNormFusion matches: one SimplifiedLayerNormalization kernel instead of seven nodes
+    (Mul(x, x) or Reciprocal + Mul are not matched; docs/runtime.md "Layer-stack fusions")."""
     x32 = x if act == F32 else cast(g, x, F32)
-    ms = g.op("ReduceMean", [g.op("Mul", [x32, x32])], axes=[-1], keepdims=1)
-    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32, "eps")])])])
-    y = g.op("Mul", [g.op("Mul", [x32, inv]), weight])
+    ms = g.op("ReduceMean", [g.op("Pow", [x32, g.const(2.0, np.float32, "two")])], axes=[-1], keepdims=1)
+    rms = g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32, "eps")])])
+    y = g.op("Mul", [g.op("Div", [x32, rms]), weight])
     out = act if out is None else out
     return y if out == F32 else cast(g, y, out)
 
