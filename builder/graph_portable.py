@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from builder.nodes import F16, F32, I32, I64, cast, linear, positions, valid_rows
+from builder.nodes import F16, F32, I32, I64, cast, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm.config import ModelConfig
 
@@ -60,6 +60,10 @@ class PortableOps:
             state[l] = {"k": g.input(f"latent_k.{l}", F32, ["R", self.n_max, rk]),
                         "v": g.input(f"latent_v.{l}", F32, ["R", self.n_max, rv]),
                         "keys": g.input(f"index_keys.{l}", F16, ["R", self.n_max, dI])}
+        # revision 5: every layer's K rows (RoPE applied) as the golden reconstructs them from the held
+        # latents, cached by position, so that a step gathers K_sel rows instead of rebuilding them
+        self.k_rows = {l: g.input(f"k_rows.{l}", F32, ["R", self.n_max, self.cfg.kv_dim])
+                       for l in range(self.cfg.num_hidden_layers)}
         return state
 
     def declare_cache_outputs(self) -> None:
@@ -69,6 +73,8 @@ class PortableOps:
             g.output(f"new_latent_k.{l}", F32, ["B", "S", rk])
             g.output(f"new_latent_v.{l}", F32, ["B", "S", rv])
             g.output(f"new_index_keys.{l}", F16, ["B", "S", dI])
+        for l in range(self.cfg.num_hidden_layers):
+            g.output(f"new_k_rows.{l}", F32, ["B", "S", self.cfg.kv_dim])
         # per-layer probes (revision 4): always in the graph, where they are intermediate tensors anyway;
         # the runtime binds them only when asked (hit-rate probe, debug bundles), so a step pays nothing
         for l in self.cfg.owning_layers:
@@ -197,7 +203,11 @@ class PortableOps:
             sel_ok = g.op("GreaterOrEqual", [selected, g.const(0, np.int32, "zero_i32")])  # [B, S, K]
             p = g.op("Max", [selected, g.const(0, np.int32, "zero_i32")])  # padding reads position 0, masked
             rk, rv = self.ranks[l if owning else source]
-            k, lat_v = self._selected_kv(geo, p, cache, rk, rv, up, owning)  # [B, S, K, kvD], [B, S, K, rv']
+            # this call's K rows (graph output `new_k_rows.{l}`: the runtime caches them with the latents)
+            lat_new = cache["new_k"] if owning else g.op("Concat", [cache["new_k"], cache["new_v"]], axis=-1)
+            k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"])  # [B, S, kvD]
+            k_new = g.op("Identity", [k_new], outputs=[f"new_k_rows.{l}"])
+            k, lat_v = self._selected_kv(geo, p, cache, rk, rv, k_new, self.k_rows[l], owning)
             # queries: RoPE at pos, then each head widened to all nKV key heads, zero outside its own
             # (head h reads key head h // grp): the logits are then one MatMul per query against the
             # gathered [K, nKV*D] rows, read as they lie (no head-major Transpose of K rows, whose cost
@@ -257,17 +267,34 @@ class PortableOps:
             out = g.op("Add", [out, g.op("Reshape", [b_v, g.const([nKV, 1, D], np.int64, "k1d")])])
         return out
 
-    def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int,
-                     up: tuple[str, str], owning: bool) -> tuple[str, str]:
+    def k_rows_from(self, lat: str, up: tuple[str, str], owning: bool, cos: str, sin: str, lead_dims: int = 2) -> str:
+        """K rows (spec 4.1/4.2: RoPE after reconstruction) of latent rows `lat` [*lead, r] (sharing: the source's
+        [c_k; c_v]) at the positions whose RoPE factors `cos`/`sin` [*lead, 1, 2, D/2] are given: [*lead, kvD].
+        The main graph makes the call's new rows with it, the demotion graph the re-encoded ones."""
+        g, cfg = self.g, self.cfg
+        nKV, D = cfg.num_key_value_heads, cfg.head_dim
+        if owning:
+            k = g.op("MatMul", [lat, g.op("Transpose", [up[0]], perm=[1, 0])])  # c U_k^T
+        else:  # kv_projector: the K half of [W_k; W_v] [c_k; c_v] + [b_k; b_v]
+            half = (g.const([0], np.int64, "kv0"), g.const([nKV * D], np.int64, "kvd"), g.const([0], np.int64, "ax0"))
+            k = g.op("Add", [g.op("MatMul", [lat, g.op("Transpose", [g.op("Slice", [up[0], *half])], perm=[1, 0])]),
+                             g.op("Slice", [up[1], *half])])
+        lead = [0] * lead_dims  # Reshape's 0 keeps a leading dimension as it is
+        heads = g.const(lead + [nKV, 2, D // 2], np.int64, f"lead{lead_dims}_h2d")
+        return g.op("Reshape", [_rope(g, g.op("Reshape", [k, heads]), cos, sin),
+                                g.const(lead + [nKV * D], np.int64, f"lead{lead_dims}_kvd")])
+
+    def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int, k_new: str,
+                     k_rows: str, owning: bool) -> tuple[str, str]:
         """K (RoPE applied) [B, S, K, nKV*D] and, in float64, the latents V is made from [B, S, K, rv] (sharing: the
         source's [c_k; c_v], [B, S, K, rk + rv]) of the selected positions p [B, S, K], row-major as gathered.
 
-        K rows are reconstructed once per *distinct* selected row (`Unique` over the batch's picks): a
-        decode step reconstructs at most K_sel rows per sequence, a prefill chunk at most its context
-        (queries of one chunk select mostly the same rows), never S * K_sel. V is never reconstructed
-        (`_attend_v`)."""
+        K rows come from the layer's K-row cache (`k_rows.{l}`, revision 5) and this call's `k_new`
+        [B, S, kvD]: nothing is reconstructed per step. Rows are gathered once per *distinct* selected
+        row (`Unique` over the batch's picks: a prefill chunk's queries select mostly the same rows),
+        then per pick. V is never reconstructed (`_attend_v`)."""
         g, cfg = self.g, self.cfg
-        nKV, D = cfg.num_key_value_heads, cfg.head_dim
+        kvD = cfg.kv_dim
         is_new = g.op("GreaterOrEqual", [p, geo["past3"]])
         p64 = cast(g, p, I64)
         zero, minus1 = g.const(0, np.int64, "i0"), g.const(-1, np.int64, "i_minus1")
@@ -280,32 +307,22 @@ class PortableOps:
         # order) lists them as its first B*S rows whether picked or not: the unique rows are the new rows
         # as they are, then cache rows (keys >= 0), one Gather and one Concat, no per-row Where
         n_new = geo["n_new"]
-        uniq, first, inverse, _ = g.op("Unique", [g.op("Concat", [geo["new_keys"], g.op("Reshape", [key, flat])],
-                                                        axis=0)], n_out=4, sorted=0)
+        uniq, _, inverse, _ = g.op("Unique", [g.op("Concat", [geo["new_keys"], g.op("Reshape", [key, flat])],
+                                                   axis=0)], n_out=4, sorted=0)
         big = g.const([np.iinfo(np.int64).max], np.int64, "i64max")
         cache_row = g.op("Slice", [uniq, n_new, big])  # [U - B*S]
         inverse = g.op("Slice", [inverse, n_new, big])  # the picks' rows in the unique list
 
-        def rows(kind: str, r: int) -> str:  # [U, r]
-            from_cache = g.op("Gather", [self._flat_rows(cache[kind], r), cache_row], axis=0)
-            new_flat = g.op("Reshape", [cache["new_" + kind], g.const([-1, r], np.int64, f"flat{r}")])
+        def rows(buf: str, new_rows: str, r: int) -> str:  # [U, r]
+            from_cache = g.op("Gather", [self._flat_rows(buf, r), cache_row], axis=0)
+            new_flat = g.op("Reshape", [new_rows, g.const([-1, r], np.int64, f"flat{r}")])
             return g.op("Concat", [new_flat, from_cache], axis=0)
 
-        lat_k, lat_v = rows("k", rk), rows("v", rv)
-        if owning:
-            k_u = linear(g, lat_k, up[0])  # [U, kvD]
-        else:  # kv_projector: the K half of [W_k; W_v] [c_k; c_v] + [b_k; b_v]
-            lat_v = g.op("Concat", [lat_k, lat_v], axis=-1)
-            half = (g.const([0], np.int64, "kv0"), g.const([nKV * D], np.int64, "kvd"), g.const([0], np.int64, "ax0"))
-            k_u = linear(g, lat_v, g.op("Slice", [up[0], *half]), g.op("Slice", [up[1], *half]))
-        heads = g.const([-1, nKV, 2, D // 2], np.int64, "u_h2d")
-        pos_u = g.op("Gather", [g.op("Concat", [geo["pos_flat"], g.op("Reshape", [p, flat])], axis=0), first],
-                     axis=0)  # [U]
-        cos_u = g.op("Gather", [geo["cos"], pos_u], axis=0)  # [U, 1, 2, D/2]
-        sin_u = g.op("Gather", [geo["sin"], pos_u], axis=0)
-        k_u = _rope(g, g.op("Reshape", [k_u, heads]), cos_u, sin_u)  # [U, nKV, 2, D/2]
+        k_u = rows(k_rows, k_new, kvD)
+        lat_v = rows(cache["v"], cache["new_v"], rv)
+        if not owning:
+            lat_v = g.op("Concat", [rows(cache["k"], cache["new_k"], rk), lat_v], axis=-1)
         inv = g.op("Reshape", [inverse, g.op("Shape", [p])])  # [B, S, K]
-        k_u = g.op("Reshape", [k_u, g.const([-1, nKV * D], np.int64, "u_kvd")])
         # row gathers along axis 0: contiguous row copies, the layout the MatMuls read
         # V latents widened to float64 per distinct row, before the per-pick gather (_attend_v's sum)
         return g.op("Gather", [k_u, inv], axis=0), g.op("Gather", [cast(g, lat_v, F64), inv], axis=0)

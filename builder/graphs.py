@@ -17,12 +17,13 @@ import numpy as np
 
 from builder.graph_portable import PortableOps
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
-from builder.network import NetSpec, Network, TensorSource, quant_name
+from builder.network import ROPE_COS, ROPE_SIN, NetSpec, Network, TensorSource, quant_name
 from builder.nodes import F16, F32, I32
 from builder.onnx_util import OPSET, OPSET_INT4, GraphBuilder, WeightStore, save_model
 from builder.plan import PoolRows
 from builder.qlinear import ProjectionStore
 from builder.wquant import WeightQuantConfig
+from gsm import names
 
 WEIGHTS_FILE = "weights.bin"
 MODEL_TRT = "model.onnx"
@@ -91,18 +92,39 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
 
 
 def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
-    """Over the M rows a re-tier pass changes (gathered by the runtime), not the whole cache."""
+    """Over the M rows a re-tier pass changes (gathered by the runtime), not the whole cache: the re-encoded
+    latents, and (revision 5) the K rows of every layer that reads them, made from the re-encoded latents at
+    the rows' `positions` [M] as the golden reconstructs them."""
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PortableOps(g, cfg, ranks, n)
     tier = g.input("new_tier", I32, ["M"])
+    pos = g.input("positions", I32, ["M"])
+    halves = g.const([-1, 1, 2, cfg.head_dim // 2], np.int64, "n1_2_half")
+    sign = np.concatenate([-np.ones(cfg.head_dim // 2), np.ones(cfg.head_dim // 2)]).astype(np.float32)
+    cos = g.op("Gather", [g.op("Reshape", [g.weight(ROPE_COS), halves]), pos], axis=0)  # [M, 1, 2, D/2]
+    sin = g.op("Gather", [g.op("Reshape", [g.op("Mul", [g.weight(ROPE_SIN), g.const(sign, np.float32, "rope_sign")]),
+                                           halves]), pos], axis=0)
+    out: dict[int, dict[str, str]] = {}
     for l in cfg.owning_layers:
         rk, rv = ranks[l]
         for kind, r, c0 in (("k", rk, 0), ("v", rv, rk)):
             lat = g.input(f"latent_{kind}.{l}", F32, ["M", r])
-            ops.demote(l, lat, tier, g.weight(quant_name(l)), (c0, c0 + r), f"latent_{kind}_out.{l}")
+            out.setdefault(l, {})[kind] = ops.demote(l, lat, tier, g.weight(quant_name(l)), (c0, c0 + r),
+                                                     f"latent_{kind}_out.{l}")
             g.output(f"latent_{kind}_out.{l}", F32, ["M", r])
-    save_model(g.model("gsm_demote_portable", doc="re-encode changed latent rows to their new tier "
-                                                  "(docs/engine_io.md 5)"), path)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_owning(i):
+            lat, up, owning = out[i]["k"], (g.weight(names.layer_name("k_U", i)), ""), True
+        else:
+            src = out[cfg.gsm.kv_sharing[i]]
+            lat = g.op("Concat", [src["k"], src["v"]], axis=-1)
+            up, owning = (g.weight(names.layer_name("proj_w", i)), g.weight(names.layer_name("proj_b", i))), False
+        with g.in_scope(f"L{i}.GsmKVDemote"):
+            k = ops.k_rows_from(lat, up, owning, cos, sin, lead_dims=1)
+        g.op("Identity", [k], outputs=[f"k_rows_out.{i}"])
+        g.output(f"k_rows_out.{i}", F32, ["M", cfg.kv_dim])
+    save_model(g.model("gsm_demote_portable", doc="re-encode changed latent rows to their new tier, and their K "
+                                                  "rows (docs/engine_io.md 5)"), path)
 
 
 def _demote_trt(g: GraphBuilder, spec: NetSpec, rows: PoolRows, path: Path) -> None:

@@ -1,8 +1,12 @@
 """ONNX Runtime backend: runs model.portable.onnx and gsm_demote.portable.onnx on the CPU (or any
-ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5, rev 4).
+ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5, rev 5).
 
 The cache is what the portable graph reads: per owning layer float32 latents `latent_k/v.{l}`
-[R, N_max, r] and FP16 indexer keys `index_keys.{l}` [R, N_max, dI], one row per live sequence.
+[R, N_max, r] and FP16 indexer keys `index_keys.{l}` [R, N_max, dI], and (rev 5) per layer the K rows
+`k_rows.{l}` [R, N_max, kvD] made from the held latents, one row per live sequence. The K rows trade
+memory (kvD float32 per layer and position, about as much as the latents again) for not rebuilding
+K_sel rows per layer on every step, the largest cost of a CPU step at a large top-k; a re-tier pass
+rewrites them from the re-encoded latents (the demotion graph returns both).
 They are numpy arrays wrapped as OrtValues (same memory) and bound to the session's I/O binding at
 creation; a call binds only the small per-call inputs (ids, lengths, `cache_rows`), the graph
 returns only the new rows, and the backend writes those into the buffers in place. So a step
@@ -124,6 +128,12 @@ class OrtBackend:
         self.per_sequence_top_k = "sparse_top_k" in {i.name for i in self.session.get_inputs()}
         self.shadow_calls = True  # forward(commit=False) leaves the buffers as they were: probes possible
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
+        # rev 5 bundles cache every layer's K rows beside the latents (engine_io 5); older ones rebuild them
+        self.k_rows = {int(i.name.split(".")[1]): int(i.shape[-1]) for i in self.session.get_inputs()
+                       if i.name.startswith("k_rows.")}
+        self.demote_positions = "positions" in {i.name for i in self.demote_session.get_inputs()}
+        self.cached = [f"{kind}.{l}" for l in self.layers for kind in ("latent_k", "latent_v", "index_keys")]
+        self.cached += [f"k_rows.{l}" for l in self.k_rows]
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
@@ -139,7 +149,13 @@ class OrtBackend:
             shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
             shapes[f"latent_v.{l}"] = ((self.n_max, rv), np.float32)
             shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.float16)
+        for l, kvd in self.k_rows.items():
+            shapes[f"k_rows.{l}"] = ((self.n_max, kvd), np.float32)
         return shapes
+
+    def cache_bytes_per_position(self) -> int:
+        """Bytes this backend holds per cached position of one sequence (all layers)."""
+        return sum(int(np.prod(shape)) // self.n_max * np.dtype(dt).itemsize for shape, dt in self._shapes().values())
 
     def _grow(self, rows: int) -> None:
         """Buffers of `rows` sequences (the old rows copied over), bound once to the session."""
@@ -192,12 +208,11 @@ class OrtBackend:
             self.session.run_with_iobinding(self.binding)
             outs = dict(zip(want, self.binding.copy_outputs_to_cpu()))
             if commit:
-                for l in self.layers:
-                    for kind in ("latent_k", "latent_v", "index_keys"):
-                        buf, rows = self.buffers[f"{kind}.{l}"], outs[f"new_{kind}.{l}"]
-                        for b, c in enumerate(caches):
-                            p0, n = int(past[b]), int(new[b])
-                            buf[c.row, p0:p0 + n] = rows[b, :n]
+                for name in self.cached:
+                    buf, rows = self.buffers[name], outs["new_" + name]
+                    for b, c in enumerate(caches):
+                        p0, n = int(past[b]), int(new[b])
+                        buf[c.row, p0:p0 + n] = rows[b, :n]
         sel = {l: outs[f"selected.{l}"] for l in self.layers} if f"selected.{self.layers[0]}" in outs else None
         mass = {l: outs[f"attn_mass.{l}"] for l in self.layers} if probes else None
         return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
@@ -210,12 +225,16 @@ class OrtBackend:
         if where.size == 0:
             return None
         feeds: dict[str, np.ndarray] = {"new_tier": np.asarray(new_tier, np.int32)[where]}
+        if self.demote_positions:
+            feeds["positions"] = where.astype(np.int32)
         sums = []
         with self.lock:
             for l in self.layers:
                 for kind in ("latent_k", "latent_v"):
                     feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
             for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
-                sums.append(kv_noise_sums(feeds[name.replace("_out.", ".")], arr))
-                self.buffers[name.replace("_out.", ".")][cache.row, where] = arr
+                buf = name.replace("_out.", ".")
+                if buf in feeds:  # a latent: the noise is measured on what the tiers change (spec 4.3)
+                    sums.append(kv_noise_sums(feeds[buf], arr))
+                self.buffers[buf][cache.row, where] = arr  # latents, and (rev 5) the K rows made from them
         return relative_noise(sums)

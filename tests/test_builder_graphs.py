@@ -38,8 +38,12 @@ def cache_map(cfg, *, read=False):
     The portable graph returns only the new rows, so the pool *after* the update (`kv_pool_out.{l}`,
     `index_keys_out.{l}`) is, where a node reads it (`read`), the cache input plus the new rows."""
     m = {"kv_slots": {"cache_rows"}}
+    # rev 5: the portable graph also caches the K rows every layer makes from a pool's latents (its own
+    # for an owning layer, the source's for a sharing one); the plugins rebuild them from the pool. The new
+    # K rows are made by the reading layer's attention subgraph (see NEW_K_ROWS)
+    readers = {l: {l} | {i for i, s in cfg.gsm.kv_sharing.items() if s == l} for l in cfg.owning_layers}
     for l in cfg.owning_layers:
-        m[f"kv_pool.{l}"] = {f"latent_k.{l}", f"latent_v.{l}"}
+        m[f"kv_pool.{l}"] = {f"latent_k.{l}", f"latent_v.{l}"} | {f"k_rows.{i}" for i in readers[l]}
         m[f"kv_pool_out.{l}"] = {f"new_latent_k.{l}", f"new_latent_v.{l}"}
         m[f"index_keys_out.{l}"] = {f"new_index_keys.{l}"}
         if read:
@@ -71,6 +75,10 @@ def test_same_interface(bundle):
             assert po[f"new_latent_{kind}.{l}"][1][:2] == ["B", "S"]
     mapped_in = set().union(*(cmap.get(n, {n}) for n in ti))
     mapped_out = set().union(*(cmap.get(n, {n}) for n in to))
+    mapped_out |= {f"new_k_rows.{i}" for i in range(cfg.num_hidden_layers)}
+    for i in range(cfg.num_hidden_layers):  # rev 5: every layer's K rows, cached and new
+        assert pi[f"k_rows.{i}"] == (onnx.TensorProto.FLOAT, ["R", N_MAX, cfg.kv_dim])
+        assert po[f"new_k_rows.{i}"] == (onnx.TensorProto.FLOAT, ["B", "S", cfg.kv_dim])
     assert mapped_in == set(pi) and mapped_out == set(po)
 
 
@@ -118,6 +126,8 @@ def test_every_gsm_node_is_one_portable_subgraph(bundle):
         # (an owning layer's `selected` is only read when a sharing layer uses that source)
         leaving = {t for t in produced if t in graph_outputs or consumers_outside.get(t, set()) - {scope}}
         node_out = set().union(*(cmap.get(o, {o}) for o in node.output))
+        if node.op_type == "GsmSparseAttention":  # rev 5: its layer's new K rows, an output of the portable graph
+            node_out.add("new_k_rows." + scope.split(".")[0][1:])
         assert leaving <= node_out <= produced, f"{scope}: leaving {sorted(leaving)}, node outputs {sorted(node_out)}"
         # connected: a single weakly connected component through its internal tensors (rev 2: the update
         # only rounds the three kinds of new row, one independent chain each, the runtime writes them)

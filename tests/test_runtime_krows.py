@@ -1,0 +1,101 @@
+"""Revision 5 of the portable graph (docs/engine_io.md 5): every layer's K rows are cached beside the
+latents. What must hold is what the golden computes on every step: K_s = RoPE(U_k c_s, s) from the
+latent row as the cache holds it now (spec 4.1; 4.2 for a sharing layer, from the source's [c_k; c_v]
+through the kv_projector), also after a re-tier pass re-encoded c_s to INT12/INT8. The expected rows
+here are made with numpy from the checkpoint's tensors and the spec's RoPE (HF rotate-half layout),
+not by the graph; the golden comparisons of whole generations are in test_runtime_golden.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import retiering_copy
+
+from builder.build import build
+from gsm import checkpoint, names
+from gsm.synth import synth_checkpoint
+
+N_MAX = 96
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("krows")
+    ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier")
+    out = root / "bundle"
+    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=16)
+    return ck, out
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta: float, n_kv: int) -> np.ndarray:
+    """x [n, nKV*D] rotated per head at positions pos [n]: x cos + rotate_half(x) sin (float64)."""
+    n, kvd = x.shape
+    d = kvd // n_kv
+    inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = pos[:, None].astype(np.float64) * inv  # [n, D/2]
+    cos, sin = np.cos(ang), np.sin(ang)
+    h = x.reshape(n, n_kv, 2, d // 2).astype(np.float64)
+    a, b = h[:, :, 0], h[:, :, 1]
+    out = np.stack([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], axis=2)
+    return out.reshape(n, kvd)
+
+
+def expected_k_rows(ck, backend, row: int, n: int) -> dict[int, np.ndarray]:
+    cfg, sd = checkpoint.load_config(ck), checkpoint.load_state_dict(ck)
+    kvd, pos = cfg.kv_dim, np.arange(n)
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        src = i if cfg.is_owning(i) else cfg.gsm.kv_sharing[i]
+        ck_, cv_ = (backend.buffers[f"latent_{k}.{src}"][row, :n].astype(np.float64) for k in ("k", "v"))
+        if cfg.is_owning(i):
+            k = ck_ @ sd[names.layer_name("k_U", i)].astype(np.float64).T
+        else:
+            w, b = sd[names.layer_name("proj_w", i)], sd[names.layer_name("proj_b", i)]
+            k = np.concatenate([ck_, cv_], axis=1) @ w[:kvd].astype(np.float64).T + b[:kvd]
+        out[i] = rope(k, pos, cfg.rope_theta, cfg.num_key_value_heads)
+    return out
+
+
+def test_cached_k_rows_are_the_rope_of_the_held_latents_after_retiering(built):
+    import runtime
+
+    ck, bundle = built
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    cfg = checkpoint.load_config(ck)
+    assert set(rt.backend.k_rows) == set(range(cfg.num_hidden_layers))  # owning and sharing layers alike
+    assert cfg.gsm.kv_sharing, "the tiny model should have a sharing layer"
+    seq = rt.new_sequence()
+    logits = seq.prefill(np.random.default_rng(1).integers(3, 259, 30).tolist())
+    before = {}
+    for step in range(26):  # re-tier passes every 8 decode steps (retiering_copy)
+        logits = seq.decode(int(np.argmax(logits)))
+        if step == 6:  # just before the pass at step 8: the rows as written, FP16 latents
+            n0 = seq.length
+            before = {i: rt.backend.buffers[f"k_rows.{i}"][seq.cache.row, :n0].copy()
+                      for i in range(cfg.num_hidden_layers)}
+    n, row = seq.length, seq.cache.row
+    tiers = seq.state.tier[:n]
+    assert seq.retier_passes >= 3 and (tiers > 0).sum() >= 10, "the run should have demoted rows"
+    want = expected_k_rows(ck, rt.backend, row, n)
+    changed = 0
+    for i, w in want.items():
+        got = rt.backend.buffers[f"k_rows.{i}"][row, :n]
+        scale = np.abs(w).max()
+        np.testing.assert_allclose(got, w, rtol=0, atol=2e-6 * scale, err_msg=f"layer {i}")
+        # the demotion graph rewrote the demoted rows: they moved from the FP16-latent rows written at first
+        demoted = np.nonzero(tiers[: before[i].shape[0]] > 0)[0]
+        changed += int(np.any(np.abs(got[demoted] - before[i][demoted]) > 1e-4 * scale))
+    assert changed == cfg.num_hidden_layers
+
+
+def test_cache_bytes_per_position_counts_the_k_rows(built):
+    import runtime
+
+    ck, bundle = built
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    cfg = checkpoint.load_config(ck)
+    ranks = {l: (int(a), int(b)) for l, (a, b) in rt.backend.cfg["ranks"].items()}
+    want = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
+    want += 4 * cfg.kv_dim * cfg.num_hidden_layers
+    assert rt.backend.cache_bytes_per_position() == want
