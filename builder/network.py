@@ -101,11 +101,14 @@ class Network:
             raise ValueError(f"form must be one of {ProjectionStore.FORMS}, got {form!r}")
         self.projections, self.form = projections, form
 
-    def proj(self, x2d: str, name: str) -> str:
-        """x [M, in] @ W^T for checkpoint weight `name` (activation type): Gemm on the stored tensor, or
-        the quantised form of this variant."""
+    def proj(self, x2d: str, name: str, residual: str | None = None) -> str:
+        """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
+        stored tensor, the residual as its C input (one node, not Gemm + Add), or the quantised form of
+        this variant (+ an Add)."""
         if name not in self.spec.quantised:
-            return linear(self.g, x2d, self.w(name))
+            return linear(self.g, x2d, self.w(name), residual)
+        if residual is not None:
+            return self.g.op("Add", [residual, self.proj(x2d, name)])
         assert self.projections is not None
         lay = self.projections.ensure(name, self.source, self.form)
         for n in self.projections.init_names[(name, self.form)]:
@@ -260,9 +263,9 @@ class Network:
             with g.in_scope(f"L{i}"):
                 a2 = g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])  # f32 from the GSM node
                 a2 = a2 if self.act == F32 else cast(g, a2, self.act)
-                h = g.op("Add", [h, self.proj(a2, names.layer_name("o_proj", i))])
+                h = self.proj(a2, names.layer_name("o_proj", i), residual=h)
                 y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)
-                h = g.op("Add", [h, self.proj(self.mlp(i, y), names.layer_name("down_proj", i))])
+                h = self.proj(self.mlp(i, y), names.layer_name("down_proj", i), residual=h)
         self._head(h, shape_bs, new)
         total = masses[0]
         for m in masses[1:]:

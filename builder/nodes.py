@@ -42,7 +42,8 @@ def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, act: int, out: in
 
 
 def linear(g: GraphBuilder, x2d: str, weight: str, bias: str | None = None) -> str:
-    """x [M, in] @ W[out, in]^T (+ b): Gemm with transB, so the checkpoint's layout is stored as is."""
+    """x [M, in] @ W[out, in]^T (+ b): Gemm with transB, so the checkpoint's layout is stored as is. b is
+    Gemm's C: a bias [out] or a residual [M, out] added in the same node."""
     return g.op("Gemm", [x2d, weight] + ([bias] if bias else []), transB=1)
 
 

@@ -70,6 +70,15 @@ def test_optimised_portable_graph_fuses_norms_and_projections(tiny, tmp_path):
     assert cfg.owning_layers and cfg.sharing_layers
     assert per_layer(m, "Gemm") == dict.fromkeys(range(cfg.num_hidden_layers), 4)
     assert ops["Gemm"] == 4 * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    # the whole layer outside the attention, by hand: the two norms, Gemm (+ the residual as its C input,
+    # no Add), the latent-scale Mul and SwiGLU's product, Reshape to [B, S, w] and back from the attention,
+    # Split of the fused outputs, silu as QuickGelu (shape tensors are made once per width: left out)
+    owning = {"SimplifiedLayerNormalization": 2, "Gemm": 4, "Mul": 2, "Reshape": 2, "Split": 2, "QuickGelu": 1}
+    sharing = {**owning, "Mul": 1, "Split": 1}
+    for i in range(cfg.num_hidden_layers):
+        got = collections.Counter(n.op_type for n in m.graph.node if n.name.startswith(f"L{i}/"))
+        got.pop("Concat", None)
+        assert got == (owning if cfg.is_owning(i) else sharing), (i, got)
     gemm_b = {n.input[1] for n in m.graph.node if n.op_type == "Gemm"}
     for i in range(cfg.num_hidden_layers):
         assert FUSED["gate_up"].format(i=i) in gemm_b
@@ -134,6 +143,7 @@ def test_quantised_projections_stay_separate(tiny, tmp_path):
                           for k in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
     assert set(nbits.values()) == {1}
     assert per_layer(m, "Gemm") == {i: 1 for i in cfg.owning_layers}
+    assert per_layer(m, "Add") == dict.fromkeys(range(cfg.num_hidden_layers), 2)  # the residuals
     port = onnx.load(str(out / "model.portable.onnx"), load_external_data=False)
     stored = {t.name for t in port.graph.initializer}
     sd = checkpoint.load_state_dict(ck)
