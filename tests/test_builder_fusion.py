@@ -131,6 +131,31 @@ def test_fused_graph_matches_golden(tiny):
     assert worst <= max(LOGIT_TOL, 1e-4 * float(np.abs(g.logits[-1].numpy()).max())), worst
 
 
+def test_tensorrt_fp16_graph_keeps_q_in_fp16_and_gsm_side_in_fp32(tiny):
+    """model.onnx (FP16 activations) reads the same stored in_proj: q's rows are split off it and cast to
+    FP16 for an FP16 Gemm, the GSM-side rows stay float32 and are scaled after their Gemm."""
+    ck, out = tiny
+    cfg = checkpoint.load_config(ck)
+    m = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    prod = {o: n for n in m.graph.node for o in n.output}
+
+    def src(t, op, **attrs):
+        n = prod[t]
+        assert n.op_type == op, (t, n.op_type, op)
+        for k, v in attrs.items():
+            assert onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == k)) == v
+        return n
+
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    for i in cfg.owning_layers:
+        gemm = src(src(src(f"L{i}.q", "Reshape").input[0], "Cast", to=f32).input[0], "Gemm")
+        split = src(src(gemm.input[1], "Cast", to=f16).input[0], "Split", axis=0)
+        assert split.input[0] == FUSED["in_proj"].format(i=i) and gemm.input[1] != split.output[0]
+        mul = src(src(src(f"L{i}.latent_k_new", "Split").input[0], "Reshape").input[0], "Mul")
+        assert mul.input[1] == FUSED["in_scale"].format(i=i)
+        assert src(mul.input[0], "Gemm").input[1] == split.output[0]  # float32 rows, no Cast
+
+
 def test_quantised_projections_stay_separate(tiny, tmp_path):
     """INT8 q/o/gate/up/down: MatMulNBits each; only the float32 GSM-side projections are fused."""
     ck, _ = tiny
