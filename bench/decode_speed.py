@@ -1,4 +1,4 @@
-"""Decode speed of a GSM bundle on ONNX Runtime (CPU), with llama.cpp as the anchor, in one run.
+"""Decode speed of a GSM bundle on ONNX Runtime (CPU), with llama.cpp and transformers as anchors, in one run.
 
     python bench/decode_speed.py --checkpoint out/smol-gsm --threads 2 --out bench-decode.json
     python bench/decode_speed.py --bundle out/b8k --contexts 256,1024 --batches 1 --max-seqs ""   # quick
@@ -15,7 +15,9 @@ Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
 - llama.cpp on the same model and thread count when its tools are found (`--llama-dir`, default
   ~/.cache/gsm-edge/llama.cpp, built by ../shared/tools/llama_cpp.sh): `llama-bench -p 0 -n N` from an
   empty context, `llama-completion` after a prompt of each context length ("eval time" = decode,
-  "prompt eval time" = prefill), with its F32 GGUF (the precision of the portable graph).
+  "prompt eval time" = prefill), with its F32 GGUF (the precision of the portable graph);
+- transformers with eager attention on the same weights (`--transformers-gguf`, dequantised to float32 by
+  its GGUF loader) and thread count: prefill in 512-token chunks and greedy decode after each context.
 Bundles are built from `--checkpoint` into `--work` unless given. Figures are for this machine's CPU.
 """
 
@@ -154,6 +156,61 @@ def ensure_bundle(a: argparse.Namespace, max_seq: int) -> Path:
     return out
 
 
+# -- transformers eager (the reference implementation, same weights) -------------------------------
+def transformers_measure(a: argparse.Namespace) -> dict:
+    """In its own process: SmolLM2 from the GGUF through transformers' GGUF loader (dequantised to float32,
+    the weights llama.cpp's F32 copy holds), eager attention, `a.threads` torch threads; per context the
+    prompt is fed in 512-token chunks through the KV cache (prefill tokens/s), then `a.steps` greedy
+    steps (median ms per step)."""
+    import statistics
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import runtime
+
+    torch.set_num_threads(a.threads)
+    model = AutoModelForCausalLM.from_pretrained(str(a.transformers_gguf.parent), gguf_file=a.transformers_gguf.name,
+                                                 torch_dtype=torch.float32, attn_implementation="eager").eval()
+    rt = runtime.load(a.bundle, backend="onnxruntime", threads=1)  # the same token ids as our runs
+    rows = []
+    with torch.inference_mode():
+        for ctx in a.contexts:
+            ids = torch.tensor([context_ids(rt, a.text, ctx)])
+            t0, past, out = time.perf_counter(), None, None
+            for i in range(0, ctx, 512):
+                out = model(ids[:, i:i + 512], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            prefill_s = time.perf_counter() - t0
+            tok, times = int(out.logits[0, -1].argmax()), []
+            for _ in range(a.steps):
+                t = time.perf_counter()
+                out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                times.append(time.perf_counter() - t)
+                past, tok = out.past_key_values, int(np.argmax(out.logits[0, -1].numpy()))
+            ms = 1e3 * statistics.median(times)
+            rows.append({"context": ctx, "prefill_tokens_per_s": ctx / prefill_s, "decode_ms_per_step": ms,
+                         "decode_tokens_per_s": 1e3 / ms})
+    return {"gguf": a.transformers_gguf.name, "threads": a.threads, "attention": "eager", "by_context": rows}
+
+
+def transformers_anchor(a: argparse.Namespace, bundle: Path) -> dict:
+    if not a.transformers_gguf.is_file():
+        return {"status": f"{a.transformers_gguf} not found"}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"status": "transformers is not installed"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one-transformers", "--bundle", str(bundle), "--threads",
+           str(a.threads), "--steps", str(a.steps), "--text", str(a.text), "--transformers-gguf",
+           str(a.transformers_gguf), "--contexts", ",".join(map(str, a.contexts))]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if r.returncode != 0:
+        return {"error": r.stderr.strip()[-500:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 # -- llama.cpp -----------------------------------------------------------------------------------
 def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     d = a.llama_dir
@@ -220,7 +277,11 @@ def main() -> int:
                     "sizes at the first --batch-contexts")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--transformers-gguf", type=Path, default=DATA / "SmolLM2-135M-Instruct.Q4_1.gguf",
+                    help="the model for the transformers-eager anchor (its GGUF loader dequantises to float32)")
+    ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", type=Path, help="write all results as JSON here")
+    ap.add_argument("--one-transformers", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -229,6 +290,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.one:
         print(json.dumps(measure(a)))
+        return 0
+    if a.one_transformers:
+        print(json.dumps(transformers_measure(a)))
         return 0
     if not a.bundle and not a.checkpoint:
         ap.error("give --checkpoint (bundles are built) or --bundle")
@@ -287,6 +351,9 @@ def main() -> int:
     if not a.no_llama:
         results["llama_cpp"] = llama_anchor(a, main_bundle)
         print("llama.cpp:", json.dumps(results["llama_cpp"]), flush=True)
+    if not a.no_transformers:
+        results["transformers"] = transformers_anchor(a, main_bundle)
+        print("transformers eager:", json.dumps(results["transformers"]), flush=True)
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
     return 0
