@@ -207,7 +207,7 @@ class PortableOps:
             lat_new = cache["new_k"] if owning else g.op("Concat", [cache["new_k"], cache["new_v"]], axis=-1)
             k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"])  # [B, S, kvD]
             k_new = g.op("Identity", [k_new], outputs=[f"new_k_rows.{l}"])
-            k, lat_v = self._selected_kv(geo, p, cache, rk, rv, k_new, self.k_rows[l], owning)
+            k, lat_v, inv = self._selected_kv(geo, p, cache, rk, rv, k_new, self.k_rows[l], owning)
             # queries: RoPE at pos, then each head widened to all nKV key heads, zero outside its own
             # (head h reads key head h // grp): the logits are then one MatMul per query against the
             # gathered [K, nKV*D] rows, read as they lie (no head-major Transpose of K rows, whose cost
@@ -224,7 +224,7 @@ class PortableOps:
             mask = g.op("Unsqueeze", [sel_ok, g.const([2], np.int64, "ax2")])  # [B, S, 1, K]
             probs = g.op("Softmax", [g.op("Where", [mask, logits, g.const(NEG_INF, np.float32, "neg_inf")])],
                          axis=-1)  # [B, S, nH, K]
-            out = self._attend_v(probs, lat_v, up, owning, rk, rv)  # [B, S, nKV, grp, D]
+            out = self._attend_v(l, probs, lat_v, inv, up, owning, rk, rv)  # [B, S, nKV, grp, D]
             out = g.op("Reshape", [out, g.const([0, 0, nH * D], np.int64, "bsq")], outputs=[f"L{l}.attn_out"])
             mass = None
             if owning:
@@ -236,7 +236,33 @@ class PortableOps:
                             outputs=[f"attn_mass.{l}"])  # [B, L]
         return out, (selected if owning else None), mass
 
-    def _attend_v(self, probs: str, lat: str, up: tuple[str, str], owning: bool, rk: int, rv: int) -> str:
+    def _attend_v(self, l: int, probs: str, lat_u: str, inv: str, up: tuple[str, str], owning: bool, rk: int,
+                  rv: int) -> str:
+        """sum_s p_s V_s [B, S, nKV, grp, D] over the picks (`inv` [B, S, K] into the distinct latent rows lat_u
+        [U, w]; sharing: the source's [c_k; c_v]). Two forms, chosen per call by an `If` on S:
+        - decode (S = 1), `_attend_latents`: V is never rebuilt; the weights attend over the latents and one
+          up-projection per head follows (K_sel * r_v instead of K_sel * r_v * kvD per query);
+        - prefill chunk (S > 1), `_attend_rebuilt`: V rebuilt once per distinct row, then the golden's own
+          order (rebuild, then the weighted sum) in float32: a chunk's queries share their rows, and the
+          float64 per-pick sum the latent form needs was most of a prefill chunk's time at a large top-k."""
+        g = self.g
+        s_len = g.op("Gather", [g.op("Shape", [probs]), g.const(1, np.int64, "i1")], axis=0)
+        decode = g.op("Equal", [s_len, g.const(1, np.int64, "i1")])
+        then = g.branch(f"L{l}_attend_latents", lambda: [(self._attend_latents(probs, lat_u, inv, up, owning, rk,
+                                                                                rv), F32)])
+        other = g.branch(f"L{l}_attend_rebuilt", lambda: [(self._attend_rebuilt(probs, lat_u, inv, up, owning), F32)])
+        return g.op("If", [decode], then_branch=then, else_branch=other)
+
+    def _v_weight(self, up: tuple[str, str], owning: bool) -> tuple[str, str | None]:
+        """W_v [kvD, w] and b_v [kvD] (owning: U_v, no bias; sharing: the V half of the kv_projector)."""
+        g, kvd = self.g, self.cfg.kv_dim
+        if owning:
+            return up[1], None
+        half = (g.const([kvd], np.int64, "kvd"), g.const([2 * kvd], np.int64, "kvd2"), g.const([0], np.int64, "ax0"))
+        return g.op("Slice", [up[0], *half]), g.op("Slice", [up[1], *half])
+
+    def _attend_latents(self, probs: str, lat_u: str, inv: str, up: tuple[str, str], owning: bool, rk: int,
+                        rv: int) -> str:
         """sum_s p_s V_s without reconstructing V: V_s = U_v c_s (+ b_v) is linear in the latent row, so
         sum_s p_s V_s = U_v (sum_s p_s c_s) (+ b_v, as sum_s p_s = 1): attend over the latents, then one
         up-projection per query head. Exact up to float reassociation; [B, S, nKV, grp, D].
@@ -245,27 +271,39 @@ class PortableOps:
         U_v c_s-then-sum, a float32 sum moved a deployed latent across an FP16 rounding boundary in the
         stories260K golden test (logits 1.7e-3 off at one step, tolerance 1.67e-3); in float64 the
         deviation is the golden's own float32 rounding (7e-4, as with reconstructed V). It costs a Cast
-        of the probabilities and of the distinct latent rows (_selected_kv) and a float64 MatMul of
-        nH * K * r per query (no K * r * nKV * D)."""
+        of the probabilities and of the distinct latent rows and a float64 MatMul of nH * K * r per query
+        (no K * r * nKV * D)."""
         g, cfg = self.g, self.cfg
         nKV, D, grp = cfg.num_key_value_heads, cfg.head_dim, cfg.gqa_group
         width = rv if owning else rk + rv
+        lat = g.op("Gather", [cast(g, lat_u, F64), inv], axis=0)  # [B, S, K, w], float64 per distinct row first
         ctx = cast(g, g.op("MatMul", [cast(g, probs, F64), lat]), F32)  # [B, S, nH, w]
         ctx = g.op("Reshape", [ctx, g.const([0, 0, nKV, grp, width], np.int64, f"bskg{width}")])
-        if owning:
-            w_v = up[1]  # [nKV*D, rv]
-        else:  # kv_projector [2*nKV*D, rk+rv] (+ bias [2*nKV*D]): the V half
-            w_v = g.op("Slice", [up[0], g.const([nKV * D], np.int64, "kvd"), g.const([2 * nKV * D], np.int64, "kvd2"),
-                                 g.const([0], np.int64, "ax0")])
+        w_v, b_v = self._v_weight(up, owning)
         # [nKV*D, w] -> [nKV, w, D] per key head (constant-folded at load); MatMul broadcasts over B, S, grp
         w3 = g.op("Transpose", [g.op("Reshape", [w_v, g.const([nKV, D, width], np.int64, f"kdw{width}")])],
                   perm=[0, 2, 1])
         out = g.op("MatMul", [ctx, g.op("Unsqueeze", [w3, g.const([0, 1], np.int64, "ax01")])])
-        if not owning:
-            b_v = g.op("Slice", [up[1], g.const([nKV * D], np.int64, "kvd"), g.const([2 * nKV * D], np.int64, "kvd2"),
-                                 g.const([0], np.int64, "ax0")])
+        if b_v is not None:
             out = g.op("Add", [out, g.op("Reshape", [b_v, g.const([nKV, 1, D], np.int64, "k1d")])])
         return out
+
+    def _attend_rebuilt(self, probs: str, lat_u: str, inv: str, up: tuple[str, str], owning: bool) -> str:
+        """The golden's order: V_u = W_v c_u (+ b_v) per distinct row [U, kvD], gathered per pick, then
+        probs [B, S, nH, K] @ V [B, S, K, kvD] in float32 and each head's own key-head block kept (the other
+        nKV - 1 blocks are multiplied by 0 and summed away: exact). [B, S, nKV, grp, D]."""
+        g, cfg = self.g, self.cfg
+        nKV, D, grp = cfg.num_key_value_heads, cfg.head_dim, cfg.gqa_group
+        w_v, b_v = self._v_weight(up, owning)
+        v_u = g.op("MatMul", [lat_u, g.op("Transpose", [w_v], perm=[1, 0])])  # [U, kvD]
+        if b_v is not None:
+            v_u = g.op("Add", [v_u, b_v])
+        full = g.op("MatMul", [probs, g.op("Gather", [v_u, inv], axis=0)])  # [B, S, nH, kvD]
+        full = g.op("Reshape", [full, g.const([0, 0, nKV, grp, nKV, D], np.int64, "bskgkd")])
+        if nKV == 1:
+            return g.op("Reshape", [full, g.const([0, 0, 1, grp, D], np.int64, "bs1gd")])
+        return g.op("ReduceSum", [g.op("Mul", [full, g.const(_head_blocks(nKV), np.float32, f"head_blocks{nKV}")]),
+                                  g.const([4], np.int64, "ax4")], keepdims=0)
 
     def k_rows_from(self, lat: str, up: tuple[str, str], owning: bool, cos: str, sin: str, lead_dims: int = 2) -> str:
         """K rows (spec 4.1/4.2: RoPE after reconstruction) of latent rows `lat` [*lead, r] (sharing: the source's
@@ -285,14 +323,15 @@ class PortableOps:
                                 g.const(lead + [nKV * D], np.int64, f"lead{lead_dims}_kvd")])
 
     def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int, k_new: str,
-                     k_rows: str, owning: bool) -> tuple[str, str]:
-        """K (RoPE applied) [B, S, K, nKV*D] and, in float64, the latents V is made from [B, S, K, rv] (sharing: the
-        source's [c_k; c_v], [B, S, K, rk + rv]) of the selected positions p [B, S, K], row-major as gathered.
+                     k_rows: str, owning: bool) -> tuple[str, str, str]:
+        """K (RoPE applied) [B, S, K, nKV*D] of the selected positions p [B, S, K], row-major as gathered, and the
+        latents V is made from as distinct rows [U, rv] (sharing: the source's [c_k; c_v], [U, rk + rv]) with
+        each pick's row among them, inv [B, S, K].
 
         K rows come from the layer's K-row cache (`k_rows.{l}`, revision 5) and this call's `k_new`
         [B, S, kvD]: nothing is reconstructed per step. Rows are gathered once per *distinct* selected
         row (`Unique` over the batch's picks: a prefill chunk's queries select mostly the same rows),
-        then per pick. V is never reconstructed (`_attend_v`)."""
+        then per pick (`_attend_v` for V)."""
         g, cfg = self.g, self.cfg
         kvD = cfg.kv_dim
         is_new = g.op("GreaterOrEqual", [p, geo["past3"]])
@@ -323,9 +362,8 @@ class PortableOps:
         if not owning:
             lat_v = g.op("Concat", [rows(cache["k"], cache["new_k"], rk), lat_v], axis=-1)
         inv = g.op("Reshape", [inverse, g.op("Shape", [p])])  # [B, S, K]
-        # row gathers along axis 0: contiguous row copies, the layout the MatMuls read
-        # V latents widened to float64 per distinct row, before the per-pick gather (_attend_v's sum)
-        return g.op("Gather", [k_u, inv], axis=0), g.op("Gather", [cast(g, lat_v, F64), inv], axis=0)
+        # row gathers along axis 0: contiguous row copies, the layout the MatMuls read; V per pick in _attend_v
+        return g.op("Gather", [k_u, inv], axis=0), lat_v, inv
 
     def _select(self, l: int, geo: dict[str, str], index_q: str, index_w: str, cache: dict[str, str]) -> str:
         """Sel(t) by spec 4.1 as positions [B, S, k] int32, ascending, padded with -1."""

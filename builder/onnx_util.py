@@ -188,6 +188,17 @@ class GraphBuilder:
                                            **attrs))
         return outs[0] if len(outs) == 1 else outs
 
+    def branch(self, name: str, build: Callable[[], Sequence[tuple[str, int]]]) -> onnx.GraphProto:
+        """A subgraph (an `If` branch): the nodes `build()` adds, with the (name, element type) pairs it returns
+        as outputs. Branch nodes read the enclosing graph's tensors by name (outer scope); constants stay in
+        the main graph's initializers."""
+        saved, self.nodes = self.nodes, []
+        try:
+            outs = build()
+        finally:
+            sub, self.nodes = self.nodes, saved
+        return helper.make_graph(sub, name, [], [helper.make_tensor_value_info(n, t, None) for n, t in outs])
+
     def add_nodes(self, nodes: Sequence[onnx.NodeProto], domains: dict[str, int] | None = None) -> None:
         """Nodes made elsewhere (builder/qlinear.py), with the domains (and least opsets) they need."""
         self.nodes.extend(nodes)
