@@ -300,9 +300,6 @@ def _weights_record(rep: dict[str, Any]) -> dict[str, Any]:
                                 "awq") if k in rep}
 
 
-AWQ_FORMAT = "gsm-edge-awq-scales"  # calibration/awq.py's metadata["format"]
-
-
 def load_awq_scales(path: Path, plan: MemoryPlan, tensors: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The AWQ scales of `python -m calibration.awq` for this build, checked: symmetric INT4 at the group
     they were searched for, one positive finite [K] per quantised projection of this checkpoint."""
@@ -321,7 +318,7 @@ def load_awq_scales(path: Path, plan: MemoryPlan, tensors: Any, cfg: Any) -> tup
             scales = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except Exception as e:  # safetensors raises its own error types for a bad file
         raise BuildError(f"--awq-scales {path}: not a readable safetensors file ({e})") from None
-    if meta.get("format") != AWQ_FORMAT:
+    if meta.get("format") != checkpoint.AWQ_SCALES_FORMAT:
         raise BuildError(f"--awq-scales {path}: not a scales file of `python -m calibration.awq` (metadata format "
                          f"{meta.get('format')!r})")
     if meta.get("group_size") != str(plan.group_size):

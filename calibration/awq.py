@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             f"layer {i} {g}: alpha {r.alpha:.2f}, error {r.error / max(r.error_rtn, 1e-30):.3f}x RTN", file=sys.stderr))
         from safetensors.numpy import save
 
-        meta = {"format": "gsm-edge-awq-scales", "group_size": str(a.group_size), "bits": "4",
+        meta = {"format": checkpoint.AWQ_SCALES_FORMAT, "group_size": str(a.group_size), "bits": "4",
                 "samples": str(len(seqs.ids)), "seq_len": str(a.seq_len), "data": str(a.data),
                 "alphas": json.dumps({n: r.alpha for n, r in res.items()})}
         write_bytes_atomic(a.out, save({n: np.ascontiguousarray(r.scales, np.float32) for n, r in res.items()},

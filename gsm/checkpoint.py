@@ -39,6 +39,8 @@ INDEX_FILE = "model.safetensors.index.json"
 CALIB_FILE = "kv_calibration.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HF's: bos/eos tokens, add_bos_token, chat_template
+# metadata["format"] of the AWQ input-scales file `python -m calibration.awq` writes and the builder reads
+AWQ_SCALES_FORMAT = "gsm-edge-awq-scales"
 # from_json raises ConfigError for what it checks; wrongly-typed JSON it does not check can leak
 # the others (e.g. an empty eos_token_id list: IndexError)
 CONFIG_PARSE_ERRORS = (ConfigError,)  # from_json turns every malformed field into a ConfigError

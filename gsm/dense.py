@@ -60,16 +60,17 @@ class DenseLlama:
         """
         if ids.dim() != 2:
             raise ValueError(f"ids must be [B, T], got shape {tuple(ids.shape)}")
-        logits, layers = self._run(ids, None, capture, capture_probs)
+        logits, layers = self.run_cached(ids, None, capture, capture_probs)
         return (logits, DenseCapture(layers)) if capture else logits
 
     __call__ = forward
 
-    def _run(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
-             capture: bool = False, capture_probs: bool = False
-             ) -> tuple[torch.Tensor, list[LayerCapture]]:
-        """The forward pass. `kv` (greedy decoding only): per-layer RoPE'd K and V [B, nKV, S, D] of
-        the S positions before `ids`, extended in place; None for a pass over the whole sequence."""
+    def run_cached(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                   capture: bool = False, capture_probs: bool = False
+                   ) -> tuple[torch.Tensor, list[LayerCapture]]:
+        """The forward pass over ids [B, T] after the positions `kv` holds: per-layer RoPE'd K and V
+        [B, nKV, S, D] of the S positions before `ids`, extended in place (greedy decoding, chunked
+        passes over long calibration windows); None for a pass over the whole sequence."""
         cfg = self.config
         B, T = ids.shape
         start = kv[0][0].shape[2] if kv else 0
@@ -123,14 +124,14 @@ class DenseLlama:
         if not seq:
             raise ValueError("greedy needs a non-empty prompt (start with BOS)")
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        logits, _ = self._run(torch.tensor([seq]), kv)
+        logits, _ = self.run_cached(torch.tensor([seq]), kv)
         out: list[int] = []
         for step in range(n):
             nxt = int(logits[0, -1].argmax())
             out.append(nxt)
             if step == n - 1 or (stop_at_eos and nxt == self.config.eos_token_id):
                 break
-            logits, _ = self._run(torch.tensor([[nxt]]), kv)
+            logits, _ = self.run_cached(torch.tensor([[nxt]]), kv)
         return out
 
     @torch.no_grad()

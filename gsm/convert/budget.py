@@ -151,7 +151,7 @@ def add_sequence(curve: HitRateCurve, dense: Any, ids: torch.Tensor, indexers: S
     first = sinks + window + min(curve.ks) if curve.ks else T
     for a in range(0, T, chunk):
         q_pos = torch.arange(a, min(a + chunk, T))
-        _, layers = dense._run(ids[None, a:a + chunk], kv, capture=True)  # extends kv in place
+        _, layers = dense.run_cached(ids[None, a:a + chunk], kv, capture=True)  # extends kv in place
         cos, sin = A.rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
         for i, lc in enumerate(layers):
             ix = indexers[i]

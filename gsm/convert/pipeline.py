@@ -73,7 +73,7 @@ class ConvertOptions:
     gsm: GSMParams = field(default_factory=GSMParams)
     tradeoff_tolerances: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1, 0.2)
     auto_window: bool = False  # search the window/top-k split of the budget (choose_window)
-    auto_top_k: bool = False  # choose sparse_top_k from bud.LADDER by hit rate (choose_top_k)
+    auto_top_k: bool = False  # choose sparse_top_k from bud.LADDER by hit rate (selection_budget_stage)
     hit_rate_target: float = HIT_RATE_TARGET
     budget_seq_len: int = BUDGET_SEQ_LEN
     budget_sequences: int = BUDGET_SEQUENCES
@@ -253,8 +253,8 @@ def budget_sequences(path: Path, tok: Tokenizer, lengths: Lengths, opts: Convert
 
 
 @torch.no_grad()
-def choose_top_k(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float,
-                 stages: Stages) -> tuple[GSMParams, dict[str, Any]]:
+def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float,
+                           stages: Stages) -> tuple[GSMParams, dict[str, Any]]:
     """The smallest sparse_top_k of bud.LADDER whose mean indexer hit rate (under the dense attention, on
     calibration sequences `seqs` [B, T]) reaches `target`; the largest measurable one when none does.
 
@@ -370,7 +370,8 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
                 window_search=window_table)
     if budget_seqs is not None:
         t0 = time.perf_counter()
-        plan.params, plan.selection_budget = choose_top_k(src, plan, budget_seqs, opts.hit_rate_target, stages)
+        plan.params, plan.selection_budget = selection_budget_stage(src, plan, budget_seqs, opts.hit_rate_target,
+                                                                    stages)
         plan.selection_budget["seconds"] = time.perf_counter() - t0
     else:
         plan.selection_budget = {"mode": "fixed", "sparse_top_k": params.sparse_top_k}
