@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from runtime.bundle import BundleError, verify_bundle
-from runtime.ort_backend import OrtBackend, StepOutput
+from runtime.ort_backend import OrtBackend, SessionTuning, StepOutput
 from runtime.policy import SequenceState, TierPolicy, retier
 from runtime.request import Generation, Token, TokenStream
 from runtime.sampling import RequestError, Sampler, SamplingParams
@@ -347,11 +347,14 @@ class Runtime:
 
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
-         top_k: int | None = None) -> Runtime:
+         top_k: int | None = None, spinning: bool = False) -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
     top_k: the default selection budget (spec 4.1 sparse_top_k) of every sequence, 0..max-seq (a value
     >= the context is dense attention); None: the checkpoint's. Not the sampling top_k of `generate`.
+    spinning: ONNX Runtime's intra-op threads busy-wait between operators (onnxruntime backend, threads
+    != 1): faster on a device that runs nothing else, cycles taken from anything that shares the cores
+    (docs/runtime.md, "ONNX Runtime session").
 
     auto: TensorRT when the bundle has an engine.plan and TensorRT imports, else ONNX Runtime.
     reference: the TensorRT graph (model.onnx) with the plugins' C++ CPU reference; slow, for checks.
@@ -385,7 +388,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
 
         be = RefBackend(root, cfg)
     else:
-        be = OrtBackend(root, cfg, threads=threads)
+        be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning)))
     try:
         return Runtime(root, manifest, be, sparse_window=sparse_window, top_k=top_k)
     except KeyError as e:

@@ -200,3 +200,22 @@ def test_stop_id_ends_the_stream_and_is_not_yielded(bundles):
 def test_manifest_helper_keeps_bundle_fields(bundles):
     m = json.loads((bundles["chat"] / "manifest.json").read_text())
     assert m["bundle_format"] == "gsm-edge-bundle" and "tokenizer_config.json" in m["files"]
+
+
+def test_spinning_is_a_session_option_that_changes_no_output(bundles):
+    """`load(spinning=True)` / `generate --spinning` (docs/runtime.md "ONNX Runtime session"): ONNX Runtime's
+    intra-op threads busy-wait; the option reaches the session, the default keeps them parked, and the
+    generated ids do not depend on it."""
+    import runtime
+
+    runs = {}
+    for spin in (False, True):
+        rt = runtime.load(bundles["demo"], "onnxruntime", threads=2, spinning=spin)
+        opts = rt.backend.session.get_session_options()
+        assert opts.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spin else "0")
+        assert opts.intra_op_num_threads == 2
+        runs[spin] = rt.generate([1, 5, 9, 17], 12).ids
+    assert runs[True] == runs[False] and len(runs[True]) == 12
+    code, out, err = generate(bundles["demo"], "--ids", "1,5,9,17", "--max-new-tokens", "4", "--threads", "2",
+                              "--spinning")
+    assert code == 0 and "error" not in err, err
