@@ -1,5 +1,6 @@
 """Revision 5 of the portable graph (docs/engine_io.md 5): every layer's K rows are cached beside the
-latents. What must hold is what the golden computes on every step: K_s = RoPE(U_k c_s, s) from the
+latents (and the V sum takes a prefill and a decode form, last test). What must hold is what the golden
+computes on every step: K_s = RoPE(U_k c_s, s) from the
 latent row as the cache holds it now (spec 4.1; 4.2 for a sharing layer, from the source's [c_k; c_v]
 through the kv_projector), also after a re-tier pass re-encoded c_s to INT12/INT8. The expected rows
 here are made with numpy from the checkpoint's tensors and the spec's RoPE (HF rotate-half layout),
@@ -99,3 +100,40 @@ def test_cache_bytes_per_position_counts_the_k_rows(built):
     want = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
     want += 4 * cfg.kv_dim * cfg.num_hidden_layers
     assert rt.backend.cache_bytes_per_position() == want
+
+
+def test_prefill_and_decode_forms_of_the_v_sum_agree(built):
+    """The attention's V sum has two forms chosen by an `If` on S (docs/runtime.md "The attention's
+    arithmetic"): a prefill chunk rebuilds V per distinct row and sums in float32, a decode step attends
+    over the latents in float64 and up-projects after. Feeding the same 24 tokens as one chunk or one token
+    per call must give the same last logits (to float32 rounding) and the same cached rows; the graph has
+    one `If` per layer whose branches are those two forms."""
+    import onnx
+
+    import runtime
+
+    ck, bundle = built
+    cfg = checkpoint.load_config(ck)
+    model = onnx.load(str(bundle / "model.portable.onnx"), load_external_data=False)
+    ifs = [n for n in model.graph.node if n.op_type == "If"]
+    assert len(ifs) == cfg.num_hidden_layers
+    for n in ifs:
+        branches = {a.name: a.g for a in n.attribute}
+        casts = {k: {a.i for node in b.node for a in node.attribute if a.name == "to"} for k, b in branches.items()}
+        assert onnx.TensorProto.DOUBLE in casts["then_branch"]  # the float64 latent sum
+        assert onnx.TensorProto.DOUBLE not in casts["else_branch"]
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    ids = np.random.default_rng(9).integers(3, 259, 24).tolist()
+    whole, single = rt.new_sequence(), rt.new_sequence()
+    for seq in (whole, single):
+        seq.keep_fp16()  # no re-tier pass: the two would re-tier at different steps
+    chunk_logits = whole.prefill(ids)  # max_input 16: chunks of 16 and 8, the rebuilt form
+    one_logits = single.prefill(ids[:1])
+    for t in ids[1:]:
+        one_logits = single.decode(t)  # S = 1: the latent form
+    scale = float(np.abs(chunk_logits).max())
+    np.testing.assert_allclose(one_logits, chunk_logits, rtol=0, atol=1e-5 * scale)
+    for i in range(cfg.num_hidden_layers):
+        a = rt.backend.buffers[f"k_rows.{i}"][whole.cache.row, :24]
+        b = rt.backend.buffers[f"k_rows.{i}"][single.cache.row, :24]
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(a).max()))
