@@ -1,4 +1,4 @@
-"""GSM operations in standard ONNX ops (docs/engine_io.md section 5, revision 4), for ONNX Runtime anywhere.
+"""GSM operations in standard ONNX ops (docs/engine_io.md section 5, revision 5), for ONNX Runtime anywhere.
 
 Each method emits, inside the scope `L{l}.<GsmNodeName>`, the subgraph that stands for one GSM
 plugin node of the TensorRT variant (graph_trt.py). The cache is held as the golden holds it:
@@ -15,10 +15,11 @@ runtime writes them at positions past + j) and reads the cache by `Gather` at fl
   the window and exactly top_k[b] others (ONNX TopK orders equal values by lower index, the tie rule;
   columns are in position order), in the dense case (t + 1 <= budget) every causal position. The
   budget is the run-time input `sparse_top_k` [B] (revision 4), so `selected` is k wide, not K_sel;
-- attention gathers the `K_sel` selected latent rows per query, reconstructs K for them only (once per
-  distinct row), takes the softmax over them and attends over the V *latents*, up-projecting once per
-  head afterwards: O(K_sel * (r_k * kvD + nH * (nKV * D + r_v)) + nH * r_v * D) per query, whatever
-  `N_max` or `T_c` (docs/runtime.md "The attention's arithmetic").
+- attention gathers the `K_sel` selected K rows per query from every layer's K-row cache (revision 5: made
+  once, when a row is written or re-encoded, never per step), takes the softmax over them and, in a
+  decode step, attends over the V *latents*, up-projecting once per head afterwards (a prefill chunk
+  rebuilds V once per distinct row instead): O(K_sel * nH * (kvD + r_v) + nH * r_v * D) per decode
+  query, whatever `N_max` or `T_c` (docs/runtime.md "The attention's arithmetic").
 """
 
 from __future__ import annotations
@@ -119,22 +120,12 @@ class PortableOps:
                    "base3": g.op("Unsqueeze", [base, g.const([1, 2], np.int64, "ax12")]),
                    "nb3": g.op("Mul", [g.op("Unsqueeze", [b_idx, g.const([1, 2], np.int64, "ax12")]), s_len]),
                    "s_last": g.op("Sub", [g.op("Squeeze", [s_len]), c64[1]])}
-            # keys of the call's new rows in _selected_kv's row numbering: -1 - (b * S + j), and their positions
+            # keys of the call's new rows in _selected_kv's row numbering: -1 - (b * S + j)
             n_new = g.op("ReduceProd", [shape_bs], keepdims=1)  # [1]: B * S
             geo["n_new"] = n_new
             geo["new_keys"] = g.op("Sub", [g.const(-1, np.int64, "i_minus1"),
                                            g.op("Range", [c64[0], g.op("Squeeze", [n_new]), c64[1]])])
-            geo["pos_flat"] = g.op("Reshape", [pos, g.const([-1], np.int64, "flat")])
-            cos, sin = rope
-            # RoPE tables by position as [N, 1, 2, D/2] halves, sin signed [-sin | +sin] (folded at load): a
-            # Gather gives factors that broadcast over heads, and rotate_half is one Slice (_rope)
-            D = self.cfg.head_dim
-            halves = g.const([-1, 1, 2, D // 2], np.int64, "n1_2_half")
-            sign = np.concatenate([-np.ones(D // 2), np.ones(D // 2)]).astype(np.float32)
-            geo["cos"] = g.op("Reshape", [cos, halves])
-            geo["sin"] = g.op("Reshape", [g.op("Mul", [sin, g.const(sign, np.float32, "rope_sign")]), halves])
-            geo["cos_q"] = g.op("Gather", [geo["cos"], pos], axis=0)  # [B, S, 1, 2, D/2]
-            geo["sin_q"] = g.op("Gather", [geo["sin"], pos], axis=0)
+            geo["cos_q"], geo["sin_q"] = rope_at(g, rope, pos, self.cfg.head_dim)  # [B, S, 1, 2, D/2]
             # context columns: cached positions 0..T_c-1 (T_c = largest past), then the S new rows
             tc = g.op("ReduceMax", [cast(g, past, I64)], keepdims=1)  # [1]
             col = g.op("Range", [c64[0], g.op("Squeeze", [tc]), c64[1]])  # [T_c]
@@ -205,14 +196,12 @@ class PortableOps:
             rk, rv = self.ranks[l if owning else source]
             # this call's K rows (graph output `new_k_rows.{l}`: the runtime caches them with the latents)
             lat_new = cache["new_k"] if owning else g.op("Concat", [cache["new_k"], cache["new_v"]], axis=-1)
-            k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"])  # [B, S, kvD]
-            k_new = g.op("Identity", [k_new], outputs=[f"new_k_rows.{l}"])
+            k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"], out=f"new_k_rows.{l}")
             k, lat_v, inv = self._selected_kv(geo, p, cache, rk, rv, k_new, self.k_rows[l], owning)
             # queries: RoPE at pos, then each head widened to all nKV key heads, zero outside its own
             # (head h reads key head h // grp): the logits are then one MatMul per query against the
             # gathered [K, nKV*D] rows, read as they lie (no head-major Transpose of K rows, whose cost
-            # grew with the batch); the zeros cost nH*K*(nKV-1)*D multiply-adds, small next to the
-            # reconstruction's K*r*nKV*D (nH << r)
+            # grew with the batch); the zeros cost nH*K*(nKV-1)*D multiply-adds
             qh = g.op("Reshape", [q, g.const([0, 0, nH, 2, D // 2], np.int64, "bsh2d")])  # [B, S, nH, 2, D/2]
             qh = g.op("Reshape", [_rope(g, qh, geo["cos_q"], geo["sin_q"]),
                                   g.const([0, 0, nKV, grp, 1, D], np.int64, "bskg1d")])
@@ -253,13 +242,17 @@ class PortableOps:
         other = g.branch(f"L{l}_attend_rebuilt", lambda: [(self._attend_rebuilt(probs, lat_u, inv, up, owning), F32)])
         return g.op("If", [decode], then_branch=then, else_branch=other)
 
+    def _projector_half(self, up: tuple[str, str], half: int) -> tuple[str, str]:
+        """The K (half 0) or V (half 1) rows of a sharing layer's kv_projector [2*kvD, rk+rv] and bias [2*kvD]:
+        [K; V] = [W_k; W_v] [c_k; c_v] + [b_k; b_v]."""
+        g, kvd = self.g, self.cfg.kv_dim
+        rows = (g.const([half * kvd], np.int64, f"kvd{half}"), g.const([(half + 1) * kvd], np.int64, f"kvd{half + 1}"),
+                g.const([0], np.int64, "ax0"))
+        return g.op("Slice", [up[0], *rows]), g.op("Slice", [up[1], *rows])
+
     def _v_weight(self, up: tuple[str, str], owning: bool) -> tuple[str, str | None]:
         """W_v [kvD, w] and b_v [kvD] (owning: U_v, no bias; sharing: the V half of the kv_projector)."""
-        g, kvd = self.g, self.cfg.kv_dim
-        if owning:
-            return up[1], None
-        half = (g.const([kvd], np.int64, "kvd"), g.const([2 * kvd], np.int64, "kvd2"), g.const([0], np.int64, "ax0"))
-        return g.op("Slice", [up[0], *half]), g.op("Slice", [up[1], *half])
+        return (up[1], None) if owning else self._projector_half(up, 1)
 
     def _attend_latents(self, probs: str, lat_u: str, inv: str, up: tuple[str, str], owning: bool, rk: int,
                         rv: int) -> str:
@@ -305,22 +298,22 @@ class PortableOps:
         return g.op("ReduceSum", [g.op("Mul", [full, g.const(_head_blocks(nKV), np.float32, f"head_blocks{nKV}")]),
                                   g.const([4], np.int64, "ax4")], keepdims=0)
 
-    def k_rows_from(self, lat: str, up: tuple[str, str], owning: bool, cos: str, sin: str, lead_dims: int = 2) -> str:
+    def k_rows_from(self, lat: str, up: tuple[str, str], owning: bool, cos: str, sin: str, *, out: str,
+                    lead_dims: int = 2) -> str:
         """K rows (spec 4.1/4.2: RoPE after reconstruction) of latent rows `lat` [*lead, r] (sharing: the source's
-        [c_k; c_v]) at the positions whose RoPE factors `cos`/`sin` [*lead, 1, 2, D/2] are given: [*lead, kvD].
-        The main graph makes the call's new rows with it, the demotion graph the re-encoded ones."""
+        [c_k; c_v]) at the positions whose RoPE factors `cos`/`sin` [*lead, 1, 2, D/2] are given: [*lead, kvD],
+        named `out`. The main graph makes the call's new rows with it, the demotion graph the re-encoded ones."""
         g, cfg = self.g, self.cfg
         nKV, D = cfg.num_key_value_heads, cfg.head_dim
         if owning:
             k = g.op("MatMul", [lat, g.op("Transpose", [up[0]], perm=[1, 0])])  # c U_k^T
-        else:  # kv_projector: the K half of [W_k; W_v] [c_k; c_v] + [b_k; b_v]
-            half = (g.const([0], np.int64, "kv0"), g.const([nKV * D], np.int64, "kvd"), g.const([0], np.int64, "ax0"))
-            k = g.op("Add", [g.op("MatMul", [lat, g.op("Transpose", [g.op("Slice", [up[0], *half])], perm=[1, 0])]),
-                             g.op("Slice", [up[1], *half])])
+        else:
+            w_k, b_k = self._projector_half(up, 0)
+            k = g.op("Add", [g.op("MatMul", [lat, g.op("Transpose", [w_k], perm=[1, 0])]), b_k])
         lead = [0] * lead_dims  # Reshape's 0 keeps a leading dimension as it is
         heads = g.const(lead + [nKV, 2, D // 2], np.int64, f"lead{lead_dims}_h2d")
         return g.op("Reshape", [_rope(g, g.op("Reshape", [k, heads]), cos, sin),
-                                g.const(lead + [nKV * D], np.int64, f"lead{lead_dims}_kvd")])
+                                g.const(lead + [nKV * D], np.int64, f"lead{lead_dims}_kvd")], outputs=[out])
 
     def _selected_kv(self, geo: dict[str, str], p: str, cache: dict[str, str], rk: int, rv: int, k_new: str,
                      k_rows: str, owning: bool) -> tuple[str, str, str]:
@@ -418,6 +411,17 @@ class PortableOps:
             is8 = g.op("Equal", [tier, g.const(2, np.int32, "t8")])
             return g.op("Where", [is12, v12, g.op("Where", [is8, v8, lat])], outputs=[out])
 
+
+
+def rope_at(g: GraphBuilder, rope: tuple[str, str], pos: str, head_dim: int) -> tuple[str, str]:
+    """RoPE factors at positions `pos` [...] from the tables (cos, sin) [N, D]: [..., 1, 2, D/2] halves that
+    broadcast over heads, sin signed [-sin | +sin] (the table reshapes and the sign fold at load), so that
+    rotate_half is one Slice (_rope)."""
+    halves = g.const([-1, 1, 2, head_dim // 2], np.int64, "n1_2_half")
+    sign = np.concatenate([-np.ones(head_dim // 2), np.ones(head_dim // 2)]).astype(np.float32)
+    cos = g.op("Reshape", [rope[0], halves])
+    sin = g.op("Reshape", [g.op("Mul", [rope[1], g.const(sign, np.float32, "rope_sign")]), halves])
+    return g.op("Gather", [cos, pos], axis=0), g.op("Gather", [sin, pos], axis=0)
 
 
 def _rope(g: GraphBuilder, x: str, cos: str, sin_signed: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.graph_portable import PortableOps
+from builder.graph_portable import PortableOps, rope_at
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
 from builder.network import ROPE_COS, ROPE_SIN, NetSpec, Network, TensorSource, quant_name
 from builder.nodes import F16, F32, I32
@@ -99,11 +99,7 @@ def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
     ops = PortableOps(g, cfg, ranks, n)
     tier = g.input("new_tier", I32, ["M"])
     pos = g.input("positions", I32, ["M"])
-    halves = g.const([-1, 1, 2, cfg.head_dim // 2], np.int64, "n1_2_half")
-    sign = np.concatenate([-np.ones(cfg.head_dim // 2), np.ones(cfg.head_dim // 2)]).astype(np.float32)
-    cos = g.op("Gather", [g.op("Reshape", [g.weight(ROPE_COS), halves]), pos], axis=0)  # [M, 1, 2, D/2]
-    sin = g.op("Gather", [g.op("Reshape", [g.op("Mul", [g.weight(ROPE_SIN), g.const(sign, np.float32, "rope_sign")]),
-                                           halves]), pos], axis=0)
+    cos, sin = rope_at(g, (g.weight(ROPE_COS), g.weight(ROPE_SIN)), pos, cfg.head_dim)  # [M, 1, 2, D/2]
     out: dict[int, dict[str, str]] = {}
     for l in cfg.owning_layers:
         rk, rv = ranks[l]
@@ -120,8 +116,7 @@ def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
             lat = g.op("Concat", [src["k"], src["v"]], axis=-1)
             up, owning = (g.weight(names.layer_name("proj_w", i)), g.weight(names.layer_name("proj_b", i))), False
         with g.in_scope(f"L{i}.GsmKVDemote"):
-            k = ops.k_rows_from(lat, up, owning, cos, sin, lead_dims=1)
-        g.op("Identity", [k], outputs=[f"k_rows_out.{i}"])
+            ops.k_rows_from(lat, up, owning, cos, sin, out=f"k_rows_out.{i}", lead_dims=1)
         g.output(f"k_rows_out.{i}", F32, ["M", cfg.kv_dim])
     save_model(g.model("gsm_demote_portable", doc="re-encode changed latent rows to their new tier, and their K "
                                                   "rows (docs/engine_io.md 5)"), path)

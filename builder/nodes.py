@@ -52,16 +52,6 @@ def silu_mul(g: GraphBuilder, a: str, b: str) -> str:
     return g.op("Mul", [g.op("Mul", [a, g.op("Sigmoid", [a])]), b])
 
 
-def rotate_half(g: GraphBuilder, x: str, head_dim: int) -> str:
-    x1, x2 = g.op("Split", [x, g.const([head_dim // 2, head_dim // 2], np.int64, "halves")], n_out=2, axis=-1)
-    return g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
-
-
-def apply_rope(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int) -> str:
-    """x * cos + rotate_half(x) * sin (cos/sin broadcastable to x)."""
-    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotate_half(g, x, head_dim), sin])])
-
-
 def positions(g: GraphBuilder, past_lengths: str, like_bs: str) -> tuple[str, str]:
     """pos [B, S] int32 = past_lengths[b] + j, and j [S] int32, for a tensor `like_bs` of shape [B, S, ...]."""
     s = g.op("Cast", [g.op("Gather", [g.op("Shape", [like_bs]), g.const(1, np.int64, "one")], axis=0)], to=I32)

@@ -132,8 +132,7 @@ class OrtBackend:
         self.k_rows = {int(i.name.split(".")[1]): int(i.shape[-1]) for i in self.session.get_inputs()
                        if i.name.startswith("k_rows.")}
         self.demote_positions = "positions" in {i.name for i in self.demote_session.get_inputs()}
-        self.cached = [f"{kind}.{l}" for l in self.layers for kind in ("latent_k", "latent_v", "index_keys")]
-        self.cached += [f"k_rows.{l}" for l in self.k_rows]
+        self.cached = list(self._shapes())  # the buffers a call writes new rows into (graph outputs `new_<name>`)
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
