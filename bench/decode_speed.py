@@ -58,7 +58,8 @@ def measure(args: argparse.Namespace) -> dict:
     import runtime
     from runtime.ort_backend import SessionTuning
 
-    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, top_k=args.top_k)
+    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, top_k=args.top_k,
+                      spinning=args.spinning)
     tuning = SessionTuning(threads=args.threads, spinning=args.spinning, optimization=args.optimization,
                            arena=not args.no_arena)
     if tuning != rt.backend.tuning:  # a session tuned otherwise than the runtime's default
