@@ -4,15 +4,18 @@
 - `gsm_edge_plugins.cuda`: torch.cuda bindings of the CUDA kernels (built when nvcc was found;
   usable on a machine with a GPU).
 - `trt_plugin_library()`: path of libgsm_trt_plugins.so for TensorRT (built when TensorRT was found).
+- `ort_ops_library()`: path of libgsm_ort_ops.so, ONNX Runtime CPU custom ops (domain "ai.gsm_edge.cpu"; built
+  when the ONNX Runtime C API header was found).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gsm_edge_plugins._lib import CUDA_LIB, REF_LIB, TRT_LIB, find_library
+from gsm_edge_plugins._lib import CUDA_LIB, ORT_OPS_LIB, REF_LIB, TRT_LIB, find_library
 
-__all__ = ["reference_available", "cuda_library", "trt_plugin_library", "PLUGIN_NAMESPACE", "PLUGIN_VERSION",
+__all__ = ["reference_available", "cuda_library", "trt_plugin_library", "ort_ops_library", "ORT_OPS_LIB",
+           "PLUGIN_NAMESPACE", "PLUGIN_VERSION",
            "ONNX_DOMAIN"]
 
 # Names shared with the ONNX nodes and the TensorRT creators (docs/engine_io.md section 4).
@@ -34,3 +37,8 @@ def cuda_library() -> Path | None:
 def trt_plugin_library() -> Path | None:
     """libgsm_trt_plugins.so to load into TensorRT's plugin registry, or None when not built."""
     return find_library(TRT_LIB)
+
+
+def ort_ops_library() -> Path | None:
+    """libgsm_ort_ops.so for `SessionOptions.register_custom_ops_library`, or None when not built."""
+    return find_library(ORT_OPS_LIB)

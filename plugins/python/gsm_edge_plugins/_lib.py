@@ -10,6 +10,7 @@ from pathlib import Path
 REF_LIB = "libgsm_plugins_ref.so"
 CUDA_LIB = "libgsm_plugins_cuda.so"
 TRT_LIB = "libgsm_trt_plugins.so"
+ORT_OPS_LIB = "libgsm_ort_ops.so"
 
 
 def _candidates(name: str) -> list[Path]:

@@ -1,0 +1,441 @@
+// GsmCachedAttention: orchestration (validation, phases, selection); the hot loops are gsmCachedAttentionKernels.
+// Compiled without FMA contraction: RoPE and the softmax then round as the portable graph's separate ops do.
+#include "gsmCachedAttention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "gsmCachedAttentionKernels.h"
+
+namespace gsm
+{
+namespace ortcpu
+{
+namespace
+{
+
+// Index scoring of a query is split into blocks of this many positions, so that the intra-op threads share a
+// decode step's one query (B*S = 1).
+constexpr int64_t kScoreBlock = 512;
+// A decode step's float64 V-latent sum is split over the latent columns in chunks of this many (a multiple of
+// the kernel's 12).
+constexpr int64_t kCtxChunk = 48;
+
+template <class F>
+void trampoline(void* data, size_t i)
+{
+    (*static_cast<F*>(data))(static_cast<int64_t>(i));
+}
+
+bool runRaw(void*, void (*fn)(void*, size_t), size_t total, void* data)
+{
+    for (size_t i = 0; i < total; ++i)
+    {
+        fn(data, i);
+    }
+    return true;
+}
+
+template <class F>
+bool parallelFor(ParallelRunner const& par, int64_t total, F&& f)
+{
+    if (total <= 0)
+    {
+        return true;
+    }
+    using Fn = std::remove_reference_t<F>;
+    if (total == 1 || par.run == nullptr)
+    {
+        return runRaw(nullptr, &trampoline<Fn>, static_cast<size_t>(total), &f);
+    }
+    return par.run(par.ctx, &trampoline<Fn>, static_cast<size_t>(total), &f);
+}
+
+// Orders (score descending, position ascending) as one integer, larger first: ONNX TopK's order and tie rule.
+inline uint64_t rankKey(float s, int64_t p)
+{
+    if (s == 0.f)
+    {
+        s = 0.f; // -0 ties with +0, as a float comparison has it
+    }
+    if (std::isnan(s))
+    {
+        s = -std::numeric_limits<float>::max(); // unordered: ranked below every other score
+    }
+    uint32_t u;
+    std::memcpy(&u, &s, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return (static_cast<uint64_t>(u) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(p));
+}
+
+void rope(float const* x, float const* c, float const* s, int64_t D, float* out)
+{
+    int64_t const h = D / 2;
+    for (int64_t i = 0; i < h; ++i)
+    {
+        float const a = x[i] * c[i];
+        float const b = x[i + h] * s[i];
+        float const a2 = x[i + h] * c[i + h];
+        float const b2 = x[i] * s[i + h];
+        out[i] = a - b;
+        out[i + h] = a2 + b2;
+    }
+}
+
+struct Scratch
+{
+    std::vector<float> qr, scores, probs, ctx, vrows;
+    std::vector<double> pd;
+    std::vector<int64_t> scoreOff, blockStart;
+    std::vector<int32_t> nsel, slot;
+    std::vector<float const*> krow, vrow;
+    std::vector<int64_t> uniq; // (b * Lmax + p) of the distinct rows of a prefill call
+};
+
+} // namespace
+
+bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t* k, int64_t* L,
+    std::string* error)
+{
+    auto fail = [&](std::string const& m) {
+        *error = "GsmCachedAttention: " + m;
+        return false;
+    };
+    if (in.window < 0)
+    {
+        return fail("sparse_window = " + std::to_string(in.window) + " is negative");
+    }
+    int64_t tc = 0, maxBudget = 0;
+    for (int64_t b = 0; b < d.B; ++b)
+    {
+        std::string const at = "[" + std::to_string(b) + "] = ";
+        int64_t const past = in.pastLengths[b];
+        if (past < 0)
+        {
+            return fail("past_lengths" + at + std::to_string(past) + " is negative");
+        }
+        if (past + d.S > d.N)
+        {
+            return fail("past_lengths" + at + std::to_string(past) + " + S = " + std::to_string(d.S)
+                + " exceeds the cache's N_max " + std::to_string(d.N));
+        }
+        if (in.newLengths[b] < 0 || in.newLengths[b] > d.S)
+        {
+            return fail("new_lengths" + at + std::to_string(in.newLengths[b]) + " is outside [0, S = "
+                + std::to_string(d.S) + "]");
+        }
+        if (in.cacheRows[b] < 0 || in.cacheRows[b] >= d.R)
+        {
+            return fail("cache_rows" + at + std::to_string(in.cacheRows[b]) + " is outside [0, R = "
+                + std::to_string(d.R) + ") (the cache buffers' rows)");
+        }
+        if (in.topK[b] < 0)
+        {
+            return fail("sparse_top_k" + at + std::to_string(in.topK[b]) + " is negative");
+        }
+        tc = std::max(tc, past);
+        maxBudget = std::max(maxBudget, d.sinks + static_cast<int64_t>(in.window) + in.topK[b]);
+    }
+    *L = tc + d.S;
+    *k = d.B == 0 ? 0 : std::min(maxBudget, *L);
+    return true;
+}
+
+bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k, int64_t L,
+    CachedAttentionOutputs const& out, ParallelRunner const& par, std::string* error)
+{
+    Kernels const& K = cpuKernels();
+    // the calling thread's scratch, kept between calls; named through a local reference because the worker
+    // lambdas would otherwise resolve a thread_local name to their own thread's instance
+    static thread_local Scratch callerScratch;
+    Scratch& sc = callerScratch;
+    int64_t const B = d.B, S = d.S, Q = B * S, nH = d.nH, nKV = d.nKV, D = d.D, grp = nH / nKV, kvD = nKV * D;
+    int64_t const nI = d.nI, dI = d.dI, rk = d.rk, rv = d.rv, N = d.N, W = in.window;
+    // the graph's constants: np.float32(math.sqrt(n)), divided by last
+    float const sqrtD = static_cast<float>(std::sqrt(static_cast<double>(D)));
+    float const sqrtDI = static_cast<float>(std::sqrt(static_cast<double>(dI)));
+    bool ok = true;
+
+    std::memset(out.attnMass, 0, sizeof(float) * static_cast<size_t>(B * L));
+    if (Q == 0)
+    {
+        return true;
+    }
+    auto qb = [&](int64_t q) { return q / S; };
+    auto qpos = [&](int64_t q) { return static_cast<int64_t>(in.pastLengths[q / S]) + q % S; };
+
+    // -- A: the call's K rows (U_k c, RoPE) and the queries' RoPE, per (row, key head) -------------------------
+    sc.qr.resize(static_cast<size_t>(Q * nH * D));
+    ok = ok && parallelFor(par, Q * nKV, [&](int64_t i) {
+        int64_t const q = i / nKV, g = i % nKV, pos = qpos(q);
+        float const* c = in.ropeCos + pos * D;
+        float const* s = in.ropeSin + pos * D;
+        float tmp[512];
+        std::vector<float> big;
+        float* t = tmp;
+        if (D > 512)
+        {
+            big.resize(static_cast<size_t>(D));
+            t = big.data();
+        }
+        K.matvec(in.kUp + g * D * rk, in.newLatentK + q * rk, D, rk, t);
+        rope(t, c, s, D, out.newKRows + q * kvD + g * D);
+        for (int64_t h = g * grp; h < (g + 1) * grp; ++h)
+        {
+            rope(in.q + (q * nH + h) * D, c, s, D, sc.qr.data() + (q * nH + h) * D);
+        }
+    });
+
+    // -- B: index scores of every causal position of each query, by position, in blocks --------------------
+    sc.scoreOff.resize(static_cast<size_t>(Q + 1));
+    sc.blockStart.resize(static_cast<size_t>(Q + 1));
+    sc.scoreOff[0] = sc.blockStart[0] = 0;
+    for (int64_t q = 0; q < Q; ++q)
+    {
+        int64_t const cols = qpos(q) + 1;
+        sc.scoreOff[q + 1] = sc.scoreOff[q] + cols;
+        sc.blockStart[q + 1] = sc.blockStart[q] + (cols + kScoreBlock - 1) / kScoreBlock;
+    }
+    sc.scores.resize(static_cast<size_t>(sc.scoreOff[Q]));
+    ok = ok && parallelFor(par, sc.blockStart[Q], [&](int64_t i) {
+        int64_t const q = std::upper_bound(sc.blockStart.begin(), sc.blockStart.end(), i) - sc.blockStart.begin() - 1;
+        int64_t const b = qb(q), past = in.pastLengths[b], row = in.cacheRows[b];
+        int64_t const p0 = (i - sc.blockStart[q]) * kScoreBlock, p1 = std::min(p0 + kScoreBlock, qpos(q) + 1);
+        float const* iq = in.indexQ + q * nI * dI;
+        float const* w = in.indexW + q * nI;
+        float* o = sc.scores.data() + sc.scoreOff[q];
+        int64_t const c1 = std::min(p1, past);
+        if (p0 < c1)
+        {
+            K.scores(iq, w, nI, dI, sqrtDI, in.indexKeys + (row * N + p0) * dI, c1 - p0, o + p0);
+        }
+        int64_t const n0 = std::max(p0, past);
+        if (n0 < p1)
+        {
+            K.scores(iq, w, nI, dI, sqrtDI, in.newIndexKeys + (b * S + (n0 - past)) * dI, p1 - n0, o + n0);
+        }
+    });
+
+    // -- C: selection per query: the sinks and the window (ranked +inf, all within the budget), then the
+    //       top (score desc, position asc) of the others; positions ascending, -1 padded to k -----------------
+    sc.nsel.resize(static_cast<size_t>(Q));
+    ok = ok && parallelFor(par, Q, [&](int64_t q) {
+        static thread_local std::vector<uint64_t> keys;
+        static thread_local std::vector<int32_t> picks;
+        int64_t const b = qb(q), t = qpos(q);
+        int64_t const budget = d.sinks + W + in.topK[b];
+        int64_t const kcap = std::min(budget, k);
+        int64_t const lo = std::min(d.sinks, t + 1);  // sinks: [0, lo)
+        int64_t const ws = std::max(t - W + 1, lo);   // window: [ws, t]; candidates [lo, ws)
+        int32_t* sel = out.selected + q * k;
+        int64_t n = 0;
+        int64_t const nf = lo + (t + 1 - ws);
+        if (kcap <= nf)
+        {
+            for (int64_t p = 0; p < lo && n < kcap; ++p)
+            {
+                sel[n++] = static_cast<int32_t>(p);
+            }
+            for (int64_t p = ws; p <= t && n < kcap; ++p)
+            {
+                sel[n++] = static_cast<int32_t>(p);
+            }
+        }
+        else
+        {
+            float const* s = sc.scores.data() + sc.scoreOff[q];
+            int64_t const m = std::min(kcap - nf, ws - lo);
+            picks.clear();
+            if (m == ws - lo)
+            {
+                for (int64_t p = lo; p < ws; ++p)
+                {
+                    if (s[p] > -std::numeric_limits<float>::infinity())
+                    {
+                        picks.push_back(static_cast<int32_t>(p));
+                    }
+                }
+            }
+            else if (m > 0)
+            {
+                keys.resize(static_cast<size_t>(ws - lo));
+                for (int64_t p = lo; p < ws; ++p)
+                {
+                    keys[static_cast<size_t>(p - lo)] = rankKey(s[p], p);
+                }
+                std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.end(), std::greater<uint64_t>());
+                // nth_element leaves the m largest before position m - 1 (unordered) and the m-th at it
+                for (int64_t i = 0; i < m; ++i)
+                {
+                    int32_t const p = static_cast<int32_t>(~static_cast<uint32_t>(keys[static_cast<size_t>(i)]));
+                    if (s[p] > -std::numeric_limits<float>::infinity())
+                    {
+                        picks.push_back(p);
+                    }
+                }
+                std::sort(picks.begin(), picks.end());
+            }
+            for (int64_t p = 0; p < lo; ++p)
+            {
+                sel[n++] = static_cast<int32_t>(p);
+            }
+            for (int32_t p : picks)
+            {
+                sel[n++] = p;
+            }
+            for (int64_t p = ws; p <= t; ++p)
+            {
+                sel[n++] = static_cast<int32_t>(p);
+            }
+        }
+        sc.nsel[static_cast<size_t>(q)] = static_cast<int32_t>(n);
+        for (int64_t i = n; i < k; ++i)
+        {
+            sel[i] = -1;
+        }
+    });
+    if (!ok)
+    {
+        *error = "GsmCachedAttention: the intra-op thread pool failed";
+        return false;
+    }
+
+    // -- D: attention over the kept positions --------------------------------------------------------------
+    sc.krow.resize(static_cast<size_t>(Q * k));
+    sc.vrow.resize(static_cast<size_t>(Q * k));
+    sc.probs.resize(static_cast<size_t>(Q * nH * k));
+    bool const decode = S == 1;
+    for (int64_t q = 0; q < Q; ++q)
+    {
+        int64_t const b = qb(q), past = in.pastLengths[b], row = in.cacheRows[b];
+        int32_t const* sel = out.selected + q * k;
+        for (int64_t s = 0; s < sc.nsel[q]; ++s)
+        {
+            int64_t const p = sel[s];
+            bool const cached = p < past;
+            sc.krow[q * k + s] = cached ? in.kRows + (row * N + p) * kvD : out.newKRows + (b * S + p - past) * kvD;
+            if (decode)
+            {
+                sc.vrow[q * k + s] = cached ? in.latentV + (row * N + p) * rv : in.newLatentV + (b * S + p - past) * rv;
+            }
+        }
+    }
+    if (decode)
+    {
+        sc.pd.resize(static_cast<size_t>(Q * k * nH));
+    }
+    ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
+        int64_t const q = i / nH, h = i % nH, g = h / grp, n = sc.nsel[q];
+        float* pr = sc.probs.data() + (q * nH + h) * k;
+        K.logits(sc.qr.data() + (q * nH + h) * D, sc.krow.data() + q * k, g * D, n, D, sqrtD, pr);
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < n; ++s)
+        {
+            mx = std::max(mx, pr[s]);
+        }
+        float sum = 0.f;
+        for (int64_t s = 0; s < n; ++s)
+        {
+            pr[s] = std::exp(pr[s] - mx);
+            sum += pr[s];
+        }
+        for (int64_t s = 0; s < n; ++s)
+        {
+            pr[s] /= sum;
+            if (decode)
+            {
+                sc.pd[(q * k + s) * nH + h] = static_cast<double>(pr[s]);
+            }
+        }
+    });
+
+    if (decode)
+    {
+        // ctx = sum_s p_s c_s in float64 over the latents, split over latent columns; then U_v per head
+        sc.ctx.resize(static_cast<size_t>(Q * nH * rv));
+        int64_t const chunks = (rv + kCtxChunk - 1) / kCtxChunk;
+        ok = ok && parallelFor(par, Q * chunks, [&](int64_t i) {
+            int64_t const q = i / chunks, i0 = (i % chunks) * kCtxChunk, i1 = std::min(i0 + kCtxChunk, rv);
+            K.ctxDecode(sc.pd.data() + q * k * nH, nH, sc.vrow.data() + q * k, sc.nsel[q], i0, i1,
+                sc.ctx.data() + q * nH * rv, rv);
+        });
+        ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
+            int64_t const q = i / nH, h = i % nH, g = h / grp;
+            K.matvec(in.vUp + g * D * rv, sc.ctx.data() + (q * nH + h) * rv, D, rv, out.attnOut + (q * nH + h) * D);
+        });
+    }
+    else
+    {
+        // V = U_v c once per distinct kept row of each sequence (a chunk's queries share most of them)
+        int64_t const lmax = L;
+        sc.slot.assign(static_cast<size_t>(B * lmax), -1);
+        sc.uniq.clear();
+        for (int64_t q = 0; q < Q; ++q)
+        {
+            int64_t const b = qb(q);
+            int32_t const* sel = out.selected + q * k;
+            for (int64_t s = 0; s < sc.nsel[q]; ++s)
+            {
+                int32_t& sl = sc.slot[static_cast<size_t>(b * lmax + sel[s])];
+                if (sl < 0)
+                {
+                    sl = static_cast<int32_t>(sc.uniq.size());
+                    sc.uniq.push_back(b * lmax + sel[s]);
+                }
+            }
+        }
+        int64_t const U = static_cast<int64_t>(sc.uniq.size());
+        sc.vrows.resize(static_cast<size_t>(U * kvD));
+        ok = ok && parallelFor(par, U, [&](int64_t u) {
+            int64_t const b = sc.uniq[u] / lmax, p = sc.uniq[u] % lmax, past = in.pastLengths[b];
+            float const* c = p < past ? in.latentV + (in.cacheRows[b] * N + p) * rv
+                                      : in.newLatentV + (b * S + p - past) * rv;
+            K.matvec(in.vUp, c, kvD, rv, sc.vrows.data() + u * kvD);
+        });
+        for (int64_t q = 0; q < Q; ++q)
+        {
+            int64_t const b = qb(q);
+            int32_t const* sel = out.selected + q * k;
+            for (int64_t s = 0; s < sc.nsel[q]; ++s)
+            {
+                sc.vrow[q * k + s] = sc.vrows.data() + sc.slot[static_cast<size_t>(b * lmax + sel[s])] * kvD;
+            }
+        }
+        ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
+            int64_t const q = i / nH, h = i % nH, g = h / grp;
+            K.weightedRows(sc.probs.data() + (q * nH + h) * k, sc.vrow.data() + q * k, g * D, sc.nsel[q], D,
+                out.attnOut + (q * nH + h) * D);
+        });
+    }
+
+    // -- E: attention mass of the valid rows, per position -------------------------------------------------
+    for (int64_t b = 0; b < B; ++b)
+    {
+        for (int64_t j = 0; j < in.newLengths[b]; ++j)
+        {
+            int64_t const q = b * S + j;
+            int32_t const* sel = out.selected + q * k;
+            for (int64_t s = 0; s < sc.nsel[q]; ++s)
+            {
+                float m = 0.f;
+                for (int64_t h = 0; h < nH; ++h)
+                {
+                    m += sc.probs[(q * nH + h) * k + s];
+                }
+                out.attnMass[b * L + sel[s]] += m;
+            }
+        }
+    }
+    if (!ok)
+    {
+        *error = "GsmCachedAttention: the intra-op thread pool failed";
+        return false;
+    }
+    return true;
+}
+
+} // namespace ortcpu
+} // namespace gsm

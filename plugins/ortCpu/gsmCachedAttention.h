@@ -1,0 +1,83 @@
+/*
+ * gsmCachedAttention.h: the math of the ONNX Runtime CPU op GsmCachedAttention (op_spec: README.md here),
+ * on raw pointers, with no ONNX Runtime types. One call is one owning GSM layer's attention for a batch:
+ * index scores, sink + window + top-k selection, RoPE, softmax attention over the selected K rows, the V
+ * sum (decode: float64 latent sum, then U_v; prefill: V rebuilt once per distinct row), attention mass,
+ * and the call's new K rows. It replaces the standard-op subgraph of builder/graph_portable.py
+ * (PortableOps.attention), which is the normative definition.
+ *
+ * Not the plugins' bit-exact numerics contract: sums are blocked and FMA-contracted (like ONNX Runtime's
+ * MLAS), so values agree with the portable graph to float32 rounding; the selection is the same.
+ */
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace gsm
+{
+namespace ortcpu
+{
+
+struct CachedAttentionDims
+{
+    int64_t B = 0, S = 0;                 // batch, new rows per sequence
+    int64_t nH = 0, nKV = 0, D = 0;       // query heads, key heads, head dim (even, nH % nKV == 0)
+    int64_t nI = 0, dI = 0;               // indexer heads and dim
+    int64_t rk = 0, rv = 0;               // latent ranks
+    int64_t R = 0, N = 0;                 // cache rows, positions per row (N_max)
+    int64_t sinks = 0;                    // sink_tokens attribute
+};
+
+struct CachedAttentionInputs
+{
+    float const* q = nullptr;              // [B,S,nH*D]
+    float const* indexQ = nullptr;         // [B,S,nI*dI]
+    float const* indexW = nullptr;         // [B,S,nI]
+    float const* newLatentK = nullptr;     // [B,S,rk]
+    float const* newLatentV = nullptr;     // [B,S,rv]
+    uint16_t const* newIndexKeys = nullptr;// [B,S,dI] float16 bits
+    float const* latentV = nullptr;        // [R,N,rv]
+    uint16_t const* indexKeys = nullptr;   // [R,N,dI] float16 bits
+    float const* kRows = nullptr;          // [R,N,nKV*D]
+    float const* kUp = nullptr;            // [nKV*D,rk]
+    float const* vUp = nullptr;            // [nKV*D,rv]
+    float const* ropeCos = nullptr;        // [N,D]
+    float const* ropeSin = nullptr;        // [N,D]
+    int32_t const* cacheRows = nullptr;    // [B]
+    int32_t const* pastLengths = nullptr;  // [B]
+    int32_t const* newLengths = nullptr;   // [B]
+    int32_t window = 0;                    // sparse_window[0]
+    int32_t const* topK = nullptr;         // [B]
+};
+
+struct CachedAttentionOutputs
+{
+    float* attnOut = nullptr;   // [B,S,nH*D]
+    float* newKRows = nullptr;  // [B,S,nKV*D]
+    int32_t* selected = nullptr;// [B,S,k]
+    float* attnMass = nullptr;  // [B,L]
+};
+
+// A parallel-for the caller provides (ONNX Runtime's KernelContext_ParallelFor): calls fn(data, i) for
+// every i < total, in any order, on any threads, and returns when all are done; false on failure.
+// run == nullptr: a plain loop on the calling thread.
+struct ParallelRunner
+{
+    bool (*run)(void* ctx, void (*fn)(void*, size_t), size_t total, void* data) = nullptr;
+    void* ctx = nullptr;
+};
+
+// Checks the run-time values (lengths, rows, budgets; the shapes are the caller's) and gives the output
+// widths: k = min(max_b(sinks + window + top_k[b]), Tc + S) and L = Tc + S, Tc = max_b past[b].
+// Returns false with a message naming the input.
+bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t* k,
+    int64_t* L, std::string* error);
+
+// Computes every output (call prepareCachedAttention first; k and L are its widths).
+bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k, int64_t L,
+    CachedAttentionOutputs const& out, ParallelRunner const& par, std::string* error);
+
+} // namespace ortcpu
+} // namespace gsm

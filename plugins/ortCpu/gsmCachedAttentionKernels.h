@@ -1,0 +1,43 @@
+/*
+ * gsmCachedAttentionKernels.h: the hot loops of GsmCachedAttention, compiled twice from
+ * gsmCachedAttentionKernels.inc: once for the build's baseline (NEON on aarch64, SSE2 on x86-64) and, on
+ * x86-64, once for AVX2+FMA+F16C, chosen at run time from the CPU's features (cpuKernels()).
+ * FMA contraction and blocked (multi-lane) sums are allowed here: this op is not bound by the plugins'
+ * bit-exact contract, only by float32 agreement with the portable graph (which MLAS computes the same way).
+ */
+#pragma once
+
+#include <cstdint>
+
+namespace gsm
+{
+namespace ortcpu
+{
+
+struct Kernels
+{
+    char const* name;
+    // out[i] = (sum_h w[h] * relu(iq[h] . key_i)) / sqrtDI for the n keys rows[i*dI ..] (float16 bits)
+    void (*scores)(float const* iq, float const* w, int64_t nI, int64_t dI, float sqrtDI, uint16_t const* keys,
+        int64_t n, float* out);
+    // out[s] = (qh . (rows[s] + off)) / sqrtD over D, s < n
+    void (*logits)(float const* qh, float const* const* rows, int64_t off, int64_t n, int64_t D, float sqrtD,
+        float* out);
+    // ctx[h*rv + i] = float(sum_s pd[s*nH + h] * double(lat[s][i])) for every head h < nH, i0 <= i < i1
+    void (*ctxDecode)(double const* pd, int64_t nH, float const* const* lat, int64_t n, int64_t i0, int64_t i1,
+        float* ctx, int64_t rv);
+    // y[o] = sum_i W[o*r + i] * x[i], o < m
+    void (*matvec)(float const* W, float const* x, int64_t m, int64_t r, float* y);
+    // out[d] = sum_s p[s] * rows[s][off + d], d < D (s ascending)
+    void (*weightedRows)(float const* p, float const* const* rows, int64_t off, int64_t n, int64_t D, float* out);
+};
+
+Kernels const& genericKernels();
+#if defined(__x86_64__) || defined(_M_X64)
+Kernels const& avx2Kernels();
+#endif
+// the best kernels this CPU runs (decided once)
+Kernels const& cpuKernels();
+
+} // namespace ortcpu
+} // namespace gsm

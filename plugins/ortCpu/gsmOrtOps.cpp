@@ -1,0 +1,379 @@
+// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with one op,
+// GsmCachedAttention (gsmCachedAttention.h), through ONNX Runtime's C API only. Load it with
+// SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
+#include <onnxruntime_c_api.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gsmCachedAttention.h"
+
+namespace
+{
+
+// ORT 1.17: the first C API with KernelContext_ParallelFor. The op struct says the same version, so ONNX
+// Runtime reads only the OrtCustomOp fields that version has.
+constexpr uint32_t kApiVersion = 17;
+constexpr char const* kDomain = "ai.gsm_edge.cpu";
+constexpr char const* kOpName = "GsmCachedAttention";
+
+OrtApi const* gApi = nullptr;
+
+enum Input : size_t
+{
+    kQ, kIndexQ, kIndexW, kNewLatentK, kNewLatentV, kNewIndexKeys, kLatentV, kIndexKeys, kKRows, kKUp, kVUp,
+    kRopeCos, kRopeSin, kCacheRows, kPastLengths, kNewLengths, kSparseWindow, kSparseTopK, kNumInputs
+};
+char const* const kInputNames[kNumInputs] = {"q", "index_q", "index_w", "new_latent_k", "new_latent_v",
+    "new_index_keys", "latent_v", "index_keys", "k_rows", "k_up", "v_up", "rope_cos", "rope_sin", "cache_rows",
+    "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"};
+constexpr size_t kNumOutputs = 4;
+
+struct Kernel
+{
+    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens;
+};
+
+OrtStatus* invalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmCachedAttention: " + m).c_str());
+}
+
+std::string dimsText(std::vector<int64_t> const& v)
+{
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i)
+    {
+        s += (i ? ", " : "") + std::to_string(v[i]);
+    }
+    return s + "]";
+}
+
+#define GSM_ORT_TRY(expr)                                                                                            \
+    do                                                                                                               \
+    {                                                                                                                \
+        OrtStatus* _st = (expr);                                                                                     \
+        if (_st != nullptr)                                                                                          \
+        {                                                                                                            \
+            return _st;                                                                                              \
+        }                                                                                                            \
+    } while (0)
+
+OrtStatus* inputShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, std::vector<int64_t>* dims)
+{
+    GSM_ORT_TRY(gApi->KernelContext_GetInput(ctx, i, value));
+    if (*value == nullptr)
+    {
+        return invalid(std::string("input ") + kInputNames[i] + " is missing");
+    }
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorTypeAndShape(*value, &info));
+    size_t n = 0;
+    OrtStatus* st = gApi->GetDimensionsCount(info, &n);
+    if (st == nullptr)
+    {
+        dims->assign(n, 0);
+        st = gApi->GetDimensions(info, dims->data(), n);
+    }
+    gApi->ReleaseTensorTypeAndShapeInfo(info);
+    return st;
+}
+
+// Checks that input i has exactly the shape `want` (entries < 0: any size, reported back).
+OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> want, char const* meaning)
+{
+    bool ok = got.size() == want.size();
+    for (size_t a = 0; ok && a < want.size(); ++a)
+    {
+        ok = want[a] < 0 || want[a] == got[a];
+    }
+    if (!ok)
+    {
+        std::string w = "[";
+        for (size_t a = 0; a < want.size(); ++a)
+        {
+            w += (a ? ", " : "") + (want[a] < 0 ? std::string("*") : std::to_string(want[a]));
+        }
+        return invalid(std::string("input ") + kInputNames[i] + " has shape " + dimsText(got) + ", expected " + w
+            + "]" + " (" + meaning + ")");
+    }
+    return nullptr;
+}
+
+bool runParallel(void* ctx, void (*fn)(void*, size_t), size_t total, void* data)
+{
+    OrtStatus* st = gApi->KernelContext_ParallelFor(static_cast<OrtKernelContext const*>(ctx), fn, total, 0, data);
+    if (st != nullptr)
+    {
+        gApi->ReleaseStatus(st);
+        return false;
+    }
+    return true;
+}
+
+OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
+{
+    Kernel const& kn = *static_cast<Kernel const*>(opKernel);
+    using gsm::ortcpu::CachedAttentionDims;
+    OrtValue const* v[kNumInputs];
+    std::vector<int64_t> sh[kNumInputs];
+    for (size_t i = 0; i < kNumInputs; ++i)
+    {
+        GSM_ORT_TRY(inputShape(ctx, i, &v[i], &sh[i]));
+    }
+    CachedAttentionDims d;
+    d.nH = kn.numHeads;
+    d.nKV = kn.numKvHeads;
+    d.D = kn.headDim;
+    d.nI = kn.indexHeads;
+    d.dI = kn.indexDim;
+    d.sinks = kn.sinkTokens;
+    if (sh[kQ].size() != 3)
+    {
+        return invalid("input q has shape " + dimsText(sh[kQ]) + ", expected [B, S, num_heads*head_dim]");
+    }
+    d.B = sh[kQ][0];
+    d.S = sh[kQ][1];
+    if (sh[kLatentV].size() != 3 || sh[kKUp].size() != 2)
+    {
+        return invalid("input latent_v has shape " + dimsText(sh[kLatentV]) + " and k_up " + dimsText(sh[kKUp])
+            + ", expected [R, N_max, rv] and [kvD, rk]");
+    }
+    d.R = sh[kLatentV][0];
+    d.N = sh[kLatentV][1];
+    d.rv = sh[kLatentV][2];
+    d.rk = sh[kKUp][1];
+    int64_t const B = d.B, S = d.S, kvD = d.nKV * d.D;
+    GSM_ORT_TRY(expectShape(kQ, sh[kQ], {B, S, d.nH * d.D}, "[B, S, num_heads*head_dim]"));
+    GSM_ORT_TRY(expectShape(kIndexQ, sh[kIndexQ], {B, S, d.nI * d.dI}, "[B, S, index_heads*index_dim]"));
+    GSM_ORT_TRY(expectShape(kIndexW, sh[kIndexW], {B, S, d.nI}, "[B, S, index_heads]"));
+    GSM_ORT_TRY(expectShape(kNewLatentK, sh[kNewLatentK], {B, S, d.rk}, "[B, S, rk], rk from k_up"));
+    GSM_ORT_TRY(expectShape(kNewLatentV, sh[kNewLatentV], {B, S, d.rv}, "[B, S, rv], rv from latent_v"));
+    GSM_ORT_TRY(expectShape(kNewIndexKeys, sh[kNewIndexKeys], {B, S, d.dI}, "[B, S, index_dim]"));
+    GSM_ORT_TRY(expectShape(kIndexKeys, sh[kIndexKeys], {d.R, d.N, d.dI}, "[R, N_max, index_dim] as latent_v"));
+    GSM_ORT_TRY(expectShape(kKRows, sh[kKRows], {d.R, d.N, kvD}, "[R, N_max, num_kv_heads*head_dim]"));
+    GSM_ORT_TRY(expectShape(kKUp, sh[kKUp], {kvD, d.rk}, "[num_kv_heads*head_dim, rk]"));
+    GSM_ORT_TRY(expectShape(kVUp, sh[kVUp], {kvD, d.rv}, "[num_kv_heads*head_dim, rv], rv from latent_v"));
+    GSM_ORT_TRY(expectShape(kRopeCos, sh[kRopeCos], {d.N, d.D}, "[N_max, head_dim]"));
+    GSM_ORT_TRY(expectShape(kRopeSin, sh[kRopeSin], {d.N, d.D}, "[N_max, head_dim]"));
+    GSM_ORT_TRY(expectShape(kCacheRows, sh[kCacheRows], {B}, "[B]"));
+    GSM_ORT_TRY(expectShape(kPastLengths, sh[kPastLengths], {B}, "[B]"));
+    GSM_ORT_TRY(expectShape(kNewLengths, sh[kNewLengths], {B}, "[B]"));
+    GSM_ORT_TRY(expectShape(kSparseWindow, sh[kSparseWindow], {1}, "[1]"));
+    GSM_ORT_TRY(expectShape(kSparseTopK, sh[kSparseTopK], {B}, "[B]"));
+
+    gsm::ortcpu::CachedAttentionInputs in;
+    void const* p[kNumInputs];
+    for (size_t i = 0; i < kNumInputs; ++i)
+    {
+        void* data = nullptr; // GetTensorData (const) is newer than the 1.17 API
+        GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &data));
+        p[i] = data;
+    }
+    in.q = static_cast<float const*>(p[kQ]);
+    in.indexQ = static_cast<float const*>(p[kIndexQ]);
+    in.indexW = static_cast<float const*>(p[kIndexW]);
+    in.newLatentK = static_cast<float const*>(p[kNewLatentK]);
+    in.newLatentV = static_cast<float const*>(p[kNewLatentV]);
+    in.newIndexKeys = static_cast<uint16_t const*>(p[kNewIndexKeys]);
+    in.latentV = static_cast<float const*>(p[kLatentV]);
+    in.indexKeys = static_cast<uint16_t const*>(p[kIndexKeys]);
+    in.kRows = static_cast<float const*>(p[kKRows]);
+    in.kUp = static_cast<float const*>(p[kKUp]);
+    in.vUp = static_cast<float const*>(p[kVUp]);
+    in.ropeCos = static_cast<float const*>(p[kRopeCos]);
+    in.ropeSin = static_cast<float const*>(p[kRopeSin]);
+    in.cacheRows = static_cast<int32_t const*>(p[kCacheRows]);
+    in.pastLengths = static_cast<int32_t const*>(p[kPastLengths]);
+    in.newLengths = static_cast<int32_t const*>(p[kNewLengths]);
+    in.window = *static_cast<int32_t const*>(p[kSparseWindow]);
+    in.topK = static_cast<int32_t const*>(p[kSparseTopK]);
+
+    std::string err;
+    int64_t k = 0, L = 0;
+    if (!gsm::ortcpu::prepareCachedAttention(d, in, &k, &L, &err))
+    {
+        return gApi->CreateStatus(ORT_INVALID_ARGUMENT, err.c_str());
+    }
+    int64_t const outDims[kNumOutputs][3] = {{B, S, d.nH * d.D}, {B, S, kvD}, {B, S, k}, {B, L, 0}};
+    size_t const outRank[kNumOutputs] = {3, 3, 3, 2};
+    void* o[kNumOutputs];
+    for (size_t i = 0; i < kNumOutputs; ++i)
+    {
+        OrtValue* ov = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, i, outDims[i], outRank[i], &ov));
+        GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &o[i]));
+    }
+    gsm::ortcpu::CachedAttentionOutputs out;
+    out.attnOut = static_cast<float*>(o[0]);
+    out.newKRows = static_cast<float*>(o[1]);
+    out.selected = static_cast<int32_t*>(o[2]);
+    out.attnMass = static_cast<float*>(o[3]);
+    gsm::ortcpu::ParallelRunner par;
+    par.run = runParallel;
+    par.ctx = ctx;
+    if (!gsm::ortcpu::runCachedAttention(d, in, k, L, out, par, &err))
+    {
+        return gApi->CreateStatus(ORT_FAIL, err.c_str());
+    }
+    return nullptr;
+}
+
+OrtStatus* attribute(OrtKernelInfo const* info, char const* name, int64_t* value)
+{
+    OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, value);
+    if (st != nullptr)
+    {
+        std::string m = std::string("attribute ") + name + " (int64) is missing or invalid: " + gApi->GetErrorMessage(st);
+        gApi->ReleaseStatus(st);
+        return invalid(m);
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL createKernelV2(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
+{
+    Kernel kn{};
+    GSM_ORT_TRY(attribute(info, "num_heads", &kn.numHeads));
+    GSM_ORT_TRY(attribute(info, "num_kv_heads", &kn.numKvHeads));
+    GSM_ORT_TRY(attribute(info, "head_dim", &kn.headDim));
+    GSM_ORT_TRY(attribute(info, "index_heads", &kn.indexHeads));
+    GSM_ORT_TRY(attribute(info, "index_dim", &kn.indexDim));
+    GSM_ORT_TRY(attribute(info, "sink_tokens", &kn.sinkTokens));
+    if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0)
+    {
+        return invalid("attributes num_heads = " + std::to_string(kn.numHeads) + ", num_kv_heads = "
+            + std::to_string(kn.numKvHeads) + ": both must be positive, num_heads a multiple of num_kv_heads");
+    }
+    if (kn.headDim <= 0 || kn.headDim % 2 != 0)
+    {
+        return invalid("attribute head_dim = " + std::to_string(kn.headDim) + " must be positive and even");
+    }
+    if (kn.indexHeads <= 0 || kn.indexDim <= 0 || kn.sinkTokens < 0)
+    {
+        return invalid("attributes index_heads, index_dim must be positive and sink_tokens >= 0 (got "
+            + std::to_string(kn.indexHeads) + ", " + std::to_string(kn.indexDim) + ", "
+            + std::to_string(kn.sinkTokens) + ")");
+    }
+    *kernel = new Kernel(kn);
+    return nullptr;
+}
+
+void ORT_API_CALL destroyKernel(void* kernel)
+{
+    delete static_cast<Kernel*>(kernel);
+}
+
+char const* ORT_API_CALL opName(OrtCustomOp const*)
+{
+    return kOpName;
+}
+
+char const* ORT_API_CALL opProvider(OrtCustomOp const*)
+{
+    return "CPUExecutionProvider";
+}
+
+ONNXTensorElementDataType ORT_API_CALL inputType(OrtCustomOp const*, size_t i)
+{
+    if (i == kNewIndexKeys || i == kIndexKeys)
+    {
+        return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    }
+    return i >= kCacheRows ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL inputCount(OrtCustomOp const*)
+{
+    return kNumInputs;
+}
+
+ONNXTensorElementDataType ORT_API_CALL outputType(OrtCustomOp const*, size_t i)
+{
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL outputCount(OrtCustomOp const*)
+{
+    return kNumOutputs;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(OrtCustomOp const*, size_t)
+{
+    return INPUT_OUTPUT_REQUIRED;
+}
+
+OrtMemType ORT_API_CALL memDefault(OrtCustomOp const*, size_t)
+{
+    return OrtMemTypeDefault;
+}
+
+int ORT_API_CALL one(OrtCustomOp const*)
+{
+    return 1;
+}
+
+int ORT_API_CALL startVersion(OrtCustomOp const*)
+{
+    return 1;
+}
+
+int ORT_API_CALL endVersion(OrtCustomOp const*)
+{
+    return 1;
+}
+
+OrtCustomOp makeOp()
+{
+    OrtCustomOp op;
+    std::memset(&op, 0, sizeof op);
+    op.version = kApiVersion;
+    op.GetName = opName;
+    op.GetExecutionProviderType = opProvider;
+    op.GetInputType = inputType;
+    op.GetInputTypeCount = inputCount;
+    op.GetOutputType = outputType;
+    op.GetOutputTypeCount = outputCount;
+    op.KernelDestroy = destroyKernel;
+    op.GetInputCharacteristic = required;
+    op.GetOutputCharacteristic = required;
+    op.GetInputMemoryType = memDefault;
+    op.GetVariadicInputMinArity = one;
+    op.GetVariadicInputHomogeneity = one;
+    op.GetVariadicOutputMinArity = one;
+    op.GetVariadicOutputHomogeneity = one;
+    op.CreateKernelV2 = createKernelV2;
+    op.KernelComputeV2 = computeV2;
+    op.GetStartVersion = startVersion;
+    op.GetEndVersion = endVersion;
+    return op;
+}
+
+OrtCustomOp gOp = makeOp();
+
+} // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(
+    OrtSessionOptions* options, OrtApiBase const* apiBase)
+{
+    OrtApi const* api = apiBase != nullptr ? apiBase->GetApi(kApiVersion) : nullptr;
+    if (api == nullptr)
+    {
+        // too old an ONNX Runtime: version 1 of the API always exists and can make the status
+        OrtApi const* v1 = apiBase != nullptr ? apiBase->GetApi(1) : nullptr;
+        return v1 != nullptr ? v1->CreateStatus(ORT_FAIL,
+                   "libgsm_ort_ops.so needs ONNX Runtime >= 1.17 (C API version 17: KernelContext_ParallelFor); "
+                   "this ONNX Runtime does not provide it")
+                             : nullptr;
+    }
+    gApi = api;
+    // one domain for the process (ONNX Runtime keeps a pointer; sessions may outlive any one registration)
+    static OrtCustomOpDomain* domain = nullptr;
+    if (domain == nullptr)
+    {
+        GSM_ORT_TRY(api->CreateCustomOpDomain(kDomain, &domain));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOp));
+    }
+    return api->AddCustomOpDomain(options, domain);
+}

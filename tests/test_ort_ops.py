@@ -1,0 +1,212 @@
+"""libgsm_ort_ops.so (plugins/ortCpu): the ONNX Runtime CPU op GsmCachedAttention against an independent NumPy
+reference of its specification (plugins/ortCpu/README.md; the normative definition is the portable graph,
+builder/graph_portable.py PortableOps.attention): same selection, values to float32 rounding, 1 and 2 threads."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gsm_edge_plugins import ort_ops_library
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+
+LIB = ort_ops_library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="libgsm_ort_ops.so not built (ONNX Runtime C API headers not "
+                                                    "found: run scripts/fetch_ort_headers.sh and rebuild the plugins)")
+
+DOMAIN = "ai.gsm_edge.cpu"
+INPUTS = [("q", TensorProto.FLOAT), ("index_q", TensorProto.FLOAT), ("index_w", TensorProto.FLOAT),
+          ("new_latent_k", TensorProto.FLOAT), ("new_latent_v", TensorProto.FLOAT),
+          ("new_index_keys", TensorProto.FLOAT16), ("latent_v", TensorProto.FLOAT),
+          ("index_keys", TensorProto.FLOAT16), ("k_rows", TensorProto.FLOAT), ("k_up", TensorProto.FLOAT),
+          ("v_up", TensorProto.FLOAT), ("rope_cos", TensorProto.FLOAT), ("rope_sin", TensorProto.FLOAT),
+          ("cache_rows", TensorProto.INT32), ("past_lengths", TensorProto.INT32), ("new_lengths", TensorProto.INT32),
+          ("sparse_window", TensorProto.INT32), ("sparse_top_k", TensorProto.INT32)]
+OUTPUTS = [("attn_out", TensorProto.FLOAT), ("new_k_rows", TensorProto.FLOAT), ("selected", TensorProto.INT32),
+           ("attn_mass", TensorProto.FLOAT)]
+
+# (nH, nKV, D, nI, dI, rk, rv): odd sizes (scalar tails everywhere) and vector-friendly sizes
+GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 10), "vec": (6, 2, 16, 4, 16, 20, 36)}
+R, N = 4, 64
+
+
+def model_bytes(geo: tuple[int, ...], sinks: int) -> bytes:
+    nH, nKV, D, nI, dI, _, _ = geo
+    node = helper.make_node("GsmCachedAttention", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS], domain=DOMAIN,
+                            num_heads=nH, num_kv_heads=nKV, head_dim=D, index_heads=nI, index_dim=dI,
+                            sink_tokens=sinks)
+    graph = helper.make_graph([node], "gsm_cached_attention",
+                              [helper.make_tensor_value_info(n, t, None) for n, t in INPUTS],
+                              [helper.make_tensor_value_info(n, t, None) for n, t in OUTPUTS])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+def session(geo: tuple[int, ...], sinks: int, threads: int) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(LIB))
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model_bytes(geo, sinks), so, providers=["CPUExecutionProvider"])
+
+
+def make_inputs(rng: np.random.Generator, geo: tuple[int, ...], past: list[int], new: list[int], S: int,
+                window: int, top_k: list[int], zero_w: bool = False) -> dict[str, np.ndarray]:
+    nH, nKV, D, nI, dI, rk, rv = geo
+    B = len(past)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+    ang = np.arange(N)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], axis=1)
+    w = f(B, S, nI)
+    if zero_w:  # every non-fixed score is 0 (signed zeros included): ties, decided by position
+        w = np.where(rng.random((B, S, nI)) < 0.5, np.float32(0.0), np.float32(-0.0)).astype(np.float32)
+    return {"q": f(B, S, nH * D), "index_q": f(B, S, nI * dI), "index_w": w,
+            "new_latent_k": f(B, S, rk).astype(np.float16).astype(np.float32), "new_latent_v": f(B, S, rv),
+            "new_index_keys": f(B, S, dI).astype(np.float16), "latent_v": f(R, N, rv),
+            "index_keys": f(R, N, dI).astype(np.float16), "k_rows": f(R, N, nKV * D),
+            "k_up": f(nKV * D, rk) * np.float32(0.3), "v_up": f(nKV * D, rv) * np.float32(0.3),
+            "rope_cos": np.cos(ang).astype(np.float32), "rope_sin": np.sin(ang).astype(np.float32),
+            "cache_rows": rng.permutation(R)[:B].astype(np.int32), "past_lengths": np.array(past, np.int32),
+            "new_lengths": np.array(new, np.int32), "sparse_window": np.array([window], np.int32),
+            "sparse_top_k": np.array(top_k, np.int32)}
+
+
+def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int) -> dict[str, np.ndarray]:
+    """The specification in plain loops (float32 NumPy; the decode V sum in float64)."""
+    nH, nKV, D, nI, dI, rk, rv = geo
+    f32 = np.float32
+    B, S = x["q"].shape[:2]
+    grp, half, kvD = nH // nKV, D // 2, nKV * D
+    past, new, rows, topk = (x[n].astype(int) for n in ("past_lengths", "new_lengths", "cache_rows", "sparse_top_k"))
+    W = int(x["sparse_window"][0])
+    tc = int(past.max())
+    L = tc + S
+    budget = sinks + W + topk
+    k = min(int(budget.max()), L)
+
+    def rope(v: np.ndarray, p: int) -> np.ndarray:
+        c, s = x["rope_cos"][p], x["rope_sin"][p]
+        return np.concatenate([v[:half] * c[:half] - v[half:] * s[:half], v[half:] * c[half:] + v[:half] * s[half:]])
+
+    new_k = np.zeros((B, S, kvD), f32)
+    for b in range(B):
+        for j in range(S):
+            kv = x["k_up"] @ x["new_latent_k"][b, j]
+            for g in range(nKV):
+                new_k[b, j, g * D:(g + 1) * D] = rope(kv[g * D:(g + 1) * D], past[b] + j)
+    out = np.zeros((B, S, nH * D), f32)
+    sel = np.full((B, S, k), -1, np.int32)
+    mass = np.zeros((B, L), f32)
+    for b in range(B):
+        row = rows[b]
+        cols = [(c, c < past[b], x["index_keys"][row, c]) for c in range(tc)]
+        cols += [(past[b] + jj, True, x["new_index_keys"][b, jj]) for jj in range(S)]
+        for j in range(S):
+            t = past[b] + j
+            iq = x["index_q"][b, j].reshape(nI, dI)
+            vals = []
+            for pos, usable, key in cols:
+                if not usable or pos > t:
+                    vals.append(-math.inf)
+                elif pos < sinks or pos + W > t:
+                    vals.append(math.inf)
+                else:
+                    e = key.astype(f32)
+                    acc = f32(0)
+                    for h in range(nI):
+                        acc = f32(acc + x["index_w"][b, j, h] * max(f32(np.dot(iq[h], e)), f32(0)))
+                    vals.append(float(acc / f32(math.sqrt(dI))))
+            order = sorted(range(len(cols)), key=lambda c: (-vals[c], c))[:k]
+            kept = sorted(cols[c][0] for r, c in enumerate(order) if vals[c] > -math.inf and r < budget[b])
+            sel[b, j, :len(kept)] = kept
+            K = np.stack([x["k_rows"][row, p] if p < past[b] else new_k[b, p - past[b]] for p in kept])
+            lat = np.stack([x["latent_v"][row, p] if p < past[b] else x["new_latent_v"][b, p - past[b]]
+                            for p in kept])
+            probs = np.zeros((nH, len(kept)), f32)
+            for h in range(nH):
+                g = h // grp
+                qr = rope(x["q"][b, j, h * D:(h + 1) * D], t)
+                logit = (K[:, g * D:(g + 1) * D] @ qr) / f32(math.sqrt(D))
+                e = np.exp(logit - logit.max())
+                probs[h] = e / e.sum()
+                vg = x["v_up"][g * D:(g + 1) * D]
+                if S == 1:
+                    ctx = (probs[h].astype(np.float64) @ lat.astype(np.float64)).astype(f32)
+                    out[b, j, h * D:(h + 1) * D] = vg @ ctx
+                else:
+                    out[b, j, h * D:(h + 1) * D] = probs[h] @ (lat @ vg.T)
+            if j < new[b]:
+                for s, p in enumerate(kept):
+                    mass[b, p] += probs[:, s].sum()
+    return {"attn_out": out, "new_k_rows": new_k, "selected": sel, "attn_mass": mass}
+
+
+# name: geometry, past, new, S, window, sinks, top_k, zero index weights
+CASES = {
+    "decode_b1": ("vec", [40], [1], 1, 3, 1, [6], False),
+    "decode_b3_unequal": ("vec", [40, 0, 23], [1, 1, 0], 1, 2, 2, [5, 0, 9], False),
+    "decode_odd": ("odd", [17, 30, 5], [1, 1, 1], 1, 4, 1, [3, 7, 0], False),
+    "prefill_b3_padding": ("vec", [20, 0, 33], [5, 3, 5], 5, 2, 1, [4, 0, 7], False),
+    "prefill_odd": ("odd", [9, 26], [4, 5], 5, 0, 0, [3, 6], False),
+    "dense": ("vec", [10, 3], [5, 2], 5, 2, 1, [100, 100], False),
+    "dense_decode": ("odd", [10, 3], [1, 1], 1, 2, 1, [100, 100], False),
+    "ties_decode": ("vec", [30, 12], [1, 1], 1, 2, 1, [5, 4], True),
+    "ties_prefill": ("odd", [30, 12], [5, 5], 5, 1, 2, [6, 3], True),
+    "no_window_no_sinks": ("vec", [25, 31, 8], [1, 1, 1], 1, 0, 0, [4, 2, 3], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference(name: str) -> None:
+    geo_name, past, new, S, window, sinks, top_k, zero_w = CASES[name]
+    geo = GEOMETRIES[geo_name]
+    x = make_inputs(np.random.default_rng(sorted(CASES).index(name)), geo, past, new, S, window, top_k, zero_w)
+    want = reference(x, geo, sinks)
+    got = {}
+    for threads in (1, 2):
+        res = session(geo, sinks, threads).run(None, x)
+        got[threads] = dict(zip([n for n, _ in OUTPUTS], res))
+        np.testing.assert_array_equal(got[threads]["selected"], want["selected"])
+        for n in ("attn_out", "new_k_rows", "attn_mass"):
+            assert got[threads][n].shape == want[n].shape, n
+            np.testing.assert_allclose(got[threads][n], want[n], rtol=1e-5, atol=1e-5, err_msg=n)
+    np.testing.assert_array_equal(got[1]["selected"], got[2]["selected"])
+    for n in ("attn_out", "new_k_rows", "attn_mass"):
+        np.testing.assert_allclose(got[1][n], got[2][n], rtol=1e-6, atol=1e-7, err_msg=n)
+
+
+def test_tie_rule_keeps_lower_positions() -> None:
+    """With every index score 0 the top-k are the lowest non-fixed positions (hand-derived, not the reference)."""
+    geo = GEOMETRIES["vec"]
+    x = make_inputs(np.random.default_rng(7), geo, [20], [1], 1, 2, [3], zero_w=True)
+    sel = session(geo, 1, 1).run(["selected"], x)[0]
+    # sink 0, top-3 of positions 1..18 by (0, position) -> 1, 2, 3; window 19, 20
+    assert sel.tolist() == [[[0, 1, 2, 3, 19, 20]]]
+
+
+@pytest.mark.parametrize("field,value,names", [
+    ("past_lengths", [60, 3], "past_lengths[0] = 60 + S = 5 exceeds the cache's N_max 64"),
+    ("cache_rows", [0, 4], "cache_rows[1] = 4"),
+    ("new_lengths", [5, 6], "new_lengths[1] = 6"),
+    ("sparse_top_k", [-1, 2], "sparse_top_k[0] = -1"),
+])
+def test_bad_input_names_it(field: str, value: list[int], names: str) -> None:
+    geo = GEOMETRIES["odd"]
+    x = make_inputs(np.random.default_rng(3), geo, [4, 3], [5, 5], 5, 1, [2, 2])
+    x[field] = np.array(value, np.int32)
+    with pytest.raises(Exception, match="GsmCachedAttention") as err:
+        session(geo, 1, 1).run(None, x)
+    assert names in str(err.value)
+
+
+def test_bad_shape_names_input() -> None:
+    geo = GEOMETRIES["odd"]
+    x = make_inputs(np.random.default_rng(4), geo, [4], [1], 1, 1, [2])
+    x["v_up"] = x["v_up"][:, :-1].copy()
+    with pytest.raises(Exception, match="input v_up has shape"):
+        session(geo, 1, 1).run(None, x)
