@@ -59,9 +59,9 @@ def measure(args: argparse.Namespace) -> dict:
     from runtime.ort_backend import SessionTuning
 
     rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, top_k=args.top_k,
-                      spinning=args.spinning)
+                      spinning=args.spinning, graph=args.graph)
     tuning = SessionTuning(threads=args.threads, spinning=args.spinning, optimization=args.optimization,
-                           arena=not args.no_arena)
+                           arena=not args.no_arena, graph=args.graph)
     if tuning != rt.backend.tuning:  # a session tuned otherwise than the runtime's default
         from runtime.ort_backend import OrtBackend
 
@@ -69,10 +69,12 @@ def measure(args: argparse.Namespace) -> dict:
     if args.profile:  # ONNX Runtime's profiler on the decode steps only (a second session, same tuning)
         import onnxruntime as ort
 
-        from runtime.ort_backend import session_options
+        from runtime.ort_backend import CPU_MODEL, PORTABLE_MODEL, cpu_graph_usable, session_options
 
         be = rt.backend
         so = session_options(tuning)
+        if be.graph == "cpu":
+            so.register_custom_ops_library(cpu_graph_usable(Path(args.bundle))[1])
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(args.profile_dir) / "ort_profile")
     B, ctx, steps = args.batch, args.context, args.steps
@@ -82,7 +84,8 @@ def measure(args: argparse.Namespace) -> dict:
     logits = rt.prefill_batch(seqs, prompts)
     prefill_s = time.perf_counter() - t0
     if args.profile:
-        be.session = ort.InferenceSession(str(Path(args.bundle) / "model.portable.onnx"), so)
+        be.session = ort.InferenceSession(str(Path(args.bundle) / (CPU_MODEL if be.graph == "cpu" else PORTABLE_MODEL)),
+                                          so)
         be.binding = be.session.io_binding()
         for name, buf in be.buffers.items():
             be.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))
@@ -93,7 +96,8 @@ def measure(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         logits = rt.decode_batch(seqs, tok)
         times.append(time.perf_counter() - t)
-    res = {"bundle": str(args.bundle), "tuning": tuning.__dict__, "n_max": rt.n_max, "context": ctx, "batch": B,
+    res = {"bundle": str(args.bundle), "tuning": tuning.__dict__, "graph": rt.backend.graph, "n_max": rt.n_max,
+           "context": ctx, "batch": B,
            "top_k": args.top_k,
            "steps": steps,
            "threads": args.threads, "prefill_tokens_per_s": B * ctx / prefill_s,
@@ -134,8 +138,8 @@ def _run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, prof
         cmd += ["--top-k", str(top_k)]
     if profile:
         cmd += ["--profile", "--profile-dir", str(a.work)]
-    cmd += ["--optimization", a.optimization] + (["--spinning"] if a.spinning else []) + (["--no-arena"] if a.no_arena
-                                                                                           else [])
+    cmd += ["--graph", a.graph, "--optimization", a.optimization]
+    cmd += (["--spinning"] if a.spinning else []) + (["--no-arena"] if a.no_arena else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -269,6 +273,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spinning", action="store_true", help="ONNX Runtime intra-op threads spin (default off)")
     ap.add_argument("--optimization", default="all", choices=["all", "extended", "basic", "none"])
+    ap.add_argument("--graph", default="auto", choices=["auto", "cpu", "portable"],
+                    help="which network the onnxruntime backend runs (runtime.load(graph=...))")
     ap.add_argument("--no-arena", action="store_true", help="ONNX Runtime without its CPU memory arena")
     ap.add_argument("--repeat", type=int, default=2, help="fresh-process runs per configuration; the best is kept")
     ap.add_argument("--text", type=Path, default=DATA / "tinystories_eval.txt", help="context text")

@@ -30,7 +30,8 @@ from builder.bundle import (
     write_json,
 )
 from builder.calib import quant_tables
-from builder.graphs import MODEL_PORTABLE, MODEL_TRT, write_graphs
+from builder.graph_cpu import CPU_DOMAIN, CPU_OP, CPU_OP_VERSION
+from builder.graphs import MODEL_CPU, MODEL_PORTABLE, MODEL_TRT, write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
@@ -191,7 +192,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                 "device": profile.to_json(), "opset": info.opset,
                 "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace,
                             "versions": info.plugins},
-                "graphs": {"tensorrt": MODEL_TRT, "portable": MODEL_PORTABLE},
+                "graphs": {"tensorrt": MODEL_TRT, "portable": MODEL_PORTABLE, "cpu": MODEL_CPU},
+                "cpu_ops": {"domain": CPU_DOMAIN, "versions": {CPU_OP: CPU_OP_VERSION}},
                 "engine": engine, "calibration": qt.source, "trt_precision": trt_precision,
                 "portable_opset": info.portable_opset, "weights": _weights_record(wreport),
             })

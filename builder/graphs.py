@@ -1,9 +1,12 @@
-"""Write the four graphs of a bundle over one streamed weight file.
+"""Write the five graphs of a bundle over one streamed weight file.
 
 - `model.portable.onnx`: the network in standard ops (fp32), ONNX Runtime runs it anywhere;
+- `model.cpu.onnx`: the same network with each owning layer's attention as one ONNX Runtime CPU custom op
+  (`GsmCachedAttention`, plugins/ortCpu; same inputs and outputs), the runtime's choice where the op's
+  library is built;
 - `model.onnx`: the same network with GSM plugin nodes and FP16 activations, for TensorRT;
 - `gsm_demote.portable.onnx` / `gsm_demote.onnx`: the demotion graphs (engine_io 4.3 / section 5).
-All four reference `weights.bin`; each checkpoint tensor is read, written and dropped once (a
+All five reference `weights.bin`; each checkpoint tensor is read, written and dropped once (a
 quantised projection is written in both graphs' forms at its first read, builder/qlinear.py).
 """
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from builder.graph_cpu import CPU_DOMAIN, CPU_OP_VERSION, CpuOps
 from builder.graph_portable import PortableOps, rope_at
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
 from builder.network import ROPE_COS, ROPE_SIN, NetSpec, Network, TensorSource, quant_name
@@ -28,6 +32,7 @@ from gsm import names
 WEIGHTS_FILE = "weights.bin"
 MODEL_TRT = "model.onnx"
 MODEL_PORTABLE = "model.portable.onnx"
+MODEL_CPU = "model.cpu.onnx"
 DEMOTE_TRT = "gsm_demote.onnx"
 DEMOTE_PORTABLE = "gsm_demote.portable.onnx"
 
@@ -72,6 +77,13 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
                 projections=projections).build()
         save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
                    out / MODEL_PORTABLE)
+        progress("ONNX Runtime CPU graph")
+        g = GraphBuilder(store)
+        Network(g, CpuOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32,
+                projections=projections).build()
+        save_model(g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},
+                           doc="GSM network, standard ONNX ops + GsmCachedAttention (ONNX Runtime CPU custom op), "
+                               "fp32 (docs/engine_io.md 5.1)"), out / MODEL_CPU)
         progress("TensorRT graph")
         g = GraphBuilder(store, opset=trt_opset)
         trt_spec = replace(spec, debug=False)
@@ -86,7 +98,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         store.close()
     return GraphsInfo(opset=trt_opset, plugins=dict.fromkeys(PLUGINS, PLUGIN_VERSION),
                       plugin_namespace=PLUGIN_NAMESPACE, plugin_domain=DOMAIN,
-                      files=[WEIGHTS_FILE, MODEL_TRT, MODEL_PORTABLE, DEMOTE_TRT, DEMOTE_PORTABLE],
+                      files=[WEIGHTS_FILE, MODEL_TRT, MODEL_PORTABLE, MODEL_CPU, DEMOTE_TRT, DEMOTE_PORTABLE],
                       largest_tensor_bytes=store.peak_tensor_bytes,
                       weight_file_bytes=(out / WEIGHTS_FILE).stat().st_size)
 

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spinning", action="store_true",
                    help="ONNX Runtime's threads busy-wait between operators (faster on a device that runs "
                         "nothing else)")
+    g.add_argument("--graph", choices=["auto", "cpu", "portable"], default="auto",
+                   help="onnxruntime backend: cpu = the fused-attention graph (custom op library), portable = "
+                        "standard ops only, auto = cpu where its library is built")
     g.add_argument("--sparse-window", type=int_at_least(1),
                    help="run-time window, 1..max_sparse_window (default: the model's)")
     g.add_argument("--sparse-top-k", type=int_at_least(0),
@@ -119,7 +122,7 @@ def generate(args: argparse.Namespace) -> int:
     flags = {**FLAGS, "prompt": source, "messages": source}
     try:
         rt = runtime.load(args.bundle, args.backend, threads=args.threads, sparse_window=args.sparse_window,
-                          top_k=args.sparse_top_k, spinning=args.spinning)
+                          top_k=args.sparse_top_k, spinning=args.spinning, graph=args.graph)
     except runtime.RequestError as e:
         return _error(f"argument {flags.get(e.field, e.field)}: {e.detail}")
     except runtime.BundleError as e:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from runtime.bundle import BundleError, verify_bundle
-from runtime.ort_backend import OrtBackend, SessionTuning, StepOutput
+from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning, StepOutput
 from runtime.policy import SequenceState, TierPolicy, retier
 from runtime.request import Generation, Token, TokenStream
 from runtime.sampling import RequestError, Sampler, SamplingParams
@@ -347,7 +347,7 @@ class Runtime:
 
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
-         top_k: int | None = None, spinning: bool = False) -> Runtime:
+         top_k: int | None = None, spinning: bool = False, graph: str = "auto") -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
     top_k: the default selection budget (spec 4.1 sparse_top_k) of every sequence, 0..max-seq (a value
@@ -355,12 +355,17 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     spinning: ONNX Runtime's intra-op threads busy-wait between operators (onnxruntime backend, threads
     != 1): faster on a device that runs nothing else, cycles taken from anything that shares the cores
     (docs/runtime.md, "ONNX Runtime session").
+    graph (onnxruntime backend): "cpu" runs model.cpu.onnx, the attention as one custom op per owning layer
+    (libgsm_ort_ops.so; RuntimeError where it is not built); "portable" the standard-op graph; "auto" the
+    first where it is usable. `Runtime.backend.graph` says which one runs.
 
     auto: TensorRT when the bundle has an engine.plan and TensorRT imports, else ONNX Runtime.
     reference: the TensorRT graph (model.onnx) with the plugins' C++ CPU reference; slow, for checks.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
     root = Path(bundle)
     manifest = verify_bundle(root)
     try:
@@ -388,7 +393,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
 
         be = RefBackend(root, cfg)
     else:
-        be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning)))
+        be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning), graph=graph))
     try:
         return Runtime(root, manifest, be, sparse_window=sparse_window, top_k=top_k)
     except KeyError as e:

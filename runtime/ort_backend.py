@@ -1,5 +1,11 @@
-"""ONNX Runtime backend: runs model.portable.onnx and gsm_demote.portable.onnx on the CPU (or any
-ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5, rev 5).
+"""ONNX Runtime backend: runs model.cpu.onnx (or model.portable.onnx) and gsm_demote.portable.onnx on the
+CPU (or any ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5,
+rev 5).
+
+Which network (`SessionTuning.graph`): `model.cpu.onnx` has each owning layer's attention as one custom op
+(`GsmCachedAttention`, libgsm_ort_ops.so from plugins/ortCpu, registered with the session); where that
+library is not built, or the bundle predates the graph, `model.portable.onnx` (standard ops only) runs.
+Both take and return the same tensors, so everything below serves either.
 
 The cache is what the portable graph reads: per owning layer float32 latents `latent_k/v.{l}`
 [R, N_max, r] and FP16 indexer keys `index_keys.{l}` [R, N_max, dI], and (rev 5) per layer the K rows
@@ -32,7 +38,9 @@ from typing import Any
 import numpy as np
 
 PORTABLE_MODEL = "model.portable.onnx"
+CPU_MODEL = "model.cpu.onnx"
 PORTABLE_DEMOTE = "gsm_demote.portable.onnx"
+GRAPHS = ("auto", "cpu", "portable")
 
 
 @dataclass
@@ -66,6 +74,37 @@ class SessionTuning:
     spinning: bool = False  # intra-op workers spin between ops (faster alone, burns shared cores)
     optimization: str = "all"  # "all" | "extended" | "basic" | "none"
     arena: bool = True  # CPU memory arena: allocations reused from step to step
+    graph: str = "auto"  # "cpu" (fused attention op), "portable" (standard ops) or "auto" (cpu where usable)
+
+
+def cpu_graph_usable(bundle: Path) -> tuple[bool, str]:
+    """(True, library path) when `bundle` has model.cpu.onnx and libgsm_ort_ops.so is built, else (False, why)."""
+    if not (bundle / CPU_MODEL).is_file():
+        return False, f"{bundle} has no {CPU_MODEL} (built before it existed: rebuild with `python -m builder build`)"
+    try:
+        from gsm_edge_plugins import ort_ops_library
+    except ImportError as e:
+        return False, f"gsm_edge_plugins is not importable ({e})"
+    lib = ort_ops_library()
+    if lib is None:
+        return False, ("libgsm_ort_ops.so was not built (it needs ONNX Runtime's C API headers: run "
+                       "scripts/fetch_ort_headers.sh, then reinstall with `pip install .`)")
+    return True, str(lib)
+
+
+def resolve_graph(bundle: Path, graph: str, providers: list[str]) -> tuple[str, str | None]:
+    """The network a session opens: ("cpu", library path) or ("portable", None). `auto` takes the fused graph
+    where it is usable and the session runs on the CPU provider alone; `cpu` insists (RuntimeError why not)."""
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
+    if graph == "portable":
+        return "portable", None
+    ok, detail = cpu_graph_usable(bundle)
+    if graph == "cpu" and not ok:
+        raise RuntimeError(f"graph cpu: {detail}")
+    if ok and (graph == "cpu" or providers == ["CPUExecutionProvider"]):
+        return "cpu", detail
+    return "portable", None
 
 
 def session_options(t: SessionTuning) -> Any:
@@ -116,8 +155,12 @@ class OrtBackend:
         self.tuning = tuning or SessionTuning(threads=threads)
         so = session_options(self.tuning)
         prov = providers or ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(bundle / PORTABLE_MODEL), so, providers=prov)
+        self.graph, lib = resolve_graph(bundle, self.tuning.graph, prov)
         self.demote_session = ort.InferenceSession(str(bundle / PORTABLE_DEMOTE), so, providers=prov)
+        if lib is not None:
+            so.register_custom_ops_library(lib)
+        model = CPU_MODEL if self.graph == "cpu" else PORTABLE_MODEL
+        self.session = ort.InferenceSession(str(bundle / model), so, providers=prov)
         self.cfg = cfg
         self.n_max = int(cfg["n_max"])
         self.layers = [int(l) for l in cfg["owning_layers"]]

@@ -227,4 +227,6 @@ def test_kv_noise_refresh_mid_decode_continues_the_same_stream(rt, sampling):
     ref.prefill(prompt + want[:-1])
     for layer in rt.cfg["owning_layers"]:
         for got, exp in zip(seq.cache.latents(layer, seq.length), ref.cache.latents(layer, seq.length)):
-            np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-5)
+            # the cache holds FP16-rounded values: a value on a rounding boundary may land one FP16 ulp
+            # (<= 2^-10 relative) apart under another summation order (prefill vs decode forms)
+            np.testing.assert_allclose(got, exp, rtol=2.0**-10, atol=1e-5)

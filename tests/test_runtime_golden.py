@@ -1,4 +1,5 @@
-"""Golden regression: a portable bundle on ONNX Runtime vs GoldenModel in deployed mode, on the tiny
+"""Golden regression: a portable bundle on ONNX Runtime (its standard-op graph and its fused-attention graph
+model.cpu.onnx) vs GoldenModel in deployed mode, on the tiny
 synthetic model and on stories260K converted by `python -m gsm convert` (skipped without ../shared/data).
 
 Tolerances: last-position logits <= max(1e-3, 1e-4 x the logit scale) (the portable build is fp32 like
@@ -64,14 +65,23 @@ def debug_bundle(retiering_checkpoint, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("graph", ["portable", "cpu"])
 @pytest.mark.parametrize("which", ["tiny", "stories260K"])
-def test_portable_bundle_reproduces_golden_deployed(which, request, tmp_path):
+def test_portable_bundle_reproduces_golden_deployed(which, graph, request, tmp_path):
+    """Both networks ONNX Runtime runs: the standard-op graph and model.cpu.onnx (GsmCachedAttention, the fused
+    op, for the owning layers; stories260K has sharing layers too, which keep standard ops)."""
     import runtime
 
+    if graph == "cpu":
+        from gsm_edge_plugins import ort_ops_library
+
+        if ort_ops_library() is None:
+            pytest.skip("libgsm_ort_ops.so not built (scripts/fetch_ort_headers.sh, then pip install -e .)")
     ckpt = request.getfixturevalue("retiering_checkpoint" if which == "tiny" else "stories_checkpoint")
     bundle = tmp_path / "bundle"
     build(device="orin", checkpoint_dir=ckpt, output=bundle, max_seq=N_MAX, debug_outputs=True)
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph=graph)
+    assert rt.backend.graph == graph
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     if which == "tiny":
         prompt = np.random.default_rng(7).integers(3, 259, PROMPT_LEN).tolist()

@@ -31,6 +31,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--spinning", action="store_true",
                    help="ONNX Runtime's threads busy-wait between operators (faster on a device that runs "
                         "nothing else)")
+    s.add_argument("--graph", choices=["auto", "cpu", "portable"], default="auto",
+                   help="onnxruntime backend: cpu = the fused-attention graph, portable = standard ops only, "
+                        "auto = cpu where its library is built")
     s.add_argument("--max-running", type=int_at_least(0), default=0,
                    help="sequences in the running batch (0: the bundle's max_batch, or --interleave at batch 1)")
     s.add_argument("--interleave", type=int_at_least(1), default=8,
@@ -76,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     from runtime.engine import Engine, EngineConfig
 
     try:
-        rt = runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning)
+        rt = runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning, graph=args.graph)
     except runtime.BundleError as e:
         return _error(f"bundle {e}")
     except runtime.RequestError as e:

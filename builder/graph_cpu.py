@@ -1,0 +1,42 @@
+"""The portable network with each owning layer's attention as one ONNX Runtime CPU custom op
+(`model.cpu.onnx`; docs/engine_io.md 5.1, the op in plugins/ortCpu).
+
+The portable graph spells a GSM attention in ~90 standard operators per owning layer (graph_portable.py);
+ONNX Runtime pays a fixed dispatch cost per operator, which on a small model is most of a decode step
+and does not shrink with a second thread. `GsmCachedAttention` computes the same thing (selection
+identical, values to float32 rounding) in one node over the same cache buffers, so the graph keeps the
+portable graph's inputs and outputs (engine_io revision 5) and the runtime binds either the same way.
+Sharing layers keep the standard-op subgraph (the op covers owning layers only).
+"""
+
+from __future__ import annotations
+
+from builder.graph_portable import PortableOps
+
+CPU_DOMAIN = "ai.gsm_edge.cpu"
+CPU_OP = "GsmCachedAttention"
+CPU_OP_VERSION = 1
+
+
+class CpuOps(PortableOps):
+    """PortableOps with the owning layers' attention as one `GsmCachedAttention` node."""
+
+    variant = "cpu"
+
+    def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
+                  up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
+                  sparse_window: str | None = None, selected: str | None = None, source: int | None = None,
+                  quant: str | None = None) -> tuple[str, str | None, str | None]:
+        if selected is not None or index_q is None or index_w is None or sparse_window is None:
+            return super().attention(l, q, cache, past, new, rope=rope, up=up, index_q=index_q, index_w=index_w,
+                                     sparse_window=sparse_window, selected=selected, source=source, quant=quant)
+        g, cfg, p = self.g, self.cfg, self.cfg.gsm
+        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["v"], cache["keys"],
+               self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, "sparse_top_k"]
+        outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}"]
+        with g.in_scope(f"L{l}.GsmSparseAttention"):
+            out, _, sel, mass = g.op(CPU_OP, ins, n_out=4, outputs=outs, domain=CPU_DOMAIN,
+                                     num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                     head_dim=cfg.head_dim, index_heads=p.indexer_heads, index_dim=p.indexer_dim,
+                                     sink_tokens=p.sink_tokens)
+        return out, sel, mass

@@ -1,0 +1,135 @@
+"""The fused-attention network `model.cpu.onnx` (docs/engine_io.md 5.1: one `GsmCachedAttention` custom op per
+owning layer, plugins/ortCpu) against the standard-op network `model.portable.onnx` of the same bundle.
+
+The portable graph is the reference here (it is the one the golden tests pin down, tests/test_runtime_golden.py
+also runs the cpu graph against the golden model): several sequences of different lengths, chunked prefill,
+per-sequence budgets (0, small, dense) and re-tier passes give the same greedy tokens, tiers and selections
+and logits to float32 summation order, on 1 and 2 threads. Tests needing the op library skip when it was not
+built (it needs ONNX Runtime's C API headers: scripts/fetch_ort_headers.sh; CI builds it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import retiering_copy
+from runtime_bundles import ROOT, run_module
+
+from builder.build import build
+from gsm.synth import synth_checkpoint
+
+N_MAX, MAX_INPUT = 192, 16
+
+
+def need_library() -> None:
+    from gsm_edge_plugins import ort_ops_library
+
+    if ort_ops_library() is None:
+        pytest.skip("libgsm_ort_ops.so not built (ONNX Runtime C API headers missing: run "
+                    "scripts/fetch_ort_headers.sh, then pip install -e .)")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu_graph")
+    ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier")
+    out = root / "bundle"
+    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True)
+    return out
+
+
+def run(rt, prompts, budgets, steps):
+    """Prefill the prompts together, then `steps` greedy decode steps of all of them in one call each;
+    per step: logits, tokens, tiers and selections of every sequence."""
+    seqs = [rt.new_sequence() for _ in prompts]
+    for s, k in zip(seqs, budgets):
+        s.top_k = k
+    logits = rt.prefill_batch(seqs, prompts)
+    trace = []
+    for _ in range(steps):
+        tokens = [int(np.argmax(lg)) for lg in logits]
+        logits = rt.decode_batch(seqs, tokens)
+        trace.append({"logits": [lg.copy() for lg in logits], "tokens": tokens,
+                      "tiers": [s.state.tier.copy() for s in seqs],
+                      "selected": [{l: v.copy() for l, v in s.last.selected.items()} for s in seqs]})
+    return trace
+
+
+def test_model_cpu_onnx_has_one_node_per_owning_layer_attention(bundle):
+    import onnx
+
+    cfg = json.loads((bundle / "bundle.json").read_text())
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["graphs"]["cpu"] == "model.cpu.onnx"
+    cpu = onnx.load(str(bundle / "model.cpu.onnx"), load_external_data=False)
+    portable = onnx.load(str(bundle / "model.portable.onnx"), load_external_data=False)
+    fused = [n for n in cpu.graph.node if n.op_type == "GsmCachedAttention"]
+    assert len(fused) == len(cfg["owning_layers"])
+    assert {n.domain for n in fused} == {"ai.gsm_edge.cpu"}
+    # same interface: the runtime binds either graph the same way
+    assert [i.name for i in cpu.graph.input] == [i.name for i in portable.graph.input]
+    assert sorted(o.name for o in cpu.graph.output) == sorted(o.name for o in portable.graph.output)
+    # the point of the graph: an owning layer's ~90 standard operators become one
+    per_layer_saved = (len(portable.graph.node) - len(cpu.graph.node)) / len(cfg["owning_layers"])
+    assert per_layer_saved > 40, per_layer_saved
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_graph_equals_portable_graph(bundle, threads):
+    need_library()
+    import runtime
+
+    rng = np.random.default_rng(11)
+    # lengths shorter and longer than max-input (chunked prefill: the op's S > 1 form), one single token;
+    # budgets: none beyond sinks + window, small, the model's, dense (>= every context)
+    prompts = [rng.integers(3, 259, n).tolist() for n in (9, 40, 1, 27)]
+    budgets = [0, 3, None, N_MAX]
+    ref = run(runtime.load(bundle, "onnxruntime", threads=1, graph="portable"), prompts, budgets, 24)
+    rt = runtime.load(bundle, "onnxruntime", threads=threads, graph="cpu")
+    assert rt.backend.graph == "cpu"
+    got = run(rt, prompts, budgets, 24)
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a["tokens"] == b["tokens"], f"greedy tokens differ at step {i}"
+        for s in range(len(prompts)):
+            assert np.array_equal(a["tiers"][s], b["tiers"][s]), f"tiers of sequence {s}, step {i}"
+            for l, sel in a["selected"][s].items():
+                assert np.array_equal(sel, b["selected"][s][l]), f"selection of sequence {s}, layer {l}, step {i}"
+            scale = float(np.abs(a["logits"][s]).max())
+            worst = max(worst, float(np.abs(a["logits"][s] - b["logits"][s]).max()) / scale)
+    # float32 summation order (FMA, the op's own loop order) compounded over 30 steps whose cache rows feed
+    # back: 1.2e-5 of the logit scale measured; 1e-4 as tests/test_runtime_batch.py allows for batching
+    assert worst <= 1e-4, worst
+    assert {t for step in got for tiers in step["tiers"] for t in tiers.tolist()} == {0, 1, 2}  # re-tiered rows read
+
+
+def test_auto_takes_the_cpu_graph_and_portable_stays_selectable(bundle):
+    need_library()
+    import runtime
+
+    assert runtime.load(bundle, "onnxruntime", threads=1).backend.graph == "cpu"
+    assert runtime.load(bundle, "onnxruntime", threads=1, graph="portable").backend.graph == "portable"
+    with pytest.raises(ValueError, match="graph must be one of"):
+        runtime.load(bundle, "onnxruntime", graph="fused")
+
+
+def test_a_bundle_without_the_cpu_graph_runs_portable_and_refuses_graph_cpu(bundle, tmp_path):
+    import runtime
+    from gsm.atomic import MANIFEST_NAME, write_manifest
+
+    old = tmp_path / "old"  # a bundle as built before model.cpu.onnx existed
+    shutil.copytree(bundle, old)
+    (old / "model.cpu.onnx").unlink()
+    meta = json.loads((old / MANIFEST_NAME).read_text())
+    write_manifest(old, {k: v for k, v in meta.items() if k not in ("format", "version", "files")})
+    assert runtime.load(old, "onnxruntime", threads=1).backend.graph == "portable"
+    with pytest.raises(RuntimeError, match="model.cpu.onnx"):
+        runtime.load(old, "onnxruntime", threads=1, graph="cpu")
+    r = run_module("runtime", "generate", str(old), "--ids", "5,6,7", "--max-new-tokens", "2", "--graph", "cpu",
+                   cwd=ROOT)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.cpu.onnx" in lines[0] and "error" in lines[0], r.stderr
