@@ -30,12 +30,15 @@ intermediate tensor ONNX Runtime frees, never copied to the caller.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("runtime.ort_backend")
 
 PORTABLE_MODEL = "model.portable.onnx"
 CPU_MODEL = "model.cpu.onnx"
@@ -156,11 +159,22 @@ class OrtBackend:
         so = session_options(self.tuning)
         prov = providers or ["CPUExecutionProvider"]
         self.graph, lib = resolve_graph(bundle, self.tuning.graph, prov)
+        self.graph_note = ""  # why `auto` fell back to the portable graph, if it did
         self.demote_session = ort.InferenceSession(str(bundle / PORTABLE_DEMOTE), so, providers=prov)
+        self.session = None
         if lib is not None:
-            so.register_custom_ops_library(lib)
-        model = CPU_MODEL if self.graph == "cpu" else PORTABLE_MODEL
-        self.session = ort.InferenceSession(str(bundle / model), so, providers=prov)
+            try:
+                so_cpu = session_options(self.tuning)
+                so_cpu.register_custom_ops_library(lib)
+                self.session = ort.InferenceSession(str(bundle / CPU_MODEL), so_cpu, providers=prov)
+            except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...
+                detail = " ".join(str(e).split())
+                if self.tuning.graph == "cpu":
+                    raise RuntimeError(f"graph cpu: {bundle / CPU_MODEL} does not load with {lib}: {detail}") from None
+                self.graph, self.graph_note = "portable", f"{CPU_MODEL} did not load ({detail})"
+                log.warning("%s: running %s instead", self.graph_note, PORTABLE_MODEL)
+        if self.session is None:
+            self.session = ort.InferenceSession(str(bundle / PORTABLE_MODEL), so, providers=prov)
         self.cfg = cfg
         self.n_max = int(cfg["n_max"])
         self.layers = [int(l) for l in cfg["owning_layers"]]

@@ -133,3 +133,23 @@ def test_a_bundle_without_the_cpu_graph_runs_portable_and_refuses_graph_cpu(bund
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.cpu.onnx" in lines[0] and "error" in lines[0], r.stderr
+
+
+def test_auto_falls_back_to_portable_when_the_library_does_not_load(bundle, tmp_path, monkeypatch):
+    """A library ONNX Runtime refuses (here a shared library without RegisterCustomOps, as an ONNX Runtime older
+    than the op's C API 17 would refuse the real one): `auto` runs the portable graph and says why, `cpu` fails."""
+    import runtime
+    from gsm_edge_plugins._lib import ORT_OPS_LIB, REF_LIB, find_library
+
+    ref = find_library(REF_LIB)
+    if ref is None:
+        pytest.skip("the plugins' CPU reference library is not built")
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    shutil.copy(ref, libs / ORT_OPS_LIB)
+    monkeypatch.setenv("GSM_EDGE_PLUGINS_DIR", str(libs))
+    rt = runtime.load(bundle, "onnxruntime", threads=1)
+    assert rt.backend.graph == "portable" and "model.cpu.onnx did not load" in rt.backend.graph_note
+    assert rt.new_sequence().prefill([5, 6, 7]).shape[-1] == rt.cfg["vocab_size"]
+    with pytest.raises(RuntimeError, match="graph cpu: .*model.cpu.onnx does not load"):
+        runtime.load(bundle, "onnxruntime", threads=1, graph="cpu")
