@@ -15,7 +15,8 @@ Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
 - llama.cpp on the same model and thread count when its tools are found (`--llama-dir`, default
   ~/.cache/gsm-edge/llama.cpp, built by ../shared/tools/llama_cpp.sh): `llama-bench -p 0 -n N` from an
   empty context, `llama-completion` after a prompt of each context length ("eval time" = decode,
-  "prompt eval time" = prefill), with its F32 GGUF (the precision of the portable graph);
+  "prompt eval time" = prefill), with its F32 GGUF (the precision of a float32 bundle; `--llama-quant Q8_0`
+  against a `--weights int8` bundle);
 - transformers with eager attention on the same weights (`--transformers-gguf`, dequantised to float32 by
   its GGUF loader) and thread count: prefill in 512-token chunks and greedy decode after each context.
 Bundles are built from `--checkpoint` into `--work` unless given. Figures are for this machine's CPU.
@@ -220,9 +221,9 @@ def transformers_anchor(a: argparse.Namespace, bundle: Path) -> dict:
 def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     d = a.llama_dir
     bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
-    gguf = next(iter(sorted(d.glob("*.F32.gguf"))), None)
+    gguf = next(iter(sorted(d.glob(f"*.{a.llama_quant}.gguf"))), None)
     if not (bench.is_file() and gguf):
-        return {"status": f"not found in {d} (run ../shared/tools/llama_cpp.sh)"}
+        return {"status": f"llama-bench or *.{a.llama_quant}.gguf not found in {d} (../shared/tools/llama_cpp.sh)"}
     out: dict = {"gguf": gguf.name, "threads": a.threads}
     r = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(a.steps * 2), "-t", str(a.threads), "-o",
                         "json"], capture_output=True, text=True)
@@ -284,6 +285,9 @@ def main() -> int:
                     "sizes at the first --batch-contexts")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--llama-quant", default="F32",
+                    help="the llama.cpp GGUF in --llama-dir to compare with: F32 (the float32 bundle's precision), "
+                         "F16, Q8_0 (against a `--weights int8` bundle)")
     ap.add_argument("--transformers-gguf", type=Path, default=DATA / "SmolLM2-135M-Instruct.Q4_1.gguf",
                     help="the model for the transformers-eager anchor (its GGUF loader dequantises to float32)")
     ap.add_argument("--no-transformers", action="store_true")
