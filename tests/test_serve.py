@@ -272,6 +272,7 @@ def test_health_waits_for_warmup(rts):
         assert eng.ready.wait(30)
         r = tc.get("/health")
         assert r.status_code == 200 and r.json()["warmup_s"] > 0
+        assert r.json()["backend"] == "onnxruntime" and r.json()["graph"] == eng.rt.backend.graph  # which network runs
         r = tc.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
     eng.close()

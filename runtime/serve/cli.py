@@ -107,6 +107,10 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(engine, model_name=name, tegrastats=monitor,
                     fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio))
     engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
+    graph = getattr(rt.backend, "graph", None)
+    logging.getLogger("runtime.serve").info("backend %s%s%s", rt.backend.name, f", graph {graph}" if graph else "",
+                                            f" ({rt.backend.graph_note})" if getattr(rt.backend, "graph_note", "")
+                                            else "")
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "
                                                    "random words")
