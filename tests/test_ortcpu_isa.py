@@ -7,6 +7,8 @@ The comparison tool itself is tested everywhere, on files written here, so that 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import platform
 import shutil
 import subprocess
@@ -21,14 +23,15 @@ SCRIPT = ROOT / "scripts" / "check_ortcpu_aarch64.sh"
 COMPARE = ROOT / "plugins" / "ortCpu" / "test" / "compare_outputs.py"
 
 
-def test_aarch64_and_baseline_kernels_match_avx2() -> None:
+def test_aarch64_and_baseline_kernels_match_avx2(tmp_path: Path) -> None:
     missing = [t for t in ("aarch64-linux-gnu-g++", "qemu-aarch64", "g++") if shutil.which(t) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not on PATH (a developer check: apt-get install g++-aarch64-linux-gnu "
                     "qemu-user)")
     if platform.machine() != "x86_64":
         pytest.skip("the AVX2 reference needs an x86-64 host")
-    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GSM_ISA_CHECK_DIR": str(tmp_path)})
     if res.returncode == 2:
         pytest.skip(res.stderr.strip().splitlines()[-1])
     assert res.returncode == 0, res.stdout + res.stderr
@@ -36,6 +39,24 @@ def test_aarch64_and_baseline_kernels_match_avx2() -> None:
     # both comparisons ran (not a vacuous pass)
     assert "generic (x86_baseline.bin) vs avx2+fma+f16c" in res.stdout
     assert "generic (aarch64.bin) vs avx2+fma+f16c" in res.stdout
+    # the builds agree with each other; the float16 decoding of each must also be NumPy's (every finite float16;
+    # the harness reads it back as relu(x) - relu(-x), so -0 comes back as +0)
+    read_outputs = load_compare().read_outputs
+    u = np.arange(1 << 16, dtype=np.uint32)
+    halves = u[((u >> 10) & 0x1F) != 0x1F].astype(np.uint16)
+    want = halves.view(np.float16).astype(np.float32) + np.float32(0.0)
+    for name in ("avx2", "x86_baseline", "aarch64"):
+        _, tensors = read_outputs(tmp_path / f"{name}.bin")
+        for dI in (8, 12):
+            got = tensors[f"half_decode/dI{dI}"].reshape(-1)[:len(halves)].view(np.float32)
+            np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32), err_msg=f"{name} dI {dI}")
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("compare_outputs", COMPARE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def write_outputs(path: Path, kernels: str, tensors: dict[str, np.ndarray]) -> None:

@@ -9,11 +9,16 @@
  * RoPE tables are random values in [-1, 1) too (the op only multiplies by them; std::cos could differ between
  * the targets' libm builds).
  *
+ * Besides the op's four outputs it writes each case's index scores (hidden behind the selection otherwise) and
+ * every finite float16 decoded by the kernels (half_decode/*, int32 bits: compared exactly).
+ *
  * Output file: "GSMCHK1\n", "kernels <name>\n", then per tensor a line "<case>/<tensor> <f4|i4> <ndim> <dims...>\n"
  * followed by its little-endian bytes.
  *
  * Usage: cachedAttentionCheck OUT_FILE   (GSM_ORT_KERNELS=baseline picks the baseline kernels on x86)
  */
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -202,12 +207,57 @@ bool runCase(Case const& c, uint64_t seed, Writer& w)
         std::fprintf(stderr, "error: case %s: %s\n", c.name, err.c_str());
         return false;
     }
+    // the index scores reach the outputs only through the (discrete) selection: write them too, those of the first
+    // query against every position of the first sequence's cache row
+    std::vector<float> scores(static_cast<size_t>(c.N));
+    float const sqrtDI = static_cast<float>(std::sqrt(static_cast<double>(c.dI)));
+    gsm::ortcpu::cpuKernels().scores(iq.data(), iw.data(), c.nI, c.dI, sqrtDI, ik.data() + rows[0] * c.N * c.dI, c.N,
+        scores.data());
     std::string const p = std::string(c.name) + "/";
     w.tensor(p + "attn_out", "f4", {B, S, c.nH * c.D}, attnOut.data());
     w.tensor(p + "new_k_rows", "f4", {B, S, kvD}, newK.data());
     w.tensor(p + "selected", "i4", {B, S, k}, sel.data());
     w.tensor(p + "attn_mass", "f4", {B, L}, mass.data());
+    w.tensor(p + "index_scores", "f4", {c.N}, scores.data());
     return true;
+}
+
+// Every finite float16 through the kernels' float16 -> float32 conversion (F16C, NEON vcvt_f32_f16, or the scalar
+// halfBits), read back exactly through the index-score kernel: two heads with weights 1 and -1 and queries e_j
+// and -e_j give relu(x_j) - relu(-x_j) = x_j (products by +-1 and 0, sums with zeros: exact), sqrt(dI) passed as 1.
+// Written as int32 bit patterns, so the comparison demands bit equality. dI 8: the scores8 path (load8h);
+// dI 12: the generic path (halfToFloat, its vector loop and scalar tail).
+void halfDecode(Writer& w)
+{
+    std::vector<uint16_t> pats;
+    for (uint32_t u = 0; u < 65536u; ++u)
+    {
+        if (((u >> 10) & 0x1Fu) != 0x1Fu) // not inf/NaN (0 * inf would be NaN)
+        {
+            pats.push_back(static_cast<uint16_t>(u));
+        }
+    }
+    for (int64_t dI : {8, 12})
+    {
+        int64_t const n = (static_cast<int64_t>(pats.size()) + dI - 1) / dI;
+        std::vector<uint16_t> keys(static_cast<size_t>(n * dI), 0);
+        std::copy(pats.begin(), pats.end(), keys.begin());
+        std::vector<int32_t> bits(static_cast<size_t>(n * dI));
+        std::vector<float> out(static_cast<size_t>(n));
+        float const wts[2] = {1.f, -1.f};
+        for (int64_t j = 0; j < dI; ++j)
+        {
+            std::vector<float> iq(static_cast<size_t>(2 * dI), 0.f);
+            iq[static_cast<size_t>(j)] = 1.f;
+            iq[static_cast<size_t>(dI + j)] = -1.f;
+            gsm::ortcpu::cpuKernels().scores(iq.data(), wts, 2, dI, 1.f, keys.data(), n, out.data());
+            for (int64_t i = 0; i < n; ++i)
+            {
+                std::memcpy(&bits[static_cast<size_t>(i * dI + j)], &out[static_cast<size_t>(i)], sizeof(float));
+            }
+        }
+        w.tensor("half_decode/dI" + std::to_string(dI), "i4", {n, dI}, bits.data());
+    }
 }
 
 // SmolLM2-135M's attention (nH 9, nKV 3, D 64) with its GSM indexer and latent ranks
@@ -267,6 +317,7 @@ int main(int argc, char** argv)
             return 1;
         }
     }
+    halfDecode(w);
     if (std::fclose(f) != 0)
     {
         std::fprintf(stderr, "error: writing %s failed\n", argv[1]);
