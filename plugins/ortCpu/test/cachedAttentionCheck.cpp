@@ -10,7 +10,7 @@
  * the targets' libm builds).
  *
  * Besides the op's four outputs it writes each case's index scores (hidden behind the selection otherwise) and
- * every finite float16 decoded by the kernels (half_decode/*, int32 bits: compared exactly).
+ * every finite float16 decoded by the kernels (half_decode/dI8, /dI12 as int32 bits: compared exactly).
  *
  * Output file: "GSMCHK1\n", "kernels <name>\n", then per tensor a line "<case>/<tensor> <f4|i4> <ndim> <dims...>\n"
  * followed by its little-endian bytes.
