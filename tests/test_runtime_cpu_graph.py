@@ -138,8 +138,9 @@ def test_a_bundle_without_the_cpu_graph_runs_portable_and_refuses_graph_cpu(bund
 def test_auto_falls_back_to_portable_when_the_library_does_not_load(bundle, tmp_path, monkeypatch):
     """A library ONNX Runtime refuses (here a shared library without RegisterCustomOps, as an ONNX Runtime older
     than the op's C API 17 would refuse the real one): `auto` runs the portable graph and says why, `cpu` fails."""
-    import runtime
     from gsm_edge_plugins._lib import ORT_OPS_LIB, REF_LIB, find_library
+
+    import runtime
 
     ref = find_library(REF_LIB)
     if ref is None:
