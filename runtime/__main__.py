@@ -168,8 +168,9 @@ def generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
     rate = n / dt if dt > 0 and math.isfinite(n / dt) else 0.0
-    print(f"[{n} tokens in {dt:.2f} s, {rate:.1f} tokens/s, backend {rt.backend.name}, "
-          f"finish: {stream.finish_reason}]", file=sys.stderr)
+    graph = getattr(rt.backend, "graph", None)  # which network the onnxruntime backend runs
+    print(f"[{n} tokens in {dt:.2f} s, {rate:.1f} tokens/s, backend {rt.backend.name}"
+          f"{f' (graph {graph})' if graph else ''}, finish: {stream.finish_reason}]", file=sys.stderr)
     return 0
 
 

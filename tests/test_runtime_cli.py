@@ -98,6 +98,9 @@ def test_bad_bundle_is_one_error_line_exit_2(bundles, tmp_path, damage):
 def test_ok_prompt_ids_and_chat(bundles):
     code, out, err = generate(bundles["demo"], "--prompt", "Once upon", "--max-new-tokens", "4")
     assert code == 0 and out.startswith("Once upon") and "[4 tokens" in err and "finish: length" in err
+    assert "backend onnxruntime (graph " in err  # which network ran: cpu (fused op) or portable
+    code, _, err = generate(bundles["demo"], "--prompt", "Once upon", "--max-new-tokens", "2", "--graph", "portable")
+    assert code == 0 and "(graph portable)" in err
     code, out, err = generate(bundles["demo"], "--ids", "1,76,111", "--max-new-tokens", "3", "--stop-ids", "")
     assert code == 0 and len(out.split()) == 3 and all(0 <= int(t) < VOCAB for t in out.split())
     code, out, err = generate(bundles["chat"], "--chat", "Hello", "--max-new-tokens", "5", "--temperature", "0.9",
