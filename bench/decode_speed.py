@@ -70,12 +70,10 @@ def measure(args: argparse.Namespace) -> dict:
     if args.profile:  # ONNX Runtime's profiler on the decode steps only (a second session, same tuning)
         import onnxruntime as ort
 
-        from runtime.ort_backend import CPU_MODEL, PORTABLE_MODEL, cpu_graph_usable, session_options
+        from runtime.ort_backend import session_options
 
         be = rt.backend
         so = session_options(tuning)
-        if be.graph == "cpu":
-            so.register_custom_ops_library(cpu_graph_usable(Path(args.bundle))[1])
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(args.profile_dir) / "ort_profile")
     B, ctx, steps = args.batch, args.context, args.steps
@@ -85,8 +83,7 @@ def measure(args: argparse.Namespace) -> dict:
     logits = rt.prefill_batch(seqs, prompts)
     prefill_s = time.perf_counter() - t0
     if args.profile:
-        be.session = ort.InferenceSession(str(Path(args.bundle) / (CPU_MODEL if be.graph == "cpu" else PORTABLE_MODEL)),
-                                          so)
+        be.session = be.open_session(so)
         be.binding = be.session.io_binding()
         for name, buf in be.buffers.items():
             be.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm.cli_support import int_at_least
+from runtime.cli_args import add_backend_arguments, backend_label
 
 PROG = "python -m runtime"
 # request fields (RequestError.field) -> the flag that sets them; "prompt" is the source flag used
@@ -90,15 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", type=lambda t: _id_list(t, allow_empty=True),
                    help="comma-separated ids that end generation (default: EOS; with --chat also the "
                         "end-of-turn token; \"\": none)")
-    g.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
-    g.add_argument("--threads", type=int_at_least(0), default=0,
-                   help="ONNX Runtime intra-op threads (0: its default)")
-    g.add_argument("--spinning", action="store_true",
-                   help="ONNX Runtime's threads busy-wait between operators (faster on a device that runs "
-                        "nothing else)")
-    g.add_argument("--graph", choices=["auto", "cpu", "portable"], default="auto",
-                   help="onnxruntime backend: cpu = the fused-attention graph (custom op library), portable = "
-                        "standard ops only, auto = cpu where its library is built")
+    add_backend_arguments(g)
     g.add_argument("--sparse-window", type=int_at_least(1),
                    help="run-time window, 1..max_sparse_window (default: the model's)")
     g.add_argument("--sparse-top-k", type=int_at_least(0),
@@ -168,9 +161,8 @@ def generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
     rate = n / dt if dt > 0 and math.isfinite(n / dt) else 0.0
-    graph = getattr(rt.backend, "graph", None)  # which network the onnxruntime backend runs
-    print(f"[{n} tokens in {dt:.2f} s, {rate:.1f} tokens/s, backend {rt.backend.name}"
-          f"{f' (graph {graph})' if graph else ''}, finish: {stream.finish_reason}]", file=sys.stderr)
+    print(f"[{n} tokens in {dt:.2f} s, {rate:.1f} tokens/s, backend {backend_label(rt.backend)}, "
+          f"finish: {stream.finish_reason}]", file=sys.stderr)
     return 0
 
 

@@ -158,23 +158,23 @@ class OrtBackend:
         self.tuning = tuning or SessionTuning(threads=threads)
         so = session_options(self.tuning)
         prov = providers or ["CPUExecutionProvider"]
-        self.graph, lib = resolve_graph(bundle, self.tuning.graph, prov)
+        self.bundle, self.providers = bundle, prov
+        self.graph, self.ops_library = resolve_graph(bundle, self.tuning.graph, prov)
         self.graph_note = ""  # why `auto` fell back to the portable graph, if it did
         self.demote_session = ort.InferenceSession(str(bundle / PORTABLE_DEMOTE), so, providers=prov)
-        self.session = None
-        if lib is not None:
-            try:
-                so_cpu = session_options(self.tuning)
-                so_cpu.register_custom_ops_library(lib)
-                self.session = ort.InferenceSession(str(bundle / CPU_MODEL), so_cpu, providers=prov)
-            except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...
-                detail = " ".join(str(e).split())
-                if self.tuning.graph == "cpu":
-                    raise RuntimeError(f"graph cpu: {bundle / CPU_MODEL} does not load with {lib}: {detail}") from None
-                self.graph, self.graph_note = "portable", f"{CPU_MODEL} did not load ({detail})"
-                log.warning("%s: running %s instead", self.graph_note, PORTABLE_MODEL)
-        if self.session is None:
-            self.session = ort.InferenceSession(str(bundle / PORTABLE_MODEL), so, providers=prov)
+        try:
+            self.session = self.open_session(so)
+        except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...
+            if self.graph != "cpu":
+                raise
+            detail = " ".join(str(e).split())
+            if self.tuning.graph == "cpu":
+                raise RuntimeError(f"graph cpu: {bundle / CPU_MODEL} does not load with {self.ops_library}: "
+                                   f"{detail}") from None
+            self.graph, self.ops_library = "portable", None
+            self.graph_note = f"{CPU_MODEL} did not load ({detail})"
+            log.warning("%s: running %s instead", self.graph_note, PORTABLE_MODEL)
+            self.session = self.open_session(session_options(self.tuning))
         self.cfg = cfg
         self.n_max = int(cfg["n_max"])
         self.layers = [int(l) for l in cfg["owning_layers"]]
@@ -196,6 +196,14 @@ class OrtBackend:
         self.free_rows: list[int] = []
         self.rows = 0
         self._grow(max(1, int(cfg.get("max_batch", 1))))
+
+    def open_session(self, so: Any) -> Any:
+        """A session of the network this backend runs, with options `so` (the custom-op library registered
+        into them for model.cpu.onnx): the backend's own, or a profiling one (bench/decode_speed.py)."""
+        if self.ops_library is not None:
+            so.register_custom_ops_library(self.ops_library)
+        model = CPU_MODEL if self.graph == "cpu" else PORTABLE_MODEL
+        return self.ort.InferenceSession(str(self.bundle / model), so, providers=self.providers)
 
     # -- cache rows --------------------------------------------------------------------------------
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:

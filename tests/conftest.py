@@ -49,6 +49,15 @@ def stories_hf(stories_src):
     return model
 
 
+def need_ort_ops_library() -> None:
+    """Skip the calling test where libgsm_ort_ops.so (model.cpu.onnx's custom op) was not built."""
+    from gsm_edge_plugins import ort_ops_library
+
+    if ort_ops_library() is None:
+        pytest.skip("libgsm_ort_ops.so not built (ONNX Runtime C API headers missing: run "
+                    "scripts/fetch_ort_headers.sh, then pip install -e .)")
+
+
 def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8) -> Path:
     """A copy of checkpoint `base` that re-tiers every `rate` decode steps behind an `fp16_window`
     FP16 window, so that short golden-regression runs really read INT12/INT8 rows. Keeps the

@@ -15,21 +15,13 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import retiering_copy
+from conftest import need_ort_ops_library, retiering_copy
 from runtime_bundles import ROOT, run_module
 
 from builder.build import build
 from gsm.synth import synth_checkpoint
 
 N_MAX, MAX_INPUT = 192, 16
-
-
-def need_library() -> None:
-    from gsm_edge_plugins import ort_ops_library
-
-    if ort_ops_library() is None:
-        pytest.skip("libgsm_ort_ops.so not built (ONNX Runtime C API headers missing: run "
-                    "scripts/fetch_ort_headers.sh, then pip install -e .)")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +71,7 @@ def test_model_cpu_onnx_has_one_node_per_owning_layer_attention(bundle):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_graph_equals_portable_graph(bundle, threads):
-    need_library()
+    need_ort_ops_library()
     import runtime
 
     rng = np.random.default_rng(11)
@@ -107,7 +99,7 @@ def test_cpu_graph_equals_portable_graph(bundle, threads):
 
 
 def test_auto_takes_the_cpu_graph_and_portable_stays_selectable(bundle):
-    need_library()
+    need_ort_ops_library()
     import runtime
 
     assert runtime.load(bundle, "onnxruntime", threads=1).backend.graph == "cpu"

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, retiering_copy
+from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, need_ort_ops_library, retiering_copy
 
 from builder.build import build
 from gsm.config import KVQuantConfig
@@ -73,10 +73,7 @@ def test_portable_bundle_reproduces_golden_deployed(which, graph, request, tmp_p
     import runtime
 
     if graph == "cpu":
-        from gsm_edge_plugins import ort_ops_library
-
-        if ort_ops_library() is None:
-            pytest.skip("libgsm_ort_ops.so not built (scripts/fetch_ort_headers.sh, then pip install -e .)")
+        need_ort_ops_library()
     ckpt = request.getfixturevalue("retiering_checkpoint" if which == "tiny" else "stories_checkpoint")
     bundle = tmp_path / "bundle"
     build(device="orin", checkpoint_dir=ckpt, output=bundle, max_seq=N_MAX, debug_outputs=True)

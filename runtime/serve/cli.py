@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm.cli_support import float_in, int_at_least
+from runtime.cli_args import add_backend_arguments, backend_label
 
 PROG = "python -m runtime serve"
 
@@ -26,14 +27,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int_at_least(0, 65535), default=8000)
     s.add_argument("--model-name", help="the model id clients send (default: the bundle directory's name)")
-    s.add_argument("--backend", choices=["auto", "onnxruntime", "tensorrt", "reference"], default="auto")
-    s.add_argument("--threads", type=int_at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
-    s.add_argument("--spinning", action="store_true",
-                   help="ONNX Runtime's threads busy-wait between operators (faster on a device that runs "
-                        "nothing else)")
-    s.add_argument("--graph", choices=["auto", "cpu", "portable"], default="auto",
-                   help="onnxruntime backend: cpu = the fused-attention graph, portable = standard ops only, "
-                        "auto = cpu where its library is built")
+    add_backend_arguments(s)
     s.add_argument("--max-running", type=int_at_least(0), default=0,
                    help="sequences in the running batch (0: the bundle's max_batch, or --interleave at batch 1)")
     s.add_argument("--interleave", type=int_at_least(1), default=8,
@@ -107,10 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(engine, model_name=name, tegrastats=monitor,
                     fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio))
     engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
-    graph = getattr(rt.backend, "graph", None)
-    logging.getLogger("runtime.serve").info("backend %s%s%s", rt.backend.name, f", graph {graph}" if graph else "",
-                                            f" ({rt.backend.graph_note})" if getattr(rt.backend, "graph_note", "")
-                                            else "")
+    logging.getLogger("runtime.serve").info("backend %s", backend_label(rt.backend))
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "
                                                    "random words")
