@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     text = a.text.read_text(encoding="utf-8")
     for b in a.bundles:
         rt = runtime.load(b, backend="onnxruntime", threads=a.threads)
-        if rt.cfg.get("logits") != "all" or rt.max_input < a.window:
+        if rt.cfg.logits != "all" or rt.max_input < a.window:
             print(f"error: {b}: build it with --logits all --max-input {a.window}", file=sys.stderr)
             return 2
         ids = rt.encode(text)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             nll += window_nll(rt, win)
             count += len(win) - 1
         print(json.dumps({"bundle": str(b), "perplexity": math.exp(nll / count), "tokens": count,
-                          "weights": rt.cfg.get("weights", {"format": "fp16"})}), flush=True)
+                          "weights": rt.cfg.weights}), flush=True)
     return 0
 
 

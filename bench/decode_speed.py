@@ -318,7 +318,9 @@ def main() -> int:
         print(f"{label}: decode {r['decode_tokens_per_s']:7.2f} tok/s, {r['decode_ms_per_step']:7.1f} ms/step; "
               f"prefill {r['prefill_tokens_per_s']:7.1f} tok/s; peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
 
-    n_main = json.loads((main_bundle / "bundle.json").read_text())["n_max"]
+    from gsm.bundle_format import BundleConfig
+
+    n_main = BundleConfig.load(main_bundle).n_max
     room = n_main - a.steps - 2  # the decode steps (and the warm-up step) must fit after the context
     if a.contexts and max(a.contexts) > room:
         print(f"contexts above {room} are measured at {room}: bundle max-seq {n_main} - {a.steps + 2} decode steps",

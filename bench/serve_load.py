@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print("serve_load: error: --levels, --requests, --max-tokens, --soak-concurrency must be >= 1, --soak >= 0",
               file=sys.stderr)
         return 2
-    if not (args.bundle / "bundle.json").is_file():
-        print(f"serve_load: error: argument bundle: {args.bundle} is not a bundle (no bundle.json)", file=sys.stderr)
+    from gsm.bundle_format import FILES
+
+    if not (args.bundle / FILES.config).is_file():
+        print(f"serve_load: error: argument bundle: {args.bundle} is not a bundle (no {FILES.config})", file=sys.stderr)
         return 2
     import httpx
     import psutil

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from builder.plan import DEFAULT_INT8_GROUP_SIZE, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES
-from gsm.cli_support import EXIT_BAD_INPUT, EXIT_FAILED, int_at_least, run_main
+from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main
+
+PROG = "python -m builder"
 
 
 def group_size_arg(text: str) -> int:
@@ -21,7 +23,7 @@ def group_size_arg(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from jetson import device_names
 
-    p = argparse.ArgumentParser(prog="python -m builder", description=__doc__)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="GSM checkpoint -> bundle (ONNX graphs, weights, plan, engine if possible)")
     b.add_argument("--device", required=True, help=f"target: auto, {', '.join(device_names())}")
@@ -95,7 +97,7 @@ def _build(args: argparse.Namespace) -> int:
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:
             status.stop()
-        err.print(f"[red]builder: error:[/] {e}", markup=True)
+        err.print(f"[red]{PROG} build: error:[/] {e}", markup=True)
         return EXIT_BAD_INPUT
     finally:
         if status is not None:
@@ -113,8 +115,7 @@ def _engine(args: argparse.Namespace) -> int:
     try:
         rec = engine_command(args.bundle)
     except EngineUnavailable as e:  # no TensorRT or no GPU here: the environment, not the input
-        print(f"builder engine: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        raise CommandFailed(str(e)) from None
     print(f"built {args.bundle / rec['file']} with TensorRT {rec['tensorrt']}")
     return 0
 
@@ -122,8 +123,8 @@ def _engine(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "build":
-        return run_main("builder", lambda: _build(args))
-    return run_main("builder engine", lambda: _engine(args))
+        return run_main(f"{PROG} build", lambda: _build(args), extra="builder")
+    return run_main(f"{PROG} engine", lambda: _engine(args))
 
 
 if __name__ == "__main__":

@@ -20,18 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import gsm
-from builder.bundle import (
-    BUNDLE_FILE,
-    ENGINE_FILE,
-    PLAN_FILE,
-    REPORT_FILE,
-    atomic_bundle_dir,
-    checkpoint_hash,
-    write_json,
-)
+from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
 from builder.calib import quant_tables
 from builder.graph_cpu import CPU_DOMAIN, CPU_OP, CPU_OP_VERSION
-from builder.graphs import MODEL_CPU, MODEL_PORTABLE, MODEL_TRT, write_graphs
+from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
@@ -49,6 +41,7 @@ from builder.plan import (
     weight_config,
 )
 from gsm import checkpoint
+from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows
 from gsm.checker import verify
 from gsm.config import KVQuantConfig
 from jetson import resolve_device
@@ -177,22 +170,21 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                          checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
                     shutil.copyfile(ckpt / name, tmp / name)
-            runtime_cfg = _runtime_config(spec, plan, rows, quant, logits, debug_outputs)
-            runtime_cfg["weights"] = _weights_record(wreport)
-            write_json(tmp / BUNDLE_FILE, runtime_cfg)
-            write_json(tmp / PLAN_FILE, plan.to_json())
+            write_json(tmp / FILES.config, _bundle_config(spec, plan, rows, quant, logits, debug_outputs,
+                                                         _weights_record(wreport)).to_json())
+            write_json(tmp / FILES.plan, plan.to_json())
             engine = _maybe_engine(tmp, plan, profile, step)
             report = _report(cfg, plan, info, qt.source, demo, ck_hash, engine, time.perf_counter() - t0, out)
             report["kv_tiers"] = kv_tiers
             report["weights"] = wreport
-            write_json(tmp / REPORT_FILE, report)
+            write_json(tmp / FILES.report, report)
             meta.update({
                 "gsm_edge_version": gsm.__version__, "checkpoint": {"hash": ck_hash, "demo": demo,
                                                                    "path": None if demo else str(ckpt)},
                 "device": profile.to_json(), "opset": info.opset,
                 "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace,
                             "versions": info.plugins},
-                "graphs": {"tensorrt": MODEL_TRT, "portable": MODEL_PORTABLE, "cpu": MODEL_CPU},
+                "graphs": FILES.graphs(),
                 "cpu_ops": {"domain": CPU_DOMAIN, "versions": {CPU_OP: CPU_OP_VERSION}},
                 "engine": engine, "calibration": qt.source, "trt_precision": trt_precision,
                 "portable_opset": info.portable_opset, "weights": _weights_record(wreport),
@@ -201,19 +193,18 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     return BuildResult(out, plan, report, demo, files)
 
 
-def _runtime_config(spec: NetSpec, plan: MemoryPlan, rows: Any, quant: Any, logits: str, debug: bool) -> dict:
+def _bundle_config(spec: NetSpec, plan: MemoryPlan, rows: PoolRows, quant: KVQuantConfig, logits: str, debug: bool,
+                   weights: dict[str, Any]) -> BundleConfig:
     cfg, g = spec.cfg, spec.cfg.gsm
-    return {
-        "n_max": spec.n_max, "max_batch": plan.max_batch, "max_input": plan.max_input, "logits": logits,
-        "debug_outputs": debug, "vocab_size": cfg.vocab_size, "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id, "owning_layers": cfg.owning_layers,
-        "ranks": {str(l): list(r) for l, r in spec.ranks.items()}, "index_dim": g.indexer_dim,
-        "pool_rows": {"fp16": rows.fp16, "int12": rows.int12, "int8": rows.int8},
-        "sink_tokens": g.sink_tokens, "sparse_window": g.sparse_window, "max_sparse_window": g.max_sparse_window,
-        "sparse_top_k": g.sparse_top_k, "max_top_k": plan.max_top_k,
-        "quantization_adaptation_rate": g.quantization_adaptation_rate,
-        "kv_quantization": quant.to_json()["kv_quantization"],
-    }
+    return BundleConfig(
+        n_max=spec.n_max, max_batch=plan.max_batch, max_input=plan.max_input, logits=logits, debug_outputs=debug,
+        vocab_size=cfg.vocab_size, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+        owning_layers=tuple(cfg.owning_layers),
+        ranks={int(l): (int(rk), int(rv)) for l, (rk, rv) in spec.ranks.items()}, index_dim=g.indexer_dim,
+        pool_rows=rows, sink_tokens=g.sink_tokens, sparse_window=g.sparse_window,
+        max_sparse_window=g.max_sparse_window, sparse_top_k=g.sparse_top_k,
+        quantization_adaptation_rate=g.quantization_adaptation_rate, kv_quantization=quant,
+        graph_revision=GRAPH_REVISION, max_top_k=plan.max_top_k, weights=weights)
 
 
 UNCALIBRATED = ("fp16", "data-free")
@@ -375,7 +366,7 @@ def _maybe_engine(tmp: Path, plan: MemoryPlan, profile: Any, step: Callable[[str
         return {"status": "to build on the target", "reason": reason, "command": ENGINE_COMMAND.format(bundle="BUNDLE")}
     step("TensorRT engine")
     try:
-        return build_engine(tmp, plan, profile, tmp / ENGINE_FILE)
+        return build_engine(tmp, plan, profile, tmp / FILES.engine)
     except EngineUnavailable as e:
         return {"status": "to build on the target", "reason": str(e), "command": ENGINE_COMMAND.format(bundle="BUNDLE")}
 
@@ -423,7 +414,7 @@ def summary(r: BuildResult) -> str:
         lines.insert(4, f"  KV tiers: {rep['kv_tiers']['mode']} ({rep['kv_tiers']['note']})")
     eng = rep["engine"]
     if eng.get("status") == "built":
-        lines.append(f"  TensorRT engine: {ENGINE_FILE} ({eng.get('tensorrt')})")
+        lines.append(f"  TensorRT engine: {FILES.engine} ({eng.get('tensorrt')})")
     else:
         lines.append(f"  TensorRT engine not built here ({eng['reason']}); on the target run: "
                      f"{ENGINE_COMMAND.format(bundle=r.bundle)}")

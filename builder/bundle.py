@@ -1,10 +1,11 @@
-"""The bundle directory: atomic write, manifest with identity fields, and what the runtime reads.
+"""The bundle directory: atomic write, and the manifest with the bundle's identity fields.
 
 A bundle is written like a checkpoint (gsm.atomic): into a temp dir beside the destination, hashed
 into manifest.json, renamed into place, deleted on any error. `atomic_output_dir` writes a manifest
 of files only; a bundle's manifest also carries its identity (format version, gsm-edge version,
 checkpoint hash, device profile, opset, plugin names + versions), so this module reuses
-gsm.atomic's manifest writer and swap but adds those fields before the rename.
+gsm.atomic's manifest writer and swap but adds those fields before the rename. What the files are
+called and what bundle.json holds is gsm.bundle_format, shared with the runtime.
 """
 
 from __future__ import annotations
@@ -19,17 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm.atomic import MANIFEST_NAME, atomic_output_dir, read_manifest, sha256_file
-
-BUNDLE_FORMAT = "gsm-edge-bundle"
-BUNDLE_VERSION = 1
-BUNDLE_FILE = "bundle.json"  # what the runtime needs to drive the graphs (shapes, tier policy numbers)
-PLAN_FILE = "plan.json"
-REPORT_FILE = "report.json"
-ENGINE_FILE = "engine.plan"
-
-
-class BundleError(ValueError):
-    """A bundle is missing, not a bundle of this format/version, or its files fail their hashes."""
+from gsm.bundle_format import BUNDLE_FORMAT, BUNDLE_VERSION, check_identity
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -59,11 +50,7 @@ def read_bundle_manifest(root: Path) -> dict[str, Any]:
     """The whole manifest after checking it is a bundle manifest of this version."""
     read_manifest(root)  # format/version/files checks, ManifestError otherwise
     data = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
-    if data.get("bundle_format") != BUNDLE_FORMAT:
-        raise BundleError(f"{root}: not a {BUNDLE_FORMAT} (manifest bundle_format "
-                          f"{data.get('bundle_format')!r}); build one with `python -m builder build`")
-    if data.get("bundle_version") != BUNDLE_VERSION:
-        raise BundleError(f"{root}: bundle version {data.get('bundle_version')!r}, this code reads {BUNDLE_VERSION}")
+    check_identity(root, data)
     return data
 
 

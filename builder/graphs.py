@@ -28,13 +28,7 @@ from builder.plan import PoolRows
 from builder.qlinear import ProjectionStore
 from builder.wquant import WeightQuantConfig
 from gsm import names
-
-WEIGHTS_FILE = "weights.bin"
-MODEL_TRT = "model.onnx"
-MODEL_PORTABLE = "model.portable.onnx"
-MODEL_CPU = "model.cpu.onnx"
-DEMOTE_TRT = "gsm_demote.onnx"
-DEMOTE_PORTABLE = "gsm_demote.portable.onnx"
+from gsm.bundle_format import FILES
 
 
 @dataclass(frozen=True)
@@ -62,7 +56,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         raise ValueError(f"trt_precision must be fp16 or fp32, got {trt_precision!r}")
     if bool(spec.quantised) != (weights is not None):
         raise ValueError("spec.quantised and weights go together")
-    store = WeightStore(out / WEIGHTS_FILE)
+    store = WeightStore(out / FILES.weights)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     projections = None if weights is None else ProjectionStore(
         store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales)
@@ -76,31 +70,32 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         Network(g, PortableOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32,
                 projections=projections).build()
         save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
-                   out / MODEL_PORTABLE)
+                   out / FILES.model_portable)
         progress("ONNX Runtime CPU graph")
         g = GraphBuilder(store)
         Network(g, CpuOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32,
                 projections=projections).build()
         save_model(g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},
                            doc="GSM network, standard ONNX ops + GsmCachedAttention (ONNX Runtime CPU custom op), "
-                               "fp32 (docs/engine_io.md 5.1)"), out / MODEL_CPU)
+                               "fp32 (docs/engine_io.md 5.1)"), out / FILES.model_cpu)
         progress("TensorRT graph")
         g = GraphBuilder(store, opset=trt_opset)
         trt_spec = replace(spec, debug=False)
         Network(g, PluginOps(g, cfg, ranks, n_max, rows, max_top_k=max_top_k), trt_spec, source, quant,
                 F16 if trt_precision == "fp16" else F32, projections=projections, form="tensorrt").build()
         doc = f"GSM network with GSM plugin nodes, {trt_precision} activations (docs/engine_io.md 2-4)"
-        save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1}, doc=doc), out / MODEL_TRT)
+        save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1}, doc=doc), out / FILES.model_trt)
         progress("demotion graphs")
-        _demote_portable(GraphBuilder(store), spec, out / DEMOTE_PORTABLE)
-        _demote_trt(GraphBuilder(store), spec, rows, out / DEMOTE_TRT)
+        _demote_portable(GraphBuilder(store), spec, out / FILES.demote_portable)
+        _demote_trt(GraphBuilder(store), spec, rows, out / FILES.demote_trt)
     finally:
         store.close()
     return GraphsInfo(opset=trt_opset, plugins=dict.fromkeys(PLUGINS, PLUGIN_VERSION),
                       plugin_namespace=PLUGIN_NAMESPACE, plugin_domain=DOMAIN,
-                      files=[WEIGHTS_FILE, MODEL_TRT, MODEL_PORTABLE, MODEL_CPU, DEMOTE_TRT, DEMOTE_PORTABLE],
+                      files=[FILES.weights, FILES.model_trt, FILES.model_portable, FILES.model_cpu, FILES.demote_trt,
+                             FILES.demote_portable],
                       largest_tensor_bytes=store.peak_tensor_bytes,
-                      weight_file_bytes=(out / WEIGHTS_FILE).stat().st_size)
+                      weight_file_bytes=(out / FILES.weights).stat().st_size)
 
 
 def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
+from gsm.bundle_format import PoolRows
 from gsm.config import KVQuantConfig, ModelConfig
 from jetson.profiles import PROFILES, DeviceProfile
 
@@ -59,20 +60,6 @@ QUANTISED_KEYS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 class PlanError(ValueError):
     """The request cannot be planned (max-seq beyond the model) or does not fit the device."""
-
-
-@dataclass(frozen=True)
-class PoolRows:
-    """Rows per sequence of the FP16 / INT12 / INT8 regions of every owning layer's latent pool
-    (`C16, C12, C8` of docs/engine_io.md section 3; one slot table serves all owning layers)."""
-
-    fp16: int
-    int12: int
-    int8: int
-
-    @property
-    def total(self) -> int:
-        return self.fp16 + self.int12 + self.int8
 
 
 def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConfig, *,

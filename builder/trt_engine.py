@@ -18,11 +18,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from builder.bundle import BUNDLE_FILE, ENGINE_FILE, add_file_to_bundle, read_bundle_manifest
-from builder.graphs import DEMOTE_TRT, MODEL_TRT
+from builder.bundle import add_file_to_bundle, read_bundle_manifest
 from builder.plan import WORKSPACE_BYTES, MemoryPlan
+from gsm.bundle_format import FILES, BundleConfig
 
-DEMOTE_ENGINE_FILE = "demote.plan"
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
 PLUGIN_LIB_NAMES = ("libgsm_trt_plugins.so", "gsm_trt_plugins.dll")
 TIMING_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gsm-edge"
@@ -65,11 +64,11 @@ def find_plugin_library() -> Path:
                             f"looked at {', '.join(str(c) for c in candidates)})")
 
 
-def _input_shapes(runtime_cfg: dict[str, Any], s: tuple[int, int, int], b: tuple[int, int, int]) -> dict[str, Any]:
+def _input_shapes(cfg: BundleConfig, s: tuple[int, int, int], b: tuple[int, int, int]) -> dict[str, Any]:
     """min/opt/max shapes of the dynamic inputs for one optimisation profile."""
     shapes: dict[str, Any] = {"input_ids": [(bb, ss) for bb, ss in zip(b, s)],
                               "past_lengths": [(bb,) for bb in b], "new_lengths": [(bb,) for bb in b],
-                              "sparse_window": [(1,)] * 3, "kv_slots": [(bb, runtime_cfg["n_max"]) for bb in b]}
+                              "sparse_window": [(1,)] * 3, "kv_slots": [(bb, cfg.n_max) for bb in b]}
     return shapes
 
 
@@ -102,8 +101,8 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
     logger = trt.Logger(trt.Logger.WARNING)
     trt.init_libnvinfer_plugins(logger, "")
     builder = trt.Builder(logger)
-    rcfg = json.loads((bundle_dir / BUNDLE_FILE).read_text())
-    B, T, N = rcfg["max_batch"], rcfg["max_input"], rcfg["n_max"]
+    rcfg = BundleConfig.load(bundle_dir)
+    B, T, N = rcfg.max_batch, rcfg.max_input, rcfg.n_max
     TIMING_CACHE_DIR.mkdir(parents=True, exist_ok=True)
     cache_file = TIMING_CACHE_DIR / f"timing-sm{profile.sm.replace('.', '')}-trt{trt.__version__}.cache"
     timing = None
@@ -117,7 +116,7 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
         config.set_timing_cache(timing, ignore_mismatch=False)
         return config
 
-    network, _parser = _parse(trt, builder, logger, bundle_dir / MODEL_TRT)
+    network, _parser = _parse(trt, builder, logger, bundle_dir / FILES.model_trt)
     config = config_for()
     for s_range in ((1, max(1, T // 2), T), (1, 1, 1)):  # profile 0: prefill / chunk; 1: decode
         prof = builder.create_optimization_profile()
@@ -131,8 +130,8 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
         config.add_optimization_profile(prof)
     _serialize(trt, builder, network, config, out_path)
 
-    demote_out = demote_out or out_path.with_name(DEMOTE_ENGINE_FILE)
-    network, _parser = _parse(trt, builder, logger, bundle_dir / DEMOTE_TRT)
+    demote_out = demote_out or out_path.with_name(FILES.demote_engine)
+    network, _parser = _parse(trt, builder, logger, bundle_dir / FILES.demote_trt)
     config = config_for()
     prof = builder.create_optimization_profile()
     for i in range(network.num_inputs):
@@ -145,7 +144,7 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
     config.add_optimization_profile(prof)
     _serialize(trt, builder, network, config, demote_out)
     cache_file.write_bytes(bytes(timing.serialize()))
-    return {"status": "built", "file": ENGINE_FILE, "demote_file": DEMOTE_ENGINE_FILE, "tensorrt": trt.__version__,
+    return {"status": "built", "file": FILES.engine, "demote_file": FILES.demote_engine, "tensorrt": trt.__version__,
             "plugin_library": lib.name, "timing_cache": str(cache_file), "profiles": ["prefill", "decode"]}
 
 
@@ -157,14 +156,14 @@ def engine_command(bundle: Path) -> dict[str, Any]:
     verify_bundle(bundle)
     manifest = read_bundle_manifest(bundle)
     profile = get_profile(manifest["device"]["name"])
-    plan_json = json.loads((bundle / "plan.json").read_text())
+    plan_json = json.loads((bundle / FILES.plan).read_text())
     plan = _plan_from_json(plan_json)
-    tmp = bundle.parent / f".{bundle.name}.{ENGINE_FILE}.tmp"
-    tmp_demote = bundle.parent / f".{bundle.name}.{DEMOTE_ENGINE_FILE}.tmp"
+    tmp = bundle.parent / f".{bundle.name}.{FILES.engine}.tmp"
+    tmp_demote = bundle.parent / f".{bundle.name}.{FILES.demote_engine}.tmp"
     try:
         record = build_engine(bundle, plan, profile, tmp, tmp_demote)
-        add_file_to_bundle(bundle, tmp_demote, DEMOTE_ENGINE_FILE, {})
-        add_file_to_bundle(bundle, tmp, ENGINE_FILE, {"engine": record})
+        add_file_to_bundle(bundle, tmp_demote, FILES.demote_engine, {})
+        add_file_to_bundle(bundle, tmp, FILES.engine, {"engine": record})
     finally:
         tmp.unlink(missing_ok=True)
         tmp_demote.unlink(missing_ok=True)

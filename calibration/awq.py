@@ -269,11 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                                   ("--data", a.data)])
             wcfg = WeightQuantConfig(4, a.group_size)
         except (OutputPathError, ValueError) as e:
-            print(f"calibration.awq: error: {e}", file=sys.stderr)
+            print(f"python -m calibration.awq: error: {e}", file=sys.stderr)
             return 2
         rep = verify(a.checkpoint)
         if not rep.ok:
-            print(f"calibration.awq: error: {a.checkpoint} is not a valid GSM checkpoint "
+            print(f"python -m calibration.awq: error: {a.checkpoint} is not a valid GSM checkpoint "
                   f"(python -m gsm verify {a.checkpoint})", file=sys.stderr)
             return 2
         cfg = checkpoint.load_config(a.checkpoint)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                                   seq_len=a.seq_len, max_sequences=a.samples,
                                   bos_id=checkpoint_bos(a.checkpoint, cfg.bos_token_id), vocab_size=cfg.vocab_size)
         except CalibrationInputError as e:
-            print(f"calibration.awq: error: {e}", file=sys.stderr)
+            print(f"python -m calibration.awq: error: {e}", file=sys.stderr)
             return 2
         torch.set_num_threads(1)
         t0 = time.perf_counter()
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
               f"search-sample error {gain:.3f}x RTN, {time.perf_counter() - t0:.0f} s")
         return 0
 
-    return run_main("calibration.awq", body)
+    return run_main("python -m calibration.awq", body, extra="convert")
 
 
 if __name__ == "__main__":

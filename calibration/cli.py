@@ -12,6 +12,8 @@ from calibration.measure import Fractions
 from calibration.scales import DEFAULT_PERCENTILE, METHODS
 from gsm.cli_support import float_in, int_at_least
 
+PROG = "python -m calibration"
+
 _INT0, _INT1 = int_at_least(0), int_at_least(1)
 _NONNEG, _STEP, _DECAY = float_in(0, math.inf), float_in(0, 1, lo_open=True), float_in(0, 1, hi_open=True)
 
@@ -27,7 +29,7 @@ def parse_fractions(text: str) -> Fractions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m calibration", description=__doc__)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="calibrate the latent KV cache of a GSM checkpoint on real text")
     r.add_argument("--checkpoint", type=Path, required=True, help="GSM checkpoint directory")
@@ -99,10 +101,10 @@ def run_command(args: argparse.Namespace) -> int:
         report = calibrate_checkpoint(opts, progress=lambda m: print(f"[calibration] {m}", file=sys.stderr))
     except (CalibrationInputError, CheckpointStateError, CheckpointError, ConfigError, OutputExistsError,
             OutputPathError) as e:
-        print(f"calibration: error: {e}", file=sys.stderr)
+        print(f"{PROG} run: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"calibration: interrupted: {args.checkpoint} is unchanged", file=sys.stderr)
+        print(f"{PROG} run: interrupted: {args.checkpoint} is unchanged", file=sys.stderr)
         return 130
     if args.report:
         write_text_atomic(args.report, json.dumps(report, indent=1) + "\n")
@@ -139,4 +141,4 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         return run_command(args)
 
-    return run_main("calibration", body)
+    return run_main(f"{PROG} run", body, extra="convert")

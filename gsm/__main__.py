@@ -41,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         from gsm.checker import verify_command
 
-        return run_main("gsm verify", lambda: verify_command(args.dir, as_json=args.json))
+        return run_main("python -m gsm verify", lambda: verify_command(args.dir, as_json=args.json))
     if args.command == "synth":
         from gsm.synth import synth_command
 
-        return run_main("gsm synth", lambda: synth_command(args.preset, args.out, seed=args.seed,
-                                                           overwrite=args.overwrite))
+        return run_main("python -m gsm synth", lambda: synth_command(args.preset, args.out, seed=args.seed,
+                                                                     overwrite=args.overwrite))
     from gsm.convert.cli import convert_command
 
-    return run_main("gsm convert", lambda: convert_command(args))
+    return run_main("python -m gsm convert", lambda: convert_command(args), extra="convert")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 Exit codes (README "Exit codes"): 0 ok; 2 bad usage or bad input (argparse's own code, and every
 `ValueError` our code raises for input it refuses); 1 a failure while working (an OSError such as
-a full disk, or a bug); 130 interrupted. Whatever goes wrong, the user reads one `error:` line that
-names the flag, file or tensor, never a traceback; `GSM_EDGE_DEBUG=1` shows the traceback of an
-unexpected failure for a bug report.
+a full disk, a `CommandFailed` such as a backend that cannot start here, a package of an optional
+extra that is not installed, or a bug); 130 interrupted. Whatever goes wrong, the user reads one
+`error:` line that names the flag, file or tensor, never a traceback; `GSM_EDGE_DEBUG=1` shows the
+traceback of an unexpected failure for a bug report.
+
+Every line starts `python -m <package> <command>: error:`, the prefix argparse gives its own usage
+errors, so a command says who refused the same way whichever layer did.
 
 Numeric flags are range-checked by their argparse `type`, so a bad value is refused before any
 work with argparse's "argument --flag: ..." wording and exit 2.
@@ -22,6 +26,13 @@ from collections.abc import Callable
 from gsm.atomic import OutputExistsError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+# a missing module of these is a bug of ours, not an extra left out
+OWN_PACKAGES = frozenset({"gsm", "builder", "calibration", "runtime", "jetson", "gsm_edge_plugins"})
+
+
+class CommandFailed(Exception):
+    """A failure while working that is not a bug: this machine lacks what the command needs (a backend that
+    cannot start, TensorRT, a GPU). run_main prints the message as the error line and exits 1."""
 
 
 def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -62,8 +73,19 @@ def error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
 
 
-def run_main(prog: str, body: Callable[[], int]) -> int:
-    """Run a command body under the project's exit-code convention (see the module docstring)."""
+def missing_package(e: ImportError, extra: str | None) -> str:
+    """The error line for a package that is not installed; `extra`: the pip extra of the command."""
+    if extra is not None:
+        return f"this command needs the {extra} extra: pip install \"gsm-edge[{extra}]\" ({e})"
+    return f"a package this command needs is not installed ({e}); README \"What each install holds\" names its extra"
+
+
+def run_main(prog: str, body: Callable[[], int], *, extra: str | None = None) -> int:
+    """Run a command body under the project's exit-code convention (see the module docstring).
+
+    prog: `python -m <package> <command>`; extra: the pip extra whose packages the command imports, named
+    when one is missing. A package that is not installed exits 1, not 2: the same command line works once
+    it is, so it is the machine that lacks something, not the input that is wrong."""
     try:
         return body()
     except KeyboardInterrupt:
@@ -75,12 +97,25 @@ def run_main(prog: str, body: Callable[[], int]) -> int:
     except OSError as e:
         error(prog, f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
         return EXIT_FAILED
-    except Exception as e:  # a bug: still one line, the traceback on request
-        if os.environ.get("GSM_EDGE_DEBUG"):
-            traceback.print_exc()
-        error(prog, f"internal error ({type(e).__name__}: {e}); rerun with GSM_EDGE_DEBUG=1 for the "
-                    "traceback and report it")
+    except CommandFailed as e:
+        error(prog, str(e))
         return EXIT_FAILED
+    except ImportError as e:
+        if (e.name or "").split(".")[0] in OWN_PACKAGES:
+            return _internal_error(prog, e)
+        error(prog, missing_package(e, extra))
+        return EXIT_FAILED
+    except Exception as e:
+        return _internal_error(prog, e)
+
+
+def _internal_error(prog: str, e: BaseException) -> int:
+    """A bug: still one line, the traceback on request."""
+    if os.environ.get("GSM_EDGE_DEBUG"):
+        traceback.print_exception(e)
+    error(prog, f"internal error ({type(e).__name__}: {e}); rerun with GSM_EDGE_DEBUG=1 for the "
+                "traceback and report it")
+    return EXIT_FAILED
 
 
 def console(*, stderr: bool = True, **kw: object):  # -> rich.console.Console (rich stays optional)

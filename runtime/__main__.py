@@ -1,8 +1,9 @@
 """`python -m runtime generate BUNDLE --prompt TEXT | --ids 1,2,3 | --chat TEXT` — prints tokens as they come.
 `python -m runtime serve BUNDLE [--host 127.0.0.1] [--port 8000]` — OpenAI-compatible HTTP server (docs/serving.md).
 
-Exit codes: 0 ok, 2 bad usage or bad input (one `error:` line naming the flag or file), 1 a failure
-while generating, 130 interrupted.
+Exit codes (gsm.cli_support.run_main, as every command): 0 ok, 2 bad usage or bad input (one `error:` line
+naming the flag or file), 1 a failure while working (a backend that cannot start here, the serve extra not
+installed), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,14 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gsm.cli_support import int_at_least
-from runtime.cli_args import add_backend_arguments, backend_label
-
-PROG = "python -m runtime"
-# request fields (RequestError.field) -> the flag that sets them; "prompt" is the source flag used
-FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-         "max_new_tokens": "--max-new-tokens", "stop_ids": "--stop-ids", "threads": "--threads",
-         "sparse_window": "--sparse-window", "sparse_top_k": "--sparse-top-k"}
+from gsm.cli_support import CommandFailed, int_at_least, run_main
+from runtime.cli_args import PROG, add_backend_arguments, backend_label, flag_of, load_runtime, one_line
 
 
 def _int(text: str) -> int:
@@ -103,44 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _error(message: str, code: int = 2) -> int:
-    print(f"{PROG} generate: error: {' '.join(str(message).split())}", file=sys.stderr)  # one line
-    return code
-
-
 def generate(args: argparse.Namespace) -> int:
     import runtime
 
     source = "--prompt" if args.prompt is not None else "--ids" if args.ids is not None else "--chat"
-    flags = {**FLAGS, "prompt": source, "messages": source}
-    try:
-        rt = runtime.load(args.bundle, args.backend, threads=args.threads, sparse_window=args.sparse_window,
-                          top_k=args.sparse_top_k, spinning=args.spinning, graph=args.graph)
-    except runtime.RequestError as e:
-        return _error(f"argument {flags.get(e.field, e.field)}: {e.detail}")
-    except runtime.BundleError as e:
-        return _error(f"bundle {e}")
-    except ValueError as e:  # a chat template that does not compile, and other bad bundle contents
-        return _error(f"bundle {args.bundle}: {e}")
-    except RuntimeError as e:  # a backend that cannot start here (TensorRT missing, ...)
-        return _error(str(e), 1)
-    except ImportError as e:  # the backend's library is not installed on this machine
-        return _error(f"backend {args.backend}: {e} (the ONNX Runtime backend needs `pip install onnxruntime`; "
-                      "TensorRT comes with JetPack)", 1)
+    flags = {"prompt": source, "messages": source}
+    rt = load_runtime(args, sparse_window=args.sparse_window, top_k=args.sparse_top_k)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               stop_ids=args.stop_ids)
     try:
         if args.chat is not None:
             if not rt.has_chat_template:
-                return _error(f"argument --chat: bundle {args.bundle} has no chat template (no tokenizer_config.json "
-                              "with chat_template); use --prompt")
+                raise ValueError(f"argument --chat: bundle {args.bundle} has no chat template (no "
+                                 "tokenizer_config.json with chat_template); use --prompt")
             stream = rt.chat_stream([{"role": "user", "content": args.chat}], args.max_new_tokens, **kw)
         else:
             stream = rt.stream(args.prompt if args.prompt is not None else args.ids, args.max_new_tokens, **kw)
     except runtime.RequestError as e:
-        return _error(f"argument {flags.get(e.field, e.field)}: {e.detail}")
+        raise ValueError(one_line(f"argument {flag_of(e.field, flags)}: {e.detail}")) from None
     except runtime.ChatTemplateError as e:
-        return _error(f"argument --chat: {e}")
+        raise ValueError(one_line(f"argument --chat: {e}")) from None
     as_text = args.ids is None
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         print("note: this is the DEMO bundle: a seeded random model, so its text is random words "
@@ -155,7 +132,7 @@ def generate(args: argparse.Namespace) -> int:
             shown += len(tok.text)
             sys.stdout.flush()
     except runtime.ContextFullError as e:
-        return _error(str(e), 1)
+        raise CommandFailed(one_line(e)) from None
     if as_text and stream.text:
         sys.stdout.write(stream.text[shown:])  # bytes held back before a stop id
     dt = time.perf_counter() - t0
@@ -171,15 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else 2
-    try:
-        if args.command == "serve":
-            from runtime.serve.cli import serve
+    if args.command == "serve":
+        from runtime.serve.cli import serve
 
-            return serve(args)
-        return generate(args)
-    except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return run_main(f"{PROG} serve", lambda: serve(args), extra="serve")
+    return run_main(f"{PROG} generate", lambda: generate(args))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """What `python -m runtime generate` and `python -m runtime serve` share on their command lines: the flags that
-choose and tune the backend, and the one-line name of what runs."""
+choose and tune the backend, opening the bundle with the error line each failure gets (gsm.cli_support.run_main
+prints it), and the one-line name of what runs."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
-from gsm.cli_support import int_at_least
-from runtime.model import BACKENDS
+from gsm.cli_support import CommandFailed, int_at_least
+from runtime.model import BACKENDS, Runtime
 from runtime.ort_backend import GRAPHS
+
+PROG = "python -m runtime"
 
 
 def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
@@ -28,3 +32,34 @@ def backend_label(backend: Any) -> str:
     `auto` fell back to the portable one, if it did)."""
     graph, note = getattr(backend, "graph", None), getattr(backend, "graph_note", "")
     return backend.name + (f" (graph {graph}{'; ' + note if note else ''})" if graph else "")
+
+
+def one_line(text: object) -> str:
+    """A message as the single error line (a bundle's integrity problems are listed one per line)."""
+    return " ".join(str(text).split())
+
+
+def flag_of(field: str, others: Mapping[str, str] | None = None) -> str:
+    """The flag that sets a request field (RequestError.field): --field-name, unless `others` names another."""
+    return (others or {}).get(field, "--" + field.replace("_", "-"))
+
+
+def load_runtime(args: argparse.Namespace, **kw: Any) -> Runtime:
+    """runtime.load with the command's flags; a refusal raises ValueError (exit 2) naming the flag or the bundle,
+    a backend that cannot start here CommandFailed (exit 1)."""
+    import runtime
+
+    try:
+        return runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning, graph=args.graph,
+                            **kw)
+    except runtime.RequestError as e:
+        raise ValueError(f"argument {flag_of(e.field)}: {e.detail}") from None
+    except runtime.BundleError as e:
+        raise ValueError(one_line(f"bundle {e}")) from None
+    except ValueError as e:  # a chat template that does not compile, and other bad bundle contents
+        raise ValueError(one_line(f"bundle {args.bundle}: {e}")) from None
+    except RuntimeError as e:  # a backend that cannot start here (TensorRT missing, no model.cpu.onnx, ...)
+        raise CommandFailed(one_line(e)) from None
+    except ImportError as e:  # the backend's library is not installed on this machine
+        raise CommandFailed(f"backend {args.backend}: {e} (the ONNX Runtime backend needs `pip install onnxruntime`; "
+                            "TensorRT comes with JetPack)") from None

@@ -318,7 +318,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.stepper = stepper or default_stepper(rt)
         self.observers: list[Observer] = [observer] if observer is not None else []
-        max_batch = int(rt.cfg.get("max_batch", 1))
+        max_batch = rt.cfg.max_batch
         self.max_running = self.config.max_running or (max_batch if max_batch > 1 else self.config.interleave)
         self.ready = threading.Event()  # set after warm-up
         self.warmup_s: float | None = None

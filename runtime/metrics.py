@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from gsm.bundle_format import BundleConfig
+
 TIER_NAMES = ("fp16", "int12", "int8")
 TIER_BYTES = (2.0, 1.5, 1.0)  # bytes per latent value (spec 6)
 
@@ -27,13 +29,14 @@ class CacheGeometry:
     dense_fp16_bytes: int  # the uncompressed model's K/V bytes per position
 
     @classmethod
-    def from_bundle(cls, bundle_cfg: Mapping[str, Any], model_cfg: Mapping[str, Any]) -> CacheGeometry:
-        ranks = [tuple(r) for r in bundle_cfg["ranks"].values()]
+    def from_bundle(cls, bundle_cfg: BundleConfig, model_cfg: Mapping[str, Any]) -> CacheGeometry:
+        """bundle_cfg: the bundle's bundle.json; model_cfg: its config.json as parsed JSON."""
+        ranks = list(bundle_cfg.ranks.values())
         heads = int(model_cfg["num_attention_heads"])
         head_dim = int(model_cfg.get("head_dim") or int(model_cfg["hidden_size"]) // heads)
         kv_dim = int(model_cfg.get("num_key_value_heads") or heads) * head_dim
         return cls(latent_values=sum(rk + rv for rk, rv in ranks),
-                   index_bytes=len(ranks) * int(bundle_cfg["index_dim"]) * 2,
+                   index_bytes=len(ranks) * bundle_cfg.index_dim * 2,
                    dense_fp16_bytes=int(model_cfg["num_hidden_layers"]) * 2 * kv_dim * 2)
 
 

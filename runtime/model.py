@@ -9,7 +9,6 @@ applies through the backend's demotion graph. The call order equals gsm.golden's
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.bundle import BundleError, verify_bundle
+from gsm.bundle_format import REBUILD, BundleConfig
+from runtime.bundle import open_bundle
 from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning, StepOutput
 from runtime.policy import SequenceState, TierPolicy, retier
 from runtime.request import Generation, Token, TokenStream
@@ -122,11 +122,11 @@ def hit_rate(dense_mass: np.ndarray, selected: np.ndarray) -> float:
     return float(m[picks[picks >= 0]].sum() / m.sum())
 
 
-def check_sparse_window(w: int | None, cfg: Mapping[str, Any]) -> int:
+def check_sparse_window(w: int | None, cfg: BundleConfig) -> int:
     """The run-time window: the model's by default, else 1..max_sparse_window of the bundle."""
     if w is None:
-        return int(cfg["sparse_window"])
-    hi = int(cfg["max_sparse_window"])
+        return cfg.sparse_window
+    hi = cfg.max_sparse_window
     if isinstance(w, bool) or int(w) != w or not 1 <= w <= hi:
         raise RequestError("sparse_window", f"must be an integer in 1..{hi} (the bundle's max_sparse_window), got {w}")
     return int(w)
@@ -135,26 +135,25 @@ def check_sparse_window(w: int | None, cfg: Mapping[str, Any]) -> int:
 class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
 
-    def __init__(self, bundle: Path, manifest: dict[str, Any], backend: Any, *, sparse_window: int | None,
-                 top_k: int | None = None) -> None:
+    def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Any, *,
+                 sparse_window: int | None, top_k: int | None = None) -> None:
         self.bundle = bundle
         self.manifest = manifest
-        self.cfg = json.loads((bundle / "bundle.json").read_text(encoding="utf-8"))
+        self.cfg = cfg
         self.backend = backend
-        self.n_max = int(self.cfg["n_max"])
-        self.max_input = int(self.cfg["max_input"])
-        q = self.cfg["kv_quantization"]
-        self.policy = TierPolicy(sink_tokens=self.cfg["sink_tokens"], fp16_window=q["fp16_window"],
-                                 tier_fractions=tuple(q["tier_fractions"]), hotness_decay=q["hotness_decay"],
-                                 rate=self.cfg["quantization_adaptation_rate"],
-                                 hot_token_ids=frozenset(q.get("hot_token_ids", [])))
-        self.sparse_window = check_sparse_window(sparse_window, self.cfg)
+        self.n_max = cfg.n_max
+        self.max_input = cfg.max_input
+        q = cfg.kv_quantization
+        self.policy = TierPolicy(sink_tokens=cfg.sink_tokens, fp16_window=q.fp16_window,
+                                 tier_fractions=tuple(q.tier_fractions), hotness_decay=q.hotness_decay,
+                                 rate=cfg.quantization_adaptation_rate, hot_token_ids=frozenset(q.hot_token_ids))
+        self.sparse_window = check_sparse_window(sparse_window, cfg)
         # default selection budget of every sequence (Sequence_.top_k overrides it per sequence)
-        self.top_k = int(self.cfg["sparse_top_k"]) if top_k is None else check_top_k(top_k, self.n_max)
+        self.top_k = cfg.sparse_top_k if top_k is None else check_top_k(top_k, self.n_max)
         self._check_budgets(np.array([self.top_k]))
-        self.vocab_size = int(self.cfg["vocab_size"])
-        self.bos_token_id = int(self.cfg["bos_token_id"])
-        self.eos_token_id = int(self.cfg["eos_token_id"])
+        self.vocab_size = cfg.vocab_size
+        self.bos_token_id = cfg.bos_token_id
+        self.eos_token_id = cfg.eos_token_id
         self.codec = TextCodec.load(bundle, self.bos_token_id, self.eos_token_id)  # None: ids only
 
     @property
@@ -198,11 +197,12 @@ class Runtime:
     def _check_budgets(self, budgets: np.ndarray) -> np.ndarray:
         """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
         budget there rather than silently running the build-time one."""
-        fixed = int(self.cfg["sparse_top_k"])
+        fixed = self.cfg.sparse_top_k
         if not getattr(self.backend, "per_sequence_top_k", False) and np.any(budgets != fixed):
             raise RequestError("sparse_top_k", f"this bundle's {self.backend.name} graph selects with its build-time "
-                                               f"budget {fixed} only (built before engine_io revision 4): rebuild "
-                                               "it with `python -m builder build` for per-sequence budgets")
+                                               f"budget {fixed} only (engine_io revision {self.cfg.graph_revision}; "
+                                               "per-sequence budgets came with revision 4): rebuild it with "
+                                               f"`{REBUILD}`")
         return budgets
 
     def _call_inputs(self, seqs: Sequence[Sequence_],
@@ -367,17 +367,10 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     if graph not in GRAPHS:
         raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
     root = Path(bundle)
-    manifest = verify_bundle(root)
-    try:
-        cfg = json.loads((root / "bundle.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleError(f"{root / 'bundle.json'}: not readable JSON ({e})") from None
-    try:
-        check_sparse_window(sparse_window, cfg)  # before any graph is opened
-        if top_k is not None:
-            check_top_k(top_k, int(cfg["n_max"]))
-    except KeyError as e:
-        raise BundleError(f"{root / 'bundle.json'}: no {e} field (rebuild the bundle)") from None
+    manifest, cfg = open_bundle(root)
+    check_sparse_window(sparse_window, cfg)  # before any graph is opened
+    if top_k is not None:
+        check_top_k(top_k, cfg.n_max)
     if isinstance(threads, bool) or int(threads) != threads or threads < 0:
         raise RequestError("threads", f"must be an integer >= 0 (0: ONNX Runtime's default), got {threads}")
     if backend == "auto":
@@ -394,7 +387,4 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning), graph=graph))
-    try:
-        return Runtime(root, manifest, be, sparse_window=sparse_window, top_k=top_k)
-    except KeyError as e:
-        raise BundleError(f"{root / 'bundle.json'}: no {e} field (rebuild the bundle)") from None
+    return Runtime(root, manifest, cfg, be, sparse_window=sparse_window, top_k=top_k)

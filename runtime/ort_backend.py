@@ -1,6 +1,7 @@
 """ONNX Runtime backend: runs model.cpu.onnx (or model.portable.onnx) and gsm_demote.portable.onnx on the
-CPU (or any ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5,
-rev 5).
+CPU (or any ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5).
+What the graphs take follows the engine_io revision bundle.json states (`BundleConfig.graph_revision`):
+revision 3 and later bind cache rows, 4 adds the per-sequence budget, 5 the K-row cache.
 
 Which network (`SessionTuning.graph`): `model.cpu.onnx` has each owning layer's attention as one custom op
 (`GsmCachedAttention`, libgsm_ort_ops.so from plugins/ortCpu, registered with the session); where that
@@ -38,11 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from gsm.bundle_format import FILES, REBUILD, BundleConfig, BundleError
+
 log = logging.getLogger("runtime.ort_backend")
 
-PORTABLE_MODEL = "model.portable.onnx"
-CPU_MODEL = "model.cpu.onnx"
-PORTABLE_DEMOTE = "gsm_demote.portable.onnx"
 GRAPHS = ("auto", "cpu", "portable")
 
 
@@ -82,8 +82,8 @@ class SessionTuning:
 
 def cpu_graph_usable(bundle: Path) -> tuple[bool, str]:
     """(True, library path) when `bundle` has model.cpu.onnx and libgsm_ort_ops.so is built, else (False, why)."""
-    if not (bundle / CPU_MODEL).is_file():
-        return False, f"{bundle} has no {CPU_MODEL} (built before it existed: rebuild with `python -m builder build`)"
+    if not (bundle / FILES.model_cpu).is_file():
+        return False, f"{bundle} has no {FILES.model_cpu} (built before it existed: rebuild with `{REBUILD}`)"
     try:
         from gsm_edge_plugins import ort_ops_library
     except ImportError as e:
@@ -150,7 +150,7 @@ class OrtCache:
 class OrtBackend:
     name = "onnxruntime"
 
-    def __init__(self, bundle: Path, cfg: dict[str, Any], *, threads: int = 0,
+    def __init__(self, bundle: Path, cfg: BundleConfig, *, threads: int = 0,
                  providers: list[str] | None = None, tuning: SessionTuning | None = None) -> None:
         import onnxruntime as ort
 
@@ -161,7 +161,7 @@ class OrtBackend:
         self.bundle, self.providers = bundle, prov
         self.graph, self.ops_library = resolve_graph(bundle, self.tuning.graph, prov)
         self.graph_note = ""  # why `auto` fell back to the portable graph, if it did
-        self.demote_session = ort.InferenceSession(str(bundle / PORTABLE_DEMOTE), so, providers=prov)
+        self.demote_session = ort.InferenceSession(str(bundle / FILES.demote_portable), so, providers=prov)
         try:
             self.session = self.open_session(so)
         except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...
@@ -169,47 +169,59 @@ class OrtBackend:
                 raise
             detail = " ".join(str(e).split())
             if self.tuning.graph == "cpu":
-                raise RuntimeError(f"graph cpu: {bundle / CPU_MODEL} does not load with {self.ops_library}: "
+                raise RuntimeError(f"graph cpu: {bundle / FILES.model_cpu} does not load with {self.ops_library}: "
                                    f"{detail}") from None
             self.graph, self.ops_library = "portable", None
-            self.graph_note = f"{CPU_MODEL} did not load ({detail})"
-            log.warning("%s: running %s instead", self.graph_note, PORTABLE_MODEL)
+            self.graph_note = f"{FILES.model_cpu} did not load ({detail})"
+            log.warning("%s: running %s instead", self.graph_note, FILES.model_portable)
             self.session = self.open_session(session_options(self.tuning))
         self.cfg = cfg
-        self.n_max = int(cfg["n_max"])
-        self.layers = [int(l) for l in cfg["owning_layers"]]
+        self.n_max = cfg.n_max
+        self.layers = list(cfg.owning_layers)
         self.out_names = [o.name for o in self.session.get_outputs()]
-        self.debug = bool(cfg.get("debug_outputs"))  # fetch selected.{l} on every call (tests, debugging)
+        self.debug = cfg.debug_outputs  # fetch selected.{l} on every call (tests, debugging)
         self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
-        # rev 4 bundles take the budget per sequence; older ones select with their build-time top_k only
-        self.per_sequence_top_k = "sparse_top_k" in {i.name for i in self.session.get_inputs()}
+        # revision 4 takes the budget per sequence; older graphs select with their build-time top_k only
+        self.per_sequence_top_k = cfg.graph_revision >= 4
         self.shadow_calls = True  # forward(commit=False) leaves the buffers as they were: probes possible
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
-        # rev 5 bundles cache every layer's K rows beside the latents (engine_io 5); older ones rebuild them
-        self.k_rows = {int(i.name.split(".")[1]): int(i.shape[-1]) for i in self.session.get_inputs()
-                       if i.name.startswith("k_rows.")}
-        self.demote_positions = "positions" in {i.name for i in self.demote_session.get_inputs()}
+        # revision 5 caches every layer's K rows beside the latents (engine_io 5), and its demotion graph takes
+        # the rows' positions to remake them; older graphs rebuild K per step
+        self.k_rows = self._k_row_widths() if cfg.graph_revision >= 5 else {}
+        self.demote_positions = cfg.graph_revision >= 5
         self.cached = list(self._shapes())  # the buffers a call writes new rows into (graph outputs `new_<name>`)
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
         self.free_rows: list[int] = []
         self.rows = 0
-        self._grow(max(1, int(cfg.get("max_batch", 1))))
+        self._grow(cfg.max_batch)
 
     def open_session(self, so: Any) -> Any:
         """A session of the network this backend runs, with options `so` (the custom-op library registered
         into them for model.cpu.onnx): the backend's own, or a profiling one (bench/decode_speed.py)."""
         if self.ops_library is not None:
             so.register_custom_ops_library(self.ops_library)
-        model = CPU_MODEL if self.graph == "cpu" else PORTABLE_MODEL
+        model = FILES.model_cpu if self.graph == "cpu" else FILES.model_portable
         return self.ort.InferenceSession(str(self.bundle / model), so, providers=self.providers)
+
+    def _k_row_widths(self) -> dict[int, int]:
+        """layer -> kvD of the `k_rows.{i}` buffers, as the graph declares them (bundle.json has no kvD)."""
+        inputs = {i.name: i.shape for i in self.session.get_inputs()}
+        layer, widths = 0, {}
+        while f"k_rows.{layer}" in inputs:
+            widths[layer] = int(inputs[f"k_rows.{layer}"][-1])
+            layer += 1
+        if not widths:
+            raise BundleError(f"{self.bundle}: bundle.json states engine_io revision {self.cfg.graph_revision}, but "
+                              f"the graph has no k_rows inputs; rebuild the bundle with `{REBUILD}`")
+        return widths
 
     # -- cache rows --------------------------------------------------------------------------------
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
-        dI, shapes = int(self.cfg["index_dim"]), {}
+        dI, shapes = self.cfg.index_dim, {}
         for l in self.layers:
-            rk, rv = self.cfg["ranks"][str(l)]
+            rk, rv = self.cfg.ranks[l]
             shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
             shapes[f"latent_v.{l}"] = ((self.n_max, rv), np.float32)
             shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.float16)

@@ -14,11 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from gsm.bundle_format import FILES, BundleConfig
 from runtime.ort_backend import StepOutput, kv_noise_sums, relative_noise
 from runtime.sampling import RequestError
 from runtime.slots import SlotTable
-
-PLUGIN_MODEL, PLUGIN_DEMOTE = "model.onnx", "gsm_demote.onnx"
 
 
 def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
@@ -100,7 +99,7 @@ class RefBackend:
 
     name = "reference"
 
-    def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
+    def __init__(self, bundle: Path, cfg: BundleConfig) -> None:
         ok, why = reference_usable()
         if not ok:
             raise RuntimeError(f"backend 'reference' unavailable: {why}")
@@ -108,21 +107,21 @@ class RefBackend:
         from onnx.reference import ReferenceEvaluator
 
         ops = _ops()
-        self.model = ReferenceEvaluator(onnx.load(str(bundle / PLUGIN_MODEL)), new_ops=ops)
-        self.demote_model = ReferenceEvaluator(onnx.load(str(bundle / PLUGIN_DEMOTE)), new_ops=ops)
+        self.model = ReferenceEvaluator(onnx.load(str(bundle / FILES.model_trt)), new_ops=ops)
+        self.demote_model = ReferenceEvaluator(onnx.load(str(bundle / FILES.demote_trt)), new_ops=ops)
         self.cfg = cfg
-        self.layers = [int(l) for l in cfg["owning_layers"]]
-        self.n_max = int(cfg["n_max"])
-        self.rows = (cfg["pool_rows"]["fp16"], cfg["pool_rows"]["int12"], cfg["pool_rows"]["int8"])
-        proto = onnx.load(str(bundle / PLUGIN_MODEL), load_external_data=False)
+        self.layers = list(cfg.owning_layers)
+        self.n_max = cfg.n_max
+        self.rows = cfg.pool_rows.by_tier
+        proto = onnx.load(str(bundle / FILES.model_trt), load_external_data=False)
         self.shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
-        # per-sequence budgets when the owning attention nodes read sparse_top_k (engine_io rev 4), up to
-        # their max_top_k; an older graph selects with its build-time top_k only (Runtime refuses others)
-        owning = [n for n in proto.graph.node if n.op_type == "GsmSparseAttention" and len(n.input) > 11]
-        self.per_sequence_top_k = bool(owning) and all(len(n.input) > 14 for n in owning)
+        # revision 4: the owning attention nodes read sparse_top_k, each budget up to their attribute max_top_k;
+        # an older graph selects with its build-time attribute top_k only (Runtime refuses other budgets)
+        self.per_sequence_top_k = cfg.graph_revision >= 4
         self.shadow_calls = True  # forward(commit=False) leaves pools and slot tables as they were
-        attrs = {a.name: a.i for a in owning[0].attribute} if owning else {}
-        self.max_top_k = int(attrs.get("max_top_k", attrs.get("top_k", cfg["sparse_top_k"])))
+        attrs = next(a for a in ({x.name: x.i for x in n.attribute} for n in proto.graph.node
+                                 if n.op_type == "GsmSparseAttention") if a["layer_kind"] == 0)
+        self.max_top_k = int(attrs["max_top_k" if self.per_sequence_top_k else "top_k"])
         from onnx import numpy_helper
 
         tables = {i.name: i for i in self.demote_model.proto_.graph.initializer}
@@ -133,7 +132,7 @@ class RefBackend:
         cache: dict[str, Any] = {"slots": SlotTable(self.n_max, self.rows)}
         for l in self.layers:
             cache[f"kv_pool.{l}"] = np.zeros((1, self.shapes[f"kv_pool.{l}"][1]), np.int32)
-            cache[f"index_keys.{l}"] = np.zeros((1, self.n_max, self.cfg["index_dim"]), np.float16)
+            cache[f"index_keys.{l}"] = np.zeros((1, self.n_max, self.cfg.index_dim), np.float16)
         return cache
 
     def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
@@ -155,7 +154,7 @@ class RefBackend:
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
                      kv_slots=np.stack([c["slots"].entries for c in caches]))
-        if "sparse_top_k" in self.shapes:
+        if self.per_sequence_top_k:
             feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
         names = [o.name for o in self.model.proto_.graph.output]
         outs = dict(zip(names, self.model.run(None, feeds)))
@@ -167,7 +166,7 @@ class RefBackend:
             else:
                 c["slots"].entries[:], c["slots"].free = saved[b]
         sel = mass = None
-        if probes or self.cfg.get("debug_outputs"):
+        if probes or self.cfg.debug_outputs:
             sel = {l: outs[f"selected.{l}"] for l in self.layers if f"selected.{l}" in outs} or None
         if probes:
             mass = {l: outs[f"attn_mass.{l}"] for l in self.layers}
@@ -203,10 +202,10 @@ class RefBackend:
         reference reader; quant: the layer's [3, r] table (default: the bundle's)."""
         from gsm_edge_plugins import ref
 
-        rk, rv = self.cfg["ranks"][str(layer)]
+        rk, rv = self.cfg.ranks[layer]
         d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=self.n_max,
                      rows_fp16=self.rows[0], rows_int12=self.rows[1], rows_int8=self.rows[2],
-                     index_dim=self.cfg["index_dim"])
+                     index_dim=self.cfg.index_dim)
         if quant is None:
             quant = self.quant[layer]
         return ref.read_latents(d, cache[f"kv_pool.{layer}"], cache["slots"].entries[None], quant)

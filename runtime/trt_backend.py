@@ -21,17 +21,17 @@ from typing import Any
 
 import numpy as np
 
+from gsm.bundle_format import FILES, BundleConfig
 from runtime.ort_backend import StepOutput
 from runtime.ref_backend import check_max_top_k
 from runtime.slots import SlotTable
 
-ENGINE_FILE, DEMOTE_ENGINE_FILE = "engine.plan", "demote.plan"
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 
 
 def trt_usable(bundle: Path) -> tuple[bool, str]:
     """(True, "") when the bundle has engine.plan and TensorRT + cuda-python import; else (False, why)."""
-    if not (bundle / ENGINE_FILE).is_file():
+    if not (bundle / FILES.engine).is_file():
         return False, "the bundle has no engine.plan (build it on the target: python -m builder engine BUNDLE)"
     try:
         import tensorrt  # noqa: F401
@@ -87,7 +87,7 @@ def _load_plugins(bundle: Path) -> None:
     IPluginV3 creators register before the engine is deserialized."""
     import os
 
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest = json.loads((bundle / FILES.manifest).read_text())
     name = os.environ.get("GSM_PLUGIN_LIB") or manifest.get("engine", {}).get("plugin_library", "libgsm_trt_plugins.so")
     ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
 
@@ -98,7 +98,7 @@ class TrtBackend:
 
     name = "tensorrt"
 
-    def __init__(self, bundle: Path, cfg: dict[str, Any]) -> None:
+    def __init__(self, bundle: Path, cfg: BundleConfig) -> None:
         ok, why = trt_usable(bundle)
         if not ok:
             raise RuntimeError(f"backend 'tensorrt' unavailable: {why}")
@@ -109,8 +109,8 @@ class TrtBackend:
         self.logger = trt.Logger(trt.Logger.WARNING)
         trt.init_libnvinfer_plugins(self.logger, "")
         rt = trt.Runtime(self.logger)
-        self.engine = rt.deserialize_cuda_engine((bundle / ENGINE_FILE).read_bytes())
-        self.demote_engine = rt.deserialize_cuda_engine((bundle / DEMOTE_ENGINE_FILE).read_bytes())
+        self.engine = rt.deserialize_cuda_engine((bundle / FILES.engine).read_bytes())
+        self.demote_engine = rt.deserialize_cuda_engine((bundle / FILES.demote_engine).read_bytes())
         if self.engine is None or self.demote_engine is None:
             raise RuntimeError("TensorRT could not deserialize the engines (plugin library or version mismatch?)")
         self.stream = _check(self.cudart.cudaStreamCreate())
@@ -120,22 +120,22 @@ class TrtBackend:
             ctx.set_optimization_profile_async(prof, int(self.stream))
             self.contexts[prof] = ctx
         self.demote_ctx = self.demote_engine.create_execution_context()
-        self.layers = [int(l) for l in cfg["owning_layers"]]
-        self.n_max, self.B = int(cfg["n_max"]), int(cfg["max_batch"])
-        self.rows = (cfg["pool_rows"]["fp16"], cfg["pool_rows"]["int12"], cfg["pool_rows"]["int8"])
+        self.layers = list(cfg.owning_layers)
+        self.n_max, self.B = cfg.n_max, cfg.max_batch
+        self.rows = cfg.pool_rows.by_tier
         self.bufs: dict[str, DeviceBuffer] = {}
         for name in self._io_names(self.engine):
             if "_out." in name:
                 continue  # kv_pool_out.{l} / index_keys_out.{l} are bound to their input's buffer
             self.bufs[name] = DeviceBuffer(self.cudart, self._max_bytes(name))
         self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.B * self.n_max * 3 * 4)
-        # engine_io rev 4: the attention plugins read sparse_top_k [B], each budget up to max_top_k, which
-        # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An engine
-        # without the input (older graph) selects with its build-time top_k only (Runtime refuses others).
-        self.per_sequence_top_k = "sparse_top_k" in self._io_names(self.engine)
+        # engine_io revision 4: the attention plugins read sparse_top_k [B], each budget up to max_top_k, which
+        # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An older
+        # engine selects with its build-time top_k only (Runtime refuses other budgets).
+        self.per_sequence_top_k = cfg.graph_revision >= 4
         self.shadow_calls = False  # the pools are updated in place: no hit-rate probe on this backend yet
         k_sel = int(self.engine.get_tensor_shape(f"selected.{self.layers[0]}")[-1]) if self.per_sequence_top_k else 0
-        self.max_top_k = k_sel - int(cfg["sink_tokens"]) - int(cfg["max_sparse_window"])
+        self.max_top_k = k_sel - cfg.sink_tokens - cfg.max_sparse_window
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -143,12 +143,12 @@ class TrtBackend:
         return [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
 
     def _max_shape(self, name: str) -> tuple[int, ...]:
-        T, V = int(self.cfg["max_input"]), int(self.cfg["vocab_size"])
+        T, V = self.cfg.max_input, self.cfg.vocab_size
         fixed = {"input_ids": (self.B, T), "past_lengths": (self.B,), "new_lengths": (self.B,), "sparse_window": (1,),
-                 "logits": (self.B, T if self.cfg["logits"] == "all" else 1, V), "attn_mass": (self.B, self.n_max)}
+                 "logits": (self.B, T if self.cfg.logits == "all" else 1, V), "attn_mass": (self.B, self.n_max)}
         if name in fixed:
             return fixed[name]
-        if name.startswith("selected."):  # [B, S, K_sel] (engine_io rev 4 per-layer probe output)
+        if name.startswith("selected."):  # [B, S, K_sel] (engine_io revision 4 per-layer probe output)
             return (self.B, T, int(self.engine.get_tensor_shape(name)[-1]))
         if name.startswith("attn_mass."):
             return (self.B, self.n_max)
@@ -200,9 +200,9 @@ class TrtBackend:
             ctx.set_tensor_address(name, buf.ptr)
         if not ctx.execute_async_v3(int(self.stream)):
             raise RuntimeError("TensorRT execute_async_v3 failed")
-        V = int(self.cfg["vocab_size"])
+        V = self.cfg.vocab_size
         logits = self.bufs["logits"].download(
-            np.empty((B, S if self.cfg["logits"] == "all" else 1, V), np.float32), self.stream)
+            np.empty((B, S if self.cfg.logits == "all" else 1, V), np.float32), self.stream)
         mass = self.bufs["attn_mass"].download(np.empty((B, self.n_max), np.float32), self.stream)
         sel = layer_mass = None
         if probes:

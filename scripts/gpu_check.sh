@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the GSM plugins, one script, < 8 minutes on one GPU:
 #   1. build the CPU reference and the CUDA kernels (sm_87, sm_90 and this GPU's SM),
-#   2. run tests/gpu (CUDA kernels vs the CPU reference) and the CPU reference tests,
+#   2. run tests/gpu on the GPU (CUDA kernels vs the CPU reference; CI runs the same tests on the CPU-emulated
+#      kernels) and the CPU reference tests,
 #   3. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
 #      at 4K and 32K context (tests/gpu/bench_decode.py).
 # Needs: nvcc, cmake >= 3.18, python3 with numpy, torch (CUDA build) and pytest.
@@ -28,12 +29,15 @@ echo "== build (CMAKE_CUDA_ARCHITECTURES=$ARCHS)"
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 start=$(date +%s)
+# (the CPU-emulated kernels are CI's business, not this GPU's: not built here)
 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+  -DGSM_PLUGINS_EMULATED=OFF \
   | grep -A4 "gsm-edge plugins:"
 cmake --build "$BUILD" -j "$(nproc)"
 echo "build took $(( $(date +%s) - start )) s"
 
 export GSM_EDGE_PLUGINS_DIR="$BUILD/plugins"
+export GSM_CUDA=device  # tests/gpu on this GPU, never the emulated library
 export PYTHONPATH="$ROOT/plugins/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== tests"

@@ -292,7 +292,7 @@ def _bad(ckpt_dir: Path, capsys, *args: str) -> str:
     rc = main(["run", "--checkpoint", str(ckpt_dir), *SMALL, "--eval-samples", "0", *args])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith("calibration: error: ") and "Traceback" not in err
+    assert err.startswith("python -m calibration run: error: ") and "Traceback" not in err
     assert snapshot(ckpt_dir) == before
     return err
 

@@ -265,3 +265,23 @@ def test_checker_refuses_out_of_range_gsm_config(tiny, tmp_path):
     assert not rep.ok and any("kv_compression_tolerance" in e.message for e in rep.errors), rep.errors
     r = run("gsm", "verify", str(bad), cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+
+
+# --- one error prefix: `python -m <package> <command>: error:`, argparse's own, whichever layer refused --------
+
+@pytest.mark.parametrize("args, prefix", [
+    (["gsm", "synth", "--preset", "tiny", "--out", "/proc/x"], "python -m gsm synth: error: --out /proc/x"),
+    (["gsm", "synth", "--preset", "huge", "--out", "x"], "python -m gsm synth: error: argument --preset"),
+    (["gsm", "convert", "--from", "hf", "/nonexistent", "--out", "ck"], "python -m gsm convert: error: SRC"),
+    (["builder", "build", "--device", "xavier"], "python -m builder build: error: unknown device"),
+    (["builder", "build", "--device", "orin", "--max-seq", "0"], "python -m builder build: error: argument --max-seq"),
+    (["builder", "engine", "/nonexistent"], "python -m builder engine: error: /nonexistent"),
+    (["calibration", "run", "--checkpoint", "/nonexistent"], "python -m calibration run: error: --checkpoint"),
+    (["runtime", "generate", "/nonexistent", "--prompt", "x"], "python -m runtime generate: error: bundle"),
+    (["runtime", "generate", "/nonexistent", "--top-k", "-1", "--prompt", "x"],
+     "python -m runtime generate: error: argument --top-k"),
+    (["runtime", "serve", "/nonexistent"], "python -m runtime serve: error: bundle /nonexistent"),
+])
+def test_every_command_names_itself_the_same_way_in_its_error_line(tmp_path, args, prefix):
+    line = refused(run(*args, cwd=tmp_path))
+    assert line.startswith(prefix), line

@@ -208,9 +208,12 @@ def test_close_cancels_what_is_left(rt):
 def test_cache_bytes_against_hand_computation():
     """Demo geometry (bundle.json ranks {0: 12+10, 1: 14+8, 2: 12+10}, index_dim 16; config 4 layers,
     2 KV heads of 16): dense 4*2*32*2 = 512 B/position; FP16 position 66*2 + 3*16*2 = 228 B."""
+    from types import SimpleNamespace
+
     from runtime.metrics import CacheGeometry, cache_bytes, compression_ratio, tier_counts
 
-    geo = CacheGeometry.from_bundle({"ranks": {"0": [12, 10], "1": [14, 8], "2": [12, 10]}, "index_dim": 16},
+    bundle_cfg = SimpleNamespace(ranks={0: (12, 10), 1: (14, 8), 2: (12, 10)}, index_dim=16)  # BundleConfig's fields
+    geo = CacheGeometry.from_bundle(bundle_cfg,
                                     {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                                      "hidden_size": 64})
     assert (geo.latent_values, geo.index_bytes, geo.dense_fp16_bytes) == (66, 96, 512)

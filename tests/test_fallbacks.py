@@ -146,7 +146,7 @@ def test_kv_noise_fallback_forced_refreshes_the_cache_at_fp16(rt, caplog):
     first, length, tier = caches[0]
     assert first is new_seq and length == len(LONG) and not tier.any()  # rebuilt, every row FP16
     assert not new_seq.state.tier.any()
-    for layer in rt.cfg["owning_layers"]:
+    for layer in rt.cfg.owning_layers:
         for got, ref in zip(new_seq.cache.latents(layer, len(LONG)), ref_seq.cache.latents(layer, len(LONG))):
             np.testing.assert_array_equal(got, ref)
     assert "refreshing its cache at FP16 from 48 tokens" in caplog.text
@@ -175,7 +175,7 @@ def test_kv_noise_measure_against_hand_computation(rt):
     seq.prefill(LONG[:32])  # no row outside the FP16 window yet: nothing demoted
     assert not seq.state.tier.any()
     seq.rt.forward_batch([seq], [LONG[32:]])  # the third chunk, without its re-tier pass
-    layers = rt.cfg["owning_layers"]
+    layers = rt.cfg.owning_layers
     before = [np.array(a) for l in layers for a in seq.cache.latents(l, len(LONG))]
     state = dataclasses.replace(seq.state, tier=seq.state.tier.copy())
     rows = np.nonzero(retier(state, rt.policy, rt.n_max) >= 0)[0]
@@ -225,7 +225,7 @@ def test_kv_noise_refresh_mid_decode_continues_the_same_stream(rt, sampling):
     assert seq.length == len(prompt) + 13 and not seq.state.tier.any()  # FP16 to the end: no pass ran on it
     ref = rt.new_sequence()
     ref.prefill(prompt + want[:-1])
-    for layer in rt.cfg["owning_layers"]:
+    for layer in rt.cfg.owning_layers:
         for got, exp in zip(seq.cache.latents(layer, seq.length), ref.cache.latents(layer, seq.length)):
             # the cache holds FP16-rounded values: a value on a rounding boundary may land one FP16 ulp
             # (<= 2^-10 relative) apart under another summation order (prefill vs decode forms)

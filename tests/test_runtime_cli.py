@@ -222,3 +222,86 @@ def test_spinning_is_a_session_option_that_changes_no_output(bundles):
     code, out, err = generate(bundles["demo"], "--ids", "1,5,9,17", "--max-new-tokens", "4", "--threads", "2",
                               "--spinning")
     assert code == 0 and "error" not in err, err
+
+
+# --- the error ladder of generate and serve (gsm.cli_support.run_main, as every command) ---------------------
+
+def one_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_checkpoint_says_it_is_one_and_the_command_that_bundles_it_works(tmp_path, command):
+    from gsm.synth import synth_checkpoint
+
+    ck = synth_checkpoint("tiny", tmp_path / "ck")
+    r = run_module("runtime", command, str(ck), *(["--prompt", "x"] if command == "generate" else []), cwd=tmp_path,
+                   timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    line = one_error(r.stderr)
+    assert line.startswith(f"python -m runtime {command}: error: bundle {ck}: a GSM checkpoint (config.json with "
+                           "gsm_config, quant_config.json), not a bundle; make a bundle from it with "), line
+    suggested = line.split("`")[1]
+    assert suggested == f"python -m builder build --device orin --checkpoint {ck} --output BUNDLE"
+    if command == "generate":  # the command it names, as a new user would paste it
+        out = tmp_path / "bundle"
+        b = run_module(*suggested.replace("BUNDLE", str(out)).split()[2:], cwd=tmp_path)
+        assert b.returncode == 0, b.stderr
+        code, _, err = generate(out, "--ids", "1,5", "--max-new-tokens", "2")
+        assert code == 0, err
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("plain", "not a bundle (no manifest.json with bundle_format, no config.json); a bundle is made from a GSM "
+              "checkpoint with `python -m builder build --device orin --checkpoint CHECKPOINT --output BUNDLE`"),
+    ("dense", "a model directory (config.json without gsm_config), not a GSM checkpoint or a bundle; convert it with "
+              "`python -m gsm convert --from hf"),
+])
+def test_a_directory_that_is_no_bundle_says_what_it_is(tmp_path, kind, words):
+    d = tmp_path / kind
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    if kind == "dense":
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    code, out, err = generate(d, "--prompt", "x")
+    assert code == 2 and out == ""
+    assert one_error(err).startswith(f"python -m runtime generate: error: bundle {d}: {words}"), err
+
+
+@pytest.mark.parametrize("module", ["uvicorn", "starlette", "prometheus_client"])
+def test_serve_without_the_serve_extra_is_one_line_naming_it_exit_1(bundles, module):
+    """Exit 1, not 2: the command line is right, the machine lacks the extra (README "Exit codes")."""
+    import subprocess
+    import sys
+
+    code = (f"import sys\nsys.modules[{module!r}] = None  # as if not installed\n"
+            f"from runtime.__main__ import main\nsys.exit(main(['serve', {str(bundles['demo'])!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=bundles["demo"].parent)
+    assert r.returncode == 1 and r.stdout == ""
+    assert one_error(r.stderr).startswith('python -m runtime serve: error: this command needs the serve extra: '
+                                          'pip install "gsm-edge[serve]" ('), r.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_an_unexpected_failure_is_one_line_exit_1_and_the_traceback_on_request(bundles, monkeypatch, capsys,
+                                                                               command):
+    import runtime
+    from runtime.__main__ import main
+
+    def broken(*a, **kw):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(runtime, "load", broken)
+    monkeypatch.delenv("GSM_EDGE_DEBUG", raising=False)
+    argv = [command, str(bundles["demo"]), *(["--ids", "1,5"] if command == "generate" else [])]
+    assert main(argv) == 1
+    assert one_error(capsys.readouterr().err) == (
+        f"python -m runtime {command}: error: internal error (ZeroDivisionError: boom); rerun with "
+        "GSM_EDGE_DEBUG=1 for the traceback and report it")
+    monkeypatch.setenv("GSM_EDGE_DEBUG", "1")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError: boom" in err

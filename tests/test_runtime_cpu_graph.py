@@ -143,6 +143,6 @@ def test_auto_falls_back_to_portable_when_the_library_does_not_load(bundle, tmp_
     monkeypatch.setenv("GSM_EDGE_PLUGINS_DIR", str(libs))
     rt = runtime.load(bundle, "onnxruntime", threads=1)
     assert rt.backend.graph == "portable" and "model.cpu.onnx did not load" in rt.backend.graph_note
-    assert rt.new_sequence().prefill([5, 6, 7]).shape[-1] == rt.cfg["vocab_size"]
+    assert rt.new_sequence().prefill([5, 6, 7]).shape[-1] == rt.cfg.vocab_size
     with pytest.raises(RuntimeError, match="graph cpu: .*model.cpu.onnx does not load"):
         runtime.load(bundle, "onnxruntime", threads=1, graph="cpu")

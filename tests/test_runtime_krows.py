@@ -96,7 +96,7 @@ def test_cache_bytes_per_position_counts_the_k_rows(built):
     ck, bundle = built
     rt = runtime.load(bundle, backend="onnxruntime", threads=1)
     cfg = checkpoint.load_config(ck)
-    ranks = {l: (int(a), int(b)) for l, (a, b) in rt.backend.cfg["ranks"].items()}
+    ranks = rt.backend.cfg.ranks
     want = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
     want += 4 * cfg.kv_dim * cfg.num_hidden_layers
     assert rt.backend.cache_bytes_per_position() == want

@@ -172,9 +172,10 @@ def test_reference_refuses_budget_above_max_top_k_before_any_change(budget_bundl
 
 
 def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bundle):
-    """A plugin graph built before engine_io rev 4 (owning nodes with 14 inputs and attribute `top_k`)
-    still runs: every sequence selects with that top_k (= the golden at the checkpoint's budget), and the
-    runtime refuses any other budget since such a graph cannot honour it."""
+    """A plugin graph built before engine_io rev 4 (owning nodes with 14 inputs and attribute `top_k`, no graph
+    input sparse_top_k) in a bundle whose bundle.json says revision 3 still runs: every sequence selects with
+    that top_k (= the golden at the checkpoint's budget), and the runtime refuses any other budget since such
+    a graph cannot honour it."""
     import json
     import shutil
 
@@ -195,7 +196,11 @@ def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bu
             keep = [a for a in n.attribute if a.name != "max_top_k"]
             del n.attribute[:]
             n.attribute.extend(keep + [helper.make_attribute("top_k", default)])
+    (budget,) = [i for i in m.graph.input if i.name == "sparse_top_k"]
+    m.graph.input.remove(budget)
     onnx.save(m, str(old / "model.onnx"))  # weights stay in the copied external file
+    cfg = json.loads((old / "bundle.json").read_text())
+    (old / "bundle.json").write_text(json.dumps({**cfg, "graph_revision": 3}))
     manifest = json.loads((old / MANIFEST_NAME).read_text())
     write_manifest(old, {k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
     rt = runtime.load(old, backend="reference")
@@ -206,8 +211,8 @@ def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bu
     with torch.no_grad():
         g = golden.prefill(gcache, prompt).logits[-1].numpy()
     assert float(np.abs(seq.prefill(prompt) - g).max()) <= 1e-3
-    sel = seq.last.selected[rt.cfg["owning_layers"][0]][0, -1]
-    assert int((sel >= 0).sum()) == rt.cfg["sink_tokens"] + rt.sparse_window + default
+    sel = seq.last.selected[rt.cfg.owning_layers[0]][0, -1]
+    assert int((sel >= 0).sum()) == rt.cfg.sink_tokens + rt.sparse_window + default
     with pytest.raises(runtime.RequestError, match="build-time budget"):
         seq.use_dense()
         seq.decode(3)

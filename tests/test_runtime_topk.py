@@ -101,12 +101,12 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
         for b, s in enumerate(seqs):
             check_step(s, logits[b], g_out[b], caches[b], f"sequence {b}, step {step}")
         for b in (3, 4) if step >= dense_at else (3,):  # dense: every position 0..t is selected
-            for l in rt.cfg["owning_layers"]:
+            for l in rt.cfg.owning_layers:
                 assert selection_mask(seqs[b].last.selected[l][0], seqs[b].length).all()
     # sparse budgets select exactly sinks + window + top_k positions once the context is longer
-    sinks, w = rt.cfg["sink_tokens"], rt.sparse_window
+    sinks, w = rt.cfg.sink_tokens, rt.sparse_window
     for b, k in ((0, 0), (1, 3), (2, default)):
-        got = seqs[b].last.selected[rt.cfg["owning_layers"][0]][0]
+        got = seqs[b].last.selected[rt.cfg.owning_layers[0]][0]
         assert int((got >= 0).sum()) == sinks + w + k
     return seqs
 
@@ -134,7 +134,7 @@ def test_probe_hit_rate_is_spec_4_3(ckpt, bundle):
     logits = seq.prefill(prompt)
     twin_logits = twin.prefill(prompt)
     other_logits = other.prefill(prompt[:20])
-    first = rt.cfg["owning_layers"][0]
+    first = rt.cfg.owning_layers[0]
     for step in range(10):
         tok = int(torch.argmax(g.logits[-1]))
         assert tok == int(np.argmax(logits))
@@ -149,11 +149,11 @@ def test_probe_hit_rate_is_spec_4_3(ckpt, bundle):
         assert other.last_hit_rate is None
         if not probe:
             continue
-        assert seq.last_hit_rates.keys() == set(rt.cfg["owning_layers"])
+        assert seq.last_hit_rates.keys() == set(rt.cfg.owning_layers)
         # spec 4.3 as the golden measures it: on the first owning layer the shadow's query is the real one
         assert abs(seq.last_hit_rates[first] - float(g.trace.hit_rate[first][0])) <= 1e-5
         expected = {}
-        for l in rt.cfg["owning_layers"]:
+        for l in rt.cfg.owning_layers:
             p_dense = shadow.trace.probs[l].numpy()[:, 0]  # [nH, n]: full causal softmax of the dense step
             sel = g.trace.selected[l].numpy()[0]  # [n] bool: the real step's Sel(t)
             expected[l] = float((p_dense * sel[None]).sum(-1).mean())

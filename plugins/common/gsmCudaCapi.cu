@@ -7,9 +7,11 @@
 #include "../gsmSparseAttention/gsmSparseAttentionKernels.h"
 #include "gsm_layout.h"
 
-#include <cuda_runtime_api.h>
+#include "gsm_cuda_compat.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #define GSM_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -76,6 +78,77 @@ GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_
         indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice};
     return status(gsm::cuda::launchSparseAttention<float>(
         *d, B, S, a, workspace, static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
+}
+
+// FP16 activations (what TensorRT passes when it picks kHALF for the plugins' I/O): ck/cv/key, q, index_q, index_w
+// and out are float16 bits; everything else as above.
+GSM_EXPORT int32_t gsm_cuda_kv_update_f16(GsmDims const* d, int32_t B, int32_t S, uint16_t const* ck,
+    uint16_t const* cv, uint16_t const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots,
+    int32_t const* past, int32_t const* newLengths, void* stream)
+{
+    return status(gsm::cuda::launchKVCacheUpdate<__half>(*d, B, S, reinterpret_cast<__half const*>(ck),
+        reinterpret_cast<__half const*>(cv), reinterpret_cast<__half const*>(key), pool, indexKeys, slots, past,
+        newLengths, static_cast<cudaStream_t>(stream)));
+}
+
+GSM_EXPORT int32_t gsm_cuda_sparse_attention_f16(GsmDims const* d, int32_t B, int32_t S, uint16_t const* q,
+    int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
+    float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, uint16_t const* indexQ,
+    uint16_t const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
+    int32_t const* sparseTopKDevice, uint16_t* out, int32_t* selectedOut, float* mass, void* workspace,
+    int64_t workspaceBytes, void* stream)
+{
+    gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
+        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice};
+    return status(gsm::cuda::launchSparseAttention<__half>(
+        *d, B, S, a, workspace, static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
+}
+
+// ---- launch geometry: host-only, no CUDA call (tests/test_cuda_launch_limits.py checks it against the SM limits) ---
+
+// Bytes of one gsm::cuda::LaunchGeometry record, so that a binding can tell it was written for this layout.
+GSM_EXPORT int32_t gsm_cuda_launch_record_bytes()
+{
+    return static_cast<int32_t>(sizeof(gsm::cuda::LaunchGeometry));
+}
+
+// Name of the __global__ function of a record's `kernel` (null for an unknown id).
+GSM_EXPORT char const* gsm_cuda_kernel_name(int32_t id)
+{
+    return gsm::cuda::kernelName(id);
+}
+
+// Every kernel launch of one layer's nodes, as the launchers above issue them: GsmKVCacheUpdate of B x S new rows
+// and GsmKVDemote of M entries (owning layers, d->layerKind 0; M 0: no demotion), GsmSparseAttention of B x S query
+// rows with `workspaceBytes` of workspace. Writes the first `capacity` records to `out` and returns how many there
+// are; -1 when the attention launcher would refuse the workspace (gsm_cuda_last_error says why).
+GSM_EXPORT int32_t gsm_cuda_launch_geometry(GsmDims const* d, int32_t B, int32_t S, int64_t workspaceBytes, int32_t M,
+    gsm::cuda::LaunchGeometry* out, int32_t capacity)
+{
+    std::vector<gsm::cuda::LaunchGeometry> all;
+    bool const owning = d->layerKind == 0;
+    if (owning)
+    {
+        all = gsm::cuda::kvCacheUpdateLaunches(B, S);
+    }
+    if (!gsm::cuda::sparseAttentionLaunches(*d, B, S, static_cast<size_t>(std::max<int64_t>(workspaceBytes, 0)), all))
+    {
+        gLastError = "the workspace (" + std::to_string(workspaceBytes) + " bytes) cannot hold one query row";
+        return -1;
+    }
+    if (owning)
+    {
+        for (gsm::cuda::LaunchGeometry const& g : gsm::cuda::kvDemoteLaunches(M))
+        {
+            all.push_back(g);
+        }
+    }
+    gLastError.clear();
+    for (size_t i = 0; i < all.size() && static_cast<int64_t>(i) < capacity; ++i)
+    {
+        out[i] = all[i];
+    }
+    return static_cast<int32_t>(all.size());
 }
 
 GSM_EXPORT int32_t gsm_cuda_synchronize()

@@ -1,6 +1,6 @@
 #include "gsmKVCacheKernels.h"
 
-#include <cuda_fp16.h>
+#include <algorithm>
 
 namespace gsm
 {
@@ -125,6 +125,25 @@ __global__ void kvDemoteWriteKernel(GsmDims d, int32_t B, int32_t const* list, i
     }
 }
 
+constexpr int32_t kUpdateThreads = 128;
+constexpr int32_t kDemoteThreads = 128;
+
+// One launch covers nb sequences (gridDim.y = b, so at most kMaxGridDimY of them) of S new rows each.
+LaunchList updateLaunches(int32_t S, int64_t nb)
+{
+    LaunchList l;
+    l.add(launchOf(kKernelKVCacheUpdate, S, nb, kUpdateThreads, 0));
+    return l;
+}
+
+LaunchList demoteLaunches(int64_t M)
+{
+    LaunchList l;
+    l.add(launchOf(kKernelKVDemoteStage, M, 1, kDemoteThreads, 0));
+    l.add(launchOf(kKernelKVDemoteWrite, M, 1, kDemoteThreads, 0));
+    return l;
+}
+
 } // namespace
 
 template <typename T>
@@ -136,9 +155,29 @@ cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const*
     {
         return cudaSuccess;
     }
-    dim3 const grid(S, B);
-    kvCacheUpdateKernel<T><<<grid, 128, 0, stream>>>(d, S, ck, cv, key, pool, indexKeys, slots, pastLengths, newLengths);
+    // Sequences beyond gridDim.y's reach go to further launches, each seeing its first sequence as b = 0 (the
+    // kernel indexes every buffer by blockIdx.y): the pointers are offset to that sequence.
+    int64_t const words = poolWords(d);
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxGridDimY)
+    {
+        LaunchGeometry const& g = updateLaunches(S, std::min<int64_t>(kMaxGridDimY, B - b0))[0];
+        int64_t const src = b0 * S;      // first new row of sequence b0 in ck / cv / key
+        int64_t const pos = b0 * d.nMax; // its first position in kv_slots / index_keys
+        GSM_LAUNCH(kvCacheUpdateKernel<T>, gridOf(g), blockOf(g), smemOf(g), stream, d, S, ck + src * d.rankK,
+            cv + src * d.rankV, key + src * d.indexDim, pool + b0 * words, indexKeys + pos * d.indexDim, slots + pos,
+            pastLengths + b0, newLengths + b0);
+    }
     return cudaGetLastError();
+}
+
+std::vector<LaunchGeometry> kvCacheUpdateLaunches(int32_t B, int32_t S)
+{
+    std::vector<LaunchGeometry> out;
+    if (B > 0 && S > 0)
+    {
+        appendChunked(out, B, kMaxGridDimY, [&](int64_t nb) { return updateLaunches(S, nb); });
+    }
+    return out;
 }
 
 size_t kvDemoteWorkspaceBytes(GsmDims const& d, int64_t maxEntries)
@@ -154,9 +193,23 @@ cudaError_t launchKVDemote(GsmDims const& d, int32_t B, int32_t M, int32_t const
         return cudaSuccess;
     }
     float* staged = static_cast<float*>(workspace);
-    kvDemoteStageKernel<<<M, 128, 0, stream>>>(d, B, list, pool, quant, staged);
-    kvDemoteWriteKernel<<<M, 128, 0, stream>>>(d, B, list, pool, quant, staged);
+    LaunchList const g = demoteLaunches(M);
+    GSM_LAUNCH(kvDemoteStageKernel, gridOf(g[0]), blockOf(g[0]), smemOf(g[0]), stream, d, B, list, pool, quant, staged);
+    GSM_LAUNCH(kvDemoteWriteKernel, gridOf(g[1]), blockOf(g[1]), smemOf(g[1]), stream, d, B, list, pool, quant, staged);
     return cudaGetLastError();
+}
+
+std::vector<LaunchGeometry> kvDemoteLaunches(int32_t M)
+{
+    std::vector<LaunchGeometry> out;
+    if (M > 0)
+    {
+        for (LaunchGeometry const& g : demoteLaunches(M))
+        {
+            out.push_back(g);
+        }
+    }
+    return out;
 }
 
 template cudaError_t launchKVCacheUpdate<float>(GsmDims const&, int32_t, int32_t, float const*, float const*,

@@ -4,12 +4,13 @@
  */
 #pragma once
 
+#include "../common/gsm_cuda_compat.h"
+#include "../common/gsm_launch_geometry.h"
 #include "../common/gsm_layout.h"
-
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace gsm
 {
@@ -24,12 +25,18 @@ cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const*
     int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
     cudaStream_t stream);
 
+// The kernel launches of launchKVCacheUpdate(d, B, S, ...), one record per distinct geometry.
+std::vector<LaunchGeometry> kvCacheUpdateLaunches(int32_t B, int32_t S);
+
 // Staging buffer of the demotion (all sources are read before any destination is written).
 size_t kvDemoteWorkspaceBytes(GsmDims const& d, int64_t maxEntries);
 
 // list [M,3] (b, old entry, new entry) on the device; workspace >= kvDemoteWorkspaceBytes(d, M).
 cudaError_t launchKVDemote(GsmDims const& d, int32_t B, int32_t M, int32_t const* list, int32_t* pool,
     float const* quant, void* workspace, cudaStream_t stream);
+
+// The kernel launches of launchKVDemote(d, B, M, ...).
+std::vector<LaunchGeometry> kvDemoteLaunches(int32_t M);
 
 } // namespace cuda
 } // namespace gsm

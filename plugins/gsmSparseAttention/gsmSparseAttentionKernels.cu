@@ -1,7 +1,5 @@
 #include "gsmSparseAttentionKernels.h"
 
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -15,6 +13,7 @@ namespace
 constexpr int32_t kSelectThreads = 256;
 constexpr int32_t kScoreThreads = 128;
 constexpr int32_t kAttnThreads = 128;
+constexpr int32_t kCountThreads = 128;
 constexpr int32_t kGroupTile = 8;           // query heads accumulated in registers at once
 constexpr size_t kChunkBudget = 64u << 20;  // workspace bound: rows are processed in chunks
 constexpr size_t kAlign = 256;
@@ -69,16 +68,18 @@ size_t perRowBytes(GsmDims const& d)
         + static_cast<size_t>(d.numHeads) * (maxSelected(d) + latentRank(d)) * sizeof(float);
 }
 
+// Rows of one chunk: 64 MiB of workspace, and never more than gridDim.y can index (indexScoresKernel and
+// attendKernel take the chunk's row from blockIdx.y; small models fit 100k+ rows in the budget).
 int64_t rowsPerChunk(GsmDims const& d)
 {
-    return std::max<int64_t>(1, static_cast<int64_t>(kChunkBudget / perRowBytes(d)));
+    return std::min<int64_t>(kMaxGridDimY, std::max<int64_t>(1, static_cast<int64_t>(kChunkBudget / perRowBytes(d))));
 }
 
 // ---- 1. indexer scores: grid (ceil(N_max / kScoreThreads), rows of the chunk) --------------------
 template <typename T>
 __global__ void indexScoresKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, float* scores)
 {
-    extern __shared__ float sm[];
+    GSM_DYNAMIC_SHARED(float, sm);
     float* qh = sm;                              // [nI * dI]
     float* wh = sm + d.indexHeads * d.indexDim;  // [nI]
     int32_t const rr = blockIdx.y;
@@ -131,7 +132,7 @@ __device__ int32_t blockExclusiveScan(int32_t v, int32_t* total, int32_t* warpSu
     int32_t x = v;
     for (int32_t o = 1; o < 32; o <<= 1)
     {
-        int32_t const y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+        int32_t const y = __shfl_up_sync(0xFFFFFFFFu, x, o, 32);
         if (lane >= o)
         {
             x += y;
@@ -147,7 +148,7 @@ __device__ int32_t blockExclusiveScan(int32_t v, int32_t* total, int32_t* warpSu
         int32_t y = lane < nWarps ? warpSums[lane] : 0;
         for (int32_t o = 1; o < 32; o <<= 1)
         {
-            int32_t const z = __shfl_up_sync(0xFFFFFFFFu, y, o);
+            int32_t const z = __shfl_up_sync(0xFFFFFFFFu, y, o, 32);
             if (lane >= o)
             {
                 y += z;
@@ -314,7 +315,7 @@ template <typename T>
 __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, int32_t const* selBase,
     int32_t const* counts, float* logitsWs, float* accWs)
 {
-    extern __shared__ float sm[];
+    GSM_DYNAMIC_SHARED(float, sm);
     int32_t const D = d.headDim, half = D / 2;
     int32_t const group = d.numHeads / d.numKvHeads;
     int32_t const r = latentRank(d);
@@ -400,7 +401,7 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
             }
             for (int32_t o = 16; o > 0; o >>= 1)
             {
-                part += __shfl_xor_sync(0xFFFFFFFFu, part, o);
+                part += __shfl_xor_sync(0xFFFFFFFFu, part, o, 32);
             }
             if (lane == 0)
             {
@@ -419,7 +420,7 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
         }
         for (int32_t o = 16; o > 0; o >>= 1)
         {
-            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o, 32));
         }
         float sum = 0.f;
         for (int32_t k = lane; k < count; k += 32)
@@ -430,7 +431,7 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
         }
         for (int32_t o = 16; o > 0; o >>= 1)
         {
-            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o, 32);
         }
         float ps = 0.f;
         for (int32_t k = lane; k < count; k += 32)
@@ -441,7 +442,7 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
         }
         for (int32_t o = 16; o > 0; o >>= 1)
         {
-            ps += __shfl_xor_sync(0xFFFFFFFFu, ps, o);
+            ps += __shfl_xor_sync(0xFFFFFFFFu, ps, o, 32);
         }
         if (lane == 0)
         {
@@ -521,11 +522,84 @@ size_t attendSmemBytes(GsmDims const& d)
     return static_cast<size_t>(group * d.headDim + latentRank(d) + 2 * d.headDim + group) * sizeof(float);
 }
 
+size_t indexScoresSmemBytes(GsmDims const& d)
+{
+    return static_cast<size_t>(d.indexHeads * d.indexDim + d.indexHeads) * sizeof(float);
+}
+
+// Rows a call over `rows` rows processes per chunk: rowsPerChunk, halved until `workspaceBytes` holds the chunk's
+// layout; 0 when not even one row fits.
+int64_t chunkRows(GsmDims const& d, int64_t rows, size_t workspaceBytes)
+{
+    int64_t chunk = std::min<int64_t>(rows, rowsPerChunk(d));
+    while (chunk > 1 && layoutFor(d, chunk).total > workspaceBytes)
+    {
+        chunk = chunk / 2;
+    }
+    return layoutFor(d, chunk).total > workspaceBytes ? 0 : chunk;
+}
+
+// The launches of one chunk of n rows, in launch order (owning: scores, selection, attention; sharing: the count
+// of the source's selection, attention). The launcher and sparseAttentionLaunches both take the geometry from here.
+LaunchList chunkLaunches(GsmDims const& d, int64_t n)
+{
+    LaunchList l;
+    if (d.layerKind == 0)
+    {
+        l.add(launchOf(kKernelIndexScores, (d.nMax + kScoreThreads - 1) / kScoreThreads, n, kScoreThreads,
+            static_cast<int64_t>(indexScoresSmemBytes(d))));
+        l.add(launchOf(kKernelSelect, n, 1, kSelectThreads, 0));
+    }
+    else
+    {
+        l.add(launchOf(kKernelCountSelected, (n + kCountThreads - 1) / kCountThreads, 1, kCountThreads, 0));
+    }
+    l.add(launchOf(kKernelAttend, d.numKvHeads, n, kAttnThreads, static_cast<int64_t>(attendSmemBytes(d))));
+    return l;
+}
+
+// Lifts the 48 KiB default for a launch that needs more dynamic shared memory (the SM's opt-in maximum is checked
+// statically, tests/test_cuda_launch_limits.py).
+template <typename T>
+cudaError_t allowDynamicSmem(LaunchGeometry const& g)
+{
+    if (!g.optIn)
+    {
+        return cudaSuccess;
+    }
+    int const bytes = static_cast<int>(g.dynamicSmemBytes);
+    switch (g.kernel)
+    {
+    case kKernelAttend:
+        return cudaFuncSetAttribute(attendKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    case kKernelIndexScores:
+        return cudaFuncSetAttribute(indexScoresKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    default: return cudaErrorInvalidValue; // no other kernel takes dynamic shared memory
+    }
+}
+
 } // namespace
 
 size_t sparseAttentionWorkspaceBytes(GsmDims const& d, int64_t maxRows)
 {
     return layoutFor(d, std::min<int64_t>(std::max<int64_t>(maxRows, 1), rowsPerChunk(d))).total;
+}
+
+bool sparseAttentionLaunches(
+    GsmDims const& d, int32_t B, int32_t S, size_t workspaceBytes, std::vector<LaunchGeometry>& out)
+{
+    int64_t const rows = static_cast<int64_t>(B) * S;
+    if (rows <= 0)
+    {
+        return true;
+    }
+    int64_t const chunk = chunkRows(d, rows, workspaceBytes);
+    if (chunk == 0)
+    {
+        return false;
+    }
+    appendChunked(out, rows, chunk, [&](int64_t n) { return chunkLaunches(d, n); });
+    return true;
 }
 
 template <typename T>
@@ -537,16 +611,12 @@ cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDe
     {
         return cudaSuccess;
     }
-    int64_t chunk = std::min<int64_t>(rows, rowsPerChunk(d));
-    while (chunk > 1 && layoutFor(d, chunk).total > workspaceBytes)
-    {
-        chunk = chunk / 2;
-    }
-    Layout const l = layoutFor(d, chunk);
-    if (l.total > workspaceBytes)
+    int64_t const chunk = chunkRows(d, rows, workspaceBytes);
+    if (chunk == 0)
     {
         return cudaErrorInvalidValue;
     }
+    Layout const l = layoutFor(d, chunk);
     char* ws = static_cast<char*>(workspace);
     float* scores = reinterpret_cast<float*>(ws + l.scores);
     int32_t* counts = reinterpret_cast<int32_t*>(ws + l.counts);
@@ -557,21 +627,9 @@ cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDe
     {
         cudaMemsetAsync(a.mass, 0, static_cast<size_t>(B) * d.nMax * sizeof(float), stream);
     }
-    size_t const smem = attendSmemBytes(d);
-    if (smem > 48 * 1024)
+    for (LaunchGeometry const& g : chunkLaunches(d, chunk)) // shared memory does not depend on the chunk's rows
     {
-        cudaError_t const e
-            = cudaFuncSetAttribute(attendKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        if (e != cudaSuccess)
-        {
-            return e;
-        }
-    }
-    size_t const scoreSmem = static_cast<size_t>(d.indexHeads * d.indexDim + d.indexHeads) * sizeof(float);
-    if (owning && scoreSmem > 48 * 1024)
-    {
-        cudaError_t const e = cudaFuncSetAttribute(
-            indexScoresKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(scoreSmem));
+        cudaError_t const e = allowDynamicSmem<T>(g);
         if (e != cudaSuccess)
         {
             return e;
@@ -580,19 +638,20 @@ cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDe
     for (int64_t r0 = 0; r0 < rows; r0 += chunk)
     {
         int32_t const n = static_cast<int32_t>(std::min<int64_t>(chunk, rows - r0));
+        int32_t const r = static_cast<int32_t>(r0);
+        LaunchList const g = chunkLaunches(d, n);
         if (owning)
         {
-            dim3 const gs((d.nMax + kScoreThreads - 1) / kScoreThreads, n);
-            indexScoresKernel<T><<<gs, kScoreThreads, scoreSmem, stream>>>(d, S, static_cast<int32_t>(r0), a, scores);
-            selectKernel<<<n, kSelectThreads, 0, stream>>>(d, S, static_cast<int32_t>(r0), a, scores, counts);
+            GSM_LAUNCH(indexScoresKernel<T>, gridOf(g[0]), blockOf(g[0]), smemOf(g[0]), stream, d, S, r, a, scores);
+            GSM_LAUNCH(selectKernel, gridOf(g[1]), blockOf(g[1]), smemOf(g[1]), stream, d, S, r, a, scores, counts);
         }
         else
         {
-            countSelectedKernel<<<(n + 127) / 128, 128, 0, stream>>>(d, S, static_cast<int32_t>(r0), n, a, counts);
+            GSM_LAUNCH(countSelectedKernel, gridOf(g[0]), blockOf(g[0]), smemOf(g[0]), stream, d, S, r, n, a, counts);
         }
-        dim3 const ga(d.numKvHeads, n);
+        LaunchGeometry const& ga = g[g.count - 1];
         int32_t const* sel = owning ? a.selectedOut : a.selectedIn;
-        attendKernel<T><<<ga, kAttnThreads, smem, stream>>>(d, S, static_cast<int32_t>(r0), a, sel, counts, logits, acc);
+        GSM_LAUNCH(attendKernel<T>, gridOf(ga), blockOf(ga), smemOf(ga), stream, d, S, r, a, sel, counts, logits, acc);
     }
     return cudaGetLastError();
 }

@@ -5,12 +5,13 @@
  */
 #pragma once
 
+#include "../common/gsm_cuda_compat.h"
+#include "../common/gsm_launch_geometry.h"
 #include "../common/gsm_layout.h"
-
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace gsm
 {
@@ -45,6 +46,11 @@ struct AttnDeviceArgs
 
 // Workspace for calls of up to maxRows = B*S query rows.
 size_t sparseAttentionWorkspaceBytes(GsmDims const& d, int64_t maxRows);
+
+// The kernel launches launchSparseAttention(d, B, S, ..., workspaceBytes) issues, appended to `out` (one record per
+// distinct geometry); false when it would refuse the workspace (cudaErrorInvalidValue).
+bool sparseAttentionLaunches(
+    GsmDims const& d, int32_t B, int32_t S, size_t workspaceBytes, std::vector<LaunchGeometry>& out);
 
 template <typename T>
 cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDeviceArgs const& a, void* workspace,

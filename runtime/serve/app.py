@@ -46,7 +46,7 @@ class Server:
         self.engine = engine
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        geo = geometry(engine.rt.bundle)
+        geo = geometry(engine.rt.bundle, engine.rt.cfg)
         self.metrics = ServeMetrics(self.registry, geo, engine.rt.n_max)
         self.ratio_policy: CompressionRatioPolicy | None = None
         fallbacks = fallbacks or FallbackConfig()

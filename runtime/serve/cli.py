@@ -1,7 +1,7 @@
 """`python -m runtime serve BUNDLE [--host 127.0.0.1] [--port 8000]`: the argument parser and the command.
 
-Exit codes: 0 ok, 2 bad usage or bad bundle (one `error:` line), 1 a failure while working (a backend or
-the serve extra missing, the port taken), 130 interrupted.
+Exit codes (gsm.cli_support.run_main): 0 ok, 2 bad usage or bad bundle (one `error:` line), 1 a failure while
+working (a backend that cannot start, the serve extra not installed, the port taken), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -9,16 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gsm.cli_support import float_in, int_at_least
-from runtime.cli_args import add_backend_arguments, backend_label
-
-PROG = "python -m runtime serve"
+from gsm.cli_support import CommandFailed, float_in, int_at_least
+from runtime.cli_args import add_backend_arguments, backend_label, load_runtime, one_line
 
 
 def add_parser(sub: Any) -> None:
@@ -57,31 +54,15 @@ def off_or(parse: Callable[[str], float]) -> Callable[[str], float | None]:
     return off
 
 
-def _error(message: str, code: int = 2) -> int:
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
-    return code
-
-
 def serve(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
+    """The command body under gsm.cli_support.run_main(extra="serve"): a starlette, uvicorn or prometheus_client
+    that is not installed is one line naming the extra, wherever it is first imported."""
+    import uvicorn
 
-        from runtime.serve.app import Server
-    except ImportError as e:
-        return _error(f"the serve command needs the serve extra (pip install 'gsm-edge[serve]'): {e}", 1)
-    import runtime
     from runtime.engine import Engine, EngineConfig
+    from runtime.serve.app import Server
 
-    try:
-        rt = runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning, graph=args.graph)
-    except runtime.BundleError as e:
-        return _error(f"bundle {e}")
-    except runtime.RequestError as e:
-        return _error(f"argument --{e.field.replace('_', '-')}: {e.detail}")
-    except ValueError as e:
-        return _error(f"bundle {args.bundle}: {e}")
-    except RuntimeError as e:
-        return _error(str(e), 1)
+    rt = load_runtime(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(rt, EngineConfig(max_running=args.max_running, interleave=args.interleave,
                                       max_queue=args.max_queue, default_deadline_s=args.deadline,
@@ -95,7 +76,7 @@ def serve(args: argparse.Namespace) -> int:
         if TegrastatsMonitor.available():
             monitor = TegrastatsMonitor().start()
         elif args.tegrastats == "on":
-            return _error("argument --tegrastats: on, but no tegrastats program on PATH (not a Jetson?)")
+            raise ValueError("argument --tegrastats: on, but no tegrastats program on PATH (not a Jetson?)")
     from runtime.serve.fallbacks import FallbackConfig
 
     server = Server(engine, model_name=name, tegrastats=monitor,
@@ -116,7 +97,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         uv.run()
         if engine.warmup_error is not None:
-            return _error(f"warm-up failed, the bundle cannot run on this backend: {engine.warmup_error}", 1)
+            raise CommandFailed(one_line(f"warm-up failed, the bundle cannot run on this backend: "
+                                         f"{engine.warmup_error}"))
     finally:
         engine.close()
         if monitor is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from gsm.bundle_format import BundleConfig
 from runtime.engine import FINISH_REASONS, Engine, EngineRequest, Observer
 from runtime.metrics import CacheGeometry, cache_bytes, compression_ratio, tier_counts
 
@@ -26,10 +27,10 @@ TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 FALLBACK_POLICIES = ("hit_rate", "kv_noise", "compression_ratio")
 
 
-def geometry(bundle: Path) -> CacheGeometry | None:
+def geometry(bundle: Path, cfg: BundleConfig) -> CacheGeometry | None:
+    """The cache figures of a bundle: its bundle.json as loaded (`cfg`) and its config.json."""
     try:
-        return CacheGeometry.from_bundle(json.loads((bundle / "bundle.json").read_text(encoding="utf-8")),
-                                         json.loads((bundle / "config.json").read_text(encoding="utf-8")))
+        return CacheGeometry.from_bundle(cfg, json.loads((bundle / "config.json").read_text(encoding="utf-8")))
     except (OSError, KeyError, TypeError, ValueError):  # an older bundle: no cache figures, the rest works
         return None
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 REF_LIB = "libgsm_plugins_ref.so"
 CUDA_LIB = "libgsm_plugins_cuda.so"
+CUDA_EMULATED_LIB = "libgsm_plugins_cuda_emulated.so"  # the same kernels on the HIP CPU Runtime
 TRT_LIB = "libgsm_trt_plugins.so"
 ORT_OPS_LIB = "libgsm_ort_ops.so"
 

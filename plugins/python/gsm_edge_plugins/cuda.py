@@ -1,28 +1,50 @@
-"""torch.cuda bindings of the CUDA kernels (libgsm_plugins_cuda.so), for tests/gpu and scripts/gpu_check.sh.
+"""Bindings of the CUDA kernels for tests/gpu and scripts/gpu_check.sh, on a GPU or emulated on the CPU.
 
-The kernels take device pointers; these helpers upload a `testing.Scenario` (or torch tensors),
-call the kernels on the current stream and return NumPy results shaped like `ref`'s, so GPU and CPU
-reference results compare directly. Needs torch with CUDA; imported only on GPU machines.
+`GSM_CUDA` chooses the library (both have the same C API, plugins/common/gsmCudaCapi.cu):
+- `device` (default): libgsm_plugins_cuda.so, the nvcc build; buffers are torch.cuda tensors (needs a GPU);
+- `emulated`: libgsm_plugins_cuda_emulated.so, the same kernel sources built on the HIP CPU Runtime; buffers
+  are NumPy arrays (a "device pointer" is a host pointer there), no torch and no GPU needed.
+
+These helpers upload a `testing.Scenario` (or arrays), call the kernels on the default stream and return NumPy
+results shaped like `ref`'s, so kernel and CPU reference results compare directly.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from gsm_edge_plugins._lib import CUDA_LIB, load
+from gsm_edge_plugins._lib import CUDA_EMULATED_LIB, CUDA_LIB, find_library, load
 from gsm_edge_plugins.ref import AttentionResult, Dims
 
 _c = ctypes
 
+MODES = {"device": CUDA_LIB, "emulated": CUDA_EMULATED_LIB}
+
+
+def mode() -> str:
+    """`GSM_CUDA` (device | emulated); a ValueError names the variable for anything else."""
+    m = os.environ.get("GSM_CUDA", "device").strip().lower() or "device"
+    if m not in MODES:
+        raise ValueError(f"GSM_CUDA={m!r}: expected one of {', '.join(MODES)}")
+    return m
+
+
+def library_available(m: str | None = None) -> bool:
+    """Whether the kernel library of mode `m` (default: `mode()`) was built."""
+    return find_library(MODES[m or mode()]) is not None
+
 
 class CudaKernels:
-    def __init__(self) -> None:
-        lib = load(CUDA_LIB)
+    def __init__(self, m: str) -> None:
+        name = MODES[m]
+        lib = load(name)
         if lib is None:
-            raise ImportError(f"{CUDA_LIB} was not built (no nvcc at build time)")
+            why = "no nvcc at build time" if m == "device" else "no HIP CPU Runtime or TBB at build time"
+            raise ImportError(f"{name} was not built ({why})")
         p, i32, i64 = _c.c_void_p, _c.c_int32, _c.c_int64
         sig = {
             "gsm_cuda_last_error": (_c.c_char_p, []),
@@ -32,26 +54,30 @@ class CudaKernels:
             "gsm_cuda_kv_demote": (i32, [p, i32, i32, p, p, p, p, p]),
             "gsm_cuda_attention_workspace_bytes": (i64, [p, i64]),
             "gsm_cuda_sparse_attention": (i32, [p, i32, i32] + [p] * 19 + [p, i64, p]),
+            "gsm_cuda_kv_update_f16": (i32, [p, i32, i32] + [p] * 8 + [p]),
+            "gsm_cuda_sparse_attention_f16": (i32, [p, i32, i32] + [p] * 19 + [p, i64, p]),
             "gsm_cuda_synchronize": (i32, []),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         self.lib = lib
+        self.mode = m
+        self.mem = _HostMemory() if m == "emulated" else _TorchCudaMemory()
 
     def check(self, rc: int) -> None:
         if rc != 0:
             raise RuntimeError(self.lib.gsm_cuda_last_error().decode())
 
 
-_K: CudaKernels | None = None
+_K: dict[str, CudaKernels] = {}
 
 
 def kernels() -> CudaKernels:
-    global _K
-    if _K is None:
-        _K = CudaKernels()
-    return _K
+    m = mode()
+    if m not in _K:
+        _K[m] = CudaKernels(m)
+    return _K[m]
 
 
 def architectures() -> str:
@@ -59,19 +85,48 @@ def architectures() -> str:
     return kernels().lib.gsm_cuda_architectures().decode()
 
 
-def _dev(a, dtype=None):
-    import torch
+class _TorchCudaMemory:
+    """Buffers on the GPU (torch.cuda tensors)."""
 
-    if a is None:
-        return None
-    t = torch.as_tensor(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a)
-    if dtype is not None:
-        t = t.to(dtype)
-    return t.contiguous().cuda()
+    def upload(self, a: np.ndarray):
+        import torch
+
+        return torch.as_tensor(np.ascontiguousarray(a)).contiguous().cuda()
+
+    def full(self, shape, value, dtype):
+        import torch
+
+        return torch.full(shape, value, dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
+
+    def ptr(self, t) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    def host(self, t) -> np.ndarray:
+        return t.cpu().numpy()
+
+
+class _HostMemory:
+    """Buffers of the emulated kernels: private NumPy copies (so a kernel writes only what it was given)."""
+
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        return np.array(a, copy=True, order="C")
+
+    def full(self, shape, value, dtype) -> np.ndarray:
+        return np.full(shape, value, dtype)
+
+    def ptr(self, a) -> int | None:
+        return None if a is None else a.ctypes.data
+
+    def host(self, a) -> np.ndarray:
+        return a.copy()
+
+
+def _dev(a):
+    return None if a is None else kernels().mem.upload(np.asarray(a))
 
 
 def _p(t) -> int | None:
-    return None if t is None else t.data_ptr()
+    return kernels().mem.ptr(t)
 
 
 @dataclass
@@ -85,81 +140,88 @@ class DeviceCall:
     workspace: object
     ws_bytes: int
     dims_c: object
+    fp16: bool = False  # q, index_q, index_w and out are float16 (the kernels' __half instantiation)
 
     def run(self) -> None:
         t = self.tensors
         K = kernels()
-        K.check(K.lib.gsm_cuda_sparse_attention(
+        fn = K.lib.gsm_cuda_sparse_attention_f16 if self.fp16 else K.lib.gsm_cuda_sparse_attention
+        K.check(fn(
             _c.byref(self.dims_c), self.B, self.S, _p(t["q"]), _p(t["pool"]), _p(t["slots"]), _p(t["past"]),
             _p(t["new"]), _p(t["quant"]), _p(t["cos"]), _p(t["sin"]), _p(t["w0"]), _p(t["w1"]), _p(t.get("iq")),
             _p(t.get("iw")), _p(t.get("ik")), _p(t.get("window")), _p(t.get("sel_in")), _p(t.get("top_k")),
             _p(t["out"]), _p(t.get("sel_out")), _p(t.get("mass")), _p(self.workspace), self.ws_bytes, None))
 
     def result(self) -> AttentionResult:
-        import torch
-
-        torch.cuda.synchronize()
+        K = kernels()
+        K.check(K.lib.gsm_cuda_synchronize())
         t = self.tensors
 
         def host(name: str) -> np.ndarray | None:
-            return None if t.get(name) is None else t[name].cpu().numpy()
+            return None if t.get(name) is None else K.mem.host(t[name])
 
-        return AttentionResult(host("out"), host("sel_out"), host("mass"), None)
+        out = host("out")
+        return AttentionResult(out.astype(np.float32) if self.fp16 else out, host("sel_out"), host("mass"), None)
 
 
-def prepare_attention(sc, selected: np.ndarray | None = None) -> DeviceCall:
-    """Upload a gsm_edge_plugins.testing.Scenario for the CUDA attention kernels."""
-    import torch
-
+def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False) -> DeviceCall:
+    """Upload a gsm_edge_plugins.testing.Scenario for the CUDA attention kernels; fp16: activations (q, index_q,
+    index_w, out) as float16, the scenario's rounded to nearest."""
+    mem = kernels().mem
     d, B, S = sc.dims, sc.q.shape[0], sc.q.shape[1]
     owning = d.layer_kind == 0
-    t = {"q": _dev(sc.q), "pool": _dev(sc.pool), "slots": _dev(sc.slots), "past": _dev(sc.past),
+    act = np.float16 if fp16 else np.float32
+    t = {"q": _dev(sc.q.astype(act)), "pool": _dev(sc.pool), "slots": _dev(sc.slots), "past": _dev(sc.past),
          "new": _dev(sc.new), "quant": _dev(sc.quant), "cos": _dev(sc.rope_cos), "sin": _dev(sc.rope_sin),
          "w0": _dev(sc.w0), "w1": _dev(sc.w1),
-         "out": torch.full((B, S, d.num_heads * d.head_dim), float("nan"), device="cuda")}
+         "out": mem.full((B, S, d.num_heads * d.head_dim), np.nan, act)}
     if owning:
-        t.update(iq=_dev(sc.index_q), iw=_dev(sc.index_w), ik=_dev(sc.index_keys.view(np.int16)),
+        t.update(iq=_dev(sc.index_q.astype(act)), iw=_dev(sc.index_w.astype(act)),
+                 ik=_dev(sc.index_keys.view(np.int16)),
                  window=_dev(np.array([sc.window], np.int32)),
                  top_k=None if sc.top_k is None else _dev(np.asarray(sc.top_k, np.int32)),
-                 sel_out=torch.full((B, S, d.k_sel), -7, dtype=torch.int32, device="cuda"),
-                 mass=torch.full((B, d.n_max), float("nan"), device="cuda"))
+                 sel_out=mem.full((B, S, d.k_sel), -7, np.int32),
+                 mass=mem.full((B, d.n_max), np.nan, np.float32))
     else:
         t["sel_in"] = _dev(selected)
     dims_c = d.c()
     ws = int(kernels().lib.gsm_cuda_attention_workspace_bytes(_c.byref(dims_c), B * S))
-    workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device="cuda")
-    return DeviceCall(d, B, S, t, workspace, ws, dims_c)
+    workspace = mem.full((max(ws, 1),), 0, np.uint8)
+    return DeviceCall(d, B, S, t, workspace, ws, dims_c, fp16)
 
 
-def sparse_attention(sc, selected: np.ndarray | None = None) -> AttentionResult:
-    call = prepare_attention(sc, selected)
+def sparse_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False) -> AttentionResult:
+    call = prepare_attention(sc, selected, fp16=fp16)
     call.run()
     return call.result()
 
 
-def kv_update(d: Dims, ck, cv, key, pool, index_keys, slots, past, new) -> tuple[np.ndarray, np.ndarray]:
-    """CUDA GsmKVCacheUpdate on host arrays (uploaded, updated on the device, returned as NumPy)."""
+def kv_update(d: Dims, ck, cv, key, pool, index_keys, slots, past, new, *, fp16: bool = False
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """CUDA GsmKVCacheUpdate on host arrays (uploaded, updated on the device, returned as NumPy); fp16: ck, cv and
+    key passed as float16 (rounded to nearest)."""
     B, S = ck.shape[:2]
     dp, dk = _dev(pool), _dev(np.ascontiguousarray(index_keys).view(np.int16))
+    act = np.float16 if fp16 else np.float32
+    ins = [_dev(np.asarray(a, act)) for a in (ck, cv, key)] + [_dev(a) for a in (slots, past, new)]  # held until done
     K = kernels()
     dc = d.c()
-    K.check(K.lib.gsm_cuda_kv_update(_c.byref(dc), B, S, _p(_dev(ck)), _p(_dev(cv)), _p(_dev(key)), _p(dp), _p(dk),
-                                     _p(_dev(slots)), _p(_dev(past)), _p(_dev(new)), None))
+    fn = K.lib.gsm_cuda_kv_update_f16 if fp16 else K.lib.gsm_cuda_kv_update
+    K.check(fn(_c.byref(dc), B, S, *map(_p, ins[:3]), _p(dp), _p(dk), *map(_p, ins[3:]), None))
     K.check(K.lib.gsm_cuda_synchronize())
-    return dp.cpu().numpy(), dk.cpu().numpy().view(np.float16)
+    return K.mem.host(dp), K.mem.host(dk).view(np.float16)
 
 
 def kv_demote(d: Dims, entries: np.ndarray, pool: np.ndarray, quant: np.ndarray) -> np.ndarray:
     """CUDA GsmKVDemote on host arrays; returns the new pool."""
-    import torch
-
     entries = np.ascontiguousarray(entries, np.int32).reshape(-1, 3)
     dp = _dev(pool)
     K = kernels()
     dc = d.c()
-    ws = torch.empty(max(1, int(K.lib.gsm_cuda_kv_demote_workspace_bytes(_c.byref(dc), entries.shape[0]))),
-                     dtype=torch.uint8, device="cuda")
-    K.check(K.lib.gsm_cuda_kv_demote(_c.byref(dc), pool.shape[0], entries.shape[0], _p(_dev(entries)), _p(dp),
-                                     _p(_dev(quant)), _p(ws), None))
+    ws = K.mem.full((max(1, int(K.lib.gsm_cuda_kv_demote_workspace_bytes(_c.byref(dc), entries.shape[0]))),), 0,
+                    np.uint8)
+    d_entries, d_quant = _dev(entries), _dev(quant)
+    K.check(K.lib.gsm_cuda_kv_demote(_c.byref(dc), pool.shape[0], entries.shape[0], _p(d_entries), _p(dp),
+                                     _p(d_quant), _p(ws), None))
     K.check(K.lib.gsm_cuda_synchronize())
-    return dp.cpu().numpy()
+    return K.mem.host(dp)

@@ -1,0 +1,264 @@
+"""The bundle format, declared once: `python -m builder build` writes it, the runtime reads it.
+
+- `FILES`: the name of every file a bundle may hold (docs/builder.md "The bundle");
+- `BUNDLE_FORMAT` / `BUNDLE_VERSION`: the identity manifest.json carries, checked by `check_identity`;
+- `BundleConfig`: bundle.json, the numbers the runtime drives the graphs with, parsed once and checked
+  field by field (one BundleError naming the file and the field);
+- `GRAPH_REVISION`: the engine interface revision (docs/engine_io.md changelog) of the graphs the builder
+  writes. bundle.json states it, so a backend knows which inputs its graphs take instead of probing them;
+  a bundle.json written before the field existed gets the revision its portable graph's inputs imply.
+
+Standard library only (plus gsm.config and gsm.atomic, likewise): the runtime imports this, never torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gsm.atomic import MANIFEST_NAME
+from gsm.config import ConfigError, KVQuantConfig
+
+BUNDLE_FORMAT = "gsm-edge-bundle"
+BUNDLE_VERSION = 1
+GRAPH_REVISION = 5
+OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
+REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
+
+
+class BundleError(ValueError):
+    """A bundle is missing, not a bundle of this format/version, a file fails its hash, or bundle.json
+    does not hold what the runtime needs."""
+
+
+@dataclass(frozen=True)
+class BundleFiles:
+    """File names inside a bundle directory."""
+
+    manifest: str = MANIFEST_NAME  # gsm.atomic's, plus the bundle identity fields
+    config: str = "bundle.json"  # BundleConfig
+    plan: str = "plan.json"  # builder.plan.MemoryPlan
+    report: str = "report.json"  # the build report
+    weights: str = "weights.bin"  # external data of every graph
+    model_trt: str = "model.onnx"  # GSM plugin nodes, for TensorRT (engine_io 2-4)
+    model_portable: str = "model.portable.onnx"  # standard ops, ONNX Runtime anywhere (engine_io 5)
+    model_cpu: str = "model.cpu.onnx"  # portable + the fused CPU attention op (engine_io 5.1)
+    demote_trt: str = "gsm_demote.onnx"  # GsmKVDemote nodes (engine_io 4.3)
+    demote_portable: str = "gsm_demote.portable.onnx"  # re-encodes changed rows (engine_io 5)
+    engine: str = "engine.plan"  # only where TensorRT built it
+    demote_engine: str = "demote.plan"
+
+    def graphs(self) -> dict[str, str]:
+        """The manifest's `graphs` record: network form -> file."""
+        return {"tensorrt": self.model_trt, "portable": self.model_portable, "cpu": self.model_cpu}
+
+
+FILES = BundleFiles()
+
+
+def check_identity(root: Path, manifest: Mapping[str, Any]) -> None:
+    """The manifest says this is a bundle of this format and version, else BundleError."""
+    fmt, version = manifest.get("bundle_format"), manifest.get("bundle_version")
+    if fmt != BUNDLE_FORMAT:
+        raise BundleError(f"{root}: not a {BUNDLE_FORMAT} (manifest bundle_format {fmt!r}); build one with `{REBUILD}`")
+    if version != BUNDLE_VERSION:
+        raise BundleError(f"{root}: bundle version {version!r}, this code reads {BUNDLE_VERSION}; rebuild it with "
+                          f"`{REBUILD}`")
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """Rows per sequence of the FP16 / INT12 / INT8 regions of every owning layer's latent pool
+    (`C16, C12, C8` of docs/engine_io.md section 3; one slot table serves all owning layers)."""
+
+    fp16: int
+    int12: int
+    int8: int
+
+    @property
+    def total(self) -> int:
+        return self.fp16 + self.int12 + self.int8
+
+    @property
+    def by_tier(self) -> tuple[int, int, int]:
+        return self.fp16, self.int12, self.int8
+
+
+# -- field parsers: each returns the value as BundleConfig holds it, or raises TypeError/ValueError ------------
+def _int(lo: int) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError
+        return v
+
+    return parse
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError
+    return v
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        if v not in options:
+            raise ValueError
+        return v
+
+    return parse
+
+
+def _layers(v: Any) -> tuple[int, ...]:
+    return tuple(_int(0)(x) for x in v)
+
+
+def _ranks(v: Any) -> dict[int, tuple[int, int]]:
+    out = {}
+    for k, r in v.items():
+        rk, rv = r
+        out[int(k)] = (_int(1)(rk), _int(1)(rv))
+    return out
+
+
+def _pool_rows(v: Any) -> PoolRows:
+    return PoolRows(**{k: _int(0)(v[k]) for k in ("fp16", "int12", "int8")})
+
+
+def _kv_quantization(v: Any) -> KVQuantConfig:
+    if not isinstance(v, dict):
+        raise ValueError
+    return KVQuantConfig.from_json({"kv_quantization": v})
+
+
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else parse(v)
+
+
+def _record(v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict) or not isinstance(v.get("format"), str):
+        raise ValueError
+    return dict(v)
+
+
+def _revision(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not OLDEST_GRAPH_REVISION <= v <= GRAPH_REVISION:
+        raise ValueError
+    return v
+
+
+def _spec(parse: Callable[[Any], Any], what: str, **kw: Any) -> Any:
+    """A BundleConfig field: how bundle.json's value is parsed, and what the error says it must be."""
+    return field(metadata={"parse": parse, "what": what}, **kw)
+
+
+def _int_spec(lo: int) -> Any:
+    return _spec(_int(lo), f"an integer >= {lo}")
+
+
+@dataclass(frozen=True)
+class BundleConfig:
+    """bundle.json: what the runtime needs to drive the graphs (shapes, tier-policy numbers, revision)."""
+
+    n_max: int = _int_spec(1)  # max-seq: positions per sequence
+    max_batch: int = _int_spec(1)
+    max_input: int = _int_spec(1)  # most new tokens per call (prefill chunk)
+    logits: str = _spec(_choice("last", "all"), "'last' or 'all'")
+    debug_outputs: bool = _spec(_bool, "true or false")
+    vocab_size: int = _int_spec(1)
+    bos_token_id: int = _int_spec(0)
+    eos_token_id: int = _int_spec(0)
+    owning_layers: tuple[int, ...] = _spec(_layers, "a list of layer indices")
+    ranks: dict[int, tuple[int, int]] = _spec(_ranks, "an object layer -> [rank_k, rank_v]")  # owning layers
+    index_dim: int = _int_spec(1)
+    pool_rows: PoolRows = _spec(_pool_rows, "an object with integers fp16, int12, int8")
+    sink_tokens: int = _int_spec(0)
+    sparse_window: int = _int_spec(1)
+    max_sparse_window: int = _int_spec(1)
+    sparse_top_k: int = _int_spec(0)  # the checkpoint's default selection budget
+    quantization_adaptation_rate: int = _int_spec(1)
+    kv_quantization: KVQuantConfig = _spec(_kv_quantization, "a kv_quantization object (quant_config.json's)")
+    graph_revision: int = _spec(_revision, f"an engine_io revision {OLDEST_GRAPH_REVISION}..{GRAPH_REVISION}")
+    # written since --max-top-k existed: the TensorRT graph's largest per-sequence budget (None: not stated)
+    max_top_k: int | None = _spec(_optional(_int(0)), "an integer >= 0", default=None)
+    # written since --weights existed; older bundles have FP16 weights
+    weights: dict[str, Any] = _spec(_record, "an object with a format", default_factory=lambda: {"format": "fp16"})
+
+    def __post_init__(self) -> None:
+        if set(self.ranks) != set(self.owning_layers):
+            raise BundleError(f"ranks has layers {sorted(self.ranks)}, owning_layers {list(self.owning_layers)}")
+        if self.sparse_window > self.max_sparse_window:
+            raise BundleError(f"sparse_window {self.sparse_window} is above max_sparse_window {self.max_sparse_window}")
+
+    @classmethod
+    def from_json(cls, d: Any, origin: str) -> BundleConfig:
+        """Every field checked; one BundleError naming `origin` (the file) and the field otherwise."""
+        if not isinstance(d, dict):
+            raise BundleError(f"{origin}: expected a JSON object, got {type(d).__name__}")
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            what = f.metadata["what"]
+            if f.name not in d:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise BundleError(f"{origin}: no field {f.name!r} ({what}); rebuild the bundle with `{REBUILD}`")
+                continue
+            try:
+                kw[f.name] = f.metadata["parse"](d[f.name])
+            except ConfigError as e:
+                raise BundleError(f"{origin}: field {f.name!r}: {e}") from None
+            except (TypeError, ValueError, KeyError, AttributeError):
+                raise BundleError(f"{origin}: field {f.name!r} must be {what}, got {d[f.name]!r}") from None
+        try:
+            return cls(**kw)
+        except BundleError as e:
+            raise BundleError(f"{origin}: {e}") from None
+
+    @classmethod
+    def load(cls, root: Path) -> BundleConfig:
+        """bundle.json of the bundle directory `root`. One written before `graph_revision` was stated gets
+        the revision its portable graph's inputs imply (`revision_of_graph`)."""
+        path = Path(root) / FILES.config
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise BundleError(f"{path}: missing; rebuild the bundle with `{REBUILD}`") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise BundleError(f"{path}: not readable JSON ({e})") from None
+        if isinstance(d, dict) and "graph_revision" not in d:
+            d = {**d, "graph_revision": revision_of_graph(Path(root) / FILES.model_portable)}
+        return cls.from_json(d, str(path))
+
+    def to_json(self) -> dict[str, Any]:
+        """What the builder writes (the keys of the fields; JSON types)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["owning_layers"] = list(self.owning_layers)
+        d["ranks"] = {str(l): list(r) for l, r in sorted(self.ranks.items())}
+        d["pool_rows"] = dataclasses.asdict(self.pool_rows)
+        d["kv_quantization"] = self.kv_quantization.to_json()["kv_quantization"]
+        return d
+
+
+def revision_from_inputs(names: Collection[str], origin: str) -> int:
+    """The engine_io revision of a portable graph from its inputs, for bundles that do not state it:
+    `cache_rows` came with revision 3, `sparse_top_k` with 4, every layer's `k_rows.{i}` with 5."""
+    if "cache_rows" not in names:
+        raise BundleError(f"{origin}: a graph from before engine_io revision 3 (no cache_rows input), which this "
+                          f"runtime does not run; rebuild the bundle with `{REBUILD}`")
+    if "sparse_top_k" not in names:
+        return 3
+    return 5 if "k_rows.0" in names else 4
+
+
+def revision_of_graph(path: Path) -> int:
+    from gsm.onnx_names import OnnxFormatError, onnx_input_names
+
+    try:
+        names = onnx_input_names(path)
+    except (OSError, OnnxFormatError) as e:
+        raise BundleError(f"{path}: cannot read the graph's inputs to tell its engine_io revision ({e}); rebuild "
+                          f"the bundle with `{REBUILD}`") from None
+    return revision_from_inputs(names, str(path))
