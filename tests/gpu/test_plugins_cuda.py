@@ -11,8 +11,9 @@ byte-identical to the reference's. Attention:
   same order and bit-identical to the reference's: selections must be identical in every row, ties included.
   The attention output sums the same float32 terms in another order (a latent-space V sum per key head, warp
   reductions of the logits), so values may differ by float32 rounding of sums of up to K_sel terms: atol = rtol
-  = 1e-5 (measured: at most 7.2e-7 absolute on outputs of magnitude <= 2.3, i.e. ~3e-7 relative). The attention
-  mass is summed with atomics in no fixed order: the same 1e-5, relative to each sum.
+  = 1e-5 (measured over every case here: at most 8.3e-7 absolute for owning and 1.3e-6 for sharing layers, on
+  outputs of magnitude <= 3.0, i.e. <= 4.4e-7 of the scale). The attention mass is summed with atomics in no fixed
+  order: the same 1e-5 (measured: 1.1e-6 relative at most).
 - device: nvcc contracts the kernels' products into FMAs, so scores may differ in the last bit: 1e-4, and
   selections must be equal except where the reference's own scores put two candidates within 1e-4 of the
   top-k boundary (a near tie the GPU may break the other way); such rows are reported and skipped.
