@@ -1,12 +1,15 @@
 """Load test of `python -m runtime serve` on loopback: concurrent streaming clients and a soak.
 
     python bench/serve_load.py BUNDLE [--levels 1,4,8,16] [--requests 32] [--max-tokens 32] [--soak 1000]
+    python bench/serve_load.py BUNDLE --levels 0 --soak 0 --burst 8 --burst-prompt 1500 --max-tokens 64
 
 Starts the server itself on 127.0.0.1 (a free port; nothing else is ever contacted), waits for
 /health, then for each concurrency level N runs `--requests` streaming completions with N clients
 at a time (httpx, SSE) and reports P50/P95 time to first token and request latency and aggregate
 generated tokens/s (and its ratio to one client). The soak runs `--soak` requests at `--soak-concurrency`
-and reports the server's RSS after warm-up (the first 10 %) and at the end. Everything is bounded:
+and reports the server's RSS after warm-up (the first 10 %) and at the end. The burst sends `--burst` requests
+of `--burst-prompt` token ids at once (more than the memory plan's rows: the rest must queue) and reports the
+server's peak RSS (VmHWM) above its RSS after warm-up beside the plan's KV bytes. Everything is bounded:
 `--time-limit` seconds in all (the run stops and reports what it has). Exit 0 ok, 2 bad input, 1 a failure.
 """
 
@@ -86,6 +89,29 @@ async def run_level(url: str, conc: int, n: int, max_tokens: int, deadline: floa
         return results, time.perf_counter() - t0
 
 
+def proc_status_mb(pid: int, field: str) -> float:
+    """VmRSS / VmHWM (peak resident) of a process from /proc, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+async def run_burst(url: str, n: int, prompt_len: int, max_tokens: int, vocab: int) -> tuple[list[int], float]:
+    """n requests of prompt_len token ids (seeded, past the special ids) at once; their HTTP statuses, wall time."""
+    import httpx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    bodies = [{"prompt": [1] + rng.integers(3, vocab, prompt_len - 1).tolist(), "max_tokens": max_tokens,
+               "temperature": 0, "stop_token_ids": []} for _ in range(n)]
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in bodies))
+        return [r.status_code for r in res], time.perf_counter() - t0
+
+
 def summary(res: list[dict[str, float]], wall: float) -> dict[str, float]:
     toks = sum(r["tokens"] for r in res)
     return {"requests": len(res), "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in res], 50),
@@ -103,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--soak", type=int, default=1000, help="soak requests (0: none)")
     p.add_argument("--soak-concurrency", type=int, default=8)
+    p.add_argument("--burst", type=int, default=0, help="requests sent at once for the peak-RSS check (0: none)")
+    p.add_argument("--burst-prompt", type=int, default=1024, help="prompt tokens of each burst request")
     p.add_argument("--threads", type=int, default=1, help="server's ONNX Runtime threads")
     p.add_argument("--time-limit", type=float, default=900, help="seconds for the whole run")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -111,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                         "policies are on at their defaults otherwise)")
     args = p.parse_args(argv)
     try:
-        levels = [int(x) for x in args.levels.split(",")]
+        levels = [int(x) for x in args.levels.split(",") if x.strip() != "0"]  # 0: no levels
     except ValueError:
         print(f"serve_load: error: argument --levels: expected integers such as 1,4,8,16, got {args.levels!r}",
               file=sys.stderr)
         return 2
-    if min(levels) < 1 or args.requests < 1 or args.max_tokens < 1 or args.soak < 0 or args.soak_concurrency < 1:
+    if (min(levels, default=1) < 1 or args.burst < 0 or args.burst_prompt < 1 or args.requests < 1
+            or args.max_tokens < 1 or args.soak < 0 or args.soak_concurrency < 1):
         print("serve_load: error: --levels, --requests, --max-tokens, --soak-concurrency must be >= 1, --soak >= 0",
               file=sys.stderr)
         return 2
@@ -159,6 +188,24 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             time.sleep(0.2)
         proc = psutil.Process(server.pid)
+        if args.burst:
+            health = httpx.get(url + "/health", timeout=10).json()
+            cfg = json.loads((args.bundle / FILES.config).read_text())
+            plan = json.loads((args.bundle / FILES.plan).read_text()) if (args.bundle / FILES.plan).is_file() else {}
+            before = proc_status_mb(server.pid, "VmRSS")
+            codes, wall = asyncio.run(run_burst(url, args.burst, args.burst_prompt, args.max_tokens, cfg["vocab_size"]))
+            b = {"requests": args.burst, "prompt_tokens": args.burst_prompt, "answered": codes.count(200),
+                 "statuses": sorted(set(codes)), "wall_s": wall, "rss_after_warmup_mb": before,
+                 "peak_rss_mb": proc_status_mb(server.pid, "VmHWM"), "max_batch": cfg["max_batch"],
+                 "max_seq": cfg["n_max"], "plan_kv_pool_mb": plan.get("kv_pool_bytes", float("nan")) / 2**20,
+                 "backend_kv_budget_mb": health.get("kv_budget_bytes", float("nan")) / 2**20,
+                 "max_running": health.get("max_running")}
+            b["peak_growth_mb"] = b["peak_rss_mb"] - before
+            out["burst"] = b
+            print(f"burst: {b['answered']}/{args.burst} answered in {wall:.1f} s; peak RSS {b['peak_rss_mb']:.1f} MB, "
+                  f"{b['peak_growth_mb']:+.1f} MB over warm-up; plan KV {b['plan_kv_pool_mb']:.1f} MB "
+                  f"(max_batch {b['max_batch']} x max_seq {b['max_seq']}), this backend's KV budget "
+                  f"{b['backend_kv_budget_mb']:.1f} MB", file=sys.stderr)
         for conc in levels:
             res, wall = asyncio.run(run_level(url, conc, args.requests, args.max_tokens, deadline))
             s = summary(res, wall)

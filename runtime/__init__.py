@@ -8,16 +8,18 @@
         print(tok.id, repr(tok.text))
     print(s.finish_reason, s.text)
     print(rt.chat([{"role": "user", "content": "Hi"}]).text)  # bundles with a chat template
-    gens = rt.generate_batch(["Once upon", "The dog"], 16)   # one backend call per step for all
-    a, b = rt.new_sequence(), rt.new_sequence()               # the step API a scheduler drives
+    gens = rt.generate_batch(["Once upon", "The dog"], 16)   # one backend call per step, max_batch at a time
+    print(rt.capabilities.max_resident)                       # sequences alive at once: the plan's max_batch
+    a, b = rt.new_sequence(), rt.new_sequence()               # the step API a scheduler drives (max_batch >= 2)
     logits = rt.prefill_batch([a, b], [[1, 415], [1, 9, 33, 7]]); logits = rt.decode_batch([a, b], [5, 6])
 """
 
+from runtime.backend import CacheFullError, Capabilities
 from runtime.bundle import BundleError, verify_bundle
 from runtime.model import ContextFullError, Runtime, load
 from runtime.request import Generation, Token, TokenStream
 from runtime.sampling import RequestError, Sampler, SamplingParams
 from runtime.text import ChatTemplateError
 
-__all__ = ["BundleError", "ChatTemplateError", "ContextFullError", "Generation", "RequestError", "Runtime", "Sampler",
-           "SamplingParams", "Token", "TokenStream", "load", "verify_bundle"]
+__all__ = ["BundleError", "CacheFullError", "Capabilities", "ChatTemplateError", "ContextFullError", "Generation",
+           "RequestError", "Runtime", "Sampler", "SamplingParams", "Token", "TokenStream", "load", "verify_bundle"]

@@ -30,7 +30,7 @@ def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
 def backend_label(backend: Any) -> str:
     """"onnxruntime (graph cpu)", "tensorrt": the backend, and for ONNX Runtime which network it runs (and why
     `auto` fell back to the portable one, if it did)."""
-    graph, note = getattr(backend, "graph", None), getattr(backend, "graph_note", "")
+    graph, note = backend.capabilities.graph, backend.capabilities.graph_note
     return backend.name + (f" (graph {graph}{'; ' + note if note else ''})" if graph else "")
 
 

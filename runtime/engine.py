@@ -7,12 +7,14 @@
     print(h.finish_reason)                                   # stop | length | context | cancelled | deadline | error
     eng.close()
 
-One thread owns the runtime. Each iteration it admits waiting requests up to `max_running` (new
-requests join between decode steps), drops cancelled and expired ones, asks the `stepper` for one
-forward call per running sequence (the prompt's prefill for a request that just joined, else one
-decode step), samples each request's next token with that request's own sampler, and retires the
-finished ones. `SequentialStepper` makes one backend call per sequence; a batched backend replaces it
-with one call for the whole list (the scheduler only hands it `Work` items and takes logits back).
+One thread owns the runtime. Each iteration it admits waiting requests, first come first served, while the
+memory plan has a free cache row for them (`runtime.admission`: `max_running`, at most the backend's
+`capabilities.max_resident`; new requests join between decode steps), drops cancelled and expired ones,
+asks the `stepper` for one forward call per running sequence (the prompt's prefill for a request that just
+joined, else one decode step), samples each request's next token with that request's own sampler, and retires the
+finished ones (their rows free for the next in the queue). `SequentialStepper` makes one backend call per
+sequence; on a backend that takes several per call (`capabilities.max_per_call`) `BatchedStepper` makes one
+call for the whole list (the scheduler only hands it `Work` items and takes logits back).
 Requests are checked by the Runtime's own `stream` / `chat_stream` (same RequestError messages) and
 their sequences are never shared, so greedy outputs equal the same requests run alone.
 """
@@ -31,6 +33,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from runtime.admission import KVBudget
+from runtime.backend import CacheFullError
 from runtime.model import Runtime
 from runtime.request import Token
 from runtime.sampling import RequestError, Sampler, SamplingParams
@@ -56,7 +60,9 @@ class EngineClosedError(RuntimeError):
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduling limits. max_running 0: the bundle's max_batch, or `interleave` sequences when the
-    bundle was built for batch 1 (their steps are then interleaved, one call each)."""
+    bundle was built for batch 1 (their steps are then interleaved, one call each). Either is clamped to the
+    cache rows the backend holds (the memory plan's max_batch): a bundle built for batch 1 runs one request
+    at a time, the rest wait in the queue."""
 
     max_running: int = 0
     interleave: int = 8
@@ -125,11 +131,12 @@ class SequentialStepper:
 
 class BatchedStepper:
     """All prefills in one `Runtime.prefill_batch` call and all decode steps in one `decode_batch` call
-    (the runtime's batched step API). A call that raises fails every request in it: re-running them one
-    by one could repeat positions a half-done call already added."""
+    (the runtime's batched step API), in groups of the backend's `max_per_call`. A call that raises fails
+    every request in it: re-running them one by one could repeat positions a half-done call already added."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.per_call = rt.capabilities.max_per_call
 
     def new_sequence(self) -> Any:
         return self.rt.new_sequence()
@@ -137,27 +144,26 @@ class BatchedStepper:
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = [ValueError("not run")] * len(work)
         for prefill in (True, False):
-            idx = [i for i, w in enumerate(work) if w.prefill is prefill]
-            if not idx:
-                continue
-            seqs = [work[i].seq for i in idx]
-            try:
-                res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx]) if prefill
-                       else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
-                                                 probe=[work[i].probe for i in idx]))
-                for k, i in enumerate(idx):
-                    out[i] = res[k]
-            except Exception as e:
-                for i in idx:
-                    out[i] = e
+            every = [i for i, w in enumerate(work) if w.prefill is prefill]
+            for g in range(0, len(every), self.per_call):
+                idx = every[g:g + self.per_call]
+                seqs = [work[i].seq for i in idx]
+                try:
+                    res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx]) if prefill
+                           else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
+                                                     probe=[work[i].probe for i in idx]))
+                    for k, i in enumerate(idx):
+                        out[i] = res[k]
+                except Exception as e:
+                    for i in idx:
+                        out[i] = e
         return out
 
 
 def release(seq: Any) -> None:
-    """Give a sequence's cache back now (backends with a buffer pool reuse its row); None: nothing to do."""
-    close = getattr(seq, "close", None)
-    if close is not None:
-        close()
+    """Give a sequence's cache row back now, for the next request; None: nothing to do."""
+    if seq is not None:
+        seq.close()
 
 
 def new_kv_noise(seq: Any, passes_seen: int) -> tuple[float | None, int]:
@@ -168,9 +174,8 @@ def new_kv_noise(seq: Any, passes_seen: int) -> tuple[float | None, int]:
 
 
 def default_stepper(rt: Runtime) -> Stepper:
-    """The batched step API when the runtime has it, else one call per sequence."""
-    has_batch = callable(getattr(rt, "prefill_batch", None)) and callable(getattr(rt, "decode_batch", None))
-    return BatchedStepper(rt) if has_batch else SequentialStepper(rt)
+    """One call for several sequences where the backend takes them, else one call per sequence."""
+    return BatchedStepper(rt) if rt.capabilities.max_per_call > 1 else SequentialStepper(rt)
 
 
 class Observer:
@@ -318,8 +323,10 @@ class Engine:
         self.config = config or EngineConfig()
         self.stepper = stepper or default_stepper(rt)
         self.observers: list[Observer] = [observer] if observer is not None else []
-        max_batch = rt.cfg.max_batch
-        self.max_running = self.config.max_running or (max_batch if max_batch > 1 else self.config.interleave)
+        self.budget = KVBudget.of(rt.capabilities, max_running=self.config.max_running,
+                                  interleave=self.config.interleave, max_batch=rt.cfg.max_batch)
+        self.max_running = self.budget.max_running
+        (log.warning if self.budget.clamped else log.info)("%s", self.budget.describe())
         self.ready = threading.Event()  # set after warm-up
         self.warmup_s: float | None = None
         self.warmup_error: BaseException | None = None  # the engine refuses requests when warm-up failed
@@ -424,10 +431,12 @@ class Engine:
             for r in self.stepper.step(w):
                 if isinstance(r, Exception):
                     raise r
+        release(seq)  # a bundle built for batch 1 has this one row
         one = self.stepper.new_sequence()
         for r in self.stepper.step([Work(one, [self.rt.bos_token_id], True)]):
             if isinstance(r, Exception):
                 raise r
+        release(one)
         self.warmup_s = time.monotonic() - t0
         log.info("warm-up took %.3f s", self.warmup_s)
 
@@ -476,13 +485,22 @@ class Engine:
                 else:
                     keep.append(req)
             self._waiting = keep
-            while self._waiting and len(self._running) < self.max_running:
-                req = self._waiting.popleft()
-                req.sampler = Sampler.from_params(req.params)
+            while self._waiting and len(self._running) < self.max_running:  # one row per running request
+                req = self._waiting[0]
                 if req.max_new_tokens == 0:
+                    self._waiting.popleft()
                     self._finish(req, "length")
                     continue
-                req.seq = self.stepper.new_sequence()
+                try:
+                    req.seq = self.stepper.new_sequence()
+                except CacheFullError as e:  # rows held outside this engine (a Runtime used beside it)
+                    if self._running:
+                        break  # the head waits for a row one of these frees
+                    self._waiting.popleft()
+                    self._finish(req, "error", e)  # nothing here would ever free one
+                    continue
+                self._waiting.popleft()
+                req.sampler = Sampler.from_params(req.params)
                 self._running.append(req)
         live = []
         for req in self._running:
@@ -552,6 +570,9 @@ class Engine:
         requests that failed (finished with "error")."""
         fresh = []
         for req in reqs:
+            # the old row first: the plan may have no spare one, and the fresh prefill recomputes everything
+            release(req.seq)
+            req.seq = None
             seq = self.stepper.new_sequence()
             seq.keep_fp16()
             if req.dense:
@@ -566,7 +587,6 @@ class Engine:
                 self._finish(req, "error", res)
                 failed.append(req)
                 continue
-            release(req.seq)
             req.seq, req.retier_passes = seq, seq.retier_passes
             req.refreshes += 1
             self.fallbacks["kv_noise"] += 1

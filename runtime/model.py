@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import REBUILD, BundleConfig
+from runtime.backend import Backend, Capabilities, StepOutput
 from runtime.bundle import open_bundle
-from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning, StepOutput
+from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning
 from runtime.policy import SequenceState, TierPolicy, retier
 from runtime.request import Generation, Token, TokenStream
 from runtime.sampling import RequestError, Sampler, SamplingParams
@@ -38,7 +39,7 @@ class Sequence_:
     """One sequence's cache and tier state; use Runtime.new_sequence(). Its place in the backend's
     buffers is given back when the sequence is garbage-collected (or by `close()`).
 
-    Monitoring (issue 10): `top_k` is this sequence's selection budget (None: the runtime's default;
+    Monitoring: `top_k` is this sequence's selection budget (None: the runtime's default;
     `use_dense()` switches it to dense attention); after a probed decode step `last_hit_rate` /
     `last_hit_rates` hold the mask hit rate (docs/runtime.md "Probes"); after every re-tier pass
     `last_kv_noise` holds the relative error the pass's demotions added (None when it demoted nothing)."""
@@ -54,8 +55,7 @@ class Sequence_:
         self.last_kv_noise: float | None = None  # from the last re-tier pass (None: it demoted nothing)
         self.retier_passes = 0  # re-tier passes run so far (tells a new last_kv_noise from an old one)
         self._fp16_only = False  # keep_fp16(): no re-tier passes (nothing demoted)
-        release = getattr(self.cache, "release", None)
-        self._finalizer = weakref.finalize(self, release) if release is not None else None
+        self._finalizer = weakref.finalize(self, rt.backend.release, self.cache)
 
     @property
     def length(self) -> int:
@@ -85,8 +85,7 @@ class Sequence_:
         self._fp16_only = True
 
     def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
+        self._finalizer()
 
     def _retier(self) -> None:
         if self._fp16_only:
@@ -135,12 +134,13 @@ def check_sparse_window(w: int | None, cfg: BundleConfig) -> int:
 class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
 
-    def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Any, *,
+    def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Backend, *,
                  sparse_window: int | None, top_k: int | None = None) -> None:
         self.bundle = bundle
         self.manifest = manifest
         self.cfg = cfg
         self.backend = backend
+        self.capabilities: Capabilities = backend.capabilities
         self.n_max = cfg.n_max
         self.max_input = cfg.max_input
         q = cfg.kv_quantization
@@ -160,7 +160,8 @@ class Runtime:
     def can_probe(self) -> bool:
         """Whether decode_batch(probe=...) can measure the mask hit rate on this backend: it needs a shadow
         call that leaves the cache as it was (onnxruntime and reference: yes; TensorRT: not yet)."""
-        return bool(getattr(self.backend, "shadow_calls", False)) and bool(self.backend.per_sequence_top_k)
+        caps = self.capabilities
+        return caps.hit_rate_probes and caps.per_sequence_top_k
 
     @property
     def tokenizer(self) -> Any:
@@ -198,7 +199,7 @@ class Runtime:
         """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
         budget there rather than silently running the build-time one."""
         fixed = self.cfg.sparse_top_k
-        if not getattr(self.backend, "per_sequence_top_k", False) and np.any(budgets != fixed):
+        if not self.capabilities.per_sequence_top_k and np.any(budgets != fixed):
             raise RequestError("sparse_top_k", f"this bundle's {self.backend.name} graph selects with its build-time "
                                                f"budget {fixed} only (engine_io revision {self.cfg.graph_revision}; "
                                                "per-sequence budgets came with revision 4): rebuild it with "
@@ -212,6 +213,9 @@ class Runtime:
             raise ValueError("forward_batch needs one chunk of tokens per sequence, at least one sequence")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
+        if len(seqs) > self.capabilities.max_per_call:
+            raise ValueError(f"{len(seqs)} sequences in one call: backend {self.backend.name} takes at most "
+                             f"{self.capabilities.max_per_call} (capabilities.max_per_call)")
         chunks = [[int(t) for t in c] for c in chunks]
         S = max(len(c) for c in chunks)
         if min(len(c) for c in chunks) < 1 or S > self.max_input:
@@ -284,8 +288,18 @@ class Runtime:
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64,
                        **kw: Any) -> list[Generation]:
         """Several requests decoded together, one backend call per step for all unfinished ones; each
-        result equals `generate` of that prompt alone (same sampling parameters for all)."""
+        result equals `generate` of that prompt alone (same sampling parameters for all). More prompts than
+        the plan's resident rows run in groups of that many."""
         streams = [self.stream(p, max_new_tokens, **kw) for p in prompts]  # every input checked first
+        group = min(self.capabilities.max_resident, self.capabilities.max_per_call)
+        for i in range(0, len(streams), group):
+            self._run_together(streams[i:i + group])
+        for s in streams:
+            if s.finish_reason is None:  # max_new_tokens = 0
+                s._finish("length")
+        return [Generation(s.prompt_ids, list(s.ids), s.text, s.finish_reason) for s in streams]
+
+    def _run_together(self, streams: Sequence[TokenStream]) -> None:
         live = [s for s in streams if s.max_new_tokens]
         seqs = {id(s): self.new_sequence() for s in live}
         logits = self.prefill_batch([seqs[id(s)] for s in live], [s.prompt_ids for s in live]) if live else []
@@ -300,10 +314,6 @@ class Runtime:
             live = going
             if live:
                 logits = self.decode_batch([seqs[id(s)] for s in live], [s.ids[-1] for s in live])
-        for s in streams:
-            if s.finish_reason is None:  # max_new_tokens = 0
-                s._finish("length")
-        return [Generation(s.prompt_ids, list(s.ids), s.text, s.finish_reason) for s in streams]
 
     def encode(self, text: str) -> list[int]:
         """BOS + the text's pieces; no BOS when tokenizer_config.json has add_bos_token: false."""

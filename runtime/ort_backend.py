@@ -20,7 +20,8 @@ returns only the new rows, and the backend writes those into the buffers in plac
 neither copies nor transfers anything that grows with N_max. `np.zeros` takes zeroed pages from the
 OS lazily: resident memory grows with the positions written, not with N_max x R.
 
-When more sequences are alive than rows, the buffers grow (doubling, copied once, bound again).
+The buffers have the memory plan's max_batch rows (bundle.json), allocated once: a sequence past them gets a
+CacheFullError, never a larger buffer (the engine admits no more sequences than `capabilities.max_resident`).
 One lock serialises calls on a backend: batch sequences (Runtime.decode_batch) to use the cores
 together rather than running requests on threads.
 
@@ -40,33 +41,11 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import FILES, REBUILD, BundleConfig, BundleError
+from runtime.backend import Capabilities, RowPool, StepOutput, kv_noise_sums, relative_noise
 
 log = logging.getLogger("runtime.ort_backend")
 
 GRAPHS = ("auto", "cpu", "portable")
-
-
-@dataclass
-class StepOutput:
-    logits: np.ndarray  # [B, 1 or S, V] float32
-    attn_mass: np.ndarray  # [B, L] float32, L >= every sequence's length after the call (positions 0..L-1)
-    selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, k] int32 positions, -1 padded
-    layer_mass: dict[int, np.ndarray] | None = None  # owning layer -> [B, L] float32: that layer's attn_mass
-
-
-def kv_noise_sums(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
-    """(sum of squared changes, sum of squared old values) in float64 over re-encoded rows: the runtime's KV
-    noise of a demotion pass is sqrt(first / second) over all its rows, layers, K and V (issue 10)."""
-    o, n = np.asarray(old, np.float64), np.asarray(new, np.float64)
-    return float(np.sum((n - o) ** 2)), float(np.sum(o ** 2))
-
-
-def relative_noise(sums: list[tuple[float, float]]) -> float | None:
-    """||x_new - x_old||_F / ||x_old||_F from kv_noise_sums parts; None when nothing was re-encoded."""
-    if not sums:
-        return None
-    num, den = sum(a for a, _ in sums), sum(b for _, b in sums)
-    return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
 @dataclass(frozen=True)
@@ -142,9 +121,7 @@ class OrtCache:
         return b.buffers[f"latent_k.{layer}"][self.row, :n], b.buffers[f"latent_v.{layer}"][self.row, :n]
 
     def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.backend.release_row(self.row)
+        self.backend.release(self)
 
 
 class OrtBackend:
@@ -183,7 +160,6 @@ class OrtBackend:
         self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
         # revision 4 takes the budget per sequence; older graphs select with their build-time top_k only
         self.per_sequence_top_k = cfg.graph_revision >= 4
-        self.shadow_calls = True  # forward(commit=False) leaves the buffers as they were: probes possible
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
         # revision 5 caches every layer's K rows beside the latents (engine_io 5), and its demotion graph takes
         # the rows' positions to remake them; older graphs rebuild K per step
@@ -192,10 +168,16 @@ class OrtBackend:
         self.cached = list(self._shapes())  # the buffers a call writes new rows into (graph outputs `new_<name>`)
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
+        self.pool = RowPool(cfg.max_batch, self.name)
         self.buffers: dict[str, np.ndarray] = {}
-        self.free_rows: list[int] = []
-        self.rows = 0
-        self._grow(cfg.max_batch)
+        self._allocate(cfg.max_batch)
+        # forward(commit=False) leaves the buffers as they were: the dense shadow call of a probe is possible;
+        # demote() measures the noise on the latents it re-encodes
+        self.capabilities = Capabilities(
+            max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
+            kv_bytes_per_sequence=self.cache_bytes_per_position() * self.n_max,
+            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, graph=self.graph,
+            graph_note=self.graph_note)
 
     def open_session(self, so: Any) -> Any:
         """A session of the network this backend runs, with options `so` (the custom-op library registered
@@ -233,28 +215,26 @@ class OrtBackend:
         """Bytes this backend holds per cached position of one sequence (all layers)."""
         return sum(int(np.prod(shape)) // self.n_max * np.dtype(dt).itemsize for shape, dt in self._shapes().values())
 
-    def _grow(self, rows: int) -> None:
-        """Buffers of `rows` sequences (the old rows copied over), bound once to the session."""
+    def _allocate(self, rows: int) -> None:
+        """Buffers of `rows` sequences, bound once to the session (zeroed pages: resident as they are written)."""
         for name, (shape, dtype) in self._shapes().items():
             buf = np.zeros((rows, *shape), dtype)
-            if name in self.buffers:
-                buf[: self.rows] = self.buffers[name]
             self.buffers[name] = buf
             # an OrtValue over the numpy memory (CPU: no copy); the graph reads it in place
             self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buf))
-        self.free_rows = sorted(set(self.free_rows) | set(range(self.rows, rows)), reverse=True)
-        self.rows = rows
 
     def new_cache(self) -> OrtCache:
         with self.lock:
-            if not self.free_rows:
-                self._grow(2 * self.rows)
-            return OrtCache(self, self.free_rows.pop())
+            return OrtCache(self, self.pool.take())
 
-    def release_row(self, row: int) -> None:
+    def release(self, cache: OrtCache) -> None:
         with self.lock:
-            self.free_rows.append(row)
-            self.free_rows.sort(reverse=True)  # lowest row first: live sequences stay packed
+            if not cache.released:
+                cache.released = True
+                self.pool.give(cache.row)
+
+    def close(self) -> None:
+        """Nothing outside Python's memory: the buffers go with the backend."""
 
     # -- calls -------------------------------------------------------------------------------------
     def forward(self, caches: list[OrtCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,

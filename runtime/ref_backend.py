@@ -15,20 +15,8 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import FILES, BundleConfig
-from runtime.ort_backend import StepOutput, kv_noise_sums, relative_noise
-from runtime.sampling import RequestError
+from runtime.backend import Capabilities, RowPool, StepOutput, check_max_top_k, kv_noise_sums, relative_noise
 from runtime.slots import SlotTable
-
-
-def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
-    """The plugin nodes select at most max_top_k per sequence (engine_io rev 4, K_sel); the CUDA kernel
-    would clamp a larger budget silently, so the plugin backends refuse it (a builder choice)."""
-    worst = int(np.max(top_k)) if np.size(top_k) else 0
-    if worst > max_top_k:
-        raise RequestError("sparse_top_k", f"{worst} is above the bundle's max_top_k {max_top_k} on backend "
-                                           f"{backend} (the plugin graph's selection width: rebuild with "
-                                           f"`builder build --max-top-k {worst}` or more, or use the onnxruntime "
-                                           "backend)")
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -118,7 +106,6 @@ class RefBackend:
         # revision 4: the owning attention nodes read sparse_top_k, each budget up to their attribute max_top_k;
         # an older graph selects with its build-time attribute top_k only (Runtime refuses other budgets)
         self.per_sequence_top_k = cfg.graph_revision >= 4
-        self.shadow_calls = True  # forward(commit=False) leaves pools and slot tables as they were
         attrs = next(a for a in ({x.name: x.i for x in n.attribute} for n in proto.graph.node
                                  if n.op_type == "GsmSparseAttention") if a["layer_kind"] == 0)
         self.max_top_k = int(attrs["max_top_k" if self.per_sequence_top_k else "top_k"])
@@ -126,14 +113,30 @@ class RefBackend:
 
         tables = {i.name: i for i in self.demote_model.proto_.graph.initializer}
         self.quant = {l: numpy_helper.to_array(tables[f"gsm.layers.{l}.quant"]) for l in self.layers}
+        # each cache holds its own pools, but no more of them live at once than the plan's max_batch rows
+        self.pool = RowPool(cfg.max_batch, self.name)
+        row_bytes = sum(4 * self.shapes[f"kv_pool.{l}"][1] + self.n_max * cfg.index_dim * 2 for l in self.layers)
+        # forward(commit=False) leaves pools and slot tables as they were: probes possible
+        self.capabilities = Capabilities(
+            max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
+            kv_bytes_per_sequence=row_bytes + 4 * self.n_max, per_sequence_top_k=self.per_sequence_top_k,
+            hit_rate_probes=True, kv_noise=True)
 
     def new_cache(self) -> dict[str, Any]:
         """One sequence: its slot table, its kv_pool.{l} [1, P32] and index_keys.{l} [1, N_max, dI]."""
-        cache: dict[str, Any] = {"slots": SlotTable(self.n_max, self.rows)}
+        cache: dict[str, Any] = {"row": self.pool.take(), "slots": SlotTable(self.n_max, self.rows)}
         for l in self.layers:
             cache[f"kv_pool.{l}"] = np.zeros((1, self.shapes[f"kv_pool.{l}"][1]), np.int32)
             cache[f"index_keys.{l}"] = np.zeros((1, self.n_max, self.cfg.index_dim), np.float16)
         return cache
+
+    def release(self, cache: dict[str, Any]) -> None:
+        row = cache.pop("row", None)
+        if row is not None:
+            self.pool.give(row)
+
+    def close(self) -> None:
+        """Nothing outside Python's memory."""
 
     def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
@@ -150,7 +153,7 @@ class RefBackend:
                 self._run_demote(c, moves)
             saved.append((slots.entries.copy(), [list(f) for f in slots.free]))
             slots.allocate(range(int(p0), int(p0) + int(n)))
-        feeds = {k: np.concatenate([c[k] for c in caches]) for k in caches[0] if k != "slots"}
+        feeds = {k: np.concatenate([c[k] for c in caches]) for k in caches[0] if k not in ("slots", "row")}
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
                      kv_slots=np.stack([c["slots"].entries for c in caches]))

@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import FILES, BundleConfig
-from runtime.ort_backend import StepOutput
-from runtime.ref_backend import check_max_top_k
+from runtime.backend import Capabilities, RowPool, StepOutput, check_max_top_k
 from runtime.slots import SlotTable
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
@@ -93,8 +92,8 @@ def _load_plugins(bundle: Path) -> None:
 
 
 class TrtBackend:
-    """Same interface as OrtBackend: new_cache / forward / demote; the cache dict holds host state
-    (slot tables) while the pools stay on the device."""
+    """runtime.backend.Backend: new_cache / release / forward / demote / close; the cache dict holds host
+    state (its row, slot table) while the pools stay on the device."""
 
     name = "tensorrt"
 
@@ -133,9 +132,17 @@ class TrtBackend:
         # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An older
         # engine selects with its build-time top_k only (Runtime refuses other budgets).
         self.per_sequence_top_k = cfg.graph_revision >= 4
-        self.shadow_calls = False  # the pools are updated in place: no hit-rate probe on this backend yet
         k_sel = int(self.engine.get_tensor_shape(f"selected.{self.layers[0]}")[-1]) if self.per_sequence_top_k else 0
         self.max_top_k = k_sel - cfg.sink_tokens - cfg.max_sparse_window
+        # Every call runs in batch row 0 of the pools (the slot tables of two sequences would address the same
+        # rows of it), so one sequence is resident at a time until caches map to their own batch rows. The pools
+        # are updated in place (no shadow call: no hit-rate probe) and demote() reads nothing back (no KV noise).
+        self.pool = RowPool(1, self.name)
+        row_bytes = sum(self._max_bytes(n) // self.B for n in self.bufs
+                        if n.startswith(("kv_pool.", "index_keys.")) or n == "kv_slots")
+        self.capabilities = Capabilities(
+            max_resident=1, max_per_call=1, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
+            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=False, kv_noise=False)
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -165,7 +172,12 @@ class TrtBackend:
 
     # -- backend interface -------------------------------------------------------------------------
     def new_cache(self) -> dict[str, Any]:
-        return {"slots": SlotTable(self.n_max, self.rows)}
+        return {"row": self.pool.take(), "slots": SlotTable(self.n_max, self.rows)}
+
+    def release(self, cache: dict[str, Any]) -> None:
+        row = cache.pop("row", None)
+        if row is not None:
+            self.pool.give(row)
 
     def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:

@@ -24,10 +24,11 @@ def run_module(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Comple
                           timeout=timeout)
 
 
-def build_demo(out: Path, *, max_seq: int = 64, max_input: int = 16) -> Path:
-    """The demo model through `python -m builder build` (byte-level tokenizer, vocab 384)."""
+def build_demo(out: Path, *, max_seq: int = 64, max_input: int = 16, max_batch: int = 1) -> Path:
+    """The demo model through `python -m builder build` (byte-level tokenizer, vocab 384); max_batch: the memory
+    plan's cache rows, the sequences that may be resident at once."""
     r = run_module("builder", "build", "--device", "orin", "--output", str(out), "--max-seq", str(max_seq),
-                   "--max-input", str(max_input), cwd=out.parent)
+                   "--max-input", str(max_input), "--max-batch", str(max_batch), cwd=out.parent)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -64,9 +65,10 @@ def with_text_files(src: Path, out: Path, *, tokenizer_json: str | None = None,
     return out
 
 
-def demo_and_chat_bundles(d: Path, *, max_seq: int, max_input: int, vocab: int) -> dict[str, Path]:
+def demo_and_chat_bundles(d: Path, *, max_seq: int, max_input: int, vocab: int,
+                          max_batch: int = 1) -> dict[str, Path]:
     """The demo bundle, and a copy with a ChatML byte-level tokenizer and template (no BOS)."""
-    demo = build_demo(d / "demo", max_seq=max_seq, max_input=max_input)
+    demo = build_demo(d / "demo", max_seq=max_seq, max_input=max_input, max_batch=max_batch)
     chat = with_text_files(demo, d / "chat", tokenizer_json=byte_bpe_json(vocab, ("<|im_start|>", "<|im_end|>")),
                            tokenizer_config={"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>",
                                              "add_bos_token": False})

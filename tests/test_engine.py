@@ -22,7 +22,9 @@ NO_FALLBACKS = dict(min_hit_rate=0.0, max_kv_noise=None)
 def rt(tmp_path_factory):
     import runtime
 
-    return runtime.load(build_demo(tmp_path_factory.mktemp("eng") / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT),
+    # 8 rows in the memory plan: the engine's default of 8 interleaved requests fits it
+    return runtime.load(build_demo(tmp_path_factory.mktemp("eng") / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT,
+                                   max_batch=8),
                         "onnxruntime", threads=1)
 
 

@@ -23,7 +23,8 @@ LONG = [1] + list(range(40, 87))
 def rt(tmp_path_factory):
     import runtime
 
-    r = runtime.load(build_demo(tmp_path_factory.mktemp("fb") / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT),
+    r = runtime.load(build_demo(tmp_path_factory.mktemp("fb") / "demo", max_seq=MAX_SEQ, max_input=MAX_INPUT,
+                                max_batch=8),
                      "onnxruntime", threads=1)
     assert r.can_probe  # onnxruntime: shadow calls leave the cache as it was
     return r

@@ -21,6 +21,7 @@ from builder.build import build
 from gsm.synth import synth_checkpoint
 
 N_MAX, MAX_INPUT = 448, 16  # 448: no other dimension of the tiny model is a multiple of it
+MAX_BATCH = 4  # the memory plan's cache rows: the most sequences alive at once
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,8 @@ def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch")
     ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=4), root / "retier")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True)
+    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True,
+          max_batch=MAX_BATCH)
     return out
 
 
@@ -111,20 +113,24 @@ def test_generate_batch_equals_generate(bundle):
     assert [g.ids for g in rt.generate_batch(prompts, 0)] == [[], [], []]
 
 
-def test_rows_are_reused_and_grow(bundle):
+def test_rows_are_reused_and_never_grown_past_the_plan(bundle):
     import runtime
+    from runtime.backend import CacheFullError
 
     rt = runtime.load(bundle, backend="onnxruntime", threads=1)
-    rows0 = rt.backend.rows
-    seqs = [rt.new_sequence() for _ in range(rows0 + 2)]  # more live sequences than rows: buffers grow
-    assert rt.backend.rows >= rows0 + 2 and len({s.cache.row for s in seqs}) == len(seqs)
-    first = rt.new_sequence()
-    ref = first.prefill([5, 6, 7])
+    seqs = [rt.new_sequence() for _ in range(MAX_BATCH)]
+    assert len({s.cache.row for s in seqs}) == MAX_BATCH
+    with pytest.raises(CacheFullError, match=f"all {MAX_BATCH} cache rows.*max_batch {MAX_BATCH}.*--max-batch"):
+        rt.new_sequence()  # one more than the plan: refused, not a larger buffer
+    assert {b.shape[0] for b in rt.backend.buffers.values()} == {MAX_BATCH}
+    ref_seq = seqs.pop()
+    ref = ref_seq.prefill([5, 6, 7])
     row = seqs[0].cache.row
     del seqs[0]  # its row goes back to the free list and is handed out again
     again = rt.new_sequence()
     assert again.cache.row == row
     assert np.array_equal(again.prefill([5, 6, 7]), ref)  # stale rows of the previous owner are never read
+    assert {b.shape[0] for b in rt.backend.buffers.values()} == {MAX_BATCH}
 
 
 def test_decode_step_reads_no_max_seq_sized_tensor(bundle, tmp_path):

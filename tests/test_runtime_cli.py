@@ -20,7 +20,7 @@ MAX_SEQ, MAX_INPUT, VOCAB = 64, 16, 384  # the demo model's vocabulary; prompts 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
     return demo_and_chat_bundles(tmp_path_factory.mktemp("rtcli"), max_seq=MAX_SEQ, max_input=MAX_INPUT,
-                                 vocab=VOCAB)
+                                 vocab=VOCAB, max_batch=8)
 
 
 def generate(bundle: Path, *args: str) -> tuple[int, str, str]:

@@ -29,7 +29,8 @@ def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("cpu_graph")
     ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True)
+    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True,
+          max_batch=4)  # the four budgets in one batch
     return out
 
 

@@ -25,7 +25,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("krows")
     ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=16)
+    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=16, max_batch=2)
     return ck, out
 
 

@@ -39,7 +39,7 @@ def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):
     import runtime
 
     out = tmp_path / "b32"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32")
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", max_batch=2)
     rt = runtime.load(out, backend="reference")
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     # default --max-top-k: the model's sparse_top_k; a larger run-time budget is refused, naming the flag
@@ -105,7 +105,7 @@ def test_reference_kv_noise(ckpt, tmp_path):
     import runtime
 
     out = tmp_path / "b32"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32")
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", max_batch=2)
     rt = runtime.load(out, backend="reference")
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     gcache, seq = golden.new_cache(), rt.new_sequence()
@@ -121,7 +121,7 @@ def test_reference_kv_noise(ckpt, tmp_path):
 def budget_bundle(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("budget") / "b32"
     build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True,
-          max_top_k=N_MAX)
+          max_top_k=N_MAX, max_batch=8)  # the budgets' sequences in one batch
     return out
 
 

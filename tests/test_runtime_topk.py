@@ -40,7 +40,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bundle(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("b") / "b"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, debug_outputs=True)
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, debug_outputs=True,
+          max_batch=8)  # five sequences in one batch
     return out
 
 

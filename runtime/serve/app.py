@@ -72,10 +72,11 @@ class Server:
             return JSONResponse({"status": "failed", "error": str(eng.warmup_error)}, status_code=503)
         if not eng.ready.is_set():
             return JSONResponse({"status": "warming up"}, status_code=503, headers={"Retry-After": "1"})
-        backend = eng.rt.backend
+        backend, budget = eng.rt.backend, eng.budget
         return JSONResponse({"status": "ok", "warmup_s": eng.warmup_s, "running": len(eng.running),
                              "queue_depth": eng.queue_depth, "backend": backend.name,
-                             "graph": getattr(backend, "graph", None)})
+                             "graph": backend.capabilities.graph, "max_running": eng.max_running,
+                             "kv_rows": budget.rows, "kv_budget_bytes": budget.budget_bytes})
 
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,

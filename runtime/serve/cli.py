@@ -26,9 +26,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--model-name", help="the model id clients send (default: the bundle directory's name)")
     add_backend_arguments(s)
     s.add_argument("--max-running", type=int_at_least(0), default=0,
-                   help="sequences in the running batch (0: the bundle's max_batch, or --interleave at batch 1)")
+                   help="sequences in the running batch (0: the bundle's max_batch, or --interleave at batch 1); "
+                        "at most the cache rows of the bundle's memory plan (the startup log says when clamped)")
     s.add_argument("--interleave", type=int_at_least(1), default=8,
-                   help="sequences whose steps are interleaved on a bundle built for batch 1")
+                   help="sequences whose steps are interleaved on a bundle built for batch 1, clamped to the rows "
+                        "the backend holds (every backend now holds the plan's max_batch: 1 there)")
     s.add_argument("--max-queue", type=int_at_least(1), default=64, help="waiting requests before 429")
     s.add_argument("--deadline", type=float_in(0, math.inf, lo_open=True),
                    help="seconds a request may take from submission (default: none)")

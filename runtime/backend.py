@@ -1,0 +1,134 @@
+"""What a backend is to the Runtime and the engine: the step API (`Backend`), the record of what it can do
+(`Capabilities`), and the step types every backend shares.
+
+The scheduler reads `Capabilities` instead of probing backends for attributes: how many sequences may be
+resident at once (the memory plan's rows: the engine admits by it, a backend never grows past it), how many
+one call may carry, and which measurements the backend can make.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from runtime.sampling import RequestError
+
+
+class CacheFullError(RuntimeError):
+    """Every cache row of the memory plan is taken; the message names the limit and the build flag."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend over one bundle can do. Row counts come from the bundle's memory plan (bundle.json
+    max_batch, n_max): they are fixed at load and never grow under load."""
+
+    max_resident: int  # sequences with a cache at once: the plan's max_batch rows
+    max_per_call: int  # sequences one forward call may carry
+    positions: int  # positions per sequence (max_seq, bundle.json n_max)
+    kv_bytes_per_sequence: int  # this backend's cache bytes of one row (a sequence at max_seq), all owning layers
+    per_sequence_top_k: bool  # each sequence selects with its own budget (engine_io revision 4)
+    hit_rate_probes: bool  # forward(commit=False) leaves the cache as it was: a dense shadow call is possible
+    kv_noise: bool  # demote() measures the KV noise a re-tier pass adds (None from a backend that cannot)
+    graph: str | None = None  # which of the bundle's networks runs where there is a choice (onnxruntime: cpu, portable)
+    graph_note: str = ""  # why the first choice of network was not taken, if it was not
+
+    def __post_init__(self) -> None:
+        for name in ("max_resident", "max_per_call", "positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Capabilities.{name}: expected an integer >= 1, got {getattr(self, name)!r}")
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The cache bytes of all resident rows: what this backend holds at most (preallocated or not)."""
+        return self.kv_bytes_per_sequence * self.max_resident
+
+
+@dataclass
+class StepOutput:
+    logits: np.ndarray  # [B, 1 or S, V] float32
+    attn_mass: np.ndarray  # [B, L] float32, L >= every sequence's length after the call (positions 0..L-1)
+    selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, k] int32 positions, -1 padded
+    layer_mass: dict[int, np.ndarray] | None = None  # owning layer -> [B, L] float32: that layer's attn_mass
+
+
+class Backend(Protocol):
+    """The calls the Runtime makes (onnxruntime, tensorrt, reference). A cache is the backend's own record of
+    one sequence; the Runtime hands it back on every call and releases it exactly once."""
+
+    name: str
+    capabilities: Capabilities
+
+    def new_cache(self) -> Any:
+        """A free row for a new sequence; CacheFullError when all `capabilities.max_resident` are taken."""
+        ...
+
+    def release(self, cache: Any) -> None:
+        """Give the cache's row back (idempotent)."""
+        ...
+
+    def forward(self, caches: list[Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray, sparse_window: int,
+                top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
+        """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. of caches[b]."""
+        ...
+
+    def demote(self, cache: Any, new_tier: np.ndarray) -> float | None:
+        """Re-encode positions whose new_tier >= 0; the pass's KV noise (None: none measured or none changed)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the backend holds outside Python's memory (device buffers); a no-op elsewhere."""
+        ...
+
+
+class RowPool:
+    """The plan's rows of a backend, handed out lowest first (live sequences stay packed) and never more."""
+
+    def __init__(self, rows: int, backend: str) -> None:
+        self.rows, self.backend = rows, backend
+        self.free = list(range(rows - 1, -1, -1))
+
+    @property
+    def in_use(self) -> int:
+        return self.rows - len(self.free)
+
+    def take(self) -> int:
+        if not self.free:
+            raise CacheFullError(f"backend {self.backend}: all {self.rows} cache rows of the bundle's memory plan "
+                                 f"are in use (max_batch {self.rows}); release a sequence first, or rebuild with a "
+                                 "larger --max-batch")
+        return self.free.pop()
+
+    def give(self, row: int) -> None:
+        if row in self.free or not 0 <= row < self.rows:
+            raise ValueError(f"backend {self.backend}: row {row} is not in use")
+        self.free.append(row)
+        self.free.sort(reverse=True)
+
+
+def kv_noise_sums(old: np.ndarray, new: np.ndarray) -> tuple[float, float]:
+    """(sum of squared changes, sum of squared old values) in float64 over re-encoded rows: the runtime's KV
+    noise of a demotion pass is sqrt(first / second) over all its rows, layers, K and V."""
+    o, n = np.asarray(old, np.float64), np.asarray(new, np.float64)
+    return float(np.sum((n - o) ** 2)), float(np.sum(o ** 2))
+
+
+def relative_noise(sums: list[tuple[float, float]]) -> float | None:
+    """||x_new - x_old||_F / ||x_old||_F from kv_noise_sums parts; None when nothing was re-encoded."""
+    if not sums:
+        return None
+    num, den = sum(a for a, _ in sums), sum(b for _, b in sums)
+    return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
+    """The plugin nodes select at most max_top_k per sequence (engine_io rev 4, K_sel); the CUDA kernel
+    would clamp a larger budget silently, so the plugin backends refuse it (a builder choice)."""
+    worst = int(np.max(top_k)) if np.size(top_k) else 0
+    if worst > max_top_k:
+        raise RequestError("sparse_top_k", f"{worst} is above the bundle's max_top_k {max_top_k} on backend "
+                                           f"{backend} (the plugin graph's selection width: rebuild with "
+                                           f"`builder build --max-top-k {worst}` or more, or use the onnxruntime "
+                                           "backend)")
