@@ -43,12 +43,20 @@ GSM_EXPORT char const* gsm_cuda_architectures()
 #endif
 }
 
-GSM_EXPORT int32_t gsm_cuda_kv_update(GsmDims const* d, int32_t B, int32_t S, float const* ck, float const* cv,
-    float const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
+// fp16 0: ck/cv/key float32; 1: float16 bits (what TensorRT passes when it picks kHALF for the plugins' I/O).
+GSM_EXPORT int32_t gsm_cuda_kv_update(GsmDims const* d, int32_t B, int32_t S, int32_t fp16, void const* ck,
+    void const* cv, void const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
     int32_t const* newLengths, void* stream)
 {
-    return status(gsm::cuda::launchKVCacheUpdate<float>(*d, B, S, ck, cv, key, pool, indexKeys, slots, past, newLengths,
-        static_cast<cudaStream_t>(stream)));
+    cudaStream_t const st = static_cast<cudaStream_t>(stream);
+    if (fp16)
+    {
+        return status(gsm::cuda::launchKVCacheUpdate(*d, B, S, static_cast<__half const*>(ck),
+            static_cast<__half const*>(cv), static_cast<__half const*>(key), pool, indexKeys, slots, past, newLengths,
+            st));
+    }
+    return status(gsm::cuda::launchKVCacheUpdate(*d, B, S, static_cast<float const*>(ck),
+        static_cast<float const*>(cv), static_cast<float const*>(key), pool, indexKeys, slots, past, newLengths, st));
 }
 
 GSM_EXPORT int64_t gsm_cuda_kv_demote_workspace_bytes(GsmDims const* d, int64_t maxEntries)
@@ -67,41 +75,20 @@ GSM_EXPORT int64_t gsm_cuda_attention_workspace_bytes(GsmDims const* d, int64_t 
     return static_cast<int64_t>(gsm::cuda::sparseAttentionWorkspaceBytes(*d, maxRows));
 }
 
-GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_t S, float const* q,
+// fp16 0: q, index_q, index_w and out float32; 1: float16 bits (TensorRT's kHALF). Everything else float32/int32.
+GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_t S, int32_t fp16, void const* q,
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
-    float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
-    float const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
-    int32_t const* sparseTopKDevice, float* out, int32_t* selectedOut, float* mass, void* workspace,
+    float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, void const* indexQ,
+    void const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
+    int32_t const* sparseTopKDevice, void* out, int32_t* selectedOut, float* mass, void* workspace,
     int64_t workspaceBytes, void* stream)
 {
     gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
         indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice};
-    return status(gsm::cuda::launchSparseAttention<float>(
-        *d, B, S, a, workspace, static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
-}
-
-// FP16 activations (what TensorRT passes when it picks kHALF for the plugins' I/O): ck/cv/key, q, index_q, index_w
-// and out are float16 bits; everything else as above.
-GSM_EXPORT int32_t gsm_cuda_kv_update_f16(GsmDims const* d, int32_t B, int32_t S, uint16_t const* ck,
-    uint16_t const* cv, uint16_t const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots,
-    int32_t const* past, int32_t const* newLengths, void* stream)
-{
-    return status(gsm::cuda::launchKVCacheUpdate<__half>(*d, B, S, reinterpret_cast<__half const*>(ck),
-        reinterpret_cast<__half const*>(cv), reinterpret_cast<__half const*>(key), pool, indexKeys, slots, past,
-        newLengths, static_cast<cudaStream_t>(stream)));
-}
-
-GSM_EXPORT int32_t gsm_cuda_sparse_attention_f16(GsmDims const* d, int32_t B, int32_t S, uint16_t const* q,
-    int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
-    float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, uint16_t const* indexQ,
-    uint16_t const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
-    int32_t const* sparseTopKDevice, uint16_t* out, int32_t* selectedOut, float* mass, void* workspace,
-    int64_t workspaceBytes, void* stream)
-{
-    gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
-        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice};
-    return status(gsm::cuda::launchSparseAttention<__half>(
-        *d, B, S, a, workspace, static_cast<size_t>(workspaceBytes), static_cast<cudaStream_t>(stream)));
+    size_t const ws = static_cast<size_t>(workspaceBytes);
+    cudaStream_t const st = static_cast<cudaStream_t>(stream);
+    return status(fp16 ? gsm::cuda::launchSparseAttention<__half>(*d, B, S, a, workspace, ws, st)
+                       : gsm::cuda::launchSparseAttention<float>(*d, B, S, a, workspace, ws, st));
 }
 
 // ---- launch geometry: host-only, no CUDA call (tests/test_cuda_launch_limits.py checks it against the SM limits) ---

@@ -49,13 +49,11 @@ class CudaKernels:
         sig = {
             "gsm_cuda_last_error": (_c.c_char_p, []),
             "gsm_cuda_architectures": (_c.c_char_p, []),
-            "gsm_cuda_kv_update": (i32, [p, i32, i32] + [p] * 8 + [p]),
+            "gsm_cuda_kv_update": (i32, [p, i32, i32, i32] + [p] * 8 + [p]),
             "gsm_cuda_kv_demote_workspace_bytes": (i64, [p, i64]),
             "gsm_cuda_kv_demote": (i32, [p, i32, i32, p, p, p, p, p]),
             "gsm_cuda_attention_workspace_bytes": (i64, [p, i64]),
-            "gsm_cuda_sparse_attention": (i32, [p, i32, i32] + [p] * 19 + [p, i64, p]),
-            "gsm_cuda_kv_update_f16": (i32, [p, i32, i32] + [p] * 8 + [p]),
-            "gsm_cuda_sparse_attention_f16": (i32, [p, i32, i32] + [p] * 19 + [p, i64, p]),
+            "gsm_cuda_sparse_attention": (i32, [p, i32, i32, i32] + [p] * 19 + [p, i64, p]),
             "gsm_cuda_synchronize": (i32, []),
         }
         for name, (res, args) in sig.items():
@@ -145,12 +143,11 @@ class DeviceCall:
     def run(self) -> None:
         t = self.tensors
         K = kernels()
-        fn = K.lib.gsm_cuda_sparse_attention_f16 if self.fp16 else K.lib.gsm_cuda_sparse_attention
-        K.check(fn(
-            _c.byref(self.dims_c), self.B, self.S, _p(t["q"]), _p(t["pool"]), _p(t["slots"]), _p(t["past"]),
-            _p(t["new"]), _p(t["quant"]), _p(t["cos"]), _p(t["sin"]), _p(t["w0"]), _p(t["w1"]), _p(t.get("iq")),
-            _p(t.get("iw")), _p(t.get("ik")), _p(t.get("window")), _p(t.get("sel_in")), _p(t.get("top_k")),
-            _p(t["out"]), _p(t.get("sel_out")), _p(t.get("mass")), _p(self.workspace), self.ws_bytes, None))
+        names = ("q", "pool", "slots", "past", "new", "quant", "cos", "sin", "w0", "w1", "iq", "iw", "ik", "window",
+                 "sel_in", "top_k", "out", "sel_out", "mass")  # the C signature's order
+        K.check(K.lib.gsm_cuda_sparse_attention(_c.byref(self.dims_c), self.B, self.S, int(self.fp16),
+                                                *(_p(t.get(n)) for n in names), _p(self.workspace), self.ws_bytes,
+                                                None))
 
     def result(self) -> AttentionResult:
         K = kernels()
@@ -206,8 +203,8 @@ def kv_update(d: Dims, ck, cv, key, pool, index_keys, slots, past, new, *, fp16:
     ins = [_dev(np.asarray(a, act)) for a in (ck, cv, key)] + [_dev(a) for a in (slots, past, new)]  # held until done
     K = kernels()
     dc = d.c()
-    fn = K.lib.gsm_cuda_kv_update_f16 if fp16 else K.lib.gsm_cuda_kv_update
-    K.check(fn(_c.byref(dc), B, S, *map(_p, ins[:3]), _p(dp), _p(dk), *map(_p, ins[3:]), None))
+    K.check(K.lib.gsm_cuda_kv_update(_c.byref(dc), B, S, int(fp16), *map(_p, ins[:3]), _p(dp), _p(dk),
+                                     *map(_p, ins[3:]), None))
     K.check(K.lib.gsm_cuda_synchronize())
     return K.mem.host(dp), K.mem.host(dk).view(np.float16)
 
