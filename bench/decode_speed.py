@@ -9,7 +9,7 @@ Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
   bundle of the largest `--max-seq`; prefill tokens/s of that context;
 - decode ms per step at a fixed context (`--fixed-context`) in bundles built with each `--max-seqs`;
 - batch throughput at each `--batch-contexts` for `--batches` sequences decoded together (decode_batch);
-- each of these at every run-time selection budget in `--top-ks` (`runtime.load(top_k=...)`; default the
+- each of these at every run-time selection budget in `--top-ks` (`runtime.load(sparse_top_k=...)`; default the
   checkpoint's);
 - peak RSS of each; optionally (`--profile`) ONNX Runtime's profile of decode steps per op type;
 - llama.cpp on the same model and thread count when its tools are found (`--llama-dir`, default
@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace) -> dict:
     import runtime
     from runtime.ort_backend import SessionTuning
 
-    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, top_k=args.top_k,
+    rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, sparse_top_k=args.top_k,
                       spinning=args.spinning, graph=args.graph)
     tuning = SessionTuning(threads=args.threads, spinning=args.spinning, optimization=args.optimization,
                            arena=not args.no_arena, graph=args.graph)
@@ -265,7 +265,7 @@ def main() -> int:
     ap.add_argument("--batches", type=ints, default=[1, 4, 8])
     ap.add_argument("--batch-contexts", type=ints, default=[256], help="contexts of the batch runs")
     ap.add_argument("--top-ks", type=ints, default=[],
-                    help="run-time selection budgets (runtime.load(top_k=...)) each run is measured at; "
+                    help="run-time selection budgets (runtime.load(sparse_top_k=...)) each run is measured at; "
                          "default: the checkpoint's")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     ap.add_argument("--threads", type=int, default=2)

@@ -17,9 +17,11 @@
 from runtime.backend import CacheFullError, Capabilities
 from runtime.bundle import BundleError, verify_bundle
 from runtime.model import ContextFullError, Runtime, load
-from runtime.request import Generation, Token, TokenStream
+from runtime.request import TokenStream
+from runtime.request_state import Generation, RequestState, Token
 from runtime.sampling import RequestError, Sampler, SamplingParams
 from runtime.text import ChatTemplateError
 
 __all__ = ["BundleError", "CacheFullError", "Capabilities", "ChatTemplateError", "ContextFullError", "Generation",
-           "RequestError", "Runtime", "Sampler", "SamplingParams", "Token", "TokenStream", "load", "verify_bundle"]
+           "RequestError", "RequestState", "Runtime", "Sampler", "SamplingParams", "Token", "TokenStream", "load",
+           "verify_bundle"]

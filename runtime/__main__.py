@@ -103,7 +103,7 @@ def generate(args: argparse.Namespace) -> int:
 
     source = "--prompt" if args.prompt is not None else "--ids" if args.ids is not None else "--chat"
     flags = {"prompt": source, "messages": source}
-    rt = load_runtime(args, sparse_window=args.sparse_window, top_k=args.sparse_top_k)
+    rt = load_runtime(args, sparse_window=args.sparse_window, sparse_top_k=args.sparse_top_k)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               stop_ids=args.stop_ids)
     try:

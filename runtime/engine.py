@@ -11,11 +11,12 @@ One thread owns the runtime. Each iteration it admits waiting requests, first co
 memory plan has a free cache row for them (`runtime.admission`: `max_running`, at most the backend's
 `capabilities.max_resident`; new requests join between decode steps), drops cancelled and expired ones,
 asks the `stepper` for one forward call per running sequence (the prompt's prefill for a request that just
-joined, else one decode step), samples each request's next token with that request's own sampler, and retires the
-finished ones (their rows free for the next in the queue). `SequentialStepper` makes one backend call per
-sequence; on a backend that takes several per call (`capabilities.max_per_call`) `BatchedStepper` makes one
-call for the whole list (the scheduler only hands it `Work` items and takes logits back).
-Requests are checked by the Runtime's own `stream` / `chat_stream` (same RequestError messages) and
+joined, else one decode step), hands each request's logits to its own `RequestState` (sampler, stop ids,
+length and context ends: the object `TokenStream` and `generate_batch` drive too), and retires the finished
+ones (their rows free for the next in the queue). `SequentialStepper` makes one backend call per sequence; on
+a backend that takes several per call (`capabilities.max_per_call`) `BatchedStepper` makes one call for the
+whole list (the scheduler only hands it `Work` items and takes logits back).
+Requests are checked by the Runtime's own `request` / `chat_request` (same RequestError messages) and
 their sequences are never shared, so greedy outputs equal the same requests run alone.
 """
 
@@ -36,9 +37,8 @@ import numpy as np
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
 from runtime.model import Runtime
-from runtime.request import Token
-from runtime.sampling import RequestError, Sampler, SamplingParams
-from runtime.text import Detokenizer
+from runtime.request_state import RequestState, Token
+from runtime.sampling import RequestError
 
 log = logging.getLogger("runtime.engine")
 
@@ -210,23 +210,15 @@ class EngineRequest:
     """A submitted request: iterate it (or `aiter()`) for tokens; `cancel()` ends it. After it ends:
     `ids`, `text`, `finish_reason` (and `error` when finish_reason is "error")."""
 
-    prompt_ids: list[int]
-    max_new_tokens: int
-    params: SamplingParams
-    stop_ids: frozenset[int]
+    state: RequestState  # inputs, sampler, detokeniser, ids and finish logic: the scheduler only drives it
     deadline: float | None  # time.monotonic() value
-    detok: Detokenizer | None
     id: int = field(default_factory=lambda: next(_ids))
-    ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
     error: BaseException | None = None
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     t_end: float | None = None
     # scheduler-side state
     seq: Any = None
-    sampler: Sampler | None = None
-    next_token: int | None = None
     decode_steps: int = 0
     hit_rate: float | None = None  # the last probed sparse mask hit rate
     dense: bool = False  # switched to dense attention by the hit-rate fallback
@@ -240,8 +232,24 @@ class EngineRequest:
     _wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
 
     @property
+    def prompt_ids(self) -> list[int]:
+        return self.state.prompt_ids
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.state.max_new_tokens
+
+    @property
+    def ids(self) -> list[int]:
+        return self.state.ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.finish_reason
+
+    @property
     def text(self) -> str | None:
-        return None if self.detok is None else self.detok.text
+        return self.state.text
 
     @property
     def done(self) -> bool:
@@ -376,25 +384,21 @@ class Engine:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
                deadline_s: float | None = None) -> EngineRequest:
         """Queue a completion. Inputs are checked now (RequestError); QueueFullError when the queue is full."""
-        ts = self.rt.stream(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stop_ids=stop_ids)
-        return self._enqueue(ts, deadline_s)
+        state = self.rt.request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, stop_ids=stop_ids)
+        return self._enqueue(state, deadline_s)
 
     def submit_chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, *,
                     deadline_s: float | None = None, **sampling: Any) -> EngineRequest:
         """Queue a chat turn: the bundle's chat template, stopping at EOS and its end-of-turn token."""
-        ts = self.rt.chat_stream(messages, max_new_tokens, **sampling)
-        return self._enqueue(ts, deadline_s)
+        return self._enqueue(self.rt.chat_request(messages, max_new_tokens, **sampling), deadline_s)
 
     # -- internals --
-    def _enqueue(self, ts: Any, deadline_s: float | None) -> EngineRequest:
-        # The TokenStream is only a checked request here (never iterated): its fields are what we run.
+    def _enqueue(self, state: RequestState, deadline_s: float | None) -> EngineRequest:
         d = self.config.default_deadline_s if deadline_s is None else deadline_s
         if d is not None and not (isinstance(d, (int, float)) and d > 0):
             raise RequestError("deadline_s", f"must be a number > 0 (seconds), got {d!r}")
-        req = EngineRequest(prompt_ids=list(ts.prompt_ids), max_new_tokens=ts.max_new_tokens, params=ts.params,
-                            stop_ids=frozenset(ts.stop_ids), deadline=None,
-                            detok=None if ts.text is None else Detokenizer(self.rt.decode, ts.prompt_ids))
+        req = EngineRequest(state=state, deadline=None)
         if d is not None:
             req.deadline = req.t_submit + float(d)
         with self._cond:
@@ -441,9 +445,8 @@ class Engine:
         log.info("warm-up took %.3f s", self.warmup_s)
 
     def _finish(self, req: EngineRequest, reason: str, error: BaseException | None = None) -> None:
-        if req.detok is not None and reason not in ("cancelled", "error"):
-            req.detok.flush()  # bytes held back before a stop id: in .text, no token carries them
-        req.finish_reason, req.error, req.t_end = reason, error, time.monotonic()
+        req.state.finish(reason)
+        req.error, req.t_end = error, time.monotonic()
         release(req.seq)
         req.seq = None
         self._notify("on_finish", req)
@@ -487,9 +490,9 @@ class Engine:
             self._waiting = keep
             while self._waiting and len(self._running) < self.max_running:  # one row per running request
                 req = self._waiting[0]
-                if req.max_new_tokens == 0:
+                if not req.state.start():  # max_new_tokens 0: it ends without model work
                     self._waiting.popleft()
-                    self._finish(req, "length")
+                    self._finish(req, req.state.finish_reason)
                     continue
                 try:
                     req.seq = self.stepper.new_sequence()
@@ -500,7 +503,6 @@ class Engine:
                     self._finish(req, "error", e)  # nothing here would ever free one
                     continue
                 self._waiting.popleft()
-                req.sampler = Sampler.from_params(req.params)
                 self._running.append(req)
         live = []
         for req in self._running:
@@ -510,8 +512,8 @@ class Engine:
                 self._finish(req, "deadline")
             else:
                 live.append(req)
-        work = [Work(r.seq, r.prompt_ids, True) if r.next_token is None
-                else Work(r.seq, [r.next_token], False, probe=self._probe_now(r)) for r in live]
+        work = [Work(r.seq, r.prompt_ids, True) if not r.ids  # nothing accepted yet: the prompt
+                else Work(r.seq, [r.state.next_token], False, probe=self._probe_now(r)) for r in live]
         results = self.stepper.step(work) if work else []
         self.steps += 1
         still, refresh = [], []
@@ -594,25 +596,14 @@ class Engine:
         return failed
 
     def _advance(self, req: EngineRequest, logits: np.ndarray) -> bool:
-        """Sample the request's next token from `logits`; False when the request ends here. Same
-        order of checks as TokenStream: stop id (not emitted), then emit, then length, then context."""
-        assert req.sampler is not None
-        tok = req.sampler(logits)
-        if tok in req.stop_ids:
-            self._finish(req, "stop")
+        """Hand the logits to the request's state (its sampler and finish checks); False when it ends here."""
+        tok = req.state.accept(logits, req.seq.length)
+        if tok is not None:
+            if req.t_first is None:
+                req.t_first = time.monotonic()
+                self._notify("on_first_token", req)
+            req._push(tok)
+        if req.state.done:
+            self._finish(req, req.state.finish_reason)
             return False
-        req.ids.append(tok)
-        last = len(req.ids) == req.max_new_tokens
-        full = req.seq.length >= self.rt.n_max
-        text = "" if req.detok is None else req.detok.add(tok)
-        if (last or full) and req.detok is not None:
-            text += req.detok.flush()
-        if req.t_first is None:
-            req.t_first = time.monotonic()
-            self._notify("on_first_token", req)
-        req._push(Token(tok, text))
-        if last or full:
-            self._finish(req, "length" if last else "context")
-            return False
-        req.next_token = tok
         return True

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,11 +21,14 @@ from runtime.backend import Backend, Capabilities, StepOutput
 from runtime.bundle import open_bundle
 from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning
 from runtime.policy import SequenceState, TierPolicy, retier
-from runtime.request import Generation, Token, TokenStream
+from runtime.request_state import Generation, RequestState, Token
 from runtime.sampling import RequestError, Sampler, SamplingParams
 from runtime.text import TextCodec
 
-__all__ = ["BACKENDS", "ContextFullError", "Generation", "Runtime", "Sampler", "Sequence_", "Token", "TokenStream",
+if TYPE_CHECKING:
+    from runtime.request import TokenStream
+
+__all__ = ["BACKENDS", "ContextFullError", "Generation", "RequestState", "Runtime", "Sampler", "Sequence_", "Token",
            "load"]
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "reference")
@@ -39,7 +42,7 @@ class Sequence_:
     """One sequence's cache and tier state; use Runtime.new_sequence(). Its place in the backend's
     buffers is given back when the sequence is garbage-collected (or by `close()`).
 
-    Monitoring: `top_k` is this sequence's selection budget (None: the runtime's default;
+    Monitoring: `sparse_top_k` is this sequence's selection budget (None: the runtime's default;
     `use_dense()` switches it to dense attention); after a probed decode step `last_hit_rate` /
     `last_hit_rates` hold the mask hit rate (docs/runtime.md "Probes"); after every re-tier pass
     `last_kv_noise` holds the relative error the pass's demotions added (None when it demoted nothing)."""
@@ -49,7 +52,7 @@ class Sequence_:
         self.cache = rt.backend.new_cache()
         self.state = SequenceState()
         self.last: StepOutput | None = None
-        self._top_k: int | None = None
+        self._sparse_top_k: int | None = None
         self.last_hit_rate: float | None = None  # mean over owning layers, from the last probed step
         self.last_hit_rates: dict[int, float] | None = None  # owning layer -> hit rate, same step
         self.last_kv_noise: float | None = None  # from the last re-tier pass (None: it demoted nothing)
@@ -62,22 +65,22 @@ class Sequence_:
         return self.state.length
 
     @property
-    def top_k(self) -> int | None:
+    def sparse_top_k(self) -> int | None:
         """Selection budget (spec 4.1 top-k) of this sequence's next calls; None: the runtime's default."""
-        return self._top_k
+        return self._sparse_top_k
 
-    @top_k.setter
-    def top_k(self, k: int | None) -> None:
-        self._top_k = None if k is None else check_top_k(k, self.rt.n_max)
+    @sparse_top_k.setter
+    def sparse_top_k(self, k: int | None) -> None:
+        self._sparse_top_k = None if k is None else check_sparse_top_k(k, self.rt.n_max)
 
     @property
-    def effective_top_k(self) -> int:
-        return self.rt.top_k if self._top_k is None else self._top_k
+    def effective_sparse_top_k(self) -> int:
+        return self.rt.sparse_top_k if self._sparse_top_k is None else self._sparse_top_k
 
     def use_dense(self) -> None:
         """Dense attention over the whole cache from the next call on (the spec's dense case: a budget of
-        n_max covers every position), e.g. as a quality fallback; `top_k = None` goes back to sparse."""
-        self._top_k = self.rt.n_max
+        n_max covers every position), e.g. as a quality fallback; `sparse_top_k = None` goes back to sparse."""
+        self._sparse_top_k = self.rt.n_max
 
     def keep_fp16(self) -> None:
         """No re-tier pass from now on: every row this sequence writes stays FP16 (the KV-noise fallback's
@@ -104,7 +107,7 @@ class Sequence_:
         return self.rt.decode_batch([self], [token], probe=[probe])[0]
 
 
-def check_top_k(k: int, n_max: int) -> int:
+def check_sparse_top_k(k: int, n_max: int) -> int:
     """A selection budget 0..n_max (n_max or anything >= the context: dense attention)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= n_max:
         raise RequestError("sparse_top_k", f"must be an integer in 0..{n_max} (the bundle's max-seq; a value >= "
@@ -135,7 +138,7 @@ class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Backend, *,
-                 sparse_window: int | None, top_k: int | None = None) -> None:
+                 sparse_window: int | None, sparse_top_k: int | None = None) -> None:
         self.bundle = bundle
         self.manifest = manifest
         self.cfg = cfg
@@ -148,9 +151,9 @@ class Runtime:
                                  tier_fractions=tuple(q.tier_fractions), hotness_decay=q.hotness_decay,
                                  rate=cfg.quantization_adaptation_rate, hot_token_ids=frozenset(q.hot_token_ids))
         self.sparse_window = check_sparse_window(sparse_window, cfg)
-        # default selection budget of every sequence (Sequence_.top_k overrides it per sequence)
-        self.top_k = cfg.sparse_top_k if top_k is None else check_top_k(top_k, self.n_max)
-        self._check_budgets(np.array([self.top_k]))
+        # default selection budget of every sequence (Sequence_.sparse_top_k overrides it per sequence)
+        self.sparse_top_k = cfg.sparse_top_k if sparse_top_k is None else check_sparse_top_k(sparse_top_k, self.n_max)
+        self._check_budgets(np.array([self.sparse_top_k]))
         self.vocab_size = cfg.vocab_size
         self.bos_token_id = cfg.bos_token_id
         self.eos_token_id = cfg.eos_token_id
@@ -180,7 +183,7 @@ class Runtime:
     def forward_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]], *,
                       probes: bool = False) -> StepOutput:
         """One call: sequence b adds chunks[b] (1..max-input tokens) at its current length, selecting with
-        its own budget (`Sequence_.top_k`). Updates each sequence's positions and hotness (no re-tier:
+        its own budget (`Sequence_.sparse_top_k`). Updates each sequence's positions and hotness (no re-tier:
         prefill_batch / decode_batch do that). probes: also return each owning layer's selection and mass."""
         ids, past, new = self._call_inputs(seqs, chunks)
         out = self.backend.forward([s.cache for s in seqs], ids, past, new, self.sparse_window,
@@ -193,7 +196,7 @@ class Runtime:
         return out
 
     def _budgets(self, seqs: Sequence[Sequence_]) -> np.ndarray:
-        return self._check_budgets(np.array([s.effective_top_k for s in seqs], np.int32))
+        return self._check_budgets(np.array([s.effective_sparse_top_k for s in seqs], np.int32))
 
     def _check_budgets(self, budgets: np.ndarray) -> np.ndarray:
         """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
@@ -290,30 +293,27 @@ class Runtime:
         """Several requests decoded together, one backend call per step for all unfinished ones; each
         result equals `generate` of that prompt alone (same sampling parameters for all). More prompts than
         the plan's resident rows run in groups of that many."""
-        streams = [self.stream(p, max_new_tokens, **kw) for p in prompts]  # every input checked first
+        reqs = [self.request(p, max_new_tokens, **kw) for p in prompts]  # every input checked first
         group = min(self.capabilities.max_resident, self.capabilities.max_per_call)
-        for i in range(0, len(streams), group):
-            self._run_together(streams[i:i + group])
-        for s in streams:
-            if s.finish_reason is None:  # max_new_tokens = 0
-                s._finish("length")
-        return [Generation(s.prompt_ids, list(s.ids), s.text, s.finish_reason) for s in streams]
+        for i in range(0, len(reqs), group):
+            self._run_together(reqs[i:i + group])
+        return [r.result() for r in reqs]
 
-    def _run_together(self, streams: Sequence[TokenStream]) -> None:
-        live = [s for s in streams if s.max_new_tokens]
-        seqs = {id(s): self.new_sequence() for s in live}
-        logits = self.prefill_batch([seqs[id(s)] for s in live], [s.prompt_ids for s in live]) if live else []
+    def _run_together(self, reqs: Sequence[RequestState]) -> None:
+        live = [r for r in reqs if r.start()]
+        seqs = {id(r): self.new_sequence() for r in live}
+        logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live]) if live else []
         while live:
             going = []
-            for s, lg in zip(live, logits):
-                s.accept(lg, seqs[id(s)].length)
-                if s.finish_reason is None:
-                    going.append(s)
+            for r, lg in zip(live, logits):
+                r.accept(lg, seqs[id(r)].length)
+                if r.done:
+                    seqs.pop(id(r)).close()
                 else:
-                    seqs.pop(id(s)).close()
+                    going.append(r)
             live = going
             if live:
-                logits = self.decode_batch([seqs[id(s)] for s in live], [s.ids[-1] for s in live])
+                logits = self.decode_batch([seqs[id(r)] for r in live], [r.next_token for r in live])
 
     def encode(self, text: str) -> list[int]:
         """BOS + the text's pieces; no BOS when tokenizer_config.json has add_bos_token: false."""
@@ -325,14 +325,21 @@ class Runtime:
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop_ids: Sequence[int] | None = None) -> TokenStream:
+    def request(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                stop_ids: Sequence[int] | None = None) -> RequestState:
+        """A checked request, not yet run (`stream`, `generate_batch` and the Engine drive it). Inputs are
+        checked here, before any model work: a RequestError (ValueError) names the parameter. top_k is
+        sampling's top-k (0: off), not the selection budget (`Sequence_.sparse_top_k`)."""
+        return RequestState(self, self._prompt_ids(prompt), max_new_tokens,
+                            SamplingParams(temperature, top_k, top_p, seed), stop_ids)
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw: Any) -> TokenStream:
         """A request: iterate it for tokens as they come (stop ids end it and are not yielded); after
-        that its `ids`, `text` and `finish_reason` hold the outcome. Inputs are checked here, before any
-        model work: a RequestError (ValueError) names the parameter."""
-        return TokenStream(self, self._prompt_ids(prompt), max_new_tokens,
-                           SamplingParams(temperature, top_k, top_p, seed), stop_ids)
+        that its `ids`, `text` and `finish_reason` hold the outcome. Keywords and checks as `request`."""
+        from runtime.request import TokenStream  # at call time: request code builds on this module, not under it
+
+        return TokenStream(self, self.request(prompt, max_new_tokens, **kw))
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw: Any) -> Generation:
         """The whole generation at once; `text` is what follows the prompt (leading space kept)."""
@@ -346,10 +353,16 @@ class Runtime:
         """The messages rendered by the bundle's chat template (with the generation prompt), as ids."""
         return self._need_codec().encode_chat(messages)
 
+    def chat_request(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> RequestState:
+        """`request` on the rendered messages, stopping at EOS and the template's end-of-turn token."""
+        kw.setdefault("stop_ids", self._need_codec().chat_stop_ids())
+        return self.request(self.chat_ids(messages), max_new_tokens, **kw)
+
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> TokenStream:
         """`stream` on the rendered messages, stopping at EOS and the template's end-of-turn token."""
-        kw.setdefault("stop_ids", self._need_codec().chat_stop_ids())
-        return self.stream(self.chat_ids(messages), max_new_tokens, **kw)
+        from runtime.request import TokenStream
+
+        return TokenStream(self, self.chat_request(messages, max_new_tokens, **kw))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> Generation:
         """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...])."""
@@ -357,10 +370,10 @@ class Runtime:
 
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
-         top_k: int | None = None, spinning: bool = False, graph: str = "auto") -> Runtime:
+         sparse_top_k: int | None = None, spinning: bool = False, graph: str = "auto") -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
-    top_k: the default selection budget (spec 4.1 sparse_top_k) of every sequence, 0..max-seq (a value
+    sparse_top_k: the default selection budget (spec 4.1) of every sequence, 0..max-seq (a value
     >= the context is dense attention); None: the checkpoint's. Not the sampling top_k of `generate`.
     spinning: ONNX Runtime's intra-op threads busy-wait between operators (onnxruntime backend, threads
     != 1): faster on a device that runs nothing else, cycles taken from anything that shares the cores
@@ -379,8 +392,8 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     root = Path(bundle)
     manifest, cfg = open_bundle(root)
     check_sparse_window(sparse_window, cfg)  # before any graph is opened
-    if top_k is not None:
-        check_top_k(top_k, cfg.n_max)
+    if sparse_top_k is not None:
+        check_sparse_top_k(sparse_top_k, cfg.n_max)
     if isinstance(threads, bool) or int(threads) != threads or threads < 0:
         raise RequestError("threads", f"must be an integer >= 0 (0: ONNX Runtime's default), got {threads}")
     if backend == "auto":
@@ -397,4 +410,4 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning), graph=graph))
-    return Runtime(root, manifest, cfg, be, sparse_window=sparse_window, top_k=top_k)
+    return Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k)

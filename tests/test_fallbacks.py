@@ -88,7 +88,7 @@ def test_hit_rate_fallback_forced_switches_the_sequence_to_dense(rt, caplog):
     assert r.ids == ref and r.dense
     assert ev.of("hit_rate") == [(1, pytest.approx(first_hr))]  # dense from then on: no more probes
     assert [e[:2] for e in ev.of("fallback")] == [("hit_rate", pytest.approx(first_hr))]
-    assert ev.of("fallback")[0][2].top_k == MAX_SEQ  # the sequence's own budget: every position
+    assert ev.of("fallback")[0][2].sparse_top_k == MAX_SEQ  # the sequence's own budget: every position
     assert f"sparse mask hit rate {first_hr:.3f} < 1.000" in caplog.text
 
 

@@ -39,7 +39,7 @@ def run(rt, prompts, budgets, steps):
     per step: logits, tokens, tiers and selections of every sequence."""
     seqs = [rt.new_sequence() for _ in prompts]
     for s, k in zip(seqs, budgets):
-        s.top_k = k
+        s.sparse_top_k = k
     logits = rt.prefill_batch(seqs, prompts)
     trace = []
     for _ in range(steps):

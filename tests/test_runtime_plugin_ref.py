@@ -45,7 +45,7 @@ def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):
     # default --max-top-k: the model's sparse_top_k; a larger run-time budget is refused, naming the flag
     assert rt.backend.max_top_k == golden.p.sparse_top_k == json.loads((out / "bundle.json").read_text())["max_top_k"]
     wide = rt.new_sequence()
-    wide.top_k = golden.p.sparse_top_k + 1
+    wide.sparse_top_k = golden.p.sparse_top_k + 1
     with pytest.raises(runtime.RequestError, match=f"--max-top-k {golden.p.sparse_top_k + 1}"):
         wide.prefill([5, 6])
     assert wide.length == 0
@@ -160,13 +160,13 @@ def test_reference_refuses_budget_above_max_top_k_before_any_change(budget_bundl
     seq = rt.new_sequence()
     seq.prefill([5, 6, 7, 8])
     rt.backend.max_top_k = 6  # as a bundle built with max_top_k 6 would read it from its nodes
-    seq.top_k = 7
+    seq.sparse_top_k = 7
     entries = seq.cache["slots"].entries.copy()
     with pytest.raises(runtime.RequestError, match="sparse_top_k: 7 is above the bundle's max_top_k 6") as e:
         seq.decode(9)
     assert e.value.field == "sparse_top_k"
     assert seq.length == 4 and np.array_equal(seq.cache["slots"].entries, entries)
-    seq.top_k = 6
+    seq.sparse_top_k = 6
     seq.decode(9)
     assert seq.length == 5
 
@@ -217,4 +217,4 @@ def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bu
         seq.use_dense()
         seq.decode(3)
     with pytest.raises(runtime.RequestError, match="build-time budget"):
-        runtime.load(old, backend="reference", top_k=3)
+        runtime.load(old, backend="reference", sparse_top_k=3)

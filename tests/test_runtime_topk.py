@@ -81,7 +81,7 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
     seqs = [rt.new_sequence() for _ in budgets]
     goldens, caches, g_out = [], [], []
     for s, k, p in zip(seqs, budgets, prompts):
-        s.top_k = k
+        s.sparse_top_k = k
         goldens.append(golden_at(base, default if k is None else k))
         caches.append(goldens[-1].new_cache())
         with torch.no_grad():
@@ -92,7 +92,7 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
     for step in range(steps):
         if step == dense_at:
             seqs[4].use_dense()
-            assert seqs[4].top_k == N_MAX
+            assert seqs[4].sparse_top_k == N_MAX
             goldens[4] = golden_at(base, N_MAX)  # same cache, dense from now on
         toks = [int(np.argmax(lg)) for lg in logits]
         assert toks == [int(torch.argmax(g.logits[-1])) for g in g_out], f"greedy tokens diverge at step {step}"
@@ -117,7 +117,7 @@ def test_per_sequence_top_k_in_one_batch_equals_golden_at_that_top_k(ckpt, bundl
 
     rt = runtime.load(bundle, backend="onnxruntime", threads=1)
     base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
-    assert rt.top_k == base.p.sparse_top_k == 8
+    assert rt.sparse_top_k == base.p.sparse_top_k == 8
     drive_budgets(rt, base, seed=7, steps=20, dense_at=6)
 
 
@@ -222,14 +222,14 @@ def test_top_k_range_errors(bundle):
     seq = rt.new_sequence()
     for bad in (-1, N_MAX + 1, True, 2.5, "3"):
         with pytest.raises(runtime.RequestError) as e:
-            seq.top_k = bad
+            seq.sparse_top_k = bad
         assert e.value.field == "sparse_top_k"
-    seq.top_k = 0
-    seq.top_k = None
-    assert seq.effective_top_k == rt.top_k
+    seq.sparse_top_k = 0
+    seq.sparse_top_k = None
+    assert seq.effective_sparse_top_k == rt.sparse_top_k
     with pytest.raises(runtime.RequestError):
-        runtime.load(bundle, backend="onnxruntime", top_k=N_MAX + 1)
-    assert runtime.load(bundle, backend="onnxruntime", top_k=N_MAX).top_k == N_MAX
+        runtime.load(bundle, backend="onnxruntime", sparse_top_k=N_MAX + 1)
+    assert runtime.load(bundle, backend="onnxruntime", sparse_top_k=N_MAX).sparse_top_k == N_MAX
     with pytest.raises(ValueError, match="one flag per sequence"):
         rt.decode_batch([seq], [1], probe=[True, False])
 
