@@ -37,7 +37,7 @@ import numpy as np
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
 from runtime.model import Runtime
-from runtime.request_state import RequestState, Token
+from runtime.request_state import RequestFields, RequestState, Token
 from runtime.sampling import RequestError
 
 log = logging.getLogger("runtime.engine")
@@ -206,7 +206,7 @@ _ids = itertools.count(1)
 
 
 @dataclass
-class EngineRequest:
+class EngineRequest(RequestFields):
     """A submitted request: iterate it (or `aiter()`) for tokens; `cancel()` ends it. After it ends:
     `ids`, `text`, `finish_reason` (and `error` when finish_reason is "error")."""
 
@@ -230,26 +230,6 @@ class EngineRequest:
     _done: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.state.prompt_ids
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.state.max_new_tokens
-
-    @property
-    def ids(self) -> list[int]:
-        return self.state.ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.state.finish_reason
-
-    @property
-    def text(self) -> str | None:
-        return self.state.text
 
     @property
     def done(self) -> bool:

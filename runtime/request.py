@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from runtime.request_state import Generation, RequestState, Token
-from runtime.sampling import SamplingParams
+from runtime.request_state import Generation, RequestFields, RequestState, Token
 
 __all__ = ["TokenStream"]
 
@@ -21,7 +20,7 @@ class SequenceSource(Protocol):
     def new_sequence(self) -> Any: ...
 
 
-class TokenStream:
+class TokenStream(RequestFields):
     """Iterate for the generated tokens; after exhaustion `ids`, `text` and `finish_reason` hold the
     outcome. Every input was checked when its `state` was made, before any model work."""
 
@@ -29,36 +28,6 @@ class TokenStream:
         self.state = state
         self._rt = rt
         self._iter: Iterator[Token] | None = None
-
-    # the request's fields, read through (the state is the only copy)
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.state.prompt_ids
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.state.max_new_tokens
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return self.state.stop_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.state.params
-
-    @property
-    def ids(self) -> list[int]:
-        return self.state.ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.state.finish_reason
-
-    @property
-    def text(self) -> str | None:
-        """Text after the prompt so far (all of it once exhausted); None without a tokenizer."""
-        return self.state.text
 
     def __iter__(self) -> Iterator[Token]:
         if self._iter is None:

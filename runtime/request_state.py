@@ -131,3 +131,38 @@ class RequestState:
     def result(self) -> Generation:
         assert self.finish_reason is not None, "the request has not finished"
         return Generation(self.prompt_ids, list(self.ids), self.text, self.finish_reason)
+
+
+class RequestFields:
+    """A driver's read-through view of its request (`self.state`): the state holds the only copy."""
+
+    state: RequestState
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.state.prompt_ids
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.state.max_new_tokens
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.state.stop_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
+    @property
+    def ids(self) -> list[int]:
+        return self.state.ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.finish_reason
+
+    @property
+    def text(self) -> str | None:
+        """Text after the prompt so far (all of it once the request ended); None without a tokenizer."""
+        return self.state.text
