@@ -5,7 +5,7 @@ the kernels' machine code: the ELF `.text.<kernel>` sections, byte for byte. Sec
 from the translation unit (`..._cu_1a2b3c4d...`), which any host-code edit changes; it is normalised away, so a host
 launcher change shows as "identical" and any change of a kernel's instructions as "DIFFERENT".
 
-Usage: python scripts/compare_cubins.py REV [--archs 87,90]     (exit 1 when any kernel differs)
+Usage: python scripts/compare_cubins.py REV [--archs 87,90]     (after pip install -e .; exit 1 when any kernel differs)
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gsm_edge_plugins.launch_limits import KERNEL_SOURCES  # under plugins/
+
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_SOURCES = ("plugins/gsmKVCache/gsmKVCacheKernels.cu", "plugins/gsmSparseAttention/gsmSparseAttentionKernels.cu")
 NVCC_FLAGS = ("-std=c++17", "-Xcompiler=-ffp-contract=off", "--expt-relaxed-constexpr")  # as plugins/CMakeLists.txt
 _TU_HASH = re.compile(r"(_cu_|_GLOBAL__N__)[0-9a-f]{8}")
 
@@ -45,7 +46,7 @@ def text_sections(cubin: bytes) -> dict[str, bytes]:
 
 def cubin_of(tree: Path, source: str, arch: str, out: Path) -> bytes:
     subprocess.run(["nvcc", *NVCC_FLAGS, f"-arch=sm_{arch}", "-cubin", f"-I{tree / 'plugins/common'}",
-                    str(tree / source), "-o", str(out)], check=True)
+                    str(tree / "plugins" / source), "-o", str(out)], check=True)
     return out.read_bytes()
 
 
@@ -68,7 +69,7 @@ def main() -> int:
                 changed = sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n))
                 size = sum(len(v) for v in new.values())
                 verdict = "identical" if not changed else f"DIFFERENT: {', '.join(changed)}"
-                print(f"sm_{arch} {source}: {len(new)} kernels, {size} B of code, {verdict}")
+                print(f"sm_{arch} plugins/{source}: {len(new)} kernels, {size} B of code, {verdict}")
                 differ |= bool(changed)
     return 1 if differ else 0
 

@@ -3,8 +3,8 @@
 #   - TBB (Debian's libtbb-dev), for the HIP CPU Runtime build of the CUDA kernels
 #     (libgsm_plugins_cuda_emulated.so, what `GSM_CUDA=emulated pytest tests/gpu` runs);
 #   - ONNX Runtime's C API headers (scripts/fetch_ort_headers.sh), for the CPU custom op libgsm_ort_ops.so.
-# Idempotent; installs with apt-get only what is missing (as root, or through sudo). Exit 1 when a
-# dependency cannot be had, naming it.
+# Idempotent; installs with apt-get only what is missing (as root, or through sudo). Exit 1 when TBB cannot be
+# had, naming it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! dpkg-query -W -f='${Status}' libtbb-dev 2>/dev/null | grep -q "install ok installed"; then
@@ -17,4 +17,6 @@ if ! dpkg-query -W -f='${Status}' libtbb-dev 2>/dev/null | grep -q "install ok i
   fi
 fi
 echo "TBB present: libtbb-dev $(dpkg-query -W -f='${Version}' libtbb-dev)"
-bash scripts/fetch_ort_headers.sh
+# Optional, as before: without the headers pip skips libgsm_ort_ops.so and its tests skip (the runtime runs the
+# standard-op graph); TBB is not optional, `GSM_CUDA=emulated pytest tests/gpu` fails without the emulated kernels.
+bash scripts/fetch_ort_headers.sh || echo "warning: no ONNX Runtime headers: the fused-attention graph's tests will skip"
