@@ -24,6 +24,10 @@ PLUGINS = ("GsmKVCacheUpdate", "GsmSparseAttention", "GsmKVDemote")
 class PluginOps:
     """GSM nodes for TensorRT; the cache is the engine_io byte pools (int32 words) + slot table.
 
+    The pools and indexer keys hold every cache row of the memory plan ([R, ...], R = max_batch, bound whole
+    and updated in place); `cache_rows` [B] names the row of each sequence in the call (engine_io rev 6), so
+    a call carries any subset of the resident sequences.
+
     max_top_k: the largest per-sequence budget (`sparse_top_k` input) the attention nodes honour; it
     fixes K_sel = sinks + max_sparse_window + max_top_k (the `selected` width, the CUDA workspace).
     Default N_max: every run-time budget 0..max-seq works, the dense fallback included
@@ -55,17 +59,18 @@ class PluginOps:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         self.slots = g.input("kv_slots", I32, ["B", self.n_max])
         self.top_k = g.input("sparse_top_k", I32, ["B"])  # per-sequence selection budget (engine_io rev 4)
+        self.cache_rows = g.input("cache_rows", I32, ["B"])  # each sequence's row of the pools (engine_io rev 6)
         state = {}
         for l in self.cfg.owning_layers:
-            state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["B", pool_words(*self.ranks[l], self.rows)]),
-                        "keys": g.input(f"index_keys.{l}", F16, ["B", self.n_max, dI])}
+            state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)]),
+                        "keys": g.input(f"index_keys.{l}", F16, ["R", self.n_max, dI])}
         return state
 
     def declare_cache_outputs(self) -> None:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         for l in self.cfg.owning_layers:
-            g.output(f"kv_pool_out.{l}", I32, ["B", pool_words(*self.ranks[l], self.rows)])
-            g.output(f"index_keys_out.{l}", F16, ["B", self.n_max, dI])
+            g.output(f"kv_pool_out.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)])
+            g.output(f"index_keys_out.{l}", F16, ["R", self.n_max, dI])
         for l in self.cfg.owning_layers:  # per-layer probes (rev 4); the runtime binds them when asked
             g.output(f"selected.{l}", *self.selected_type())
             g.output(f"attn_mass.{l}", F32, self.mass_shape())
@@ -76,7 +81,8 @@ class PluginOps:
         g = self.g
         rk, rv = self.ranks[l]
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
-            pool, keys = g.op("GsmKVCacheUpdate", [ck, cv, key, cache["pool"], cache["keys"], self.slots, past, new],
+            pool, keys = g.op("GsmKVCacheUpdate", [ck, cv, key, cache["pool"], cache["keys"], self.slots, past, new,
+                                                   self.cache_rows],
                               outputs=[f"kv_pool_out.{l}", f"index_keys_out.{l}"], domain=DOMAIN,
                               **self._attrs(rank_k=rk, rank_v=rv, index_dim=self.cfg.gsm.indexer_dim))
         return {"pool": pool, "keys": keys}
@@ -96,10 +102,10 @@ class PluginOps:
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)
-            ins += [index_q, index_w, cache["keys"], sparse_window, self.top_k]
+            ins += [index_q, index_w, cache["keys"], sparse_window, self.top_k, self.cache_rows]
             outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:
-            ins += [selected]
+            ins += [selected, self.cache_rows]
             outs = [f"L{l}.attn_out"]
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             res = g.op("GsmSparseAttention", ins, outputs=outs, domain=DOMAIN, **attrs)

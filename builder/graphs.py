@@ -137,8 +137,8 @@ def _demote_trt(g: GraphBuilder, spec: NetSpec, rows: PoolRows, path: Path) -> N
     lst = g.input("demote_list", I32, ["M", 3])
     for l in cfg.owning_layers:
         p = pool_words(*ranks[l], rows)
-        pool = g.input(f"kv_pool.{l}", I32, ["B", p])
+        pool = g.input(f"kv_pool.{l}", I32, ["R", p])  # every cache row; a list entry names its row
         ops.demote(l, pool, lst, quant_name(l), f"kv_pool_out.{l}")
-        g.output(f"kv_pool_out.{l}", I32, ["B", p])
+        g.output(f"kv_pool_out.{l}", I32, ["R", p])
     save_model(g.model("gsm_demote", extra_opsets={DOMAIN: 1}, doc="GsmKVDemote per owning layer (engine_io 4.3)"),
                path)

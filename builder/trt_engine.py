@@ -68,6 +68,7 @@ def _input_shapes(cfg: BundleConfig, s: tuple[int, int, int], b: tuple[int, int,
     """min/opt/max shapes of the dynamic inputs for one optimisation profile."""
     shapes: dict[str, Any] = {"input_ids": [(bb, ss) for bb, ss in zip(b, s)],
                               "past_lengths": [(bb,) for bb in b], "new_lengths": [(bb,) for bb in b],
+                              "sparse_top_k": [(bb,) for bb in b], "cache_rows": [(bb,) for bb in b],
                               "sparse_window": [(1,)] * 3, "kv_slots": [(bb, cfg.n_max) for bb in b]}
     return shapes
 
@@ -123,9 +124,8 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
         for i in range(network.num_inputs):
             t = network.get_input(i)
             shapes = _input_shapes(rcfg, s_range, (1, B, B)).get(t.name)
-            if shapes is None:  # caches: static except the batch
-                dims = list(t.shape)
-                shapes = [tuple([bb] + dims[1:]) for bb in (1, B, B)]
+            if shapes is None:  # the pools: every cache row, always bound whole ([R, ...], R = max_batch)
+                shapes = [tuple([B] + list(t.shape)[1:])] * 3
             prof.set_shape(t.name, *shapes)
         config.add_optimization_profile(prof)
     _serialize(trt, builder, network, config, out_path)
@@ -138,9 +138,8 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
         t = network.get_input(i)
         if t.name == "demote_list":
             prof.set_shape(t.name, (1, 3), (max(1, N // 4), 3), (B * N, 3))
-        else:
-            dims = list(t.shape)
-            prof.set_shape(t.name, *[tuple([bb] + dims[1:]) for bb in (1, B, B)])
+        else:  # the pools, whole: demote_list entries name their rows
+            prof.set_shape(t.name, *[tuple([B] + list(t.shape)[1:])] * 3)
     config.add_optimization_profile(prof)
     _serialize(trt, builder, network, config, demote_out)
     cache_file.write_bytes(bytes(timing.serialize()))

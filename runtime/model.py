@@ -162,7 +162,8 @@ class Runtime:
     @property
     def can_probe(self) -> bool:
         """Whether decode_batch(probe=...) can measure the mask hit rate on this backend: it needs a shadow
-        call that leaves the cache as it was (onnxruntime and reference: yes; TensorRT: not yet)."""
+        call that leaves every sequence's cached positions as they were (every backend of revision-4+ bundles;
+        runtime.plugin_cache says why in-place pools allow it) and per-sequence budgets (the dense call)."""
         caps = self.capabilities
         return caps.hit_rate_probes and caps.per_sequence_top_k
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import FILES, BundleConfig
-from runtime.backend import Capabilities, RowPool, StepOutput, check_max_top_k, kv_noise_sums, relative_noise
-from runtime.slots import SlotTable
+from runtime.backend import Capabilities, StepOutput, check_max_top_k
+from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -48,11 +48,12 @@ def _ops() -> list[type]:
     class GsmKVCacheUpdate(OpRun):
         op_domain = "gsm.plugins"
 
-        def _run(self, ck, cv, key, pool, keys, slots, past, new, **_: Any):  # type: ignore[override]
+        def _run(self, ck, cv, key, pool, keys, slots, past, new, rows=None, **_: Any):  # type: ignore[override]
+            # in place, as the TensorRT plugin writes its aliased pools: the evaluator hands over the backend's
+            # own buffers (a call writes only its sequences' new rows)
             d, _a = dims(self.onnx_node)
-            pool, keys = pool.copy(), keys.copy()
             ref.kv_update(d, ck.astype(np.float32), cv.astype(np.float32), key.astype(np.float32), pool, keys,
-                          slots, past, new)
+                          slots, past, new, cache_rows=rows)
             return pool, keys
 
     class GsmSparseAttention(OpRun):
@@ -63,13 +64,14 @@ def _ops() -> list[type]:
             q, pool, slots, past, new, quant, cos, sin, w0, w1 = x[:10]
             f32 = np.float32
             if int(a["layer_kind"]) == 0:
-                # input 14 sparse_top_k [B] since engine_io rev 4; an older node selects max_top_k for all
+                # input 14 sparse_top_k [B] since engine_io rev 4, input 15 cache_rows since rev 6
                 r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                          index_q=x[10].astype(f32), index_w=x[11].astype(f32), index_keys=x[12],
-                                         sparse_window=int(x[13][0]), sparse_top_k=x[14] if len(x) > 14 else None)
+                                         sparse_window=int(x[13][0]), sparse_top_k=x[14] if len(x) > 14 else None,
+                                         cache_rows=x[15] if len(x) > 15 else None)
                 return r.out.astype(q.dtype), r.selected, r.mass
             r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
-                                     selected=x[10])
+                                     selected=x[10], cache_rows=x[11] if len(x) > 11 else None)
             return (r.out.astype(q.dtype),)
 
     class GsmKVDemote(OpRun):
@@ -77,13 +79,14 @@ def _ops() -> list[type]:
 
         def _run(self, entries, quant, pool, **_: Any):  # type: ignore[override]
             d, _a = dims(self.onnx_node)
-            return (ref.kv_demote(d, entries, pool.copy(), quant),)
+            return (ref.kv_demote(d, entries, pool, quant),)  # in place, entries name their pool rows
 
     return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote]
 
 
 class RefBackend:
-    """Same interface as OrtBackend; a cache is one sequence's engine state (pools, index keys, slot table)."""
+    """runtime.backend.Backend over the plugin graph, with the TensorRT backend's memory model
+    (runtime.plugin_cache): pools of the plan's rows allocated once, updated in place by the graphs."""
 
     name = "reference"
 
@@ -100,74 +103,61 @@ class RefBackend:
         self.cfg = cfg
         self.layers = list(cfg.owning_layers)
         self.n_max = cfg.n_max
-        self.rows = cfg.pool_rows.by_tier
-        proto = onnx.load(str(bundle / FILES.model_trt), load_external_data=False)
-        self.shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
+        proto = self.model.proto_
+        self.inputs = {v.name for v in proto.graph.input}
+        widths = {v.name: v.type.tensor_type.shape.dim[1].dim_value for v in proto.graph.input
+                  if v.name.startswith("kv_pool.")}
         # revision 4: the owning attention nodes read sparse_top_k, each budget up to their attribute max_top_k;
         # an older graph selects with its build-time attribute top_k only (Runtime refuses other budgets)
         self.per_sequence_top_k = cfg.graph_revision >= 4
         attrs = next(a for a in ({x.name: x.i for x in n.attribute} for n in proto.graph.node
                                  if n.op_type == "GsmSparseAttention") if a["layer_kind"] == 0)
         self.max_top_k = int(attrs["max_top_k" if self.per_sequence_top_k else "top_k"])
-        from onnx import numpy_helper
-
-        tables = {i.name: i for i in self.demote_model.proto_.graph.initializer}
-        self.quant = {l: numpy_helper.to_array(tables[f"gsm.layers.{l}.quant"]) for l in self.layers}
-        # each cache holds its own pools, but no more of them live at once than the plan's max_batch rows
-        self.pool = RowPool(cfg.max_batch, self.name)
-        row_bytes = sum(4 * self.shapes[f"kv_pool.{l}"][1] + self.n_max * cfg.index_dim * 2 for l in self.layers)
-        # forward(commit=False) leaves pools and slot tables as they were: probes possible
-        self.capabilities = Capabilities(
-            max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
-            kv_bytes_per_sequence=row_bytes + 4 * self.n_max, per_sequence_top_k=self.per_sequence_top_k,
-            hit_rate_probes=True, kv_noise=True)
-
-    def new_cache(self) -> dict[str, Any]:
-        """One sequence: its slot table, its kv_pool.{l} [1, P32] and index_keys.{l} [1, N_max, dI]."""
-        cache: dict[str, Any] = {"row": self.pool.take(), "slots": SlotTable(self.n_max, self.rows)}
+        self.quant = quant_tables(self.demote_model.proto_)
+        self.plugin_rows = PluginRows(cfg, self.name)
+        R = self.plugin_rows.rows
+        self.buffers: dict[str, np.ndarray] = {}
         for l in self.layers:
-            cache[f"kv_pool.{l}"] = np.zeros((1, self.shapes[f"kv_pool.{l}"][1]), np.int32)
-            cache[f"index_keys.{l}"] = np.zeros((1, self.n_max, self.cfg.index_dim), np.float16)
-        return cache
+            self.buffers[f"kv_pool.{l}"] = np.zeros((R, widths[f"kv_pool.{l}"]), np.int32)
+            self.buffers[f"index_keys.{l}"] = np.zeros((R, self.n_max, cfg.index_dim), np.float16)
+        row_bytes = sum(b[0].nbytes for b in self.buffers.values()) + 4 * self.n_max  # + the slot table
+        # a shadow call (forward commit=False) writes only beyond each sequence's length: probes possible;
+        # demote() reads the re-encoded latents back for the KV noise
+        self.capabilities = Capabilities(
+            max_resident=R, max_per_call=R, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
+            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True)
 
-    def release(self, cache: dict[str, Any]) -> None:
-        row = cache.pop("row", None)
-        if row is not None:
-            self.pool.give(row)
+    def new_cache(self) -> PluginCache:
+        return self.plugin_rows.new_cache()
+
+    def release(self, cache: PluginCache) -> None:
+        self.plugin_rows.release(cache)
 
     def close(self) -> None:
         """Nothing outside Python's memory."""
 
-    def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+    def forward(self, caches: list[PluginCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
-        """Batch entry b is caches[b]: pools and slot tables are stacked into [B, ...] for the call. With
-        commit False (a shadow step) the pools and slot tables are left as they were (a compaction the
-        call needed stays done: it moves rows without changing any value). top_k: each sequence's budget,
-        at most the nodes' max_top_k (RequestError otherwise, before anything changes)."""
+        """One call of the plugin graph over the call's sequences, each in its own row of the pools (updated in
+        place). commit False (a shadow step): the slot tables are put back afterwards, so the rows the call
+        wrote are free again (runtime.plugin_cache). top_k: each sequence's budget, at most the nodes'
+        max_top_k (RequestError otherwise, before anything changes)."""
         check_max_top_k(top_k, self.max_top_k, self.name)
-        saved = []
-        for c, p0, n in zip(caches, past, new):
-            slots: SlotTable = c["slots"]
-            moves = slots.compaction(int(n))
-            if moves:
-                self._run_demote(c, moves)
-            saved.append((slots.entries.copy(), [list(f) for f in slots.free]))
-            slots.allocate(range(int(p0), int(p0) + int(n)))
-        feeds = {k: np.concatenate([c[k] for c in caches]) for k in caches[0] if k not in ("slots", "row")}
+        plan = self.plugin_rows.plan_call(caches, past, new)
+        if plan.compaction.size:
+            self._run_demote(plan.compaction)
+        feeds = dict(self.buffers)
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
-                     kv_slots=np.stack([c["slots"].entries for c in caches]))
+                     kv_slots=plan.kv_slots)
         if self.per_sequence_top_k:
             feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
+        if "cache_rows" in self.inputs:
+            feeds["cache_rows"] = plan.cache_rows
         names = [o.name for o in self.model.proto_.graph.output]
         outs = dict(zip(names, self.model.run(None, feeds)))
-        for b, c in enumerate(caches):
-            if commit:
-                for l in self.layers:
-                    c[f"kv_pool.{l}"] = outs[f"kv_pool_out.{l}"][b:b + 1]
-                    c[f"index_keys.{l}"] = outs[f"index_keys_out.{l}"][b:b + 1]
-            else:
-                c["slots"].entries[:], c["slots"].free = saved[b]
+        if not commit:
+            self.plugin_rows.undo(caches, plan)
         sel = mass = None
         if probes or self.cfg.debug_outputs:
             sel = {l: outs[f"selected.{l}"] for l in self.layers if f"selected.{l}" in outs} or None
@@ -175,40 +165,21 @@ class RefBackend:
             mass = {l: outs[f"attn_mass.{l}"] for l in self.layers}
         return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
 
-    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> float | None:
+    def demote(self, cache: PluginCache, new_tier: np.ndarray) -> float | None:
         """new_tier: int32 by position (-1 = unchanged). Returns the pass's relative KV noise over the
         re-encoded rows (all owning layers, K and V; read back dequantised), None when none changed."""
-        where = np.nonzero(np.asarray(new_tier) >= 0)[0]
-        before = {l: self.latents(cache, l) for l in self.layers} if where.size else {}
-        moves = cache["slots"].demote(np.asarray(new_tier))
-        if moves:
-            self._run_demote(cache, moves)
-        if not where.size:
-            return None
-        sums = []
-        for l in self.layers:
-            for old, now in zip(before[l], self.latents(cache, l)):
-                sums.append(kv_noise_sums(old[0, where], now[0, where]))
-        return relative_noise(sums)
+        return self.plugin_rows.demote(cache, new_tier, self._run_demote, self._all_latents)
 
-    def _run_demote(self, cache: dict[str, Any], moves: list[tuple[int, int]]) -> None:
-        feeds: dict[str, np.ndarray] = {"demote_list": np.array([(0, o, n) for o, n in moves], np.int32)}
-        for l in self.layers:
-            feeds[f"kv_pool.{l}"] = cache[f"kv_pool.{l}"]
-        names = [o.name for o in self.demote_model.proto_.graph.output]
-        for name, arr in zip(names, self.demote_model.run(None, feeds)):
-            cache[name.replace("_out.", ".")] = arr
+    def _run_demote(self, demote_list: np.ndarray) -> None:
+        self.demote_model.run(None, {"demote_list": demote_list, **{k: v for k, v in self.buffers.items()
+                                                                    if k.startswith("kv_pool.")}})
 
-    def latents(self, cache: dict[str, Any], layer: int,
+    def _all_latents(self, cache: PluginCache) -> list[np.ndarray]:
+        return [a for l in self.layers for a in self.latents(cache, l)]
+
+    def latents(self, cache: PluginCache, layer: int,
                 quant: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Dequantised latents of one layer by position [1, N_max, r] (NaN where no row), through the
-        reference reader; quant: the layer's [3, r] table (default: the bundle's)."""
-        from gsm_edge_plugins import ref
-
-        rk, rv = self.cfg.ranks[layer]
-        d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=self.n_max,
-                     rows_fp16=self.rows[0], rows_int12=self.rows[1], rows_int8=self.rows[2],
-                     index_dim=self.cfg.index_dim)
-        if quant is None:
-            quant = self.quant[layer]
-        return ref.read_latents(d, cache[f"kv_pool.{layer}"], cache["slots"].entries[None], quant)
+        """Dequantised latents of one layer by position [N_max, r] (NaN where no row), through the reference
+        reader; quant: the layer's [3, r] table (default: the bundle's)."""
+        return read_latents(self.cfg, layer, self.buffers[f"kv_pool.{layer}"][cache.row], cache.slots.entries,
+                            self.quant[layer] if quant is None else quant)

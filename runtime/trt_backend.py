@@ -5,25 +5,33 @@ IExecutionContext per optimisation profile, set_input_shape / set_tensor_address
 execute_async_v3) and cuda-python's runtime API for device memory. It is only importable usefully
 on a machine with TensorRT, a GPU and the GSM plugin library; tests skip it elsewhere.
 
-Buffers (docs/engine_io.md section 2), allocated once for max-batch and bound at the same address
-for `X` and `X_out`: kv_pool.{l} int32 words [B, P32], index_keys.{l} f16 [B, N_max, dI], kv_slots int32
-[B, N_max]. Per call the runtime writes input_ids / lengths / kv_slots (host -> device), runs the
-prefill context (profile 0, S > 1) or the decode context (profile 1, S = 1), and reads logits and
-attn_mass back. Demotion runs demote.plan with a demotion list from runtime.slots.
+Buffers (docs/engine_io.md section 2), allocated once and bound at the same address for `X` and `X_out`:
+the pools kv_pool.{l} int32 words [R, P32] and index_keys.{l} f16 [R, N_max, dI], R = the plan's max_batch
+rows, always bound whole; the per-call tensors (input_ids, lengths, kv_slots [B, N_max], cache_rows [B],
+outputs) sized for max_batch sequences. Each sequence keeps one row of the pools (runtime.plugin_cache,
+shared with the reference backend, which runs the same host logic over the same memory model in CI); a
+call carries any of the resident sequences. Per call the runtime writes the per-call inputs (host ->
+device), runs the prefill context (profile 0, S > 1) or the decode context (profile 1, S = 1), and reads
+logits and attn_mass back. Demotion runs demote.plan over the whole pools with a demotion list whose
+entries name their rows; a re-tier pass reads the sequence's pool rows back before and after it for the
+KV noise.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gsm.bundle_format import FILES, BundleConfig
-from runtime.backend import Capabilities, RowPool, StepOutput, check_max_top_k
-from runtime.slots import SlotTable
+from runtime.backend import Capabilities, StepOutput, check_max_top_k
+from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
+
+log = logging.getLogger("runtime.trt_backend")
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 
@@ -70,8 +78,9 @@ class DeviceBuffer:
         _check(self.cudart.cudaMemcpyAsync(self.ptr, a.ctypes.data, a.nbytes,
                                            self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, stream))
 
-    def download(self, a: np.ndarray, stream: Any) -> np.ndarray:
-        _check(self.cudart.cudaMemcpyAsync(a.ctypes.data, self.ptr, a.nbytes,
+    def download(self, a: np.ndarray, stream: Any, offset: int = 0) -> np.ndarray:
+        """a.nbytes bytes from `offset` into `a` (asynchronous: synchronize the stream before reading a)."""
+        _check(self.cudart.cudaMemcpyAsync(a.ctypes.data, self.ptr + offset, a.nbytes,
                                            self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream))
         return a
 
@@ -92,8 +101,9 @@ def _load_plugins(bundle: Path) -> None:
 
 
 class TrtBackend:
-    """runtime.backend.Backend: new_cache / release / forward / demote / close; the cache dict holds host
-    state (its row, slot table) while the pools stay on the device."""
+    """runtime.backend.Backend: new_cache / release / forward / demote / close; a cache
+    (runtime.plugin_cache.PluginCache) is the host state of one sequence (its row, its slot table), the
+    pools stay on the device."""
 
     name = "tensorrt"
 
@@ -121,28 +131,39 @@ class TrtBackend:
         self.demote_ctx = self.demote_engine.create_execution_context()
         self.layers = list(cfg.owning_layers)
         self.n_max, self.B = cfg.n_max, cfg.max_batch
-        self.rows = cfg.pool_rows.by_tier
+        self.plugin_rows = PluginRows(cfg, self.name)
+        self.R = self.plugin_rows.rows  # 1 before engine_io revision 6 (no cache_rows: one sequence at a time)
+        self.inputs = {n for n in self._io_names(self.engine)
+                       if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
         self.bufs: dict[str, DeviceBuffer] = {}
         for name in self._io_names(self.engine):
             if "_out." in name:
                 continue  # kv_pool_out.{l} / index_keys_out.{l} are bound to their input's buffer
             self.bufs[name] = DeviceBuffer(self.cudart, self._max_bytes(name))
-        self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.B * self.n_max * 3 * 4)
+        self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.R * self.n_max * 3 * 4)
         # engine_io revision 4: the attention plugins read sparse_top_k [B], each budget up to max_top_k, which
         # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An older
         # engine selects with its build-time top_k only (Runtime refuses other budgets).
         self.per_sequence_top_k = cfg.graph_revision >= 4
         k_sel = int(self.engine.get_tensor_shape(f"selected.{self.layers[0]}")[-1]) if self.per_sequence_top_k else 0
         self.max_top_k = k_sel - cfg.sink_tokens - cfg.max_sparse_window
-        # Every call runs in batch row 0 of the pools (the slot tables of two sequences would address the same
-        # rows of it), so one sequence is resident at a time until caches map to their own batch rows. The pools
-        # are updated in place (no shadow call: no hit-rate probe) and demote() reads nothing back (no KV noise).
-        self.pool = RowPool(1, self.name)
-        row_bytes = sum(self._max_bytes(n) // self.B for n in self.bufs
-                        if n.startswith(("kv_pool.", "index_keys.")) or n == "kv_slots")
+        # KV noise: the pools are read back and dequantised on the host with the demotion graph's tables, which
+        # needs the onnx package (the builder extra the engine was built with); without it no noise is measured
+        try:
+            import onnx
+
+            self.quant: dict[int, np.ndarray] | None = quant_tables(onnx.load(str(bundle / FILES.demote_trt)))
+        except ImportError as e:
+            self.quant = None
+            log.warning("backend tensorrt: no KV-noise measure (the refresh fallback is off): the onnx package "
+                        "is not installed (%s); pip install 'gsm-edge[builder]'", e)
+        self.row_bytes = {n: self._max_bytes(n) // self.R for n in self.bufs
+                          if n.startswith(("kv_pool.", "index_keys."))}  # one cache row of each pool
+        # a shadow call writes only beyond each sequence's length (runtime.plugin_cache): probes possible
         self.capabilities = Capabilities(
-            max_resident=1, max_per_call=1, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
-            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=False, kv_noise=False)
+            max_resident=self.R, max_per_call=self.R, positions=self.n_max,
+            kv_bytes_per_sequence=sum(self.row_bytes.values()) + 4 * self.n_max,
+            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=self.quant is not None)
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -160,7 +181,7 @@ class TrtBackend:
         if name.startswith("attn_mass."):
             return (self.B, self.n_max)
         shape = list(self.engine.get_tensor_shape(name))
-        shape[0] = self.B
+        shape[0] = self.R if name.startswith(("kv_pool", "index_keys")) else self.B  # the pools: every row
         return tuple(int(d) for d in shape)
 
     def _max_bytes(self, name: str) -> int:
@@ -171,41 +192,34 @@ class TrtBackend:
         return name.replace("_out.", ".") if "_out." in name else name
 
     # -- backend interface -------------------------------------------------------------------------
-    def new_cache(self) -> dict[str, Any]:
-        return {"row": self.pool.take(), "slots": SlotTable(self.n_max, self.rows)}
+    def new_cache(self) -> PluginCache:
+        return self.plugin_rows.new_cache()
 
-    def release(self, cache: dict[str, Any]) -> None:
-        row = cache.pop("row", None)
-        if row is not None:
-            self.pool.give(row)
+    def release(self, cache: PluginCache) -> None:
+        self.plugin_rows.release(cache)
 
-    def forward(self, caches: list[dict[str, Any]], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
+    def forward(self, caches: list[PluginCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
                 sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
-        """top_k: each sequence's budget, bound as `sparse_top_k` [B] (at most max_top_k: RequestError
-        otherwise, before anything changes). The per-layer outputs are bound to device buffers on every call
-        (TensorRT needs every I/O address) but read back only with `probes`. A shadow call (commit False) is
-        not possible: the pools are updated in place."""
+        """One execution over the call's sequences, each in its own row of the pools. top_k: each sequence's
+        budget, bound as `sparse_top_k` [B] (at most max_top_k: RequestError otherwise, before anything
+        changes). The per-layer outputs are bound to device buffers on every call (TensorRT needs every I/O
+        address) but read back only with `probes`. commit False (a shadow call): the slot tables are put back
+        after it, so the rows it wrote are free again (runtime.plugin_cache)."""
         if self.per_sequence_top_k:
             check_max_top_k(top_k, self.max_top_k, self.name)
-        if not commit:
-            raise NotImplementedError("the TensorRT backend updates its pools in place: no shadow call")
-        if len(caches) != 1:
-            raise NotImplementedError("the TensorRT backend runs one sequence per call for now (batch row 0)")
-        slots: SlotTable = caches[0]["slots"]
         B, S = ids.shape
-        p0, n = int(past[0]), int(new[0])
-        moves = slots.compaction(n)
-        if moves:
-            self._run_demote(moves)
-        slots.allocate(range(p0, p0 + n))
+        plan = self.plugin_rows.plan_call(caches, past, new)
+        if plan.compaction.size:
+            self._run_demote(plan.compaction)
         host = {"input_ids": ids.astype(np.int64), "past_lengths": past.astype(np.int32),
                 "new_lengths": new.astype(np.int32), "sparse_window": np.array([sparse_window], np.int32),
-                "kv_slots": slots.entries[None], "sparse_top_k": np.asarray(top_k, np.int32).reshape(B)}
+                "kv_slots": plan.kv_slots, "sparse_top_k": np.asarray(top_k, np.int32).reshape(B),
+                "cache_rows": plan.cache_rows}
         ctx = self.contexts[DECODE_PROFILE if S == 1 else PREFILL_PROFILE]
         for name in self._io_names(self.engine):
             buf = self.bufs[self._alias(name)]
             if self.engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
-                shape = host[name].shape if name in host else (B, *self._max_shape(name)[1:])
+                shape = host[name].shape if name in host else self._max_shape(name)  # the pools: all R rows
                 ctx.set_input_shape(name, shape)
                 if name in host:
                     buf.upload(host[name], self.stream)
@@ -224,18 +238,31 @@ class TrtBackend:
             layer_mass = {l: self.bufs[f"attn_mass.{l}"].download(np.empty((B, self.n_max), np.float32), self.stream)
                           for l in self.layers}
         _check(self.cudart.cudaStreamSynchronize(self.stream))
+        if not commit:
+            self.plugin_rows.undo(caches, plan)
         return StepOutput(logits, mass, sel, layer_mass)
 
-    def demote(self, cache: dict[str, Any], new_tier: np.ndarray) -> float | None:
-        """Returns None: the KV noise of a pass would need the rows read back from the device before and
-        after (not done yet; the onnxruntime and reference backends measure it)."""
-        moves = cache["slots"].demote(np.asarray(new_tier))  # int32 by position, -1 = unchanged
-        if moves:
-            self._run_demote(moves)
-        return None
+    def demote(self, cache: PluginCache, new_tier: np.ndarray) -> float | None:
+        """new_tier: int32 by position (-1 = unchanged). Returns the pass's relative KV noise over the
+        re-encoded rows (read back from the device before and after), None when none changed or the quant
+        tables could not be read (capabilities.kv_noise)."""
+        return self.plugin_rows.demote(cache, new_tier, self._run_demote,
+                                       self._latents if self.quant is not None else None)
 
-    def _run_demote(self, moves: list[tuple[int, int]]) -> None:
-        lst = np.array([(0, old, new) for old, new in moves], np.int32)  # b = 0: one sequence per backend
+    def _latents(self, cache: PluginCache) -> list[np.ndarray]:
+        """Every owning layer's dequantised K and V latents by position of one sequence: its pool rows copied
+        to the host (one row per layer, not the whole pools) and read by the CPU reference."""
+        rows = {}
+        for l in self.layers:
+            n = self.row_bytes[f"kv_pool.{l}"]
+            rows[l] = self.bufs[f"kv_pool.{l}"].download(np.empty(n // 4, np.int32), self.stream, cache.row * n)
+        _check(self.cudart.cudaStreamSynchronize(self.stream))
+        assert self.quant is not None
+        return [a for l in self.layers
+                for a in read_latents(self.cfg, l, rows[l], cache.slots.entries, self.quant[l])]
+
+    def _run_demote(self, lst: np.ndarray) -> None:
+        """demote_list [M, 3] (row, old entry, new entry) over the whole pools."""
         ctx = self.demote_ctx
         for name in self._io_names(self.demote_engine):
             if name == "demote_list":
@@ -245,7 +272,7 @@ class TrtBackend:
                 continue
             buf = self.bufs[self._alias(name)]
             if self.demote_engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT:
-                ctx.set_input_shape(name, (1, *self._max_shape(self._alias(name))[1:]))
+                ctx.set_input_shape(name, self._max_shape(self._alias(name)))  # [R, P32]: every row
             ctx.set_tensor_address(name, buf.ptr)
         if not ctx.execute_async_v3(int(self.stream)):
             raise RuntimeError("TensorRT demotion execute_async_v3 failed")

@@ -58,7 +58,7 @@ def test_same_interface(bundle):
     ti, pi = io(trt.graph.input), io(port.graph.input)
     to, po = io(trt.graph.output), io(port.graph.output)
     cmap = cache_map(cfg)
-    for name in ("input_ids", "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"):
+    for name in ("input_ids", "past_lengths", "new_lengths", "sparse_window", "sparse_top_k", "cache_rows"):
         assert ti[name] == pi[name]
     assert to["logits"] == po["logits"]
     # attention mass: the TensorRT engine covers N_max positions, the portable graph L = max(past) + S
@@ -67,7 +67,8 @@ def test_same_interface(bundle):
     dI = cfg.gsm.indexer_dim
     assert pi["cache_rows"] == (onnx.TensorProto.INT32, ["B"])
     for l in cfg.owning_layers:
-        assert ti[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["B", N_MAX, dI])
+        assert ti[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["R", N_MAX, dI])  # rev 6: every cache row
+        assert ti[f"kv_pool.{l}"][1][0] == to[f"kv_pool_out.{l}"][1][0] == "R"
         assert pi[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["R", N_MAX, dI])  # one row per live sequence
         assert po[f"new_index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["B", "S", dI])  # the new rows only
         for kind in ("k", "v"):

@@ -294,6 +294,44 @@ def test_results_do_not_depend_on_thread_count() -> None:
     assert np.array_equal(a.selected, b.selected)
 
 
+# ---- cache rows (engine_io rev 6): each sequence's pools are one row of [R, ...] ---------------------
+@pytest.mark.parametrize("layer_kind", [0, 1], ids=["owning", "sharing"])
+def test_cache_rows_select_each_sequence_row(layer_kind: int) -> None:
+    """The same call with the sequences' caches scattered over rows 4, 0, 2 of 6 poisoned rows gives the packed
+    call's results bit for bit (a wrong row would read 0xFF words or NaN keys)."""
+    sc = _scenario("chunked-prefill-mixed-tiers", layer_kind=layer_kind)
+    sel = _scenario("chunked-prefill-mixed-tiers").call().selected if layer_kind else None
+    want = sc.call(selected=sel)
+    got = sc.in_rows(np.array([4, 0, 2]), 6).call(selected=sel)
+    assert np.array_equal(got.out.view(np.uint32), want.out.view(np.uint32))
+    if layer_kind == 0:
+        assert np.array_equal(got.selected, want.selected)
+        assert np.array_equal(got.mass.view(np.uint32), want.mass.view(np.uint32))
+
+
+def test_cache_rows_update_writes_only_the_named_rows() -> None:
+    sc = _scenario("chunked-prefill-mixed-tiers")
+    d, rng = sc.dims, np.random.default_rng(5)
+    B, S = 3, 5
+    ck = rng.standard_normal((B, S, d.rank_k), dtype=np.float32)
+    cv = rng.standard_normal((B, S, d.rank_v), dtype=np.float32)
+    key = rng.standard_normal((B, S, d.index_dim), dtype=np.float32)
+    past, new = sc.past.copy(), sc.new.copy()
+    want_pool, want_keys = ref.kv_update(d, ck, cv, key, sc.pool.copy(), sc.index_keys.copy(), sc.slots, past, new)
+    rows = np.array([4, 0, 2])
+    scat = sc.in_rows(rows, 6)
+    untouched = [r for r in range(6) if r not in rows]
+    before = scat.pool[untouched].copy(), scat.index_keys[untouched].view(np.uint16).copy()
+    pool, keys = ref.kv_update(d, ck, cv, key, scat.pool, scat.index_keys, sc.slots, past, new, cache_rows=rows)
+    assert np.array_equal(pool[rows], want_pool)
+    assert np.array_equal(keys[rows].view(np.uint16), want_keys.view(np.uint16))
+    assert np.array_equal(pool[untouched], before[0]) and np.array_equal(keys[untouched].view(np.uint16), before[1])
+    with pytest.raises(ref.PluginContractError, match=r"cache_rows\[1\] = 6 is not a row of the pools \(0..5\)"):
+        ref.kv_update(d, ck, cv, key, scat.pool, scat.index_keys, sc.slots, past, new, cache_rows=np.array([4, 6, 2]))
+    with pytest.raises(ref.PluginContractError, match=r"cache_rows\[0\] = -1 is not a row"):
+        scat.call(cache_rows=np.array([-1, 0, 2]))
+
+
 # ---- contract violations are reported, not silently computed ------------------------------------
 def test_contract_errors() -> None:
     sc = _scenario("topk0-no-sinks")

@@ -71,7 +71,7 @@ def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):
     for l, c in gcache.layers.items():
         ck, cv = rt.backend.latents(seq.cache, l, quant[l])
         n = seq.length
-        assert np.abs(ck[0, :n] - c.ck.numpy()).max() <= 1e-2 * np.abs(c.ck.numpy()).max()
+        assert np.abs(ck[:n] - c.ck.numpy()).max() <= 1e-2 * np.abs(c.ck.numpy()).max()
 
 
 def _quant_tables(bundle):
@@ -161,11 +161,11 @@ def test_reference_refuses_budget_above_max_top_k_before_any_change(budget_bundl
     seq.prefill([5, 6, 7, 8])
     rt.backend.max_top_k = 6  # as a bundle built with max_top_k 6 would read it from its nodes
     seq.sparse_top_k = 7
-    entries = seq.cache["slots"].entries.copy()
+    entries = seq.cache.slots.entries.copy()
     with pytest.raises(runtime.RequestError, match="sparse_top_k: 7 is above the bundle's max_top_k 6") as e:
         seq.decode(9)
     assert e.value.field == "sparse_top_k"
-    assert seq.length == 4 and np.array_equal(seq.cache["slots"].entries, entries)
+    assert seq.length == 4 and np.array_equal(seq.cache.slots.entries, entries)
     seq.sparse_top_k = 6
     seq.decode(9)
     assert seq.length == 5
@@ -189,15 +189,17 @@ def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bu
     shutil.copytree(budget_bundle, old)
     m = onnx.load(str(old / "model.onnx"), load_external_data=False)
     default = GoldenModel.from_checkpoint(ckpt, mode="deployed").p.sparse_top_k
-    for n in m.graph.node:
+    for n in m.graph.node:  # nor cache_rows (revision 6): owning input 15, sharing 11, update 8
         if n.op_type == "GsmSparseAttention":  # sharing nodes carry the attribute too (it fixes K_sel)
-            if len(n.input) == 15:
-                del n.input[14]
+            del n.input[14 if len(n.input) == 16 else 11:]
             keep = [a for a in n.attribute if a.name != "max_top_k"]
             del n.attribute[:]
             n.attribute.extend(keep + [helper.make_attribute("top_k", default)])
-    (budget,) = [i for i in m.graph.input if i.name == "sparse_top_k"]
-    m.graph.input.remove(budget)
+        elif n.op_type == "GsmKVCacheUpdate":
+            del n.input[8:]
+    for name in ("sparse_top_k", "cache_rows"):
+        (x,) = [i for i in m.graph.input if i.name == name]
+        m.graph.input.remove(x)
     onnx.save(m, str(old / "model.onnx"))  # weights stay in the copied external file
     cfg = json.loads((old / "bundle.json").read_text())
     (old / "bundle.json").write_text(json.dumps({**cfg, "graph_revision": 3}))
@@ -205,6 +207,7 @@ def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bu
     write_manifest(old, {k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
     rt = runtime.load(old, backend="reference")
     assert not rt.backend.per_sequence_top_k and rt.backend.max_top_k == default
+    assert rt.capabilities.max_resident == rt.capabilities.max_per_call == 1  # one-row pools before revision 6
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     prompt = np.random.default_rng(6).integers(3, 259, PROMPT_LEN).tolist()
     gcache, seq = golden.new_cache(), rt.new_sequence()

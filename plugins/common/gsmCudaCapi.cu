@@ -46,17 +46,19 @@ GSM_EXPORT char const* gsm_cuda_architectures()
 // fp16 0: ck/cv/key float32; 1: float16 bits (what TensorRT passes when it picks kHALF for the plugins' I/O).
 GSM_EXPORT int32_t gsm_cuda_kv_update(GsmDims const* d, int32_t B, int32_t S, int32_t fp16, void const* ck,
     void const* cv, void const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
-    int32_t const* newLengths, void* stream)
+    int32_t const* newLengths, int32_t const* cacheRowsDevice, int32_t poolRows, void* stream)
 {
     cudaStream_t const st = static_cast<cudaStream_t>(stream);
+    gsm::CacheRows const rows = gsm::cacheRowsOf(cacheRowsDevice, poolRows, B);
     if (fp16)
     {
         return status(gsm::cuda::launchKVCacheUpdate(*d, B, S, static_cast<__half const*>(ck),
             static_cast<__half const*>(cv), static_cast<__half const*>(key), pool, indexKeys, slots, past, newLengths,
-            st));
+            rows, st));
     }
     return status(gsm::cuda::launchKVCacheUpdate(*d, B, S, static_cast<float const*>(ck),
-        static_cast<float const*>(cv), static_cast<float const*>(key), pool, indexKeys, slots, past, newLengths, st));
+        static_cast<float const*>(cv), static_cast<float const*>(key), pool, indexKeys, slots, past, newLengths, rows,
+        st));
 }
 
 GSM_EXPORT int64_t gsm_cuda_kv_demote_workspace_bytes(GsmDims const* d, int64_t maxEntries)
@@ -80,11 +82,12 @@ GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, void const* indexQ,
     void const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
-    int32_t const* sparseTopKDevice, void* out, int32_t* selectedOut, float* mass, void* workspace,
-    int64_t workspaceBytes, void* stream)
+    int32_t const* sparseTopKDevice, int32_t const* cacheRowsDevice, int32_t poolRows, void* out,
+    int32_t* selectedOut, float* mass, void* workspace, int64_t workspaceBytes, void* stream)
 {
     gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
-        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice};
+        indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice,
+        gsm::cacheRowsOf(cacheRowsDevice, poolRows, B)};
     size_t const ws = static_cast<size_t>(workspaceBytes);
     cudaStream_t const st = static_cast<cudaStream_t>(stream);
     return status(fp16 ? gsm::cuda::launchSparseAttention<__half>(*d, B, S, a, workspace, ws, st)

@@ -33,7 +33,7 @@ GSM_EXPORT char const* gsm_ref_last_error()
 // Bumped whenever a signature below or docs/engine_io.md's layout changes.
 GSM_EXPORT int32_t gsm_ref_abi_version()
 {
-    return 2; // 2: gsm_ref_sparse_attention takes sparseTopK (engine_io rev 4)
+    return 3; // 3: kv_update / sparse_attention take cacheRows + the pools' rows (engine_io rev 6)
 }
 
 GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)
@@ -48,10 +48,11 @@ GSM_EXPORT int64_t gsm_ref_row_offset(GsmDims const* d, int32_t g)
 
 GSM_EXPORT int32_t gsm_ref_kv_update(GsmDims const* d, int32_t B, int32_t S, float const* ck, float const* cv,
     float const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
-    int32_t const* newLengths)
+    int32_t const* newLengths, int32_t const* cacheRows, int32_t poolRows)
 {
     std::string err;
-    bool const ok = gsm::ref::kvCacheUpdate(*d, B, S, ck, cv, key, pool, indexKeys, slots, past, newLengths, &err);
+    bool const ok = gsm::ref::kvCacheUpdate(
+        *d, B, S, ck, cv, key, pool, indexKeys, slots, past, newLengths, gsm::cacheRowsOf(cacheRows, poolRows, B), &err);
     return status(ok, err);
 }
 
@@ -75,10 +76,11 @@ GSM_EXPORT int32_t gsm_ref_sparse_attention(GsmDims const* d, int32_t B, int32_t
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
     float const* indexW, uint16_t const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn,
-    int32_t const* sparseTopK, float* out, int32_t* selectedOut, float* mass, float* scores, int32_t nThreads)
+    int32_t const* sparseTopK, int32_t const* cacheRows, int32_t poolRows, float* out, int32_t* selectedOut,
+    float* mass, float* scores, int32_t nThreads)
 {
     gsm::ref::AttnInputs in{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
-        indexKeys, sparseWindow, selectedIn, sparseTopK};
+        indexKeys, sparseWindow, selectedIn, sparseTopK, gsm::cacheRowsOf(cacheRows, poolRows, B)};
     gsm::ref::AttnOutputs o{out, selectedOut, mass, scores};
     std::string err;
     bool const ok = gsm::ref::sparseAttention(*d, B, S, in, o, nThreads, &err);

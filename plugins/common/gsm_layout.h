@@ -34,6 +34,39 @@ struct GsmDims
     int32_t rowsINT8;        // C8
 };
 
+// Where call entry b's cache lives in the [R, ...] pools and indexer keys (engine_io revision 6: the
+// `cache_rows` input [B], each sequence keeps its row while other sequences come and go). A node without
+// that input (revision <= 5) has one pool row per call entry: rows == nullptr, row base + b.
+struct CacheRows
+{
+    int32_t const* rows; // [B] or nullptr
+    int32_t count;       // R: rows of the pools; an entry outside 0..R-1 is refused (CPU) or writes nothing (CUDA)
+    int32_t base;        // first call entry's row when rows == nullptr (a launch over sequences b0.. passes b0)
+
+    GSM_HD int32_t of(int32_t b) const
+    {
+        return rows ? rows[b] : base + b;
+    }
+
+    GSM_HD bool valid(int32_t b) const
+    {
+        int32_t const r = of(b);
+        return r >= 0 && r < count;
+    }
+
+    // The same mapping for the call entries from b0 on (a launch that sees sequence b0 as b = 0).
+    GSM_HD CacheRows from(int32_t b0) const
+    {
+        return rows ? CacheRows{rows + b0, count, 0} : CacheRows{nullptr, count, base + b0};
+    }
+};
+
+// cache_rows [B] into pools of poolRows rows; nullptr (a node without the input): entry b in row b of B.
+GSM_HD CacheRows cacheRowsOf(int32_t const* rows, int32_t poolRows, int32_t B)
+{
+    return rows ? CacheRows{rows, poolRows, 0} : CacheRows{nullptr, B, 0};
+}
+
 constexpr int32_t kSlotEmpty = -1;
 constexpr int32_t kSlotTierShift = 24;
 constexpr int32_t kSlotRowMask = 0xFFFFFF;

@@ -21,20 +21,21 @@ __device__ __forceinline__ float toFloat(__half x)
 
 __device__ __forceinline__ uint8_t* seqPool(GsmDims const& d, int32_t* pool, int32_t b)
 {
-    return reinterpret_cast<uint8_t*>(pool + b * poolWords(d));
+    return reinterpret_cast<uint8_t*>(pool + static_cast<int64_t>(b) * poolWords(d));
 }
 
 // grid (S, B): one block per new row; threads over latent channels and key channels.
 template <typename T>
 __global__ void kvCacheUpdateKernel(GsmDims d, int32_t S, T const* ck, T const* cv, T const* key, int32_t* pool,
-    uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths)
+    uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths, CacheRows rows)
 {
     int32_t const j = blockIdx.x;
     int32_t const b = blockIdx.y;
-    if (j >= newLengths[b])
+    if (j >= newLengths[b] || !rows.valid(b))
     {
-        return; // padding rows write nothing
+        return; // padding rows write nothing; nor does a sequence without a row of the pools
     }
+    int32_t const cacheRow = rows.of(b);
     int32_t const p = pastLengths[b] + j;
     if (p < 0 || p >= d.nMax)
     {
@@ -45,7 +46,7 @@ __global__ void kvCacheUpdateKernel(GsmDims d, int32_t S, T const* ck, T const* 
     int64_t const src = static_cast<int64_t>(b) * S + j;
     if (rowOk)
     {
-        uint8_t* row = seqPool(d, pool, b) + rowOffset(d, slotRow(entry));
+        uint8_t* row = seqPool(d, pool, cacheRow) + rowOffset(d, slotRow(entry));
         int32_t const r = latentRank(d);
         for (int32_t c = threadIdx.x; c < r; c += blockDim.x)
         {
@@ -53,7 +54,7 @@ __global__ void kvCacheUpdateKernel(GsmDims d, int32_t S, T const* ck, T const* 
             storeFP16(row, c, v);
         }
     }
-    uint16_t* kdst = indexKeys + (static_cast<int64_t>(b) * d.nMax + p) * d.indexDim;
+    uint16_t* kdst = indexKeys + (static_cast<int64_t>(cacheRow) * d.nMax + p) * d.indexDim;
     for (int32_t c = threadIdx.x; c < d.indexDim; c += blockDim.x)
     {
         kdst[c] = f32ToF16Bits(toFloat(key[src * d.indexDim + c]));
@@ -149,23 +150,23 @@ LaunchList demoteLaunches(int64_t M)
 template <typename T>
 cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const* ck, T const* cv, T const* key,
     int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
-    cudaStream_t stream)
+    CacheRows rows, cudaStream_t stream)
 {
     if (B <= 0 || S <= 0)
     {
         return cudaSuccess;
     }
     // Sequences beyond gridDim.y's reach go to further launches, each seeing its first sequence as b = 0 (the
-    // kernel indexes every buffer by blockIdx.y): the pointers are offset to that sequence.
-    int64_t const words = poolWords(d);
+    // kernel indexes the call's buffers by blockIdx.y): those pointers and the row mapping are offset to that
+    // sequence; the pools are addressed by cache row.
     for (int64_t b0 = 0; b0 < B; b0 += kMaxGridDimY)
     {
         LaunchGeometry const& g = updateLaunches(S, std::min<int64_t>(kMaxGridDimY, B - b0))[0];
         int64_t const src = b0 * S;      // first new row of sequence b0 in ck / cv / key
-        int64_t const pos = b0 * d.nMax; // its first position in kv_slots / index_keys
+        int64_t const pos = b0 * d.nMax; // its first position in kv_slots
         GSM_LAUNCH(kvCacheUpdateKernel<T>, gridOf(g), blockOf(g), smemOf(g), stream, d, S, ck + src * d.rankK,
-            cv + src * d.rankV, key + src * d.indexDim, pool + b0 * words, indexKeys + pos * d.indexDim, slots + pos,
-            pastLengths + b0, newLengths + b0);
+            cv + src * d.rankV, key + src * d.indexDim, pool, indexKeys, slots + pos, pastLengths + b0,
+            newLengths + b0, rows.from(static_cast<int32_t>(b0)));
     }
     return cudaGetLastError();
 }
@@ -213,9 +214,9 @@ std::vector<LaunchGeometry> kvDemoteLaunches(int32_t M)
 }
 
 template cudaError_t launchKVCacheUpdate<float>(GsmDims const&, int32_t, int32_t, float const*, float const*,
-    float const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, cudaStream_t);
+    float const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, CacheRows, cudaStream_t);
 template cudaError_t launchKVCacheUpdate<__half>(GsmDims const&, int32_t, int32_t, __half const*, __half const*,
-    __half const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, cudaStream_t);
+    __half const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, CacheRows, cudaStream_t);
 
 } // namespace cuda
 } // namespace gsm

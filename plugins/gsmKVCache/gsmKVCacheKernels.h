@@ -23,7 +23,7 @@ namespace cuda
 template <typename T>
 cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const* ck, T const* cv, T const* key,
     int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
-    cudaStream_t stream);
+    CacheRows rows, cudaStream_t stream);
 
 // The kernel launches of launchKVCacheUpdate(d, B, S, ...), one record per distinct geometry.
 std::vector<LaunchGeometry> kvCacheUpdateLaunches(int32_t B, int32_t S);

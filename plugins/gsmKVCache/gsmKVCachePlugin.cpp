@@ -22,7 +22,8 @@ enum : int32_t
     kKeys,
     kSlots,
     kPast,
-    kNew
+    kNew,
+    kRows // engine_io rev 6: cache_rows [B]
 };
 enum : int32_t
 {
@@ -109,7 +110,7 @@ bool GsmKVCacheUpdatePlugin::allowedType(
 int32_t GsmKVCacheUpdatePlugin::getOutputDataTypes(
     DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
 {
-    if (nbInputs != 8 || nbOutputs != 2)
+    if (!inputCountOk(nbInputs) || nbOutputs != 2)
     {
         return 1;
     }
@@ -122,11 +123,11 @@ int32_t GsmKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs, int32_t
     DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
     IExprBuilder& /*exprBuilder*/) noexcept
 {
-    if (nbInputs != 8 || nbOutputs != 2)
+    if (!inputCountOk(nbInputs) || nbOutputs != 2)
     {
         return 1;
     }
-    outputs[0] = inputs[kPool];
+    outputs[0] = inputs[kPool]; // [R, P32]: the whole pools, R >= the call's B
     outputs[1] = inputs[kKeys];
     return 0;
 }
@@ -134,6 +135,20 @@ int32_t GsmKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs, int32_t
 int32_t GsmKVCacheUpdatePlugin::getAliasedInput(int32_t outputIndex) noexcept
 {
     return outputIndex == 0 ? kPool : (outputIndex == 1 ? kKeys : -1);
+}
+
+int32_t GsmKVCacheUpdatePlugin::configurePlugin(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    mHasRowsInput = nbInputs > kRows;
+    return GsmPluginBase::configurePlugin(in, nbInputs, out, nbOutputs);
+}
+
+int32_t GsmKVCacheUpdatePlugin::onShapeChange(
+    PluginTensorDesc const* /*in*/, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
+{
+    mHasRowsInput = nbInputs > kRows; // the runtime phase's plugin was rebuilt from fields: learn the form here
+    return 0;
 }
 
 int32_t GsmKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
@@ -147,12 +162,14 @@ int32_t GsmKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
             + " words per sequence, the attributes give " + std::to_string(poolWords(mDims)));
         return 1;
     }
+    int32_t const R = static_cast<int32_t>(dim(inputDesc[kPool], 0));
+    CacheRows const rows = cacheRowsOf(mHasRowsInput ? static_cast<int32_t const*>(inputs[kRows]) : nullptr, R, B);
     auto* pool = static_cast<int32_t*>(outputs[0]);
     auto* keys = static_cast<uint16_t*>(outputs[1]);
-    cudaError_t e = carryOver(pool, inputs[kPool], static_cast<size_t>(B) * poolWords(mDims) * 4, stream);
+    cudaError_t e = carryOver(pool, inputs[kPool], static_cast<size_t>(R) * poolWords(mDims) * 4, stream);
     if (e == cudaSuccess)
     {
-        e = carryOver(keys, inputs[kKeys], static_cast<size_t>(B) * mDims.nMax * mDims.indexDim * 2, stream);
+        e = carryOver(keys, inputs[kKeys], static_cast<size_t>(R) * mDims.nMax * mDims.indexDim * 2, stream);
     }
     auto const* slots = static_cast<int32_t const*>(inputs[kSlots]);
     auto const* past = static_cast<int32_t const*>(inputs[kPast]);
@@ -163,13 +180,13 @@ int32_t GsmKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         {
             e = cuda::launchKVCacheUpdate<float>(mDims, B, S, static_cast<float const*>(inputs[kCk]),
                 static_cast<float const*>(inputs[kCv]), static_cast<float const*>(inputs[kKey]), pool, keys, slots,
-                past, nNew, stream);
+                past, nNew, rows, stream);
         }
         else
         {
             e = cuda::launchKVCacheUpdate<__half>(mDims, B, S, static_cast<__half const*>(inputs[kCk]),
                 static_cast<__half const*>(inputs[kCv]), static_cast<__half const*>(inputs[kKey]), pool, keys, slots,
-                past, nNew, stream);
+                past, nNew, rows, stream);
         }
     }
     return e == cudaSuccess ? 0 : fail(kName, e);

@@ -16,12 +16,12 @@ namespace
 
 uint8_t* seqPool(GsmDims const& d, int32_t* pool, int32_t b)
 {
-    return reinterpret_cast<uint8_t*>(pool + b * poolWords(d));
+    return reinterpret_cast<uint8_t*>(pool + static_cast<int64_t>(b) * poolWords(d));
 }
 
 uint8_t const* seqPool(GsmDims const& d, int32_t const* pool, int32_t b)
 {
-    return reinterpret_cast<uint8_t const*>(pool + b * poolWords(d));
+    return reinterpret_cast<uint8_t const*>(pool + static_cast<int64_t>(b) * poolWords(d));
 }
 
 bool fail(std::string* err, std::string const& msg)
@@ -71,10 +71,16 @@ void encodeRow(GsmDims const& d, uint8_t* row, int32_t tier, float const* v, Qua
 
 bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, float const* cv, float const* key,
     int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths,
-    int32_t const* newLengths, std::string* err)
+    int32_t const* newLengths, CacheRows rows, std::string* err)
 {
     for (int32_t b = 0; b < B; ++b)
     {
+        if (!rows.valid(b))
+        {
+            return fail(err, "GsmKVCacheUpdate: cache_rows[" + std::to_string(b) + "] = " + std::to_string(rows.of(b))
+                    + " is not a row of the pools (0.." + std::to_string(rows.count - 1) + ")");
+        }
+        int32_t const row = rows.of(b);
         int32_t const past = pastLengths[b];
         int32_t const nNew = newLengths[b];
         if (past < 0 || nNew < 0 || nNew > S || static_cast<int64_t>(past) + nNew > d.nMax)
@@ -92,17 +98,17 @@ bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, floa
                 return fail(err, "GsmKVCacheUpdate: kv_slots[" + std::to_string(b) + ", " + std::to_string(p) + "] = "
                         + std::to_string(entry) + " is not an FP16 row (the runtime allocates one per new position)");
             }
-            uint8_t* row = seqPool(d, pool, b) + rowOffset(d, slotRow(entry));
+            uint8_t* dst = seqPool(d, pool, row) + rowOffset(d, slotRow(entry));
             int64_t const src = static_cast<int64_t>(b) * S + j;
             for (int32_t c = 0; c < d.rankK; ++c)
             {
-                storeFP16(row, c, ck[src * d.rankK + c]);
+                storeFP16(dst, c, ck[src * d.rankK + c]);
             }
             for (int32_t c = 0; c < d.rankV; ++c)
             {
-                storeFP16(row, d.rankK + c, cv[src * d.rankV + c]);
+                storeFP16(dst, d.rankK + c, cv[src * d.rankV + c]);
             }
-            uint16_t* kdst = indexKeys + (static_cast<int64_t>(b) * d.nMax + p) * d.indexDim;
+            uint16_t* kdst = indexKeys + (static_cast<int64_t>(row) * d.nMax + p) * d.indexDim;
             for (int32_t c = 0; c < d.indexDim; ++c)
             {
                 kdst[c] = f32ToF16Bits(key[src * d.indexDim + c]);

@@ -75,6 +75,13 @@ int64_t rowsPerChunk(GsmDims const& d)
     return std::min<int64_t>(kMaxGridDimY, std::max<int64_t>(1, static_cast<int64_t>(kChunkBudget / perRowBytes(d))));
 }
 
+// The new rows of sequence b this call computes: none when its cache row is not one of the pools' (a kernel
+// cannot raise; the CPU reference refuses such a row), so such a sequence reads and writes nothing.
+__device__ __forceinline__ int32_t newRows(AttnDeviceArgs const& a, int32_t b)
+{
+    return a.rows.valid(b) ? a.newLengths[b] : 0;
+}
+
 // ---- 1. indexer scores: grid (ceil(N_max / kScoreThreads), rows of the chunk) --------------------
 template <typename T>
 __global__ void indexScoresKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, float* scores)
@@ -85,7 +92,7 @@ __global__ void indexScoresKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceAr
     int32_t const rr = blockIdx.y;
     int32_t const row = r0 + rr;
     int32_t const b = row / S, j = row % S;
-    if (j >= a.newLengths[b])
+    if (j >= newRows(a, b))
     {
         return;
     }
@@ -110,7 +117,8 @@ __global__ void indexScoresKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceAr
     {
         return;
     }
-    __half const* key = reinterpret_cast<__half const*>(a.indexKeys) + (static_cast<int64_t>(b) * d.nMax + s) * d.indexDim;
+    __half const* key
+        = reinterpret_cast<__half const*>(a.indexKeys) + (static_cast<int64_t>(a.rows.of(b)) * d.nMax + s) * d.indexDim;
     float acc = 0.f;
     for (int32_t i = 0; i < d.indexHeads; ++i)
     {
@@ -176,7 +184,7 @@ __global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
     int32_t const b = row / S, j = row % S;
     int32_t const kSel = maxSelected(d);
     int32_t* out = a.selectedOut + static_cast<int64_t>(row) * kSel;
-    int32_t const nValid = a.newLengths[b];
+    int32_t const nValid = newRows(a, b);
     int32_t count = 0;
     if (j < nValid)
     {
@@ -298,7 +306,7 @@ __global__ void countSelectedKernel(GsmDims d, int32_t S, int32_t r0, int32_t nR
     int32_t const* sel = a.selectedIn + static_cast<int64_t>(row) * kSel;
     int32_t const t = a.pastLengths[b] + j;
     int32_t c = 0;
-    if (j < a.newLengths[b])
+    if (j < newRows(a, b))
     {
         while (c < kSel && sel[c] >= 0 && sel[c] <= t)
         {
@@ -331,7 +339,7 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
     int32_t const row = r0 + rr;
     int32_t const b = row / S, j = row % S;
     T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(row) * d.numHeads + h * group) * D;
-    if (j >= a.newLengths[b])
+    if (j >= newRows(a, b))
     {
         for (int32_t i = threadIdx.x; i < group * D; i += blockDim.x)
         {
@@ -344,7 +352,7 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
     int32_t const count = counts[rr];
     int32_t const* sel = selBase + static_cast<int64_t>(row) * kSel;
     int32_t const* slots = a.slots + static_cast<int64_t>(b) * d.nMax;
-    uint8_t const* pool = reinterpret_cast<uint8_t const*>(a.pool + b * poolWords(d));
+    uint8_t const* pool = reinterpret_cast<uint8_t const*>(a.pool + static_cast<int64_t>(a.rows.of(b)) * poolWords(d));
     QuantView const qv{a.quant, r};
     float const invScale = 1.f / static_cast<float>(sqrt(static_cast<double>(D)));
     T const* q = static_cast<T const*>(a.q) + (static_cast<int64_t>(row) * d.numHeads + h * group) * D;

@@ -42,6 +42,7 @@ struct AttnDeviceArgs
     float* mass;                    // owning (may be null)
     int32_t const* sparseTopK;      // owning, device [B]: each sequence's budget, clamped to 0..max_top_k
                                     // (null: max_top_k for every sequence, the pre-rev-4 behaviour)
+    CacheRows rows;                 // cache_rows (device [B], engine_io rev 6) into the [R, ...] pools / keys
 };
 
 // Workspace for calls of up to maxRows = B*S query rows.

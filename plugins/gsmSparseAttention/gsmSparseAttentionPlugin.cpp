@@ -32,9 +32,11 @@ enum : int32_t
     kWindow,
     kTopK, // owning, engine_io rev 4: sparse_top_k [B]
 };
-constexpr int32_t kOwningInputs = 15;
-constexpr int32_t kOwningInputsV3 = 14; // before rev 4: no sparse_top_k, every sequence selects max_top_k
-constexpr int32_t kSharingInputs = 11;
+constexpr int32_t kOwningInputs = 16;    // rev 6: + cache_rows [B] (input 15)
+constexpr int32_t kOwningInputsV4 = 15;  // revs 4-5: no cache_rows, sequence b in pool row b
+constexpr int32_t kOwningInputsV3 = 14;  // before rev 4: no sparse_top_k, every sequence selects max_top_k
+constexpr int32_t kSharingInputs = 12;   // rev 6: + cache_rows [B] (input 11)
+constexpr int32_t kSharingInputsV5 = 11; // before rev 6
 constexpr int32_t kMaxI = 1 << 30;
 } // namespace
 
@@ -105,20 +107,35 @@ int32_t GsmSparseAttentionPlugin::expectedInputs() const noexcept
 
 bool GsmSparseAttentionPlugin::inputCountOk(int32_t nbInputs) const noexcept
 {
-    return nbInputs == expectedInputs() || (mDims.layerKind == 0 && nbInputs == kOwningInputsV3);
+    if (mDims.layerKind == 0)
+    {
+        return nbInputs == kOwningInputs || nbInputs == kOwningInputsV4 || nbInputs == kOwningInputsV3;
+    }
+    return nbInputs == kSharingInputs || nbInputs == kSharingInputsV5;
+}
+
+int32_t GsmSparseAttentionPlugin::rowsInput() const noexcept
+{
+    return mDims.layerKind == 0 ? kOwningInputs - 1 : kSharingInputs - 1;
+}
+
+void GsmSparseAttentionPlugin::learnForm(int32_t nbInputs) noexcept
+{
+    mHasTopKInput = nbInputs > kTopK;
+    mHasRowsInput = nbInputs > rowsInput();
 }
 
 int32_t GsmSparseAttentionPlugin::configurePlugin(
     DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
-    mHasTopKInput = nbInputs > kTopK;
+    learnForm(nbInputs);
     return GsmPluginBase::configurePlugin(in, nbInputs, out, nbOutputs);
 }
 
 int32_t GsmSparseAttentionPlugin::onShapeChange(
     PluginTensorDesc const* /*in*/, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
 {
-    mHasTopKInput = nbInputs > kTopK; // the runtime phase's plugin was rebuilt from fields: learn the form here
+    learnForm(nbInputs); // the runtime phase's plugin was rebuilt from fields: learn the form here
     return 0;
 }
 
@@ -140,6 +157,10 @@ bool GsmSparseAttentionPlugin::allowedType(
     {
         int32_t const o = pos - nbInputs;
         return o == 0 ? type == act : (o == 1 ? type == DataType::kINT32 : type == DataType::kFLOAT);
+    }
+    if (pos == rowsInput())
+    {
+        return type == DataType::kINT32; // cache_rows
     }
     switch (pos)
     {
@@ -230,6 +251,9 @@ int32_t GsmSparseAttentionPlugin::enqueueImpl(PluginTensorDesc const* inputDesc,
     a.ropeSin = static_cast<float const*>(inputs[kSin]);
     a.w0 = static_cast<float const*>(inputs[kW0]);
     a.w1 = static_cast<float const*>(inputs[kW1]);
+    // rev 6: sequence b's cache is row cache_rows[b] of the [R, ...] pools; before, row b of [B, ...] pools
+    a.rows = cacheRowsOf(mHasRowsInput ? static_cast<int32_t const*>(inputs[rowsInput()]) : nullptr,
+        static_cast<int32_t>(dim(inputDesc[kPool], 0)), B);
     a.out = outputs[0];
     if (owning)
     {

@@ -55,10 +55,13 @@ protected:
     bool allowedType(int32_t pos, nvinfer1::DataType type, nvinfer1::DynamicPluginTensorDesc const* inOut,
         int32_t nbInputs) const noexcept override;
     int32_t expectedInputs() const noexcept override;
+    int32_t rowsInput() const noexcept; // position of cache_rows
+    void learnForm(int32_t nbInputs) noexcept;
     bool inputCountOk(int32_t nbInputs) const noexcept override;
 
 private:
     bool mHasTopKInput = true; // owning: node input 14 sparse_top_k present (set by configurePlugin / onShapeChange)
+    bool mHasRowsInput = true; // cache_rows present (owning input 15, sharing 11; engine_io rev 6), set likewise
 
     template <typename T>
     int32_t enqueueImpl(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs,

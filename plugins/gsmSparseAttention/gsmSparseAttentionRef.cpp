@@ -118,7 +118,7 @@ bool Runner::loadRow(int32_t b, int32_t s, float* c) const
             + "] = " + std::to_string(entry) + " is not a valid row of a cached position");
         return false;
     }
-    uint8_t const* base = reinterpret_cast<uint8_t const*>(in_.pool + b * poolWords(d_));
+    uint8_t const* base = reinterpret_cast<uint8_t const*>(in_.pool + static_cast<int64_t>(in_.rows.of(b)) * poolWords(d_));
     uint8_t const* row = base + rowOffset(d_, slotRow(entry));
     QuantView const qv{in_.quant, r_};
     for (int32_t i = 0; i < r_; ++i)
@@ -202,7 +202,7 @@ void Runner::select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* s
     std::vector<float> score(t + 1);
     for (int32_t s = 0; s <= t; ++s)
     {
-        uint16_t const* key = in_.indexKeys + (static_cast<int64_t>(b) * d_.nMax + s) * d_.indexDim;
+        uint16_t const* key = in_.indexKeys + (static_cast<int64_t>(in_.rows.of(b)) * d_.nMax + s) * d_.indexDim;
         for (int32_t c = 0; c < d_.indexDim; ++c)
         {
             e[c] = f16BitsToF32(key[c]);
@@ -335,6 +335,11 @@ bool Runner::run(int32_t nThreads, std::string* err)
     }
     for (int32_t b = 0; b < B_; ++b)
     {
+        if (!in_.rows.valid(b))
+        {
+            return fail("GsmSparseAttention: cache_rows[" + std::to_string(b) + "] = " + std::to_string(in_.rows.of(b))
+                + " is not a row of the pools (0.." + std::to_string(in_.rows.count - 1) + ")");
+        }
         int32_t const past = in_.pastLengths[b], nNew = in_.newLengths[b];
         if (past < 0 || nNew < 0 || nNew > S_ || static_cast<int64_t>(past) + nNew > d_.nMax)
         {

@@ -19,7 +19,7 @@ namespace ref
 struct AttnInputs
 {
     float const* q;             // [B, S, nH*D] before RoPE
-    int32_t const* pool;        // [B, poolWords]
+    int32_t const* pool;        // [R, poolWords]: sequence b's pool is row rows.of(b)
     int32_t const* slots;       // [B, N_max]
     int32_t const* pastLengths; // [B]
     int32_t const* newLengths;  // [B]
@@ -30,10 +30,11 @@ struct AttnInputs
     float const* w1;            // owning: v_up [kvD, r_v]; sharing: kv_proj_bias [2kvD]
     float const* indexQ;        // owning: [B, S, nI*dI]
     float const* indexW;        // owning: [B, S, nI]
-    uint16_t const* indexKeys;  // owning: [B, N_max, dI] float16 bits
+    uint16_t const* indexKeys;  // owning: [R, N_max, dI] float16 bits, rows as the pool's
     int32_t sparseWindow;       // owning: run-time window
     int32_t const* selectedIn;  // sharing: [B, S, K_sel]
     int32_t const* sparseTopK;  // owning: [B] budget of each sequence, 0..max_top_k (nullptr: max_top_k for all)
+    CacheRows rows;             // cache_rows (engine_io rev 6); {nullptr, B, 0}: row b
 };
 
 struct AttnOutputs
@@ -44,7 +45,7 @@ struct AttnOutputs
     float* scores;     // optional diagnostics: [B, S, N_max] index scores, NaN where not computed
 };
 
-// Returns false with *err set on invalid lengths, window, sparse_top_k or slot entries. nThreads <= 0: all cores.
+// Returns false with *err set on invalid lengths, window, sparse_top_k, cache rows or slot entries. nThreads <= 0: all cores.
 bool sparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnInputs const& in, AttnOutputs const& out,
     int32_t nThreads, std::string* err);
 

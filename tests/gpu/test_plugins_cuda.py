@@ -196,6 +196,40 @@ def test_fp16_activations_match_reference_on_the_rounded_inputs(name: str) -> No
         assert np.all(got.out[b, T:] == 0)
 
 
+@pytest.mark.parametrize("name", ["chunked-mixed-tiers", "smollm2-decode"])
+def test_cache_rows_cuda_match_reference(name: str) -> None:
+    """engine_io rev 6: sequence b reads row cache_rows[b] of [R, ...] pools and keys (the others poisoned); a row
+    outside 0..R-1 makes that sequence read and write nothing (a kernel cannot raise)."""
+    sc = _scenario(name)
+    B = len(sc.past)
+    rows = np.arange(B, dtype=np.int32)[::-1] * 2  # reversed and spread: every sequence moves
+    scat = sc.in_rows(rows, 2 * B + 1)
+    want = sc.call(return_scores=True)
+    _compare(scat, want, gcuda.sparse_attention(scat), _near_tie_rows(sc, want.scores))
+    shared = _scenario(name, layer_kind=1).in_rows(rows, 2 * B + 1)
+    _compare(shared, shared.call(selected=want.selected), gcuda.sparse_attention(shared, want.selected), set())
+    scat.cache_rows = np.array([rows[0], 2 * B + 1, *rows[2:]], np.int32)  # sequence 1 has no row
+    got = gcuda.sparse_attention(scat)
+    assert np.all(got.out[1] == 0) and np.all(got.selected[1] == -1)
+    d, S = sc.dims, 3
+    rng = np.random.default_rng(1)
+    ck = rng.standard_normal((B, S, d.rank_k), dtype=np.float32)
+    cv = rng.standard_normal((B, S, d.rank_v), dtype=np.float32)
+    key = rng.standard_normal((B, S, d.index_dim), dtype=np.float32)
+    slots, new = sc.slots.copy(), np.minimum(sc.new, S).astype(np.int32)
+    pool0, keys0 = sc.in_rows(rows, 2 * B + 1).pool, sc.in_rows(rows, 2 * B + 1).index_keys
+    want_pool, want_keys = ref.kv_update(d, ck, cv, key, pool0.copy(), keys0.copy(), slots, sc.past, new,
+                                         cache_rows=rows)
+    got_pool, got_keys = gcuda.kv_update(d, ck, cv, key, pool0, keys0, slots, sc.past, new, cache_rows=rows)
+    assert not np.array_equal(want_pool, pool0)
+    assert np.array_equal(got_pool, want_pool)
+    assert np.array_equal(got_keys.view(np.uint16), want_keys.view(np.uint16))
+    bad = rows.copy()
+    bad[0] = -1
+    got_pool, _ = gcuda.kv_update(d, ck, cv, key, pool0, keys0, slots, sc.past, new, cache_rows=bad)
+    assert np.array_equal(got_pool[rows[0]], pool0[rows[0]]), "a sequence without a row wrote into one"
+
+
 @pytest.mark.parametrize("ranks", [(6, 5), (1, 3), (97, 93), (160, 160)])
 def test_cache_update_and_demote_bit_identical(ranks: tuple[int, int]) -> None:
     rng = np.random.default_rng(sum(ranks))

@@ -49,11 +49,11 @@ class CudaKernels:
         sig = {
             "gsm_cuda_last_error": (_c.c_char_p, []),
             "gsm_cuda_architectures": (_c.c_char_p, []),
-            "gsm_cuda_kv_update": (i32, [p, i32, i32, i32] + [p] * 8 + [p]),
+            "gsm_cuda_kv_update": (i32, [p, i32, i32, i32] + [p] * 8 + [p, i32, p]),
             "gsm_cuda_kv_demote_workspace_bytes": (i64, [p, i64]),
             "gsm_cuda_kv_demote": (i32, [p, i32, i32, p, p, p, p, p]),
             "gsm_cuda_attention_workspace_bytes": (i64, [p, i64]),
-            "gsm_cuda_sparse_attention": (i32, [p, i32, i32, i32] + [p] * 19 + [p, i64, p]),
+            "gsm_cuda_sparse_attention": (i32, [p, i32, i32, i32] + [p] * 16 + [p, i32] + [p] * 3 + [p, i64, p]),
             "gsm_cuda_synchronize": (i32, []),
         }
         for name, (res, args) in sig.items():
@@ -139,15 +139,17 @@ class DeviceCall:
     ws_bytes: int
     dims_c: object
     fp16: bool = False  # q, index_q, index_w and out are float16 (the kernels' __half instantiation)
+    pool_rows: int = 0  # R of the pools when the call has cache_rows
 
     def run(self) -> None:
         t = self.tensors
         K = kernels()
-        names = ("q", "pool", "slots", "past", "new", "quant", "cos", "sin", "w0", "w1", "iq", "iw", "ik", "window",
-                 "sel_in", "top_k", "out", "sel_out", "mass")  # the C signature's order
+        first = ("q", "pool", "slots", "past", "new", "quant", "cos", "sin", "w0", "w1", "iq", "iw", "ik", "window",
+                 "sel_in", "top_k")  # the C signature's order
         K.check(K.lib.gsm_cuda_sparse_attention(_c.byref(self.dims_c), self.B, self.S, int(self.fp16),
-                                                *(_p(t.get(n)) for n in names), _p(self.workspace), self.ws_bytes,
-                                                None))
+                                                *(_p(t.get(n)) for n in first), _p(t.get("rows")), self.pool_rows,
+                                                *(_p(t.get(n)) for n in ("out", "sel_out", "mass")),
+                                                _p(self.workspace), self.ws_bytes, None))
 
     def result(self) -> AttentionResult:
         K = kernels()
@@ -171,6 +173,7 @@ def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = Fa
     t = {"q": _dev(sc.q.astype(act)), "pool": _dev(sc.pool), "slots": _dev(sc.slots), "past": _dev(sc.past),
          "new": _dev(sc.new), "quant": _dev(sc.quant), "cos": _dev(sc.rope_cos), "sin": _dev(sc.rope_sin),
          "w0": _dev(sc.w0), "w1": _dev(sc.w1),
+         "rows": None if sc.cache_rows is None else _dev(np.asarray(sc.cache_rows, np.int32)),
          "out": mem.full((B, S, d.num_heads * d.head_dim), np.nan, act)}
     if owning:
         t.update(iq=_dev(sc.index_q.astype(act)), iw=_dev(sc.index_w.astype(act)),
@@ -184,7 +187,7 @@ def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = Fa
     dims_c = d.c()
     ws = int(kernels().lib.gsm_cuda_attention_workspace_bytes(_c.byref(dims_c), B * S))
     workspace = mem.full((max(ws, 1),), 0, np.uint8)
-    return DeviceCall(d, B, S, t, workspace, ws, dims_c, fp16)
+    return DeviceCall(d, B, S, t, workspace, ws, dims_c, fp16, int(sc.pool.shape[0]))
 
 
 def sparse_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False) -> AttentionResult:
@@ -193,18 +196,19 @@ def sparse_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = Fal
     return call.result()
 
 
-def kv_update(d: Dims, ck, cv, key, pool, index_keys, slots, past, new, *, fp16: bool = False
+def kv_update(d: Dims, ck, cv, key, pool, index_keys, slots, past, new, *, cache_rows=None, fp16: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
     """CUDA GsmKVCacheUpdate on host arrays (uploaded, updated on the device, returned as NumPy); fp16: ck, cv and
-    key passed as float16 (rounded to nearest)."""
+    key passed as float16 (rounded to nearest); cache_rows: int [B] rows of pool / index_keys (None: row b)."""
     B, S = ck.shape[:2]
     dp, dk = _dev(pool), _dev(np.ascontiguousarray(index_keys).view(np.int16))
     act = np.float16 if fp16 else np.float32
     ins = [_dev(np.asarray(a, act)) for a in (ck, cv, key)] + [_dev(a) for a in (slots, past, new)]  # held until done
+    rows = None if cache_rows is None else _dev(np.asarray(cache_rows, np.int32))
     K = kernels()
     dc = d.c()
     K.check(K.lib.gsm_cuda_kv_update(_c.byref(dc), B, S, int(fp16), *map(_p, ins[:3]), _p(dp), _p(dk),
-                                     *map(_p, ins[3:]), None))
+                                     *map(_p, ins[3:]), _p(rows), int(np.shape(pool)[0]), None))
     K.check(K.lib.gsm_cuda_synchronize())
     return K.mem.host(dp), K.mem.host(dk).view(np.float16)
 

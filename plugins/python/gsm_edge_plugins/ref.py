@@ -14,7 +14,7 @@ import numpy as np
 
 from gsm_edge_plugins._lib import REF_LIB, load
 
-ABI_VERSION = 2  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
+ABI_VERSION = 3  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
 FP16, INT12, INT8 = 0, 1, 2
 SLOT_EMPTY = -1
 _c = ctypes
@@ -104,10 +104,10 @@ class _Ref:
             "gsm_ref_abi_version": (i32, []),
             "gsm_ref_pool_words": (i64, [dp]),
             "gsm_ref_row_offset": (i64, [dp, i32]),
-            "gsm_ref_kv_update": (i32, [dp, i32, i32, p, p, p, p, p, p, p, p]),
+            "gsm_ref_kv_update": (i32, [dp, i32, i32, p, p, p, p, p, p, p, p, p, i32]),
             "gsm_ref_kv_demote": (i32, [dp, i32, i32, p, p, p]),
             "gsm_ref_read_latents": (i32, [dp, i32, p, p, p, p, p]),
-            "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p, p, p, p, p, i32]),
+            "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p, p, i32, p, p, p, p, i32]),
             "gsm_ref_hotness_update": (None, [i32, p, p, f64]),
             "gsm_ref_ranked_tiers": (None, [i32, p, p, i32, p, i32, i32, f64, f64, p]),
             "gsm_ref_f32_to_f16": (None, [p, p, i64]),
@@ -174,20 +174,24 @@ def empty_pool(d: Dims, batch: int, fill_byte: int = 0) -> np.ndarray:
 
 # ---- GsmKVCacheUpdate / GsmKVDemote --------------------------------------------------------------
 def kv_update(d: Dims, ck: np.ndarray, cv: np.ndarray, key: np.ndarray, pool: np.ndarray, index_keys: np.ndarray,
-              slots: np.ndarray, past_lengths: np.ndarray, new_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Write new rows (FP16) and indexer keys; pool and index_keys are updated in place and returned."""
+              slots: np.ndarray, past_lengths: np.ndarray, new_lengths: np.ndarray,
+              cache_rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Write new rows (FP16) and indexer keys; pool and index_keys are updated in place and returned.
+    cache_rows: int [B], sequence b's row of pool [R, P32] / index_keys [R, N_max, dI] (None: row b, R = B)."""
     B, S = ck.shape[:2]
     ck = _arr(ck, np.float32, (B, S, d.rank_k), "ck")
     cv = _arr(cv, np.float32, (B, S, d.rank_v), "cv")
     key = _arr(key, np.float32, (B, S, d.index_dim), "key")
-    _inplace(pool, np.int32, (B, pool_words(d)), "pool")
-    _inplace(index_keys, np.float16, (B, d.n_max, d.index_dim), "index_keys")
+    R = B if cache_rows is None else pool.shape[0]
+    rows = None if cache_rows is None else _arr(np.reshape(cache_rows, -1), np.int32, (B,), "cache_rows")
+    _inplace(pool, np.int32, (R, pool_words(d)), "pool")
+    _inplace(index_keys, np.float16, (R, d.n_max, d.index_dim), "index_keys")
     slots = _arr(slots, np.int32, (B, d.n_max), "slots")
     past = _arr(past_lengths, np.int32, (B,), "past_lengths")
     new = _arr(new_lengths, np.int32, (B,), "new_lengths")
     L = lib()
     L.check(L.lib.gsm_ref_kv_update(_c.byref(d.c()), B, S, _p(ck), _p(cv), _p(key), _p(pool), _p(index_keys),
-                                    _p(slots), _p(past), _p(new)))
+                                    _p(slots), _p(past), _p(new), _p(rows), R))
     return pool, index_keys
 
 
@@ -229,17 +233,20 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
                      w0: np.ndarray, w1: np.ndarray, *, index_q: np.ndarray | None = None,
                      index_w: np.ndarray | None = None, index_keys: np.ndarray | None = None,
                      sparse_window: int | None = None, sparse_top_k: np.ndarray | None = None,
-                     selected: np.ndarray | None = None, return_scores: bool = False,
-                     threads: int = 0) -> AttentionResult:
+                     selected: np.ndarray | None = None, cache_rows: np.ndarray | None = None,
+                     return_scores: bool = False, threads: int = 0) -> AttentionResult:
     """One GsmSparseAttention call. Owning (d.layer_kind 0): w0 = k_svd_U [kvD, r_k], w1 = v_svd_U [kvD, r_v],
     index_q/index_w/index_keys/sparse_window required; sparse_top_k: int [B], each sequence's budget in
     0..d.max_top_k (None: d.max_top_k for all, a node without that input). Sharing (1): w0 = kv_projector
-    weight [2kvD, r], w1 = its bias [2kvD], selected = the source layer's selection [B, S, K_sel]."""
+    weight [2kvD, r], w1 = its bias [2kvD], selected = the source layer's selection [B, S, K_sel].
+    cache_rows: int [B], sequence b's row of pool [R, P32] and index_keys [R, N_max, dI] (None: row b, R = B)."""
     B, S = q.shape[:2]
     nq = d.num_heads * d.head_dim
     owning = d.layer_kind == 0
     q = _arr(q, np.float32, (B, S, nq), "q")
-    pool = _arr(pool, np.int32, (B, pool_words(d)), "pool")
+    R = B if cache_rows is None else pool.shape[0]
+    rows = None if cache_rows is None else _arr(np.reshape(cache_rows, -1), np.int32, (B,), "cache_rows")
+    pool = _arr(pool, np.int32, (R, pool_words(d)), "pool")
     slots = _arr(slots, np.int32, (B, d.n_max), "slots")
     past = _arr(past_lengths, np.int32, (B,), "past_lengths")
     new = _arr(new_lengths, np.int32, (B,), "new_lengths")
@@ -253,7 +260,7 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
             raise ValueError("an owning layer needs index_q, index_w, index_keys and sparse_window")
         index_q = _arr(index_q, np.float32, (B, S, d.index_heads * d.index_dim), "index_q")
         index_w = _arr(index_w, np.float32, (B, S, d.index_heads), "index_w")
-        index_keys = _arr(index_keys, np.float16, (B, d.n_max, d.index_dim), "index_keys")
+        index_keys = _arr(index_keys, np.float16, (R, d.n_max, d.index_dim), "index_keys")
         sel_out: np.ndarray | None = np.empty((B, S, d.k_sel), np.int32)
         mass: np.ndarray | None = np.empty((B, d.n_max), np.float32)
         sel_in = None
@@ -271,7 +278,8 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
     rc = L.lib.gsm_ref_sparse_attention(
         _c.byref(d.c()), B, S, _p(q), _p(pool), _p(slots), _p(past), _p(new), _p(quant), _p(rope_cos),
         _p(rope_sin), _p(w0), _p(w1), _p(index_q), _p(index_w), _p(index_keys),
-        int(sparse_window or 0), _p(sel_in), _p(top_k), _p(out), _p(sel_out), _p(mass), _p(scores), int(threads))
+        int(sparse_window or 0), _p(sel_in), _p(top_k), _p(rows), R, _p(out), _p(sel_out), _p(mass), _p(scores),
+        int(threads))
     L.check(rc)
     return AttentionResult(out, sel_out, mass, scores)
 

@@ -45,6 +45,7 @@ class Scenario:
     w0: np.ndarray  # owning: k_up [kvD, r_k]; sharing: kv_proj_weight [2kvD, r]
     w1: np.ndarray  # owning: v_up [kvD, r_v]; sharing: kv_proj_bias [2kvD]
     top_k: np.ndarray | None = None  # [B] int32 per-sequence sparse_top_k (None: the node's max_top_k for all)
+    cache_rows: np.ndarray | None = None  # [B] int32 rows of pool / index_keys [R, ...] (None: row b, R = B)
 
     @property
     def S(self) -> int:
@@ -57,10 +58,25 @@ class Scenario:
     def call(self, selected: np.ndarray | None = None, **kw) -> ref.AttentionResult:
         """Run the CPU reference on this scenario (with its per-sequence budgets when it has them)."""
         kw.setdefault("sparse_top_k", self.top_k if self.dims.layer_kind == 0 else None)
+        kw.setdefault("cache_rows", self.cache_rows)
         return ref.sparse_attention(self.dims, self.q, self.pool, self.slots, self.past, self.new, self.quant,
                                     self.rope_cos, self.rope_sin, self.w0, self.w1, index_q=self.index_q,
                                     index_w=self.index_w, index_keys=self.index_keys, sparse_window=self.window,
                                     selected=selected, **kw)
+
+    def in_rows(self, rows: np.ndarray, total: int, fill_byte: int = 0xFF) -> Scenario:
+        """The same call with sequence b's cache in row rows[b] of `total`-row pools and indexer keys (engine_io
+        rev 6 cache_rows); every other row is poisoned (pool bytes fill_byte, keys NaN), so reading a wrong row
+        shows."""
+        from dataclasses import replace
+
+        rows = np.asarray(rows, np.int32)
+        if rows.shape != (self.pool.shape[0],) or len(set(rows.tolist())) != rows.size:
+            raise ValueError(f"rows: one distinct row per sequence, got {rows}")
+        pool = ref.empty_pool(self.dims, total, fill_byte)
+        keys = np.full((total, *self.index_keys.shape[1:]), np.nan, np.float16)
+        pool[rows], keys[rows] = self.pool, self.index_keys
+        return replace(self, pool=pool, index_keys=keys, cache_rows=rows)
 
     def budget(self, b: int) -> int:
         """Selection budget of sequence b: its sparse_top_k, or max_top_k without per-sequence budgets."""

@@ -1,0 +1,134 @@
+"""The cache of the plugin-graph backends (TensorRT and its CPU reference), host side.
+
+Memory model (docs/engine_io.md section 2, revision 6): per owning layer one byte pool `kv_pool.{l}`
+[R, P32] and indexer keys `index_keys.{l}` [R, N_max, dI], R = the memory plan's max_batch rows, allocated
+once and updated in place by the graphs. A sequence owns one row for its life (`cache_rows[b]` tells the
+graph which) and its slot table; a call carries any subset of the resident sequences, demotion lists name
+the row of each entry. A bundle from before revision 6 has no `cache_rows`: it runs one sequence in row 0
+of one-row pools.
+
+What is shared here, so that CI runs every line the TensorRT backend runs except the TensorRT calls:
+the rows, the slot-table work before a call (compaction, new rows), the undo of a shadow call, the
+demotion lists, and the KV-noise measure of a re-tier pass from pools read back before and after.
+
+A shadow call (forward with commit False: the dense call of a hit-rate probe) needs no copy of the pools:
+it writes only the positions it adds, which lie beyond each sequence's length, into rows of that
+sequence's FP16 region that the restored slot table holds free again. Nothing reads a free row or a
+position past the length, and the real call that follows writes the same positions again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gsm.bundle_format import BundleConfig
+from runtime.backend import RowPool, kv_noise_sums, relative_noise
+from runtime.slots import SlotTable
+
+CACHE_ROWS_REVISION = 6  # the engine_io revision whose plugin graph takes cache_rows
+
+
+@dataclass
+class PluginCache:
+    """One sequence: its row of the pools and its slot table (what the graph reads as kv_slots[b])."""
+
+    row: int
+    slots: SlotTable
+    released: bool = False
+
+
+@dataclass
+class CallPlan:
+    """What one forward call binds, after the slot-table work it needed."""
+
+    compaction: np.ndarray  # [M, 3] (row, old entry, new entry): run through the demotion graph before the call
+    kv_slots: np.ndarray  # [B, N_max] int32
+    cache_rows: np.ndarray  # [B] int32
+    saved: list[tuple[np.ndarray, list[list[int]]]] = field(default_factory=list)  # tables before the new rows
+
+
+def demotion_list(row: int, moves: Sequence[tuple[int, int]]) -> np.ndarray:
+    """demote_list entries [M, 3] of one sequence (engine_io 4.3: b is the pool row)."""
+    return np.array([(row, old, new) for old, new in moves], np.int32).reshape(-1, 3)
+
+
+class PluginRows:
+    """The plan's rows of one plugin-graph backend and the host work around each call."""
+
+    def __init__(self, cfg: BundleConfig, backend: str) -> None:
+        self.cache_rows = cfg.graph_revision >= CACHE_ROWS_REVISION
+        self.rows = cfg.max_batch if self.cache_rows else 1  # R: what the pools are allocated for
+        self.n_max, self.tiers = cfg.n_max, cfg.pool_rows.by_tier
+        self.pool = RowPool(self.rows, backend)
+
+    def new_cache(self) -> PluginCache:
+        return PluginCache(self.pool.take(), SlotTable(self.n_max, self.tiers))
+
+    def release(self, cache: PluginCache) -> None:
+        if not cache.released:
+            cache.released = True
+            self.pool.give(cache.row)
+
+    def plan_call(self, caches: Sequence[PluginCache], past: np.ndarray, new: np.ndarray) -> CallPlan:
+        """Rows for each sequence's new positions (moving borrowed rows first where its FP16 region is short:
+        those moves must run before the call) and the call's kv_slots / cache_rows."""
+        moves, saved = [], []
+        for c, p0, n in zip(caches, past, new):
+            moves.append(demotion_list(c.row, c.slots.compaction(int(n))))
+            saved.append((c.slots.entries.copy(), [list(f) for f in c.slots.free]))
+            c.slots.allocate(range(int(p0), int(p0) + int(n)))
+        return CallPlan(np.concatenate(moves), np.stack([c.slots.entries for c in caches]),
+                        np.array([c.row for c in caches], np.int32), saved)
+
+    @staticmethod
+    def undo(caches: Sequence[PluginCache], plan: CallPlan) -> None:
+        """After a shadow call: each slot table as before its new rows (a compaction stays done: it moved rows
+        without changing a value)."""
+        for c, (entries, free) in zip(caches, plan.saved):
+            c.slots.entries[:], c.slots.free = entries, free
+
+    def demote(self, cache: PluginCache, new_tier: np.ndarray, run: Callable[[np.ndarray], None],
+               latents: Callable[[PluginCache], list[np.ndarray]] | None) -> float | None:
+        """One re-tier pass of one sequence: the slot-table moves, run through the demotion graph by `run`
+        (demote_list [M, 3]). With `latents` (every owning layer's dequantised K and V latents by position
+        of the sequence, read back from the pools) returns the pass's relative KV noise over the positions
+        whose tier changed (runtime.backend.relative_noise); None when none changed or nothing was read."""
+        where = np.nonzero(np.asarray(new_tier) >= 0)[0]
+        before = latents(cache) if where.size and latents is not None else None
+        moves = cache.slots.demote(np.asarray(new_tier))
+        if moves:
+            run(demotion_list(cache.row, moves))
+        if before is None:
+            return None
+        return relative_noise([kv_noise_sums(old[where], now[where]) for old, now in zip(before, latents(cache))])
+
+
+def read_latents(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: np.ndarray,
+                 quant: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dequantised latents of one layer's pool row [P32] by position ([N_max, r_k], [N_max, r_v]; NaN where a
+    position has no row), through the plugins' CPU reference reader (the layout exists once, in C++)."""
+    from gsm_edge_plugins import ref
+
+    rk, rv = cfg.ranks[layer]
+    t = cfg.pool_rows.by_tier
+    d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=cfg.n_max, rows_fp16=t[0],
+                 rows_int12=t[1], rows_int8=t[2], index_dim=cfg.index_dim)
+    ck, cv = ref.read_latents(d, np.asarray(pool_row).reshape(1, -1), np.asarray(entries)[None], quant)
+    return ck[0], cv[0]
+
+
+def quant_tables(demote_graph: Any) -> dict[int, np.ndarray]:
+    """owning layer -> its [3, r] quantisation table (s12, s8, comp8), from the demotion graph's initializers
+    `gsm.layers.{l}.quant` (an onnx ModelProto with its external data loaded)."""
+    from onnx import numpy_helper
+
+    out = {}
+    for t in demote_graph.graph.initializer:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[:2] == ["gsm", "layers"] and parts[3] == "quant":
+            out[int(parts[2])] = numpy_helper.to_array(t).astype(np.float32)
+    return out
