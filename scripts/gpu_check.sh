@@ -3,7 +3,9 @@
 #   1. build the CPU reference and the CUDA kernels (sm_87, sm_90 and this GPU's SM),
 #   2. run tests/gpu on the GPU (CUDA kernels vs the CPU reference; CI runs the same tests on the CPU-emulated
 #      kernels) and the CPU reference tests,
-#   3. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
+#   3. where TensorRT is installed, the TensorRT backend against the backend contract
+#      (tests/test_backend_contract.py; up to 7 more minutes),
+#   4. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
 #      at 4K and 32K context (tests/gpu/bench_decode.py).
 # Needs: nvcc, cmake >= 3.18, python3 with numpy, torch (CUDA build) and pytest.
 set -euo pipefail
@@ -42,6 +44,16 @@ export PYTHONPATH="$ROOT/plugins/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== tests"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_plugins_cuda.py tests/test_plugins_cpu.py
+
+echo "== backend contract (TensorRT)"
+# The TensorRT backend against the one contract every backend meets (tests/test_backend_contract.py: CI runs it
+# on onnxruntime and reference); it builds a demo bundle and its engine, so it needs TensorRT and the builder.
+if python3 -c "import tensorrt, onnx, onnxruntime" 2>/dev/null; then
+  export GSM_PLUGIN_LIB="$BUILD/plugins/libgsm_trt_plugins.so"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_backend_contract.py -k tensorrt -rs
+else
+  echo "skipped: TensorRT (or onnx / onnxruntime) is not installed on this machine"
+fi
 
 echo "== decode attention"
 timeout 150 python3 tests/gpu/bench_decode.py

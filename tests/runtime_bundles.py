@@ -24,11 +24,12 @@ def run_module(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Comple
                           timeout=timeout)
 
 
-def build_demo(out: Path, *, max_seq: int = 64, max_input: int = 16, max_batch: int = 1) -> Path:
+def build_demo(out: Path, *, max_seq: int = 64, max_input: int = 16, max_batch: int = 1,
+               extra: tuple[str, ...] = ()) -> Path:
     """The demo model through `python -m builder build` (byte-level tokenizer, vocab 384); max_batch: the memory
-    plan's cache rows, the sequences that may be resident at once."""
+    plan's cache rows, the sequences that may be resident at once; extra: more build flags."""
     r = run_module("builder", "build", "--device", "orin", "--output", str(out), "--max-seq", str(max_seq),
-                   "--max-input", str(max_input), "--max-batch", str(max_batch), cwd=out.parent)
+                   "--max-input", str(max_input), "--max-batch", str(max_batch), *extra, cwd=out.parent)
     assert r.returncode == 0, r.stderr
     return out
 
