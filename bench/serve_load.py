@@ -198,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
                  "statuses": sorted(set(codes)), "wall_s": wall, "rss_after_warmup_mb": before,
                  "peak_rss_mb": proc_status_mb(server.pid, "VmHWM"), "max_batch": cfg["max_batch"],
                  "max_seq": cfg["n_max"], "plan_kv_pool_mb": plan.get("kv_pool_bytes", float("nan")) / 2**20,
+                 "plan_cpu_kv_mb": plan.get("cpu_kv_bytes", float("nan")) / 2**20,
                  "backend_kv_budget_mb": health.get("kv_budget_bytes", float("nan")) / 2**20,
                  "max_running": health.get("max_running")}
             b["peak_growth_mb"] = b["peak_rss_mb"] - before
             out["burst"] = b
             print(f"burst: {b['answered']}/{args.burst} answered in {wall:.1f} s; peak RSS {b['peak_rss_mb']:.1f} MB, "
-                  f"{b['peak_growth_mb']:+.1f} MB over warm-up; plan KV {b['plan_kv_pool_mb']:.1f} MB "
-                  f"(max_batch {b['max_batch']} x max_seq {b['max_seq']}), this backend's KV budget "
-                  f"{b['backend_kv_budget_mb']:.1f} MB", file=sys.stderr)
+                  f"{b['peak_growth_mb']:+.1f} MB over warm-up; plan KV {b['plan_kv_pool_mb']:.1f} MB on TensorRT, "
+                  f"{b['plan_cpu_kv_mb']:.1f} MB on onnxruntime (max_batch {b['max_batch']} x max_seq "
+                  f"{b['max_seq']}), this backend's KV budget {b['backend_kv_budget_mb']:.1f} MB", file=sys.stderr)
         for conc in levels:
             res, wall = asyncio.run(run_level(url, conc, args.requests, args.max_tokens, deadline))
             s = summary(res, wall)

@@ -117,6 +117,7 @@ class MemoryPlan:
     quantize_head: bool = False
     int4_grid: str = "sym"  # INT4_GRIDS
     max_top_k: int = 0  # largest per-sequence selection budget the TensorRT graph takes (0: not given)
+    cpu_kv_bytes: int = 0  # the onnxruntime backend's cache, all rows (cpu_cache_bytes; 0: a plan from before it)
 
     @property
     def total_bytes(self) -> int:
@@ -219,6 +220,15 @@ def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: Poo
     return per_seq * max_batch
 
 
+def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], max_seq: int, max_batch: int) -> int:
+    """What the onnxruntime backend holds for the plan's rows (engine_io 5, revision 5): per position float32
+    latents and FP16 indexer keys of every owning layer and float32 K rows of every layer. Larger than the
+    TensorRT pools (which hold the tiers' bytes): the CPU graphs read latents as float32."""
+    per_position = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
+    per_position += 4 * cfg.num_hidden_layers * cfg.kv_dim
+    return per_position * max_seq * max_batch
+
+
 def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int,
                      max_top_k: int | None = None) -> int:
     """Largest live tensors of one forward call over B x T tokens at context S (estimate, FP16/FP32),
@@ -301,7 +311,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
         weights=weights, group_size=group_size, quantize_head=quantize_head, int4_grid=int4_grid,
-        max_top_k=min(cfg.gsm.sparse_top_k, max_seq) if max_top_k is None else max_top_k)
+        max_top_k=min(cfg.gsm.sparse_top_k, max_seq) if max_top_k is None else max_top_k,
+        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch))
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,

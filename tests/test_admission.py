@@ -67,6 +67,24 @@ def test_capabilities_state_the_plan(bundle, rt):
     # the bytes the buffers really hold, counted from the arrays
     assert caps.kv_budget_bytes == sum(b.nbytes for b in rt.backend.buffers.values())
     assert {b.shape[0] for b in rt.backend.buffers.values()} == {MAX_BATCH}
+    # the plan states what this backend holds (builder.plan.cpu_cache_bytes, from the model's shapes) beside
+    # the TensorRT pools (kv_pool_bytes, from the tier layout)
+    assert plan["cpu_kv_bytes"] == caps.kv_budget_bytes > plan["kv_pool_bytes"]
+
+
+def test_plugin_backend_memory_is_the_plans_pools(bundle):
+    """The reference backend holds exactly the pools the plan counts for TensorRT (kv_pool_bytes: latent pools,
+    indexer keys and slot tables of every row), allocated once."""
+    import runtime
+    from runtime.ref_backend import reference_usable
+
+    if not reference_usable()[0]:
+        pytest.skip(reference_usable()[1])
+    plan = json.loads((bundle / "plan.json").read_text())
+    ref = runtime.load(bundle, "reference")
+    assert ref.capabilities.kv_budget_bytes == plan["kv_pool_bytes"]
+    assert ref.capabilities.kv_budget_bytes == sum(b.nbytes for b in ref.backend.buffers.values()) + \
+        MAX_BATCH * MAX_SEQ * 4  # + one int32 slot table per row
 
 
 @pytest.mark.parametrize("asked, want", [(0, MAX_BATCH), (1, 1), (MAX_BATCH, MAX_BATCH), (8, MAX_BATCH)])
