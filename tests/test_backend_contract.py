@@ -159,7 +159,7 @@ def test_retier_passes_in_a_batch_equal_alone(rt):
     out = rt.prefill_batch(seqs, [LONG, PROMPTS[0], PROMPTS[2]])
     assert seqs[0].last_kv_noise == pytest.approx(noise, rel=1e-5)
     got = []
-    for i in range(8):
+    for _ in range(8):
         got.append(int(np.argmax(out[0])))
         out = rt.decode_batch(seqs, [got[-1], 7, 8])
     assert got == toks
