@@ -360,13 +360,11 @@ class Engine:
     def running(self) -> list[EngineRequest]:
         return list(self._running)
 
-    def submit(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
-               deadline_s: float | None = None) -> EngineRequest:
-        """Queue a completion. Inputs are checked now (RequestError); QueueFullError when the queue is full."""
-        state = self.rt.request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop_ids=stop_ids)
-        return self._enqueue(state, deadline_s)
+    def submit(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, deadline_s: float | None = None,
+               **options: Any) -> EngineRequest:
+        """Queue a completion; `options` are Runtime.request's (sampling, penalties, stop ids and strings,
+        logprobs, response_format). Inputs are checked now (RequestError); QueueFullError when the queue is full."""
+        return self._enqueue(self.rt.request(prompt, max_new_tokens, **options), deadline_s)
 
     def submit_chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, *,
                     deadline_s: float | None = None, **sampling: Any) -> EngineRequest:

@@ -9,6 +9,7 @@ applies through the backend's demotion graph. The call order equals gsm.golden's
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -158,6 +159,8 @@ class Runtime:
         self.bos_token_id = cfg.bos_token_id
         self.eos_token_id = cfg.eos_token_id
         self.codec = TextCodec.load(bundle, self.bos_token_id, self.eos_token_id)  # None: ids only
+        self._grammars: Any = None  # runtime.constrained.GrammarCache, made by the first structured request
+        self._grammars_lock = threading.Lock()
 
     @property
     def can_probe(self) -> bool:
@@ -327,13 +330,36 @@ class Runtime:
         return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def request(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                stop_ids: Sequence[int] | None = None) -> RequestState:
+                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                stop_ids: Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+                logprobs: int | None = None, response_format: Mapping[str, Any] | None = None,
+                fit_context: bool = False) -> RequestState:
         """A checked request, not yet run (`stream`, `generate_batch` and the Engine drive it). Inputs are
         checked here, before any model work: a RequestError (ValueError) names the parameter. top_k is
-        sampling's top-k (0: off), not the selection budget (`Sequence_.sparse_top_k`)."""
-        return RequestState(self, self._prompt_ids(prompt), max_new_tokens,
-                            SamplingParams(temperature, top_k, top_p, seed), stop_ids)
+        sampling's top-k (0: off), not the selection budget (`Sequence_.sparse_top_k`). stop: up to 4 strings
+        that end the output (not included); logprobs: None, or how many alternatives each Token carries (0: the
+        chosen token's log-probability only); response_format: structured output (runtime.constrained);
+        fit_context: refuse a prompt + max_new_tokens beyond max-seq (the server, for an explicit max_tokens)
+        instead of ending at the context ("context")."""
+        params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
+                                repetition_penalty)
+        return RequestState(self, self._prompt_ids(prompt), max_new_tokens, params, stop_ids, stop=stop,
+                            logprobs=logprobs, constraint=self._constraint(response_format), fit_context=fit_context)
+
+    def _constraint(self, fmt: Mapping[str, Any] | None) -> Any:
+        if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+            return None
+        from runtime.constrained import GrammarCache, grammar_of
+
+        if self.codec is None:
+            grammar_of(fmt)  # a malformed format is named first
+            raise RequestError("response_format", f"{self.bundle} has no tokenizer.json: structured output needs it")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache((self.bundle / "tokenizer.json").read_text(encoding="utf-8"),
+                                              self.vocab_size, self.eos_token_id)
+        return self._grammars.constraint(fmt)
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw: Any) -> TokenStream:
         """A request: iterate it for tokens as they come (stop ids end it and are not yielded); after

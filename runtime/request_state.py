@@ -3,6 +3,12 @@
 Every driver (`TokenStream`, `Runtime.generate_batch`, `Engine`) runs the model and hands the logits here;
 this object alone decides the next token and when the request ends, so the three cannot disagree. It
 knows nothing of sequences or backends: the driver passes the sequence's length with the logits.
+
+Per step, in this order: the constraint's token mask (structured output), the penalties, the sampler; then
+stop ids (not emitted), the token, the constraint's end, stop strings (the text is cut before one and
+nothing after it is emitted; while streaming, an end of the text that may still become one is held back),
+max_new_tokens, the context end. Log-probabilities, when asked, are the model's (the logits as the graph
+returned them, before mask, penalties and temperature: what vLLM returns by default).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.sampling import RequestError, Sampler, SamplingParams
+from runtime.sampling import RequestError, Sampler, SamplingParams, apply_penalties
+from runtime.stop_strings import check_stop, find_stop, held_back
 from runtime.text import Detokenizer, TextCodec
 
 # Ends after which bytes the detokeniser holds back are dropped, not flushed into `text`: the request was
@@ -21,10 +28,15 @@ from runtime.text import Detokenizer, TextCodec
 ABANDONED_ENDS = ("cancelled", "error")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
 @dataclass
 class Token:
     id: int
-    text: str  # the text this token adds after the prompt (may be "" inside a UTF-8 sequence)
+    text: str  # the text this token releases (may be "" inside a UTF-8 sequence or while it may start a stop)
+    logprob: float | None = None  # the model's log-probability of this token (when logprobs were asked)
+    top_logprobs: list[tuple[int, float]] | None = None  # the `logprobs` most likely (id, logprob), best first
 
 
 @dataclass
@@ -32,7 +44,38 @@ class Generation:
     prompt_ids: list[int]
     ids: list[int]
     text: str | None  # what follows the prompt's text (leading space kept); None without a tokenizer
-    finish_reason: str  # "stop" (a stop id) | "length" (max_new_tokens) | "context" (max-seq reached)
+    finish_reason: str  # "stop" (a stop id / string, grammar end) | "length" (max_new_tokens) | "context" (max-seq)
+    tokens: list[Token] | None = None  # every generated token with its log-probabilities (when asked)
+
+
+class TokenConstraint(Protocol):
+    """Structured output for one request (runtime.constrained): which tokens may come next."""
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab_size]: the tokens the grammar accepts next."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The sampled token (one `allowed` permitted)."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has ended: nothing may follow."""
+        ...
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def check_logprobs(n: int | None) -> int | None:
+    if n is not None and (isinstance(n, bool) or int(n) != n or not 0 <= n <= MAX_TOP_LOGPROBS):
+        raise RequestError("logprobs", f"must be an integer in 0..{MAX_TOP_LOGPROBS} (how many alternatives per "
+                                       f"token; 0: the chosen token's only), got {n!r}")
+    return None if n is None else int(n)
 
 
 class ModelLimits(Protocol):
@@ -68,7 +111,9 @@ class RequestState:
     decode step of `next_token` until `finish_reason` is set."""
 
     def __init__(self, model: ModelLimits, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
-                 stop_ids: Sequence[int] | None) -> None:
+                 stop_ids: Sequence[int] | None, *, stop: str | Sequence[str] | None = None,
+                 logprobs: int | None = None, constraint: TokenConstraint | None = None,
+                 fit_context: bool = False) -> None:
         self.prompt_ids = check_ids(prompt_ids, model.vocab_size, "prompt")
         if not self.prompt_ids:
             raise RequestError("prompt", "the prompt is empty: need at least one token")
@@ -76,19 +121,39 @@ class RequestState:
             raise RequestError("prompt", f"the prompt is {len(self.prompt_ids)} tokens, more than the bundle's max-seq "
                                          f"{model.n_max} (shorten it or rebuild with a larger --max-seq)")
         self.max_new_tokens = check_max_new_tokens(max_new_tokens)
+        if fit_context and len(self.prompt_ids) + self.max_new_tokens > model.n_max:
+            raise RequestError("max_new_tokens", f"the prompt's {len(self.prompt_ids)} tokens + {self.max_new_tokens} "
+                                                 f"new tokens = {len(self.prompt_ids) + self.max_new_tokens} exceed "
+                                                 f"the bundle's max-seq {model.n_max}: ask for at most "
+                                                 f"{max(0, model.n_max - len(self.prompt_ids))}")
         self.stop_ids = frozenset([model.eos_token_id] if stop_ids is None
                                   else check_ids(list(stop_ids), model.vocab_size, "stop_ids"))
+        self.stop = check_stop(stop)
+        if self.stop and model.codec is None:
+            raise RequestError("stop", "stop strings need the bundle's tokenizer (tokenizer.json); give stop_ids")
+        self.logprobs = check_logprobs(logprobs)
+        self.constraint = constraint
         self.params = params
         self.n_max = model.n_max
         self.ids: list[int] = []
+        self.tokens: list[Token] | None = [] if self.logprobs is not None else None
         self.finish_reason: str | None = None
         self.detok = None if model.codec is None else Detokenizer(model.codec.decode, self.prompt_ids)
         self.sampler = Sampler.from_params(params)
+        self._emitted = 0  # characters of the detokenised text released in Token.text so far
+        self._cut: int | None = None  # where a stop string began: the text ends there
+        if params.penalised:
+            self._counts = np.zeros(model.vocab_size, np.int32)
+            self._seen = np.zeros(model.vocab_size, bool)
+            self._seen[self.prompt_ids] = True
 
     @property
     def text(self) -> str | None:
-        """Text after the prompt so far (all of it once finished); None without a tokenizer."""
-        return None if self.detok is None else self.detok.text
+        """Text after the prompt so far (all of it once finished, cut before a stop string); None without a
+        tokenizer."""
+        if self.detok is None:
+            return None
+        return self.detok.text if self._cut is None else self.detok.text[:self._cut]
 
     @property
     def done(self) -> bool:
@@ -107,20 +172,71 @@ class RequestState:
 
     def accept(self, logits: np.ndarray, length: int) -> Token | None:
         """Sample from the logits after `length` positions; returns the token to emit (None for a stop id).
-        Checks in this order: stop id (not emitted), then emit, then max_new_tokens, then the context end."""
-        tok = self.sampler(logits)
+        Order of the checks: the module's docstring."""
+        z = logits
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            if not allowed.any():  # cannot happen with a grammar that ends: end rather than emit garbage
+                self.finish("stop")
+                return None
+            z = np.where(allowed, z, -np.inf)
+        if self.params.penalised:
+            z = apply_penalties(z, self.params, self._counts, self._seen)
+        tok = self.sampler(z)
         if tok in self.stop_ids:
             self.finish("stop")
             return None
+        token = self._scored(tok, logits)
         self.ids.append(tok)
-        last = len(self.ids) == self.max_new_tokens
-        full = length >= self.n_max
-        text = "" if self.detok is None else self.detok.add(tok)
-        if last or full:
-            if self.detok is not None:
-                text += self.detok.flush()
-            self.finish("length" if last else "context")
-        return Token(tok, text)
+        if self.params.penalised:
+            self._counts[tok] += 1
+            self._seen[tok] = True
+        if self.constraint is not None:
+            self.constraint.advance(tok)
+        if self.detok is not None:
+            self.detok.add(tok)
+        end = ("stop" if self.constraint is not None and self.constraint.finished
+               else "length" if len(self.ids) == self.max_new_tokens else "context" if length >= self.n_max else None)
+        if end is not None and self.detok is not None:
+            self.detok.flush()
+        token.text = self._release(final=end is not None)
+        if self._cut is not None:
+            end = "stop"
+        if end is not None:
+            self.finish(end)
+        if self.tokens is not None:
+            self.tokens.append(token)
+        return token
+
+    def _scored(self, tok: int, logits: np.ndarray) -> Token:
+        if self.logprobs is None:
+            return Token(tok, "")
+        lp = log_softmax(logits)
+        top = None
+        if self.logprobs:
+            best = np.argpartition(-lp, self.logprobs - 1)[:self.logprobs]
+            best = best[np.argsort(-lp[best], kind="stable")]
+            top = [(int(i), float(lp[i])) for i in best]
+        return Token(tok, "", float(lp[tok]), top)
+
+    def _release(self, *, final: bool) -> str:
+        """The text that may be streamed now: up to a stop string (which ends the request), else all but an end
+        that could still become one (all of it when the request ends)."""
+        if self.detok is None:
+            return ""
+        text = self.detok.text
+        if self.stop:
+            hit = find_stop(text, self._emitted, self.stop)
+            if hit is not None:
+                self._cut = hit
+                out, self._emitted = text[self._emitted:hit], hit
+                return out
+            if not final:
+                keep = len(text) - held_back(text, self._emitted, self.stop)
+                out, self._emitted = text[self._emitted:keep], keep
+                return out
+        out, self._emitted = text[self._emitted:], len(text)
+        return out
 
     def finish(self, reason: str) -> None:
         """End the request: stop | length | context here; a driver adds cancelled | deadline | error."""
@@ -130,7 +246,8 @@ class RequestState:
 
     def result(self) -> Generation:
         assert self.finish_reason is not None, "the request has not finished"
-        return Generation(self.prompt_ids, list(self.ids), self.text, self.finish_reason)
+        return Generation(self.prompt_ids, list(self.ids), self.text, self.finish_reason,
+                          None if self.tokens is None else list(self.tokens))
 
 
 class RequestFields:
@@ -166,3 +283,8 @@ class RequestFields:
     def text(self) -> str | None:
         """Text after the prompt so far (all of it once the request ended); None without a tokenizer."""
         return self.state.text
+
+    @property
+    def tokens(self) -> list[Token] | None:
+        """The generated tokens with their log-probabilities, when the request asked for logprobs."""
+        return self.state.tokens

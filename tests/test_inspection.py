@@ -1,8 +1,8 @@
 """examples/inspection: the inspection app on the demo bundle (a random model: structure, not content),
-in-process and through the HTTP server with the plain OpenAI client, plain-prompt and chat bundles; the
-answer parser on answers SmolLM2-135M-Instruct really gave; the app on a SmolLM2 bundle when one is at
-$GSM_EDGE_SMOLLM2_BUNDLE (slow: building it needs the 8-minute conversion); bad detection lines are exit 2
-with one error line and no report."""
+in-process and through the HTTP server with the plain OpenAI client, plain-prompt and chat bundles, its answers
+constrained to the report schema (every answer that ends parses; one cut by --max-tokens falls back to the
+rule); the app on a SmolLM2 bundle when one is at $GSM_EDGE_SMOLLM2_BUNDLE (slow: building it needs the
+conversion); bad detection lines are exit 2 with one error line and no report."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def app():
     sys.path.remove(str(APP))
 
 
-def check_report(path, mode, n=5, max_tokens=12):
+def check_report(path, mode, n=5, max_tokens=40):
     rep = json.loads(path.read_text())
     assert rep["mode"] == mode and rep["summary"]["detections"] == n and len(rep["items"]) == n
     dets = [json.loads(ln) for ln in (APP / "detections.jsonl").read_text().splitlines() if ln.strip()]
@@ -43,6 +43,8 @@ def check_report(path, mode, n=5, max_tokens=12):
         assert isinstance(item["description"], str) and "\n" not in item["description"]
         assert 0 <= item["completion_tokens"] <= max_tokens and item["finish_reason"] in ("stop", "length")
         assert item["rule_severity"] == RULE[det["part_id"]]
+        # constrained to the schema: an answer that ended is the model's; only one cut short is the rule's
+        assert (item["severity_source"] == "model") == (item["finish_reason"] == "stop"), item
     assert sum(rep["summary"]["by_severity"].values()) == n
     return rep
 
@@ -57,7 +59,7 @@ def test_in_process_plain_and_chat(app, tmp_path):
     for b in (demo, chat):
         out = tmp_path / f"{b.name}.json"
         assert app.main(["--bundle", str(b), "--detections", str(APP / "detections.jsonl"), "--out", str(out),
-                         "--max-tokens", "12", "--examples", "0"]) == 0
+                         "--max-tokens", "40", "--examples", "0"]) == 0
         rep = check_report(out, "in-process")
         assert rep["model"] == b.name
 
@@ -72,49 +74,29 @@ def test_through_http_server(app, tmp_path):
     with live_server(rt, "demo") as (_, url):
         out = tmp_path / "http.json"
         assert app.main(["--server", url, "--detections", str(APP / "detections.jsonl"), "--out", str(out),
-                         "--max-tokens", "12", "--examples", "0"]) == 0
+                         "--max-tokens", "40", "--examples", "0"]) == 0
     rep = check_report(out, "http")
     assert rep["model"] == "demo"
 
 
-def test_rule_severity_and_sentence(app):
+def test_rule_severity_and_answer_parsing(app):
     d = app.Detection("P1", "crack", (0, 0, 1, 1), 0.4, "")
     assert app.rule_severity(d) == "medium"
-    assert app.to_item(d, "A thin crack. It runs along.\nSeverity: HIGH", "stop", 9, 0.1).severity == "high"
-    assert app.first_sentence("A thin crack runs along the seam. More text\nSeverity: high") == \
-        "A thin crack runs along the seam."
-
-
-# Answers SmolLM2-135M-Instruct gave (GSM bundle, greedy, examples/inspection/README.md) and forms other
-# small models write; the expected description and severity read by hand.
-ANSWERS = [
-    ("A crack in a weld seam.\nSeverity: high", "A crack in a weld seam.", "high"),
-    ("A scratch detected with confidence that is not visible to the naked eye.\nSeverity: high",
-     "A scratch detected with confidence that is not visible to the naked eye.", "high"),
-    ("Description: A shallow dent. More text\nSeverity: **Medium**", "A shallow dent.", "medium"),
-    ("**A porous area in the casting.** Severity level: moderate", "A porous area in the casting.", "medium"),
-    ("The defect is minor. severity - minor", "The defect is minor.", "low"),
-    ("Severity: critical\nA crack through the wall.", "", "high"),
-    ("A dent detected with confidence 0.64 at x=40, y=40, size 22x22 pixels.",
-     "A dent detected with confidence 0.64 at x=40, y=40, size 22x22 pixels.", None),
-    ("This defect is low, medium, or high.", "This defect is low, medium, or high.", None),
-]
-
-
-@pytest.mark.parametrize("text,sentence,severity", ANSWERS)
-def test_answer_parsing(app, text, sentence, severity):
-    assert app.model_severity(text) == severity
-    assert app.first_sentence(text) == sentence
-    d = app.Detection("P1", "dent", (0, 0, 1, 1), 0.6, "")
-    item = app.to_item(d, text, "stop", 9, 0.1)
-    assert (item.severity, item.severity_source) == ((severity, "model") if severity else ("low", "rule"))
+    item = app.to_item(d, '{"description": "A thin  crack.", "severity": "high"}', "stop", 9, 0.1)
+    assert (item.description, item.severity, item.severity_source) == ("A thin crack.", "high", "model")
+    for cut in ('{"description": "A thin cr', '{"description": "x", "severity": "urgent"}', "Severity: high"):
+        item = app.to_item(d, cut, "length", 9, 0.1)
+        assert (item.description, item.severity, item.severity_source) == ("", "medium", "rule")
 
 
 def test_prompt_has_the_worked_examples(app):
     d = app.Detection("P1", "dent", (1, 2, 3, 4), 0.5, "")
     msgs = app.messages(d)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert all(app.model_severity(m["content"]) in app.SEVERITIES for m in msgs if m["role"] == "assistant")
+    jsonschema = pytest.importorskip("jsonschema")
+    for m in msgs:
+        if m["role"] == "assistant":  # the worked answers are in the schema's form
+            jsonschema.validate(json.loads(m["content"]), app.REPORT_SCHEMA)
     assert msgs[-1]["content"] == "Part P1: a dent detected with confidence 0.50 at x=1, y=2, size 3x4 px."
     assert app.plain_prompt(d).endswith("Report: " + msgs[-1]["content"] + "\nAnswer:")
     assert app.messages(d, 0) == [msgs[0], msgs[-1]]  # --examples 0 (the demo bundles' max-seq 512)
@@ -131,7 +113,7 @@ def test_smollm2_bundle_in_process(app, tmp_path):
     out = tmp_path / "smol.json"
     assert app.main(["--bundle", SMOLLM2_BUNDLE, "--detections", str(APP / "detections.jsonl"), "--out",
                      str(out)]) == 0
-    rep = check_report(out, "in-process", max_tokens=48)
+    rep = check_report(out, "in-process", max_tokens=80)
     stems = {"scratch": "scratch", "crack": "crack", "dent": "dent", "porosity": "por", "discoloration": "discolo"}
     for item in rep["items"]:
         assert item["severity_source"] == "model" and item["finish_reason"] == "stop"

@@ -54,7 +54,7 @@ class SlowStepper:
 
 
 @contextlib.contextmanager
-def live_server(rt, name="demo", *, config=None, stepper=None, start=True):
+def live_server(rt, name="demo", *, config=None, stepper=None, start=True, guard=None):
     """Engine + Server on uvicorn at 127.0.0.1 on a free port, in a thread; yields (server, base url)."""
     import uvicorn
 
@@ -63,7 +63,7 @@ def live_server(rt, name="demo", *, config=None, stepper=None, start=True):
 
     # fallbacks off by default here: the tests compare the server's tokens with the plain runtime's
     eng = Engine(rt, config or EngineConfig(min_hit_rate=0.0, max_kv_noise=None), stepper=stepper)
-    srv = Server(eng, model_name=name)
+    srv = Server(eng, model_name=name, guard=guard)
     if start:
         eng.start()
         assert eng.ready.wait(30)
@@ -120,15 +120,15 @@ def test_completions_match_the_runtime_streaming_and_not(rts):
 def test_chat_streaming_with_the_bundle_template(rts):
     rt = rts["chat"]
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe a scratch."}]
-    ref = rt.chat(msgs, 20, temperature=0.0)
+    ref = rt.chat(msgs, 12, temperature=0.0)  # the 52-token prompt leaves 12 of the 64 positions
     with live_server(rt, "chat") as (_, url):
         c = client(url)
-        r = c.chat.completions.create(model="chat", messages=msgs, max_tokens=20, temperature=0)
+        r = c.chat.completions.create(model="chat", messages=msgs, max_tokens=12, temperature=0)
         assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
         assert r.choices[0].model_extra["gsm_finish_reason"] == ref.finish_reason  # the engine's own reason
         assert r.choices[0].finish_reason == {"context": "length"}.get(ref.finish_reason, ref.finish_reason)
         assert r.usage.prompt_tokens == len(ref.prompt_ids)
-        chunks = list(c.chat.completions.create(model="chat", messages=msgs, max_tokens=20, temperature=0,
+        chunks = list(c.chat.completions.create(model="chat", messages=msgs, max_tokens=12, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
@@ -187,7 +187,15 @@ BAD = [
     ("completions", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": "x", "model": 7}, "model"),
     ("completions", {"prompt": "x", "n": 2}, "n"),
-    ("completions", {"prompt": "x", "stop": ["\n"]}, "stop"),
+    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "x", "max_tokens": 64}, "max_tokens"),  # prompt + 64 > max-seq 64
+    ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
+    ("completions", {"prompt": "x", "response_format": "json"}, "response_format"),
     ("completions", {"prompt": LONG}, "prompt"),
     ("completions", {"prompt": [1, VOCAB]}, "prompt"),
     ("completions", {"prompt": "x", "stop_token_ids": [VOCAB]}, "stop_token_ids"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections import Counter
@@ -21,21 +20,29 @@ from typing import Any
 from gsm.outputs import write_text_atomic
 
 SEVERITIES = ("low", "medium", "high")
-SYSTEM = ("You are a quality inspector on a production line. Answer with one sentence that describes the defect, "
-          "then a line 'Severity: low', 'Severity: medium' or 'Severity: high'.")
-# Two worked examples before the real detection: a 135M chat model (SmolLM2) follows the answer format
-# after them; without them it repeats the request or the instruction (docs/serving.md, inspection).
+# What the model must answer, as data: decoding is constrained to it (response_format), so every finished
+# answer parses; maxLength bounds the description so the object closes within --max-tokens.
+REPORT_SCHEMA = {
+    "type": "object",
+    "properties": {"description": {"type": "string", "minLength": 8, "maxLength": 160},
+                   "severity": {"enum": list(SEVERITIES)}},
+    "required": ["description", "severity"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "defect_report", "schema": REPORT_SCHEMA,
+                                                          "strict": True}}
+SYSTEM = ("You are a quality inspector on a production line. Answer with a JSON object: \"description\", one "
+          "sentence that describes the defect, and \"severity\": \"low\", \"medium\" or \"high\".")
+# Worked examples before the real detection (--examples): they show a small model what to put in the fields
+# (the schema fixes only their form).
 EXAMPLES = (
     ("Part A-1: a scratch detected with confidence 0.60 at x=10, y=10, size 20x4 px. Sensor notes: light surface "
-     "mark.", "A light surface scratch on part A-1 that does not affect its function.\nSeverity: low"),
+     "mark.", '{"description": "A light surface scratch on part A-1 that does not affect its function.", '
+              '"severity": "low"}'),
     ("Part B-7: a crack detected with confidence 0.95 at x=200, y=30, size 8x50 px. Sensor notes: near a bolt "
-     "hole.", "A long crack next to a bolt hole of part B-7 that can grow under load.\nSeverity: high"),
+     "hole.", '{"description": "A long crack next to a bolt hole of part B-7 that can grow under load.", '
+              '"severity": "high"}'),
 )
-# "Severity: high", "severity - **High**", "Severity level: moderate", "severity is minor": the word after
-# "severity" (a few separator or filler words between), synonyms mapped onto the three levels.
-_SEVERITY = re.compile(r"severity\W{0,4}(?:(?:level|rating|is)\W{0,3})?[*_\"'`]*"
-                       r"(low|medium|high|minor|moderate|major|severe|critical)\b", re.IGNORECASE)
-SYNONYMS = {"minor": "low", "moderate": "medium", "major": "high", "severe": "high", "critical": "high"}
 # Classes that weaken a part, whatever the confidence.
 STRUCTURAL = frozenset({"crack", "porosity", "fracture", "missing_part"})
 
@@ -100,19 +107,16 @@ def rule_severity(d: Detection) -> str:
     return "medium" if d.confidence >= 0.8 else "low"
 
 
-def model_severity(text: str) -> str | None:
-    m = _SEVERITY.search(text)
-    return None if m is None else SYNONYMS.get(m.group(1).lower(), m.group(1).lower())
-
-
-def first_sentence(text: str) -> str:
-    """The description: the answer before its severity line, markdown and a "Description:" label
-    dropped, up to the end of the first sentence."""
-    m = _SEVERITY.search(text)
-    text = (text[:m.start()] if m else text).replace("**", "").strip()
-    text = re.sub(r"^\s*(description|answer)\s*:\s*", "", text, flags=re.IGNORECASE)
-    m = re.search(r"^(.+?[.!?])(\s|$)", text, re.DOTALL)
-    return " ".join((m.group(1) if m else text).split())
+def parse_answer(text: str) -> tuple[str, str] | None:
+    """(description, severity) of an answer in REPORT_SCHEMA's form; None when it is not one (cut short by
+    --max-tokens, or a server without structured output)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(d, dict) or d.get("severity") not in SEVERITIES or not isinstance(d.get("description"), str):
+        return None
+    return " ".join(d["description"].split()), d["severity"]
 
 
 @dataclass
@@ -130,9 +134,10 @@ class Item:
 
 
 def to_item(d: Detection, text: str, finish_reason: str, tokens: int, latency: float) -> Item:
-    sev, rule = model_severity(text), rule_severity(d)
-    return Item(d.part_id, d.defect_class, d.confidence, first_sentence(text), sev or rule,
-                "rule" if sev is None else "model", rule, finish_reason, tokens, round(latency, 4))
+    answer, rule = parse_answer(text), rule_severity(d)
+    desc, sev = answer if answer is not None else ("", None)
+    return Item(d.part_id, d.defect_class, d.confidence, desc, sev or rule, "rule" if sev is None else "model",
+                rule, finish_reason, tokens, round(latency, 4))
 
 
 def messages(d: Detection, examples: int = len(EXAMPLES)) -> list[dict[str, str]]:
@@ -158,8 +163,9 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
     with Engine(rt) as eng:
         eng.ready.wait()
         t0 = time.monotonic()
-        reqs = [eng.submit_chat(messages(d, examples), max_tokens, temperature=0.0) if rt.has_chat_template
-                else eng.submit(plain_prompt(d, examples), max_tokens, temperature=0.0) for d in dets]
+        kw = dict(temperature=0.0, response_format=RESPONSE_FORMAT)
+        reqs = [eng.submit_chat(messages(d, examples), max_tokens, **kw) if rt.has_chat_template
+                else eng.submit(plain_prompt(d, examples), max_tokens, **kw) for d in dets]
         items = []
         for d, r in zip(dets, reqs):
             r.result()
@@ -182,7 +188,7 @@ def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int
         if use_chat[0]:
             try:
                 r = client.chat.completions.create(model=model, messages=messages(d, examples), max_tokens=max_tokens,
-                                                   temperature=0)
+                                                   temperature=0, response_format=RESPONSE_FORMAT)
                 c = r.choices[0]
                 return to_item(d, c.message.content or "", c.finish_reason, r.usage.completion_tokens,
                                time.monotonic() - t0)
@@ -191,7 +197,7 @@ def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int
                     raise
                 use_chat[0] = False
         r = client.completions.create(model=model, prompt=plain_prompt(d, examples), max_tokens=max_tokens,
-                                      temperature=0)
+                                      temperature=0, extra_body={"response_format": RESPONSE_FORMAT})
         c = r.choices[0]
         return to_item(d, c.text, c.finish_reason, r.usage.completion_tokens, time.monotonic() - t0)
 
@@ -223,10 +229,10 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
     src.add_argument("--server", help="base URL of `python -m runtime serve` (e.g. http://127.0.0.1:8000)")
     p.add_argument("--detections", type=Path, required=True, help="JSON lines, one detection each")
     p.add_argument("--out", type=Path, required=True, help="the JSON report to write")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=80, help="per answer (a 160-character description fits)")
     p.add_argument("--examples", type=int, choices=range(len(EXAMPLES) + 1), default=len(EXAMPLES),
-                   help="worked examples before each detection (a small model needs them to keep the answer "
-                        "format; fewer: a shorter prompt)")
+                   help="worked examples before each detection (what a small model should put in the fields; "
+                        "fewer: a shorter prompt)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:

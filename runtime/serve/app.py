@@ -1,9 +1,10 @@
 """The OpenAI-compatible ASGI app (Starlette) over an Engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: server-sent events ending in
-`data: [DONE]`), GET /v1/models, GET /health (503 until warm-up is done), GET /metrics (Prometheus).
-Bad input is a 400 with an OpenAI error body naming the field; a full queue a 429 with Retry-After;
-a client that disconnects mid-stream cancels its request (the engine drops its cache).
+`data: [DONE]`), GET /v1/models, GET /health (503 until warm-up is done), GET /metrics (Prometheus),
+behind runtime.serve.guard (API key, body limit). Bad input is a 400 with an OpenAI error body naming the
+field; a full queue a 429 with Retry-After; a client that disconnects mid-stream cancels its request (the
+engine drops its cache).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runtime.engine import Engine, EngineClosedError, EngineRequest, QueueFullEr
 from runtime.sampling import RequestError
 from runtime.serve import protocol
 from runtime.serve.fallbacks import CompressionRatioPolicy, FallbackConfig
+from runtime.serve.guard import Guard, GuardConfig
 from runtime.serve.metrics import ServeMetrics, TegrastatsCollector, geometry
 from runtime.serve.protocol import ApiError, GenerationArgs
 from runtime.text import ChatTemplateError
@@ -42,7 +44,8 @@ class Server:
     """Holds the engine, its metrics and the model name; `app` is the ASGI application."""
 
     def __init__(self, engine: Engine, *, model_name: str, registry: CollectorRegistry | None = None,
-                 tegrastats: Any = None, fallbacks: FallbackConfig | None = None) -> None:
+                 tegrastats: Any = None, fallbacks: FallbackConfig | None = None,
+                 guard: GuardConfig | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
@@ -57,13 +60,15 @@ class Server:
         if tegrastats is not None:  # a jetson.tegrastats.TegrastatsMonitor (started by the caller)
             self.registry.register(TegrastatsCollector(tegrastats))
         engine.observers.append(self.metrics)
-        self.app = Starlette(routes=[
+        self.guard = guard or GuardConfig()
+        self.routes = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e)})
+        self.app = Guard(self.routes, self.guard)  # API key and body limit before any route
 
     # -- plain endpoints --
     async def health(self, _: Request) -> Response:
@@ -100,6 +105,8 @@ class Server:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ApiError(400, "the request body is JSON nested too deeply") from None
             args = protocol.parse(body, chat=chat, model_names=(self.model_name,))
             req = self._submit(args, chat=chat)
         except ApiError as e:
@@ -118,17 +125,21 @@ class Server:
                 req.cancel()
         if req.finish_reason == "error":
             return error_response(ApiError(500, f"generation failed: {req.error}", type="server_error"))
+        lp = None if req.tokens is None else protocol.logprobs_body(req.tokens, self._token_text, chat=chat)
         return JSONResponse(protocol.completion(rid, self.model_name, created, req.text or "", req.finish_reason or "",
-                                                len(req.prompt_ids), len(req.ids), chat=chat))
+                                                len(req.prompt_ids), len(req.ids), chat=chat, logprobs=lp))
+
+    def _token_text(self, token_id: int) -> str:
+        codec = self.engine.rt.codec
+        return codec.decode([token_id]) if codec is not None else str(token_id)
 
     def _submit(self, args: GenerationArgs, *, chat: bool) -> EngineRequest:
         eng = self.engine
         if not eng.ready.is_set():
             raise ApiError(503, "the server is warming up", type="server_error", headers={"Retry-After": "1"})
         max_new = eng.rt.n_max if args.max_tokens is None else args.max_tokens  # the context ends it
-        kw: dict[str, Any] = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        if args.stop_ids is not None:
-            kw["stop_ids"] = args.stop_ids
+        kw = args.options()
+        kw["fit_context"] = args.max_tokens is not None  # an explicit limit that cannot fit is refused, as vLLM does
         try:
             if chat:
                 if not eng.rt.has_chat_template:
@@ -159,9 +170,11 @@ class Server:
             if chat:
                 yield sse(protocol.chunk(rid, self.model_name, created, "", None, chat=True, role=True))
             async for tok in req.aiter():
-                if tok.text:
+                lp = None if tok.logprob is None else protocol.logprobs_body([tok], self._token_text, chat=chat,
+                                                                             offset=sent)
+                if tok.text or lp is not None:
                     sent += len(tok.text)
-                    yield sse(protocol.chunk(rid, self.model_name, created, tok.text, None, chat=chat))
+                    yield sse(protocol.chunk(rid, self.model_name, created, tok.text, None, chat=chat, logprobs=lp))
             if req.finish_reason == "error":
                 yield sse(ApiError(500, f"generation failed: {req.error}", type="server_error").body())
             else:

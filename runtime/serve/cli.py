@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,9 @@ from typing import Any
 
 from gsm.cli_support import CommandFailed, float_in, int_at_least
 from runtime.cli_args import add_backend_arguments, backend_label, load_runtime, one_line
+from runtime.serve.guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, GuardConfig
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def add_parser(sub: Any) -> None:
@@ -44,7 +49,33 @@ def add_parser(sub: Any) -> None:
                    help="measure the hit rate on one decode step in this many per sequence (0: never)")
     s.add_argument("--max-kv-noise", type=off_or(float_in(0, math.inf)), default=0.05,
                    help="KV noise of a re-tier pass above which the sequence's cache is refreshed at FP16 (off: never)")
+    s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                                      f"(default: ${API_KEY_ENV} if set, else no authentication)")
+    s.add_argument("--auth-metrics", action="store_true", help="require the API key on /metrics too")
+    s.add_argument("--max-body-bytes", type=int_at_least(1), default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body; a larger one is a 413, never read whole")
+    s.add_argument("--drain-timeout", type=float_in(0, math.inf), default=30.0,
+                   help="seconds in-flight requests may finish after SIGTERM / Ctrl-C before they are cut")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def draining_server(config: Any) -> Any:
+    """A uvicorn.Server over `config` that drains on SIGTERM and then exits normally (below)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        """uvicorn's graceful shutdown on SIGTERM / SIGINT (stop accepting, let in-flight requests finish for
+        timeout_graceful_shutdown seconds), then a normal exit: uvicorn itself re-raises the signal once it has
+        shut down, so the process would end *by* SIGTERM (exit -15) rather than with status 0."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGTERM and not self.should_exit:
+                logging.getLogger("runtime.serve").info("SIGTERM: draining in-flight requests, then exiting")
+                self.should_exit = True
+                return
+            super().handle_exit(sig, frame)
+
+    return Draining(config)
 
 
 def off_or(parse: Callable[[str], float]) -> Callable[[str], float | None]:
@@ -81,14 +112,22 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError("argument --tegrastats: on, but no tegrastats program on PATH (not a Jetson?)")
     from runtime.serve.fallbacks import FallbackConfig
 
+    key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    guard = GuardConfig(api_key=key, open_paths=("/health",) if args.auth_metrics else ("/health", "/metrics"),
+                        max_body_bytes=args.max_body_bytes)
+    if key is None and args.host not in LOOPBACK:
+        logging.getLogger("runtime.serve").warning(
+            "listening on %s without an API key: anyone who can reach this address can use the model (set "
+            "--api-key or $%s)", args.host, API_KEY_ENV)
     server = Server(engine, model_name=name, tegrastats=monitor,
-                    fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio))
+                    fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio), guard=guard)
     engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
     logging.getLogger("runtime.serve").info("backend %s", backend_label(rt.backend))
     if (rt.manifest.get("checkpoint") or {}).get("demo"):
         logging.getLogger("runtime.serve").warning("this is the DEMO bundle: a seeded random model, its text is "
                                                    "random words")
-    uv = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level))
+    uv = draining_server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                                        timeout_graceful_shutdown=args.drain_timeout))
 
     def stop_if_warmup_fails() -> None:  # /health says "failed" meanwhile; a server that cannot serve exits
         engine.ready.wait()

@@ -2,8 +2,8 @@
 
 Fields we know are type-checked (a wrong type is a 400 naming the field); fields we do not know are
 ignored, as clients send extras (`user`, `stream_options`, ...). Parameters we cannot honour with a
-value that changes the result (n > 1, logprobs, echo, stop strings, penalties) are refused rather than
-silently dropped.
+value that changes the result (n > 1, echo, suffix, logit_bias, tools) are refused rather than silently
+dropped.
 """
 
 from __future__ import annotations
@@ -52,6 +52,22 @@ class GenerationArgs:
     stop_ids: list[int] | None  # None: the engine's default (EOS; chat: EOS and end of turn)
     stream: bool
     include_usage: bool
+    stop: list[str] | str | None = None  # stop strings (checked by the runtime: up to 4, not empty)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # completions: `logprobs` N; chat: `top_logprobs` N when `logprobs` is true
+    response_format: dict[str, Any] | None = None
+
+    def options(self) -> dict[str, Any]:
+        """Runtime.request's keywords for what this request asks beyond the prompt and max_tokens."""
+        kw: dict[str, Any] = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, stop=self.stop, logprobs=self.logprobs,
+                                  response_format=self.response_format)
+        if self.stop_ids is not None:
+            kw["stop_ids"] = self.stop_ids
+        return kw
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, *, lo: float | None = None,
@@ -88,18 +104,27 @@ def _id_list(v: Any, key: str) -> list[int]:
 def _unsupported(body: Mapping[str, Any]) -> None:
     if body.get("n") not in (None, 1):
         raise bad("n", f"only n = 1 is supported, got {body['n']!r}")
-    for key in ("logprobs", "top_logprobs", "suffix", "logit_bias", "tools", "functions"):
+    for key in ("suffix", "logit_bias", "tools", "functions"):
         if body.get(key) not in (None, False, {}, []):
             raise bad(key, "is not supported by this server")
     if body.get("echo") not in (None, False):
         raise bad("echo", "is not supported by this server")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "is not supported by this server")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise bad(key, "penalties are not supported by this server (0 only)")
-    if body.get("stop") not in (None, [], ""):
-        raise bad("stop", "stop strings are not supported; give stop token ids in `stop_token_ids`")
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """OpenAI's two shapes: completions `logprobs: N` (0..5 there; up to 20 here); chat `logprobs: true` with
+    `top_logprobs: N` (0..20)."""
+    if not chat:
+        return _integer(body, "logprobs", None, lo=0)
+    on = body.get("logprobs")
+    if on not in (None, True, False):
+        raise bad("logprobs", f"expected true or false, got {on!r}")
+    top = _integer(body, "top_logprobs", None, lo=0)
+    if top is not None and not on:
+        raise bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if on else None
 
 
 def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationArgs:
@@ -138,6 +163,12 @@ def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationA
     if not isinstance(opts, dict):
         raise bad("stream_options", f"expected an object, got {opts!r}")
     stop_ids = body.get("stop_token_ids")
+    stop = body.get("stop")
+    if stop in ("", []):
+        stop = None
+    fmt = body.get("response_format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad("response_format", f"expected an object with a 'type', got {fmt!r}")
     return GenerationArgs(
         prompt=prompt, messages=messages,
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None and not chat else max_tokens,
@@ -146,7 +177,11 @@ def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationA
         top_k=int(_integer(body, "top_k", 0, lo=0) or 0),  # an extension, as vLLM has it
         seed=_integer(body, "seed", None, lo=0),
         stop_ids=None if stop_ids is None else _id_list(stop_ids, "stop_token_ids"),
-        stream=stream, include_usage=bool(opts.get("include_usage", False)))
+        stream=stream, include_usage=bool(opts.get("include_usage", False)), stop=stop,
+        presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True, hi=100.0),
+        logprobs=_logprobs(body, chat), response_format=fmt)
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
@@ -178,10 +213,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def logprobs_body(tokens: list[Any], token_text: Any, *, chat: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs object for runtime Tokens (with logprob set). Chat: {"content": [{"token", "logprob",
+    "bytes", "top_logprobs": [...]}]}; completions: {"tokens", "token_logprobs", "top_logprobs" (a
+    {token: logprob} per position), "text_offset"}. token_text(id) -> the token's text."""
+    if chat:
+        def entry(i: int, lp: float) -> dict[str, Any]:
+            t = token_text(i)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+        return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]}
+                            for t in tokens]}
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.text)
+    return {"tokens": [token_text(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{token_text(i): lp for i, lp in t.top_logprobs or []} for t in tokens],
+            "text_offset": offsets}
+
+
 def completion(rid: str, model: str, created: int, text: str, reason: str, n_prompt: int, n_out: int, *,
-               chat: bool) -> dict[str, Any]:
+               chat: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": OPENAI_FINISH[reason], "gsm_finish_reason": reason,
-                              "logprobs": None}
+                              "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -191,9 +246,9 @@ def completion(rid: str, model: str, created: int, text: str, reason: str, n_pro
 
 
 def chunk(rid: str, model: str, created: int, text: str | None, reason: str | None, *, chat: bool,
-          role: bool = False) -> dict[str, Any]:
+          role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": None if reason is None else OPENAI_FINISH[reason],
-                              "logprobs": None}
+                              "logprobs": logprobs}
     if reason is not None:
         choice["gsm_finish_reason"] = reason
     if chat:
