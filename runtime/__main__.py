@@ -9,6 +9,7 @@ installed), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -86,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", type=lambda t: _id_list(t, allow_empty=True),
                    help="comma-separated ids that end generation (default: EOS; with --chat also the "
                         "end-of-turn token; \"\": none)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop string: the output ends before it (repeat for up to 4)")
+    g.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="constrain the output to this JSON schema (structured output; needs llguidance)")
+    g.add_argument("--presence-penalty", type=_float, default=0.0, help="-2..2, OpenAI's (0: off)")
+    g.add_argument("--frequency-penalty", type=_float, default=0.0, help="-2..2, OpenAI's (0: off)")
+    g.add_argument("--repetition-penalty", type=_float, default=1.0, help="> 0, as vLLM and llama.cpp (1: off)")
     add_backend_arguments(g)
     g.add_argument("--sparse-window", type=int_at_least(1),
                    help="run-time window, 1..max_sparse_window (default: the model's)")
@@ -105,7 +113,16 @@ def generate(args: argparse.Namespace) -> int:
     flags = {"prompt": source, "messages": source}
     rt = load_runtime(args, sparse_window=args.sparse_window, sparse_top_k=args.sparse_top_k)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-              stop_ids=args.stop_ids)
+              stop_ids=args.stop_ids, stop=args.stop, presence_penalty=args.presence_penalty,
+              frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    flags["response_format"] = "--json-schema"
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(one_line(f"argument --json-schema: {args.json_schema}: {e}")) from None
+        kw["response_format"] = {"type": "json_schema", "json_schema": {"name": args.json_schema.stem,
+                                                                         "schema": schema}}
     try:
         if args.chat is not None:
             if not rt.has_chat_template:

@@ -215,3 +215,32 @@ def test_bad_response_format_is_one_error_naming_it(rt, fmt, words):
     with pytest.raises(runtime.RequestError, match=words) as e:
         rt.request("x", 5, response_format=fmt)
     assert e.value.field == "response_format"
+
+
+def test_cli_json_schema_stop_and_penalties(rt, tmp_path):
+    """`runtime generate --json-schema FILE`: the printed answer validates; a schema that does not compile or a
+    file that is not JSON is exit 2 with one error line naming the flag; --stop and penalties reach the
+    request (the text equals the Python API's)."""
+    import subprocess
+    import sys
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS[1]))
+
+    def gen(*flags):
+        return subprocess.run([sys.executable, "-m", "runtime", "generate", str(rt.bundle), "--prompt", "Report:",
+                               "--max-new-tokens", "40", *flags], capture_output=True, text=True, timeout=120)
+
+    r = gen("--json-schema", str(schema), "--temperature", "0.8", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout.removeprefix("Report:").strip()), SCHEMAS[1])
+    want = rt.generate("Report:", 40, stop=["e"], presence_penalty=1.0).text
+    r = gen("--stop", "e", "--presence-penalty", "1.0")
+    assert r.returncode == 0 and r.stdout == "Report:" + want + "\n"
+    for text, words in (('{"type": "object", "properties": 3}', "does not compile"), ("{nope", "Expecting")):
+        schema.write_text(text)
+        r = gen("--json-schema", str(schema))
+        errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+        assert r.returncode == 2 and len(errors) == 1 and "--json-schema" in errors[0] and words in errors[0], r.stderr
