@@ -17,8 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gsm.atomic import OutputExistsError
 from gsm.cli_support import CommandFailed, int_at_least, run_main
 from runtime.cli_args import PROG, add_backend_arguments, backend_label, flag_of, load_runtime, one_line
+from runtime.model import BACKENDS
 
 
 def _int(text: str) -> int:
@@ -103,7 +105,37 @@ def build_parser() -> argparse.ArgumentParser:
     from runtime.serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    t = sub.add_parser("triton", help="write a Triton Inference Server model repository over bundles")
+    t.add_argument("bundles", type=Path, nargs="+", metavar="BUNDLE")
+    t.add_argument("--out", type=Path, required=True, help="the repository directory to write (atomically)")
+    t.add_argument("--model-name", action="append", help="a model's name, once per bundle in order (default: the "
+                                                          "bundle directory's name, as `runtime serve` names it)")
+    t.add_argument("--instances", type=int_at_least(1), default=1,
+                   help="instance_group count: processes per model, each with its own engine and cache rows")
+    t.add_argument("--kind", choices=["cpu", "gpu"], default="cpu", help="instance_group kind")
+    t.add_argument("--backend", choices=list(BACKENDS), default="auto", help="the gsm-edge backend each instance "
+                                                                             "loads")
+    t.add_argument("--copy", action="store_true", help="carry the bundles inside the repository (default: "
+                                                       "name their paths)")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing repository")
     return p
+
+
+def triton(args: argparse.Namespace) -> int:
+    from runtime.triton.repository import TritonModelSpec, write_repository
+
+    names = args.model_name or []
+    if names and len(names) != len(args.bundles):
+        raise ValueError(f"argument --model-name: give one per bundle ({len(args.bundles)}), got {len(names)}")
+    specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend)
+             for i, b in enumerate(args.bundles)]
+    try:
+        write_repository(specs, args.out, overwrite=args.overwrite)
+    except OutputExistsError as e:
+        raise ValueError(f"argument --out: {e} (give --overwrite to replace it)") from None
+    print(f"Triton repository {args.out}: {', '.join(s.model_name for s in specs)} "
+          f"(tritonserver --model-repository {args.out})", file=sys.stderr)
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -169,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.serve.cli import serve
 
         return run_main(f"{PROG} serve", lambda: serve(args), extra="serve")
+    if args.command == "triton":
+        return run_main(f"{PROG} triton", lambda: triton(args))
     return run_main(f"{PROG} generate", lambda: generate(args))
 
 

@@ -144,20 +144,56 @@ class GrammarConstraint:
         self.vocab_size = tokenizer.vocab_size
         self._bits = lnp.allocate_token_bitmask(1, tokenizer.ll.vocab_size)
         self._lnp = lnp
+        self._filled = False  # _bits holds the mask for the next token already
 
     def allowed(self) -> np.ndarray:
-        self._lnp.fill_next_token_bitmask(self.matcher, self._bits, 0)
-        words = self._bits[0].view(np.uint32)
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
-        return bits[:self.vocab_size]
+        if not self._filled:  # not prefetched (prefetch_masks) since the last token
+            self._lnp.fill_next_token_bitmask(self.matcher, self._bits, 0)
+        self._filled = False
+        return unpack_mask(self._bits[0], self.vocab_size)
 
     def advance(self, token: int) -> None:
+        self._filled = False
         if not self.matcher.consume_token(int(token)):
             raise RuntimeError(f"structured output: token {token} was not allowed ({self.matcher.get_error()})")
 
     @property
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped())
+
+
+def unpack_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """llguidance's bitmask (int32 words, bit j of word w = token 32 w + j) -> bool [vocab_size]."""
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+_EXECUTOR: Any = None
+
+
+def prefetch_masks(constraints: list[GrammarConstraint]) -> threading.Thread | None:
+    """Start computing the next-token masks of several requests, in parallel on llguidance's own threads and
+    beside the model call that runs meanwhile (it releases the GIL); join the thread before sampling. Each
+    constraint then finds its mask ready in `allowed`."""
+    global _EXECUTOR
+    if not constraints:
+        return None
+    import llguidance
+    import llguidance.numpy as lnp
+
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    words = constraints[0]._bits.shape[1]
+    bits = np.full((len(constraints), words), -1, np.int32)
+
+    def fill() -> None:
+        lnp.fill_next_token_bitmask_par(_EXECUTOR, [(c.matcher, i) for i, c in enumerate(constraints)], bits)
+        for i, c in enumerate(constraints):
+            c._bits[0] = bits[i]
+            c._filled = True
+
+    t = threading.Thread(target=fill, name="gsm-masks", daemon=True)
+    t.start()
+    return t
 
 
 class GrammarCache:

@@ -100,6 +100,7 @@ class Work:
     ids: list[int]
     prefill: bool
     probe: bool = False  # decode only: also measure the sparse mask hit rate of this step (seq.last_hit_rate)
+    scorer: Any = None  # prefill only: gets each chunk's logits (RequestState.score_prompt: echo with logprobs)
 
 
 class Stepper(Protocol):
@@ -123,7 +124,10 @@ class SequentialStepper:
         out: list[np.ndarray | Exception] = []
         for w in work:
             try:
-                out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0], probe=w.probe))
+                if w.prefill and w.scorer is not None:
+                    out.append(self.rt.prefill_batch([w.seq], [w.ids], [w.scorer])[0])
+                else:
+                    out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0], probe=w.probe))
             except Exception as e:  # one sequence's failure must not stop the others
                 out.append(e)
         return out
@@ -149,7 +153,8 @@ class BatchedStepper:
                 idx = every[g:g + self.per_call]
                 seqs = [work[i].seq for i in idx]
                 try:
-                    res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx]) if prefill
+                    res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx])
+                           if prefill
                            else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
                                                      probe=[work[i].probe for i in idx]))
                     for k, i in enumerate(idx):
@@ -490,9 +495,18 @@ class Engine:
                 self._finish(req, "deadline")
             else:
                 live.append(req)
-        work = [Work(r.seq, r.prompt_ids, True) if not r.ids  # nothing accepted yet: the prompt
+        work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.score_prompt if r.state.scores_prompt else None)
+                if not r.ids  # nothing accepted yet: the prompt
                 else Work(r.seq, [r.state.next_token], False, probe=self._probe_now(r)) for r in live]
+        constrained = [r.state.constraint for r in live if r.state.constraint is not None]
+        masks = None
+        if constrained:  # structured output: the masks are computed while the model runs
+            from runtime.constrained import prefetch_masks
+
+            masks = prefetch_masks(constrained)
         results = self.stepper.step(work) if work else []
+        if masks is not None:
+            masks.join()
         self.steps += 1
         still, refresh = [], []
         for req, w, res in zip(live, work, results):

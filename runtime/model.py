@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +156,7 @@ class Runtime:
         self.sparse_top_k = cfg.sparse_top_k if sparse_top_k is None else check_sparse_top_k(sparse_top_k, self.n_max)
         self._check_budgets(np.array([self.sparse_top_k]))
         self.vocab_size = cfg.vocab_size
+        self.logits_all = cfg.logits == "all"  # prefill returns every position's logits (prompt scoring)
         self.bos_token_id = cfg.bos_token_id
         self.eos_token_id = cfg.eos_token_id
         self.codec = TextCodec.load(bundle, self.bos_token_id, self.eos_token_id)  # None: ids only
@@ -237,10 +238,12 @@ class Runtime:
             ids[b, :len(c)] = c
         return ids, past, np.array([len(c) for c in chunks], np.int32)
 
-    def prefill_batch(self, seqs: Sequence[Sequence_], prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    def prefill_batch(self, seqs: Sequence[Sequence_], prompts: Sequence[Sequence[int]],
+                      scorers: Sequence[Callable[[int, np.ndarray], None] | None] | None = None) -> np.ndarray:
         """Each sequence's prompt, in rounds of at most max-input tokens per sequence (the chunks a
         sequence alone would get), each call followed by a re-tier pass of every sequence in it.
-        Returns each sequence's last-position logits [B, V]."""
+        Returns each sequence's last-position logits [B, V]. scorers[b] (a bundle built with --logits all):
+        called with (first position, logits [n, V]) of every chunk of sequence b (prompt log-probabilities)."""
         prompts = [[int(t) for t in p] for p in prompts]
         if len(prompts) != len(seqs):
             raise ValueError("prefill_batch needs one prompt per sequence")
@@ -259,6 +262,10 @@ class Runtime:
             for k, b in enumerate(part):
                 n = len(prompts[b][i:i + step])
                 out[b] = res.logits[k, n - 1 if last else -1]
+                if scorers is not None and scorers[b] is not None:
+                    if not last:
+                        raise ValueError("prompt scoring needs a bundle built with --logits all")
+                    scorers[b](i, res.logits[k, :n])
                 seqs[b]._retier()
         return out
 
@@ -306,7 +313,8 @@ class Runtime:
     def _run_together(self, reqs: Sequence[RequestState]) -> None:
         live = [r for r in reqs if r.start()]
         seqs = {id(r): self.new_sequence() for r in live}
-        logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live]) if live else []
+        logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live],
+                                    [r.score_prompt if r.scores_prompt else None for r in live]) if live else []
         while live:
             going = []
             for r, lg in zip(live, logits):
@@ -334,18 +342,20 @@ class Runtime:
                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 stop_ids: Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
                 logprobs: int | None = None, response_format: Mapping[str, Any] | None = None,
-                fit_context: bool = False) -> RequestState:
+                fit_context: bool = False, prompt_logprobs: bool = False) -> RequestState:
         """A checked request, not yet run (`stream`, `generate_batch` and the Engine drive it). Inputs are
         checked here, before any model work: a RequestError (ValueError) names the parameter. top_k is
         sampling's top-k (0: off), not the selection budget (`Sequence_.sparse_top_k`). stop: up to 4 strings
         that end the output (not included); logprobs: None, or how many alternatives each Token carries (0: the
         chosen token's log-probability only); response_format: structured output (runtime.constrained);
         fit_context: refuse a prompt + max_new_tokens beyond max-seq (the server, for an explicit max_tokens)
-        instead of ending at the context ("context")."""
+        instead of ending at the context ("context"); prompt_logprobs: score the prompt's tokens too
+        (`RequestState.prompt_tokens`; echo with logprobs, a bundle built with --logits all)."""
         params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
                                 repetition_penalty)
         return RequestState(self, self._prompt_ids(prompt), max_new_tokens, params, stop_ids, stop=stop,
-                            logprobs=logprobs, constraint=self._constraint(response_format), fit_context=fit_context)
+                            logprobs=logprobs, constraint=self._constraint(response_format), fit_context=fit_context,
+                            prompt_logprobs=prompt_logprobs)
 
     def _constraint(self, fmt: Mapping[str, Any] | None) -> Any:
         if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):

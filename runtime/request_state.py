@@ -85,6 +85,7 @@ class ModelLimits(Protocol):
     n_max: int
     eos_token_id: int
     codec: TextCodec | None
+    logits_all: bool  # the graph returns every position's logits (bundle built with --logits all)
 
 
 def check_ids(ids: Sequence[int], vocab_size: int, field: str) -> list[int]:
@@ -113,7 +114,7 @@ class RequestState:
     def __init__(self, model: ModelLimits, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids: Sequence[int] | None, *, stop: str | Sequence[str] | None = None,
                  logprobs: int | None = None, constraint: TokenConstraint | None = None,
-                 fit_context: bool = False) -> None:
+                 fit_context: bool = False, prompt_logprobs: bool = False) -> None:
         self.prompt_ids = check_ids(prompt_ids, model.vocab_size, "prompt")
         if not self.prompt_ids:
             raise RequestError("prompt", "the prompt is empty: need at least one token")
@@ -132,6 +133,14 @@ class RequestState:
         if self.stop and model.codec is None:
             raise RequestError("stop", "stop strings need the bundle's tokenizer (tokenizer.json); give stop_ids")
         self.logprobs = check_logprobs(logprobs)
+        if prompt_logprobs and not model.logits_all:
+            raise RequestError("echo", "the prompt's log-probabilities need every position's logits: rebuild the "
+                                       "bundle with `builder build --logits all` (this one returns the last "
+                                       "position's)")
+        # the prompt's tokens scored (echo with logprobs): the first has no logprob, token i by position i - 1
+        self.prompt_tokens: list[Token] | None = None
+        if prompt_logprobs:
+            self.prompt_tokens = [Token(self.prompt_ids[0], "")]
         self.constraint = constraint
         self.params = params
         self.n_max = model.n_max
@@ -165,14 +174,18 @@ class RequestState:
         return self.ids[-1]
 
     def start(self) -> bool:
-        """Whether the model has anything to do; with max_new_tokens 0 the request ends here ("length")."""
-        if self.max_new_tokens == 0:
+        """Whether the model has anything to do; with max_new_tokens 0 the request ends here ("length"), unless
+        its prompt is to be scored."""
+        if self.max_new_tokens == 0 and not self.scores_prompt:  # scoring a prompt still runs it
             self.finish("length")
         return not self.done
 
     def accept(self, logits: np.ndarray, length: int) -> Token | None:
         """Sample from the logits after `length` positions; returns the token to emit (None for a stop id).
         Order of the checks: the module's docstring."""
+        if self.max_new_tokens == 0:  # a scored prompt with nothing to generate (echo, max_tokens 0)
+            self.finish("length")
+            return None
         z = logits
         if self.constraint is not None:
             allowed = self.constraint.allowed()
@@ -208,16 +221,30 @@ class RequestState:
             self.tokens.append(token)
         return token
 
-    def _scored(self, tok: int, logits: np.ndarray) -> Token:
-        if self.logprobs is None:
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_tokens is not None
+
+    def score_prompt(self, start: int, logits: np.ndarray) -> None:
+        """Prefill's logits [n, V] of prompt positions start..start+n-1: each scores the prompt token after it
+        (the last position's scores the first generated token, in accept)."""
+        assert self.prompt_tokens is not None
+        for j, row in enumerate(logits):
+            p = start + j + 1
+            if p < len(self.prompt_ids):
+                self.prompt_tokens.append(self._scored(self.prompt_ids[p], row, top=max(self.logprobs or 0, 0)))
+
+    def _scored(self, tok: int, logits: np.ndarray, top: int | None = None) -> Token:
+        n = self.logprobs if top is None else top
+        if n is None:
             return Token(tok, "")
         lp = log_softmax(logits)
-        top = None
-        if self.logprobs:
-            best = np.argpartition(-lp, self.logprobs - 1)[:self.logprobs]
+        best_n = None
+        if n:
+            best = np.argpartition(-lp, n - 1)[:n]
             best = best[np.argsort(-lp[best], kind="stable")]
-            top = [(int(i), float(lp[i])) for i in best]
-        return Token(tok, "", float(lp[tok]), top)
+            best_n = [(int(i), float(lp[i])) for i in best]
+        return Token(tok, "", float(lp[tok]), best_n)
 
     def _release(self, *, final: bool) -> str:
         """The text that may be streamed now: up to a stop string (which ends the request), else all but an end
@@ -288,3 +315,8 @@ class RequestFields:
     def tokens(self) -> list[Token] | None:
         """The generated tokens with their log-probabilities, when the request asked for logprobs."""
         return self.state.tokens
+
+    @property
+    def prompt_tokens(self) -> list[Token] | None:
+        """The prompt's tokens with their log-probabilities (the first has none), when asked (echo)."""
+        return self.state.prompt_tokens

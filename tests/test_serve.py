@@ -199,6 +199,8 @@ BAD = [
     ("completions", {"prompt": LONG}, "prompt"),
     ("completions", {"prompt": [1, VOCAB]}, "prompt"),
     ("completions", {"prompt": "x", "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "echo": "yes"}, "echo"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("chat/completions", {"messages": "hi"}, "messages"),
     ("chat/completions", {"messages": [{"content": "hi"}]}, "messages[0]"),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),

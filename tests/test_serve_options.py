@@ -164,3 +164,47 @@ def test_sigterm_drains_the_stream_and_exits_0(bundles, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert "SIGTERM: draining" in proc.stdout.read()
+
+
+def test_echo_scores_the_prompt(rts, tmp_path_factory):
+    """echo with logprobs (how evaluation harnesses score a continuation): on a bundle built with --logits all,
+    each prompt token's logprob = log_softmax of the logits at the position before it, as one forward call over
+    the prompt gives them (numpy, by hand); the first token has none; max_tokens 0 scores only. On a bundle that
+    returns only the last position's logits: a 400 naming echo and the build flag. Echo without logprobs
+    prepends the prompt's text."""
+    import numpy as np
+    from runtime_bundles import build_demo
+
+    import runtime
+
+    allb = build_demo(tmp_path_factory.mktemp("echo") / "all", max_seq=MAX_SEQ, max_input=MAX_INPUT, max_batch=2,
+                      extra=("--logits", "all"))
+    rt = runtime.load(allb, "onnxruntime", threads=1)
+    prompt = "The cat sat on"
+    ids = rt.encode(prompt)
+    seq = rt.new_sequence()
+    logits = rt.forward_batch([seq], [ids]).logits[0]
+    seq.close()
+    z = logits.astype(np.float64)
+    lp = z - z.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    want = [None] + [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+    with live_server(rt) as (_, url):
+        r = client(url).completions.create(model="demo", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        ch = r.choices[0]
+        assert ch.text == prompt and ch.logprobs.token_logprobs[0] is None
+        assert ch.logprobs.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-6)
+        assert len(ch.logprobs.tokens) == len(ids) and r.usage.completion_tokens == 0
+        r = client(url).completions.create(model="demo", prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                           temperature=0, stop=None)
+        n = len(ids)
+        assert r.choices[0].text.startswith(prompt) and len(r.choices[0].logprobs.token_logprobs) == n + 3
+        assert r.choices[0].logprobs.token_logprobs[1:n] == pytest.approx(want[1:], abs=1e-6)
+        streamed = "".join(c.choices[0].text for c in client(url).completions.create(
+            model="demo", prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True))
+        assert streamed == r.choices[0].text
+    with live_server(rts["demo"]) as (_, url):  # logits of the last position only
+        e = err(httpx.post(url + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}, timeout=10))
+        assert e["param"] == "echo" and "--logits all" in e["message"]
+        r = client(url).completions.create(model="demo", prompt="The", max_tokens=2, echo=True, temperature=0)
+        assert r.choices[0].text.startswith("The")

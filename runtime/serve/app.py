@@ -125,9 +125,34 @@ class Server:
                 req.cancel()
         if req.finish_reason == "error":
             return error_response(ApiError(500, f"generation failed: {req.error}", type="server_error"))
-        lp = None if req.tokens is None else protocol.logprobs_body(req.tokens, self._token_text, chat=chat)
-        return JSONResponse(protocol.completion(rid, self.model_name, created, req.text or "", req.finish_reason or "",
+        text, tokens = req.text or "", req.tokens
+        if args.echo:  # the prompt's text (and scored tokens) before the answer, as OpenAI echoes
+            text = self._prompt_text(args, req) + text
+            if tokens is not None:
+                tokens = self._echoed_tokens(req) + tokens
+        lp = None if tokens is None else protocol.logprobs_body(tokens, self._token_text, chat=chat)
+        return JSONResponse(protocol.completion(rid, self.model_name, created, text, req.finish_reason or "",
                                                 len(req.prompt_ids), len(req.ids), chat=chat, logprobs=lp))
+
+    def _echo_chunk(self, args: GenerationArgs, req: EngineRequest, rid: str, created: int) -> dict[str, Any]:
+        lp = None if req.prompt_tokens is None else protocol.logprobs_body(self._echoed_tokens(req),
+                                                                           self._token_text, chat=False)
+        return protocol.chunk(rid, self.model_name, created, self._prompt_text(args, req), None, chat=False,
+                              logprobs=lp)
+
+    def _prompt_text(self, args: GenerationArgs, req: EngineRequest) -> str:
+        if isinstance(args.prompt, str):
+            return args.prompt
+        codec = self.engine.rt.codec
+        return codec.decode(req.prompt_ids) if codec is not None else ""
+
+    def _echoed_tokens(self, req: EngineRequest) -> list[Any]:
+        """The prompt's scored tokens with their text (each token's decoded piece)."""
+        out = []
+        for t in req.prompt_tokens or []:
+            t.text = self._token_text(t.id)
+            out.append(t)
+        return out
 
     def _token_text(self, token_id: int) -> str:
         codec = self.engine.rt.codec
@@ -169,12 +194,18 @@ class Server:
         try:
             if chat:
                 yield sse(protocol.chunk(rid, self.model_name, created, "", None, chat=True, role=True))
+            echo = args.echo  # sent once the prompt has been run (its scores exist from then on)
             async for tok in req.aiter():
+                if echo:
+                    yield sse(self._echo_chunk(args, req, rid, created))
+                    echo = False
                 lp = None if tok.logprob is None else protocol.logprobs_body([tok], self._token_text, chat=chat,
                                                                              offset=sent)
                 if tok.text or lp is not None:
                     sent += len(tok.text)
                     yield sse(protocol.chunk(rid, self.model_name, created, tok.text, None, chat=chat, logprobs=lp))
+            if echo and req.finish_reason != "error":
+                yield sse(self._echo_chunk(args, req, rid, created))
             if req.finish_reason == "error":
                 yield sse(ApiError(500, f"generation failed: {req.error}", type="server_error").body())
             else:

@@ -2,8 +2,8 @@
 
 Fields we know are type-checked (a wrong type is a 400 naming the field); fields we do not know are
 ignored, as clients send extras (`user`, `stream_options`, ...). Parameters we cannot honour with a
-value that changes the result (n > 1, echo, suffix, logit_bias, tools) are refused rather than silently
-dropped.
+value that changes the result (n > 1, suffix, logit_bias, tools, echo on chat) are refused rather than
+silently dropped.
 """
 
 from __future__ import annotations
@@ -58,13 +58,15 @@ class GenerationArgs:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # completions: `logprobs` N; chat: `top_logprobs` N when `logprobs` is true
     response_format: dict[str, Any] | None = None
+    echo: bool = False  # completions: the prompt before the answer (its tokens scored, with logprobs)
 
     def options(self) -> dict[str, Any]:
         """Runtime.request's keywords for what this request asks beyond the prompt and max_tokens."""
         kw: dict[str, Any] = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, stop=self.stop, logprobs=self.logprobs,
-                                  response_format=self.response_format)
+                                  response_format=self.response_format,
+                                  prompt_logprobs=self.echo and self.logprobs is not None)
         if self.stop_ids is not None:
             kw["stop_ids"] = self.stop_ids
         return kw
@@ -107,8 +109,6 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     for key in ("suffix", "logit_bias", "tools", "functions"):
         if body.get(key) not in (None, False, {}, []):
             raise bad(key, "is not supported by this server")
-    if body.get("echo") not in (None, False):
-        raise bad("echo", "is not supported by this server")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "is not supported by this server")
 
@@ -152,8 +152,13 @@ def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationA
             prompt = _id_list(prompt, "prompt")
         elif not isinstance(prompt, str):
             raise bad("prompt", f"expected a string or a list of token ids, got {prompt!r}")
+    echo = body.get("echo", False)
+    if echo not in (True, False, None):
+        raise bad("echo", f"expected true or false, got {echo!r}")
+    if echo and chat:
+        raise bad("echo", "is a completions parameter (chat has no prompt text to echo)")
     max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, max_key, None, lo=1)
+    max_tokens = _integer(body, max_key, None, lo=0 if echo else 1)  # echo + 0: score the prompt only
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -181,7 +186,7 @@ def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationA
         presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True, hi=100.0),
-        logprobs=_logprobs(body, chat), response_format=fmt)
+        logprobs=_logprobs(body, chat), response_format=fmt, echo=bool(echo))
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:

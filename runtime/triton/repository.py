@@ -1,0 +1,131 @@
+"""Write a Triton model repository over gsm-edge bundles: one model per bundle.
+
+    REPO/
+      manifest.json              hashes of every file (gsm.atomic), written last: the repository is atomic
+      NAME/config.pbtxt          Python backend, decoupled, the generate extension's tensors, instance group
+      NAME/1/model.py            a shim: the Python environment of the writer, then runtime.triton.model
+      NAME/1/bundle/             with --copy: the bundle itself (else config.pbtxt names its path)
+
+The bundle is verified by its own manifest when the model loads (runtime.load), wherever it lives.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import site
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from gsm.atomic import atomic_output_dir
+from gsm.bundle_format import BundleConfig
+
+KINDS = ("cpu", "gpu")
+# the generate extension's inputs (`/v2/models/NAME/generate` maps JSON fields onto them by name): name,
+# Triton type, dims; all optional but text_input
+INPUTS = (
+    ("text_input", "TYPE_STRING", "[ 1 ]"),
+    ("max_tokens", "TYPE_INT32", "[ 1 ]"),
+    ("temperature", "TYPE_FP32", "[ 1 ]"),
+    ("top_p", "TYPE_FP32", "[ 1 ]"),
+    ("top_k", "TYPE_INT32", "[ 1 ]"),
+    ("seed", "TYPE_INT64", "[ 1 ]"),
+    ("stream", "TYPE_BOOL", "[ 1 ]"),
+    ("stop", "TYPE_STRING", "[ -1 ]"),
+)
+OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"))
+SHIM = '''"""Triton's Python backend entry point for gsm-edge (written by `python -m runtime triton`)."""
+
+import json
+import pathlib
+import site
+import sys
+
+# the Python environment that wrote this repository: its site directories (.pth files processed, as at
+# interpreter start-up) and the gsm-edge source root, ahead of whatever the backend stub starts with
+_ENV = json.loads((pathlib.Path(__file__).parent / "python_env.json").read_text())
+for _d in _ENV["site"]:
+    site.addsitedir(_d)
+sys.path[:0] = [p for p in _ENV["path"] if p not in sys.path]
+
+from runtime.triton.model import TritonPythonModel  # noqa: E402,F401
+'''
+
+
+@dataclass(frozen=True)
+class TritonModelSpec:
+    """One model of the repository."""
+
+    bundle: Path
+    name: str | None = None  # default: the bundle directory's name, as `runtime serve` names its model
+    instances: int = 1  # instance_group count: each instance is a process with its own engine and cache rows
+    kind: str = "cpu"  # KIND_CPU | KIND_GPU (the engine picks its backend: runtime.load "auto")
+    copy: bool = False  # carry the bundle inside the repository instead of naming its path
+    backend: str = "auto"  # runtime.load's backend
+    max_queue: int = 64  # requests waiting in the engine before Triton gets an error back
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind must be one of {list(KINDS)}, got {self.kind!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.name or Path(self.bundle).resolve().name
+
+
+def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> str:
+    """The model's config.pbtxt. Triton does not batch (max_batch_size 0): the engine inside batches
+    continuously up to the plan's rows; Triton's queue in front of it is bounded by the engine's."""
+    def tensor(name: str, dtype: str, dims: str, optional: bool) -> str:
+        opt = "\n    optional: true" if optional else ""
+        return f"  {{\n    name: \"{name}\"\n    data_type: {dtype}\n    dims: {dims}{opt}\n  }}"
+
+    inputs = ",\n".join(tensor(n, t, d, n != "text_input") for n, t, d in INPUTS)
+    outputs = ",\n".join(tensor(n, t, d, False) for n, t, d in OUTPUTS)
+    params = {"bundle": bundle_ref, "backend": spec.backend, "max_queue": str(spec.max_queue),
+              "max_running": str(cfg.max_batch)}
+    parameters = "\n".join(f"parameters {{\n  key: \"{k}\"\n  value: {{ string_value: {json.dumps(v)} }}\n}}"
+                           for k, v in params.items())
+    return (f"name: \"{spec.model_name}\"\nbackend: \"python\"\nmax_batch_size: 0\n"
+            f"model_transaction_policy {{\n  decoupled: true\n}}\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+            f"instance_group [\n  {{\n    count: {spec.instances}\n    kind: KIND_{spec.kind.upper()}\n  }}\n]\n"
+            f"{parameters}\n")
+
+
+def python_env() -> dict[str, list[str]]:
+    """Where this interpreter finds gsm-edge and its dependencies: the model's shim puts them on sys.path."""
+    import runtime
+
+    root = str(Path(runtime.__file__).resolve().parents[1])
+    sites = [d for d in (site.getsitepackages() + [site.getusersitepackages()]) if Path(d).is_dir()]
+    return {"site": sites, "path": [root] + [p for p in sys.path if p and Path(p).is_dir() and "site-packages" in p]}
+
+
+def write_repository(specs: list[TritonModelSpec], out: Path, *, overwrite: bool = False) -> Path:
+    """The repository at `out`, written atomically; every bundle is verified first (BundleError)."""
+    from runtime.bundle import open_bundle
+
+    names = [s.model_name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must differ, got {names} (give --model-name for each bundle)")
+    opened = [(s, open_bundle(Path(s.bundle))) for s in specs]  # (manifest, cfg): verified before any output
+    env = json.dumps(python_env(), indent=2) + "\n"
+    with atomic_output_dir(out, overwrite=overwrite,
+                           manifest_extra={"triton_repository": {"models": names}}) as tmp:
+        for spec, (_manifest, cfg) in opened:
+            model = tmp / spec.model_name
+            version = model / "1"
+            version.mkdir(parents=True)
+            if spec.copy:
+                shutil.copytree(spec.bundle, version / "bundle")
+                ref = "1/bundle"  # relative to the model directory
+            else:
+                ref = str(Path(spec.bundle).resolve())
+            (model / "config.pbtxt").write_text(config_pbtxt(spec, cfg, ref))
+            (version / "model.py").write_text(SHIM)
+            (version / "python_env.json").write_text(env)
+    return out
