@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                              "loads")
     t.add_argument("--copy", action="store_true", help="carry the bundles inside the repository (default: "
                                                        "name their paths)")
+    t.add_argument("--python-env", type=Path, help="a virtual environment with the runtime's dependencies for the "
+                                                    "Python Triton's stub embeds (default: this one's)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing repository")
     return p
 
@@ -127,8 +129,8 @@ def triton(args: argparse.Namespace) -> int:
     names = args.model_name or []
     if names and len(names) != len(args.bundles):
         raise ValueError(f"argument --model-name: give one per bundle ({len(args.bundles)}), got {len(names)}")
-    specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend)
-             for i, b in enumerate(args.bundles)]
+    specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend,
+                             python_env=args.python_env) for i, b in enumerate(args.bundles)]
     try:
         write_repository(specs, args.out, overwrite=args.overwrite)
     except OutputExistsError as e:

@@ -16,6 +16,17 @@ import pytest
 from runtime_bundles import build_demo, run_module
 
 httpx = pytest.importorskip("httpx")
+from runtime.triton.launch import client_path, model_env  # noqa: E402
+
+client_path()  # tritonclient from scripts/install_triton.sh's directory
+
+
+def repo_args():
+    """--python-env: the models' environment scripts/install_triton.sh made (Triton 2.51's stub needs numpy 1)."""
+    env = model_env()
+    if env is None:
+        pytest.skip("no models' environment: run scripts/install_triton.sh")
+    return ["--python-env", str(env)]
 MAX_SEQ, MAX_INPUT = 64, 16
 PROMPTS = ["Once upon a time", "The cat sat", "A", "She said hello to the", "x y z", "The end", "Tim", "big red"]
 
@@ -86,7 +97,7 @@ def server(demo, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     work = tmp_path_factory.mktemp("triton")
     r = run_module("runtime", "triton", str(demo), "--out", str(work / "repo"), "--model-name", "demo",
-                   "--instances", "2", cwd=work)
+                   "--instances", "2", *repo_args(), cwd=work)
     assert r.returncode == 0, r.stderr
     t = Triton(work / "repo", work)
     yield t
@@ -185,7 +196,7 @@ def test_unload_frees_and_reload_serves(demo, tmp_path):
     import psutil
     import tritonclient.http as httpclient
 
-    r = run_module("runtime", "triton", str(demo), "--out", str(tmp_path / "repo"), cwd=tmp_path)
+    r = run_module("runtime", "triton", str(demo), "--out", str(tmp_path / "repo"), *repo_args(), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     t = Triton(tmp_path / "repo", tmp_path, explicit=True)
     try:
@@ -206,3 +217,16 @@ def test_unload_frees_and_reload_serves(demo, tmp_path):
             assert not stubs() and not c.is_model_ready("demo")
     finally:
         t.close()
+
+
+def test_dashboard_series_exist_on_tritons_metrics(server):
+    """Every series of the dashboard's Triton panels and of the panels both servers feed, after a request
+    whose decode step is probed and whose re-tier pass re-encodes rows (48 tokens: the FP16 window is 32)."""
+    from runtime.serve import dashboard as dash
+
+    server.generate("demo", "".join(chr(97 + i % 26) for i in range(47)), max_tokens=3)
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for p in dash.PANELS:
+        if p.source in ("triton", "both"):
+            assert dash.series(p) <= names, (p.title, dash.series(p) - names)

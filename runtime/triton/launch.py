@@ -1,4 +1,5 @@
-"""Start the real `tritonserver` that the nvidia-pytriton package ships (the `triton` extra), on a repository.
+"""Start the real `tritonserver` that the nvidia-pytriton package ships (scripts/install_triton.sh), on a
+repository.
 
 The package holds the server, its Python backend and one backend stub per Python version; the stub of this
 interpreter's version goes into a backends directory of our own (as pytriton does), and the stub loads the
@@ -30,20 +31,48 @@ class TritonDist:
 
     @classmethod
     def find(cls) -> TritonDist:
-        try:
-            import pytriton
-        except ImportError as e:
-            raise TritonUnavailable(f"tritonserver needs nvidia-pytriton: pip install 'gsm-edge[triton]' "
-                                    f"({e})") from None
-        root = Path(pytriton.__file__).parent / "tritonserver"
+        """nvidia-pytriton's files in dist_dir() (scripts/install_triton.sh), else where Python finds the
+        package; located, not imported (its Python side is not needed to start the server)."""
+        import importlib.util
+
+        pkg = dist_dir() / "pytriton"
+        if not pkg.is_dir():
+            spec = importlib.util.find_spec("pytriton")
+            if spec is None or not spec.submodule_search_locations:
+                raise TritonUnavailable(f"no tritonserver: nvidia-pytriton is not in {dist_dir()} nor installed "
+                                        "(run scripts/install_triton.sh)")
+            pkg = Path(list(spec.submodule_search_locations)[0])
+        root = pkg / "tritonserver"
         version = f"{sys.version_info[0]}.{sys.version_info[1]}"
         d = cls(root / "bin" / "tritonserver", root / "backends",
                 root / "python_backend_stubs" / version / "triton_python_backend_stub",
-                root.parent.parent / "nvidia_pytriton.libs")
+                pkg.parent / "nvidia_pytriton.libs")
         for p in (d.server, d.backends, d.stub):
             if not p.exists():
                 raise TritonUnavailable(f"nvidia-pytriton is installed but {p} is missing (Python {version})")
         return d
+
+
+def dist_dir() -> Path:
+    """Where scripts/install_triton.sh puts nvidia-pytriton and tritonclient ($GSM_TRITON_DIST)."""
+    env = os.environ.get("GSM_TRITON_DIST")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("GSM_EDGE_CACHE", Path.home() / ".cache" / "gsm-edge")) / "triton"
+
+
+def model_env() -> Path | None:
+    """The models' Python environment scripts/install_triton.sh makes (numpy < 2 for Triton 2.51's stub)."""
+    env = dist_dir() / "env"
+    return env if (env / "bin" / "python").exists() else None
+
+
+def client_path() -> None:
+    """Make tritonclient importable from dist_dir() when it is not installed (tests, bench)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tritonclient") is None and (dist_dir() / "tritonclient").is_dir():
+        sys.path.append(str(dist_dir()))
 
 
 def prepare_backends(dist: TritonDist, work: Path) -> Path:

@@ -44,6 +44,13 @@ class GsmMetrics:
             ("gsm_shared_kv_noise_level", "Relative error the last re-tier pass added to the rows it re-encoded", G),
         )}
         self.fam, self.labels, self.m = fam, {"model": model, "instance": instance}, {}
+        # series whose label values are known exist from the start at 0 (Prometheus practice); the hit rate and
+        # the KV noise appear once measured, never with a made-up value
+        for name in ("gsm_generation_tokens_total", "gsm_prompt_tokens_total", "gsm_running_sequences",
+                     "gsm_queue_depth"):
+            self.metric(name)
+        for policy in ("hit_rate", "kv_noise"):
+            self.metric("gsm_fallbacks_total", policy=policy)
 
     def metric(self, name: str, **labels: str) -> Any:
         key = (name, tuple(sorted(labels.items())))
@@ -110,10 +117,12 @@ def parse_request(request: Any, n_max: int) -> tuple[str, int, bool, dict[str, A
     return prompt, max_tokens, stream, kw
 
 
-def _response(text: str, reason: str | None) -> Any:
+def _response(text: str, reason: str | None, tokens: int) -> Any:
+    """One response: text (a token's, or the whole), the finish reason ("" until the last), tokens so far."""
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("finish_reason", np.array([(reason or "").encode("utf-8")], dtype=np.object_))])
+        pb_utils.Tensor("finish_reason", np.array([(reason or "").encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("completion_tokens", np.array([tokens], np.int32))])
 
 
 class TritonPythonModel:
@@ -163,14 +172,14 @@ class TritonPythonModel:
                 for tok in req:
                     if tok.text:
                         sent += len(tok.text)
-                        sender.send(_response(tok.text, None))
+                        sender.send(_response(tok.text, None, len(req.ids)))
             else:
                 req.result()
             if req.finish_reason == "error":
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"generation failed: {req.error}")),
                             flags=final)
             else:  # streamed: the text held back before a stop id or string; else the whole text
-                sender.send(_response((req.text or "")[sent:], req.finish_reason), flags=final)
+                sender.send(_response((req.text or "")[sent:], req.finish_reason, len(req.ids)), flags=final)
         except Exception as e:  # the client went away, the server is stopping
             log.info("request %s: %s", getattr(req, "id", "?"), e)
             if not req.done:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import shutil
 import site
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gsm.atomic import atomic_output_dir
 from gsm.bundle_format import BundleConfig
@@ -34,10 +34,12 @@ INPUTS = (
     ("stream", "TYPE_BOOL", "[ 1 ]"),
     ("stop", "TYPE_STRING", "[ -1 ]"),
 )
-OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"))
+OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"),
+           ("completion_tokens", "TYPE_INT32", "[ 1 ]"))
 SHIM = '''"""Triton's Python backend entry point for gsm-edge (written by `python -m runtime triton`)."""
 
 import json
+import os
 import pathlib
 import site
 import sys
@@ -45,9 +47,12 @@ import sys
 # the Python environment that wrote this repository: its site directories (.pth files processed, as at
 # interpreter start-up) and the gsm-edge source root, ahead of whatever the backend stub starts with
 _ENV = json.loads((pathlib.Path(__file__).parent / "python_env.json").read_text())
+os.environ.update(_ENV["environ"])
+_before = list(sys.path)
 for _d in _ENV["site"]:
-    site.addsitedir(_d)
-sys.path[:0] = [p for p in _ENV["path"] if p not in sys.path]
+    site.addsitedir(_d)  # appends, and runs the directory's .pth files (an editable install's finder)
+_added = [p for p in sys.path if p not in _before]
+sys.path[:] = _ENV["path"] + _added + [p for p in _before if p not in _ENV["path"]]  # ahead of the stub's own
 
 from runtime.triton.model import TritonPythonModel  # noqa: E402,F401
 '''
@@ -64,6 +69,7 @@ class TritonModelSpec:
     copy: bool = False  # carry the bundle inside the repository instead of naming its path
     backend: str = "auto"  # runtime.load's backend
     max_queue: int = 64  # requests waiting in the engine before Triton gets an error back
+    python_env: Path | None = None  # the virtual environment the model imports from (default: the writer's)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -96,13 +102,32 @@ def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> s
             f"{parameters}\n")
 
 
-def python_env() -> dict[str, list[str]]:
-    """Where this interpreter finds gsm-edge and its dependencies: the model's shim puts them on sys.path."""
+def python_env(env: Path | None = None) -> dict[str, Any]:
+    """What the model's shim puts on sys.path: gsm-edge's source root (runtime, gsm, gsm_edge_plugins) and the
+    site directories of `env` (a virtual environment holding the runtime's dependencies for the Python the
+    Triton stub embeds; Triton 2.51's stub needs numpy < 2) or, by default, this interpreter's; and where the
+    plugins' built libraries are (GSM_EDGE_PLUGINS_DIR), so the fused CPU graph runs there too."""
     import runtime
 
-    root = str(Path(runtime.__file__).resolve().parents[1])
-    sites = [d for d in (site.getsitepackages() + [site.getusersitepackages()]) if Path(d).is_dir()]
-    return {"site": sites, "path": [root] + [p for p in sys.path if p and Path(p).is_dir() and "site-packages" in p]}
+    root = Path(runtime.__file__).resolve().parents[1]
+    path = [str(root), str(root / "plugins" / "python")]
+    if env is None:
+        sites = [d for d in (site.getsitepackages() + [site.getusersitepackages()]) if Path(d).is_dir()]
+    else:
+        sites = [str(d) for d in sorted(Path(env).glob("lib/python3*/site-packages"))]
+        if not sites:
+            raise ValueError(f"--python-env {env}: no lib/python3.*/site-packages (expected a virtual environment)")
+    out: dict[str, Any] = {"site": sites, "path": path, "environ": {}}
+    try:
+        from gsm_edge_plugins import ort_ops_library
+        from gsm_edge_plugins._lib import REF_LIB, find_library
+
+        lib = ort_ops_library() or find_library(REF_LIB)
+        if lib is not None:
+            out["environ"]["GSM_EDGE_PLUGINS_DIR"] = str(Path(lib).resolve().parent)
+    except ImportError:
+        pass
+    return out
 
 
 def write_repository(specs: list[TritonModelSpec], out: Path, *, overwrite: bool = False) -> Path:
@@ -113,7 +138,8 @@ def write_repository(specs: list[TritonModelSpec], out: Path, *, overwrite: bool
     if len(set(names)) != len(names):
         raise ValueError(f"model names must differ, got {names} (give --model-name for each bundle)")
     opened = [(s, open_bundle(Path(s.bundle))) for s in specs]  # (manifest, cfg): verified before any output
-    env = json.dumps(python_env(), indent=2) + "\n"
+    envs = {s.python_env for s in specs}
+    env_files = {e: json.dumps(python_env(e), indent=2) + "\n" for e in envs}
     with atomic_output_dir(out, overwrite=overwrite,
                            manifest_extra={"triton_repository": {"models": names}}) as tmp:
         for spec, (_manifest, cfg) in opened:
@@ -127,5 +153,5 @@ def write_repository(specs: list[TritonModelSpec], out: Path, *, overwrite: bool
                 ref = str(Path(spec.bundle).resolve())
             (model / "config.pbtxt").write_text(config_pbtxt(spec, cfg, ref))
             (version / "model.py").write_text(SHIM)
-            (version / "python_env.json").write_text(env)
+            (version / "python_env.json").write_text(env_files[spec.python_env])
     return out
