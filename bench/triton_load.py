@@ -60,9 +60,10 @@ def measure(send, ps: list[str], clients: int) -> dict:
     with ThreadPoolExecutor(clients) as pool:
         res = list(pool.map(send, ps))
     wall = time.monotonic() - t0
-    toks = sum(n for n, _ in res)
+    toks = sum(n for n, _, _ in res)
     return {"clients": clients, "requests": len(ps), "tokens": toks, "wall_s": round(wall, 2),
-            "tokens_per_s": round(toks / wall, 2), "latency_p50_s": round(statistics.median(t for _, t in res), 3)}
+            "tokens_per_s": round(toks / wall, 2), "latency_p50_s": round(statistics.median(t for _, t, _ in res), 3),
+            "texts": [x for _, _, x in res]}
 
 
 def run_serve(bundle: Path, args: argparse.Namespace, ps: list[str]) -> list[dict]:
@@ -81,7 +82,8 @@ def run_serve(bundle: Path, args: argparse.Namespace, ps: list[str]) -> list[dic
             r = httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": args.max_tokens, "temperature": 0},
                            timeout=600)
             r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"], time.monotonic() - t
+            body = r.json()
+            return body["usage"]["completion_tokens"], time.monotonic() - t, body["choices"][0]["text"]
 
         return [measure(send, ps, c) for c in args.clients]
     finally:
@@ -114,7 +116,8 @@ def run_triton(bundle: Path, args: argparse.Namespace, ps: list[str]) -> list[di
                 r = httpx.post(url + "/v2/models/m/generate", json={"text_input": p, "max_tokens": args.max_tokens,
                                                                      "temperature": 0.0}, timeout=600)
                 r.raise_for_status()
-                return int(r.json()["completion_tokens"]), time.monotonic() - t
+                body = r.json()
+                return int(body["completion_tokens"]), time.monotonic() - t, body["text_output"]
 
             return [measure(send, ps, c) for c in args.clients]
         finally:
@@ -141,6 +144,9 @@ def main() -> int:
                 print(f"round {rnd + 1} {server:>13} clients {m['clients']}: {m['tokens_per_s']:7.2f} tok/s, "
                       f"latency p50 {m['latency_p50_s']:.2f} s ({m['tokens']} tokens, {m['wall_s']} s)",
                       file=sys.stderr)
+        same = [a["texts"] == b["texts"] for a, b in zip(row["runtime serve"], row["triton"])]
+        print(f"round {rnd + 1}: greedy texts equal between the servers at every client count: {all(same)} "
+              f"({same})", file=sys.stderr)
     if args.out:
         args.out.write_text(json.dumps(out, indent=2) + "\n")
     return 0

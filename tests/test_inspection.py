@@ -108,8 +108,8 @@ SMOLLM2_BUNDLE = os.environ.get("GSM_EDGE_SMOLLM2_BUNDLE")
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2_BUNDLE, reason="no SmolLM2 bundle at $GSM_EDGE_SMOLLM2_BUNDLE (docs/serving.md)")
 def test_smollm2_bundle_in_process(app, tmp_path):
-    """The real model: every answer holds a parseable severity, and a one-sentence description that
-    names the defect (the class or its stem), ending at a stop, not at max-tokens."""
+    """The real model, constrained to the report schema: every answer parses, its severity is the model's, and
+    its description names the defect (the class or its stem); each ends at the grammar's end, not max-tokens."""
     out = tmp_path / "smol.json"
     assert app.main(["--bundle", SMOLLM2_BUNDLE, "--detections", str(APP / "detections.jsonl"), "--out",
                      str(out)]) == 0
@@ -117,7 +117,9 @@ def test_smollm2_bundle_in_process(app, tmp_path):
     stems = {"scratch": "scratch", "crack": "crack", "dent": "dent", "porosity": "por", "discoloration": "discolo"}
     for item in rep["items"]:
         assert item["severity_source"] == "model" and item["finish_reason"] == "stop"
-        assert stems[item["defect_class"]] in item["description"].lower() and item["description"].endswith(".")
+        # a sentence, or the schema's 160 characters of one
+        assert stems[item["defect_class"]] in item["description"].lower()
+        assert item["description"].endswith(".") or len(item["description"]) >= 150
     assert set(rep["engine"]["fallbacks"]) == {"hit_rate", "kv_noise"}
 
 
