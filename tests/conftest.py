@@ -75,3 +75,19 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
         out, cfg, quant, checkpoint.load_state_dict(base),
         tokenizer_json=tok.read_text() if tok.is_file() else None,
         extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
+
+
+# the serving tests' bundles (tests/test_serve*.py): the demo model plain and with a ChatML template, 8 rows
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    from runtime_bundles import SERVE_MAX_INPUT, SERVE_MAX_SEQ, SERVE_VOCAB, demo_and_chat_bundles
+
+    return demo_and_chat_bundles(tmp_path_factory.mktemp("serve"), max_seq=SERVE_MAX_SEQ, max_input=SERVE_MAX_INPUT,
+                                 vocab=SERVE_VOCAB, max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def rts(bundles):
+    import runtime
+
+    return {k: runtime.load(v, "onnxruntime", threads=1) for k, v in bundles.items()}

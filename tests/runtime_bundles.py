@@ -24,6 +24,9 @@ def run_module(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Comple
                           timeout=timeout)
 
 
+SERVE_MAX_SEQ, SERVE_MAX_INPUT, SERVE_VOCAB = 64, 16, 384  # the serving tests' bundles (conftest `bundles`)
+
+
 def build_demo(out: Path, *, max_seq: int = 64, max_input: int = 16, max_batch: int = 1,
                extra: tuple[str, ...] = ()) -> Path:
     """The demo model through `python -m builder build` (byte-level tokenizer, vocab 384); max_batch: the memory

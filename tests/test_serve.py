@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from runtime_bundles import ROOT, demo_and_chat_bundles, run_module
+from runtime_bundles import ROOT, SERVE_MAX_INPUT, SERVE_MAX_SEQ, SERVE_VOCAB, run_module
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -23,20 +23,7 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-MAX_SEQ, MAX_INPUT, VOCAB = 64, 16, 384
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    return demo_and_chat_bundles(tmp_path_factory.mktemp("serve"), max_seq=MAX_SEQ, max_input=MAX_INPUT,
-                                 vocab=VOCAB, max_batch=8)
-
-
-@pytest.fixture(scope="module")
-def rts(bundles):
-    import runtime
-
-    return {k: runtime.load(v, "onnxruntime", threads=1) for k, v in bundles.items()}
+MAX_SEQ, MAX_INPUT, VOCAB = SERVE_MAX_SEQ, SERVE_MAX_INPUT, SERVE_VOCAB  # the conftest `bundles` / `rts`
 
 
 class SlowStepper:

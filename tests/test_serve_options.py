@@ -14,24 +14,10 @@ import sys
 import time
 
 import pytest
-from runtime_bundles import demo_and_chat_bundles
-from test_serve import MAX_INPUT, MAX_SEQ, VOCAB, err, live_server
+from test_serve import MAX_INPUT, MAX_SEQ, err, live_server
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    return demo_and_chat_bundles(tmp_path_factory.mktemp("serveopts"), max_seq=MAX_SEQ, max_input=MAX_INPUT,
-                                 vocab=VOCAB, max_batch=8)
-
-
-@pytest.fixture(scope="module")
-def rts(bundles):
-    import runtime
-
-    return {k: runtime.load(v, "onnxruntime", threads=1) for k, v in bundles.items()}
 
 
 def client(url, key="none"):
