@@ -122,7 +122,7 @@ def test_quantize_head(tiny, tmp_path):
     import onnx
 
     r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              quantize_head=True)
+              quantize_head=True, matmul_accuracy="exact")  # float32 activations: what the golden computes
     assert r.report["weights"]["quantize_head"] is True
     no_head = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "n", max_seq=N_MAX, weights="int4",
                     group_size=32)
@@ -284,7 +284,7 @@ def test_cli_int4_build_report(tmp_path):
     assert (w["format"], w["group_size"], w["int4_grid"]) == ("int4", 32, "sym")
     assert "not on a 4-bit group-32 grid" in w["grid_note"]
     assert rep["engine_weight_bytes"] == w["bytes"] and 0.2 < w["ratio_vs_fp16"] < 0.7
-    assert w["matmul_accuracy"] == "exact"
+    assert w["matmul_accuracy"] == "fast"  # quantised weights default to INT8 activations (docs/weights.md)
 
 
 def test_int8_defaults_to_fast_matmuls(tiny, tmp_path):
@@ -335,7 +335,8 @@ def q4_1_checkpoint(tmp_path_factory):
 def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, tmp_path):
     """`--weights int4` detects the Q4_1 grid (asym-f, group 32) and loses nothing: the bundle matches the
     golden on the checkpoint's own weights; symmetric INT4 does not."""
-    r = build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX, weights="int4")
+    r = build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+              matmul_accuracy="exact")  # float32 activations, as the golden: the weights alone are compared
     w = r.report["weights"]
     assert (w["int4_grid"], w["group_size"]) == ("asym-f", 32) and "Q4_1" in w["grid_note"]
     prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
@@ -343,7 +344,7 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
     build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "s", max_seq=N_MAX, weights="int4",
-          int4_grid="sym")
+          int4_grid="sym", matmul_accuracy="exact")
     worst_sym, _, _ = run_both(tmp_path / "s", golden, prompt[:8])
     assert worst_sym > 10
 
@@ -364,7 +365,7 @@ def test_awq_scales_bundle_matches_golden(tiny, tmp_path):
     scales = {n: rng.uniform(0.25, 4.0, np.asarray(sd[n]).shape[1]) for n in quantised_names(cfg)}
     f = _awq_file(tmp_path / "awq.safetensors", scales, 32)
     r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              int4_grid="sym", awq_scales=f)
+              int4_grid="sym", awq_scales=f, matmul_accuracy="exact")
     assert r.report["weights"]["awq"]["projections"] == 20
     wcfg = WeightQuantConfig(4, 32)
     for n, s in scales.items():
