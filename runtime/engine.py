@@ -124,10 +124,8 @@ class SequentialStepper:
         out: list[np.ndarray | Exception] = []
         for w in work:
             try:
-                if w.prefill and w.scorer is not None:
-                    out.append(self.rt.prefill_batch([w.seq], [w.ids], [w.scorer])[0])
-                else:
-                    out.append(w.seq.prefill(w.ids) if w.prefill else w.seq.decode(w.ids[0], probe=w.probe))
+                out.append(w.seq.prefill(w.ids, scorer=w.scorer) if w.prefill
+                           else w.seq.decode(w.ids[0], probe=w.probe))
             except Exception as e:  # one sequence's failure must not stop the others
                 out.append(e)
         return out
@@ -495,8 +493,7 @@ class Engine:
                 self._finish(req, "deadline")
             else:
                 live.append(req)
-        work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.score_prompt if r.state.scores_prompt else None)
-                if not r.ids  # nothing accepted yet: the prompt
+        work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.prompt_scorer) if not r.ids  # nothing accepted yet
                 else Work(r.seq, [r.state.next_token], False, probe=self._probe_now(r)) for r in live]
         constrained = [r.state.constraint for r in live if r.state.constraint is not None]
         masks = None

@@ -98,10 +98,10 @@ class Sequence_:
         self.retier_passes += 1
         self.last_kv_noise = None if new_tier is None else self.rt.backend.demote(self.cache, new_tier)
 
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+    def prefill(self, ids: Sequence[int], scorer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
         """Prompt (or more of it), in chunks of at most max-input tokens, each followed by a re-tier
-        pass as golden `prefill` does; returns the last position's logits [V]."""
-        return self.rt.prefill_batch([self], [ids])[0]
+        pass as golden `prefill` does; returns the last position's logits [V]. scorer: prefill_batch's."""
+        return self.rt.prefill_batch([self], [ids], [scorer])[0]
 
     def decode(self, token: int, *, probe: bool = False) -> np.ndarray:
         """One decode step; re-tier after every `rate`-th step. Returns logits [V]."""
@@ -314,7 +314,7 @@ class Runtime:
         live = [r for r in reqs if r.start()]
         seqs = {id(r): self.new_sequence() for r in live}
         logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live],
-                                    [r.score_prompt if r.scores_prompt else None for r in live]) if live else []
+                                    [r.prompt_scorer for r in live]) if live else []
         while live:
             going = []
             for r, lg in zip(live, logits):

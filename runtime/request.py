@@ -42,8 +42,7 @@ class TokenStream(RequestFields):
         if not st.start():
             return
         seq = self._rt.new_sequence()
-        logits = (seq.rt.prefill_batch([seq], [st.prompt_ids], [st.score_prompt])[0] if st.scores_prompt
-                  else seq.prefill(st.prompt_ids))
+        logits = seq.prefill(st.prompt_ids, scorer=st.prompt_scorer)
         while True:
             tok = st.accept(logits, seq.length)
             if tok is not None:

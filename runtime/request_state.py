@@ -13,7 +13,7 @@ returned them, before mask, penalties and temperature: what vLLM returns by defa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -225,6 +225,11 @@ class RequestState:
     def scores_prompt(self) -> bool:
         return self.prompt_tokens is not None
 
+    @property
+    def prompt_scorer(self) -> Callable[[int, np.ndarray], None] | None:
+        """What a prefill hands each chunk's logits to (Runtime.prefill_batch scorers), None when not scoring."""
+        return self.score_prompt if self.scores_prompt else None
+
     def score_prompt(self, start: int, logits: np.ndarray) -> None:
         """Prefill's logits [n, V] of prompt positions start..start+n-1: each scores the prompt token after it
         (the last position's scores the first generated token, in accept)."""
@@ -232,7 +237,7 @@ class RequestState:
         for j, row in enumerate(logits):
             p = start + j + 1
             if p < len(self.prompt_ids):
-                self.prompt_tokens.append(self._scored(self.prompt_ids[p], row, top=max(self.logprobs or 0, 0)))
+                self.prompt_tokens.append(self._scored(self.prompt_ids[p], row, top=self.logprobs or 0))
 
     def _scored(self, tok: int, logits: np.ndarray, top: int | None = None) -> Token:
         n = self.logprobs if top is None else top

@@ -9,6 +9,7 @@ engine drops its cache).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -147,12 +148,9 @@ class Server:
         return codec.decode(req.prompt_ids) if codec is not None else ""
 
     def _echoed_tokens(self, req: EngineRequest) -> list[Any]:
-        """The prompt's scored tokens with their text (each token's decoded piece)."""
-        out = []
-        for t in req.prompt_tokens or []:
-            t.text = self._token_text(t.id)
-            out.append(t)
-        return out
+        """The prompt's scored tokens with their text (each token's decoded piece; the request's are left as
+        they are)."""
+        return [dataclasses.replace(t, text=self._token_text(t.id)) for t in req.prompt_tokens or []]
 
     def _token_text(self, token_id: int) -> str:
         codec = self.engine.rt.codec
