@@ -18,7 +18,10 @@ Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
   "prompt eval time" = prefill), with its F32 GGUF (the precision of a float32 bundle; `--llama-quant Q8_0`
   against a `--weights int8` bundle);
 - transformers with eager attention on the same weights (`--transformers-gguf`, dequantised to float32 by
-  its GGUF loader) and thread count: prefill in 512-token chunks and greedy decode after each context.
+  its GGUF loader) and thread count: prefill in 512-token chunks and greedy decode after each context;
+- ONNX Runtime GenAI's own INT4 model of the same GGUF (`--genai-dir`, built there once by
+  ../shared/tools/ort_genai.sh, about 5 minutes): prefill and greedy decode after each context, same threads;
+- a closing table: our decode tok/s by context beside each anchor's, and the ratios.
 Bundles are built from `--checkpoint` into `--work` unless given. Figures are for this machine's CPU.
 """
 
@@ -37,6 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 DEFAULT_LLAMA = Path.home() / ".cache" / "gsm-edge" / "llama.cpp"
+DEFAULT_GENAI = Path.home() / ".cache" / "gsm-edge" / "ort-genai"
+GENAI_SCRIPT = ROOT.parent / "shared" / "tools" / "ort_genai.sh"
 
 
 def ints(s: str) -> list[int]:
@@ -253,6 +258,42 @@ def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     return out
 
 
+# -- ONNX Runtime GenAI ---------------------------------------------------------------------------
+def genai_anchor(a: argparse.Namespace) -> dict:
+    """GenAI's INT4 CPU model (model builder, RTN INT4 incl. the LM head, GroupQueryAttention) after the same
+    contexts of the same text, greedy, `a.threads` intra-op threads: one JSON line per context from the script."""
+    if not GENAI_SCRIPT.is_file():
+        return {"status": f"{GENAI_SCRIPT} not found"}
+    r = subprocess.run(["bash", str(GENAI_SCRIPT), str(a.genai_dir), ",".join(map(str, a.contexts)), str(a.threads)],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not rows:
+        return {"error": (r.stderr or r.stdout).strip()[-300:]}
+    return {"model": str(a.genai_dir / "smollm2-int4"), "threads": a.threads, "by_context": rows}
+
+
+def comparison(results: dict) -> list[str]:
+    """Lines of the closing table: decode tok/s by context, ours and each anchor's, and ours / anchor."""
+    ours = {r["context"]: r["decode_tokens_per_s"] for r in results["by_context"]
+            if r.get("batch", 1) == 1 and "decode_tokens_per_s" in r}
+    anchors = {name: {r["context"]: r["decode_tokens_per_s"] for r in results[key].get("by_context", [])
+                      if "decode_tokens_per_s" in r}
+               for key, name in (("llama_cpp", "llama.cpp"), ("genai", "GenAI")) if key in results}
+    head = f"{'context':>8} {'ours':>8}" + "".join(f" {n:>10} {'ratio':>6}" for n in anchors)
+    lines = [head]
+    for ctx in sorted(ours):
+        row = f"{ctx:8d} {ours[ctx]:8.1f}"
+        for table in anchors.values():
+            # an anchor's context may differ by the few tokens its tokenizer adds: take the nearest
+            near = min(table, key=lambda c: abs(c - ctx), default=None)
+            if near is None or abs(near - ctx) > max(8, ctx // 50):
+                row += f" {'-':>10} {'-':>6}"
+            else:
+                row += f" {table[near]:10.1f} {ours[ctx] / table[near]:6.2f}"
+        lines.append(row)
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, help="GSM checkpoint to build the bundles from")
@@ -288,6 +329,9 @@ def main() -> int:
     ap.add_argument("--transformers-gguf", type=Path, default=DATA / "SmolLM2-135M-Instruct.Q4_1.gguf",
                     help="the model for the transformers-eager anchor (its GGUF loader dequantises to float32)")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--genai-dir", type=Path, default=DEFAULT_GENAI,
+                    help="ONNX Runtime GenAI's venv and INT4 model (../shared/tools/ort_genai.sh builds them there)")
+    ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--out", type=Path, help="write all results as JSON here")
     ap.add_argument("--one-transformers", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -364,6 +408,12 @@ def main() -> int:
     if not a.no_transformers:
         results["transformers"] = transformers_anchor(a, main_bundle)
         print("transformers eager:", json.dumps(results["transformers"]), flush=True)
+    if not a.no_genai:
+        results["genai"] = genai_anchor(a)
+        print("onnxruntime-genai:", json.dumps(results["genai"]), flush=True)
+    print(f"decode tok/s at batch 1, {a.threads} threads, one run:", flush=True)
+    for line in comparison(results):
+        print("  " + line, flush=True)
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from builder.plan import DEFAULT_INT8_GROUP_SIZE, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES
+from builder.plan import DEFAULT_INT8_GROUP_SIZE, HEAD_CHOICES, HEAD_GROUP_SIZE, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES
 from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main
 
 PROG = "python -m builder"
@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--int4-grid", choices=["auto", *INT4_GRIDS], default="auto",
                    help="INT4 codes: sym (symmetric), asym-f (min/max grid with a float zero point, reproduces a "
                    "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")
-    b.add_argument("--quantize-head", action="store_true", help="also quantise an untied LM head")
+    b.add_argument("--head-weights", choices=list(HEAD_CHOICES),
+                   help="the embedding and LM head (one tensor when tied): fp16, or INT8 / INT4 symmetric per group "
+                   f"of {HEAD_GROUP_SIZE}; default int8 for --weights int8 and int4 (an INT4 head costs far more "
+                   "quality), fp16 for fp16; fp16 keeps the float head of a quantised build")
     b.add_argument("--matmul-accuracy", choices=["exact", "fast"],
                    help="portable graph's quantised matmuls: exact (float32 on the dequantised weights) or fast "
                    "(ONNX Runtime quantises activations to INT8 blocks); default exact, fast for int8")
@@ -91,7 +94,7 @@ def _build(args: argparse.Namespace) -> int:
                   max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
                   uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
-                  int4_grid=args.int4_grid, quantize_head=args.quantize_head, matmul_accuracy=args.matmul_accuracy,
+                  int4_grid=args.int4_grid, head_weights=args.head_weights, matmul_accuracy=args.matmul_accuracy,
                   awq_scales=args.awq_scales, max_top_k=args.max_top_k,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written

@@ -27,6 +27,8 @@ from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
+    HEAD_CHOICES,
+    HEAD_GROUP_SIZE,
     INT4_GRIDS,
     PER_CHANNEL,
     QUANTISED_KEYS,
@@ -38,7 +40,7 @@ from builder.plan import (
     quantised_names,
     require_fit,
     weight_bytes,
-    weight_config,
+    weight_configs,
 )
 from gsm import checkpoint
 from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows
@@ -85,20 +87,21 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           max_batch: int = 1, max_input: int | None = None, calibration: Path | None = None,
           overwrite: bool = False, logits: str = "last", debug_outputs: bool = False, trt_precision: str = "fp16",
           uncalibrated: str = "data-free", weights: str = "fp16", group_size: int | None = None,
-          int4_grid: str = "auto", quantize_head: bool = False, matmul_accuracy: str | None = None,
+          int4_grid: str = "auto", head_weights: str | None = None, matmul_accuracy: str | None = None,
           awq_scales: Path | None = None, max_top_k: int | None = None,
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
     weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: the group along
     K (INT4 default 128 or the detected grid's; INT8 default 32, plan.PER_CHANNEL = one per row);
-    int4_grid: auto | sym | asym-f (docs/weights.md);
+    int4_grid: auto | sym | asym-f (docs/weights.md); head_weights: fp16 | int8 | int4, the embedding and LM
+    head (None: plan.DEFAULT_HEAD of the --weights choice; symmetric at plan.HEAD_GROUP_SIZE);
     matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4); default
     fast for INT8 and INT4 (ONNX Runtime has no fast float32 INT8 kernel, and INT4 decodes 6-54 % faster
     with INT8 activations at +0.07 % perplexity on SmolLM2, docs/weights.md); awq_scales: a
     `python -m calibration.awq` file (symmetric INT4 only)."""
     t0 = time.perf_counter()
-    _check_weight_options(weights, group_size, int4_grid, matmul_accuracy)
+    _check_weight_options(weights, group_size, int4_grid, matmul_accuracy, head_weights)
     from jetson import DetectionError, UnknownDeviceError
 
     try:
@@ -131,17 +134,15 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         from builder.plan import PlanError
 
         grid, grid_note, group = resolve_int4_grid(tensors, cfg, weights, int4_grid, group_size)
-        if quantize_head and cfg.tie_word_embeddings:
-            say("--quantize-head: the LM head is tied to the embedding (read by a Gather), so it stays unquantised")
         try:
             plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
-                                  max_input=max_input, group_size=group, quantize_head=quantize_head, int4_grid=grid,
+                                  max_input=max_input, group_size=group, head_weights=head_weights, int4_grid=grid,
                                   max_top_k=max_top_k)
             require_fit(plan, cfg, ranks, quant)
         except PlanError as e:
             raise BuildError(str(e)) from None
         if matmul_accuracy is None:  # quantised weights decode faster with INT8 activations (docs/weights.md)
-            matmul_accuracy = "fast" if plan.weights in ("int8", "int4") else "exact"
+            matmul_accuracy = "fast" if {plan.weights, plan.head_weights} & {"int8", "int4"} else "exact"
         wreport = _weights_report(plan, cfg, ranks, weights, grid_note, matmul_accuracy)
         awq = None
         if awq_scales is not None:
@@ -156,15 +157,14 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         except CalibrationError as e:
             raise BuildError(str(e)) from None
         rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
-        wcfg = weight_config(plan.weights, plan.group_size, plan.int4_grid)
-        spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs,
-                       quantised=frozenset(quantised_names(cfg, plan.quantize_head)) if wcfg else frozenset(),
+        wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights)
+        spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),
                        nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy])
         ck_hash = checkpoint_hash(ckpt)
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
             info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
-                                weights=wcfg, input_scales=awq, max_top_k=plan.max_top_k,
+                                weights=wcfgs, input_scales=awq, max_top_k=plan.max_top_k,
                                 progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
                          checkpoint.TOKENIZER_CONFIG_FILE):
@@ -217,9 +217,12 @@ TRT_INT8_BLOCKED_NOTE = (
 GRID_GROUP = 32  # the block of llama.cpp's Q4_0/Q4_1 grids, what `--int4-grid auto` looks for by default
 
 
-def _check_weight_options(weights: str, group_size: int | None, int4_grid: str, matmul_accuracy: str | None) -> None:
+def _check_weight_options(weights: str, group_size: int | None, int4_grid: str, matmul_accuracy: str | None,
+                          head_weights: str | None) -> None:
     if weights not in WEIGHTS:
         raise BuildError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if head_weights is not None and head_weights not in HEAD_CHOICES:
+        raise BuildError(f"--head-weights must be one of {', '.join(HEAD_CHOICES)}, got {head_weights!r}")
     if int4_grid not in INT4_GRID_CHOICES:
         raise BuildError(f"--int4-grid must be one of {', '.join(INT4_GRID_CHOICES)}, got {int4_grid!r}")
     if matmul_accuracy is not None and matmul_accuracy not in MATMUL_ACCURACY:
@@ -267,7 +270,9 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
         "requested": requested, "format": plan.weights, "bytes": plan.weight_bytes, "fp16_bytes": fp16,
         "ratio_vs_fp16": plan.weight_bytes / fp16,
         "quantised": sorted(QUANTISED_KEYS) if plan.weights != "fp16" else [],
-        "quantize_head": plan.quantize_head and not cfg.tie_word_embeddings,
+        "head_weights": plan.head_weights,  # the embedding and LM head (one tensor when tied)
+        "head_group_size": None if plan.head_weights == "fp16" else HEAD_GROUP_SIZE,
+        "tied_head": bool(cfg.tie_word_embeddings),
     }
     if plan.weights == "int4":
         rep.update({"group_size": plan.group_size, "int4_grid": plan.int4_grid, "grid_note": grid_note})
@@ -275,7 +280,7 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
         rep["group_size"] = None if plan.group_size == PER_CHANNEL else plan.group_size  # None: per output channel
         if rep["group_size"] is not None:
             rep["tensorrt_note"] = TRT_INT8_BLOCKED_NOTE
-    if plan.weights != "fp16":
+    if plan.weights != "fp16" or plan.head_weights != "fp16":
         rep["matmul_accuracy"] = matmul_accuracy
     if requested == "auto":
         tried = WEIGHT_CHOICES[: WEIGHT_CHOICES.index(plan.weights)]
@@ -289,8 +294,8 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
 
 def _weights_record(rep: dict[str, Any]) -> dict[str, Any]:
     """The weight format as the bundle's manifest and bundle.json record it."""
-    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "quantize_head", "quantised", "matmul_accuracy",
-                                "awq") if k in rep}
+    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "head_weights", "head_group_size", "quantised",
+                                "matmul_accuracy", "awq") if k in rep}
 
 
 def load_awq_scales(path: Path, plan: MemoryPlan, tensors: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -317,7 +322,7 @@ def load_awq_scales(path: Path, plan: MemoryPlan, tensors: Any, cfg: Any) -> tup
     if meta.get("group_size") != str(plan.group_size):
         raise BuildError(f"--awq-scales {path}: searched for group {meta.get('group_size')}, this build quantises "
                          f"at --group-size {plan.group_size}")
-    want = quantised_names(cfg)  # the LM head (--quantize-head) has no AWQ scale: it stays plain RTN
+    want = quantised_names(cfg)  # the embedding / LM head have no AWQ scale (a gather reads the codes): plain RTN
     missing = sorted(want - set(scales))
     if missing:
         raise BuildError(f"--awq-scales {path}: no scale for {missing[0]} (and {len(missing) - 1} more); "

@@ -26,7 +26,7 @@ import numpy as np
 
 from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, silu_mul
 from builder.onnx_util import GraphBuilder
-from builder.qlinear import MS_DOMAIN, ProjectionStore, dq_nodes, nbits_nodes
+from builder.qlinear import MS_DOMAIN, ProjectionStore, dq_gather_nodes, dq_nodes, nbits_gather_nodes, nbits_nodes
 from gsm import names
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
@@ -100,6 +100,7 @@ class Network:
         if form not in ProjectionStore.FORMS:
             raise ValueError(f"form must be one of {ProjectionStore.FORMS}, got {form!r}")
         self.projections, self.form = projections, form
+        self._dq_done: set[str] = set()  # TensorRT form: weights whose DequantizeLinear is in the graph
 
     def proj(self, x2d: str, name: str, residual: str | None = None) -> str:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
@@ -109,11 +110,8 @@ class Network:
             return linear(self.g, x2d, self.w(name), residual)
         if residual is not None:
             return self.g.op("Add", [residual, self.proj(x2d, name)])
-        assert self.projections is not None
-        lay = self.projections.ensure(name, self.source, self.form)
-        for n in self.projections.init_names[(name, self.form)]:
-            self.g.weight(n)
-        prefix, out = ProjectionStore.prefix(name, self.form), self.g.fresh("qlinear")
+        lay, prefix = self._quantised(name)
+        out = self.g.fresh("qlinear")
         inv = self.projections.input_scale_name(name, self.form)
         if inv is not None:  # AWQ: the stored weight is W diag(s), so the input is x / s
             x2d = self.g.op("Mul", [x2d, inv])
@@ -121,7 +119,37 @@ class Network:
             self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy),
                              {MS_DOMAIN: 1})
         else:
-            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay), {"": lay.dq_opset})
+            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay, with_dq=self._first_dq(name)), {"": lay.dq_opset})
+        return out
+
+    def _quantised(self, name: str):
+        """(layout, initializer prefix) of quantised tensor `name` in this variant, stored on first use."""
+        assert self.projections is not None
+        lay = self.projections.ensure(name, self.source, self.form)
+        for n in self.projections.init_names[(name, self.form)]:
+            self.g.weight(n)
+        return lay, ProjectionStore.prefix(name, self.form)
+
+    def _first_dq(self, name: str) -> bool:
+        first = name not in self._dq_done
+        self._dq_done.add(name)
+        return first
+
+    def embed(self, ids: str) -> str:
+        """[B*S, H] rows of the embedding in the activation type: a Gather on the stored float32 tensor, or,
+        quantised, the dequantising gather of this variant over the very codes the tied LM head reads."""
+        if names.EMBED not in self.spec.quantised:
+            h = self.g.op("Gather", [self.w(names.EMBED, keep_f32=True), ids], axis=0)  # [B, S, H] f32
+            return self.g.op("Reshape", [h if self.act == F32 else cast(self.g, h, self.act),
+                                         self.g.const([-1, self.cfg.hidden_size], np.int64, "flat_h")])
+        lay, prefix = self._quantised(names.EMBED)
+        out = self.g.fresh("embed")
+        if self.form == "portable":  # float32 rows
+            self.g.add_nodes(nbits_gather_nodes(ids, out, prefix, lay), {MS_DOMAIN: 1})
+            return out if self.act == F32 else cast(self.g, out, self.act)
+        # rows in the DequantizeLinear's (the scales') dtype: the activation type
+        self.g.add_nodes(dq_gather_nodes(ids, out, prefix, lay, with_dq=self._first_dq(names.EMBED)),
+                         {"": lay.dq_opset})
         return out
 
     def w(self, name: str, *, keep_f32: bool = False) -> str:
@@ -213,7 +241,7 @@ class Network:
 
     def build(self) -> None:
         g, cfg, spec, ops = self.g, self.cfg, self.spec, self.ops
-        H, qd = cfg.hidden_size, cfg.q_dim
+        qd = cfg.q_dim
         ids = g.input("input_ids", I64, ["B", "S"])
         past = g.input("past_lengths", I32, ["B"])
         new = g.input("new_lengths", I32, ["B"])
@@ -233,8 +261,7 @@ class Network:
                 shapes[width] = g.op("Concat", [shape_bs, g.const([width], np.int64, f"w{width}")], axis=0)
             return g.op("Reshape", [x2d, shapes[width]], outputs=[name] if name else None)
 
-        h = g.op("Gather", [self.w(names.EMBED, keep_f32=True), ids], axis=0)  # [B, S, H] f32
-        h = g.op("Reshape", [h if self.act == F32 else cast(g, h, self.act), g.const([-1, H], np.int64, "flat_h")])
+        h = self.embed(ids)
         selected: dict[int, str] = {}
         masses: list[str] = []
         for i in range(cfg.num_hidden_layers):

@@ -53,9 +53,18 @@ PER_CHANNEL = 0  # group_size value meaning one group per output row (INT8 only)
 # INT4 grids: symmetric codes (TensorRT's native form), or asymmetric with a float zero point (min -> 0,
 # max -> 15: llama.cpp's Q4_1 grid, exact for Q4_1 sources at group 32; docs/weights.md)
 INT4_GRIDS = ("sym", "asym-f")
-# weight-only quantised projections (issue 11); GSM latent / indexer / projector weights, embeddings
-# and norms stay FP16 (small, and the latents' error budget is the KV tiers')
+# weight-only quantised projections; GSM latent / indexer / projector weights and norms stay FP16 (small,
+# and the latents' error budget is the KV tiers')
 QUANTISED_KEYS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# --head-weights: the embedding and the LM head (one tensor when tied), symmetric per group of HEAD_GROUP_SIZE
+# whatever the projections' group and grid: llama.cpp's Q8_0 block, and ONNX Runtime's GatherBlockQuantized
+# (the quantised embedding lookup) takes no float zero point
+HEAD_CHOICES = WEIGHT_CHOICES
+HEAD_GROUP_SIZE = 32
+# the --head-weights a --weights choice implies. INT4 keeps an INT8 head: on SmolLM2 (tied, 28 M of its 135 M
+# parameters) an INT4 head at group 32 cost +12.1 % held-out perplexity (+9.5 % at group 16), INT8 -0.02 %
+# against the FP16 head (docs/weights.md); the user's Q4_1 GGUF keeps its token embedding at Q8_0 likewise
+DEFAULT_HEAD = {"fp16": "fp16", "int8": "int8", "int4": "int8"}
 
 
 class PlanError(ValueError):
@@ -114,7 +123,7 @@ class MemoryPlan:
     decode_tokens_per_s_estimate: float
     weights: str = "fp16"  # WEIGHT_CHOICES: what weight_bytes counts
     group_size: int = DEFAULT_GROUP_SIZE  # group along K of the quantised projections (PER_CHANNEL: one per row)
-    quantize_head: bool = False
+    head_weights: str = "fp16"  # HEAD_CHOICES: the embedding and LM head
     int4_grid: str = "sym"  # INT4_GRIDS
     max_top_k: int = 0  # largest per-sequence selection budget the TensorRT graph takes (0: not given)
     cpu_kv_bytes: int = 0  # the onnxruntime backend's cache, all rows (cpu_cache_bytes; 0: a plan from before it)
@@ -170,34 +179,56 @@ def weight_config(weights: str, group_size: int | None = None, int4_grid: str = 
         raise PlanError(f"--group-size: {e}") from None
 
 
-def quantised_names(cfg: ModelConfig, quantize_head: bool = False) -> set[str]:
-    """Checkpoint tensors a quantised --weights choice replaces (the LM head only when untied and asked)."""
-    out = {names.layer_name(k, i) for k in QUANTISED_KEYS for i in range(cfg.num_hidden_layers)}
-    if quantize_head and not cfg.tie_word_embeddings:
-        out.add(names.LM_HEAD)
+def head_names(cfg: ModelConfig) -> set[str]:
+    """The embedding and the LM head (one tensor when tied)."""
+    return {names.EMBED} | (set() if cfg.tie_word_embeddings else {names.LM_HEAD})
+
+
+def head_config(head_weights: str) -> WeightQuantConfig | None:
+    """The quantisation --head-weights means: None for fp16, else symmetric at HEAD_GROUP_SIZE."""
+    if head_weights not in HEAD_CHOICES:
+        raise PlanError(f"--head-weights must be one of {', '.join(HEAD_CHOICES)}, got {head_weights!r}")
+    return None if head_weights == "fp16" else WeightQuantConfig(8 if head_weights == "int8" else 4, HEAD_GROUP_SIZE)
+
+
+def weight_configs(cfg: ModelConfig, weights: str = "fp16", group_size: int | None = None, int4_grid: str = "sym",
+                   head_weights: str | None = None) -> dict[str, WeightQuantConfig]:
+    """The quantisation of every tensor a --weights / --head-weights choice replaces, by checkpoint name
+    (head_weights None: DEFAULT_HEAD of the --weights choice). Empty: all FP16."""
+    wq = weight_config(weights, group_size, int4_grid)
+    hq = head_config(DEFAULT_HEAD[weights] if head_weights is None else head_weights)
+    out: dict[str, WeightQuantConfig] = {}
+    if wq is not None:
+        out.update(dict.fromkeys(quantised_names(cfg), wq))
+    if hq is not None:
+        out.update(dict.fromkeys(head_names(cfg), hq))
     return out
 
 
+def quantised_names(cfg: ModelConfig) -> set[str]:
+    """The projections a quantised --weights choice replaces (q, o, gate, up, down of every layer)."""
+    return {names.layer_name(k, i) for k in QUANTISED_KEYS for i in range(cfg.num_hidden_layers)}
+
+
 def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
-                 group_size: int | None = None, quantize_head: bool = False,
+                 group_size: int | None = None, head_weights: str | None = None,
                  int4_grid: str = "sym") -> dict[str, int]:
     """Device bytes of every spec-3 tensor the engine holds (tied head once) under a --weights choice."""
-    wq = weight_config(weights, group_size, int4_grid)
-    quantised = quantised_names(cfg, quantize_head)
+    configs = weight_configs(cfg, weights, group_size, int4_grid, head_weights)
     out = {}
     for name, shape in names.expected_shapes(cfg, ranks).items():
-        if wq is not None and name in quantised:
-            out[name] = quantized_bytes(shape[0], shape[1], wq)
+        if name in configs:
+            out[name] = quantized_bytes(shape[0], shape[1], configs[name])
         else:
             out[name] = math.prod(shape) * ENGINE_WEIGHT_BYTES
     return out
 
 
 def weight_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
-                 group_size: int | None = None, quantize_head: bool = False, int4_grid: str = "sym") -> int:
+                 group_size: int | None = None, head_weights: str | None = None, int4_grid: str = "sym") -> int:
     """Engine weight bytes under a --weights choice (fp16 = 2 bytes per parameter)."""
     return sum(tensor_bytes(cfg, ranks, weights=weights, group_size=group_size,
-                            quantize_head=quantize_head, int4_grid=int4_grid).values())
+                            head_weights=head_weights, int4_grid=int4_grid).values())
 
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig) -> float:
@@ -269,10 +300,11 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
               max_input: int | None = None, weights: str = "fp16", group_size: int | None = None,
-              quantize_head: bool = False, int4_grid: str = "sym", max_top_k: int | None = None) -> MemoryPlan:
+              head_weights: str | None = None, int4_grid: str = "sym", max_top_k: int | None = None) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
     callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
-    for auto). max_top_k: the TensorRT graph's largest per-sequence budget (None: the model's sparse_top_k)."""
+    for auto); head_weights None: DEFAULT_HEAD[weights]. max_top_k: the TensorRT graph's largest
+    per-sequence budget (None: the model's sparse_top_k)."""
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
     if max_seq > cfg.max_position_embeddings:
         raise PlanError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings "
@@ -288,7 +320,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
                         f"got {max_top_k}")
     params = param_count(cfg, ranks)
     group_size = default_group_size(weights) if group_size is None else group_size
-    tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, quantize_head=quantize_head,
+    head_weights = DEFAULT_HEAD[weights] if head_weights is None else head_weights
+    tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, head_weights=head_weights,
                            int4_grid=int4_grid)
     wbytes = sum(tensors.values())
 
@@ -310,7 +343,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         usable_bytes=profile.usable_bytes, kv_bytes_per_position=kv_bytes_per_position(cfg, ranks, quant),
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
-        weights=weights, group_size=group_size, quantize_head=quantize_head, int4_grid=int4_grid,
+        weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
         max_top_k=min(cfg.gsm.sparse_top_k, max_seq) if max_top_k is None else max_top_k,
         cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch))
 
@@ -393,5 +426,5 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
 
 
 def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
-    return {"weights": plan.weights, "group_size": plan.group_size, "quantize_head": plan.quantize_head,
+    return {"weights": plan.weights, "group_size": plan.group_size, "head_weights": plan.head_weights,
             "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k}

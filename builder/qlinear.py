@@ -20,6 +20,7 @@ bytes) so any graph writer can store them: inline, or streamed to external data.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,16 +165,74 @@ def dq_inits(prefix: str, q: QuantizedWeight, act_dtype: str = "float16") -> lis
     return inits
 
 
-def dq_nodes(x: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
+def dq_nodes(x: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = True) -> list[onnx.NodeProto]:
     """DequantizeLinear(W^T codes, scales) -> MatMul(x, .); with a float zero point also
     `+ MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N])`: w = s (u - 8) + s (8 - zp), the
-    second term constant per group, since TensorRT's DequantizeLinear takes no zero points."""
-    w, s, deq = prefix + ".qweight", prefix + ".scales", prefix + ".weight_dq"
-    attrs = {"axis": 0, "block_size": lay.block} if lay.blocked else {"axis": 1}
-    nodes = [helper.make_node("DequantizeLinear", [w, s], [deq], name=prefix + "/DequantizeLinear", **attrs)]
+    second term constant per group, since TensorRT's DequantizeLinear takes no zero points. with_dq False:
+    the DequantizeLinear is in the graph already (a tied embedding's gather made it)."""
+    deq = prefix + ".weight_dq"
+    nodes = [_dq_node(prefix, lay)] if with_dq else []
     main = prefix + ".main" if lay.offsets else out
     nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
     return nodes + (_offset_nodes(x, main, out, prefix, lay) if lay.offsets else [])
+
+
+def nbits_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
+    """Rows `ids` of a quantised [N, K] weight, dequantised to float32 [M, K] (M = ids' size), read from the
+    MatMulNBits initializers themselves (a tied embedding and LM head share one copy): ONNX Runtime's
+    GatherBlockQuantized over the codes viewed as [N, n_blocks, blob] (one block per blob along the last
+    axis) with the scales as [N, n_blocks, 1]. Symmetric codes only: the op takes uint8 zero points that
+    must match the data's packing, and no float zero point."""
+    if lay.zero_points or lay.offsets:
+        raise WeightQuantError(f"{prefix}: a quantised gather needs symmetric codes")
+    nb = -(-lay.k // lay.block)
+    shape3, scales3, flat, rows, deq = (prefix + t for t in (".scale_shape", ".scales3", ".flat_ids", ".rows_shape",
+                                                             ".gathered"))
+    nodes = [
+        _const_i64(shape3, [lay.n, nb, 1]),
+        helper.make_node("Reshape", [prefix + ".scales", shape3], [scales3], name=prefix + "/scales3"),
+        _const_i64(prefix + ".ids_shape", [-1]),
+        helper.make_node("Reshape", [ids, prefix + ".ids_shape"], [flat], name=prefix + "/flat_ids"),
+        helper.make_node("GatherBlockQuantized", [prefix + ".qweight", flat, scales3], [deq],
+                         name=prefix + "/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0, quantize_axis=2,
+                         block_size=lay.block, bits=lay.bits),  # [M, n_blocks, block]
+        _const_i64(rows, [-1, nb * lay.block]),
+    ]
+    if nb * lay.block == lay.k:
+        return nodes + [helper.make_node("Reshape", [deq, rows], [out], name=prefix + "/rows")]
+    padded = prefix + ".padded_rows"
+    return nodes + [helper.make_node("Reshape", [deq, rows], [padded], name=prefix + "/rows"),
+                    _const_i64(prefix + ".k0", [0]), _const_i64(prefix + ".k1", [lay.k]),
+                    _const_i64(prefix + ".ax1", [1]),
+                    helper.make_node("Slice", [padded, prefix + ".k0", prefix + ".k1", prefix + ".ax1"], [out],
+                                     name=prefix + "/unpad")]
+
+
+def dq_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = True) -> list[onnx.NodeProto]:
+    """TensorRT form of nbits_gather_nodes: Gather(DequantizeLinear(W^T codes), ids, axis=1) -> [K, M] ->
+    Transpose -> [M, K] in the scales' dtype, over the same DequantizeLinear output the LM head's MatMul
+    reads (with_dq False: that node is in the graph already)."""
+    if lay.offsets:
+        raise WeightQuantError(f"{prefix}: a quantised gather needs symmetric codes")
+    nodes = [_dq_node(prefix, lay)] if with_dq else []
+    flat, cols = prefix + ".flat_ids", prefix + ".gathered_t"
+    return nodes + [
+        _const_i64(prefix + ".ids_shape", [-1]),
+        helper.make_node("Reshape", [ids, prefix + ".ids_shape"], [flat], name=prefix + "/flat_ids"),
+        helper.make_node("Gather", [prefix + ".weight_dq", flat], [cols], name=prefix + "/Gather", axis=1),
+        helper.make_node("Transpose", [cols], [out], name=prefix + "/rows", perm=[1, 0]),
+    ]
+
+
+def _dq_node(prefix: str, lay: QLayout) -> onnx.NodeProto:
+    attrs = {"axis": 0, "block_size": lay.block} if lay.blocked else {"axis": 1}
+    return helper.make_node("DequantizeLinear", [prefix + ".qweight", prefix + ".scales"], [prefix + ".weight_dq"],
+                            name=prefix + "/DequantizeLinear", **attrs)
+
+
+def _const_i64(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(name, TensorProto.INT64,
+                                                                                          [len(values)], values))
 
 
 def _offset_nodes(x: str, main: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
@@ -235,7 +294,8 @@ class ProjectionStore:
     The first graph that uses a projection reads its checkpoint tensor a block of rows at a time
     (`quantize_chunks`: only the uint8 codes are held whole, 1 byte per weight), writes the
     MatMulNBits initializers (`<name>.nbits.*`) and the TensorRT ones (`<name>.dq.*`), and drops
-    everything; the other graph finds them stored and only emits its nodes.
+    everything; the other graph finds them stored and only emits its nodes. `configs` holds each
+    quantised tensor's config by checkpoint name (the embedding / LM head have their own).
 
     Grouped INT8 is the exception: TensorRT documents blocked dequantisation for INT4 only, so the
     TensorRT form of a grouped INT8 config is per output channel (`trt_config`), quantised in a second
@@ -244,12 +304,11 @@ class ProjectionStore:
 
     FORMS = ("portable", "tensorrt")
 
-    def __init__(self, store, cfg, *, trt_act_dtype: str = "float16",
+    def __init__(self, store, configs: Mapping[str, WeightQuantConfig], *, trt_act_dtype: str = "float16",
                  input_scales: dict[str, np.ndarray] | None = None) -> None:
         """input_scales: AWQ scale s [K] per weight name: W diag(s) is quantised and x / s fed to it."""
-        self.store, self.cfg, self.trt_act_dtype = store, cfg, trt_act_dtype
+        self.store, self.configs, self.trt_act_dtype = store, dict(configs), trt_act_dtype
         self.input_scales = input_scales or {}
-        self.trt_cfg = trt_config(cfg)
         self.layouts: dict[tuple[str, str], QLayout] = {}
         self.init_names: dict[tuple[str, str], list[str]] = {}
 
@@ -261,8 +320,9 @@ class ProjectionStore:
     def prefix(name: str, form: str) -> str:
         return name + (".nbits" if form == "portable" else ".dq")
 
-    def config(self, form: str) -> WeightQuantConfig:
-        return self.cfg if form == "portable" else self.trt_cfg
+    def config(self, name: str, form: str) -> WeightQuantConfig:
+        cfg = self.configs[name]
+        return cfg if form == "portable" else trt_config(cfg)
 
     def ensure(self, name: str, source, form: str) -> QLayout:
         """Quantise and store `name` (from a TensorSource) for `form` unless done (for both forms at once
@@ -271,13 +331,13 @@ class ProjectionStore:
             return self.layouts[(name, form)]
         from builder.wquant import quantize_chunks
 
-        forms = [f for f in self.FORMS if self.config(f) == self.config(form)]
+        forms = [f for f in self.FORMS if self.config(name, f) == self.config(name, form)]
         shape = tuple(source.shape(name))
         chunks = source.chunks(name)
         s = self.input_scales.get(name)
         if s is not None:
             chunks = _scale_columns(chunks, np.asarray(s, np.float32), shape[1])
-        q = quantize_chunks(shape, chunks, self.config(form), name=name)
+        q = quantize_chunks(shape, chunks, self.config(name, form), name=name)
         self.store.note_held(q.codes.nbytes)
         makers = {"portable": lambda p: nbits_inits(p, q), "tensorrt": lambda p: dq_inits(p, q, self.trt_act_dtype)}
         for f in forms:

@@ -35,13 +35,16 @@ def tiny(tmp_path_factory):
     return retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "tiny-retier")
 
 
-def golden_with(ckpt, wcfg: WeightQuantConfig | None, quantize_head: bool = False) -> GoldenModel:
-    """The golden model in deployed mode on the checkpoint's weights, projections dequantised."""
+def golden_with(ckpt, wcfg: WeightQuantConfig | None, head: WeightQuantConfig | None = None) -> GoldenModel:
+    """The golden model in deployed mode on the checkpoint's weights, projections dequantised (wcfg) and the
+    embedding and LM head too (head; a tied model's one tensor serves as both)."""
     cfg = checkpoint.load_config(ckpt)
     sd = dict(checkpoint.load_state_dict(ckpt))
-    if wcfg is not None:
-        for name in quantised_names(cfg, quantize_head):
-            sd[name] = dequantize(quantize(np.asarray(sd[name], np.float32), wcfg))
+    todo = [(n, wcfg) for n in quantised_names(cfg)] + [
+        (n, head) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in sd]
+    for name, c in todo:
+        if c is not None:
+            sd[name] = dequantize(quantize(np.asarray(sd[name], np.float32), c))
     calib_t = checkpoint.load_kv_calibration(ckpt)
     calib = KVCalibration.from_tensors(cfg, calib_t) if calib_t is not None else None
     return GoldenModel(GoldenWeights.from_tensors(cfg, sd), mode="deployed", quant=checkpoint.load_quant(ckpt),
@@ -86,8 +89,9 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     int8_group = {None: DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL: None}.get(group, group)
     wcfg = (WeightQuantConfig(8, int8_group) if weights == "int8" else
             WeightQuantConfig(4, group, symmetric=grid == "sym", float_zero_point=grid == "asym-f"))
+    head = WeightQuantConfig(8, 32)  # embedding and untied head: INT8 symmetric at group 32 for INT8 and INT4
     prompt = np.random.default_rng(1).integers(3, 259, PROMPT_LEN).tolist()
-    worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg), prompt)
+    worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg, head), prompt)
     assert gt == rt, f"greedy tokens diverge: {gt} vs {rt}"
     assert worst <= 1, worst
     # and the quantisation is real: the fp32 golden's logits differ by far more than the tolerance
@@ -108,30 +112,76 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
 
     portable = onnx.load(bundle / "model.portable.onnx", load_external_data=False)
     ops = [n.op_type for n in portable.graph.node]
-    assert ops.count("MatMulNBits") == 5 * 4 and "Gemm" in ops  # 4 layers x 5 projections; GSM side stays Gemm
+    # 4 layers x 5 projections + the (untied) LM head; the embedding a quantised gather; GSM side stays Gemm
+    assert ops.count("MatMulNBits") == 5 * 4 + 1 and ops.count("GatherBlockQuantized") == 1 and "Gemm" in ops
+    assert "Gather" not in ops[:3]
     trt = onnx.load(bundle / "model.onnx", load_external_data=False)
     dqs = [n for n in trt.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dqs) == 5 * 4
+    assert len(dqs) == 5 * 4 + 2
     blocks = {a.i for n in dqs for a in n.attribute if a.name == "block_size"}
-    assert blocks == (set() if weights == "int8" else {wcfg.group_size})
+    assert blocks == (set() if weights == "int8" else {wcfg.group_size})  # INT8 head: per channel in TensorRT
 
 
-def test_quantize_head(tiny, tmp_path):
-    """--quantize-head on the (untied) tiny model: the LM head is a sixth MatMulNBits and the golden with
-    the dequantised head agrees."""
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """The synthetic `small` model: its LM head is the embedding (tie_word_embeddings)."""
+    return synth_checkpoint("small", tmp_path_factory.mktemp("tied") / "small", seed=3)
+
+
+@pytest.mark.parametrize("head_bits", [8, 4])
+def test_tied_head_quantised_once(tied, tmp_path, head_bits):
+    """--head-weights int8/int4 on a tied model: one quantised tensor read by both the embedding lookup
+    (GatherBlockQuantized) and the head (MatMulNBits) of the portable graph, by one DequantizeLinear feeding a
+    Gather and the head's MatMul in the TensorRT graph; the bundle equals the golden whose embedding (= head)
+    is dequantised, and the plan counts the tensor once at its quantised size."""
     import onnx
 
-    r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              quantize_head=True, matmul_accuracy="exact")  # float32 activations: what the golden computes
-    assert r.report["weights"]["quantize_head"] is True
-    no_head = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "n", max_seq=N_MAX, weights="int4",
-                    group_size=32)
-    assert r.plan.weight_bytes < no_head.plan.weight_bytes
-    ops = [n.op_type for n in onnx.load(tmp_path / "b" / "model.portable.onnx", load_external_data=False).graph.node]
-    assert ops.count("MatMulNBits") == 5 * 4 + 1
-    prompt = np.random.default_rng(6).integers(3, 259, PROMPT_LEN).tolist()
-    worst, gt, rt = run_both(tmp_path / "b", golden_with(tiny, WeightQuantConfig(4, 32), quantize_head=True), prompt)
+    head = f"int{head_bits}"
+    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+              head_weights=head, matmul_accuracy="exact")
+    float_head = build(device="orin", checkpoint_dir=tied, output=tmp_path / "f", max_seq=N_MAX, weights="int4",
+                       group_size=32, head_weights="fp16")
+    cfg = checkpoint.load_config(tied)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    saved = 2 * V * H - (V * H * head_bits // 8 + V * (H // 32) * 2)  # FP16 tensor -> codes + FP16 scales per 32
+    assert float_head.plan.weight_bytes - r.plan.weight_bytes == saved
+    assert (r.report["weights"]["head_weights"], r.report["weights"]["tied_head"]) == (head, True)
+    assert float_head.report["weights"]["head_weights"] == "fp16"
+    portable = onnx.load(tmp_path / "b" / "model.portable.onnx", load_external_data=False).graph
+    gbq = [n for n in portable.node if n.op_type == "GatherBlockQuantized"]
+    heads = [n for n in portable.node if n.op_type == "MatMulNBits" and n.input[1].startswith("model.embed_tokens")]
+    assert len(gbq) == 1 and len(heads) == 1 and gbq[0].input[0] == heads[0].input[1]
+    assert not [n for n in portable.node if n.op_type == "Gather" and n.input[0] == "model.embed_tokens.weight"]
+    trt = onnx.load(tmp_path / "b" / "model.onnx", load_external_data=False).graph
+    dq = [n for n in trt.node if n.op_type == "DequantizeLinear" and n.input[0].startswith("model.embed_tokens")]
+    readers = {n.op_type for n in trt.node if dq and dq[0].output[0] in n.input}
+    assert len(dq) == 1 and readers == {"Gather", "MatMul"}
+    float_ops = [n for n in onnx.load(tmp_path / "f" / "model.portable.onnx", load_external_data=False).graph.node]
+    assert not [n for n in float_ops if n.op_type == "GatherBlockQuantized"]
+    prompt = np.random.default_rng(6).integers(3, 1000, PROMPT_LEN).tolist()
+    golden = golden_with(tied, WeightQuantConfig(4, 32), WeightQuantConfig(head_bits, 32))
+    worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
+    worst_float, _, _ = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32)), prompt[:8])
+    assert worst_float > 10  # the head's quantisation is real
+
+
+def test_tied_head_trt_form_on_the_reference_backend(tied, tmp_path):
+    """model.onnx's quantised embedding (Gather over the head's DequantizeLinear), float32 activations, through
+    the onnx reference evaluator and the plugins' CPU reference: equals the portable bundle (INT4 is blocked in
+    both forms, so the weights are the same)."""
+    import runtime
+    from runtime.ref_backend import reference_usable
+
+    ok, why = reference_usable()
+    if not ok:
+        pytest.skip(why)
+    build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+          head_weights="int4", trt_precision="fp32", matmul_accuracy="exact")
+    prompt = np.random.default_rng(2).integers(3, 1000, 12).tolist()
+    a = runtime.load(tmp_path / "b", backend="onnxruntime", threads=1).new_sequence().prefill(prompt)
+    b = runtime.load(tmp_path / "b", backend="reference", threads=1).new_sequence().prefill(prompt)
+    assert np.abs(a - b).max() <= 1e-3 and int(np.argmax(a)) == int(np.argmax(b))
 
 
 @pytest.mark.parametrize("weights,group,grid", [("int4", 32, "asym-f"), ("int8", 32, "auto")])
@@ -147,8 +197,10 @@ def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path, weights, group, 
     if not ok:
         pytest.skip(why)
     bundle = tmp_path / "b"
+    # INT4: an INT4 embedding and head as well, blocked in both forms like the projections (an INT8 one is per
+    # channel in the TensorRT form)
     build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
-          int4_grid=grid, trt_precision="fp32", matmul_accuracy="exact")
+          int4_grid=grid, trt_precision="fp32", matmul_accuracy="exact", head_weights=weights)
     prompt = np.random.default_rng(2).integers(3, 259, 12).tolist()
     a = runtime.load(bundle, backend="onnxruntime", threads=1).new_sequence().prefill(prompt)
     b = runtime.load(bundle, backend="reference", threads=1).new_sequence().prefill(prompt)
@@ -156,7 +208,8 @@ def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path, weights, group, 
         assert np.abs(a - b).max() <= 1e-3 and int(np.argmax(a)) == int(np.argmax(b))
         return
     for logits, cfg in ((a, WeightQuantConfig(8, group)), (b, WeightQuantConfig(8, None))):
-        golden = golden_with(tiny, cfg)
+        # the head at group 32 portable, per channel in the TensorRT form (like every grouped INT8 weight)
+        golden = golden_with(tiny, cfg, WeightQuantConfig(8, 32 if cfg.group_size else None))
         with torch.no_grad():
             g = golden.prefill(golden.new_cache(), prompt).logits[-1].numpy()
         assert np.abs(logits - g).max() <= tolerance(g)
@@ -210,7 +263,7 @@ def test_streamed_build_bound(tiny, tmp_path):
 
     qt = quant_tables(cfg, ranks, tensors, tiny, None).tables
     info = write_graphs(tmp_path / "g", spec, CheckpointSource(tensors, chunk_bytes=4096), qt,
-                        pool_rows(64, 16, cfg, quant), weights=WeightQuantConfig(4, 32))
+                        pool_rows(64, 16, cfg, quant), weights=dict.fromkeys(names, WeightQuantConfig(4, 32)))
     shapes = [tensors.shape(n) for n in names]
     codes = max(n * -(-k // 32) * 32 for n, k in shapes)  # one byte per weight, K padded to the group
     assert info.largest_tensor_bytes <= max(4096, codes)
@@ -263,6 +316,7 @@ def test_refusal_names_the_weights_that_fit_and_auto_picks_it(tiny, tmp_path, mo
     (["--weights", "int4", "--group-size", "100"], "--group-size must be a power of two"),
     (["--weights", "int4", "--group-size", "8"], "--group-size"),
     (["--int4-grid", "asym"], "invalid choice: 'asym'"),
+    (["--head-weights", "int2"], "invalid choice: 'int2'"),
     (["--weights", "int4", "--group-size", "channel"], "--group-size channel (one group per output row) is for "
      "--weights int8 only"),
     (["--weights", "int8", "--group-size", "chan"], "--group-size"),
@@ -336,7 +390,7 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     """`--weights int4` detects the Q4_1 grid (asym-f, group 32) and loses nothing: the bundle matches the
     golden on the checkpoint's own weights; symmetric INT4 does not."""
     r = build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
-              matmul_accuracy="exact")  # float32 activations, as the golden: the weights alone are compared
+              head_weights="fp16", matmul_accuracy="exact")  # float32 activations, as the golden: weights compared
     w = r.report["weights"]
     assert (w["int4_grid"], w["group_size"]) == ("asym-f", 32) and "Q4_1" in w["grid_note"]
     prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
@@ -344,7 +398,7 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
     build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "s", max_seq=N_MAX, weights="int4",
-          int4_grid="sym", matmul_accuracy="exact")
+          int4_grid="sym", head_weights="fp16", matmul_accuracy="exact")
     worst_sym, _, _ = run_both(tmp_path / "s", golden, prompt[:8])
     assert worst_sym > 10
 
@@ -365,7 +419,7 @@ def test_awq_scales_bundle_matches_golden(tiny, tmp_path):
     scales = {n: rng.uniform(0.25, 4.0, np.asarray(sd[n]).shape[1]) for n in quantised_names(cfg)}
     f = _awq_file(tmp_path / "awq.safetensors", scales, 32)
     r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              int4_grid="sym", awq_scales=f, matmul_accuracy="exact")
+              int4_grid="sym", awq_scales=f, head_weights="fp16", matmul_accuracy="exact")
     assert r.report["weights"]["awq"]["projections"] == 20
     wcfg = WeightQuantConfig(4, 32)
     for n, s in scales.items():

@@ -273,13 +273,18 @@ def _llama3_8b():
     return cfg, {i: (r, r) for i in cfg.owning_layers}
 
 
-def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128) -> int:
-    """By hand: projections q, o, gate, up, down quantised, every other parameter FP16 (group None: one
-    FP16 scale per row)."""
+def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, head: int | None | str = "same") -> int:
+    """By hand: projections q, o, gate, up, down quantised, the embedding and LM head at `head` bits
+    (symmetric, one FP16 scale per 32; "same": `bits`), every other parameter FP16 (group None: one FP16
+    scale per row)."""
     H, I, L, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.q_dim, cfg.kv_dim
     g = cfg.gsm
     proj = [(qd, H), (H, qd), (I, H), (I, H), (H, I)]  # [N, K] of q, o, gate, up, down
-    other = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H + L * 2 * H
+    head = (None if bits is None else 8) if head == "same" else head
+    n_head = 1 if cfg.tie_word_embeddings else 2
+    V = cfg.vocab_size
+    head_bytes = n_head * (V * H * 2 if head is None else V * H * head // 8 + V * math.ceil(H / 32) * 2)
+    other = H + L * 2 * H
     for i in range(L):
         if cfg.is_owning(i):
             rk, rv = ranks[i]
@@ -294,7 +299,7 @@ def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128) ->
         q = sum(n * k + n * (1 if group is None else math.ceil(k / group)) * 2 for n, k in proj)
     else:
         q = sum(n * k // 2 + n * math.ceil(k / group) * 2 for n, k in proj)
-    return other * 2 + L * q
+    return other * 2 + L * q + head_bytes
 
 
 @pytest.mark.parametrize("which", ["1b", "8b"])
@@ -315,9 +320,15 @@ def test_weight_bytes_by_hand(which):
     assert weight_bytes(cfg, ranks, weights="int8") == _hand_weight_bytes(cfg, ranks, 8, DEFAULT_INT8_GROUP_SIZE)
     assert weight_bytes(cfg, ranks, weights="int4") == _hand_weight_bytes(cfg, ranks, 4)
     assert weight_bytes(cfg, ranks, weights="int4", group_size=32) == _hand_weight_bytes(cfg, ranks, 4, 32)
-    if which == "8b":  # about 14.7 GiB at FP16, 5.4 GiB at INT4 with the FP16 embedding and head
+    for head in (None, 8, 4):
+        hw = {None: "fp16", 8: "int8", 4: "int4"}[head]
+        assert weight_bytes(cfg, ranks, weights="int4", head_weights=hw) == _hand_weight_bytes(cfg, ranks, 4, head=head)
+    assert weight_bytes(cfg, ranks, head_weights="int8") == _hand_weight_bytes(cfg, ranks, None, head=8)
+    if which == "8b":  # about 14.7 GiB at FP16; at INT4 5.4 GiB with the FP16 embedding and head, 4.5 INT8, 4.0 INT4
         assert 14.5 < fp16 / 2**30 < 14.9
-        assert 5.2 < weight_bytes(cfg, ranks, weights="int4") / 2**30 < 5.6
+        assert 5.2 < weight_bytes(cfg, ranks, weights="int4", head_weights="fp16") / 2**30 < 5.6
+        assert 4.4 < weight_bytes(cfg, ranks, weights="int4") / 2**30 < 4.6
+        assert 3.9 < weight_bytes(cfg, ranks, weights="int4", head_weights="int4") / 2**30 < 4.1
 
 
 def test_8b_plan_on_orin_nano_and_agx():
@@ -341,8 +352,13 @@ def test_8b_plan_on_orin_nano_and_agx():
     p16 = make_plan(cfg, ranks, q, agx, max_seq=4096)
     p4 = make_plan(cfg, ranks, q, agx, max_seq=4096, weights="int4")
     assert p4.decode_tokens_per_s_estimate > 2.5 * p16.decode_tokens_per_s_estimate
-    assert p16.decode_bytes_per_token - p4.decode_bytes_per_token == pytest.approx(
-        p16.weight_bytes - p4.weight_bytes, rel=1e-9)  # embedding (one row read) is FP16 in both
+    p4f = make_plan(cfg, ranks, q, agx, max_seq=4096, weights="int4", head_weights="fp16")
+    assert p16.decode_bytes_per_token - p4f.decode_bytes_per_token == pytest.approx(
+        p16.weight_bytes - p4f.weight_bytes, rel=1e-9)  # embedding (one row read) is FP16 in both
+    # an untied embedding is read one row per step, so quantising it saves memory, not decode bytes
+    embed16, embed8 = 2 * cfg.vocab_size * cfg.hidden_size, cfg.vocab_size * cfg.hidden_size * (1 + 2 / 32)
+    assert p4f.decode_bytes_per_token - p4.decode_bytes_per_token == pytest.approx(
+        p4f.weight_bytes - p4.weight_bytes - (embed16 - embed8), rel=1e-9)
     # a model too big for any precision: auto returns the INT4 plan, which require_fit refuses
     huge = cfg.replace(num_hidden_layers=32, intermediate_size=14336 * 4)
     p = choose_weights(huge, ranks, q, nano, max_seq=4096)
