@@ -157,7 +157,8 @@ def test_tensorrt_fp16_graph_keeps_q_in_fp16_and_gsm_side_in_fp32(tiny):
 
 
 def test_quantised_projections_stay_separate(tiny, tmp_path):
-    """INT8 q/o/gate/up/down: MatMulNBits each; only the float32 GSM-side projections are fused."""
+    """INT8 q/o/gate/up/down (and the untied LM head): MatMulNBits each; only the float32 GSM-side
+    projections are fused."""
     ck, _ = tiny
     cfg = checkpoint.load_config(ck)
     out = tmp_path / "int8"
@@ -165,7 +166,8 @@ def test_quantised_projections_stay_separate(tiny, tmp_path):
     m = optimised(out / "model.portable.onnx", tmp_path)
     nbits = collections.Counter(n.input[1] for n in m.graph.node if n.op_type == "MatMulNBits")
     assert set(nbits) == {names.layer_name(k, i) + ".nbits.qweight" for i in range(cfg.num_hidden_layers)
-                          for k in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+                          for k in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")} | {
+        names.LM_HEAD + ".nbits.qweight"}
     assert set(nbits.values()) == {1}
     assert per_layer(m, "Gemm") == {i: 1 for i in cfg.owning_layers}
     assert per_layer(m, "Add") == dict.fromkeys(range(cfg.num_hidden_layers), 2)  # the residuals
