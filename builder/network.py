@@ -26,7 +26,15 @@ import numpy as np
 
 from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, silu_mul
 from builder.onnx_util import GraphBuilder
-from builder.qlinear import MS_DOMAIN, ProjectionStore, dq_gather_nodes, dq_nodes, nbits_gather_nodes, nbits_nodes
+from builder.qlinear import (
+    MS_DOMAIN,
+    ProjectionStore,
+    dq_gather_nodes,
+    dq_nodes,
+    group_indicator,
+    nbits_gather_nodes,
+    nbits_nodes,
+)
 from gsm import names
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
@@ -101,6 +109,7 @@ class Network:
             raise ValueError(f"form must be one of {ProjectionStore.FORMS}, got {form!r}")
         self.projections, self.form = projections, form
         self._dq_done: set[str] = set()  # TensorRT form: weights whose DequantizeLinear is in the graph
+        self._group_sums: dict[tuple[str, int, int], str] = {}  # (input, K, block) -> its group sums
 
     def proj(self, x2d: str, name: str, residual: str | None = None) -> str:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
@@ -115,12 +124,24 @@ class Network:
         inv = self.projections.input_scale_name(name, self.form)
         if inv is not None:  # AWQ: the stored weight is W diag(s), so the input is x / s
             x2d = self.g.op("Mul", [x2d, inv])
+        sums = self.group_sums(x2d, lay.k, lay.block) if lay.offsets else None
         if self.form == "portable":
-            self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy),
-                             {MS_DOMAIN: 1})
+            self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy,
+                                         group_sums=sums), {MS_DOMAIN: 1})
         else:
-            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay, with_dq=self._first_dq(name)), {"": lay.dq_opset})
+            self.g.add_nodes(dq_nodes(x2d, out, prefix, lay, with_dq=self._first_dq(name), group_sums=sums),
+                             {"": lay.dq_opset})
         return out
+
+    def group_sums(self, x2d: str, k: int, block: int) -> str:
+        """x [M, K] @ group_indicator: the sums a float-zero-point weight's offset term multiplies, made once
+        per input (gate and up share theirs)."""
+        key = (x2d, k, block)
+        if key not in self._group_sums:
+            dt = np.float32 if self.act == F32 else np.float16
+            self._group_sums[key] = self.g.op("MatMul", [x2d, self.g.const(group_indicator(k, block, dt), dt,
+                                                                            f"groups_{k}_{block}")])
+        return self._group_sums[key]
 
     def _quantised(self, name: str):
         """(layout, initializer prefix) of quantised tensor `name` in this variant, stored on first use."""

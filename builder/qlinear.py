@@ -113,7 +113,9 @@ def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
     return inits
 
 
-def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0) -> list[onnx.NodeProto]:
+def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0,
+                group_sums: str | None = None) -> list[onnx.NodeProto]:
+    """MatMulNBits (+ the float zero point's offset term, over `group_sums` of x when given: see _offset_nodes)."""
     names = [prefix + ".qweight", prefix + ".scales"] + ([prefix + ".zero_points"] if lay.zero_points else [])
     attrs = {"K": lay.k, "N": lay.n, "bits": lay.bits, "block_size": lay.block}
     if accuracy_level:
@@ -121,7 +123,7 @@ def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: 
     main = prefix + ".main" if lay.offsets else out
     nodes = [helper.make_node("MatMulNBits", [x, *names], [main], name=prefix + "/MatMulNBits", domain=MS_DOMAIN,
                               **attrs)]
-    return nodes + (_offset_nodes(x, main, out, prefix, lay) if lay.offsets else [])
+    return nodes + (_offset_nodes(x, main, out, prefix, lay, group_sums) if lay.offsets else [])
 
 
 def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_scale: np.ndarray | None = None,
@@ -165,7 +167,8 @@ def dq_inits(prefix: str, q: QuantizedWeight, act_dtype: str = "float16") -> lis
     return inits
 
 
-def dq_nodes(x: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = True) -> list[onnx.NodeProto]:
+def dq_nodes(x: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = True,
+             group_sums: str | None = None) -> list[onnx.NodeProto]:
     """DequantizeLinear(W^T codes, scales) -> MatMul(x, .); with a float zero point also
     `+ MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N])`: w = s (u - 8) + s (8 - zp), the
     second term constant per group, since TensorRT's DequantizeLinear takes no zero points. with_dq False:
@@ -174,7 +177,7 @@ def dq_nodes(x: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = Tru
     nodes = [_dq_node(prefix, lay)] if with_dq else []
     main = prefix + ".main" if lay.offsets else out
     nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
-    return nodes + (_offset_nodes(x, main, out, prefix, lay) if lay.offsets else [])
+    return nodes + (_offset_nodes(x, main, out, prefix, lay, group_sums) if lay.offsets else [])
 
 
 def nbits_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
@@ -235,30 +238,42 @@ def _const_i64(name: str, values: list[int]) -> onnx.NodeProto:
                                                                                           [len(values)], values))
 
 
-def _offset_nodes(x: str, main: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
-    """out = main + MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N]): the float zero point's
-    per-group constant `scale (2^(bits-1) - zp)` times the sum of the inputs it multiplies."""
-    shape, xg, xs, corr = (prefix + t for t in (".group_shape", ".x_groups", ".x_group_sums", ".corr"))
-    axes = prefix + ".group_axis"
-    nb = -(-lay.k // lay.block)
+def group_indicator(k: int, block: int, dtype=np.float32) -> np.ndarray:
+    """E [K, n_blocks], E[k, g] = 1 where input k is in group g: x @ E are x's group sums (a last short group
+    sums its real columns only)."""
+    nb = -(-k // block)
+    e = np.zeros((k, nb), dtype)
+    e[np.arange(k), np.arange(k) // block] = 1
+    return e
+
+
+def _offset_nodes(x: str, main: str, out: str, prefix: str, lay: QLayout,
+                  group_sums: str | None = None) -> list[onnx.NodeProto]:
+    """out = Gemm(group sums of x [M, n_blocks], offsets [n_blocks, N], C = main): the float zero point's
+    per-group constant `scale (2^(bits-1) - zp)` times the sum of the inputs it multiplies. `group_sums`:
+    x @ group_indicator(K, block), made once by the caller for every projection that reads the same x (one
+    node instead of a Reshape + ReduceSum per projection); None: made here."""
     nodes = []
-    if lay.k % lay.block:  # the last group is short: pad x with zeros so its sum covers the real columns only
-        pads, xp = prefix + ".group_pads", prefix + ".x_padded"
-        nodes += [helper.make_node("Constant", [], [pads], name=prefix + "/group_pads",
-                                   value=helper.make_tensor(pads, TensorProto.INT64, [4],
-                                                            [0, 0, 0, nb * lay.block - lay.k])),
-                  helper.make_node("Pad", [x, pads], [xp], name=prefix + "/Pad")]
-        x = xp
-    nodes += [
-        helper.make_node("Constant", [], [shape], name=prefix + "/group_shape",
-                         value=helper.make_tensor(shape, TensorProto.INT64, [3], [-1, nb, lay.block])),
-        helper.make_node("Constant", [], [axes], name=prefix + "/group_axis",
-                         value=helper.make_tensor(axes, TensorProto.INT64, [1], [2])),
-        helper.make_node("Reshape", [x, shape], [xg], name=prefix + "/Reshape"),
-        helper.make_node("ReduceSum", [xg, axes], [xs], name=prefix + "/ReduceSum", keepdims=0),
-        helper.make_node("MatMul", [xs, prefix + ".offsets"], [corr], name=prefix + "/offset_MatMul"),
-        helper.make_node("Add", [main, corr], [out], name=prefix + "/Add"),
-    ]
+    if group_sums is None:
+        shape, xg, group_sums = (prefix + t for t in (".group_shape", ".x_groups", ".x_group_sums"))
+        axes = prefix + ".group_axis"
+        nb = -(-lay.k // lay.block)
+        if lay.k % lay.block:  # the last group is short: pad x with zeros so its sum covers the real columns only
+            pads, xp = prefix + ".group_pads", prefix + ".x_padded"
+            nodes += [helper.make_node("Constant", [], [pads], name=prefix + "/group_pads",
+                                       value=helper.make_tensor(pads, TensorProto.INT64, [4],
+                                                                [0, 0, 0, nb * lay.block - lay.k])),
+                      helper.make_node("Pad", [x, pads], [xp], name=prefix + "/Pad")]
+            x = xp
+        nodes += [
+            helper.make_node("Constant", [], [shape], name=prefix + "/group_shape",
+                             value=helper.make_tensor(shape, TensorProto.INT64, [3], [-1, nb, lay.block])),
+            helper.make_node("Constant", [], [axes], name=prefix + "/group_axis",
+                             value=helper.make_tensor(axes, TensorProto.INT64, [1], [2])),
+            helper.make_node("Reshape", [x, shape], [xg], name=prefix + "/Reshape"),
+            helper.make_node("ReduceSum", [xg, axes], [group_sums], name=prefix + "/ReduceSum", keepdims=0),
+        ]
+    nodes.append(helper.make_node("Gemm", [group_sums, prefix + ".offsets", main], [out], name=prefix + "/offset_Gemm"))
     return nodes
 
 
