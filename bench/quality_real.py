@@ -3,6 +3,7 @@
     python bench/quality_real.py long  --checkpoint C --dense SRC --eval-text EVAL [--lengths 1024,2048,4096]
     python bench/quality_real.py curve --checkpoint C [C2 ...] --dense SRC --eval-text EVAL [--fractions ...]
     python bench/quality_real.py chat  --checkpoint C --dense SRC [--prompt "..."]
+    python bench/quality_real.py keys  --checkpoint C --dense SRC --eval-text EVAL --calib-text CALIB [--lengths ...]
     python bench/quality_real.py topk  --checkpoint C --dense SRC --eval-text EVAL [--ks 64,128,...] [--lengths ...]
 
 `long`: mask hit rate of the checkpoint's indexer against a random indexer and a recency window of the
@@ -15,6 +16,9 @@ tolerance / budget / sharing variants) and each tier-fraction setting (its own c
 top-k of a ladder (one dense pass per sequence, gsm.convert.budget's curve), and perplexity at one length of
 GSM exact at each top-k and of recency (top-k 0, window + top-k) at the same budget.
 `chat`: greedy chat answer of the GSM model (golden, exact mode) next to the dense one.
+`keys`: 8-bit indexer keys against the deployed FP16 ones (golden, deployed mode, one prefill per sequence):
+the share of the indexer's top-k picks that change where the selection is sparse, and the perplexity, for
+INT8 keys with one scale per channel (absmax over calibration text, `--calib-text`) or one per position.
 
 Held-out text only: sequences are cut from EVAL (paragraphs joined by a blank line, tokenised as one
 stream, non-overlapping windows from the start). BOS is prepended only when the checkpoint's
@@ -306,6 +310,115 @@ def cmd_topk(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+# -- 8-bit indexer keys ------------------------------------------------------------------------------
+KEY_FORMATS = ("int8-channel", "int8-token")  # compared with the deployed FP16 keys
+
+
+def int8_keys(keys: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Dequantised INT8 keys: symmetric, `scale` [dI] per channel, or None: one FP16 scale per position."""
+    from gsm.golden.quant import round_fp16
+
+    if scale is None:
+        scale = round_fp16(keys.abs().amax(dim=1, keepdim=True) / 127)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.clamp(torch.round(keys / scale), -127, 127) * scale
+
+
+class KeyHooks:
+    """Patches the golden model's index_scores (keys quantised per layer, absmax recorded) and select (masks
+    recorded in call order, i.e. owning-layer order) for the duration of a `with`."""
+
+    def __init__(self, gsm: GoldenModel) -> None:
+        self.layer_of = {id(lw.kv.idx_q): i for i, lw in enumerate(gsm.w.layers) if isinstance(lw.kv, OwningKV)}
+        self.fmt: str | None = None
+        self.scales: dict[int, torch.Tensor] = {}
+        self.absmax: dict[int, torch.Tensor] = {}
+        self.masks: list[torch.Tensor] = []
+
+    def __enter__(self) -> KeyHooks:
+        import gsm.golden.model as gm
+
+        self._orig = (gm.index_scores, gm.select)
+
+        def scores(x, idx_q, idx_w, keys, n_heads):
+            i = self.layer_of[id(idx_q)]
+            m = keys.abs().amax(dim=0)
+            self.absmax[i] = m if i not in self.absmax else torch.maximum(self.absmax[i], m)
+            if self.fmt is not None:
+                keys = int8_keys(keys, self.scales[i] if self.fmt == "int8-channel" else None)
+            return self._orig[0](x, idx_q, idx_w, keys, n_heads)
+
+        def sel(sc, q_pos, p):
+            mask = self._orig[1](sc, q_pos, p)
+            self.masks.append(mask)
+            return mask
+
+        gm.index_scores, gm.select = scores, sel
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import gsm.golden.model as gm
+
+        gm.index_scores, gm.select = self._orig
+
+
+@torch.no_grad()
+def key_quant(setup: Setup, calib: torch.Tensor, seqs: torch.Tensor) -> dict[str, Any]:
+    from gsm.golden.quant import round_fp16
+
+    p = setup.cfg.gsm
+    budget = p.sink_tokens + p.sparse_window + p.sparse_top_k
+    dep = GoldenModel(setup.gsm.w, mode="deployed", quant=setup.gsm.quant, calibration=setup.gsm.calib)
+    with KeyHooks(dep) as h:
+        for row in calib:  # FP16 keys on calibration text: per-channel absmax
+            dep.forward(dep.new_cache(), row)
+        h.scales = {i: round_fp16(m / 127) for i, m in h.absmax.items()}
+        nll = {f: 0.0 for f in ("fp16", *KEY_FORMATS)}
+        changed: dict[str, list[float]] = {f: [] for f in KEY_FORMATS}
+        n_tok = 0
+        for b, row in enumerate(seqs):
+            h.fmt, h.masks = None, []
+            nll["fp16"] += float(token_nll(dep.forward(dep.new_cache(), row).logits, row).sum())
+            base = h.masks
+            for f in KEY_FORMATS:
+                h.fmt, h.masks = f, []
+                nll[f] += float(token_nll(dep.forward(dep.new_cache(), row).logits, row).sum())
+                for a_, b_ in zip(base, h.masks):
+                    # query rows whose selection is not every position; both pick `budget` positions there, of
+                    # which sinks + window are fixed: the share of the indexer's top-k picks that moved
+                    rows = a_.shape[0] - budget
+                    if rows > 0:
+                        moved = float((a_[budget:] & ~b_[budget:]).sum())
+                        changed[f].append(moved / (rows * p.sparse_top_k))
+            n_tok += row.numel() - 1
+            print(f"[keys] seq {b}: " + ", ".join(f"{k} {math.exp(v / n_tok):.4f}" for k, v in nll.items()), flush=True)
+    ppl = {k: math.exp(v / n_tok) for k, v in nll.items()}
+    return {"perplexity": ppl, "relative_to_fp16_keys": {k: v / ppl["fp16"] - 1 for k, v in ppl.items()},
+            "selection_changed": {f: {"mean": float(np.mean(v)) if v else 0.0, "max_layer": float(np.max(v))
+                                      if v else 0.0} for f, v in changed.items()},
+            "key_bytes_per_position_per_layer": {"fp16": 2 * p.indexer_dim, "int8-channel": p.indexer_dim,
+                                                 "int8-token": p.indexer_dim + 2},
+            "tokens": n_tok, "sequences": int(seqs.shape[0]), "seq_len": int(seqs.shape[1]),
+            "calibration_sequences": int(calib.shape[0])}
+
+
+def cmd_keys(a: argparse.Namespace) -> dict[str, Any]:
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    calib = windows(eval_stream(a.calib_text, s.tokenizer, a.calib_sequences * a.calib_len), a.calib_len,
+                    a.calib_sequences, s.bos_id)
+    res: dict[str, Any] = {"checkpoint": str(a.checkpoint), "by_length": {}}
+    for L in a.lengths:
+        t0 = time.perf_counter()
+        res["by_length"][L] = key_quant(s, calib, s.sequences(L, a.sequences)) | {"seconds": time.perf_counter() - t0}
+        r = res["by_length"][L]
+        print(f"[keys] {L}: " + ", ".join(f"{f} {r['relative_to_fp16_keys'][f]:+.3%} ppl, "
+                                         f"{r['selection_changed'][f]['mean']:.4f} of top-k picks moved"
+                                         for f in KEY_FORMATS), flush=True)
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
 # -- chat ------------------------------------------------------------------------------------------
 def chat_prompt_ids(ckpt: Path, prompt: str) -> tuple[list[int], list[int]]:
     """The ChatML prompt rendered by transformers' apply_chat_template; and the stop ids (EOS, end of turn)."""
@@ -486,6 +599,15 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--no-dense", action="store_true", help="skip the dense perplexity (run in another process)")
     tk.add_argument("--recency-only", action="store_true", help="with --recency: skip the indexer's top-k models")
 
+    ky = sub.add_parser("keys", help="8-bit indexer keys: selection changes and perplexity vs FP16 keys")
+    common(ky)
+    ky.add_argument("--eval-text", type=Path, required=True)
+    ky.add_argument("--calib-text", type=Path, required=True, help="text the per-channel scales are taken on")
+    ky.add_argument("--calib-sequences", type=int, default=2)
+    ky.add_argument("--calib-len", type=int, default=1024)
+    ky.add_argument("--lengths", type=ints, default=[512, 2048])
+    ky.add_argument("--sequences", type=int, default=2, help="held-out sequences per length")
+
     ch = sub.add_parser("chat", help="greedy chat answer, GSM exact vs dense")
     common(ch)
     ch.add_argument("--prompt", default=README_PROMPT)
@@ -497,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
-        res = {"long": cmd_long, "curve": cmd_curve, "chat": cmd_chat, "topk": cmd_topk}[a.cmd](a)
+        res = {"long": cmd_long, "curve": cmd_curve, "chat": cmd_chat, "topk": cmd_topk, "keys": cmd_keys}[a.cmd](a)
     except (ValueError, KeyError, FileNotFoundError) as e:  # bad input: a flag, a file, a checkpoint
         print(f"error: {e}", file=sys.stderr)
         return 2
