@@ -264,12 +264,67 @@ def genai_anchor(a: argparse.Namespace) -> dict:
     contexts of the same text, greedy, `a.threads` intra-op threads: one JSON line per context from the script."""
     if not GENAI_SCRIPT.is_file():
         return {"status": f"{GENAI_SCRIPT} not found"}
-    r = subprocess.run(["bash", str(GENAI_SCRIPT), str(a.genai_dir), ",".join(map(str, a.contexts)), str(a.threads)],
+    # the script times its contexts in one process, in order: the first carries ONNX Runtime's first-run costs
+    # (measured here: 45 tok/s at 256 then 61 at 1K), so a warm-up context runs first and is dropped, as our
+    # runs warm up before timing
+    ctxs = [min(a.contexts), *a.contexts]
+    r = subprocess.run(["bash", str(GENAI_SCRIPT), str(a.genai_dir), ",".join(map(str, ctxs)), str(a.threads)],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL)
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or not rows:
+    if r.returncode or len(rows) < 2:
         return {"error": (r.stderr or r.stdout).strip()[-300:]}
-    return {"model": str(a.genai_dir / "smollm2-int4"), "threads": a.threads, "by_context": rows}
+    return {"model": str(a.genai_dir / "smollm2-int4"), "threads": a.threads, "warm_up": rows[0],
+            "by_context": rows[1:]}
+
+
+def genai_profile(a: argparse.Namespace, context: int) -> dict:
+    """ONNX Runtime's per-op profile of GenAI's model.onnx itself on our onnxruntime, decode steps after a
+    `context`-token past (random K/V: the cost does not depend on the values), same threads and spinning:
+    the breakdown to set beside ours. Its session.run time per step is its whole step (GenAI's own loop
+    adds its sampling and KV bookkeeping)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    path = a.genai_dir / "smollm2-int4" / "model.onnx"
+    if not path.is_file():
+        return {"status": f"{path} not found (../shared/tools/ort_genai.sh builds it)"}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = a.threads, 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if a.spinning else "0")
+    graph = onnx.load(str(path), load_external_data=False).graph
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": np.array([[42]], np.int64), "attention_mask": np.ones((1, context + 1), np.int64)}
+    dec = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]
+    for i in graph.input:
+        if i.name.startswith("past_key_values"):
+            shape = (1, dec["num_key_value_heads"], context, dec["head_size"])
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+
+    def run(profile: bool) -> tuple[float, dict]:
+        if profile:
+            so.enable_profiling = True
+            so.profile_file_prefix = str(a.work / "genai_profile")
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        sess.run(["logits"], feeds)  # warm-up
+        times = []
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            sess.run(["logits"], feeds)
+            times.append(time.perf_counter() - t)
+        by_op: dict[str, float] = {}
+        if profile:
+            for e in json.loads(Path(sess.end_profiling()).read_text()):
+                if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+                    by_op[e["args"]["op_name"]] = by_op.get(e["args"]["op_name"], 0.0) + e["dur"]
+        return 1e3 * float(np.median(times)), by_op
+
+    ms, _ = run(False)
+    _, by_op = run(True)
+    return {"model": str(path), "context": context, "threads": a.threads, "session_ms_per_step": ms,
+            "profile_total_ms_per_step": round(sum(by_op.values()) / 1e3 / (a.steps + 1), 3),
+            "profile_ms_per_step_by_op": {k: round(v / 1e3 / (a.steps + 1), 3)
+                                          for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])}}
 
 
 def comparison(results: dict) -> list[str]:
@@ -411,6 +466,14 @@ def main() -> int:
     if not a.no_genai:
         results["genai"] = genai_anchor(a)
         print("onnxruntime-genai:", json.dumps(results["genai"]), flush=True)
+        if a.profile:
+            g = results["genai_profile"] = genai_profile(a, min(a.profile_context, room))
+            if "profile_ms_per_step_by_op" in g:
+                print(f"GenAI's model.onnx, ONNX Runtime profile at context {g['context']} (ms per decode step, "
+                      f"kernel time {g['profile_total_ms_per_step']}; session.run {g['session_ms_per_step']:.1f} "
+                      "ms without profiling):")
+                for op, ms in list(g["profile_ms_per_step_by_op"].items())[:12]:
+                    print(f"  {op:32s} {ms:8.3f}")
     print(f"decode tok/s at batch 1, {a.threads} threads, one run:", flush=True)
     for line in comparison(results):
         print("  " + line, flush=True)

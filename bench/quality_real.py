@@ -334,6 +334,7 @@ class KeyHooks:
         self.scales: dict[int, torch.Tensor] = {}
         self.absmax: dict[int, torch.Tensor] = {}
         self.masks: list[torch.Tensor] = []
+        self.record = True  # keep select's masks (False: only quantise and take absmax)
 
     def __enter__(self) -> KeyHooks:
         import gsm.golden.model as gm
@@ -350,7 +351,8 @@ class KeyHooks:
 
         def sel(sc, q_pos, p):
             mask = self._orig[1](sc, q_pos, p)
-            self.masks.append(mask)
+            if self.record:
+                self.masks.append(mask)
             return mask
 
         gm.index_scores, gm.select = scores, sel

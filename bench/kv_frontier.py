@@ -1,0 +1,229 @@
+"""KV bytes per position against held-out perplexity: GSM latent precisions beside llama.cpp's KV cache types.
+
+    python bench/kv_frontier.py --checkpoint CKPT --lengths 512,2048 --sequences 4 [--llama-dir DIR] [--out F]
+
+GSM rows are the golden model in deployed mode (FP16 rows, spec 5), one prefill per held-out window, with
+every latent row (K and V latents of every owning layer) re-quantised as it is written:
+- `fp16`: the deployed baseline (what a bundle's FP16 tier holds);
+- `int8`: symmetric, one scale per latent channel, absmax over the calibration text / 127;
+- `int4`: symmetric, one scale per latent channel, 4-bit codes in [-7, 7]; `absmax` takes absmax / 7,
+  `mse` the clip per channel (a fraction of absmax on a grid) with the least squared error on the
+  calibration latents (KVQuant quantises keys per channel before RoPE, which GSM's latents are);
+- `+keys8`: also the indexer keys INT8 per channel (absmax / 127 on the calibration text).
+This is a simulation in the golden model, a bound: in one prefill every row is quantised, also the recent
+window and sinks an engine keeps in FP16, and no compensation term is added. It measures what the formats
+cost, not an engine (the INT4 tier is not in the engines). Bytes per position follow spec 6: (r_k + r_v) x
+bytes per value + the indexer key, summed over owning layers; dense FP16 is L x 2 x kvD x 2.
+
+llama.cpp rows: `llama-perplexity` on the F32 GGUF (`../shared/tools/llama_cpp.sh`) over the same text,
+`-c L --chunks n -fa on -ctk T -ctv T` for T in f16, q8_0, q4_0 (its own protocol: each chunk's second half is
+scored). Compare each method's increase over its own full-precision row, never absolute perplexities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+DATA = ROOT.parent / "shared" / "data"
+DEFAULT_LLAMA = Path.home() / ".cache" / "gsm-edge" / "llama.cpp"
+LLAMA_TYPES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per K/V value (ggml block layouts)
+CLIPS = [x / 20 for x in range(8, 21)]  # 0.40 .. 1.00 of absmax
+
+
+def quantise(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.clamp(torch.round(x / scale), -qmax, qmax) * scale
+
+
+def channel_scales(rows: torch.Tensor, qmax: int, mse: bool) -> torch.Tensor:
+    """One scale per channel of rows [n, r]: absmax / qmax, or the clip of CLIPS with the least squared error."""
+    from gsm.golden.quant import round_fp16
+
+    amax = rows.abs().amax(dim=0)
+    if not mse:
+        return round_fp16(amax / qmax)
+    best, best_err = None, None
+    for c in CLIPS:
+        s = round_fp16(amax * c / qmax)
+        err = ((quantise(rows, s, qmax) - rows) ** 2).sum(dim=0)
+        if best is None:
+            best, best_err = s, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
+
+
+class Formats:
+    """The golden's latent hook and index_scores patch for one row format."""
+
+    def __init__(self, gsm) -> None:
+        from quality_real import KeyHooks
+
+        self.gsm, self.keys = gsm, KeyHooks(gsm)
+        self.keys.record = False
+        self.fmt = "fp16"
+        self.scales: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.collected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        gsm.latent_hooks.append(self._hook)
+
+    def _hook(self, i: int, n0: int, ck: torch.Tensor, cv: torch.Tensor) -> None:
+        if self.fmt == "collect":
+            self.collected.setdefault(i, []).append((ck.clone(), cv.clone()))
+            return
+        base = self.fmt.split("+")[0]
+        if base == "fp16":
+            return
+        qmax = 127 if base == "int8" else 7  # int4-absmax / int4-mse
+        sk, sv = self.scales[base][i]
+        ck.copy_(quantise(ck, sk, qmax))  # views of the cache: the rows are stored quantised
+        cv.copy_(quantise(cv, sv, qmax))
+
+    def calibrate(self, calib: torch.Tensor) -> None:
+        self.fmt = "collect"
+        with self.keys:
+            for row in calib:
+                self.gsm.forward(self.gsm.new_cache(), row)
+        from gsm.golden.quant import round_fp16
+
+        self.keys.scales = {i: round_fp16(m / 127) for i, m in self.keys.absmax.items()}
+        rows = {i: (torch.cat([a for a, _ in v]), torch.cat([b for _, b in v])) for i, v in self.collected.items()}
+        def per_layer(qmax: int, mse: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+            return {i: (channel_scales(k, qmax, mse), channel_scales(v, qmax, mse)) for i, (k, v) in rows.items()}
+
+        self.scales = {"int8": per_layer(127, False), "int4-absmax": per_layer(7, False),
+                       "int4-mse": per_layer(7, True)}
+        self.collected = {}
+
+    def nll(self, row: torch.Tensor, fmt: str) -> float:
+        from quality_real import token_nll
+
+        self.fmt = fmt
+        self.keys.fmt = "int8-channel" if fmt.endswith("+keys8") else None
+        with self.keys:
+            return float(token_nll(self.gsm.forward(self.gsm.new_cache(), row).logits, row).sum())
+
+
+def bytes_per_position(cfg, ranks: dict[int, tuple[int, int]], value_bytes: float, key_bytes: float) -> float:
+    return sum((rk + rv) * value_bytes + cfg.gsm.indexer_dim * key_bytes for rk, rv in ranks.values())
+
+
+GSM_FORMATS = {  # name: (bytes per latent value, bytes per indexer-key value)
+    "fp16": (2.0, 2.0), "int8": (1.0, 2.0), "int4-absmax": (0.5, 2.0), "int4-mse": (0.5, 2.0),
+    "int4-mse+keys8": (0.5, 1.0),
+}
+
+
+@torch.no_grad()
+def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
+    from quality_real import Setup, eval_stream, windows
+
+    from gsm.golden.model import GoldenModel
+
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    ranks = s.gsm.w.ranks
+    dense = s.cfg.num_hidden_layers * 2 * s.cfg.kv_dim * 2
+    dep = GoldenModel(s.gsm.w, mode="deployed", quant=s.gsm.quant, calibration=s.gsm.calib)
+    f = Formats(dep)
+    calib = windows(eval_stream(a.calib_text, s.tokenizer, a.calib_sequences * a.calib_len), a.calib_len,
+                    a.calib_sequences, s.bos_id)
+    t0 = time.perf_counter()
+    f.calibrate(calib)
+    print(f"[gsm] scales from {calib.shape[0]} x {calib.shape[1]} calibration tokens "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    out: dict[str, Any] = {"dense_fp16_bytes_per_position": dense, "by_length": {}}
+    for L in a.lengths:
+        seqs = s.sequences(L, a.sequences)
+        sums, n_tok = dict.fromkeys(GSM_FORMATS, 0.0), 0
+        for b, row in enumerate(seqs):
+            t0 = time.perf_counter()
+            for name in GSM_FORMATS:
+                sums[name] += f.nll(row, name)
+            n_tok += row.numel() - 1
+            print(f"[gsm] {L} seq {b}: " + ", ".join(f"{k} {math.exp(v / n_tok):.4f}" for k, v in sums.items())
+                  + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+        ppl = {k: math.exp(v / n_tok) for k, v in sums.items()}
+        out["by_length"][L] = {"tokens": n_tok, "rows": [
+            {"format": k, "kv_bytes_per_position": bytes_per_position(s.cfg, ranks, *GSM_FORMATS[k]),
+             "vs_dense_fp16": bytes_per_position(s.cfg, ranks, *GSM_FORMATS[k]) / dense,
+             "perplexity": p, "increase_over_fp16": p / ppl["fp16"] - 1} for k, p in ppl.items()]}
+    return out
+
+
+def llama_rows(a: argparse.Namespace, dense_bytes: int) -> dict[str, Any]:
+    exe = a.llama_dir / "bin" / "llama-perplexity"
+    gguf = a.llama_dir / "SmolLM2-135M-Instruct.F32.gguf"
+    if not (exe.is_file() and gguf.is_file()):
+        return {"status": f"{exe} or {gguf.name} not found (../shared/tools/llama_cpp.sh)"}
+    out: dict[str, Any] = {"gguf": gguf.name, "by_length": {}}
+    for L in a.lengths:
+        rows = []
+        for t, per_value in LLAMA_TYPES.items():
+            cmd = [str(exe), "-m", str(gguf), "-f", str(a.eval_text), "-c", str(L), "--chunks", str(a.sequences),
+                   "-t", str(a.threads), "-fa", "on", "-ctk", t, "-ctv", t]
+            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            m = re.search(r"Final estimate: PPL = ([\d.]+)", r.stdout + r.stderr)
+            row: dict[str, Any] = {"cache_type": t, "kv_bytes_per_position": dense_bytes / 2 * per_value,
+                                   "vs_dense_fp16": per_value / 2}
+            if m:
+                row["perplexity"] = float(m.group(1))
+            else:
+                row["error"] = (r.stderr or r.stdout).strip()[-300:]
+            rows.append(row)
+            print(f"[llama.cpp] {L} {t}: {row.get('perplexity', row.get('error'))}", flush=True)
+        base = next((r["perplexity"] for r in rows if r["cache_type"] == "f16" and "perplexity" in r), None)
+        for r in rows:
+            if base and "perplexity" in r:
+                r["increase_over_f16"] = r["perplexity"] / base - 1
+        out["by_length"][L] = rows
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", type=Path, required=True)
+    ap.add_argument("--dense", type=Path, default=DATA / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--eval-text", type=Path, default=DATA / "tinystories_eval.txt")
+    ap.add_argument("--calib-text", type=Path, default=DATA / "tinystories_calib.txt")
+    ap.add_argument("--calib-sequences", type=int, default=2)
+    ap.add_argument("--calib-len", type=int, default=1024)
+    ap.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",") if x], default=[512, 2048])
+    ap.add_argument("--sequences", type=int, default=4, help="held-out windows per length (llama.cpp: --chunks)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    res: dict[str, Any] = {"gsm": gsm_rows(a)}
+    if not a.no_llama:
+        res["llama_cpp"] = llama_rows(a, res["gsm"]["dense_fp16_bytes_per_position"])
+    print(f"{'length':>6} {'method':>24} {'KV B/pos':>9} {'x dense':>8} {'ppl':>9} {'increase':>9}")
+    for L in a.lengths:
+        for r in res["gsm"]["by_length"][L]["rows"]:
+            print(f"{L:6d} {'GSM ' + r['format']:>24} {r['kv_bytes_per_position']:9.0f} {r['vs_dense_fp16']:8.3f} "
+                  f"{r['perplexity']:9.4f} {r['increase_over_fp16']:+9.2%}")
+        for r in res.get("llama_cpp", {}).get("by_length", {}).get(L, []):
+            if "perplexity" in r:
+                print(f"{L:6d} {'llama.cpp ' + r['cache_type']:>24} {r['kv_bytes_per_position']:9.0f} "
+                      f"{r['vs_dense_fp16']:8.3f} {r['perplexity']:9.4f} {r.get('increase_over_f16', 0):+9.2%}")
+    res["command"] = " ".join(sys.argv)
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
