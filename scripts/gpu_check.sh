@@ -5,7 +5,9 @@
 #      kernels) and the CPU reference tests,
 #   3. where TensorRT is installed, the TensorRT backend against the backend contract
 #      (tests/test_backend_contract.py; up to 7 more minutes),
-#   4. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
+#   4. where TensorRT is installed, the engine size of a tied model's INT8 embedding/head against its FP16
+#      head (does TensorRT keep one quantised copy for the Gather and the MatMul? docs/weights.md),
+#   5. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
 #      at 4K and 32K context (tests/gpu/bench_decode.py).
 # Needs: nvcc, cmake >= 3.18, python3 with numpy, torch (CUDA build) and pytest.
 set -euo pipefail
@@ -53,6 +55,24 @@ if python3 -c "import tensorrt, onnx, onnxruntime" 2>/dev/null; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_backend_contract.py -k tensorrt -rs
 else
   echo "skipped: TensorRT (or onnx / onnxruntime) is not installed on this machine"
+fi
+
+echo "== quantised embedding and head (TensorRT)"
+if python3 -c "import tensorrt, onnx" 2>/dev/null; then
+  W=$(mktemp -d)
+  python3 -m gsm synth --preset small --out "$W/ck" >/dev/null
+  for h in int8 fp16; do
+    python3 -m builder build --device orin --checkpoint "$W/ck" --output "$W/b$h" --max-seq 256 --weights int4 \
+      --head-weights "$h" --json > "$W/r$h.json"
+    if timeout 150 python3 -m builder engine "$W/b$h" > "$W/e$h.log" 2>&1; then
+      echo "head $h: engine.plan $(stat -c %s "$W/b$h/engine.plan") bytes, plan weight_bytes" \
+        "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['weights']['bytes'])" "$W/r$h.json")"
+    else
+      echo "head $h: engine build failed:"; tail -5 "$W/e$h.log"
+    fi
+  done
+else
+  echo "skipped: TensorRT is not installed on this machine"
 fi
 
 echo "== decode attention"
