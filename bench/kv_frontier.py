@@ -9,6 +9,8 @@ every latent row (K and V latents of every owning layer) re-quantised as it is w
 - `int4`: symmetric, one scale per latent channel, 4-bit codes in [-7, 7]; `absmax` takes absmax / 7,
   `mse` the clip per channel (a fraction of absmax on a grid) with the least squared error on the
   calibration latents (KVQuant quantises keys per channel before RoPE, which GSM's latents are);
+- `int4-g32`: symmetric 4-bit per row in groups of 32 channels, one FP16 scale each (absmax / 7), the layout of
+  llama.cpp's q4_0 (0.5625 bytes per value), no calibration;
 - `+keys8`: also the indexer keys INT8 per channel (absmax / 127 on the calibration text).
 This is a simulation in the golden model, a bound: in one prefill every row is quantised, also the recent
 window and sinks an engine keeps in FP16, and no compensation term is added. It measures what the formats
@@ -45,6 +47,17 @@ CLIPS = [x / 20 for x in range(8, 21)]  # 0.40 .. 1.00 of absmax
 def quantise(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.clamp(torch.round(x / scale), -qmax, qmax) * scale
+
+
+def group_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x [n, r] quantised per row in groups of `group` channels (the last may be short): 4-bit, FP16 scales."""
+    from gsm.golden.quant import round_fp16
+
+    out = torch.empty_like(x)
+    for c0 in range(0, x.shape[1], group):
+        blk = x[:, c0:c0 + group]
+        out[:, c0:c0 + group] = quantise(blk, round_fp16(blk.abs().amax(dim=1, keepdim=True) / 7), 7)
+    return out
 
 
 def channel_scales(rows: torch.Tensor, qmax: int, mse: bool) -> torch.Tensor:
@@ -86,6 +99,10 @@ class Formats:
         base = self.fmt.split("+")[0]
         if base == "fp16":
             return
+        if base == "int4-g32":
+            ck.copy_(group_rows(ck))
+            cv.copy_(group_rows(cv))
+            return
         qmax = 127 if base == "int8" else 7  # int4-absmax / int4-mse
         sk, sv = self.scales[base][i]
         ck.copy_(quantise(ck, sk, qmax))  # views of the cache: the rows are stored quantised
@@ -122,7 +139,7 @@ def bytes_per_position(cfg, ranks: dict[int, tuple[int, int]], value_bytes: floa
 
 GSM_FORMATS = {  # name: (bytes per latent value, bytes per indexer-key value)
     "fp16": (2.0, 2.0), "int8": (1.0, 2.0), "int4-absmax": (0.5, 2.0), "int4-mse": (0.5, 2.0),
-    "int4-mse+keys8": (0.5, 1.0),
+    "int4-mse+keys8": (0.5, 1.0), "int4-g32": (0.5625, 2.0), "int4-g32+keys8": (0.5625, 1.0),
 }
 
 
@@ -146,10 +163,10 @@ def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"dense_fp16_bytes_per_position": dense, "by_length": {}}
     for L in a.lengths:
         seqs = s.sequences(L, a.sequences)
-        sums, n_tok = dict.fromkeys(GSM_FORMATS, 0.0), 0
+        sums, n_tok = dict.fromkeys(a.formats, 0.0), 0
         for b, row in enumerate(seqs):
             t0 = time.perf_counter()
-            for name in GSM_FORMATS:
+            for name in a.formats:
                 sums[name] += f.nll(row, name)
             n_tok += row.numel() - 1
             print(f"[gsm] {L} seq {b}: " + ", ".join(f"{k} {math.exp(v / n_tok):.4f}" for k, v in sums.items())
@@ -201,11 +218,17 @@ def main() -> int:
     ap.add_argument("--calib-len", type=int, default=1024)
     ap.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",") if x], default=[512, 2048])
     ap.add_argument("--sequences", type=int, default=4, help="held-out windows per length (llama.cpp: --chunks)")
+    ap.add_argument("--formats", type=lambda t: t.split(","), default=list(GSM_FORMATS),
+                    help=f"GSM row formats, fp16 first ({', '.join(GSM_FORMATS)})")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    bad = [f for f in a.formats if f not in GSM_FORMATS]
+    if bad or "fp16" not in a.formats:
+        ap.error(f"--formats: {bad[0]!r} is not one of {', '.join(GSM_FORMATS)}" if bad else
+                 "--formats must include fp16 (every row is compared with it)")
     torch.set_num_threads(a.threads)
     res: dict[str, Any] = {"gsm": gsm_rows(a)}
     if not a.no_llama:
