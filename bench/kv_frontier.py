@@ -17,6 +17,10 @@ window and sinks an engine keeps in FP16, and no compensation term is added. It 
 cost, not an engine (the INT4 tier is not in the engines). Bytes per position follow spec 6: (r_k + r_v) x
 bytes per value + the indexer key, summed over owning layers; dense FP16 is L x 2 x kvD x 2.
 
+`--copy-len L`: a number-copy test at L tokens under every format (the seed description warns that INT4 KV
+corrupted numbers in long legal text): a sentence with a serial number is placed at several depths of held-out
+filler, the prompt ends asking for it, greedy decoding must reproduce its characters exactly.
+
 llama.cpp rows: `llama-perplexity` on the F32 GGUF (`../shared/tools/llama_cpp.sh`) over the same text,
 `-c L --chunks n -fa on -ctk T -ctv T` for T in f16, q8_0, q4_0 (its own protocol: each chunk's second half is
 scored). Compare each method's increase over its own full-precision row, never absolute perplexities.
@@ -179,6 +183,60 @@ def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+COPY_NUMBERS = ("48213-77-905", "3391-0046-72", "7702-518-36")
+COPY_DEPTHS = (0.1, 0.5, 0.9)
+
+
+@torch.no_grad()
+def copy_rows(a: argparse.Namespace) -> dict[str, Any]:
+    """Per format: how many (number, depth) trials greedy decoding answers with the number's exact characters."""
+    from quality_real import Setup
+
+    from gsm.golden.model import GoldenModel
+
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    dep = GoldenModel(s.gsm.w, mode="deployed", quant=s.gsm.quant, calibration=s.gsm.calib)
+    f = Formats(dep)
+    calib_ids = s.sequences(256, 1)  # scales only matter for the calibrated formats; any text serves here
+    f.calibrate(calib_ids)
+    paras = [" ".join(p.split()) for p in a.eval_text.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    question = "\n\nQuestion: What is the serial number of the steel plate?\nAnswer: The serial number is"
+    results: dict[str, Any] = {"length": a.copy_len, "trials": []}
+    for number in COPY_NUMBERS:
+        for depth in COPY_DEPTHS:
+            fact = f"The serial number of the steel plate is {number}."
+            body: list[str] = []
+            n_tok = 0
+            for para in paras[COPY_NUMBERS.index(number) * 50:]:  # different filler per number
+                t = len(s.tokenizer.encode(para + "\n\n", add_special_tokens=False).ids)
+                if n_tok + t > a.copy_len - 60:
+                    break
+                body.append(para)
+                n_tok += t
+            body.insert(int(depth * len(body)), fact)
+            ids = s.tokenizer.encode("\n\n".join(body) + question, add_special_tokens=False).ids
+            trial: dict[str, Any] = {"number": number, "depth": depth, "prompt_tokens": len(ids), "answers": {}}
+            for fmt in a.formats:
+                f.fmt = fmt
+                f.keys.fmt = "int8-channel" if fmt.endswith("+keys8") else None
+                with f.keys:
+                    # forward, not prefill/decode: no re-tier pass, the rows keep the format they were written in
+                    cache = dep.new_cache()
+                    logits = dep.forward(cache, ids).logits[-1]
+                    out: list[int] = []
+                    for _ in range(10):
+                        out.append(int(torch.argmax(logits)))
+                        logits = dep.forward(cache, [out[-1]]).logits[-1]
+                text = s.tokenizer.decode(out)
+                trial["answers"][fmt] = {"text": text, "exact": number in text}
+            results["trials"].append(trial)
+            print(f"[copy] {number} at {depth:.0%} ({len(ids)} tokens): " + ", ".join(
+                f"{k} {'ok' if v['exact'] else repr(v['text'])}" for k, v in trial["answers"].items()), flush=True)
+    results["exact"] = {fmt: sum(t["answers"][fmt]["exact"] for t in results["trials"]) for fmt in a.formats}
+    results["of"] = len(results["trials"])
+    return results
+
+
 def llama_rows(a: argparse.Namespace, dense_bytes: int) -> dict[str, Any]:
     exe = a.llama_dir / "bin" / "llama-perplexity"
     gguf = a.llama_dir / "SmolLM2-135M-Instruct.F32.gguf"
@@ -223,6 +281,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--copy-len", type=int, default=0, help="number-copy test at this many tokens (0: skip)")
+    ap.add_argument("--no-perplexity", action="store_true", help="only the copy test")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     bad = [f for f in a.formats if f not in GSM_FORMATS]
@@ -230,7 +290,15 @@ def main() -> int:
         ap.error(f"--formats: {bad[0]!r} is not one of {', '.join(GSM_FORMATS)}" if bad else
                  "--formats must include fp16 (every row is compared with it)")
     torch.set_num_threads(a.threads)
-    res: dict[str, Any] = {"gsm": gsm_rows(a)}
+    res: dict[str, Any] = {}
+    if a.copy_len:
+        res["copy"] = copy_rows(a)
+        print(f"number copy at {a.copy_len} tokens, exact answers of {res['copy']['of']}: {res['copy']['exact']}")
+    if a.no_perplexity:
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1))
+        return 0
+    res["gsm"] = gsm_rows(a)
     if not a.no_llama:
         res["llama_cpp"] = llama_rows(a, res["gsm"]["dense_fp16_bytes_per_position"])
     print(f"{'length':>6} {'method':>24} {'KV B/pos':>9} {'x dense':>8} {'ppl':>9} {'increase':>9}")
