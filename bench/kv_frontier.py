@@ -224,7 +224,7 @@ def copy_rows(a: argparse.Namespace) -> dict[str, Any]:
                     cache = dep.new_cache()
                     logits = dep.forward(cache, ids).logits[-1]
                     out: list[int] = []
-                    for _ in range(10):
+                    for _ in range(16):  # digits are one token each: the whole number and a stop
                         out.append(int(torch.argmax(logits)))
                         logits = dep.forward(cache, [out[-1]]).logits[-1]
                 text = s.tokenizer.decode(out)
