@@ -202,7 +202,7 @@ def copy_rows(a: argparse.Namespace) -> dict[str, Any]:
     paras = [" ".join(p.split()) for p in a.eval_text.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     question = "\n\nQuestion: What is the serial number of the steel plate?\nAnswer: The serial number is"
     results: dict[str, Any] = {"length": a.copy_len, "trials": []}
-    for number in COPY_NUMBERS:
+    for number in COPY_NUMBERS[: a.copy_numbers]:
         for depth in COPY_DEPTHS:
             fact = f"The serial number of the steel plate is {number}."
             body: list[str] = []
@@ -282,6 +282,7 @@ def main() -> int:
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--copy-len", type=int, default=0, help="number-copy test at this many tokens (0: skip)")
+    ap.add_argument("--copy-numbers", type=int, default=len(COPY_NUMBERS), help="numbers tried (x 3 depths)")
     ap.add_argument("--no-perplexity", action="store_true", help="only the copy test")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
