@@ -460,3 +460,35 @@ def test_awq_cli_scales_build(tiny, tmp_path):
     r = run_module("calibration.awq", "--checkpoint", str(tiny), "--data", str(CALIB_TEXT), "--out", str(out),
                    cwd=tmp_path)
     assert r.returncode == 2 and "already exists" in r.stderr
+
+
+@pytest.mark.parametrize("bits,k", [(4, 64), (4, 70), (8, 70)])
+def test_quantised_gather_rows_equal_the_dequantised_weight(bits, k):
+    """The portable embedding lookup (GatherBlockQuantized over the MatMulNBits initializer, K padded to the
+    group when it must be) returns exactly wquant.dequantize's rows, the values the golden is loaded with; and
+    the head's MatMulNBits reads the same initializer."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from builder.qlinear import MS_DOMAIN, QLayout, nbits_gather_nodes, nbits_inits, nbits_nodes
+
+    rng = np.random.default_rng(bits + k)
+    w = rng.standard_normal((50, k)).astype(np.float32)
+    q = quantize(w, WeightQuantConfig(bits, 32))
+    lay = QLayout.of(q)
+    inits = [i.proto() for i in nbits_inits("E", q)]
+    nodes = nbits_gather_nodes("ids", "rows", "E", lay) + nbits_nodes("x", "logits", "E", lay)
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+                                       helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                          [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None),
+                           helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 7, 49], [3, 3, 12]])
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    rows, logits = s.run(None, {"ids": ids, "x": x})
+    deq = dequantize(q)
+    assert rows.shape == (6, k) and np.array_equal(rows, deq[ids.reshape(-1)])
+    assert np.abs(logits - x @ deq.T).max() <= 1e-5 * np.abs(x @ deq.T).max()
+    assert {n.input[0] for n in nodes if n.op_type == "GatherBlockQuantized"} == {
+        n.input[1] for n in nodes if n.op_type == "MatMulNBits"}
