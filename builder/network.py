@@ -5,10 +5,11 @@ operations go through an `ops` object: `PortableOps` (standard ops, ONNX Runtime
 (custom nodes for the TensorRT plugins). Both variants therefore share every tensor name outside
 the GSM nodes, and the external weight data: the checkpoint tensors are stored in their own layout
 (linear layers are `Gemm(transB=1)`) and read lazily, one tensor at a time, the first time a
-graph needs them. With weight-only quantisation (NetSpec.weights, docs/weights.md) the projections
-q, o, gate, up, down (and optionally the LM head) are read, quantised and stored in both forms
+graph needs them. With weight-only quantisation (NetSpec.quantised, docs/weights.md) the projections
+q, o, gate, up, down and the embedding / LM head are read, quantised and stored in both forms
 instead (builder/qlinear.py ProjectionStore), and each variant emits its own form: MatMulNBits
-(portable) or DequantizeLinear + MatMul (TensorRT).
+(portable) or DequantizeLinear + MatMul (TensorRT); a quantised embedding is looked up over the same
+codes (GatherBlockQuantized / Gather of the DequantizeLinear output), so a tied head is stored once.
 
 Fewer, larger operators (ONNX Runtime pays a fixed cost per node, docs/runtime.md "Layer-stack
 fusions"): the projections that read the same input and are not quantised are stored once more as one
