@@ -147,15 +147,14 @@ GSM_FORMATS = {  # name: (bytes per latent value, bytes per indexer-key value)
 }
 
 
-@torch.no_grad()
-def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
+def calibrated(a: argparse.Namespace) -> tuple[Any, Any, Formats]:
+    """The benchmark's setup, the deployed golden model and its row formats, scales taken on the calibration
+    text (never on the evaluation text the rows are scored on)."""
     from quality_real import Setup, eval_stream, windows
 
     from gsm.golden.model import GoldenModel
 
     s = Setup(a.checkpoint, a.dense, a.eval_text)
-    ranks = s.gsm.w.ranks
-    dense = s.cfg.num_hidden_layers * 2 * s.cfg.kv_dim * 2
     dep = GoldenModel(s.gsm.w, mode="deployed", quant=s.gsm.quant, calibration=s.gsm.calib)
     f = Formats(dep)
     calib = windows(eval_stream(a.calib_text, s.tokenizer, a.calib_sequences * a.calib_len), a.calib_len,
@@ -164,6 +163,14 @@ def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
     f.calibrate(calib)
     print(f"[gsm] scales from {calib.shape[0]} x {calib.shape[1]} calibration tokens "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return s, dep, f
+
+
+@torch.no_grad()
+def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
+    s, dep, f = calibrated(a)
+    ranks = s.gsm.w.ranks
+    dense = s.cfg.num_hidden_layers * 2 * s.cfg.kv_dim * 2
     out: dict[str, Any] = {"dense_fp16_bytes_per_position": dense, "by_length": {}}
     for L in a.lengths:
         seqs = s.sequences(L, a.sequences)
@@ -190,15 +197,7 @@ COPY_DEPTHS = (0.1, 0.5, 0.9)
 @torch.no_grad()
 def copy_rows(a: argparse.Namespace) -> dict[str, Any]:
     """Per format: how many (number, depth) trials greedy decoding answers with the number's exact characters."""
-    from quality_real import Setup
-
-    from gsm.golden.model import GoldenModel
-
-    s = Setup(a.checkpoint, a.dense, a.eval_text)
-    dep = GoldenModel(s.gsm.w, mode="deployed", quant=s.gsm.quant, calibration=s.gsm.calib)
-    f = Formats(dep)
-    calib_ids = s.sequences(256, 1)  # scales only matter for the calibrated formats; any text serves here
-    f.calibrate(calib_ids)
+    s, dep, f = calibrated(a)
     paras = [" ".join(p.split()) for p in a.eval_text.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     question = "\n\nQuestion: What is the serial number of the steel plate?\nAnswer: The serial number is"
     results: dict[str, Any] = {"length": a.copy_len, "trials": []}
