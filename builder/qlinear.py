@@ -115,7 +115,7 @@ def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
 
 def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0,
                 group_sums: str | None = None) -> list[onnx.NodeProto]:
-    """MatMulNBits (+ the float zero point's offset term, over `group_sums` of x when given: see _offset_nodes)."""
+    """MatMulNBits (+ the float zero point's offset term over `group_sums`, x's group sums: see _offset_nodes)."""
     names = [prefix + ".qweight", prefix + ".scales"] + ([prefix + ".zero_points"] if lay.zero_points else [])
     attrs = {"K": lay.k, "N": lay.n, "bits": lay.bits, "block_size": lay.block}
     if accuracy_level:
@@ -123,7 +123,7 @@ def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: 
     main = prefix + ".main" if lay.offsets else out
     nodes = [helper.make_node("MatMulNBits", [x, *names], [main], name=prefix + "/MatMulNBits", domain=MS_DOMAIN,
                               **attrs)]
-    return nodes + (_offset_nodes(x, main, out, prefix, lay, group_sums) if lay.offsets else [])
+    return nodes + (_offset_nodes(main, out, prefix, lay, group_sums) if lay.offsets else [])
 
 
 def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_scale: np.ndarray | None = None,
@@ -135,7 +135,9 @@ def matmul_nbits(x: str, out: str, prefix: str, q: QuantizedWeight, *, input_sca
     parts = QLinearParts(opsets={MS_DOMAIN: 1})
     xin = _input_scale(parts, x, prefix, input_scale, np.dtype(np.float32), TensorProto.FLOAT)
     parts.inits += nbits_inits(prefix, q)
-    parts.nodes += nbits_nodes(xin, out, prefix, QLayout.of(q), accuracy_level=accuracy_level)
+    lay = QLayout.of(q)
+    sums = _group_sums(parts, xin, prefix, lay, np.dtype(np.float32), TensorProto.FLOAT)
+    parts.nodes += nbits_nodes(xin, out, prefix, lay, accuracy_level=accuracy_level, group_sums=sums)
     parts.output = out
     return parts
 
@@ -170,14 +172,14 @@ def dq_inits(prefix: str, q: QuantizedWeight, act_dtype: str = "float16") -> lis
 def dq_nodes(x: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = True,
              group_sums: str | None = None) -> list[onnx.NodeProto]:
     """DequantizeLinear(W^T codes, scales) -> MatMul(x, .); with a float zero point also
-    `+ MatMul(group sums of x [M, n_blocks], offsets [n_blocks, N])`: w = s (u - 8) + s (8 - zp), the
+    `+ group_sums [M, n_blocks] @ offsets [n_blocks, N]`: w = s (u - 8) + s (8 - zp), the
     second term constant per group, since TensorRT's DequantizeLinear takes no zero points. with_dq False:
     the DequantizeLinear is in the graph already (a tied embedding's gather made it)."""
     deq = prefix + ".weight_dq"
     nodes = [_dq_node(prefix, lay)] if with_dq else []
     main = prefix + ".main" if lay.offsets else out
     nodes.append(helper.make_node("MatMul", [x, deq], [main], name=prefix + "/MatMul"))
-    return nodes + (_offset_nodes(x, main, out, prefix, lay, group_sums) if lay.offsets else [])
+    return nodes + (_offset_nodes(main, out, prefix, lay, group_sums) if lay.offsets else [])
 
 
 def nbits_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout) -> list[onnx.NodeProto]:
@@ -247,34 +249,24 @@ def group_indicator(k: int, block: int, dtype=np.float32) -> np.ndarray:
     return e
 
 
-def _offset_nodes(x: str, main: str, out: str, prefix: str, lay: QLayout,
-                  group_sums: str | None = None) -> list[onnx.NodeProto]:
+def _offset_nodes(main: str, out: str, prefix: str, lay: QLayout,
+                  group_sums: str | None) -> list[onnx.NodeProto]:
     """out = Gemm(group sums of x [M, n_blocks], offsets [n_blocks, N], C = main): the float zero point's
     per-group constant `scale (2^(bits-1) - zp)` times the sum of the inputs it multiplies. `group_sums`:
-    x @ group_indicator(K, block), made once by the caller for every projection that reads the same x (one
-    node instead of a Reshape + ReduceSum per projection); None: made here."""
-    nodes = []
+    x @ group_indicator(K, block), made once by the caller for every projection that reads the same x."""
     if group_sums is None:
-        shape, xg, group_sums = (prefix + t for t in (".group_shape", ".x_groups", ".x_group_sums"))
-        axes = prefix + ".group_axis"
-        nb = -(-lay.k // lay.block)
-        if lay.k % lay.block:  # the last group is short: pad x with zeros so its sum covers the real columns only
-            pads, xp = prefix + ".group_pads", prefix + ".x_padded"
-            nodes += [helper.make_node("Constant", [], [pads], name=prefix + "/group_pads",
-                                       value=helper.make_tensor(pads, TensorProto.INT64, [4],
-                                                                [0, 0, 0, nb * lay.block - lay.k])),
-                      helper.make_node("Pad", [x, pads], [xp], name=prefix + "/Pad")]
-            x = xp
-        nodes += [
-            helper.make_node("Constant", [], [shape], name=prefix + "/group_shape",
-                             value=helper.make_tensor(shape, TensorProto.INT64, [3], [-1, nb, lay.block])),
-            helper.make_node("Constant", [], [axes], name=prefix + "/group_axis",
-                             value=helper.make_tensor(axes, TensorProto.INT64, [1], [2])),
-            helper.make_node("Reshape", [x, shape], [xg], name=prefix + "/Reshape"),
-            helper.make_node("ReduceSum", [xg, axes], [group_sums], name=prefix + "/ReduceSum", keepdims=0),
-        ]
-    nodes.append(helper.make_node("Gemm", [group_sums, prefix + ".offsets", main], [out], name=prefix + "/offset_Gemm"))
-    return nodes
+        raise ValueError(f"{prefix}: a float-zero-point weight needs the group sums of its input")
+    return [helper.make_node("Gemm", [group_sums, prefix + ".offsets", main], [out], name=prefix + "/offset_Gemm")]
+
+
+def _group_sums(parts: QLinearParts, x: str, prefix: str, lay: QLayout, dt: np.dtype, onnx_t: int) -> str | None:
+    """A standalone layer's x @ group_indicator (an initializer and a MatMul), None without a float zero point."""
+    if not lay.offsets:
+        return None
+    name = prefix + ".x_group_sums"
+    parts.inits.append(_init(prefix + ".groups", group_indicator(lay.k, lay.block, dt), onnx_t))
+    parts.nodes.append(helper.make_node("MatMul", [x, prefix + ".groups"], [name], name=prefix + "/group_sums"))
+    return name
 
 
 def dq_matmul(x: str, out: str, prefix: str, q: QuantizedWeight, *, act_dtype: str = "float16",
@@ -287,7 +279,8 @@ def dq_matmul(x: str, out: str, prefix: str, q: QuantizedWeight, *, act_dtype: s
     parts = QLinearParts(opsets={"": DQ_BLOCK_OPSET})
     xin = _input_scale(parts, x, prefix, input_scale, dt, onnx_act)
     parts.inits += dq_inits(prefix, q, act_dtype)
-    parts.nodes += dq_nodes(xin, out, prefix, QLayout.of(q))
+    lay = QLayout.of(q)
+    parts.nodes += dq_nodes(xin, out, prefix, lay, group_sums=_group_sums(parts, xin, prefix, lay, dt, onnx_act))
     parts.output = out
     return parts
 
