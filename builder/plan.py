@@ -184,6 +184,11 @@ def head_names(cfg: ModelConfig) -> set[str]:
     return {names.EMBED} | (set() if cfg.tie_word_embeddings else {names.LM_HEAD})
 
 
+def head_choice(weights: str, head_weights: str | None) -> str:
+    """The --head-weights a build uses: the one asked for, else DEFAULT_HEAD of the --weights choice."""
+    return DEFAULT_HEAD[weights] if head_weights is None else head_weights
+
+
 def head_config(head_weights: str) -> WeightQuantConfig | None:
     """The quantisation --head-weights means: None for fp16, else symmetric at HEAD_GROUP_SIZE."""
     if head_weights not in HEAD_CHOICES:
@@ -196,7 +201,7 @@ def weight_configs(cfg: ModelConfig, weights: str = "fp16", group_size: int | No
     """The quantisation of every tensor a --weights / --head-weights choice replaces, by checkpoint name
     (head_weights None: DEFAULT_HEAD of the --weights choice). Empty: all FP16."""
     wq = weight_config(weights, group_size, int4_grid)
-    hq = head_config(DEFAULT_HEAD[weights] if head_weights is None else head_weights)
+    hq = head_config(head_choice(weights, head_weights))
     out: dict[str, WeightQuantConfig] = {}
     if wq is not None:
         out.update(dict.fromkeys(quantised_names(cfg), wq))
@@ -320,7 +325,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
                         f"got {max_top_k}")
     params = param_count(cfg, ranks)
     group_size = default_group_size(weights) if group_size is None else group_size
-    head_weights = DEFAULT_HEAD[weights] if head_weights is None else head_weights
+    head_weights = head_choice(weights, head_weights)
     tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, head_weights=head_weights,
                            int4_grid=int4_grid)
     wbytes = sum(tensors.values())
