@@ -25,14 +25,15 @@ class CpuOps(PortableOps):
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
-                  sparse_window: str | None = None, selected: str | None = None, source: int | None = None,
-                  quant: str | None = None) -> tuple[str, str | None, str | None]:
-        if selected is not None or index_q is None or index_w is None or sparse_window is None:
+                  sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
+                  source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
+        if selected is not None or index_q is None or index_w is None or sparse_window is None or top_k is None:
             return super().attention(l, q, cache, past, new, rope=rope, up=up, index_q=index_q, index_w=index_w,
-                                     sparse_window=sparse_window, selected=selected, source=source, quant=quant)
+                                     sparse_window=sparse_window, top_k=top_k, selected=selected, source=source,
+                                     quant=quant)
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
         ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["v"], cache["keys"],
-               self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, "sparse_top_k"]
+               self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, top_k]
         outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}"]
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             out, _, sel, mass = g.op(CPU_OP, ins, n_out=4, outputs=outs, domain=CPU_DOMAIN,

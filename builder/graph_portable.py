@@ -47,6 +47,7 @@ class PortableOps:
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int) -> None:
         self.g, self.cfg, self.ranks, self.n_max = g, cfg, ranks, n_max
         self._geo: dict[str, str] = {}
+        self._sel: dict[tuple[str, str], dict[str, str]] = {}
 
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
@@ -79,10 +80,10 @@ class PortableOps:
         # per-layer probes (revision 4): always in the graph, where they are intermediate tensors anyway;
         # the runtime binds them only when asked (hit-rate probe, debug bundles), so a step pays nothing
         for l in self.cfg.owning_layers:
-            g.output(f"selected.{l}", *self.selected_type())
+            g.output(f"selected.{l}", *self.selected_type(l))
             g.output(f"attn_mass.{l}", F32, self.mass_shape())
 
-    def selected_type(self) -> tuple[int, list[Any]]:
+    def selected_type(self, l: int) -> tuple[int, list[Any]]:
         """Element type and shape of `selected.{l}`: positions ascending, padded with -1 (as the plugin); the
         width is the call's k = min(max_b budget_b, columns) (revision 4), at most K_sel at the default budget."""
         return I32, ["B", "S", "K"]
@@ -98,8 +99,8 @@ class PortableOps:
 
     def _call(self, rope: tuple[str, str]) -> dict[str, str]:
         """Per-call geometry every layer shares, emitted once in scope `call` from the graph inputs
-        (input shape, past/new lengths, cache rows, window): positions, validity, gather bases, the
-        context columns with their causal/sink/window masks, the query RoPE factors. Emitting it once
+        (input shape, past/new lengths, cache rows): positions, validity, gather bases, the context
+        columns with their causal mask, the query RoPE factors (`_selection` adds a window's masks). Emitting it once
         instead of per layer removes most of a layer's small operators (ONNX Runtime pays a fixed cost
         per operator, which dominates a decode step of a small model)."""
         if self._geo:
@@ -107,7 +108,7 @@ class PortableOps:
         g, p, N = self.g, self.cfg.gsm, self.n_max
         c64 = {v: g.const(v, np.int64, f"i{v}") for v in (0, 1)}
         with g.in_scope("call"):
-            past, new, rows, window = "past_lengths", "new_lengths", "cache_rows", "sparse_window"
+            past, new, rows = "past_lengths", "new_lengths", "cache_rows"
             shape_bs = g.op("Shape", ["input_ids"])
             s_len = g.op("Shape", ["input_ids"], start=1, end=2)  # [1]
             pos, j = positions(g, past, "input_ids")  # [B, S]
@@ -143,22 +144,35 @@ class PortableOps:
             t3 = g.op("Unsqueeze", [pos, g.const([2], np.int64, "ax2")])  # [B, S, 1]
             geo["causal"] = g.op("And", [g.op("Unsqueeze", [col_ok, g.const([1], np.int64, "ax1")]),
                                          g.op("LessOrEqual", [s3, t3])])  # [B, S, C]
-            sink = g.op("Less", [s3, g.const(p.sink_tokens, np.int32, "sinks")])
-            win = g.op("Greater", [g.op("Add", [s3, window]), t3])  # s > t - window
-            geo["fixed"] = g.op("Or", [sink, win])  # [B, S, C]
-            n_cols = g.op("Add", [tc, s_len])  # [1]
-            geo["col_pos"] = g.op("Expand", [s3, g.op("Concat", [shape_bs, n_cols], axis=0)])  # [B, S, C]
-            # per-sequence budget sinks + window + top_k[b]; one TopK of the batch's largest (capped by the
-            # columns: a budget >= the context is dense attention), each sequence then keeps its own
-            budget = g.op("Add", [g.op("Add", [cast(g, "sparse_top_k", I64), cast(g, window, I64)]),
-                                  g.const(p.sink_tokens, np.int64, "sinks")])  # [B]
-            geo["k"] = k = g.op("Min", [g.op("ReduceMax", [budget], keepdims=1), n_cols])  # [1]
-            rank = g.op("Range", [c64[0], g.op("Squeeze", [k]), c64[1]])  # [k]
-            geo["in_budget"] = g.op("Less", [rank, g.op("Unsqueeze", [budget, g.const([1, 2], np.int64, "ax12")])])
+            geo.update(s3=s3, t3=t3, n_cols=g.op("Add", [tc, s_len]))  # [1]
+            geo["col_pos"] = g.op("Expand", [s3, g.op("Concat", [shape_bs, geo["n_cols"]], axis=0)])  # [B, S, C]
             length = g.op("Add", [tc, s_len])  # attn_mass covers positions 0..max(past) + S - 1
             geo["mass0"] = g.op("ConstantOfShape", [g.op("Concat", [g.op("Shape", ["input_ids"], end=1), length],
                                                          axis=0)], value=_zero_f32())
         self._geo = geo
+        return geo
+
+    def _selection(self, rope: tuple[str, str], window: str, top_k: str) -> dict[str, str]:
+        """The call's geometry plus what one (window [1], top_k [B]) pair decides, emitted once per distinct
+        pair (layers that select alike share it): the sink/window mask, the TopK width and the budget mask."""
+        key = (window, top_k)
+        if key in self._sel:
+            return self._sel[key]
+        geo = dict(self._call(rope))
+        g, p = self.g, self.cfg.gsm
+        with g.in_scope("call/selection"):
+            s3, t3 = geo["s3"], geo["t3"]
+            sink = g.op("Less", [s3, g.const(p.sink_tokens, np.int32, "sinks")])
+            win = g.op("Greater", [g.op("Add", [s3, window]), t3])  # s > t - window
+            geo["fixed"] = g.op("Or", [sink, win])  # [B, S, C]
+            # per-sequence budget sinks + window + top_k[b]; one TopK of the batch's largest (capped by the
+            # columns: a budget >= the context is dense attention), each sequence then keeps its own
+            budget = g.op("Add", [g.op("Add", [cast(g, top_k, I64), cast(g, window, I64)]),
+                                  g.const(p.sink_tokens, np.int64, "sinks")])  # [B]
+            geo["k"] = k = g.op("Min", [g.op("ReduceMax", [budget], keepdims=1), geo["n_cols"]])  # [1]
+            rank = g.op("Range", [g.const(0, np.int64, "i0"), g.op("Squeeze", [k]), g.const(1, np.int64, "i1")])
+            geo["in_budget"] = g.op("Less", [rank, g.op("Unsqueeze", [budget, g.const([1, 2], np.int64, "ax12")])])
+        self._sel[key] = geo
         return geo
 
     # -- GsmKVCacheUpdate ----------------------------------------------------------------------------
@@ -177,8 +191,8 @@ class PortableOps:
     # -- GsmSparseAttention --------------------------------------------------------------------------
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
-                  sparse_window: str | None = None, selected: str | None = None, source: int | None = None,
-                  quant: str | None = None) -> tuple[str, str | None, str | None]:
+                  sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
+                  source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
         """Owning (index_q given): select and attend; sharing (selected given): attend over the source's
         selection with K/V projected from the source's latents. Returns attn_out [B, S, nH*D], the
         selection (int32 [B, S, k] positions, -1 padded, named `selected.{l}`) and this layer's
@@ -187,7 +201,7 @@ class PortableOps:
         nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         grp = cfg.gqa_group
         owning = selected is None
-        geo = self._call(rope)
+        geo = self._selection(rope, sparse_window, top_k) if owning else self._call(rope)
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             if owning:
                 selected = self._select(l, geo, index_q, index_w, cache)

@@ -39,17 +39,25 @@ class PluginOps:
                  rows: PoolRows, max_top_k: int | None = None) -> None:
         self.g, self.cfg, self.ranks, self.n_max, self.rows = g, cfg, ranks, n_max, rows
         self.max_top_k = n_max if max_top_k is None else max_top_k
-        if not min(cfg.gsm.sparse_top_k, n_max) <= self.max_top_k <= n_max:  # the default budget must fit
-            raise ValueError(f"max_top_k must be in [min(sparse_top_k {cfg.gsm.sparse_top_k}, max-seq), "
-                             f"max-seq {n_max}], got {self.max_top_k}")
-        self.k_sel = cfg.gsm.sink_tokens + cfg.gsm.max_sparse_window + self.max_top_k
+        low = min(cfg.gsm.max_layer_top_k, n_max)
+        if not low <= self.max_top_k <= n_max:  # every layer's default budget must fit
+            raise ValueError(f"max_top_k must be in [min(the layers' largest sparse_top_k {cfg.gsm.max_layer_top_k}, "
+                             f"max-seq), max-seq {n_max}], got {self.max_top_k}")
+
+    def max_window(self, l: int) -> int:
+        """The node attribute max_sparse_window of owning layer l (its own window may exceed the model's)."""
+        return self.cfg.gsm.layer_max_window(l)
+
+    def k_sel(self, l: int) -> int:
+        """K_sel of owning layer l: the width of its `selected` and of the CUDA logits workspace."""
+        return self.cfg.gsm.sink_tokens + self.max_window(l) + self.max_top_k
 
     def _attrs(self, **kw: Any) -> dict[str, Any]:
         return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "n_max": self.n_max,
                 "rows_fp16": self.rows.fp16, "rows_int12": self.rows.int12, "rows_int8": self.rows.int8, **kw}
 
-    def selected_type(self) -> tuple[int, list[Any]]:
-        return I32, ["B", "S", self.k_sel]
+    def selected_type(self, l: int) -> tuple[int, list[Any]]:
+        return I32, ["B", "S", self.k_sel(l)]
 
     def mass_shape(self) -> list[Any]:
         return ["B", self.n_max]
@@ -72,7 +80,7 @@ class PluginOps:
             g.output(f"kv_pool_out.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)])
             g.output(f"index_keys_out.{l}", F16, ["R", self.n_max, dI])
         for l in self.cfg.owning_layers:  # per-layer probes (rev 4); the runtime binds them when asked
-            g.output(f"selected.{l}", *self.selected_type())
+            g.output(f"selected.{l}", *self.selected_type(l))
             g.output(f"attn_mass.{l}", F32, self.mass_shape())
 
     # -- nodes -------------------------------------------------------------------------------------
@@ -89,8 +97,8 @@ class PluginOps:
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
-                  sparse_window: str | None = None, selected: str | None = None, source: int | None = None,
-                  quant: str | None = None) -> tuple[str, str | None, str | None]:
+                  sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
+                  source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
         owning = selected is None
         rk, rv = self.ranks[l if owning else source]
@@ -98,11 +106,11 @@ class PluginOps:
         attrs = self._attrs(layer_kind=0 if owning else 1, num_heads=cfg.num_attention_heads,
                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rank_k=rk, rank_v=rv,
                             sink_tokens=p.sink_tokens, max_top_k=self.max_top_k,
-                            max_sparse_window=p.max_sparse_window)
+                            max_sparse_window=self.max_window(l if owning else source))
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)
-            ins += [index_q, index_w, cache["keys"], sparse_window, self.top_k, self.cache_rows]
+            ins += [index_q, index_w, cache["keys"], sparse_window, top_k, self.cache_rows]
             outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:
             ins += [selected, self.cache_rows]

@@ -111,6 +111,23 @@ class Network:
         self.projections, self.form = projections, form
         self._dq_done: set[str] = set()  # TensorRT form: weights whose DequantizeLinear is in the graph
         self._group_sums: dict[tuple[str, int, int], str] = {}  # (input, K, block) -> its group sums
+        self._selections: dict[tuple[int, int], tuple[str, str]] = {}  # (window, top_k) -> graph tensors
+
+    def layer_selection(self, i: int) -> tuple[str, str]:
+        """Owning layer i's window [1] and budgets [B] for its attention node (engine_io revision 7): the run-time
+        inputs where they are set, the layer's own (gsm_config layer_selection) where they hold the "model's"
+        values, `sparse_window` 0 and `sparse_top_k[b]` -1. One pair of Where per distinct selection."""
+        ls = self.cfg.gsm.selection_of(i)
+        key = (ls.sparse_window, ls.sparse_top_k)
+        if key not in self._selections:
+            g = self.g
+            with g.in_scope(f"call/selection_w{key[0]}_k{key[1]}"):
+                w = g.op("Where", [g.op("Less", ["sparse_window", g.const([1], np.int32, "one_i32")]),
+                                   g.const([ls.sparse_window], np.int32, "layer_window"), "sparse_window"])
+                k = g.op("Where", [g.op("Less", ["sparse_top_k", g.const(0, np.int32, "zero_i32")]),
+                                   g.const(ls.sparse_top_k, np.int32, "layer_top_k"), "sparse_top_k"])
+            self._selections[key] = (w, k)
+        return self._selections[key]
 
     def proj(self, x2d: str, name: str, residual: str | None = None) -> str:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
@@ -267,7 +284,7 @@ class Network:
         ids = g.input("input_ids", I64, ["B", "S"])
         past = g.input("past_lengths", I32, ["B"])
         new = g.input("new_lengths", I32, ["B"])
-        window = g.input("sparse_window", I32, [1])
+        g.input("sparse_window", I32, [1])
         cache = ops.declare_cache()
         tables = rope_tables(spec.n_max, cfg.head_dim, cfg.rope_theta)
         rope = (g.weight(ROPE_COS, lambda: tables[0]), g.weight(ROPE_SIN, lambda: tables[1]))
@@ -301,8 +318,9 @@ class Network:
             if cfg.is_owning(i):
                 cache[i] = ops.kv_update(i, cache[i], ck, cv, key, past, new)
                 up = (self.lw("k_U", i, keep_f32=True), self.lw("v_U", i, keep_f32=True))
+                window, top_k = self.layer_selection(i)
                 attn, selected[i], mass = ops.attention(i, q, cache[i], past, new, rope=rope, up=up, index_q=iq,
-                                                        index_w=iw, sparse_window=window, quant=quant[i])
+                                                        index_w=iw, sparse_window=window, top_k=top_k, quant=quant[i])
                 masses.append(mass)
             else:
                 src = cfg.gsm.kv_sharing[i]
@@ -325,7 +343,7 @@ class Network:
         if spec.debug:
             for l in cfg.owning_layers:
                 g.op("Identity", [selected[l]], outputs=[f"selected.{l}"])
-                g.output(f"selected.{l}", *ops.selected_type())
+                g.output(f"selected.{l}", *ops.selected_type(l))
 
     def _head(self, h: str, shape_bs: str, new: str) -> None:
         """Final norm and LM head, on the last valid row of each sequence (`last`) or every row (`all`)."""

@@ -25,7 +25,7 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 6
+GRAPH_REVISION = 7
 OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 
@@ -125,6 +125,13 @@ def _ranks(v: Any) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _layer_selection(v: Any) -> dict[int, tuple[int, int]]:
+    out = {int(k): (int(w), int(t)) for k, (w, t) in v.items()}
+    if any(w < 1 or t < 0 for w, t in out.values()):
+        raise ValueError("a window below 1 or a negative top-k")
+    return out
+
+
 def _pool_rows(v: Any) -> PoolRows:
     return PoolRows(**{k: _int(0)(v[k]) for k in ("fp16", "int12", "int8")})
 
@@ -187,8 +194,19 @@ class BundleConfig:
     max_top_k: int | None = _spec(_optional(_int(0)), "an integer >= 0", default=None)
     # written since --weights existed; older bundles have FP16 weights
     weights: dict[str, Any] = _spec(_record, "an object with a format", default_factory=lambda: {"format": "fp16"})
+    # owning layer -> (window, top_k) where the checkpoint chose per layer (revision 7 graphs select so when the
+    # run-time window is 0 and a budget -1); empty: every layer selects with sparse_window and sparse_top_k
+    layer_selection: dict[int, tuple[int, int]] = _spec(_layer_selection, "an object layer -> [window, top_k]",
+                                                        default_factory=dict)
+
+    def selection_of(self, layer: int) -> tuple[int, int]:
+        """(window, top_k) owning layer `layer` selects with by default."""
+        return self.layer_selection.get(layer, (self.sparse_window, self.sparse_top_k))
 
     def __post_init__(self) -> None:
+        if not set(self.layer_selection) <= set(self.owning_layers):
+            raise BundleError(f"layer_selection names layers {sorted(set(self.layer_selection) - set(self.owning_layers))} "
+                              "that own no KV cache")
         if set(self.ranks) != set(self.owning_layers):
             raise BundleError(f"ranks has layers {sorted(self.ranks)}, owning_layers {list(self.owning_layers)}")
         if self.sparse_window > self.max_sparse_window:
@@ -238,6 +256,7 @@ class BundleConfig:
         d["owning_layers"] = list(self.owning_layers)
         d["ranks"] = {str(l): list(r) for l, r in sorted(self.ranks.items())}
         d["pool_rows"] = dataclasses.asdict(self.pool_rows)
+        d["layer_selection"] = {str(l): list(v) for l, v in sorted(self.layer_selection.items())}
         d["kv_quantization"] = self.kv_quantization.to_json()["kv_quantization"]
         return d
 

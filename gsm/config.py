@@ -51,6 +51,21 @@ def gsm_checksum(gsm_config: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
+class LayerSelection:
+    """One owning layer's selection (spec 4.1 per layer): sinks (the model's) + `sparse_window` + `sparse_top_k`.
+
+    `sparse_top_k = 0` is a streaming layer (sinks + window, no indexer pick: DuoAttention's split)."""
+
+    sparse_window: int
+    sparse_top_k: int
+
+    @property
+    def rows(self) -> int:
+        """Rows a query past the dense threshold reads, less the model's sinks."""
+        return self.sparse_window + self.sparse_top_k
+
+
+@dataclass(frozen=True)
 class GSMParams:
     """`gsm_config` of config.json; defaults are those of spec section 2."""
 
@@ -67,6 +82,9 @@ class GSMParams:
     kv_sharing: dict[int, int] = field(default_factory=dict)
     shared_layer_grouping: tuple[str, ...] = ("entity", "relation", "logic")
     quantization_adaptation_rate: int = 1000
+    # owning layer -> its own window and top-k (docs/decisions.md "Selection per layer"); a layer not named
+    # here, and every layer when this is empty (format v1), selects with sparse_window and sparse_top_k
+    layer_selection: dict[int, LayerSelection] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sparse_window < 1:
@@ -95,6 +113,13 @@ class GSMParams:
                     "earlier layer (its latents must exist when the sharing layer runs)")
             if src in self.kv_sharing:
                 raise ConfigError(f"gsm_config.kv_sharing: source layer {src} is itself sharing")
+        for layer, ls in self.layer_selection.items():
+            if layer in self.kv_sharing:
+                raise ConfigError(f"gsm_config.layer_selection: layer {layer} shares layer "
+                                  f"{self.kv_sharing[layer]}'s KV and selection (spec 4.2); it has no selection of its own")
+            if ls.sparse_window < 1 or ls.sparse_top_k < 0:
+                raise ConfigError(f"gsm_config.layer_selection[{layer}]: sparse_window must be >= 1 and sparse_top_k "
+                                  f">= 0, got {ls.sparse_window} and {ls.sparse_top_k}")
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GSMParams:
@@ -111,6 +136,9 @@ class GSMParams:
             for k in ("shared_layers", "shared_layer_grouping"):
                 if k in kw:
                     kw[k] = tuple(kw[k])
+            if "layer_selection" in kw:
+                kw["layer_selection"] = {int(k): LayerSelection(int(v["sparse_window"]), int(v["sparse_top_k"]))
+                                         for k, v in (kw["layer_selection"] or {}).items()}
             return cls(**kw)
         except (TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ConfigError):
@@ -122,12 +150,62 @@ class GSMParams:
         d["shared_layers"] = list(self.shared_layers)
         d["shared_layer_grouping"] = list(self.shared_layer_grouping)
         d["kv_sharing"] = {str(k): v for k, v in sorted(self.kv_sharing.items())}
+        if self.layer_selection:
+            d["layer_selection"] = {str(k): dataclasses.asdict(v) for k, v in sorted(self.layer_selection.items())}
+        else:
+            del d["layer_selection"]  # a v1 config stays byte-identical (and keeps its checksum)
         d["checksum"] = gsm_checksum(d)
         return d
 
     def selection_is_dense(self, n_positions: int) -> bool:
         """Spec 4.1: a query at t attends densely when t + 1 <= sinks + window + top_k."""
         return n_positions <= self.sink_tokens + self.sparse_window + self.sparse_top_k
+
+    def selection_of(self, layer: int) -> LayerSelection:
+        """The window and top-k owning layer `layer` selects with."""
+        return self.layer_selection.get(layer, LayerSelection(self.sparse_window, self.sparse_top_k))
+
+    def for_layer(self, layer: int) -> GSMParams:
+        """These params with owning layer `layer`'s window and top-k in the uniform fields (what select() reads)."""
+        ls = self.layer_selection.get(layer)
+        if ls is None:
+            return self
+        return dataclasses.replace(self, sparse_window=ls.sparse_window, sparse_top_k=ls.sparse_top_k,
+                                   max_sparse_window=max(self.max_sparse_window, ls.sparse_window), layer_selection={})
+
+    def overridden(self, *, sparse_top_k: int | None = None, sparse_window: int | None = None) -> GSMParams:
+        """A run-time override, as the engines apply it: every layer selects with the given top-k (window),
+        the field not given stays each layer's own."""
+        per = {i: LayerSelection(ls.sparse_window if sparse_window is None else sparse_window,
+                                 ls.sparse_top_k if sparse_top_k is None else sparse_top_k)
+               for i, ls in self.layer_selection.items()}
+        return dataclasses.replace(self, layer_selection=per,
+                                   sparse_top_k=self.sparse_top_k if sparse_top_k is None else sparse_top_k,
+                                   sparse_window=self.sparse_window if sparse_window is None else sparse_window)
+
+    @property
+    def max_layer_top_k(self) -> int:
+        """The largest top-k any layer selects with by default (the engines' max_top_k floor)."""
+        return max([self.sparse_top_k, *(ls.sparse_top_k for ls in self.layer_selection.values())])
+
+    def layer_max_window(self, layer: int) -> int:
+        """The widest window owning layer `layer` may select with: its own, or a run-time one."""
+        return max(self.max_sparse_window, self.selection_of(layer).sparse_window)
+
+    def recency_equivalent(self) -> GSMParams:
+        """The same rows per layer given to sinks + a window (top-k 0): the baseline a selector must beat."""
+        per = {i: LayerSelection(self.selection_of(i).rows, 0) for i in self.layer_selection}
+        w = self.sparse_window + self.sparse_top_k
+        return dataclasses.replace(self, sparse_window=w, sparse_top_k=0, max_sparse_window=max(self.max_sparse_window, w),
+                                   layer_selection=per)
+
+    def mean_rows(self, layers: list[int], n_positions: int) -> float:
+        """Rows a query at position n_positions - 1 reads per layer, averaged over `layers` (sinks included)."""
+        return sum(min(n_positions, self.sink_tokens + self.selection_of(i).rows) for i in layers) / max(len(layers), 1)
+
+    def selection_summary(self) -> dict[str, Any]:
+        return {"sink_tokens": self.sink_tokens, "sparse_window": self.sparse_window, "sparse_top_k": self.sparse_top_k,
+                "layer_selection": {str(k): dataclasses.asdict(v) for k, v in sorted(self.layer_selection.items())}}
 
 
 @dataclass(frozen=True)

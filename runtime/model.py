@@ -155,6 +155,11 @@ class Runtime:
         # default selection budget of every sequence (Sequence_.sparse_top_k overrides it per sequence)
         self.sparse_top_k = cfg.sparse_top_k if sparse_top_k is None else check_sparse_top_k(sparse_top_k, self.n_max)
         self._check_budgets(np.array([self.sparse_top_k]))
+        # what the graphs are sent when nobody chose: since engine_io revision 7 window 0 and budget -1, "each
+        # layer's own" (gsm_config layer_selection; the model's window and top-k in a layer without one)
+        per_layer = cfg.graph_revision >= 7
+        self._window_input = 0 if per_layer and sparse_window is None else self.sparse_window
+        self._default_budget = -1 if per_layer and sparse_top_k is None else self.sparse_top_k
         self.vocab_size = cfg.vocab_size
         self.logits_all = cfg.logits == "all"  # prefill returns every position's logits (prompt scoring)
         self.bos_token_id = cfg.bos_token_id
@@ -191,7 +196,7 @@ class Runtime:
         its own budget (`Sequence_.sparse_top_k`). Updates each sequence's positions and hotness (no re-tier:
         prefill_batch / decode_batch do that). probes: also return each owning layer's selection and mass."""
         ids, past, new = self._call_inputs(seqs, chunks)
-        out = self.backend.forward([s.cache for s in seqs], ids, past, new, self.sparse_window,
+        out = self.backend.forward([s.cache for s in seqs], ids, past, new, self._window_input,
                                    self._budgets(seqs), probes=probes)
         for b, (s, c) in enumerate(zip(seqs, chunks)):
             s.state.add_positions([int(t) for t in c])
@@ -201,13 +206,14 @@ class Runtime:
         return out
 
     def _budgets(self, seqs: Sequence[Sequence_]) -> np.ndarray:
-        return self._check_budgets(np.array([s.effective_sparse_top_k for s in seqs], np.int32))
+        return self._check_budgets(np.array([self._default_budget if s.sparse_top_k is None else s.sparse_top_k
+                                             for s in seqs], np.int32))
 
     def _check_budgets(self, budgets: np.ndarray) -> np.ndarray:
         """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
         budget there rather than silently running the build-time one."""
         fixed = self.cfg.sparse_top_k
-        if not self.capabilities.per_sequence_top_k and np.any(budgets != fixed):
+        if not self.capabilities.per_sequence_top_k and np.any((budgets != fixed) & (budgets >= 0)):
             raise RequestError("sparse_top_k", f"this bundle's {self.backend.name} graph selects with its build-time "
                                                f"budget {fixed} only (engine_io revision {self.cfg.graph_revision}; "
                                                "per-sequence budgets came with revision 4): rebuild it with "
@@ -285,7 +291,7 @@ class Runtime:
         if probed:
             pseqs = [seqs[b] for b in probed]
             ids, past, new = self._call_inputs(pseqs, [[int(tokens[b])] for b in probed])
-            dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self.sparse_window,
+            dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self._window_input,
                                          self._check_budgets(np.full(len(pseqs), self.n_max, np.int32)),
                                          probes=True, commit=False)
         res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed))

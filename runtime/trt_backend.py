@@ -145,8 +145,10 @@ class TrtBackend:
         # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An older
         # engine selects with its build-time top_k only (Runtime refuses other budgets).
         self.per_sequence_top_k = cfg.graph_revision >= 4
-        k_sel = int(self.engine.get_tensor_shape(f"selected.{self.layers[0]}")[-1]) if self.per_sequence_top_k else 0
-        self.max_top_k = k_sel - cfg.sink_tokens - cfg.max_sparse_window
+        l0 = self.layers[0]
+        k_sel = int(self.engine.get_tensor_shape(f"selected.{l0}")[-1]) if self.per_sequence_top_k else 0
+        # revision 7: a layer's node window is the wider of the model's and its own (layer_selection)
+        self.max_top_k = k_sel - cfg.sink_tokens - max(cfg.max_sparse_window, cfg.selection_of(l0)[0])
         # KV noise: the pools are read back and dequantised on the host with the demotion graph's tables, which
         # needs the onnx package (the builder extra the engine was built with); without it no noise is measured
         try:
@@ -232,9 +234,8 @@ class TrtBackend:
         mass = self.bufs["attn_mass"].download(np.empty((B, self.n_max), np.float32), self.stream)
         sel = layer_mass = None
         if probes:
-            k_sel = self._max_shape(f"selected.{self.layers[0]}")[-1]
-            sel = {l: self.bufs[f"selected.{l}"].download(np.empty((B, S, k_sel), np.int32), self.stream)
-                   for l in self.layers}
+            sel = {l: self.bufs[f"selected.{l}"].download(
+                np.empty((B, S, self._max_shape(f"selected.{l}")[-1]), np.int32), self.stream) for l in self.layers}
             layer_mass = {l: self.bufs[f"attn_mass.{l}"].download(np.empty((B, self.n_max), np.float32), self.stream)
                           for l in self.layers}
         _check(self.cudart.cudaStreamSynchronize(self.stream))

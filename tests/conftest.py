@@ -77,6 +77,25 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
         extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
 
 
+def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, int]]) -> Path:
+    """A copy of checkpoint `base` whose owning layers select per `table` (layer -> (window, top_k)),
+    gsm_config layer_selection; weights, quantisation, tokenizer and calibration as they were."""
+    import dataclasses
+
+    from gsm import checkpoint
+    from gsm.config import LayerSelection
+
+    cfg = checkpoint.load_config(base)
+    sel = {l: LayerSelection(w, k) for l, (w, k) in table.items()}
+    cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, layer_selection=sel))
+    tok = base / "tokenizer.json"
+    calib = base / "kv_calibration.safetensors"
+    return checkpoint.write_checkpoint_arrays(
+        out, cfg, checkpoint.load_quant(base), checkpoint.load_state_dict(base),
+        tokenizer_json=tok.read_text() if tok.is_file() else None,
+        extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
+
+
 # the serving tests' bundles (tests/test_serve*.py): the demo model plain and with a ChatML template, 8 rows
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):

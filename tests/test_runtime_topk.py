@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import numpy as np
 import pytest
@@ -46,9 +45,10 @@ def bundle(ckpt, tmp_path_factory):
 
 
 def golden_at(base: GoldenModel, top_k: int) -> GoldenModel:
-    """The golden with the checkpoint's sparse_top_k replaced (same weights, tiers, calibration)."""
+    """The golden with every layer's sparse_top_k replaced, as a run-time budget does (same weights, tiers,
+    calibration; a layer's own window stays)."""
     return GoldenModel(base.w, mode=base.mode, quant=base.quant, calibration=base.calib,
-                       params=dataclasses.replace(base.p, sparse_top_k=top_k))
+                       params=base.p.overridden(sparse_top_k=top_k))
 
 
 def selection_mask(selected: np.ndarray, n: int) -> np.ndarray:
@@ -74,15 +74,14 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
     switched to dense (`use_dense()`) at decode step `dense_at`: every prefill and decode step of each
     equals GoldenModel deployed at that sparse_top_k (logits, selections, tiers: `check_step`), greedy.
     Returns the sequences; afterwards checks the selection sizes of the sparse and dense ones."""
-    default = base.p.sparse_top_k
-    budgets = [0, 3, None, N_MAX, None]  # None: the bundle default
+    budgets = [0, 3, None, N_MAX, None]  # None: the bundle default (each layer's own)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 259, n).tolist() for n in (40, 25, 33, 12, 30)]
     seqs = [rt.new_sequence() for _ in budgets]
     goldens, caches, g_out = [], [], []
     for s, k, p in zip(seqs, budgets, prompts):
         s.sparse_top_k = k
-        goldens.append(golden_at(base, default if k is None else k))
+        goldens.append(base if k is None else golden_at(base, k))
         caches.append(goldens[-1].new_cache())
         with torch.no_grad():
             g_out.append(goldens[-1].prefill(caches[-1], p, trace=True))
@@ -104,11 +103,14 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
         for b in (3, 4) if step >= dense_at else (3,):  # dense: every position 0..t is selected
             for l in rt.cfg.owning_layers:
                 assert selection_mask(seqs[b].last.selected[l][0], seqs[b].length).all()
-    # sparse budgets select exactly sinks + window + top_k positions once the context is longer
-    sinks, w = rt.cfg.sink_tokens, rt.sparse_window
-    for b, k in ((0, 0), (1, 3), (2, default)):
-        got = seqs[b].last.selected[rt.cfg.owning_layers[0]][0]
-        assert int((got >= 0).sum()) == sinks + w + k
+    # sparse budgets select exactly sinks + window + top_k positions once the context is longer (each layer
+    # its own window, and its own top-k unless the sequence has a budget)
+    for l in rt.cfg.owning_layers:
+        own_w, own_k = rt.cfg.selection_of(l)
+        w = own_w if rt._window_input == 0 else rt.sparse_window
+        for b, k in ((0, 0), (1, 3), (2, own_k)):
+            got = seqs[b].last.selected[l][0]
+            assert int((got >= 0).sum()) == rt.cfg.sink_tokens + w + k, f"sequence {b}, layer {l}"
     return seqs
 
 

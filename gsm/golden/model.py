@@ -110,8 +110,12 @@ class GoldenModel:
                 c = cache.layers[i]
                 for hook in self.latent_hooks:
                     hook(i, n0, c.ck[n0:], c.cv[n0:])
-                scores = index_scores(x, kv.idx_q, kv.idx_w, c.keys, cfg.gsm.indexer_heads)  # [T, n]
-                sel_of[i] = select(scores, q_pos, self.p)
+                lp = self.p.for_layer(i)
+                if lp.sparse_top_k > 0:
+                    scores = index_scores(x, kv.idx_q, kv.idx_w, c.keys, cfg.gsm.indexer_heads)  # [T, n]
+                else:  # a streaming layer (sinks + window): no indexer pick to score
+                    scores = torch.zeros(T, n)
+                sel_of[i] = select(scores, q_pos, lp)
                 k, v = A.reconstruct_owning(c.ck, c.cv, kv.k_U, kv.v_U, cfg.num_key_value_heads,
                                             cfg.rope_theta)
             else:

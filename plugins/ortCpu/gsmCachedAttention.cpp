@@ -189,13 +189,19 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         }
     });
 
-    // -- B: index scores of every causal position of each query, by position, in blocks --------------------
+    // -- B: index scores of every causal position of each query, by position, in blocks; only for the queries
+    //       whose budget leaves the indexer a pick (section C's test): a streaming layer (top-k 0) and a query
+    //       within sinks + window skip the scan of every cached key ---------------------------------------
+    auto needsScores = [&](int64_t q) {
+        int64_t const t = qpos(q), lo = std::min(d.sinks, t + 1), ws = std::max(t - W + 1, lo);
+        return std::min(d.sinks + W + in.topK[q / S], k) > lo + (t + 1 - ws);
+    };
     sc.scoreOff.resize(static_cast<size_t>(Q + 1));
     sc.blockStart.resize(static_cast<size_t>(Q + 1));
     sc.scoreOff[0] = sc.blockStart[0] = 0;
     for (int64_t q = 0; q < Q; ++q)
     {
-        int64_t const cols = qpos(q) + 1;
+        int64_t const cols = needsScores(q) ? qpos(q) + 1 : 0;
         sc.scoreOff[q + 1] = sc.scoreOff[q] + cols;
         sc.blockStart[q + 1] = sc.blockStart[q] + (cols + kScoreBlock - 1) / kScoreBlock;
     }

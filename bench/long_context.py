@@ -1,0 +1,266 @@
+"""Long context on a real model: perplexity by position at 2K-8K, and fact retrieval through the chat template.
+
+    python bench/long_context.py ppl --checkpoint C --dense SRC --eval-text EVAL [--lengths 2048,4096,8192]
+        [--sequences 2] [--models dense,gsm,all,recency]
+    python bench/long_context.py retrieval --checkpoint C --dense SRC --eval-text EVAL [--lengths 1024,2048,4096,8192]
+        [--depths 0.1,0.5,0.9] [--models dense,gsm,recency]
+
+Models (`--models`), all scored on the same token sequences:
+- `dense`: the dense source in float32 (a dequantised GGUF is the model GSM was converted from);
+- `gsm`: the GSM golden model (exact mode) at the checkpoint's own selection (its per-layer choices
+  when it has them);
+- `all`: GSM with every position selected, which isolates the latents' cost from the selection's;
+- `recency`: GSM with the same rows per layer given to sinks + a window (no indexer), the baseline a
+  selector has to beat.
+Each is a chunked prefill (`--chunk` positions at a time, cache kept), so memory holds the cache and one
+chunk's [heads, chunk, T] attention, never [heads, T, T]: an 8K window fits in a few GB.
+
+`ppl`: held-out windows of the evaluation text (paragraphs joined by a blank line, as bench/quality_real.py),
+perplexity over the whole window and per position bucket (0-1K, 1-2K, 2-4K, 4-8K), each model against dense.
+`retrieval`: a fact ("The code of the <colour> <object> is <5 digits>.") placed at a depth of a filler cut
+from the evaluation text, a question for it after the filler, one user turn through the checkpoint's
+chat template, greedy answer; scored exactly: the answer contains the fact's digits. Facts, fillers and
+questions are a pure function of (length, depth, trial), so every model sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from quality_real import Setup, chat_prompt_ids, eval_stream  # noqa: E402
+
+from gsm.golden.model import GoldenModel  # noqa: E402
+
+MODELS = ("dense", "gsm", "all", "recency")
+BUCKETS = (0, 1024, 2048, 4096, 8192)
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+# -- the models, one chunked interface ---------------------------------------------------------------
+def golden_variant(setup: Setup, name: str, n: int) -> GoldenModel:
+    """The GSM golden model of `name` for contexts up to n positions (exact mode)."""
+    g, p = setup.gsm, setup.cfg.gsm
+    if name == "gsm":
+        return g
+    if name == "all":
+        return GoldenModel(g.w, mode="exact", params=p.overridden(sparse_top_k=n))
+    if name == "recency":
+        rp = p.recency_equivalent()
+        return GoldenModel(replace(g.w, cfg=setup.cfg.replace(gsm=rp)), mode="exact")
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+class Runner:
+    """prefill(ids) -> logits of every position, chunked; step(token) -> next logits; one sequence at a time."""
+
+    def __init__(self, setup: Setup, name: str, n: int, chunk: int) -> None:
+        self.setup, self.name, self.chunk = setup, name, chunk
+        self.golden = None if name == "dense" else golden_variant(setup, name, n)
+
+    def prefill(self, ids: torch.Tensor, keep_logits: bool = True) -> torch.Tensor:
+        parts = []
+        if self.golden is None:
+            self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for a in range(0, ids.numel(), self.chunk):
+                logits, _ = self.setup.dense.run_cached(ids[None, a:a + self.chunk], self.kv)
+                parts.append(logits[0] if keep_logits else logits[0, -1:])
+        else:
+            self.cache = self.golden.new_cache()
+            for a in range(0, ids.numel(), self.chunk):
+                logits = self.golden.forward(self.cache, ids[a:a + self.chunk]).logits
+                parts.append(logits if keep_logits else logits[-1:])
+        return torch.cat(parts)
+
+    def step(self, token: int) -> torch.Tensor:
+        if self.golden is None:
+            return self.setup.dense.run_cached(torch.tensor([[token]]), self.kv)[0][0, -1]
+        return self.golden.forward(self.cache, [token]).logits[-1]
+
+
+# -- perplexity by position --------------------------------------------------------------------------
+def bucket_edges(n: int) -> list[tuple[int, int]]:
+    edges = [b for b in BUCKETS if b < n] + [n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@torch.no_grad()
+def cmd_ppl(a: argparse.Namespace) -> dict[str, Any]:
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    res: dict[str, Any] = {"checkpoint": str(a.checkpoint), "selection": s.cfg.gsm.selection_summary(),
+                           "by_length": {}}
+    for L in a.lengths:
+        seqs = s.sequences(L, a.sequences)
+        nll = {m: torch.zeros(0) for m in a.models}
+        secs = dict.fromkeys(a.models, 0.0)
+        for b, row in enumerate(seqs):
+            for m in a.models:
+                t0 = time.perf_counter()
+                logits = Runner(s, m, L, a.chunk).prefill(row)
+                tok = F.cross_entropy(logits[:-1], row[1:], reduction="none")  # position j predicts j + 1
+                nll[m] = torch.cat([nll[m], tok])
+                secs[m] += time.perf_counter() - t0
+                print(f"[ppl] {L} seq {b} {m}: {math.exp(float(tok.mean())):.4f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        per_seq = L - 1
+        out: dict[str, Any] = {"sequences": int(seqs.shape[0]), "tokens": int(seqs.shape[0]) * per_seq,
+                               "seconds": secs, "perplexity": {}, "buckets": {}}
+        for m, v in nll.items():
+            out["perplexity"][m] = math.exp(float(v.mean()))
+            by = v.view(-1, per_seq)
+            out["buckets"][m] = {f"{lo}-{hi}": math.exp(float(by[:, lo:hi - 1].mean()))
+                                 for lo, hi in bucket_edges(L)}
+        if "dense" in nll:
+            out["relative_to_dense"] = {m: p / out["perplexity"]["dense"] - 1 for m, p in out["perplexity"].items()}
+            out["buckets_relative_to_dense"] = {
+                m: {k: v / out["buckets"]["dense"][k] - 1 for k, v in bk.items()} for m, bk in out["buckets"].items()}
+        res["by_length"][L] = out
+        print(f"[ppl] {L}: " + ", ".join(f"{m} {p:.4f}" + (f" ({out['relative_to_dense'][m]:+.2%})"
+                                                           if "dense" in nll else "")
+                                         for m, p in out["perplexity"].items()), flush=True)
+        if a.out:  # after each length: a long run stopped early keeps what it measured
+            a.out.write_text(json.dumps(res, indent=1))
+    return res
+
+
+# -- retrieval ---------------------------------------------------------------------------------------
+COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black")
+OBJECTS = ("box", "door", "bottle", "drawer", "suitcase", "gate", "locker", "chest")
+
+
+def fact_of(length: int, depth: float, trial: int) -> tuple[str, str, str]:
+    """(fact sentence, question, digits) for one probe, a pure function of its coordinates."""
+    r = random.Random(f"{length}/{depth}/{trial}")
+    what = f"{r.choice(COLOURS)} {r.choice(OBJECTS)}"
+    digits = str(r.randrange(10000, 100000))
+    return (f"The code of the {what} is {digits}.", f"What is the code of the {what}? Answer with the number only.",
+            digits)
+
+
+def probe_prompt(s: Setup, filler: list[int], length: int, depth: float, trial: int) -> tuple[list[int], list[int],
+                                                                                                str]:
+    """The chat-template prompt of `length` tokens (within a few) holding the fact at `depth` of the filler."""
+    fact, question, digits = fact_of(length, depth, trial)
+    dec = s.tokenizer.decode
+    wrap, stops = chat_prompt_ids(s.ckpt, f"{fact}\n\n{question}")
+    overhead = len(wrap) + 2  # template, fact, question, two separators
+    body = max(length - overhead, 16)
+    start = (trial * 7919) % max(len(filler) - body, 1)  # each trial its own stretch of text
+    text = filler[start:start + body]
+    cut = int(depth * len(text))
+    doc = dec(text[:cut]).rstrip() + "\n" + fact + "\n" + dec(text[cut:]).lstrip()
+    ids, _ = chat_prompt_ids(s.ckpt, f"{doc}\n\n{question}")
+    return ids, stops, digits
+
+
+@torch.no_grad()
+def answer(r: Runner, ids: list[int], stops: list[int], max_new: int) -> list[int]:
+    logits = r.prefill(torch.tensor(ids), keep_logits=False)[-1]
+    out: list[int] = []
+    for _ in range(max_new):
+        t = int(torch.argmax(logits))
+        out.append(t)
+        if t in stops:
+            break
+        logits = r.step(t)
+    return out
+
+
+def cmd_retrieval(a: argparse.Namespace) -> dict[str, Any]:
+    s = Setup(a.checkpoint, a.dense, a.eval_text)
+    filler = eval_stream(a.eval_text, s.tokenizer, max(a.lengths) * 4)
+    res: dict[str, Any] = {"checkpoint": str(a.checkpoint), "selection": s.cfg.gsm.selection_summary(),
+                           "probes": [], "score": {}}
+    for L in a.lengths:
+        for depth in a.depths:
+            for trial in range(a.trials):
+                ids, stops, digits = probe_prompt(s, filler, L, depth, trial)
+                row: dict[str, Any] = {"length": L, "prompt_tokens": len(ids), "depth": depth, "trial": trial,
+                                       "digits": digits}
+                for m in a.models:
+                    t0 = time.perf_counter()
+                    text = s.tokenizer.decode(answer(Runner(s, m, len(ids) + a.max_new, a.chunk), ids, stops,
+                                                     a.max_new))
+                    row[m] = {"answer": text, "correct": digits in text, "seconds": time.perf_counter() - t0}
+                    print(f"[retrieval] {L} depth {depth} trial {trial} {m}: {'ok ' if digits in text else 'MISS'} "
+                          f"{text!r} ({row[m]['seconds']:.0f} s)", flush=True)
+                res["probes"].append(row)
+                if a.out:
+                    a.out.write_text(json.dumps(res, indent=1))
+    for m in a.models:
+        res["score"][m] = {f"{L}@{d}": sum(p[m]["correct"] for p in res["probes"] if p["length"] == L
+                                           and p["depth"] == d) for L in a.lengths for d in a.depths}
+        res["score"][m]["total"] = sum(p[m]["correct"] for p in res["probes"])
+    res["trials_per_cell"] = a.trials
+    print(f"[retrieval] correct of {a.trials} per (length@depth): " + json.dumps(res["score"]), flush=True)
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p: argparse.ArgumentParser, lengths: list[int], models: str) -> None:
+        p.add_argument("--checkpoint", type=Path, required=True)
+        p.add_argument("--dense", type=Path, required=True, help="the dense source (.gguf, HF dir)")
+        p.add_argument("--eval-text", type=Path, required=True)
+        p.add_argument("--lengths", type=ints, default=lengths)
+        p.add_argument("--models", type=lambda v: v.split(","), default=models.split(","))
+        p.add_argument("--chunk", type=int, default=512, help="positions per prefill call")
+        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--out", type=Path, help="write the results JSON here")
+
+    pp = sub.add_parser("ppl", help="perplexity by position, each model against dense")
+    common(pp, [2048, 4096, 8192], "dense,gsm,all")
+    pp.add_argument("--sequences", type=int, default=2, help="held-out windows per length")
+
+    rt = sub.add_parser("retrieval", help="a fact at a depth of long filler, asked for at the end")
+    common(rt, [1024, 2048, 4096, 8192], "dense,gsm,recency")
+    rt.add_argument("--depths", type=floats, default=[0.1, 0.5, 0.9])
+    rt.add_argument("--trials", type=int, default=1, help="probes per (length, depth)")
+    rt.add_argument("--max-new", type=int, default=12)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    torch.set_num_threads(a.threads)
+    bad = [m for m in a.models if m not in MODELS]
+    if bad:
+        print(f"error: --models {','.join(bad)}: choose from {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    try:
+        res = {"ppl": cmd_ppl, "retrieval": cmd_retrieval}[a.cmd](a)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    res["command"] = " ".join(sys.argv)
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
