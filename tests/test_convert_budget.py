@@ -16,6 +16,7 @@ from gsm.convert import budget as bud
 from gsm.convert import indexer as ixr
 from gsm.convert.pipeline import ConvertOptions, Lengths, budget_sequences, check_lengths
 from gsm.golden import attention as A
+from gsm.golden.model import GoldenModel
 from gsm.golden.selection import index_scores
 
 
@@ -162,3 +163,83 @@ def test_chunked_prefill_sequence_equals_whole_capture(stories_src):
     assert (chunked.rows == whole.rows).all()
     for sel in bud.SELECTORS:
         np.testing.assert_allclose(chunked.per_layer(sel), whole.per_layer(sel), atol=1e-5)
+
+
+def _curve_from(table: dict[str, list[list[float]]], ks: tuple[int, ...]) -> bud.HitRateCurve:
+    """A curve whose per-layer hit rates are `table[selector][layer][j]` at ks[j] (one sparse row each)."""
+    n = len(table["indexer"])
+    c = bud.HitRateCurve(ks, n)
+    for s in bud.SELECTORS:
+        c.sums[s] = np.array(table[s], dtype=np.float64)
+    c.rows = np.ones((n, len(ks)), dtype=np.int64)
+    return c
+
+
+def _best_by_enumeration(curve: bud.HitRateCurve, target: float) -> float:
+    """The fewest mean rows over every combination of per-layer options reaching the target (brute force)."""
+    import itertools
+
+    opts = bud.layer_options(curve)
+    best = float("inf")
+    for combo in itertools.product(*opts):
+        if np.mean([o.hit_rate for o in combo]) >= target:
+            best = min(best, float(np.mean([o.k for o in combo])))
+    return best
+
+
+def test_allocate_gives_rows_where_they_buy_hit_rate():
+    """A local layer (recency saturates at once) and a far-attending one (only the indexer helps): the local layer
+    gets a short window, the other the indexer's rows; the mean rows equal the brute-force optimum, and below the
+    uniform choice's at the same target."""
+    ks = (0, 16, 64, 256)
+    curve = _curve_from({"indexer": [[0.90, 0.92, 0.94, 0.96], [0.30, 0.70, 0.90, 0.99]],
+                         "recency": [[0.90, 0.99, 1.00, 1.00], [0.30, 0.35, 0.45, 0.60]]}, ks)
+    picks, reached = bud.allocate(curve, 0.94)
+    assert reached
+    assert (picks[0].selector, picks[0].k) == ("recency", 16) and (picks[1].selector, picks[1].k) == ("indexer", 64)
+    assert np.mean([p.hit_rate for p in picks]) >= 0.94
+    assert np.mean([p.k for p in picks]) == _best_by_enumeration(curve, 0.94) == 40
+    k, _ = bud.choose_top_k(curve, 0.94)
+    assert k == 256  # uniform: the indexer's mean reaches 0.94 only there
+    sel = [p.selection(window=3) for p in picks]
+    assert (sel[0].sparse_window, sel[0].sparse_top_k) == (19, 0) and (sel[1].sparse_window, sel[1].sparse_top_k) == (3, 64)
+    # out of reach: each layer's best, flagged
+    picks, reached = bud.allocate(curve, 0.999)
+    assert not reached and [p.hit_rate for p in picks] == [1.0, 0.99]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocate_is_near_the_brute_force_optimum(seed):
+    """Random concave-ish curves: the price sweep reaches the target with at most the optimum's rows plus the
+    hull gap (one ladder step in one layer), never fewer than the optimum (it would then miss the target)."""
+    rng = np.random.default_rng(seed)
+    ks = (0, 16, 32, 64, 128)
+    table = {s: [list(np.sort(rng.uniform(0.3, 1.0, len(ks)))) for _ in range(3)] for s in bud.SELECTORS}
+    curve = _curve_from(table, ks)
+    target = 0.8
+    picks, reached = bud.allocate(curve, target)
+    opt = _best_by_enumeration(curve, target)
+    if opt == float("inf"):
+        assert not reached
+        return
+    rows = float(np.mean([p.k for p in picks]))
+    assert reached and np.mean([p.hit_rate for p in picks]) >= target
+    assert opt <= rows <= opt + max(ks) / 3
+
+
+def test_long_check_chunked_nll_equals_one_pass(stories_src, tmp_path, monkeypatch):
+    """The report's long-context check scores a window as a chunked prefill (memory: one chunk's attention); that
+    equals one whole-sequence pass, for the dense model and for the golden (per-layer selection included)."""
+    from gsm.config import LayerSelection
+    from gsm.convert import quality
+    from gsm.dense import DenseLlama
+    from gsm.synth import synth_checkpoint
+
+    monkeypatch.setattr(quality, "LONG_CHUNK", 70)
+    dense = DenseLlama(stories_src)
+    ids = torch.randint(3, stories_src.config.vocab_size, (300,), generator=torch.Generator().manual_seed(5))
+    assert quality.chunked_nll(dense, None, ids) == pytest.approx(dense.nll(ids), abs=1e-5)
+    g = GoldenModel.from_checkpoint(synth_checkpoint("tiny", tmp_path / "tiny"), mode="exact")
+    g.p = replace(g.p, layer_selection={0: LayerSelection(20, 0), 2: LayerSelection(2, 30)})
+    ids = ids % g.cfg.vocab_size
+    assert quality.chunked_nll(None, g, ids) == pytest.approx(g.nll(ids), abs=1e-5)

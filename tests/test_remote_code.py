@@ -263,3 +263,20 @@ def test_stories260k_long_greedy_through_indexer_ties(stories_gsm, tmp_path):
     prompt = [1] + list(range(300, 339))
     out = m.generate(torch.tensor([prompt]), max_new_tokens=256, do_sample=False, eos_token_id=None)
     assert out[0, len(prompt):].tolist() == g.greedy(prompt, 256)
+
+
+def test_per_layer_selection_equals_golden(tiny, tmp_path):
+    """gsm_config layer_selection (a streaming layer wider than max_sparse_window, a layer with its own window and
+    top-k) read by the remote code as by the golden; the uniform model's logits differ, so the table is used."""
+    from conftest import layer_selection_copy
+
+    d = loadable(layer_selection_copy(tiny, tmp_path / "per-layer", {0: (12, 0), 1: (2, 12)}), tmp_path / "hf")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", SUBPROCESS, str(d), json.dumps(TINY_PROMPT), "4"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.tensor(json.loads(r.stdout)["logits"])
+    g = GoldenModel.from_checkpoint(d, mode="exact")
+    assert float((got - g.forward(g.new_cache(), TINY_PROMPT).logits).abs().max()) <= 1e-4
+    uniform = GoldenModel.from_checkpoint(tiny, mode="exact")
+    assert float((got - uniform.forward(uniform.new_cache(), TINY_PROMPT).logits).abs().max()) > 1e-2

@@ -22,10 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from gsm.config import LayerSelection
 from gsm.golden import attention as A
 from gsm.golden.selection import index_scores
 
 LADDER = (64, 128, 256, 512, 1024, 2048)
+# the per-layer choice's finer ladder: a layer that needs few rows should not pay for 64 (0: sinks + window only)
+LAYER_LADDER = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 # SmolLM2 at 2K (docs/quality.md 1b): mean hit rate 0.906 cost +5.2 % perplexity, 0.919 +3.2 %,
 # 0.9485 +1.6 %, 0.958 +1.3 %; the target keeps the cost under ~3 %. docs/decisions.md: why a hit rate
 HIT_RATE_TARGET = 0.94
@@ -187,3 +190,64 @@ def choose_top_k(curve: HitRateCurve, target: float) -> tuple[int, bool]:
         if mean[k] >= target:
             return k, True
     return ks[-1], False
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer's option: the indexer's top-k beside the window, or (recency) the same rows as a longer window."""
+
+    selector: str  # "indexer" or "recency"
+    k: int
+    hit_rate: float
+
+    def selection(self, window: int) -> LayerSelection:
+        return LayerSelection(window, self.k) if self.selector == "indexer" else LayerSelection(window + self.k, 0)
+
+
+def layer_options(curve: HitRateCurve) -> list[list[LayerChoice]]:
+    """Per layer, every measured (selector, k) with its hit rate; rows read = sinks + window + k for both."""
+    ks = curve.measured_ks()
+    cols = [curve.ks.index(k) for k in ks]
+    per = {s: curve.per_layer(s) for s in SELECTORS}
+    return [[LayerChoice(s, k, float(per[s][i, j])) for s in SELECTORS for k, j in zip(ks, cols)]
+            for i in range(curve.n_layers)]
+
+
+def _pick(options: list[list[LayerChoice]], lam: float) -> list[LayerChoice]:
+    """Each layer's option minimising missed mass + lam * rows (ties: fewer rows, then the indexer)."""
+    return [min(opts, key=lambda o: (1 - o.hit_rate + lam * o.k, o.k, o.selector != "indexer")) for opts in options]
+
+
+def allocate(curve: HitRateCurve, target: float) -> tuple[list[LayerChoice], bool]:
+    """Each layer's selector and k with the fewest mean rows whose mean hit rate reaches `target`.
+
+    The mean hit rate over layers is the same target the uniform choice uses (choose_top_k), so at the same
+    target the per-layer allocation reads fewer rows: a local layer reaches a high hit rate with a short window,
+    a layer that attends far back gets the indexer's rows. Lagrangian: for a price lam per row each layer takes its
+    cheapest option (missed mass + lam * rows); mean hit rate falls as lam grows, so lam is bisected to the largest
+    price that still reaches the target. (Choices on the convex hull of each layer's curve only: the price sweep
+    cannot reach a point inside it, which costs a few rows at most.) When even lam = 0 misses the target, every
+    layer's best option is returned and the flag says so."""
+    options = layer_options(curve)
+    if not options or not options[0]:
+        raise ValueError("no top-k of the ladder leaves a sparse query row at the measurement length")
+
+    def mean_hit(picks: list[LayerChoice]) -> float:
+        return float(np.mean([o.hit_rate for o in picks]))
+
+    best = _pick(options, 0.0)
+    if mean_hit(best) < target:
+        return best, False
+    lo, hi = 0.0, 1.0
+    while mean_hit(_pick(options, hi)) >= target and hi < 1e6:
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_hit(_pick(options, mid)) >= target else (lo, mid)
+    return _pick(options, lo), True
+
+
+def rows_per_step(p: Any, layers: Sequence[int], contexts: Sequence[int]) -> dict[int, dict[str, float]]:
+    """Rows a decode step reads, averaged over layers, at each context: absolute and as a share of dense (t)."""
+    return {n: {"rows": p.mean_rows(list(layers), n), "fraction_of_dense": p.mean_rows(list(layers), n) / n}
+            for n in contexts}

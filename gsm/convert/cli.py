@@ -46,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hit-rate-target", type=float_in(0, 1, lo_open=True, hi_open=True),
                    help="--top-k auto: mean mask hit rate to reach (default gsm.convert.budget.HIT_RATE_TARGET; "
                    "docs/quality.md: what it costs in perplexity on SmolLM2)")
+    p.add_argument("--selection", choices=("per-layer", "uniform"), default=None,
+                   help="--top-k auto: 'per-layer' (default) gives each layer its own selector (indexer top-k "
+                   "beside the window, or a longer window) and budget, the fewest mean rows reaching "
+                   "--hit-rate-target; 'uniform': one top-k for every layer (docs/convert.md)")
+    p.add_argument("--long-check", type=lengths_arg, default=None,
+                   help="held-out window lengths of the report's long-context check (default 2048,4096; '' skips "
+                   "it): dense and GSM perplexity where the selection is sparse, one window each")
     p.add_argument("--window", default="auto", type=window_arg,
                    help="gsm_config.sparse_window, or 'auto' (default): split the budget sinks + "
                    f"{GSMParams.sparse_window} + top-k between window and top-k by calibration hit rate")
@@ -77,6 +84,17 @@ def top_k_arg(text: str) -> str | int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
     return v
+
+
+def lengths_arg(text: str) -> tuple[int, ...]:
+    """--long-check: comma-separated lengths >= 2 ('' for none)."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(n < 2 for n in out):
+        raise argparse.ArgumentTypeError(f"lengths must be >= 2, got {text!r}")
+    return out
 
 
 def window_arg(text: str) -> str | int:
@@ -176,6 +194,11 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
                   f"({b['ratio_fp16']:.2f}x), GSM tiered {b['gsm_tiered']:.1f} ({b['ratio_tiered']:.2f}x)")
         con.print("trade-off: " + ", ".join(f"tol {r['tolerance']}: {r['kv_bytes_per_position_fp16']:.0f} B "
                                              f"ppl {r['perplexity']:.3f}" for r in report["tradeoff"]))
+    sel = report.get("selection_budget", {})
+    if sel.get("rows_per_step"):
+        how = "per layer" if sel.get("layers") else f"top-k {sel.get('sparse_top_k')} in every layer"
+        con.print(f"selection ({how}): rows read per decode step " + ", ".join(
+            f"{n}: {v['rows']:.0f} ({v['fraction_of_dense']:.1%} of dense)" for n, v in sel["rows_per_step"].items()))
     con.print(f"wrote {out} in {report['convert_seconds']:.1f} s")
 
 
@@ -204,6 +227,9 @@ def convert_command(args: argparse.Namespace) -> int:
     auto_top_k = args.top_k == "auto"
     if not auto_top_k and args.hit_rate_target is not None:
         raise ValueError(f"--hit-rate-target applies to --top-k auto only, not --top-k {args.top_k}")
+    if not auto_top_k and args.selection == "per-layer":
+        raise ValueError(f"--selection per-layer chooses each layer's budget: it needs --top-k auto, not "
+                         f"--top-k {args.top_k}")
     params = GSMParams(sparse_top_k=GSMParams.sparse_top_k if auto_top_k else args.top_k, sparse_window=window,
                        max_sparse_window=max(GSMParams.max_sparse_window, window),
                        sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
@@ -219,6 +245,8 @@ def convert_command(args: argparse.Namespace) -> int:
                           calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
                           indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
                           auto_window=auto_window, auto_top_k=auto_top_k,
+                          per_layer_selection=args.selection != "uniform",
+                          **({} if args.long_check is None else {"long_check": args.long_check}),
                           hit_rate_target=HIT_RATE_TARGET if args.hit_rate_target is None else args.hit_rate_target,
                           device=args.device)
     report = convert(source, Path(args.out), opts, overwrite=args.overwrite,

@@ -37,7 +37,7 @@ from gsm.convert import indexer as ixr
 from gsm.convert.budget import BUDGET_SEQ_LEN, BUDGET_SEQUENCES, HIT_RATE_TARGET
 from gsm.convert.data import DataError, add_bos_of, stream_windows, text_sha256, token_sequences, token_stream
 from gsm.convert.plan import LowRanks, Plan, assemble, golden_of, mean_nll, ranks_at, resident
-from gsm.convert.quality import AGREEMENT_STEPS, PROMPT_TOKENS, quality_report
+from gsm.convert.quality import AGREEMENT_STEPS, LONG_CHECK, PROMPT_TOKENS, long_context_check, quality_report
 from gsm.convert.sharing import ProjectorFit, fit_projector_from_moments, latent_moments, parse_sharing_map
 from gsm.convert.stages import Stages, resolve_device
 from gsm.convert.stats import CalibStats, collect_stats, sharing_pairs
@@ -74,6 +74,9 @@ class ConvertOptions:
     tradeoff_tolerances: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1, 0.2)
     auto_window: bool = False  # search the window/top-k split of the budget (choose_window)
     auto_top_k: bool = False  # choose sparse_top_k from bud.LADDER by hit rate (selection_budget_stage)
+    per_layer_selection: bool = True  # with auto_top_k: each layer its own selector and budget
+    long_check: tuple[int, ...] = LONG_CHECK  # held-out window lengths of the report's long-context check
+    long_check_windows: int = 1  # windows per length
     hit_rate_target: float = HIT_RATE_TARGET
     budget_seq_len: int = BUDGET_SEQ_LEN
     budget_sequences: int = BUDGET_SEQUENCES
@@ -253,18 +256,24 @@ def budget_sequences(path: Path, tok: Tokenizer, lengths: Lengths, opts: Convert
 
 
 @torch.no_grad()
-def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float,
-                           stages: Stages) -> tuple[GSMParams, dict[str, Any]]:
-    """The smallest sparse_top_k of bud.LADDER whose mean indexer hit rate (under the dense attention, on
-    calibration sequences `seqs` [B, T]) reaches `target`; the largest measurable one when none does.
+def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float, stages: Stages,
+                           per_layer: bool = True) -> tuple[GSMParams, dict[str, Any]]:
+    """The selection budget from the indexers' hit rate under the dense attention on calibration sequences
+    `seqs` [B, T] (every k of a ladder from one dense pass per sequence, gsm.convert.budget).
+
+    per_layer (the default): each layer's selector (indexer top-k beside the window, or recency: the same rows as a
+    longer window) and k, the fewest mean rows whose mean hit rate reaches `target` (budget.allocate), written as
+    gsm_config layer_selection; sparse_top_k is then the layers' largest top-k. Uniform: the smallest sparse_top_k
+    of bud.LADDER whose mean hit rate reaches `target`. Either way the largest measurable choice when none does.
 
     The indexers were fitted with sinks and window only (the fit does not depend on top-k), so they are
-    scored as fitted; every layer uses its own indexer (sharing is decided afterwards, at the chosen k).
-    Memory: the dense K/V cache of one sequence and one chunk of activations (bud.add_sequence).
+    scored as fitted; every layer uses its own indexer (sharing is decided afterwards; a sharing layer then
+    follows its source's selection). Memory: the dense K/V cache of one sequence and one chunk of activations.
     """
     cfg = src.config
     p = plan.params
-    ks = tuple(k for k in bud.LADDER if k + p.sink_tokens + p.sparse_window < seqs.shape[1])
+    ladder = bud.LAYER_LADDER if per_layer else bud.LADDER
+    ks = tuple(k for k in ladder if k + p.sink_tokens + p.sparse_window < seqs.shape[1])
     curve = bud.HitRateCurve(ks, cfg.num_hidden_layers)
     dense = DenseLlama(src)
     dense.lm_head = torch.empty(0, cfg.hidden_size)  # the curve needs the layers, not the logits
@@ -273,18 +282,37 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
         for row in seqs:
             bud.add_sequence(curve, dense, row, indexers, p.indexer_heads, p.sink_tokens, p.sparse_window)
             advance(1)
-    if curve.measured_ks():
-        k, reached = bud.choose_top_k(curve, target)
+    info: dict[str, Any] = {"mode": "per-layer" if per_layer else "auto", "hit_rate_target": target,
+                            "seq_len": int(seqs.shape[1]), "sequences": int(seqs.shape[0])}
+    if not curve.measured_ks():
+        new, reached = p, False
+    elif per_layer:
+        picks, reached = bud.allocate(curve, target)
+        table = {i: c.selection(p.sparse_window) for i, c in enumerate(picks)}
+        new = replace(p, layer_selection=table, sparse_top_k=max(ls.sparse_top_k for ls in table.values()))
+        info["layers"] = [{"layer": i, "selector": c.selector, "k": c.k, "hit_rate": round(c.hit_rate, 4),
+                           "sparse_window": table[i].sparse_window, "sparse_top_k": table[i].sparse_top_k}
+                          for i, c in enumerate(picks)]
+        info["mean_hit_rate"] = float(np.mean([c.hit_rate for c in picks]))
     else:
-        k, reached = p.sparse_top_k, False
-    info = {"mode": "auto", "hit_rate_target": target, "seq_len": int(seqs.shape[1]),
-            "sequences": int(seqs.shape[0]), "sparse_top_k": k, "target_reached": reached,
-            "curve": curve.to_json()}
+        k, reached = bud.choose_top_k(curve, target)
+        new = replace(p, sparse_top_k=k)
+    layers = list(range(cfg.num_hidden_layers))
+    info.update(sparse_top_k=new.sparse_top_k, target_reached=reached, curve=curve.to_json(),
+                rows_per_step=bud.rows_per_step(new, layers, sorted({int(seqs.shape[1]), *(
+                    n for n in (2048, 4096, 8192) if n <= cfg.max_position_embeddings)})))
     for r in info["curve"]:
         stages.progress(f"top-k {r['sparse_top_k']:5d}: hit rate {r['hit_rate']:.4f} at {seqs.shape[1]} tokens "
                         f"(recency {r['recency_hit_rate']:.4f})")
-    stages.progress(f"sparse_top_k {k}" + ("" if reached else f" (no top-k reached the hit-rate target {target})"))
-    return replace(p, sparse_top_k=k), info
+    if per_layer and "layers" in info:
+        stages.progress("per layer: " + ", ".join(f"{d['layer']}:{d['selector'][0]}{d['k']}" for d in info["layers"])
+                        + f" (mean hit rate {info['mean_hit_rate']:.4f})")
+    else:
+        stages.progress(f"sparse_top_k {new.sparse_top_k}")
+    stages.progress(", ".join(f"{n}: {v['rows']:.0f} rows per step ({v['fraction_of_dense']:.1%} of dense)"
+                              for n, v in info["rows_per_step"].items())
+                    + ("" if reached else f" (the hit-rate target {target} was not reached)"))
+    return new, info
 
 
 def decide_sharing(src: DenseSource, lowranks: LowRanks, stats: CalibStats, plan: Plan, opts: ConvertOptions,
@@ -371,7 +399,7 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
     if budget_seqs is not None:
         t0 = time.perf_counter()
         plan.params, plan.selection_budget = selection_budget_stage(src, plan, budget_seqs, opts.hit_rate_target,
-                                                                    stages)
+                                                                    stages, per_layer=opts.per_layer_selection)
         plan.selection_budget["seconds"] = time.perf_counter() - t0
     else:
         plan.selection_budget = {"mode": "fixed", "sparse_top_k": params.sparse_top_k}
@@ -384,6 +412,23 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
         for dst, f in list(plan.sharing.items()):
             plan.sharing[dst] = projector(lowranks, stats, f.source, dst, plan.ranks[f.source])
     return plan, lowranks
+
+
+def long_check_windows(opts: ConvertOptions, tok: Tokenizer, bos_id: int | None,
+                       cfg: Any) -> tuple[dict[int, torch.Tensor], list[str]]:
+    """Held-out windows of each opts.long_check length the context and the evaluation text allow."""
+    out, notes = {}, []
+    for T in opts.long_check:
+        if T > cfg.max_position_embeddings:
+            notes.append(f"long-context check at {T} skipped: beyond max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+            continue
+        try:
+            out[T] = token_sequences(opts.eval_text, tok, seq_len=T, max_tokens=T * opts.long_check_windows,
+                                     bos_id=bos_id, vocab_size=cfg.vocab_size)
+        except DataError:
+            notes.append(f"long-context check at {T} skipped: {opts.eval_text} holds fewer than {T} tokens")
+    return out, notes
 
 
 def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: bool = False,
@@ -438,6 +483,13 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
         with stages.run("quality report"):
             report.update(quality_report(src, gcfg, tensors, plan, lowranks, ev, opts.tradeoff_tolerances,
                                          lengths.agreement_steps, progress))
+        long_windows, long_notes = long_check_windows(opts, tok, bos_id, cfg)
+        report["length_notes"] += long_notes
+        for note in long_notes:
+            progress(note)
+        if long_windows:
+            with stages.run("long-context check"):
+                report["long_context"] = long_context_check(src, gcfg, tensors, long_windows, progress)
     report["stage_seconds"] = dict(stages.seconds)
     report["convert_seconds"] = time.perf_counter() - t_start
     write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, tokenizer_json=src.tokenizer_json,

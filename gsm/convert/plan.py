@@ -69,7 +69,9 @@ def assemble(src: DenseSource, lowranks: LowRanks, plan: Plan) -> tuple[ModelCon
     """
     sharing = {i: f.source for i, f in plan.sharing.items()}
     shared = tuple(sorted(set(sharing.values())))
-    p = replace(plan.params, kv_sharing=sharing, shared_layers=shared)
+    # a sharing layer follows its source's selection (spec 4.2): its own entry, chosen before sharing, goes
+    own = {i: ls for i, ls in plan.params.layer_selection.items() if i not in sharing}
+    p = replace(plan.params, kv_sharing=sharing, shared_layers=shared, layer_selection=own)
     cfg = src.config.replace(gsm=p)
     t: dict[str, np.ndarray] = {names.EMBED: src.get(names.EMBED).numpy(),
                                 names.FINAL_NORM: src.get(names.FINAL_NORM).numpy()}

@@ -88,9 +88,10 @@ def hit_rates(cfg: ModelConfig, plan: Plan, xs: list[torch.Tensor], probs: list[
             x, pr = xs[i][b], probs[i][b]
             T = x.shape[0]
             sc = index_scores(x, ix.q, ix.w, x @ ix.k.T, p.indexer_heads)
-            res["indexer"].append(ixr.hit_rate(sc, pr, p))
-            res["random"].append(ixr.hit_rate(ixr.baseline_scores("random", T, seed=b), pr, p))
-            res["recency"].append(ixr.hit_rate(ixr.baseline_scores("recency", T), pr, p))
+            lp = p.for_layer(i)  # the layer's own window and top-k
+            res["indexer"].append(ixr.hit_rate(sc, pr, lp))
+            res["random"].append(ixr.hit_rate(ixr.baseline_scores("random", T, seed=b), pr, lp))
+            res["recency"].append(ixr.hit_rate(ixr.baseline_scores("recency", T), pr, lp))
         out[i] = {k: float(np.mean(v)) for k, v in res.items()}
     return out
 
@@ -118,10 +119,12 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     # the GSM model's own signals (spec 4.3) on the probe sequences
     g_hit: dict[int, list[float]] = {i: [] for i in range(gcfg.num_hidden_layers)}
     g_noise: dict[int, list[float]] = {i: [] for i in gcfg.sharing_layers}
+    owner = {i: i if gcfg.is_owning(i) else gcfg.gsm.kv_sharing[i] for i in range(gcfg.num_hidden_layers)}
     for row in ev[:n_probe]:
         tr = gsm.forward(gsm.new_cache(), row, trace=True).trace
-        sparse = ~torch.tensor([gcfg.gsm.selection_is_dense(t + 1) for t in range(row.numel())])
         for i, hr in tr.hit_rate.items():
+            lp = gcfg.gsm.for_layer(owner[i])
+            sparse = ~torch.tensor([lp.selection_is_dense(t + 1) for t in range(row.numel())])
             g_hit[i].append(float(hr[sparse].mean()) if sparse.any() else 1.0)
         for i, kl in tr.kv_noise.items():
             g_noise[i].append(float(kl.mean()))
@@ -153,13 +156,16 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     tradeoff = []
     L = gcfg.num_hidden_layers
     ev_tradeoff = ev[:TRADEOFF_SEQUENCES]
+    # dense on the trade-off's own sequences: each row is compared with the same tokens
+    dense_tradeoff = ppl(float(np.mean([dense.nll(row) for row in ev_tradeoff])))
     for tol in tradeoff_tolerances:
         r = ranks_at(lowranks, list(range(L)), tol, None, gcfg.gsm.indexer_dim)
         c, t = assemble(src, lowranks, replace(plan, ranks=r, sharing={}))
         tradeoff.append({"tolerance": tol, "sharing": "none",
                          "kv_bytes_per_position_fp16": kv_bytes_per_position(c, r)["gsm_fp16"],
                          "perplexity": ppl(mean_nll(golden_of(c, t), ev_tradeoff)),
-                         "sequences": int(ev_tradeoff.shape[0])})
+                         "dense_perplexity": dense_tradeoff, "sequences": int(ev_tradeoff.shape[0])})
+        tradeoff[-1]["relative_increase"] = tradeoff[-1]["perplexity"] / dense_tradeoff - 1
     return {
         "evaluation": {"tokens": int(ev.numel()), "seq_len": int(ev.shape[1]),
                        "sequences": int(ev.shape[0])},
@@ -170,3 +176,49 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
         "kv_bytes_per_position": kv_bytes_per_position(gcfg, plan.ranks),
         "tradeoff": tradeoff,
     }
+
+
+# held-out window lengths of the long-context check (one window each by default): where the selection is sparse
+LONG_CHECK = (2048, 4096)
+LONG_CHUNK = 512  # positions per chunked prefill of the long-context check: memory is one chunk's attention
+
+
+@torch.no_grad()
+def chunked_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor) -> float:
+    """Mean next-token NLL of row [T] through a chunked prefill (the dense model's K/V path, or the golden's cache),
+    so a long window costs [heads, chunk, T] of attention, never [heads, T, T]."""
+    parts = []
+    if dense is not None:
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for a in range(0, row.numel(), LONG_CHUNK):
+            parts.append(dense.run_cached(row[None, a:a + LONG_CHUNK], kv)[0][0])
+    else:
+        cache = gsm.new_cache()
+        for a in range(0, row.numel(), LONG_CHUNK):
+            parts.append(gsm.forward(cache, row[a:a + LONG_CHUNK]).logits)
+    logits = torch.cat(parts)
+    return float(torch.nn.functional.cross_entropy(logits[:-1], row[1:]))
+
+
+@torch.no_grad()
+def long_context_check(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], windows: dict[int, torch.Tensor],
+                       progress: Any) -> dict[str, Any]:
+    """Held-out perplexity where the selection is sparse: dense and GSM on the same long windows (seq_len -> [B, T]),
+    the share of those windows' query rows whose selection is sparse in each layer, and the rows a decode step
+    reads at the window's end. The short report's sequences can be shorter than the budget (then nothing of the
+    selection is measured there)."""
+    dense = DenseLlama(src)
+    gsm = golden_of(gcfg, tensors)
+    p, layers = gcfg.gsm, gcfg.owning_layers
+    out = {}
+    for T, seqs in windows.items():
+        d = float(np.mean([chunked_nll(dense, None, row) for row in seqs]))
+        g = float(np.mean([chunked_nll(None, gsm, row) for row in seqs]))
+        sparse = float(np.mean([max(0, T - p.sink_tokens - p.selection_of(l).rows) / T for l in layers]))
+        out[T] = {"sequences": int(seqs.shape[0]), "perplexity": {"dense": ppl(d), "gsm": ppl(g)},
+                  "relative_increase": ppl(g) / ppl(d) - 1, "sparse_query_share": sparse,
+                  "rows_per_step": p.mean_rows(layers, T), "fraction_of_dense_rows": p.mean_rows(layers, T) / T}
+        progress(f"held-out at {T} tokens ({seqs.shape[0]} windows): dense {ppl(d):.3f}, GSM {ppl(g):.3f} "
+                 f"({ppl(g) / ppl(d) - 1:+.1%}), {out[T]['rows_per_step']:.0f} rows per step "
+                 f"({out[T]['fraction_of_dense_rows']:.1%} of dense)")
+    return out

@@ -59,6 +59,13 @@ class GSMConfig(PretrainedConfig):
         """One gsm_config value, or its spec default."""
         return self.gsm_config.get(name, GSM_DEFAULTS[name])
 
+    def layer_selection(self, layer: int) -> tuple[int, int]:
+        """(window, top_k) owning layer `layer` selects with: its gsm_config layer_selection entry, else the model's."""
+        own = (self.gsm_config.get("layer_selection") or {}).get(str(layer))
+        if own is None:
+            return self.gsm("sparse_window"), self.gsm("sparse_top_k")
+        return int(own["sparse_window"]), int(own["sparse_top_k"])
+
     @property
     def kv_sharing(self) -> dict[int, int]:
         """Sharing layer -> source layer (JSON keys are strings)."""

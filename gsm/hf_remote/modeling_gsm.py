@@ -251,7 +251,7 @@ class GSMModel(GSMPreTrainedModel):
         """One sequence ids [n] whose first n0 positions' latents are `past` -> hidden states of
         positions n0..n-1 [n-n0, H] and the latents (c_k, c_v, e) of all n positions."""
         cfg = self.config
-        sinks, window, top_k = cfg.gsm("sink_tokens"), cfg.gsm("sparse_window"), cfg.gsm("sparse_top_k")
+        sinks = cfg.gsm("sink_tokens")
         nH, nKV, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         n = ids.shape[0]
         cos, sin = (t.to(ids.device) for t in rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_theta))
@@ -268,7 +268,7 @@ class GSMModel(GSMPreTrainedModel):
                 ix = attn.sparse_mask_generator
                 scores = index_scores(x, ix.q_proj.weight.float(), ix.w_proj.weight.float(), latents[i][2],
                                       cfg.gsm("indexer_heads"))  # [T, n]
-                sel[i] = select(scores, n0, sinks, window, top_k)
+                sel[i] = select(scores, n0, sinks, *cfg.layer_selection(i))  # each layer's own (v2)
                 ck, cv = latents[i][:2]
             else:
                 ck, cv = latents[attn.source][:2]
