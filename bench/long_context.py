@@ -41,7 +41,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from quality_real import Setup, chat_prompt_ids, eval_stream  # noqa: E402
+from quality_real import Setup, chat_prompt_ids, eval_stream, greedy_until  # noqa: E402
 
 from gsm.golden.model import GoldenModel  # noqa: E402
 
@@ -157,33 +157,28 @@ def fact_of(length: int, depth: float, trial: int) -> tuple[str, str, str]:
             digits)
 
 
-def probe_prompt(s: Setup, filler: list[int], length: int, depth: float, trial: int) -> tuple[list[int], list[int],
-                                                                                                str]:
-    """The chat-template prompt of `length` tokens (within a few) holding the fact at `depth` of the filler."""
-    fact, question, digits = fact_of(length, depth, trial)
+def probe_text(s: Setup, filler: list[int], length: int, depth: float, trial: int) -> str:
+    """The user turn of one probe: filler text with the fact at `depth`, then the question."""
+    fact, question, _ = fact_of(length, depth, trial)
     dec = s.tokenizer.decode
-    wrap, stops = chat_prompt_ids(s.ckpt, f"{fact}\n\n{question}")
-    overhead = len(wrap) + 2  # template, fact, question, two separators
-    body = max(length - overhead, 16)
+    wrap, _ = chat_prompt_ids(s.ckpt, f"{fact}\n\n{question}")
+    body = max(length - len(wrap) - 2, 16)  # template, fact, question, two separators
     start = (trial * 7919) % max(len(filler) - body, 1)  # each trial its own stretch of text
     text = filler[start:start + body]
     cut = int(depth * len(text))
     doc = dec(text[:cut]).rstrip() + "\n" + fact + "\n" + dec(text[cut:]).lstrip()
-    ids, _ = chat_prompt_ids(s.ckpt, f"{doc}\n\n{question}")
-    return ids, stops, digits
+    return f"{doc}\n\n{question}"
 
 
-@torch.no_grad()
+def probe_prompt(s: Setup, filler: list[int], length: int, depth: float, trial: int) -> tuple[list[int], list[int],
+                                                                                                str]:
+    """The chat-template prompt of `length` tokens (within a few) holding the fact at `depth` of the filler."""
+    ids, stops = chat_prompt_ids(s.ckpt, probe_text(s, filler, length, depth, trial))
+    return ids, stops, fact_of(length, depth, trial)[2]
+
+
 def answer(r: Runner, ids: list[int], stops: list[int], max_new: int) -> list[int]:
-    logits = r.prefill(torch.tensor(ids), keep_logits=False)[-1]
-    out: list[int] = []
-    for _ in range(max_new):
-        t = int(torch.argmax(logits))
-        out.append(t)
-        if t in stops:
-            break
-        logits = r.step(t)
-    return out
+    return greedy_until(lambda: r.prefill(torch.tensor(ids), keep_logits=False)[-1], r.step, max_new, stops)
 
 
 def cmd_retrieval(a: argparse.Namespace) -> dict[str, Any]:
@@ -202,7 +197,8 @@ def cmd_retrieval(a: argparse.Namespace) -> dict[str, Any]:
                     text = s.tokenizer.decode(answer(Runner(s, m, len(ids) + a.max_new, a.chunk), ids, stops,
                                                      a.max_new))
                     row[m] = {"answer": text, "correct": digits in text, "seconds": time.perf_counter() - t0}
-                    print(f"[retrieval] {L} depth {depth} trial {trial} {m}: {'ok ' if digits in text else 'MISS'} "
+                    verdict = "ok  " if digits in text else "MISS"
+                    print(f"[retrieval] {L} depth {depth} trial {trial} {m} (wants {digits}): {verdict} "
                           f"{text!r} ({row[m]['seconds']:.0f} s)", flush=True)
                 res["probes"].append(row)
                 if a.out:
@@ -238,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(rt, [1024, 2048, 4096, 8192], "dense,gsm,recency")
     rt.add_argument("--depths", type=floats, default=[0.1, 0.5, 0.9])
     rt.add_argument("--trials", type=int, default=1, help="probes per (length, depth)")
-    rt.add_argument("--max-new", type=int, default=12)
+    rt.add_argument("--max-new", type=int, default=24)
     return ap
 
 

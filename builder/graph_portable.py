@@ -105,7 +105,7 @@ class PortableOps:
         per operator, which dominates a decode step of a small model)."""
         if self._geo:
             return self._geo
-        g, p, N = self.g, self.cfg.gsm, self.n_max
+        g, N = self.g, self.n_max
         c64 = {v: g.const(v, np.int64, f"i{v}") for v in (0, 1)}
         with g.in_scope("call"):
             past, new, rows = "past_lengths", "new_lengths", "cache_rows"

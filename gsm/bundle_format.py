@@ -205,8 +205,8 @@ class BundleConfig:
 
     def __post_init__(self) -> None:
         if not set(self.layer_selection) <= set(self.owning_layers):
-            raise BundleError(f"layer_selection names layers {sorted(set(self.layer_selection) - set(self.owning_layers))} "
-                              "that own no KV cache")
+            stray = sorted(set(self.layer_selection) - set(self.owning_layers))
+            raise BundleError(f"layer_selection names layers {stray} that own no KV cache")
         if set(self.ranks) != set(self.owning_layers):
             raise BundleError(f"ranks has layers {sorted(self.ranks)}, owning_layers {list(self.owning_layers)}")
         if self.sparse_window > self.max_sparse_window:

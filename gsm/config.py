@@ -115,8 +115,8 @@ class GSMParams:
                 raise ConfigError(f"gsm_config.kv_sharing: source layer {src} is itself sharing")
         for layer, ls in self.layer_selection.items():
             if layer in self.kv_sharing:
-                raise ConfigError(f"gsm_config.layer_selection: layer {layer} shares layer "
-                                  f"{self.kv_sharing[layer]}'s KV and selection (spec 4.2); it has no selection of its own")
+                raise ConfigError(f"gsm_config.layer_selection: layer {layer} shares layer {self.kv_sharing[layer]}'s "
+                                  "KV and selection (spec 4.2); it has no selection of its own")
             if ls.sparse_window < 1 or ls.sparse_top_k < 0:
                 raise ConfigError(f"gsm_config.layer_selection[{layer}]: sparse_window must be >= 1 and sparse_top_k "
                                   f">= 0, got {ls.sparse_window} and {ls.sparse_top_k}")
@@ -196,8 +196,8 @@ class GSMParams:
         """The same rows per layer given to sinks + a window (top-k 0): the baseline a selector must beat."""
         per = {i: LayerSelection(self.selection_of(i).rows, 0) for i in self.layer_selection}
         w = self.sparse_window + self.sparse_top_k
-        return dataclasses.replace(self, sparse_window=w, sparse_top_k=0, max_sparse_window=max(self.max_sparse_window, w),
-                                   layer_selection=per)
+        return dataclasses.replace(self, sparse_window=w, sparse_top_k=0,
+                                   max_sparse_window=max(self.max_sparse_window, w), layer_selection=per)
 
     def mean_rows(self, layers: list[int], n_positions: int) -> float:
         """Rows a query at position n_positions - 1 reads per layer, averaged over `layers` (sinks included)."""

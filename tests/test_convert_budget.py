@@ -202,7 +202,7 @@ def test_allocate_gives_rows_where_they_buy_hit_rate():
     k, _ = bud.choose_top_k(curve, 0.94)
     assert k == 256  # uniform: the indexer's mean reaches 0.94 only there
     sel = [p.selection(window=3) for p in picks]
-    assert (sel[0].sparse_window, sel[0].sparse_top_k) == (19, 0) and (sel[1].sparse_window, sel[1].sparse_top_k) == (3, 64)
+    assert [(x.sparse_window, x.sparse_top_k) for x in sel] == [(19, 0), (3, 64)]
     # out of reach: each layer's best, flagged
     picks, reached = bud.allocate(curve, 0.999)
     assert not reached and [p.hit_rate for p in picks] == [1.0, 0.99]

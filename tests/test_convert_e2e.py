@@ -177,7 +177,8 @@ def test_per_layer_selection_reaches_the_target_on_an_independent_recount(auto):
                  for b in range(2)]
         assert d["hit_rate"] == pytest.approx(float(torch.tensor(rates).mean()), abs=2e-4), f"layer {i}"
     assert sb["mean_hit_rate"] == pytest.approx(sum(d["hit_rate"] for d in sb["layers"]) / len(sb["layers"]), abs=1e-3)
-    by_hand = sum(min(512, p.sink_tokens + d["sparse_window"] + d["sparse_top_k"]) for d in sb["layers"]) / len(sb["layers"])
+    by_hand = sum(min(512, p.sink_tokens + d["sparse_window"] + d["sparse_top_k"]) for d in sb["layers"])
+    by_hand /= len(sb["layers"])
     assert sb["rows_per_step"]["512"]["rows"] == pytest.approx(by_hand)  # the measurement length (the context)
     assert "long_context" not in rep
     assert any("long-context check at 2048 skipped" in n for n in rep["length_notes"])

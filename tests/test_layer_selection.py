@@ -117,8 +117,9 @@ def test_engines_equal_golden_with_per_layer_selection(ckpt, bundle, backend, gr
 
 
 def test_a_run_time_window_overrides_every_layers(ckpt, bundle):
-    import runtime
     from test_runtime_topk import check_step
+
+    import runtime
 
     rt = runtime.load(bundle, backend="onnxruntime", threads=1, sparse_window=5)
     base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
