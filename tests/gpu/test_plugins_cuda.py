@@ -65,6 +65,10 @@ CASES = {
                        (0.4, 0.3, 0.2, 0.1)),
     "smollm2-prefill-chunks": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [260, 0, 131], [48, 37, 1],
                                (0.4, 0.3, 0.2, 0.1)),
+    # per-layer selection (engine_io rev 7): a streaming layer's node, top-k 0 behind a window far wider than the
+    # model's (its own max_sparse_window), decode and a prefill chunk crossing the window's edge
+    "streaming-wide-window": (9, 3, 64, 97, 93, 4, 32, 1, 0, 1056, 1056, 2048, [1500, 40, 2047, 1000], [1, 1, 1, 80],
+                              (0.4, 0.3, 0.2, 0.1)),
 }
 
 
