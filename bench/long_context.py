@@ -104,6 +104,25 @@ def bucket_edges(n: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def summarise(nll: dict[str, torch.Tensor], L: int, secs: dict[str, float]) -> dict[str, Any]:
+    """Perplexity over the windows scored so far and per bucket of query positions (the query at position j
+    predicts token j + 1 having seen j + 1 positions), each model against dense when dense was scored."""
+    per_seq = L - 1
+    done = min(v.numel() for v in nll.values()) // per_seq  # windows every model has scored
+    out: dict[str, Any] = {"sequences": done, "tokens": done * per_seq, "seconds": dict(secs), "perplexity": {},
+                           "buckets": {}}
+    for m, v in nll.items():
+        by = v[:done * per_seq].view(done, per_seq)
+        out["perplexity"][m] = math.exp(float(by.mean()))
+        out["buckets"][m] = {f"{lo}-{hi}": math.exp(float(by[:, lo:min(hi, per_seq)].mean()))
+                             for lo, hi in bucket_edges(L)}
+    if "dense" in nll:
+        out["relative_to_dense"] = {m: p / out["perplexity"]["dense"] - 1 for m, p in out["perplexity"].items()}
+        out["buckets_relative_to_dense"] = {
+            m: {k: v / out["buckets"]["dense"][k] - 1 for k, v in bk.items()} for m, bk in out["buckets"].items()}
+    return out
+
+
 @torch.no_grad()
 def cmd_ppl(a: argparse.Namespace) -> dict[str, Any]:
     s = Setup(a.checkpoint, a.dense, a.eval_text)
@@ -117,29 +136,18 @@ def cmd_ppl(a: argparse.Namespace) -> dict[str, Any]:
             for m in a.models:
                 t0 = time.perf_counter()
                 logits = Runner(s, m, L, a.chunk).prefill(row)
-                tok = F.cross_entropy(logits[:-1], row[1:], reduction="none")  # position j predicts j + 1
+                tok = F.cross_entropy(logits[:-1], row[1:], reduction="none")  # query j predicts token j + 1
                 nll[m] = torch.cat([nll[m], tok])
                 secs[m] += time.perf_counter() - t0
                 print(f"[ppl] {L} seq {b} {m}: {math.exp(float(tok.mean())):.4f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        per_seq = L - 1
-        out: dict[str, Any] = {"sequences": int(seqs.shape[0]), "tokens": int(seqs.shape[0]) * per_seq,
-                               "seconds": secs, "perplexity": {}, "buckets": {}}
-        for m, v in nll.items():
-            out["perplexity"][m] = math.exp(float(v.mean()))
-            by = v.view(-1, per_seq)
-            out["buckets"][m] = {f"{lo}-{hi}": math.exp(float(by[:, lo:hi - 1].mean()))
-                                 for lo, hi in bucket_edges(L)}
-        if "dense" in nll:
-            out["relative_to_dense"] = {m: p / out["perplexity"]["dense"] - 1 for m, p in out["perplexity"].items()}
-            out["buckets_relative_to_dense"] = {
-                m: {k: v / out["buckets"]["dense"][k] - 1 for k, v in bk.items()} for m, bk in out["buckets"].items()}
-        res["by_length"][L] = out
+            res["by_length"][L] = summarise(nll, L, secs)
+            if a.out:  # after each window: a long run stopped early keeps what it measured
+                a.out.write_text(json.dumps(res, indent=1))
+        out = res["by_length"][L]
         print(f"[ppl] {L}: " + ", ".join(f"{m} {p:.4f}" + (f" ({out['relative_to_dense'][m]:+.2%})"
                                                            if "dense" in nll else "")
                                          for m, p in out["perplexity"].items()), flush=True)
-        if a.out:  # after each length: a long run stopped early keeps what it measured
-            a.out.write_text(json.dumps(res, indent=1))
     return res
 
 
