@@ -78,18 +78,29 @@ class Runner:
         self.setup, self.name, self.chunk = setup, name, chunk
         self.golden = None if name == "dense" else golden_variant(setup, name, n)
 
-    def prefill(self, ids: torch.Tensor, keep_logits: bool = True) -> torch.Tensor:
-        parts = []
+    def _chunks(self, ids: torch.Tensor):
+        """Logits of each prefill chunk in turn (the cache kept between them)."""
         if self.golden is None:
             self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
             for a in range(0, ids.numel(), self.chunk):
-                logits, _ = self.setup.dense.run_cached(ids[None, a:a + self.chunk], self.kv)
-                parts.append(logits[0] if keep_logits else logits[0, -1:])
+                yield a, self.setup.dense.run_cached(ids[None, a:a + self.chunk], self.kv)[0][0]
         else:
             self.cache = self.golden.new_cache()
             for a in range(0, ids.numel(), self.chunk):
-                logits = self.golden.forward(self.cache, ids[a:a + self.chunk]).logits
-                parts.append(logits if keep_logits else logits[-1:])
+                yield a, self.golden.forward(self.cache, ids[a:a + self.chunk]).logits
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last position's logits [V] after a chunked prefill of ids."""
+        for _, logits in self._chunks(ids):
+            last = logits[-1]
+        return last
+
+    def token_nll(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T - 1] NLL of each next token, chunk by chunk: never the [T, V] logits (1.6 GB at 8K for SmolLM2)."""
+        parts = []
+        for a, logits in self._chunks(ids):
+            target = ids[a + 1:a + 1 + logits.shape[0]]
+            parts.append(F.cross_entropy(logits[:target.numel()], target, reduction="none"))
         return torch.cat(parts)
 
     def step(self, token: int) -> torch.Tensor:
@@ -135,8 +146,7 @@ def cmd_ppl(a: argparse.Namespace) -> dict[str, Any]:
         for b, row in enumerate(seqs):
             for m in a.models:
                 t0 = time.perf_counter()
-                logits = Runner(s, m, L, a.chunk).prefill(row)
-                tok = F.cross_entropy(logits[:-1], row[1:], reduction="none")  # query j predicts token j + 1
+                tok = Runner(s, m, L, a.chunk).token_nll(row)  # query j predicts token j + 1
                 nll[m] = torch.cat([nll[m], tok])
                 secs[m] += time.perf_counter() - t0
                 print(f"[ppl] {L} seq {b} {m}: {math.exp(float(tok.mean())):.4f} "
@@ -186,7 +196,7 @@ def probe_prompt(s: Setup, filler: list[int], length: int, depth: float, trial: 
 
 
 def answer(r: Runner, ids: list[int], stops: list[int], max_new: int) -> list[int]:
-    return greedy_until(lambda: r.prefill(torch.tensor(ids), keep_logits=False)[-1], r.step, max_new, stops)
+    return greedy_until(lambda: r.prefill(torch.tensor(ids)), r.step, max_new, stops)
 
 
 def cmd_retrieval(a: argparse.Namespace) -> dict[str, Any]:

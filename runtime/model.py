@@ -213,7 +213,7 @@ class Runtime:
         """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
         budget there rather than silently running the build-time one."""
         fixed = self.cfg.sparse_top_k
-        if not self.capabilities.per_sequence_top_k and np.any((budgets != fixed) & (budgets >= 0)):
+        if not self.capabilities.per_sequence_top_k and np.any(budgets != fixed):
             raise RequestError("sparse_top_k", f"this bundle's {self.backend.name} graph selects with its build-time "
                                                f"budget {fixed} only (engine_io revision {self.cfg.graph_revision}; "
                                                "per-sequence budgets came with revision 4): rebuild it with "
