@@ -85,8 +85,11 @@ class PortableOps:
 
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
         """Element type and shape of `selected.{l}`: positions ascending, padded with -1 (as the plugin); the
-        width is the call's k = min(max_b budget_b, columns) (revision 4), at most K_sel at the default budget."""
-        return I32, ["B", "S", "K"]
+        width is the call's k = min(max_b budget_b, columns) (revision 4), at most K_sel at the default budget.
+        Its symbolic width is named per distinct selection (revision 7): layers that select differently have
+        different widths, and ONNX Runtime plans buffers as if equal names were equal sizes."""
+        ls = self.cfg.gsm.selection_of(l)
+        return I32, ["B", "S", f"K_w{ls.sparse_window}_k{ls.sparse_top_k}"]
 
     def mass_shape(self) -> list[Any]:
         """attn_mass covers positions 0..L-1, L = max(past_lengths) + S (every position of the call)."""

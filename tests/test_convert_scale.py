@@ -173,7 +173,8 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
     out = tmp_path / "gsm"
     r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "hf", str(src), "--out", str(out),
                         "--calib-text", str(CALIB_TEXT), "--eval-text", str(EVAL_TEXT), "--calib-tokens", "4096",
-                        "--eval-tokens", "1024", "--indexer-steps", "20", "--report", str(tmp_path / "r.json")],
+                        "--eval-tokens", "1024", "--indexer-steps", "20", "--long-check", "2048",
+                        "--report", str(tmp_path / "r.json")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
@@ -183,8 +184,14 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
                                          "quality report"}
     sb = rep["selection_budget"]  # --top-k auto at SmolLM2's context 8192: measured at the full 2K
     assert sb["seq_len"] == 2048 and sb["sequences"] == 2
-    assert [r["sparse_top_k"] for r in sb["curve"]] == [64, 128, 256, 512, 1024]  # 2048 has no sparse row
-    assert rep["gsm_config"]["sparse_top_k"] == sb["sparse_top_k"]
+    # the per-layer ladder up to 1536 (2048 leaves no sparse row), a selection per layer, and the report's
+    # long-context check where the 2K window is sparse
+    assert [r["sparse_top_k"] for r in sb["curve"]] == [0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536]
+    assert sb["mode"] == "per-layer" and len(sb["layers"]) == n
+    assert rep["gsm_config"]["sparse_top_k"] == sb["sparse_top_k"] == max(d["sparse_top_k"] for d in sb["layers"])
+    lc = rep["long_context"]["2048"]
+    assert lc["sequences"] == 1 and 0 < lc["sparse_query_share"] < 1 and lc["rows_per_step"] < 2048
+    assert lc["perplexity"]["gsm"] / lc["perplexity"]["dense"] - 1.0 < 0.3
     # 4 of 30 layers is not a language model any more; the GSM copy must still track its own dense model
     p = rep["perplexity"]
     assert p["gsm"] / p["dense"] - 1.0 < 0.15
