@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from quality_real import Setup, chat_prompt_ids, eval_stream, greedy_until  # noqa: E402
 
+from gsm.convert.quality import prefill_chunks, token_nll  # noqa: E402
 from gsm.golden.model import GoldenModel  # noqa: E402
 
 MODELS = ("dense", "gsm", "all", "recency")
@@ -72,41 +72,29 @@ def golden_variant(setup: Setup, name: str, n: int) -> GoldenModel:
 
 
 class Runner:
-    """prefill(ids) -> logits of every position, chunked; step(token) -> next logits; one sequence at a time."""
+    """One model of MODELS, one sequence at a time: prefill(ids) -> last logits, chunked (gsm.convert.quality's
+    prefill_chunks); step(token) -> next logits; token_nll(ids) -> each next token's NLL."""
 
     def __init__(self, setup: Setup, name: str, n: int, chunk: int) -> None:
-        self.setup, self.name, self.chunk = setup, name, chunk
+        self.chunk = chunk
         self.golden = None if name == "dense" else golden_variant(setup, name, n)
-
-    def _chunks(self, ids: torch.Tensor):
-        """Logits of each prefill chunk in turn (the cache kept between them)."""
-        if self.golden is None:
-            self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for a in range(0, ids.numel(), self.chunk):
-                yield a, self.setup.dense.run_cached(ids[None, a:a + self.chunk], self.kv)[0][0]
-        else:
-            self.cache = self.golden.new_cache()
-            for a in range(0, ids.numel(), self.chunk):
-                yield a, self.golden.forward(self.cache, ids[a:a + self.chunk]).logits
+        self.dense = setup.dense if self.golden is None else None
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """The last position's logits [V] after a chunked prefill of ids."""
-        for _, logits in self._chunks(ids):
+        """The last position's logits [V] after a chunked prefill of ids (the cache kept for `step`)."""
+        self.state = [] if self.golden is None else self.golden.new_cache()
+        for _, logits in prefill_chunks(self.dense, self.golden, ids, self.state, self.chunk):
             last = logits[-1]
         return last
 
     def token_nll(self, ids: torch.Tensor) -> torch.Tensor:
         """[T - 1] NLL of each next token, chunk by chunk: never the [T, V] logits (1.6 GB at 8K for SmolLM2)."""
-        parts = []
-        for a, logits in self._chunks(ids):
-            target = ids[a + 1:a + 1 + logits.shape[0]]
-            parts.append(F.cross_entropy(logits[:target.numel()], target, reduction="none"))
-        return torch.cat(parts)
+        return token_nll(self.dense, self.golden, ids, self.chunk)
 
     def step(self, token: int) -> torch.Tensor:
         if self.golden is None:
-            return self.setup.dense.run_cached(torch.tensor([[token]]), self.kv)[0][0, -1]
-        return self.golden.forward(self.cache, [token]).logits[-1]
+            return self.dense.run_cached(torch.tensor([[token]]), self.state)[0][0, -1]
+        return self.golden.forward(self.state, [token]).logits[-1]
 
 
 # -- perplexity by position --------------------------------------------------------------------------

@@ -44,20 +44,12 @@ class PluginOps:
             raise ValueError(f"max_top_k must be in [min(the layers' largest sparse_top_k {cfg.gsm.max_layer_top_k}, "
                              f"max-seq), max-seq {n_max}], got {self.max_top_k}")
 
-    def max_window(self, l: int) -> int:
-        """The node attribute max_sparse_window of owning layer l (its own window may exceed the model's)."""
-        return self.cfg.gsm.layer_max_window(l)
-
-    def k_sel(self, l: int) -> int:
-        """K_sel of owning layer l: the width of its `selected` and of the CUDA logits workspace."""
-        return self.cfg.gsm.sink_tokens + self.max_window(l) + self.max_top_k
-
     def _attrs(self, **kw: Any) -> dict[str, Any]:
         return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "n_max": self.n_max,
                 "rows_fp16": self.rows.fp16, "rows_int12": self.rows.int12, "rows_int8": self.rows.int8, **kw}
 
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
-        return I32, ["B", "S", self.k_sel(l)]
+        return I32, ["B", "S", self.cfg.gsm.k_sel(l, self.max_top_k)]
 
     def mass_shape(self) -> list[Any]:
         return ["B", self.n_max]
@@ -106,7 +98,7 @@ class PluginOps:
         attrs = self._attrs(layer_kind=0 if owning else 1, num_heads=cfg.num_attention_heads,
                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rank_k=rk, rank_v=rv,
                             sink_tokens=p.sink_tokens, max_top_k=self.max_top_k,
-                            max_sparse_window=self.max_window(l if owning else source))
+                            max_sparse_window=p.layer_max_window(l if owning else source))
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)

@@ -280,7 +280,7 @@ def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: 
     kv = B * S * 2 * cfg.kv_dim * 2  # one layer's reconstructed K/V
     logits = B * T * cfg.vocab_size * 4
     mtk = min(g.max_layer_top_k, S) if max_top_k is None else max_top_k
-    k_sel = sum(g.sink_tokens + g.layer_max_window(l) + mtk for l in own)  # each layer's own window
+    k_sel = sum(g.k_sel(l, mtk) for l in own)  # each layer's own window
     per_layer = B * (T * k_sel + len(own) * S) * 4
     return hidden + scores + kv + logits + per_layer
 

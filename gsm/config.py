@@ -151,7 +151,7 @@ class GSMParams:
         d["shared_layer_grouping"] = list(self.shared_layer_grouping)
         d["kv_sharing"] = {str(k): v for k, v in sorted(self.kv_sharing.items())}
         if self.layer_selection:
-            d["layer_selection"] = {str(k): dataclasses.asdict(v) for k, v in sorted(self.layer_selection.items())}
+            d["layer_selection"] = self._layer_selection_json()
         else:
             del d["layer_selection"]  # a v1 config stays byte-identical (and keeps its checksum)
         d["checksum"] = gsm_checksum(d)
@@ -192,6 +192,11 @@ class GSMParams:
         """The widest window owning layer `layer` may select with: its own, or a run-time one."""
         return max(self.max_sparse_window, self.selection_of(layer).sparse_window)
 
+    def k_sel(self, layer: int, max_top_k: int) -> int:
+        """K_sel of owning layer `layer`'s attention node (engine_io 4.2): its `selected` width and the CUDA
+        logits workspace, for nodes that honour budgets up to max_top_k."""
+        return self.sink_tokens + self.layer_max_window(layer) + max_top_k
+
     def recency_equivalent(self) -> GSMParams:
         """The same rows per layer given to sinks + a window (top-k 0): the baseline a selector must beat."""
         per = {i: LayerSelection(self.selection_of(i).rows, 0) for i in self.layer_selection}
@@ -205,7 +210,10 @@ class GSMParams:
 
     def selection_summary(self) -> dict[str, Any]:
         return {"sink_tokens": self.sink_tokens, "sparse_window": self.sparse_window, "sparse_top_k": self.sparse_top_k,
-                "layer_selection": {str(k): dataclasses.asdict(v) for k, v in sorted(self.layer_selection.items())}}
+                "layer_selection": self._layer_selection_json()}
+
+    def _layer_selection_json(self) -> dict[str, dict[str, int]]:
+        return {str(k): dataclasses.asdict(v) for k, v in sorted(self.layer_selection.items())}
 
 
 @dataclass(frozen=True)

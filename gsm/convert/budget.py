@@ -249,5 +249,5 @@ def allocate(curve: HitRateCurve, target: float) -> tuple[list[LayerChoice], boo
 
 def rows_per_step(p: Any, layers: Sequence[int], contexts: Sequence[int]) -> dict[int, dict[str, float]]:
     """Rows a decode step reads, averaged over layers, at each context: absolute and as a share of dense (t)."""
-    return {n: {"rows": p.mean_rows(list(layers), n), "fraction_of_dense": p.mean_rows(list(layers), n) / n}
-            for n in contexts}
+    rows = {n: p.mean_rows(list(layers), n) for n in contexts}
+    return {n: {"rows": r, "fraction_of_dense": r / n} for n, r in rows.items()}

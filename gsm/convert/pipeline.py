@@ -304,7 +304,7 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
     for r in info["curve"]:
         stages.progress(f"top-k {r['sparse_top_k']:5d}: hit rate {r['hit_rate']:.4f} at {seqs.shape[1]} tokens "
                         f"(recency {r['recency_hit_rate']:.4f})")
-    if per_layer and "layers" in info:
+    if "layers" in info:
         stages.progress("per layer: " + ", ".join(f"{d['layer']}:{d['selector'][0]}{d['k']}" for d in info["layers"])
                         + f" (mean hit rate {info['mean_hit_rate']:.4f})")
     else:

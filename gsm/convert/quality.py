@@ -16,6 +16,7 @@ Everything here runs on the evaluation text only (never fitted on). Figures:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -183,20 +184,31 @@ LONG_CHECK = (2048, 4096)
 LONG_CHUNK = 512  # positions per chunked prefill of the long-context check: memory is one chunk's attention
 
 
+def prefill_chunks(dense: DenseLlama | None, gsm: Any, row: torch.Tensor, state: Any,
+                   chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, logits [c, V]) of each chunk of row [T] in turn, through the dense model's K/V path (state: its K/V
+    list) or the golden's cache (state: a SequenceCache), the state extended in place: a long window costs
+    [heads, chunk, T] of attention, never [heads, T, T]."""
+    chunk = chunk or LONG_CHUNK
+    for a in range(0, row.numel(), chunk):
+        ids = row[a:a + chunk]
+        yield a, dense.run_cached(ids[None], state)[0][0] if dense is not None else gsm.forward(state, ids).logits
+
+
 @torch.no_grad()
+def token_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """[T - 1] NLL of each next token of row [T] through a chunked prefill, each chunk's logits scored and dropped:
+    never the [T, V] logits (805 MB at 4K for SmolLM2's vocabulary)."""
+    parts = []
+    for a, logits in prefill_chunks(dense, gsm, row, [] if dense is not None else gsm.new_cache(), chunk):
+        target = row[a + 1:a + 1 + logits.shape[0]]  # the last position of the window predicts nothing
+        parts.append(torch.nn.functional.cross_entropy(logits[:target.numel()], target, reduction="none"))
+    return torch.cat(parts)
+
+
 def chunked_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor) -> float:
-    """Mean next-token NLL of row [T] through a chunked prefill (the dense model's K/V path, or the golden's cache),
-    each chunk's logits scored and dropped: a long window costs [heads, chunk, T] of attention and [chunk, V] of
-    logits, never [heads, T, T] nor [T, V] (805 MB at 4K for SmolLM2's vocabulary)."""
-    total, T = 0.0, row.numel()
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    cache = None if gsm is None else gsm.new_cache()
-    for a in range(0, T, LONG_CHUNK):
-        ids = row[a:a + LONG_CHUNK]
-        logits = dense.run_cached(ids[None], kv)[0][0] if dense is not None else gsm.forward(cache, ids).logits
-        target = row[a + 1:a + 1 + ids.numel()]  # the last position of the window predicts nothing
-        total += float(torch.nn.functional.cross_entropy(logits[:target.numel()], target, reduction="sum"))
-    return total / (T - 1)
+    """Mean next-token NLL of row [T] (token_nll)."""
+    return float(token_nll(dense, gsm, row).mean())
 
 
 @torch.no_grad()
@@ -214,9 +226,10 @@ def long_context_check(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarra
         d = float(np.mean([chunked_nll(dense, None, row) for row in seqs]))
         g = float(np.mean([chunked_nll(None, gsm, row) for row in seqs]))
         sparse = float(np.mean([max(0, T - p.sink_tokens - p.selection_of(l).rows) / T for l in layers]))
+        rows = p.mean_rows(layers, T)
         out[T] = {"sequences": int(seqs.shape[0]), "perplexity": {"dense": ppl(d), "gsm": ppl(g)},
                   "relative_increase": ppl(g) / ppl(d) - 1, "sparse_query_share": sparse,
-                  "rows_per_step": p.mean_rows(layers, T), "fraction_of_dense_rows": p.mean_rows(layers, T) / T}
+                  "rows_per_step": rows, "fraction_of_dense_rows": rows / T}
         progress(f"held-out at {T} tokens ({seqs.shape[0]} windows): dense {ppl(d):.3f}, GSM {ppl(g):.3f} "
                  f"({ppl(g) / ppl(d) - 1:+.1%}), {out[T]['rows_per_step']:.0f} rows per step "
                  f"({out[T]['fraction_of_dense_rows']:.1%} of dense)")
