@@ -12,10 +12,16 @@ every latent row (K and V latents of every owning layer) re-quantised as it is w
 - `int4-g32`: symmetric 4-bit per row in groups of 32 channels, one FP16 scale each (absmax / 7), the layout of
   llama.cpp's q4_0 (0.5625 bytes per value), no calibration;
 - `+keys8`: also the indexer keys INT8 per channel (absmax / 127 on the calibration text).
-This is a simulation in the golden model, a bound: in one prefill every row is quantised, also the recent
-window and sinks an engine keeps in FP16, and no compensation term is added. It measures what the formats
-cost, not an engine (the INT4 tier is not in the engines). Bytes per position follow spec 6: (r_k + r_v) x
-bytes per value + the indexer key, summed over owning layers; dense FP16 is L x 2 x kvD x 2.
+These formats are a simulation in the golden model, a bound: in one prefill every row is quantised, also the
+recent window and sinks an engine keeps in FP16, and no compensation term is added.
+
+`tiers:F16/F12/F8/F4` rows are the engines' tier policy itself (spec 5, decisions "A 4-bit tier"): the golden
+deployed model with the checkpoint's calibrated tables (kv_calibration.safetensors: scales, compensation, the
+INT4 pair), the window prefilled in chunks of `--retier-every` tokens, each chunk a prefill call that ends with
+the re-tier pass (so rows are demoted by hotness rank while the window is read, the sinks and the last
+fp16_window rows stay FP16), every chunk's logits scored. `+keys8` adds INT8 indexer keys as above.
+Bytes per position follow spec 6: (r_k + r_v) x average bytes per value under the tier fractions + the indexer
+key, summed over owning layers; dense FP16 is L x 2 x kvD x 2.
 
 `--copy-len L`: a number-copy test at L tokens under every format (the seed description warns that INT4 KV
 corrupted numbers in long legal text): a sentence with a serial number is placed at several depths of held-out
@@ -128,13 +134,54 @@ class Formats:
                        "int4-mse": per_layer(7, True)}
         self.collected = {}
 
-    def nll(self, row: torch.Tensor, fmt: str) -> float:
+    def nll(self, row: torch.Tensor, fmt: str, retier_every: int = 64) -> float:
         from quality_real import token_nll
 
-        self.fmt = fmt
+        base = fmt.split("+")[0]
+        self.fmt = "fp16" if base.startswith("tiers:") else fmt
         self.keys.fmt = "int8-channel" if fmt.endswith("+keys8") else None
         with self.keys:
-            return float(token_nll(self.gsm.forward(self.gsm.new_cache(), row).logits, row).sum())
+            if not base.startswith("tiers:"):
+                return float(token_nll(self.gsm.forward(self.gsm.new_cache(), row).logits, row).sum())
+            quant0 = self.gsm.quant
+            self.gsm.quant = quant0.with_fractions(tier_mix(base))
+            try:  # chunked prefill: each call ends with the re-tier pass
+                cache, total = self.gsm.new_cache(), 0.0
+                for a in range(0, row.numel() - 1, retier_every):
+                    logits = self.gsm.prefill(cache, row[a:a + retier_every]).logits
+                    target = row[a + 1:a + 1 + logits.shape[0]]
+                    total += float(torch.nn.functional.cross_entropy(logits[:target.numel()], target,
+                                                                     reduction="sum"))
+                return total
+            finally:
+                self.gsm.quant = quant0
+
+
+def tier_mix(base: str) -> tuple[float, ...]:
+    """`tiers:F16/F12/F8/F4` -> the tier fractions."""
+    return tuple(float(x) for x in base.removeprefix("tiers:").split("/"))
+
+
+def format_bytes(fmt: str) -> tuple[float, float]:
+    """(bytes per latent value, bytes per indexer-key value) of a format name."""
+    from gsm.tiers import avg_bytes
+
+    base = fmt.split("+")[0]
+    if base.startswith("tiers:"):
+        return avg_bytes(tier_mix(base)), 1.0 if fmt.endswith("+keys8") else 2.0
+    return GSM_FORMATS[fmt]
+
+
+def valid_format(fmt: str) -> bool:
+    if fmt in GSM_FORMATS:
+        return True
+    base, _, extra = fmt.partition("+")
+    try:
+        mix = tier_mix(base)
+    except ValueError:
+        return False
+    return base.startswith("tiers:") and extra in ("", "keys8") and len(mix) in (3, 4) and \
+        abs(sum(mix) - 1) < 1e-6 and min(mix) >= 0
 
 
 def bytes_per_position(cfg, ranks: dict[int, tuple[int, int]], value_bytes: float, key_bytes: float) -> float:
@@ -178,14 +225,14 @@ def gsm_rows(a: argparse.Namespace) -> dict[str, Any]:
         for b, row in enumerate(seqs):
             t0 = time.perf_counter()
             for name in a.formats:
-                sums[name] += f.nll(row, name)
+                sums[name] += f.nll(row, name, a.retier_every)
             n_tok += row.numel() - 1
             print(f"[gsm] {L} seq {b}: " + ", ".join(f"{k} {math.exp(v / n_tok):.4f}" for k, v in sums.items())
                   + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
         ppl = {k: math.exp(v / n_tok) for k, v in sums.items()}
         out["by_length"][L] = {"tokens": n_tok, "rows": [
-            {"format": k, "kv_bytes_per_position": bytes_per_position(s.cfg, ranks, *GSM_FORMATS[k]),
-             "vs_dense_fp16": bytes_per_position(s.cfg, ranks, *GSM_FORMATS[k]) / dense,
+            {"format": k, "kv_bytes_per_position": bytes_per_position(s.cfg, ranks, *format_bytes(k)),
+             "vs_dense_fp16": bytes_per_position(s.cfg, ranks, *format_bytes(k)) / dense,
              "perplexity": p, "increase_over_fp16": p / ppl["fp16"] - 1} for k, p in ppl.items()]}
     return out
 
@@ -276,7 +323,10 @@ def main() -> int:
     ap.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",") if x], default=[512, 2048])
     ap.add_argument("--sequences", type=int, default=4, help="held-out windows per length (llama.cpp: --chunks)")
     ap.add_argument("--formats", type=lambda t: t.split(","), default=list(GSM_FORMATS),
-                    help=f"GSM row formats, fp16 first ({', '.join(GSM_FORMATS)})")
+                    help=f"GSM row formats, fp16 first ({', '.join(GSM_FORMATS)}), or the engines' tier policy at "
+                    "fractions tiers:F16/F12/F8/F4 (e.g. tiers:0.25/0/0.25/0.5, +keys8 allowed)")
+    ap.add_argument("--retier-every", type=int, default=64, help="tokens per prefill chunk of the tiers: rows "
+                    "(a re-tier pass ends each; default %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
     ap.add_argument("--no-llama", action="store_true")
@@ -285,7 +335,7 @@ def main() -> int:
     ap.add_argument("--no-perplexity", action="store_true", help="only the copy test")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    bad = [f for f in a.formats if f not in GSM_FORMATS]
+    bad = [f for f in a.formats if not valid_format(f)]
     if bad or "fp16" not in a.formats:
         ap.error(f"--formats: {bad[0]!r} is not one of {', '.join(GSM_FORMATS)}" if bad else
                  "--formats must include fp16 (every row is compared with it)")
@@ -301,14 +351,14 @@ def main() -> int:
     res["gsm"] = gsm_rows(a)
     if not a.no_llama:
         res["llama_cpp"] = llama_rows(a, res["gsm"]["dense_fp16_bytes_per_position"])
-    print(f"{'length':>6} {'method':>24} {'KV B/pos':>9} {'x dense':>8} {'ppl':>9} {'increase':>9}")
+    print(f"{'length':>6} {'method':>36} {'KV B/pos':>9} {'x dense':>8} {'ppl':>9} {'increase':>9}")
     for L in a.lengths:
         for r in res["gsm"]["by_length"][L]["rows"]:
-            print(f"{L:6d} {'GSM ' + r['format']:>24} {r['kv_bytes_per_position']:9.0f} {r['vs_dense_fp16']:8.3f} "
+            print(f"{L:6d} {'GSM ' + r['format']:>36} {r['kv_bytes_per_position']:9.0f} {r['vs_dense_fp16']:8.3f} "
                   f"{r['perplexity']:9.4f} {r['increase_over_fp16']:+9.2%}")
         for r in res.get("llama_cpp", {}).get("by_length", {}).get(L, []):
             if "perplexity" in r:
-                print(f"{L:6d} {'llama.cpp ' + r['cache_type']:>24} {r['kv_bytes_per_position']:9.0f} "
+                print(f"{L:6d} {'llama.cpp ' + r['cache_type']:>36} {r['kv_bytes_per_position']:9.0f} "
                       f"{r['vs_dense_fp16']:8.3f} {r['perplexity']:9.4f} {r.get('increase_over_f16', 0):+9.2%}")
     res["command"] = " ".join(sys.argv)
     if a.out:

@@ -21,7 +21,7 @@ from typing import Any
 
 import gsm
 from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
-from builder.calib import quant_tables
+from builder.calib import has_int4_tables, quant_tables
 from builder.graph_cpu import CPU_DOMAIN, CPU_OP, CPU_OP_VERSION
 from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
@@ -156,6 +156,9 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             qt = quant_tables(cfg, ranks, tensors, ckpt, calibration)
         except CalibrationError as e:
             raise BuildError(str(e)) from None
+        if quant.uses_int4 and not qt.int4_fitted:
+            raise BuildError(f"{qt.source}: INT4 tier fractions {list(quant.tier_fractions)} but some owning layer's "
+                             "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
         rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
         wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights)
         spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),
@@ -350,8 +353,15 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
     """
     if uncalibrated not in UNCALIBRATED:
         raise BuildError(f"--uncalibrated must be one of {', '.join(UNCALIBRATED)}, got {uncalibrated!r}")
-    if calibration is not None or (ckpt / checkpoint.CALIB_FILE).is_file():
-        return quant, {"mode": "calibrated", "note": "INT12/INT8 tiers with calibrated scales"}
+    table = calibration if calibration is not None else ckpt / checkpoint.CALIB_FILE
+    if calibration is not None or table.is_file():
+        if quant.uses_int4 and not has_int4_tables(table):
+            return _without_int4(quant), {
+                "mode": "calibrated", "note": f"{table} has no fitted INT4 scales (scale_int4/comp_int4), so the "
+                "INT4 share of the tier fractions is kept INT8; rerun `python -m calibration run` to fit them"}
+        return quant, {"mode": "calibrated", "note": "INT12/INT8" + ("/INT4" if quant.uses_int4 else "") +
+                       " tiers with calibrated scales"}
+    quant = _without_int4(quant)  # INT4 rows need scales fitted on text, whatever --uncalibrated says
     fractions = "/".join(f"{f:g}" for f in quant.tier_fractions)
     if demo:
         return quant, {"mode": "data-free", "note": f"DEMO model: tiers {fractions} with data-free scales"}
@@ -362,6 +372,12 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
             {"mode": "fp16-only", "note": f"{ckpt} has no calibration tables, so the KV cache stays FP16 "
              f"(no INT12/INT8 tiers). Run `python -m calibration run --checkpoint {ckpt}` to enable them, "
              "or pass --uncalibrated data-free to use uncalibrated scales"})
+
+
+def _without_int4(quant: KVQuantConfig) -> KVQuantConfig:
+    """The tier fractions with the INT4 share moved to INT8 (a v1 triple)."""
+    f16, f12, f8, f4 = quant.fractions4
+    return quant if not quant.uses_int4 else dataclasses.replace(quant, tier_fractions=(f16, f12, f8 + f4))
 
 
 def _maybe_engine(tmp: Path, plan: MemoryPlan, profile: Any, step: Callable[[str], None]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Per-layer quantisation tables `quant` [3, r] (rows s12, s8, comp8; k channels then v), spec 5.
+"""Per-layer quantisation tables `quant` [5, r] (rows s12, s8, comp8, s4, comp4; k channels then v), spec 5.
 
 Sources, first that exists: `--calibration FILE`, the checkpoint's kv_calibration.safetensors, or
 the data-free scales of decisions "Uncalibrated checkpoints". The data-free scales are computed by
@@ -26,8 +26,12 @@ class CalibrationError(ValueError):
 
 @dataclass(frozen=True)
 class QuantTables:
-    tables: dict[int, np.ndarray]  # owning layer -> [3, r_k + r_v] float32
+    tables: dict[int, np.ndarray]  # owning layer -> [5, r_k + r_v] float32 (TABLE_ROWS)
+    int4_fitted: bool  # every latent has INT4 scales fitted on text: only then may rows be INT4
     source: str  # "file:<path>", "checkpoint", "data-free"
+
+
+TABLE_ROWS = ("scale_int12", "scale_int8", "comp_int8", "scale_int4", "comp_int4")  # engine_io section 6
 
 
 def default_int12_scale(s8: np.ndarray) -> np.ndarray:
@@ -35,28 +39,42 @@ def default_int12_scale(s8: np.ndarray) -> np.ndarray:
     return (s8.astype(np.float32) * np.float32(127.0)) / np.float32(2047.0)
 
 
-def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) -> dict[int, np.ndarray]:
+def default_int4_scale(s8: np.ndarray) -> np.ndarray:
+    """s4 = float32(float32(s8 * 127) / 7) (decisions "A 4-bit tier")."""
+    return (s8.astype(np.float32) * np.float32(127.0)) / np.float32(7.0)
+
+
+def table_rows(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """[5, r] in TABLE_ROWS order; the optional rows get their defaults (INT12, INT4 scales from s8, comp4 0)."""
+    s8 = rows["scale_int8"]
+    defaults = {"scale_int12": lambda: default_int12_scale(s8), "scale_int4": lambda: default_int4_scale(s8),
+                "comp_int4": lambda: np.zeros_like(s8)}
+    return np.stack([rows[w] if w in rows else defaults[w]() for w in TABLE_ROWS]).astype(np.float32)
+
+
+def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) -> tuple[dict[int, np.ndarray], bool]:
+    """The tables and whether every latent has fitted INT4 scales."""
     f = LazySafetensors(path)
     have = set(f.names)
-    out = {}
+    out, int4 = {}, True
     for l in cfg.owning_layers:
         cols = []
         for kind, r in zip(("k", "v"), ranks[l]):
             rows = {}
-            for what in ("scale_int8", "scale_int12", "comp_int8"):
+            for what in names.CALIB_TENSORS:
                 n = names.calib_name(l, kind, what)
                 if n not in have:
-                    if what == "scale_int12":
+                    if what not in names.CALIB_REQUIRED:
                         continue
                     raise CalibrationError(f"{path}: no table {n!r}")
                 a = f.array(n).astype(np.float32)
                 if a.shape != (r,):
                     raise CalibrationError(f"{path}: {n} has shape {list(a.shape)}, expected [{r}] (rank of layer {l})")
                 rows[what] = a
-            s12 = rows.get("scale_int12", default_int12_scale(rows["scale_int8"]))
-            cols.append(np.stack([s12, rows["scale_int8"], rows["comp_int8"]]))
+            int4 = int4 and "scale_int4" in rows and "comp_int4" in rows
+            cols.append(table_rows(rows))
         out[l] = np.concatenate(cols, axis=1).astype(np.float32)
-    return out
+    return out, int4
 
 
 def _data_free(cfg: ModelConfig, tensors: CheckpointTensors) -> dict[int, np.ndarray]:
@@ -75,10 +93,18 @@ def _data_free(cfg: ModelConfig, tensors: CheckpointTensors) -> dict[int, np.nda
     out = {}
     for l in cfg.owning_layers:
         k, v = cal.scales[(l, "k")], cal.scales[(l, "v")]
-        out[l] = np.stack([np.concatenate([a.numpy(), b.numpy()]) for a, b in
-                           ((k.scale_int12, v.scale_int12), (k.scale_int8, v.scale_int8),
-                            (k.comp_int8, v.comp_int8))]).astype(np.float32)
+        out[l] = np.stack([np.concatenate([getattr(k, w).numpy(), getattr(v, w).numpy()])
+                           for w in TABLE_ROWS]).astype(np.float32)
     return out
+
+
+def has_int4_tables(path: Path) -> bool:
+    """The calibration file holds fitted INT4 scales (checked before planning; the build refuses a file that holds
+    them for only some latents once it reads the tables)."""
+    try:
+        return any(n.endswith((".scale_int4", ".comp_int4")) for n in LazySafetensors(path).names)
+    except (OSError, ValueError):
+        return False
 
 
 def quant_tables(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], tensors: CheckpointTensors,
@@ -86,7 +112,7 @@ def quant_tables(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], tensors: C
     if calibration is not None:
         if not calibration.is_file():
             raise CalibrationError(f"--calibration {calibration}: no such file")
-        return QuantTables(_from_file(cfg, ranks, calibration), f"file:{calibration}")
+        return QuantTables(*_from_file(cfg, ranks, calibration), source=f"file:{calibration}")
     if (checkpoint_dir / CALIB_FILE).is_file():
-        return QuantTables(_from_file(cfg, ranks, checkpoint_dir / CALIB_FILE), "checkpoint")
-    return QuantTables(_data_free(cfg, tensors), "data-free")
+        return QuantTables(*_from_file(cfg, ranks, checkpoint_dir / CALIB_FILE), source="checkpoint")
+    return QuantTables(_data_free(cfg, tensors), False, "data-free")

@@ -33,6 +33,7 @@ from onnx import TensorProto
 from builder.nodes import F16, F32, I32, I64, cast, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm.config import ModelConfig
+from gsm.tiers import INT4, INT8, INT12, QMAX
 
 F64 = TensorProto.DOUBLE  # the V-side weighted latent sum (_attend_v)
 NEG_INF = np.float32(-np.inf)
@@ -404,29 +405,33 @@ class PortableOps:
 
     # -- GsmKVDemote (demotion graph) ---------------------------------------------------------------
     def demote(self, l: int, lat: str, new_tier: str, quant: str, cols: tuple[int, int], out: str) -> str:
-        """new_tier [M] int32 (-1 unchanged, 1 INT12, 2 INT8) -> re-encoded latent rows [M, r] (the runtime
-        gathers the M rows a re-tier pass changes and writes them back: cost follows the changed rows).
+        """new_tier [M] int32 (-1 unchanged, 1 INT12, 2 INT8, 3 INT4) -> re-encoded latent rows [M, r] (the
+        runtime gathers the M rows a re-tier pass changes and writes them back: cost follows the changed rows).
 
-        code = clip(round_half_even(x / s)); INT12 value = code * s12, INT8 = (code * s8) + comp
-        (two separately rounded float32 ops, decisions "Rounding"); x is the held value (FP16 or
-        INT12-dequantised), as the golden re-quantises.
+        code = clip(round_half_even(x / s)); INT12 value = code * s12, INT8 = (code * s8) + comp8,
+        INT4 = (code * s4) + comp4 (two separately rounded float32 ops, decisions "Rounding"); x is the
+        held value (FP16, INT12- or INT8-dequantised), as the golden re-quantises.
         """
         g = self.g
         with g.in_scope(f"L{l}.GsmKVDemote"):
             table = g.op("Slice", [quant, g.const([cols[0]], np.int64, "c0"), g.const([cols[1]], np.int64, "c1"),
-                                   g.const([1], np.int64, "ax1")])  # [3, r]: s12, s8, comp8
-            s12, s8, comp = g.op("Split", [table, g.const([1, 1, 1], np.int64, "rows3")], n_out=3, axis=0)  # [1, r]
+                                   g.const([1], np.int64, "ax1")])  # [5, r]: s12, s8, comp8, s4, comp4
+            s12, s8, comp8, s4, comp4 = g.op("Split", [table, g.const([1] * 5, np.int64, "rows5")], n_out=5,
+                                             axis=0)  # [1, r] each
 
             def code(scale: str, qmax: int) -> str:
                 return g.op("Clip", [g.op("Round", [g.op("Div", [lat, scale])]),
                                      g.const(-qmax, np.float32, f"m{qmax}"), g.const(qmax, np.float32, f"p{qmax}")])
 
-            v12 = g.op("Mul", [code(s12, 2047), s12])
-            v8 = g.op("Add", [g.op("Mul", [code(s8, 127), s8]), comp])
+            value = {INT12: g.op("Mul", [code(s12, QMAX[INT12]), s12]),
+                     INT8: g.op("Add", [g.op("Mul", [code(s8, QMAX[INT8]), s8]), comp8]),
+                     INT4: g.op("Add", [g.op("Mul", [code(s4, QMAX[INT4]), s4]), comp4])}
             tier = g.op("Unsqueeze", [new_tier, g.const([1], np.int64, "ax1")])  # [M, 1]
-            is12 = g.op("Equal", [tier, g.const(1, np.int32, "t12")])
-            is8 = g.op("Equal", [tier, g.const(2, np.int32, "t8")])
-            return g.op("Where", [is12, v12, g.op("Where", [is8, v8, lat])], outputs=[out])
+            held = lat
+            for t in (INT4, INT8, INT12):  # innermost Where: the held value of an unchanged row
+                held = g.op("Where", [g.op("Equal", [tier, g.const(t, np.int32, f"t{t}")]), value[t], held],
+                            **({"outputs": [out]} if t == INT12 else {}))
+            return held
 
 
 

@@ -46,7 +46,8 @@ class PluginOps:
 
     def _attrs(self, **kw: Any) -> dict[str, Any]:
         return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "n_max": self.n_max,
-                "rows_fp16": self.rows.fp16, "rows_int12": self.rows.int12, "rows_int8": self.rows.int8, **kw}
+                "rows_fp16": self.rows.fp16, "rows_int12": self.rows.int12, "rows_int8": self.rows.int8,
+                "rows_int4": self.rows.int4, **kw}
 
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
         return I32, ["B", "S", self.cfg.gsm.k_sel(l, self.max_top_k)]

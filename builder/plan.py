@@ -33,15 +33,13 @@ from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
 from gsm.bundle_format import PoolRows
 from gsm.config import KVQuantConfig, ModelConfig
+from gsm.tiers import avg_bytes, row_bytes, tier_counts
 from jetson.profiles import PROFILES, DeviceProfile
 
 GIB = 2**30
 WORKSPACE_BYTES = 256 * 2**20  # TensorRT tactic workspace we cap the builder at (estimate)
 ENGINE_WEIGHT_BYTES = 2  # FP16 weights in the TensorRT engine
 SLOT_ENTRY_BYTES = 4  # kv_slots entry: int32 (tier << 24) | row (docs/engine_io.md section 3)
-# bytes per latent value of the FP16 / INT12 / INT8 tiers (spec 6); equal to gsm.golden.quant.TIER_BYTES
-# (a test checks), repeated so the builder's planning never imports torch
-TIER_BYTES = (2.0, 1.5, 1.0)
 # --weights choices, highest precision first (the order `--weights auto` tries them in)
 WEIGHT_CHOICES = ("fp16", "int8", "int4")
 DEFAULT_GROUP_SIZE = 128  # INT4's default group
@@ -75,32 +73,25 @@ def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConf
               hot_rows: int = 0) -> PoolRows:
     """Region sizes of docs/engine_io.md section 3 (a row may live in a wider region than its tier):
 
-    C16 = min(N, sinks + fp16_window + floor(f0 N) + R + H), R = max(prefill chunk, rate) rows
-    written between two re-tier passes, H = rows reserved for hot_token_ids (`hot_rows`);
-    C12 = min(N - C16, floor((f0 + f1) N) - floor(f0 N)); C8 = N - C16 - C12.
-    Why these bound the tier policy: after a pass at most floor(f0 N) eligible rows are FP16 and
-    at most floor((f0 + f1) N) are FP16 or INT12 (demotion only never adds a wider row), and
-    between passes only new FP16 rows appear (at most R).
+    C16 = min(N, sinks + fp16_window + n16 + R + H), R = max(prefill chunk, rate) rows written
+    between two re-tier passes, H = rows reserved for hot_token_ids (`hot_rows`);
+    C12 = min(N - C16, n12); C8 = min(N - C16 - C12, n8); C4 = N - C16 - C12 - C8, with
+    n16, n12, n8 = gsm.tiers.tier_counts(tier_fractions, N) (so C4 = 0 without an INT4 fraction).
+    Why these bound the tier policy: after a pass at most n16 eligible rows are FP16, at most
+    n16 + n12 FP16 or INT12 and n16 + n12 + n8 wider than INT4 (demotion only never adds a wider
+    row), and between passes only new FP16 rows appear (at most R).
     """
-    f0, f1, _ = quant.tier_fractions
-    n16 = math.floor(f0 * max_seq + 1e-9)
+    n16, n12, n8, _ = tier_counts(quant.tier_fractions, max_seq)
     c16 = min(max_seq, cfg.gsm.sink_tokens + quant.fp16_window + n16 +
               max(max_input, cfg.gsm.quantization_adaptation_rate) + hot_rows)
-    c12 = min(max_seq - c16, math.floor((f0 + f1) * max_seq + 1e-9) - n16)
-    return PoolRows(c16, c12, max_seq - c16 - c12)
-
-
-def row_bytes(r_k: int, r_v: int) -> tuple[int, int, int]:
-    """W16, W12, W8 of docs/engine_io.md: bytes per row of each region (W16 = max(2r, W12), so an
-    FP16 row can always hold an INT12 row, even for tiny odd ranks)."""
-    w12 = 3 * math.ceil(r_k / 2) + 3 * math.ceil(r_v / 2)
-    return max(2 * (r_k + r_v), w12), w12, r_k + r_v
+    c12 = min(max_seq - c16, n12)
+    c8 = min(max_seq - c16 - c12, n8)
+    return PoolRows(c16, c12, c8, max_seq - c16 - c12 - c8)
 
 
 def pool_words(r_k: int, r_v: int, rows: PoolRows) -> int:
-    """P32 of `kv_pool.{l}`: ceil((C16 W16 + C12 W12 + C8 W8) / 4) int32 words (engine_io section 2)."""
-    w16, w12, w8 = row_bytes(r_k, r_v)
-    return math.ceil((rows.fp16 * w16 + rows.int12 * w12 + rows.int8 * w8) / 4)
+    """P32 of `kv_pool.{l}`: ceil((C16 W16 + C12 W12 + C8 W8 + C4 W4) / 4) int32 words (engine_io section 2)."""
+    return math.ceil(sum(c * w for c, w in zip(rows.by_tier, row_bytes(r_k, r_v))) / 4)
 
 
 @dataclass(frozen=True)
@@ -238,7 +229,7 @@ def weight_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig) -> float:
     """Spec 6: sum over owning layers of (r_k + r_v) * average tier bytes + dI * 2."""
-    avg = sum(f * b for f, b in zip(quant.tier_fractions, TIER_BYTES))
+    avg = avg_bytes(quant.tier_fractions)
     return sum((rk + rv) * avg + cfg.gsm.indexer_dim * 2 for rk, rv in ranks.values())
 
 
@@ -293,7 +284,7 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
     g = cfg.gsm
     embed = 0 if cfg.tie_word_embeddings else tensors[names.EMBED]
     weights = sum(tensors.values()) - embed + cfg.hidden_size * ENGINE_WEIGHT_BYTES
-    avg = sum(f * b for f, b in zip(quant.tier_fractions, TIER_BYTES))
+    avg = avg_bytes(quant.tier_fractions)
     kv = 0.0
     for i in range(cfg.num_hidden_layers):
         src = i if cfg.is_owning(i) else g.kv_sharing[i]

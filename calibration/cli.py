@@ -23,8 +23,9 @@ def parse_fractions(text: str) -> Fractions:
         parts = tuple(float(x) for x in text.split(","))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected three numbers like 0.25,0.25,0.5, got {text!r}") from e
-    if len(parts) != 3 or any(p < 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
-        raise argparse.ArgumentTypeError(f"expected three non-negative fractions summing to 1, got {text!r}")
+    if len(parts) not in (3, 4) or any(p < 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
+        raise argparse.ArgumentTypeError("expected three (FP16,INT12,INT8) or four (…,INT4) non-negative fractions "
+                                         f"summing to 1, got {text!r}")
     return parts  # type: ignore[return-value]
 
 
@@ -47,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="percentile of |x| for --method percentile (default %(default)s)")
     r.add_argument("--error-budget", type=_NONNEG, default=0.01, help="allowed relative perplexity increase of "
                    "deployed over exact mode when choosing tier fractions (default %(default)s)")
-    r.add_argument("--tier-fractions", type=parse_fractions, help="fix FP16,INT12,INT8 fractions "
+    r.add_argument("--tier-fractions", type=parse_fractions, help="fix FP16,INT12,INT8[,INT4] fractions "
                    "(skips the search)")
     r.add_argument("--fraction-step", type=_STEP, default=0.25, help="grid step of the fraction search")
+    r.add_argument("--no-int4", dest="int4", action="store_false", help="leave the 4-bit tier out of the search "
+                   "(INT4 scales are fitted and written either way)")
     r.add_argument("--confidence-z", type=_NONNEG, default=2.0, help="a candidate passes when its perplexity "
                    "increase plus this many standard errors (over sequences) is within the budget; 0 = point "
                    "estimate (default %(default)s)")
@@ -91,7 +94,7 @@ def run_command(args: argparse.Namespace) -> int:
         samples=args.samples, seq_len=args.seq_len, method=args.method, percentile=args.percentile,
         error_budget=args.error_budget, search_samples=args.search_samples, eval_samples=args.eval_samples,
         prefill_len=args.prefill_len, adaptation_rate=args.adaptation_rate, fraction_step=args.fraction_step,
-        confidence_z=args.confidence_z, sweep=args.sweep,
+        int4=args.int4, confidence_z=args.confidence_z, sweep=args.sweep,
         tier_fractions=args.tier_fractions, fp16_window=args.fp16_window, hotness_decay=args.hotness_decay,
         reservoir=args.reservoir, seed=args.seed, out=args.out, overwrite=args.overwrite)
     try:

@@ -15,7 +15,7 @@ quantize/dequantize):
   scales or fractions before the end-of-prefill re-tier), copied into each configuration's rows;
 - new latent rows enter FP16; hotness decay and update once per step; re-tier at the end of
   prefill and every `adaptation_rate` decode steps, demotion only, ranks by hotness with ties to
-  the lower position, the same floor() split; INT12 and INT8 rounding through gsm.golden.quant
+  the lower position, the same counts (gsm.tiers.tier_counts); INT12, INT8 and INT4 rounding through gsm.golden.quant
   (elementwise, so bit for bit the golden's);
 - K/V reconstructed from the latents are kept between steps (RoPE'd) and recomputed only when a
   re-tier pass changes latent values: the golden model recomputes them for every position at every
@@ -29,6 +29,7 @@ configuration against GoldenModel.decode (NLL and KL sums).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,12 +40,16 @@ import torch.nn.functional as F
 from gsm.config import GSMParams, KVQuantConfig
 from gsm.golden.blocks import rms_norm, swiglu_mlp
 from gsm.golden.model import GoldenModel
-from gsm.golden.quant import FP16, INT8, INT12, dequantize, quantize, round_fp16
+from gsm.golden.quant import FP16, INT4, INT8, INT12, dequantize, quantize, round_fp16
 from gsm.golden.rope import apply_rope, rope_tables
 from gsm.golden.selection import select
 from gsm.golden.weights import GoldenWeights, KVCalibration, OwningKV
+from gsm.tiers import tier_counts
 
-Fractions = tuple[float, float, float]
+Fractions = tuple[float, ...]  # FP16, INT12, INT8 (, INT4)
+
+
+SCALE_FIELDS = ("scale_int8", "scale_int12", "comp_int8", "scale_int4", "comp_int4")
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ class Lockstep:
         self.ck: dict[int, torch.Tensor] = {}
         self.cv: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
-        self.scales: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.scales: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
         for i in self.cfg.owning_layers:
             rk, rv = weights.owning(i).ranks
             self.ck[i] = torch.zeros(self.R, self.T, rk)
@@ -115,7 +120,7 @@ class Lockstep:
             for kv in ("k", "v"):
                 sc = [configs[c].calib.scales[(i, kv)] for _, c in rows]
                 self.scales[(i, kv)] = tuple(torch.stack([getattr(s, a).float() for s in sc])[:, None, :]
-                                             for a in ("scale_int8", "scale_int12", "comp_int8"))
+                                             for a in SCALE_FIELDS)
         self.tier = torch.full((self.R, self.T), FP16, dtype=torch.int8)
         self.hotness = torch.zeros(self.R, self.T)
         for r, (b, _) in enumerate(rows):
@@ -155,23 +160,25 @@ class Lockstep:
         order = torch.sort(hot, dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(n).expand(R, n))
         counts = eligible.sum(1).tolist()
-        n16 = torch.tensor([math.floor(f[0] * N + 1e-9) for f, N in zip(self.fracs, counts)])
-        n1612 = torch.tensor([math.floor((f[0] + f[1]) * N + 1e-9) for f, N in zip(self.fracs, counts)])
+        # first rank of each narrower tier: n16, n16 + n12, n16 + n12 + n8 (gsm.tiers.tier_counts)
+        bounds = torch.tensor([list(itertools.accumulate(tier_counts(f, N)[:3])) for f, N in zip(self.fracs, counts)])
         target = torch.full((R, n), FP16, dtype=torch.int8)
-        target[eligible & (rank >= n16[:, None])] = INT12
-        target[eligible & (rank >= n1612[:, None])] = INT8
+        for tier, b in zip((INT12, INT8, INT4), bounds.T):
+            target[eligible & (rank >= b[:, None])] = tier
         old = self.tier[:, :n]
         new = torch.maximum(old, target)
-        to12, to8 = (new != old) & (new == INT12), (new != old) & (new == INT8)
         changed = int((new != old).sum())
         if changed:
+            to = {t: ((new != old) & (new == t))[..., None] for t in (INT12, INT8, INT4)}
             for i in self.cfg.owning_layers:
                 for kv, buf in (("k", self.ck[i]), ("v", self.cv[i])):
-                    s8, s12, comp = self.scales[(i, kv)]
+                    s8, s12, comp, s4, comp4 = self.scales[(i, kv)]
                     vals = buf[:, :n]
-                    q12 = dequantize(quantize(vals, s12, INT12), s12)
-                    q8 = dequantize(quantize(vals, s8, INT8), s8, comp)
-                    buf[:, :n] = torch.where(to12[..., None], q12, torch.where(to8[..., None], q8, vals))
+                    out = torch.where(to[INT12], dequantize(quantize(vals, s12, INT12), s12), vals)
+                    out = torch.where(to[INT8], dequantize(quantize(vals, s8, INT8), s8, comp), out)
+                    if bool(to[INT4].any()):
+                        out = torch.where(to[INT4], dequantize(quantize(vals, s4, INT4), s4, comp4), out)
+                    buf[:, :n] = out
             self.tier[:, :n] = new
             self.reconstruct_all()
         return changed

@@ -31,10 +31,10 @@ from calibration.lockstep import Config, bytes_per_row, decode_scores, prefill_s
 from calibration.stats import LatentObserver
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
-from gsm.golden.quant import TIER_BYTES
 from gsm.golden.weights import GoldenWeights, KVCalibration
+from gsm.tiers import avg_bytes
 
-Fractions = tuple[float, float, float]
+Fractions = tuple[float, ...]  # FP16, INT12, INT8 (, INT4)
 MAX_STATE_BYTES = 512 << 20  # decode state of the rows measured together (lockstep.bytes_per_row each)
 
 
@@ -99,8 +99,8 @@ def relative_increase(s: Score, ref: Score, z: float = 0.0) -> float:
 
 
 def avg_bytes_per_value(fractions: Fractions) -> float:
-    """Spec 6: average bytes per latent value under the tier fractions (FP16 2, INT12 1.5, INT8 1)."""
-    return sum(f * b for f, b in zip(fractions, TIER_BYTES))
+    """Spec 6: average bytes per latent value under the tier fractions (FP16 2, INT12 1.5, INT8 1, INT4 0.5)."""
+    return avg_bytes(fractions)
 
 
 def kv_bytes_per_position(weights: GoldenWeights, fractions: Fractions) -> float:
@@ -113,7 +113,7 @@ def kv_bytes_per_position(weights: GoldenWeights, fractions: Fractions) -> float
 def deployed_model(weights: GoldenWeights, quant: KVQuantConfig, calib: KVCalibration, fractions: Fractions,
                    protocol: Protocol) -> GoldenModel:
     params = replace(weights.cfg.gsm, quantization_adaptation_rate=protocol.adaptation_rate)
-    return GoldenModel(weights, mode="deployed", quant=quant.replace(tier_fractions=tuple(fractions)),
+    return GoldenModel(weights, mode="deployed", quant=quant.with_fractions(tuple(fractions)),
                        calibration=calib, params=params)
 
 

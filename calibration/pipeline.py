@@ -42,6 +42,7 @@ from gsm.golden.weights import GoldenWeights, KVCalibration
 
 ALL_FP16: Fractions = (1.0, 0.0, 0.0)
 ALL_INT8: Fractions = (0.0, 0.0, 1.0)
+ALL_INT4: Fractions = (0.0, 0.0, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class CalibrateOptions:
     prefill_len: int | None = None  # default seq_len // 4
     adaptation_rate: int = 16
     fraction_step: float = 0.25
+    int4: bool = True  # the tier search may choose INT4 rows (decisions "A 4-bit tier")
     confidence_z: float = 2.0  # standard errors of margin when comparing with the budget
     sweep: bool = False  # measure every candidate on calibration and held-out text (sweep.py)
     tier_fractions: Fractions | None = None  # fixed: skip the search
@@ -104,7 +106,7 @@ def check_options(o: CalibrateOptions, max_positions: int) -> None:
         raise CalibrationInputError(f"--error-budget must be >= 0, got {o.error_budget}")
     try:
         o.protocol.check(o.seq_len)
-        candidate_fractions(o.fraction_step)
+        candidate_fractions(o.fraction_step, o.int4)
     except ValueError as e:
         raise CalibrationInputError(str(e)) from e
 
@@ -163,9 +165,9 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         search_exact = None
     else:
         search_exact = search.exact.perplexity
-        choice = choose_fractions(level_measure(search, calib, candidate_fractions(o.fraction_step)), search.exact,
-                                  o.error_budget, candidate_fractions(o.fraction_step), z=o.confidence_z,
-                                  progress=progress)
+        candidates = candidate_fractions(o.fraction_step, o.int4)
+        choice = choose_fractions(level_measure(search, calib, candidates), search.exact, o.error_budget, candidates,
+                                  z=o.confidence_z, progress=progress)
         del search  # its exact log-probs ([sequences, tokens, vocab]) are not needed again
 
     # per-latent errors on held-out rows (calibration rows, labelled so, when there are none): every row up
@@ -191,9 +193,9 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
             from calibration.sweep import sweep
 
             swept = sweep(Evaluator(weights, quant, search_seqs, protocol), measured, calib,
-                          candidate_fractions(o.fraction_step), z=o.confidence_z, progress=progress)
+                          candidate_fractions(o.fraction_step, o.int4), z=o.confidence_z, progress=progress)
 
-    quant_out = quant.replace(tier_fractions=tuple(choice.fractions), method=o.method,
+    quant_out = quant.with_fractions(tuple(choice.fractions)).replace(method=o.method,
                               samples=int(cal.ids.shape[0]), data_hash=ids_sha256(cal.ids))
     dest = o.out if o.out is not None else o.checkpoint
     report: dict[str, Any] = {
@@ -270,6 +272,7 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
         ("calibrated all-INT8", calib, ALL_INT8),
         ("calibrated all-INT8, no compensation", no_comp, ALL_INT8),
         ("naive per-tensor all-INT8", naive, ALL_INT8),
+        ("calibrated all-INT4", calib, ALL_INT4),
     ]
     todo: dict[tuple[int, Fractions], tuple[KVCalibration, Fractions]] = {}
     for _, cal, fr in configs:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from calibration.scales import quant_error
-from gsm.golden.quant import INT8, INT12, round_fp16
+from gsm.golden.quant import INT4, INT8, INT12, round_fp16
 from gsm.golden.weights import LatentScales
 
 
@@ -59,6 +59,7 @@ def latent_errors(x: torch.Tensor, cal: LatentScales, naive: LatentScales) -> di
         "int8_no_comp": error_stats(x - x16 + quant_error(x16, cal.scale_int8, INT8), x),
         "int8": error_stats(x - x16 + quant_error(x16, cal.scale_int8, INT8, comp), x),
         "int8_per_tensor": error_stats(x - x16 + quant_error(x16, naive.scale_int8, INT8), x),
+        "int4": error_stats(x - x16 + quant_error(x16, cal.scale_int4, INT4, cal.comp_int4), x),
     }
 
 
@@ -75,7 +76,7 @@ def print_report(report: dict[str, Any]) -> None:
     if layers:
         t = Table(title=f"latent quantisation error on held-out rows ({report['method']} scales)")
         for col in ("layer", "r", "scale_int8 range", "INT12 rel", "INT8 rel no comp→comp",
-                    "INT8 bias no comp→comp", "INT8 worst", "per-tensor INT8 rel", "clipped"):
+                    "INT8 bias no comp→comp", "INT8 worst", "per-tensor INT8 rel", "clipped", "INT4 rel"):
             t.add_column(col)
         for row in layers:
             e = row
@@ -85,7 +86,8 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{e['int8_no_comp']['rel_rms']:.2e}→{e['int8']['rel_rms']:.2e}",
                       f"{e['int8_no_comp']['bias']:.1e}→{e['int8']['bias']:.1e}",
                       f"{e['int8']['max_abs']:.2e}",
-                      f"{e['int8_per_tensor']['rel_rms']:.2e}", f"{e['int8_saturation']:.1e}")
+                      f"{e['int8_per_tensor']['rel_rms']:.2e}", f"{e['int8_saturation']:.1e}",
+                      f"{e['int4']['rel_rms']:.2e}" if "int4" in e else "")
         con.print(t)
     ch = report["choice"]
     if ch["fixed"]:

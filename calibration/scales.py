@@ -12,7 +12,10 @@ Per owning layer and latent (c_k, c_v), per channel j (spec 5):
   the stories260K calibration text exceeds the first half's per-channel maximum by up to 1.39x.
   1.5x headroom costs 0.6 of INT12's 11 magnitude bits (docs/calibration.md has the measurement);
 - `comp_int8[j]`   = mean over calibration rows of x - q*s (the "lookup-table compensation": the
-  systematic part of the INT8 error, removed on dequantisation).
+  systematic part of the INT8 error, removed on dequantisation);
+- `scale_int4[j]`, `comp_int4[j]` (decisions "A 4-bit tier") = the `mse` method at 4 bits for every
+  method, on a wider alpha grid (INT4_ALPHAS): with 7 steps a side, clipping the tails always pays,
+  and abs-max scales would spend most codes on values that are rare; comp the same mean error.
 
 All arithmetic that must match an engine goes through gsm.golden.quant (IEEE float32 division,
 round-half-even); scales are float32 numbers computed as float32(clip) / float32(qmax).
@@ -25,12 +28,13 @@ from __future__ import annotations
 import torch
 
 from calibration.stats import ChannelStats
-from gsm.golden.quant import INT8, INT12, QMAX, default_int12_scale, dequantize, quantize
+from gsm.golden.quant import INT4, INT8, INT12, QMAX, default_int12_scale, dequantize, quantize
 from gsm.golden.weights import KVCalibration, LatentScales
 
 METHODS = ("absmax", "percentile", "mse")
 DEFAULT_PERCENTILE = 99.99
 MSE_ALPHAS = torch.linspace(0.30, 1.00, 71)  # clip / abs-max candidates of the MSE search
+INT4_ALPHAS = torch.linspace(0.10, 1.00, 91)  # the INT4 search: its optimum clips far more than INT8's
 INT12_HEADROOM = 1.5  # INT12 clip / calibration abs-max (see the module docstring)
 REL_FLOOR = 1e-6  # a channel that never moved gets clip = REL_FLOOR * the latent's largest clip
 
@@ -49,11 +53,11 @@ def scale_of(clip: torch.Tensor, tier: int) -> torch.Tensor:
     return clip / torch.tensor(float(QMAX[tier]), dtype=torch.float32)
 
 
-def compensation(rows: torch.Tensor, scale_int8: torch.Tensor) -> torch.Tensor:
-    """comp [r] = mean over rows of the INT8 error x - q*s (float64 sum, then float32)."""
+def compensation(rows: torch.Tensor, scale: torch.Tensor, tier: int = INT8) -> torch.Tensor:
+    """comp [r] = mean over rows of the tier's error x - q*s (float64 sum, then float32)."""
     if rows.shape[0] == 0:
         return torch.zeros(rows.shape[1])
-    return quant_error(rows, scale_int8, INT8).double().mean(dim=0).float()
+    return quant_error(rows, scale, tier).double().mean(dim=0).float()
 
 
 def percentile_clip(rows: torch.Tensor, percentile: float) -> torch.Tensor:
@@ -85,7 +89,7 @@ def mse_clip(rows: torch.Tensor, absmax: torch.Tensor, tier: int, *, with_comp: 
 
 
 def channel_scales(st: ChannelStats, method: str, *, percentile: float = DEFAULT_PERCENTILE) -> LatentScales:
-    """Per-channel scale_int8, scale_int12 and comp_int8 of one latent."""
+    """Per-channel scale_int8, scale_int12, comp_int8, scale_int4 and comp_int4 of one latent."""
     if method == "absmax":
         s8 = scale_of(st.absmax, INT8)
     elif method == "percentile":
@@ -95,7 +99,9 @@ def channel_scales(st: ChannelStats, method: str, *, percentile: float = DEFAULT
     else:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     s12 = scale_of(st.absmax * INT12_HEADROOM, INT12)
-    return LatentScales(scale_int8=s8, scale_int12=s12, comp_int8=compensation(st.rows, s8))
+    s4 = scale_of(mse_clip(st.rows, st.absmax, INT4, with_comp=True, alphas=INT4_ALPHAS), INT4)
+    return LatentScales(scale_int8=s8, scale_int12=s12, comp_int8=compensation(st.rows, s8),
+                        scale_int4=s4, comp_int4=compensation(st.rows, s4, INT4))
 
 
 def per_tensor_scales(st: ChannelStats) -> LatentScales:
@@ -116,6 +122,7 @@ def naive_calibration(stats: dict[tuple[int, str], ChannelStats]) -> KVCalibrati
 
 
 def without_compensation(calib: KVCalibration) -> KVCalibration:
-    """The same scales with comp_int8 = 0 (to measure what the compensation buys)."""
-    return KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, torch.zeros_like(s.comp_int8))
+    """The same scales with comp_int8 = comp_int4 = 0 (to measure what the compensation buys)."""
+    return KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, torch.zeros_like(s.comp_int8),
+                                          s.scale_int4, torch.zeros_like(s.comp_int4))
                           for k, s in calib.scales.items()}, calibrated=calib.calibrated)

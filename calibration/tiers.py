@@ -1,8 +1,9 @@
 """Choosing tier_fractions: the cheapest split whose deployed-mode perplexity stays within budget.
 
-Candidates are the fractions (f0, f1, f2) on a grid of `step` (default 1/4) summing to 1. Cost is
-spec 6's average bytes per latent value, 2 f0 + 1.5 f1 + f2, which orders every model's bytes per
-position the same way. Candidates are measured in order of increasing cost; all candidates of one
+Candidates are the fractions (f0, f1, f2, f3) of FP16, INT12, INT8 and INT4 on a grid of `step`
+(default 1/4) summing to 1 (three fractions, f3 = 0, when INT4 is left out). Cost is spec 6's average
+bytes per latent value, 2 f0 + 1.5 f1 + f2 + 0.5 f3, which orders every model's bytes per position the
+same way. Candidates are measured in order of increasing cost; all candidates of one
 cost are measured, and the search stops at the first cost level where some candidate's relative
 perplexity increase over exact mode is <= budget, with margin: estimate + z standard errors over
 the measured sequences (z = 2 by default), so noise of a few sequences does not pick it. Among
@@ -25,16 +26,18 @@ from typing import Any
 from calibration.measure import Fractions, Score, avg_bytes_per_value, relative_increase
 
 
-def candidate_fractions(step: float) -> list[Fractions]:
-    """Every (f0, f1, f2) with components multiples of `step` (1/step an integer) summing to 1."""
+def candidate_fractions(step: float, int4: bool = True) -> list[Fractions]:
+    """Every (f0, f1, f2, f3) with components multiples of `step` (1/step an integer) summing to 1;
+    without int4 every (f0, f1, f2) (a v1 triple: no INT4 rows)."""
     n = round(1.0 / step) if step > 0 else 0
     if n < 1 or abs(n * step - 1.0) > 1e-9:
         raise ValueError(f"--fraction-step must divide 1 (e.g. 0.25, 0.125), got {step}")
-    out = []
+    out: list[Fractions] = []
     for a in range(n + 1):
         for b in range(n + 1 - a):
-            f0, f1 = Fraction(a, n), Fraction(b, n)
-            out.append((float(f0), float(f1), float(1 - f0 - f1)))
+            for c in range(n + 1 - a - b) if int4 else (n - a - b,):
+                f = (Fraction(a, n), Fraction(b, n), Fraction(c, n))
+                out.append(tuple(float(x) for x in f) + ((float(1 - sum(f)),) if int4 else ()))
     return sorted(out, key=lambda f: (cost_key(f), -f[0]))
 
 

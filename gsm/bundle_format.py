@@ -25,7 +25,7 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 7
+GRAPH_REVISION = 8
 OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 
@@ -72,20 +72,21 @@ def check_identity(root: Path, manifest: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class PoolRows:
-    """Rows per sequence of the FP16 / INT12 / INT8 regions of every owning layer's latent pool
-    (`C16, C12, C8` of docs/engine_io.md section 3; one slot table serves all owning layers)."""
+    """Rows per sequence of the FP16 / INT12 / INT8 / INT4 regions of every owning layer's latent pool
+    (`C16, C12, C8, C4` of docs/engine_io.md section 3; one slot table serves all owning layers)."""
 
     fp16: int
     int12: int
     int8: int
+    int4: int = 0  # a bundle.json written before the 4-bit tier has none
 
     @property
     def total(self) -> int:
-        return self.fp16 + self.int12 + self.int8
+        return self.fp16 + self.int12 + self.int8 + self.int4
 
     @property
-    def by_tier(self) -> tuple[int, int, int]:
-        return self.fp16, self.int12, self.int8
+    def by_tier(self) -> tuple[int, int, int, int]:
+        return self.fp16, self.int12, self.int8, self.int4
 
 
 # -- field parsers: each returns the value as BundleConfig holds it, or raises TypeError/ValueError ------------
@@ -133,7 +134,7 @@ def _layer_selection(v: Any) -> dict[int, tuple[int, int]]:
 
 
 def _pool_rows(v: Any) -> PoolRows:
-    return PoolRows(**{k: _int(0)(v[k]) for k in ("fp16", "int12", "int8")})
+    return PoolRows(**{k: _int(0)(v[k]) for k in ("fp16", "int12", "int8", "int4") if k in v or k != "int4"})
 
 
 def _kv_quantization(v: Any) -> KVQuantConfig:
@@ -182,7 +183,7 @@ class BundleConfig:
     owning_layers: tuple[int, ...] = _spec(_layers, "a list of layer indices")
     ranks: dict[int, tuple[int, int]] = _spec(_ranks, "an object layer -> [rank_k, rank_v]")  # owning layers
     index_dim: int = _int_spec(1)
-    pool_rows: PoolRows = _spec(_pool_rows, "an object with integers fp16, int12, int8")
+    pool_rows: PoolRows = _spec(_pool_rows, "an object with integers fp16, int12, int8 (and int4)")
     sink_tokens: int = _int_spec(0)
     sparse_window: int = _int_spec(1)
     max_sparse_window: int = _int_spec(1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gsm import names
+from gsm import names, tiers
 from gsm.atomic import MANIFEST_NAME, ManifestError, is_inside, verify_manifest
 from gsm.checkpoint import (
     CALIB_FILE,
@@ -37,7 +37,7 @@ from gsm.checkpoint import (
     CheckpointTensors,
     read_json,
 )
-from gsm.config import BIT_WIDTHS, KVQuantConfig, ModelConfig, gsm_checksum
+from gsm.config import KVQuantConfig, ModelConfig, gsm_checksum
 from gsm.safetensors_io import FLOAT_DTYPES, LazySafetensors, SafetensorsFormatError
 
 # The one table of error codes: code -> what it means. docs/checker.md repeats it.
@@ -59,7 +59,8 @@ ERROR_CODES: dict[str, str] = {
     "MARK_SPARSE_MASK_GENERATOR": "mark 2: no self_attn.sparse_mask_generator.* tensor at all",
     "MARK_SVD_FACTORS": "mark 3: a KV-owning layer lacks one of k/v_svd_U/S/Vt",
     "MARK_KV_PROJECTOR": "mark 4: a sharing layer lacks kv_projector, or an owning layer has one",
-    "MARK_ADAPTIVE_QUANT": "mark 5: quant_config.json lacks scheme 'adaptive' with bit_widths [16, 12, 8]",
+    "MARK_ADAPTIVE_QUANT": "mark 5: quant_config.json lacks scheme 'adaptive' with bit_widths [16, 12, 8] "
+                           "or [16, 12, 8, 4]",
     "WEIGHTS_MISSING": "neither model.safetensors nor model.safetensors.index.json exists",
     "WEIGHTS_AMBIGUOUS": "both model.safetensors and model.safetensors.index.json exist",
     "INDEX_INVALID_JSON": "model.safetensors.index.json is not valid UTF-8 JSON",
@@ -281,10 +282,11 @@ class _Checker:
         path = self.dir / QUANT_FILE
         q = data.get("kv_quantization") if isinstance(data, dict) else None
         if not isinstance(q, dict) or q.get("scheme") != "adaptive" or \
-                q.get("bit_widths") != list(BIT_WIDTHS):
+                q.get("bit_widths") not in [list(b) for b in tiers.BIT_WIDTHS]:
             got = {k: q.get(k) for k in ("scheme", "bit_widths")} if isinstance(q, dict) else q
             self.error("MARK_ADAPTIVE_QUANT", path, None, f"{QUANT_FILE}: kv_quantization must have "
-                       f"scheme 'adaptive' and bit_widths {list(BIT_WIDTHS)}, got {got!r}")
+                       f"scheme 'adaptive' and bit_widths {list(tiers.BIT_WIDTHS_V1)} (or GSM_SPEC v2's "
+                       f"{list(tiers.BIT_WIDTHS_V2)}), got {got!r}")
             return
         self.marks["adaptive_quant"] = True
         try:
@@ -440,9 +442,9 @@ class _Checker:
         expected: dict[str, int] = {}
         for i, (rk, rv) in self.ranks.items():
             for x, r in (("k", rk), ("v", rv)):
-                for what in ("scale_int8", "comp_int8", "scale_int12"):
+                for what in names.CALIB_TENSORS:
                     expected[names.calib_name(i, x, what)] = r
-                    if what != "scale_int12" and names.calib_name(i, x, what) not in f:
+                    if what in names.CALIB_REQUIRED and names.calib_name(i, x, what) not in f:
                         n = names.calib_name(i, x, what)
                         self.error("CALIB_TENSOR_MISSING", path, n, f"{CALIB_FILE}: {n} [{r}] missing")
         for n in f.names:

@@ -17,8 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from gsm import tiers
+
 SPEC_VERSION = 1
-BIT_WIDTHS = (16, 12, 8)
+BIT_WIDTHS = (16, 12, 8)  # GSM_SPEC v1; v2 adds the 4-bit tier (gsm.tiers.BIT_WIDTHS_V2)
 
 
 class ConfigError(ValueError):
@@ -330,8 +332,9 @@ class KVQuantConfig:
 
     scheme: str = "adaptive"
     bit_widths: tuple[int, ...] = BIT_WIDTHS
-    # fractions of the positions outside window and sinks kept FP16 / INT12 / INT8
-    tier_fractions: tuple[float, float, float] = (0.25, 0.25, 0.5)
+    # fractions of the positions outside window and sinks kept FP16 / INT12 / INT8 (/ INT4: four numbers,
+    # GSM_SPEC v2; three mean no INT4 row)
+    tier_fractions: tuple[float, ...] = (0.25, 0.25, 0.5)
     fp16_window: int = 32
     hotness_decay: float = 0.9
     hot_token_ids: tuple[int, ...] = ()
@@ -340,10 +343,13 @@ class KVQuantConfig:
     data_hash: str = ""
 
     def __post_init__(self) -> None:
-        if len(self.tier_fractions) != 3 or any(f < 0 for f in self.tier_fractions) or \
+        if len(self.tier_fractions) not in (3, 4) or any(f < 0 for f in self.tier_fractions) or \
                 abs(sum(self.tier_fractions) - 1.0) > 1e-6:
-            raise ConfigError("kv_quantization.tier_fractions must be three non-negative numbers "
-                              f"summing to 1, got {list(self.tier_fractions)}")
+            raise ConfigError("kv_quantization.tier_fractions must be three (FP16/INT12/INT8) or four (…/INT4) "
+                              f"non-negative numbers summing to 1, got {list(self.tier_fractions)}")
+        if len(self.tier_fractions) == 4 and self.tier_fractions[3] > 0 and 4 not in self.bit_widths:
+            raise ConfigError(f"kv_quantization.tier_fractions {list(self.tier_fractions)} keep INT4 rows but "
+                              f"bit_widths {list(self.bit_widths)} has no 4 (GSM_SPEC v2: [16, 12, 8, 4])")
         if self.fp16_window < 0:
             raise ConfigError(f"kv_quantization.fp16_window must be >= 0, got {self.fp16_window}")
         if not 0.0 <= self.hotness_decay < 1.0:
@@ -353,7 +359,21 @@ class KVQuantConfig:
     @property
     def is_gsm(self) -> bool:
         """Mark 5 of spec 1."""
-        return self.scheme == "adaptive" and tuple(self.bit_widths) == BIT_WIDTHS
+        return self.scheme == "adaptive" and tuple(self.bit_widths) in tiers.BIT_WIDTHS
+
+    @property
+    def fractions4(self) -> tuple[float, float, float, float]:
+        """FP16/INT12/INT8/INT4 fractions (a v1 triple has no INT4 rows)."""
+        return tiers.fractions4(self.tier_fractions)
+
+    @property
+    def uses_int4(self) -> bool:
+        return tiers.uses_int4(self.tier_fractions)
+
+    def with_fractions(self, fractions: tuple[float, ...]) -> KVQuantConfig:
+        """These options with other tier fractions; INT4 rows make bit_widths GSM_SPEC v2's."""
+        bits = tiers.BIT_WIDTHS_V2 if tiers.uses_int4(fractions) else self.bit_widths
+        return dataclasses.replace(self, tier_fractions=tuple(fractions), bit_widths=tuple(bits))
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> KVQuantConfig:

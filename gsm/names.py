@@ -98,8 +98,10 @@ def optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# kv_calibration.safetensors (spec 5)
+# kv_calibration.safetensors (spec 5; the INT4 pair is optional, decisions "A 4-bit tier")
+CALIB_TENSORS = ("scale_int8", "scale_int12", "comp_int8", "scale_int4", "comp_int4")
+CALIB_REQUIRED = ("scale_int8", "comp_int8")
 def calib_name(i: int, kv: str, what: str) -> str:
-    """`layers.{i}.{k,v}.{scale_int8,scale_int12,comp_int8}`."""
-    assert kv in ("k", "v") and what in ("scale_int8", "scale_int12", "comp_int8")
+    """`layers.{i}.{k,v}.{scale_int8,scale_int12,comp_int8,scale_int4,comp_int4}`."""
+    assert kv in ("k", "v") and what in CALIB_TENSORS
     return f"layers.{i}.{kv}.{what}"

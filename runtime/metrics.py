@@ -2,7 +2,7 @@
 against a dense FP16 KV cache, as spec 6 counts them.
 
 Per position, an owning layer holds its latent row (r_k + r_v values at the row's tier: FP16 2 bytes,
-INT12 1.5, INT8 1 per value) and its indexer key (index_dim FP16 values, never re-tiered). The dense
+INT12 1.5, INT8 1, INT4 0.5 per value) and its indexer key (index_dim FP16 values, never re-tiered). The dense
 baseline is what the original model's cache would hold: num_hidden_layers * 2 (K, V) * kv_dim * 2 bytes.
 """
 
@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import BundleConfig
-
-TIER_NAMES = ("fp16", "int12", "int8")
-TIER_BYTES = (2.0, 1.5, 1.0)  # bytes per latent value (spec 6)
+from gsm.tiers import BYTES as TIER_BYTES
+from gsm.tiers import NAMES as TIER_NAMES
 
 
 @dataclass(frozen=True)
@@ -41,10 +40,11 @@ class CacheGeometry:
 
 
 def tier_counts(tiers: Sequence[np.ndarray]) -> np.ndarray:
-    """Positions per tier [3] over several sequences' tier arrays (0 FP16, 1 INT12, 2 INT8)."""
-    total = np.zeros(3, np.int64)
+    """Positions per tier [4] over several sequences' tier arrays (0 FP16, 1 INT12, 2 INT8, 3 INT4)."""
+    n = len(TIER_NAMES)
+    total = np.zeros(n, np.int64)
     for t in tiers:
-        total += np.bincount(np.asarray(t, np.int64), minlength=3)[:3]
+        total += np.bincount(np.asarray(t, np.int64), minlength=n)[:n]
     return total
 
 

@@ -116,19 +116,29 @@ def read_latents(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: n
     rk, rv = cfg.ranks[layer]
     t = cfg.pool_rows.by_tier
     d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=cfg.n_max, rows_fp16=t[0],
-                 rows_int12=t[1], rows_int8=t[2], index_dim=cfg.index_dim)
+                 rows_int12=t[1], rows_int8=t[2], rows_int4=t[3], index_dim=cfg.index_dim)
     ck, cv = ref.read_latents(d, np.asarray(pool_row).reshape(1, -1), np.asarray(entries)[None], quant)
     return ck[0], cv[0]
 
 
 def quant_tables(demote_graph: Any) -> dict[int, np.ndarray]:
-    """owning layer -> its [3, r] quantisation table (s12, s8, comp8), from the demotion graph's initializers
-    `gsm.layers.{l}.quant` (an onnx ModelProto with its external data loaded)."""
+    """owning layer -> its [5, r] quantisation table (s12, s8, comp8, s4, comp4), from the demotion graph's
+    initializers `gsm.layers.{l}.quant` (an onnx ModelProto with its external data loaded), as full_quant_table
+    makes them."""
     from onnx import numpy_helper
 
     out = {}
     for t in demote_graph.graph.initializer:
         parts = t.name.split(".")
         if len(parts) == 4 and parts[:2] == ["gsm", "layers"] and parts[3] == "quant":
-            out[int(parts[2])] = numpy_helper.to_array(t).astype(np.float32)
+            out[int(parts[2])] = full_quant_table(numpy_helper.to_array(t))
     return out
+
+
+def full_quant_table(a: np.ndarray) -> np.ndarray:
+    """A layer's table as the plugins read it, [5, r]; a graph built before the 4-bit tier holds [3, r] (s12, s8,
+    comp8) and never makes INT4 rows, so s4, comp4 get their defaults (decisions "A 4-bit tier")."""
+    a = np.asarray(a, np.float32)
+    if a.shape[0] == 3:
+        a = np.concatenate([a, (a[1:2] * np.float32(127.0)) / np.float32(7.0), np.zeros_like(a[:1])])
+    return a

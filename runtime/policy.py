@@ -5,18 +5,19 @@ for operation, so a runtime fed the golden's attention mass takes the golden's t
 - hotness, once per forward call: h <- float32(decay) * h + float32(1 - decay) * m, new positions
   start at 0 before the update;
 - ranking: eligible = positions >= sink_tokens, outside the last fp16_window, token not in
-  hot_token_ids; stable sort by hotness descending (ties: lower position); n16 = floor(f0 N + 1e-9),
-  n12 = floor((f0 + f1) N + 1e-9) - n16, the rest INT8; new tier = max(old, ranked).
+  hot_token_ids; stable sort by hotness descending (ties: lower position); counts per tier by
+  gsm.tiers.tier_counts (FP16, INT12, INT8, then INT4 when a fourth fraction is non-zero); new tier =
+  max(old, ranked).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-FP16, INT12, INT8 = 0, 1, 2
+from gsm.tiers import FP16, INT4, INT8, INT12, tier_counts
+
 UNCHANGED = -1
 
 
@@ -24,7 +25,7 @@ UNCHANGED = -1
 class TierPolicy:
     sink_tokens: int
     fp16_window: int
-    tier_fractions: tuple[float, float, float]
+    tier_fractions: tuple[float, ...]  # 3 (v1) or 4 (with INT4)
     hotness_decay: float
     rate: int  # quantization_adaptation_rate
     hot_token_ids: frozenset[int] = frozenset()
@@ -63,13 +64,11 @@ def ranked_tiers(state: SequenceState, p: TierPolicy) -> np.ndarray:
     if eligible.size == 0:
         return target
     order = np.argsort(-state.hotness[eligible], kind="stable")  # descending, ties keep lower s first
-    N = eligible.size
-    f0, f1, _ = p.tier_fractions
-    n16 = math.floor(f0 * N + 1e-9)
-    n12 = math.floor((f0 + f1) * N + 1e-9) - n16
+    n16, n12, n8, _ = tier_counts(p.tier_fractions, eligible.size)
     ranked = eligible[order]
     target[ranked[n16:n16 + n12]] = INT12
-    target[ranked[n16 + n12:]] = INT8
+    target[ranked[n16 + n12:n16 + n12 + n8]] = INT8
+    target[ranked[n16 + n12 + n8:]] = INT4
     return target
 
 

@@ -1,7 +1,7 @@
 """Slot table and row allocation of the latent pools (docs/engine_io.md section 3), host side.
 
 Used by the TensorRT backend, whose cache is one byte pool per owning layer with FP16 / INT12 /
-INT8 regions addressed by a global row `g`, and one `kv_slots` table per sequence holding
+INT8 / INT4 regions addressed by a global row `g`, and one `kv_slots` table per sequence holding
 `(tier << 24) | g` for each cached position (-1: none). Pure numpy, so it is tested on any machine.
 
 Rules (engine_io section 3):
@@ -16,10 +16,14 @@ Rules (engine_io section 3):
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 import numpy as np
 
-FP16, INT12, INT8 = 0, 1, 2
-REGION_NAMES = ("FP16", "INT12", "INT8")
+from gsm.tiers import FP16, INT4, INT8, INT12, NAMES  # noqa: F401  (tier codes, named here for callers)
+
+REGION_NAMES = tuple(n.upper() for n in NAMES)
 ROW_MASK = 0xFFFFFF
 
 
@@ -34,16 +38,18 @@ def entry(tier: int, row: int) -> int:
 class SlotTable:
     """Slots of one sequence: `entries` [n_max] int32 is what the engine reads as kv_slots[b]."""
 
-    def __init__(self, n_max: int, rows: tuple[int, int, int]) -> None:
+    def __init__(self, n_max: int, rows: Sequence[int]) -> None:
+        """rows: C16, C12, C8 and C4 (three sizes: no INT4 region)."""
         self.n_max = n_max
-        self.sizes = rows
-        self.starts = (0, rows[0], rows[0] + rows[1])
+        self.sizes = tuple(int(x) for x in rows) + (0,) * (len(NAMES) - len(rows))
+        self.starts = tuple(int(x) for x in np.cumsum((0, *self.sizes[:-1])))
         self.entries = np.full(n_max, -1, np.int32)
         # free rows per region, lowest first (deterministic layouts make engine bugs reproducible)
-        self.free: list[list[int]] = [list(range(s + c - 1, s - 1, -1)) for s, c in zip(self.starts, rows)]
+        self.free: list[list[int]] = [list(range(s + c - 1, s - 1, -1)) for s, c in zip(self.starts, self.sizes)]
 
     def region(self, row: int) -> int:
-        return 0 if row < self.starts[1] else 1 if row < self.starts[2] else 2
+        """The region holding global row `row` (the last one starting at or before it: empty ones are skipped)."""
+        return bisect.bisect_right(self.starts, row) - 1
 
     def _take(self, region: int) -> int:
         return self.free[region].pop()

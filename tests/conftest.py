@@ -58,10 +58,12 @@ def need_ort_ops_library() -> None:
                     "scripts/fetch_ort_headers.sh, then pip install -e .)")
 
 
-def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8) -> Path:
+def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8,
+                   tier_fractions: tuple[float, ...] | None = None, calibration: bytes | None = None) -> Path:
     """A copy of checkpoint `base` that re-tiers every `rate` decode steps behind an `fp16_window`
     FP16 window, so that short golden-regression runs really read INT12/INT8 rows. Keeps the
-    tokenizer and any calibration; config checksum and manifest are rewritten consistently."""
+    tokenizer and any calibration (or writes `calibration`, kv_calibration.safetensors bytes), and
+    `tier_fractions` replaces the checkpoint's; config checksum and manifest are rewritten consistently."""
     import dataclasses
 
     from gsm import checkpoint
@@ -69,12 +71,16 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
     cfg = checkpoint.load_config(base)
     cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=rate))
     quant = checkpoint.load_quant(base).replace(fp16_window=fp16_window)
+    if tier_fractions is not None:
+        quant = quant.with_fractions(tier_fractions)
     tok = base / "tokenizer.json"
     calib = base / "kv_calibration.safetensors"
+    if calibration is None and calib.is_file():
+        calibration = calib.read_bytes()
     return checkpoint.write_checkpoint_arrays(
         out, cfg, quant, checkpoint.load_state_dict(base),
         tokenizer_json=tok.read_text() if tok.is_file() else None,
-        extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
+        extra_files={calib.name: calibration} if calibration is not None else None, progress=False)
 
 
 def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, int]]) -> Path:

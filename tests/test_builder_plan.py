@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from builder.plan import (
-    TIER_BYTES,
     PlanError,
     dense_fp16_bytes_per_position,
     kv_bytes_per_position,
@@ -25,12 +26,6 @@ def preset(name: str):
     return cfg, preset_ranks(p, cfg), KVQuantConfig()
 
 
-def test_tier_bytes_match_golden():
-    from gsm.golden.quant import TIER_BYTES as GOLDEN
-
-    assert TIER_BYTES == GOLDEN
-
-
 def test_spec6_figures_tiny():
     cfg, ranks, q = preset("tiny")
     # tiny: owning layers 0, 1, 2 with ranks (12,10), (14,8), (12,10); dI 16; tiers .25/.25/.5
@@ -40,34 +35,39 @@ def test_spec6_figures_tiny():
     assert param_count(cfg, ranks) > cfg.vocab_size * cfg.hidden_size * 2  # untied head + embed
 
 
-def test_pool_rows_bound_the_golden_tier_counts():
+@pytest.mark.parametrize("fractions", [(0.25, 0.25, 0.5), (0.25, 0.125, 0.25, 0.375), (0.0, 0.0, 0.5, 0.5)])
+def test_pool_rows_bound_the_golden_tier_counts(fractions):
     """Simulate re-tier passes on random hotness with the golden cache and check the pool bounds."""
     import dataclasses
 
     import torch
 
     from gsm.golden.cache import SequenceCache
-    from gsm.golden.quant import FP16, INT8, INT12
+    from gsm.golden.quant import FP16, INT4, INT8, INT12
 
     cfg, _, _ = preset("tiny")
     rate = 7
     cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=rate))
-    q = KVQuantConfig(fp16_window=4)
+    q = KVQuantConfig(fp16_window=4, tier_fractions=fractions, bit_widths=(16, 12, 8, 4))
     cache = SequenceCache(deployed=False, layers={})
     g = torch.Generator().manual_seed(0)
-    max_seq, max_input, worst = 300, 1, {FP16: 0, INT12: 0, INT8: 0}
+    max_seq, max_input, worst = 300, 1, {FP16: 0, INT12: 0, INT8: 0, INT4: 0}
     for step in range(max_seq):
         cache.add_positions([5])
         cache.update_hotness(torch.rand(cache.length, generator=g), q.hotness_decay)
         if step % rate == rate - 1:  # a pass every `rate` steps, as decode does
             cache.tier = torch.maximum(cache.tier, cache.ranked_tiers(q, cfg.gsm.sink_tokens))
-        for t in worst:
-            worst[t] = max(worst[t], int((cache.tier == t).sum()))
+        for t in worst:  # rows of tier t or wider, at their worst
+            worst[t] = max(worst[t], int((cache.tier <= t).sum()))
     rows = pool_rows(max_seq, max_input, cfg, q)
-    # a row may live in a wider region: FP16 rows fit C16, FP16 + INT12 rows fit C16 + C12
-    assert worst[FP16] <= rows.fp16 and worst[FP16] + worst[INT12] <= rows.fp16 + rows.int12
+    # a row may live in a wider region: FP16 rows fit C16, FP16 + INT12 rows fit C16 + C12, and so on
+    c = rows.by_tier
+    assert all(worst[t] <= sum(c[:t + 1]) for t in (FP16, INT12, INT8, INT4))
     assert rows.total == max_seq
-    assert rows.fp16 == min(max_seq, 1 + 4 + 75 + max(rate, max_input))
+    assert rows.fp16 == min(max_seq, 1 + 4 + int(fractions[0] * 300) + max(rate, max_input))
+    assert (rows.int4 > 0) == (len(fractions) == 4 and fractions[3] > 0)
+    if len(fractions) == 4:  # the ranking made INT4 rows, which the INT4 region (or a wider one) holds
+        assert int((cache.tier == INT4).sum()) >= math.floor(fractions[3] * (max_seq - 1 - 4)) - 1
 
 
 def test_plan_fits_and_roofline():

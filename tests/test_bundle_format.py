@@ -89,10 +89,10 @@ def test_runtime_reads_bundle_json_once_and_hands_the_backend_that_object(bundle
     (lambda d: {**d, "logits": "every"}, "field 'logits' must be 'last' or 'all', got 'every'"),
     (lambda d: {**d, "ranks": {"0": [12]}}, "field 'ranks' must be an object layer -> [rank_k, rank_v]"),
     (lambda d: {**d, "pool_rows": {"fp16": 64}}, "field 'pool_rows' must be an object with integers fp16, int12"),
-    (lambda d: {**d, "graph_revision": 8}, "field 'graph_revision' must be an engine_io revision 3..7, got 8"),
-    (lambda d: {**d, "graph_revision": None}, "field 'graph_revision' must be an engine_io revision 3..7"),
+    (lambda d: {**d, "graph_revision": 9}, "field 'graph_revision' must be an engine_io revision 3..8, got 9"),
+    (lambda d: {**d, "graph_revision": None}, "field 'graph_revision' must be an engine_io revision 3..8"),
     (lambda d: {**d, "kv_quantization": {**d["kv_quantization"], "tier_fractions": [1, 1, 1]}},
-     "field 'kv_quantization': kv_quantization.tier_fractions must be three non-negative numbers summing to 1"),
+     "field 'kv_quantization': kv_quantization.tier_fractions must be three (FP16/INT12/INT8) or four"),
     (lambda d: {**d, "owning_layers": [0, 1]}, "ranks has layers [0, 1, 2], owning_layers [0, 1]"),
     (lambda d: [d], "expected a JSON object, got list"),
 ])

@@ -159,10 +159,15 @@ def test_mse_clip_never_above_absmax_and_percentile_at_most_absmax():
 
 # -- tier search ---------------------------------------------------------------------------------------
 def test_candidate_grid_is_ordered_by_bytes():
-    c = candidate_fractions(0.25)
+    c = candidate_fractions(0.25, int4=False)
     assert len(c) == 15 and c[0] == (0.0, 0.0, 1.0) and c[-1] == (1.0, 0.0, 0.0)
     costs = [2 * a + 1.5 * b + d for a, b, d in c]
     assert costs == sorted(costs)
+    c4 = candidate_fractions(0.25)  # with INT4: every (f16, f12, f8, f4) on the grid, C(4 + 3, 3) of them
+    assert len(c4) == 35 and c4[0] == (0.0, 0.0, 0.0, 1.0) and c4[-1] == (1.0, 0.0, 0.0, 0.0)
+    assert all(len(f) == 4 and abs(sum(f) - 1) < 1e-12 for f in c4) and len(set(c4)) == 35
+    costs4 = [2 * a + 1.5 * b + d + 0.5 * e for a, b, d, e in c4]
+    assert costs4 == sorted(costs4)
     with pytest.raises(ValueError, match="divide 1"):
         candidate_fractions(0.3)
 
@@ -184,15 +189,15 @@ def test_search_returns_cheapest_within_budget_with_margin():
         measured.append(f)
         return _score(ppl[f])
 
-    ch = choose_fractions(measure, exact, 0.01, candidate_fractions(0.5), z=2.0)
+    ch = choose_fractions(measure, exact, 0.01, candidate_fractions(0.5, int4=False), z=2.0)
     assert ch.budget_met and ch.fractions == (0.0, 1.0, 0.0)  # both 1.5 B pass, lower perplexity wins
     assert measured == [(0.0, 0.0, 1.0), (0.0, 0.5, 0.5), (0.5, 0.0, 0.5), (0.0, 1.0, 0.0)]  # stops there
     # a noisy candidate whose estimate passes but whose bound does not is refused
     noisy = choose_fractions(lambda f: _score(ppl[f] if f != (0.0, 0.0, 1.0) else 5.03, spread=0.05),
-                             exact, 0.01, candidate_fractions(0.5), z=2.0)
+                             exact, 0.01, candidate_fractions(0.5, int4=False), z=2.0)
     assert noisy.fractions != (0.0, 0.0, 1.0)
     # nothing within budget: all FP16, flagged
-    none = choose_fractions(lambda f: _score(6.0), exact, 0.01, candidate_fractions(0.5))
+    none = choose_fractions(lambda f: _score(6.0), exact, 0.01, candidate_fractions(0.5, int4=False))
     assert not none.budget_met and none.fractions == (1.0, 0.0, 0.0)
 
 

@@ -50,7 +50,9 @@ def _scaled(calib: KVCalibration, factor: float, comp_seed: int) -> KVCalibratio
     """Another set of scales with non-zero compensation (so both INT8 operations are exercised)."""
     g = torch.Generator().manual_seed(comp_seed)
     return KVCalibration({k: LatentScales(s.scale_int8 * factor, s.scale_int12 * factor,
-                                          (torch.rand(s.scale_int8.shape, generator=g) - 0.5) * s.scale_int8)
+                                          (torch.rand(s.scale_int8.shape, generator=g) - 0.5) * s.scale_int8,
+                                          s.scale_int4 * factor * 0.6,
+                                          (torch.rand(s.scale_int8.shape, generator=g) - 0.5) * s.scale_int4)
                           for k, s in calib.scales.items()}, calibrated=True)
 
 
@@ -69,7 +71,8 @@ def test_lockstep_equals_golden_decode(small):
     params = replace(w.cfg.gsm, quantization_adaptation_rate=RATE)
     df = KVCalibration.data_free(w)
     configs = [Config(df, (0.0, 0.0, 1.0)), Config(_scaled(df, 0.5, 1), (0.25, 0.25, 0.5)),
-               Config(_scaled(df, 2.0, 2), (0.0, 1.0, 0.0)), Config(df, (1.0, 0.0, 0.0))]
+               Config(_scaled(df, 2.0, 2), (0.0, 1.0, 0.0)), Config(df, (1.0, 0.0, 0.0)),
+               Config(_scaled(df, 0.7, 3), (0.0, 0.25, 0.25, 0.5))]
     exact = GoldenModel(w, mode="exact", quant=quant)
     ref = torch.stack([F.log_softmax(exact.forward(exact.new_cache(), r[:-1]).logits[PREFILL:], -1) for r in seqs])
     pre = [prefill_sequence(GoldenModel(w, mode="deployed", quant=quant, params=params), r[:PREFILL]) for r in seqs]
@@ -80,7 +83,7 @@ def test_lockstep_equals_golden_decode(small):
         ls.reconstruct_all()
     steps = torch.stack([F.log_softmax(ls.step(ls.tokens[:, PREFILL + s]), -1) for s in range(T - 1 - PREFILL)], 1)
     nll, kl = decode_scores(w, quant, params, seqs, pre, configs, ref, rows)
-    demoted = 0
+    demoted = int4 = 0
     for r, (b, c) in enumerate(rows):
         lp, cache = _golden_row(w, quant, configs[c].calib, configs[c].fractions, seqs[b], prot)
         # batched products sum in another order; where that crosses an FP16/INT rounding boundary of a
@@ -94,14 +97,16 @@ def test_lockstep_equals_golden_decode(small):
         n = cache.length
         assert torch.equal(ls.tier[r, :n], cache.tier), (b, c)  # the same rows demoted to the same tiers
         demoted += int((cache.tier > 0).sum())
+        int4 += int((cache.tier == 3).sum())
         for i, lc in cache.layers.items():
             for kv, mine, theirs in (("k", ls.ck[i][r, :n], lc.ck), ("v", ls.cv[i][r, :n], lc.cv)):
                 # equal up to one rounding step (FP16: 2^-11 relative; INT8: the scale) where a ~1e-7
                 # difference of the batched products crosses a rounding boundary
-                step = configs[c].calib.scales[(i, kv)].scale_int8 + theirs.abs() * 2.0 ** -10
+                sc = configs[c].calib.scales[(i, kv)]
+                step = torch.maximum(sc.scale_int8, sc.scale_int4) + theirs.abs() * 2.0 ** -10
                 assert bool(((mine - theirs).abs() <= step * 1.001).all()), (b, c, i, kv)
                 assert float((mine == theirs).float().mean()) >= 0.8, (b, c, i, kv)
-    assert demoted > 0
+    assert demoted > 0 and int4 > 0
 
 
 def test_search_measures_whole_levels_once():
@@ -114,7 +119,7 @@ def test_search_measures_whole_levels_once():
             # candidates with at least half the rows above INT8 equal exact mode; the rest cost 80 %
             return [Score((5.0 if f[0] + f[1] >= 0.5 else 9.0,), (0.0,), (100,)) for _, f in configs]
 
-    cands = candidate_fractions(0.25)
+    cands = candidate_fractions(0.25, int4=False)
     exact = Score((5.0,), (0.0,), (100,))
     ch = choose_fractions(level_measure(Fake(), None, cands), exact, 0.01, cands, z=0.0)
     assert ch.fractions == (0.0, 0.5, 0.5)  # 1.25 B/value; (0.25, 0, 0.75) at the same cost fails

@@ -537,6 +537,24 @@ def test_valid_checkpoints_pass(ctx: Ctx) -> None:
     assert verify(d).ok, verify(d).to_json()
 
 
+def test_gsm_spec_v2_int4_tier_passes(ctx: Ctx) -> None:
+    """bit_widths [16, 12, 8, 4] with four tier fractions and the INT4 pair in the calibration file."""
+    d = ctx.copy(manifest=False)
+
+    def int4(a: dict[str, np.ndarray]) -> None:
+        for n in [n for n in a if n.endswith(".scale_int8")]:
+            a[n.replace("scale_int8", "scale_int4")] = a[n] * np.float32(127 / 7)
+            a[n.replace("scale_int8", "comp_int4")] = np.zeros_like(a[n])
+
+    write_calibration(d, int4)
+    edit_json(d / "quant_config.json", lambda j: j["kv_quantization"].update(
+        bit_widths=[16, 12, 8, 4], tier_fractions=[0.25, 0, 0.25, 0.5]))
+    r = verify(d)
+    assert r.ok and r.marks["adaptive_quant"], r.to_json()
+    write_calibration(d, lambda a: (int4(a), a[next(n for n in a if n.endswith("scale_int4"))].__setitem__(0, 0.0)))
+    assert "CALIB_SCALE_INVALID" in verify(d).codes  # an INT4 scale is checked like the others
+
+
 def test_params_counts_elements(tiny: Path) -> None:
     f = LazySafetensors(tiny / "model.safetensors")
     assert verify(tiny).params == sum(int(np.prod(f.shape(n))) for n in f.names)

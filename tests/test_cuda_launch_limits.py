@@ -119,7 +119,7 @@ def layer_dims(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], shape: Shape
         rk, rv = ranks[i] if cfg.is_owning(i) else ranks[g.kv_sharing[i]]
         out.add(Dims(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                      rank_k=rk, rank_v=rv, n_max=shape.max_seq, rows_fp16=rows.fp16, rows_int12=rows.int12,
-                     rows_int8=rows.int8, index_heads=g.indexer_heads, index_dim=g.indexer_dim,
+                     rows_int8=rows.int8, rows_int4=rows.int4, index_heads=g.indexer_heads, index_dim=g.indexer_dim,
                      sink_tokens=g.sink_tokens, max_top_k=shape.max_top_k, max_sparse_window=g.max_sparse_window,
                      layer_kind=0 if cfg.is_owning(i) else 1))
     return sorted(out, key=lambda d: (d.layer_kind, d.rank_k, d.rank_v))

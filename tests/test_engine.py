@@ -219,12 +219,13 @@ def test_cache_bytes_against_hand_computation():
                                     {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                                      "hidden_size": 64})
     assert (geo.latent_values, geo.index_bytes, geo.dense_fp16_bytes) == (66, 96, 512)
-    counts = tier_counts([np.zeros(10, np.int8), np.array([0, 1, 2, 2], np.int8)])
-    assert counts.tolist() == [11, 1, 2]
+    counts = tier_counts([np.zeros(10, np.int8), np.array([0, 1, 2, 2, 3, 3, 3], np.int8)])
+    assert counts.tolist() == [11, 1, 2, 3]
     b = cache_bytes(counts, geo)
-    assert b == {"fp16": 11 * 132, "int12": 99.0, "int8": 132.0, "index": 14 * 96}
-    assert compression_ratio(counts, geo) == pytest.approx(14 * 512 / (1452 + 99 + 132 + 1344))
-    assert compression_ratio([0, 0, 0], geo) is None
+    # INT4: half a byte per latent value, 66 * 0.5 = 33 B a position
+    assert b == {"fp16": 11 * 132, "int12": 99.0, "int8": 132.0, "int4": 3 * 33.0, "index": 17 * 96}
+    assert compression_ratio(counts, geo) == pytest.approx(17 * 512 / (1452 + 99 + 132 + 99 + 17 * 96))
+    assert compression_ratio([0, 0, 0, 0], geo) is None
 
 
 def test_engine_reports_live_tiers(rt):
@@ -241,7 +242,7 @@ def test_engine_reports_live_tiers(rt):
 
     with Engine(rt, observer=Watch()) as eng:
         eng.submit([1] + list(range(40, 87)), 2, stop_ids=[]).result(10)
-    assert seen[0] == [48 - 4 - 8, 4, 8]
+    assert seen[0] == [48 - 4 - 8, 4, 8, 0]  # v1 fractions: no INT4 row
 
 
 def test_failed_warmup_refuses_requests(rt):

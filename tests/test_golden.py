@@ -126,6 +126,28 @@ def test_int12_pack_layout():
     assert Q.pack_int12(np.array([0xABC - 4096, 0x123])).tolist() == [0xBC, 0x3A, 0x12]
 
 
+def test_int4_rounds_half_to_even_clamps_and_packs():
+    scale = torch.tensor([0.5])
+    x = torch.tensor([[0.25], [0.75], [-0.25], [-1.25], [3.5], [-3.5], [9.0]])  # x / s: .5 1.5 -.5 -2.5 7 -7 18
+    assert Q.quantize(x, scale, Q.INT4).view(-1).tolist() == [0, 2, 0, -2, 7, -7, 7]
+    # code 2j in the low nibble of byte j, 4-bit two's complement; odd counts padded with a zero code
+    assert Q.pack_int4(np.array([-1, 2, 7, -7, 3])).tolist() == [0x2F, 0x97, 0x03]
+    assert Q.unpack_int4(np.array([0x2F, 0x97, 0x03], np.uint8), 5).tolist() == [-1, 2, 7, -7, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-8, 7), min_size=0, max_size=33))
+def test_int4_pack_roundtrip(values):
+    packed = Q.pack_int4(np.array(values))
+    assert packed.size == (len(values) + 1) // 2
+    assert Q.unpack_int4(packed, len(values)).tolist() == values
+
+
+def test_default_int4_scale_order():
+    s8 = torch.tensor([0.1, 3.0e-3, 7.7e-5], dtype=torch.float32)
+    assert torch.equal(Q.default_int4_scale(s8), (s8 * np.float32(127)) / np.float32(7))
+
+
 def test_default_int12_scale_order():
     s8 = torch.tensor([0.1, 3.0e-3], dtype=torch.float32)
     expected = (s8 * np.float32(127)) / np.float32(2047)
@@ -173,12 +195,14 @@ def test_retier_every_adaptation_rate_steps_and_demotion_only():
     assert int((history[-1][: history[0].numel()] > history[0]).sum()) > 0  # some demotion happened
 
 
-def test_demoted_rows_hold_engine_rounding():
+@pytest.mark.parametrize("fractions", [(0.25, 0.25, 0.5), (0.25, 0.125, 0.25, 0.375)])
+def test_demoted_rows_hold_engine_rounding(fractions):
     w = random_model()
-    m = deployed(w)
+    m = deployed(w, tier_fractions=fractions, bit_widths=(16, 12, 8, 4))
     cache = m.new_cache()
     m.prefill(cache, list(range(3, 27)))
     calib = m.calib
+    assert len(set(cache.tier.tolist())) == len(fractions)  # every tier holds rows
     for i, c in cache.layers.items():
         for s, tier in enumerate(cache.tier.tolist()):
             for kv, vals, codes in (("k", c.ck, c.qk), ("v", c.cv, c.qv)):
@@ -188,9 +212,30 @@ def test_demoted_rows_hold_engine_rounding():
                 elif tier == Q.INT12:
                     assert torch.equal(vals[s], codes[s].float() * sc.scale_int12)
                     assert int(codes[s].abs().max()) <= 2047
-                else:
+                elif tier == Q.INT8:
                     assert torch.equal(vals[s], codes[s].float() * sc.scale_int8 + sc.comp_int8)
                     assert int(codes[s].abs().max()) <= 127
+                else:
+                    assert torch.equal(vals[s], codes[s].float() * sc.scale_int4 + sc.comp_int4)
+                    assert int(codes[s].abs().max()) <= 7
+
+
+def test_int4_demotion_requantises_the_held_int8_value():
+    """INT8 -> INT4 starts from the INT8-dequantised value (all an engine still holds), not the FP16 one."""
+    w = random_model()
+    m = deployed(w, tier_fractions=(0.0, 0.0, 1.0))
+    cache = m.new_cache()
+    m.prefill(cache, list(range(3, 27)))
+    held = {i: c.ck.clone() for i, c in cache.layers.items()}
+    int8_rows = (cache.tier == Q.INT8).nonzero().squeeze(1)
+    assert int8_rows.numel() > 0
+    q4 = m.quant.with_fractions((0.0, 0.0, 0.0, 1.0))
+    cache.retier(q4, m.calib, m.p.sink_tokens)
+    for i, c in cache.layers.items():
+        sc = m.calib.scales[(i, "k")]
+        want = Q.dequantize(Q.quantize(held[i][int8_rows], sc.scale_int4, Q.INT4), sc.scale_int4, sc.comp_int4)
+        assert torch.equal(c.ck[int8_rows], want)
+        assert bool((cache.tier[int8_rows] == Q.INT4).all())
 
 
 def test_hot_token_ids_stay_fp16():

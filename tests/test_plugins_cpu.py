@@ -2,7 +2,7 @@
 
 Tolerances: attention outputs, index scores and attention mass are float32 computations whose
 summation order differs from torch's, so they must agree to 1e-5 (absolute and relative); the
-shared numerics (FP16 rounding, INT12/INT8 codes, dequantised latents, packing, selection given
+shared numerics (FP16 rounding, INT12/INT8/INT4 codes, dequantised latents, packing, selection given
 the scores, tier ranking) are contract-exact and must agree bit for bit. Every buffer part the
 nodes must not read is poisoned with NaN (gsm_edge_plugins.testing), so an out-of-bounds read
 fails the comparison.
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from gsm import tiers
 from gsm.config import GSMParams, KVQuantConfig
 from gsm.golden import attention as A
 from gsm.golden import quant as Q
@@ -29,9 +30,11 @@ if not gep.reference_available():
 from gsm_edge_plugins import ref  # noqa: E402
 from gsm_edge_plugins.testing import (  # noqa: E402
     PATH_FP16,
+    PATH_INT4_FROM_INT8,
     PATH_INT8_FROM_FP16,
     PATH_INT8_FROM_INT12,
     PATH_INT12,
+    PATH_TIERS,
     Scenario,
     make_scenario,
 )
@@ -41,20 +44,25 @@ THETA = 10000.0
 
 
 # ---- golden side -------------------------------------------------------------------------------
+ALL_PATHS = (0.2, 0.1, 0.1, 0.1, 0.15, 0.1, 0.15, 0.1)  # every path of testing.PATH_TIERS, INT4 ones included
+
+
 def golden_held(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
-    """Latents as the golden's deployed cache holds them, from the raw values and each row's path."""
-    s8, s12, comp = (torch.from_numpy(a) for a in (sc.s8, sc.s12, sc.comp))
+    """Latents as the golden's deployed cache holds them, from the raw values and each row's path: every
+    demotion re-quantises the value held after the previous one (decisions "A 4-bit tier")."""
+    tables = {Q.INT12: (sc.s12, None), Q.INT8: (sc.s8, sc.comp), Q.INT4: (sc.s4, sc.comp4)}
     rk = sc.dims.rank_k
+    path = torch.from_numpy(sc.path)[..., None]
     out = []
     for raw, sl in ((sc.ck_raw, slice(0, rk)), (sc.cv_raw, slice(rk, None))):
         x = Q.round_fp16(torch.from_numpy(raw))
-        v12 = Q.dequantize(Q.quantize(x, s12[sl], Q.INT12), s12[sl])
-        v8 = Q.dequantize(Q.quantize(x, s8[sl], Q.INT8), s8[sl], comp[sl])
-        v8_12 = Q.dequantize(Q.quantize(v12, s8[sl], Q.INT8), s8[sl], comp[sl])
-        path = torch.from_numpy(sc.path)[..., None]
-        held = torch.where(path == PATH_INT12, v12, x)
-        held = torch.where(path == PATH_INT8_FROM_FP16, v8, held)
-        held = torch.where(path == PATH_INT8_FROM_INT12, v8_12, held)
+        held = x
+        for kind, steps in PATH_TIERS.items():
+            v = x
+            for tier in steps:
+                s, c = (None if a is None else torch.from_numpy(a[sl]) for a in tables[tier])
+                v = Q.dequantize(Q.quantize(v, s, tier), s, c)
+            held = torch.where(path == kind, v, held)
         out.append(held.numpy())
     return out[0], out[1]
 
@@ -165,6 +173,59 @@ def test_int12_packing_matches_golden(n: int) -> None:
     assert np.array_equal(ref.unpack_int12(packed, n), codes)
 
 
+def test_int4_quantize_dequantize_bit_exact() -> None:
+    """INT4 codes and values against gsm.golden.quant: random values through a calibrated-like s4 (a few % clamp),
+    exact ties k + 0.5 (half to even), values far beyond +-7 steps, signed zeros; comp4 non-zero, -0.0 in places."""
+    rng = np.random.default_rng(44)
+    r = 37
+    s4 = (rng.uniform(0.5, 2.0, r) / 7).astype(np.float32)
+    x = (rng.standard_normal((2000, r)) * 0.6).astype(np.float32)
+    pow2 = np.full(r, 2.0**-3, np.float32)
+    k = rng.integers(-12, 12, (400, r)).astype(np.float32)  # ties from -11.5 to 11.5: +-7.5 and beyond clamp
+    xt = ((k + np.float32(0.5)) * pow2).astype(np.float32)
+    far = np.array([[1e30, -1e30, 8.0, -8.0, 7.49, -7.51, -0.0, 0.0, -1e-30, 1e-30, 0.4999, -0.5]], np.float32)
+    far = np.repeat(far[:, :, None], r, axis=2).reshape(-1, r) * s4  # in units of each column's step
+    comp4 = (rng.standard_normal(r) * s4 * 0.3).astype(np.float32)
+    comp4[::5] = -0.0
+    cases = [(x, s4), (xt, pow2), (far.astype(np.float32), s4)]
+    for xs, s in cases:
+        got = ref.quantize(xs, s, Q.QMAX[Q.INT4])
+        want = Q.quantize(torch.from_numpy(xs), torch.from_numpy(s), Q.INT4).numpy()
+        assert np.array_equal(got, want)
+        assert got.min() >= -7 and got.max() <= 7  # the code -8 is never produced
+        for comp in (comp4, np.zeros(r, np.float32)):
+            dq = ref.dequantize(got, s, comp, tier=ref.INT4)
+            dq_g = Q.dequantize(torch.from_numpy(want), torch.from_numpy(s), torch.from_numpy(comp)).numpy()
+            assert np.array_equal(dq.view(np.uint32), dq_g.view(np.uint32))
+    assert (ref.quantize(x, s4, 7) == 7).any() and (ref.quantize(x, s4, 7) == -7).any()
+    ties = ref.quantize(xt, pow2, 7)
+    for kk, code in ((0, 0), (1, 2), (2, 2), (-1, 0), (-2, -2), (-3, -2), (5, 6), (6, 6), (7, 7), (-8, -7), (11, 7)):
+        assert np.all(ties[k == kk] == code), (kk, code)  # x / s = kk + 0.5
+    f = ref.quantize(far.astype(np.float32), s4, 7)
+    assert f[:, 0].tolist() == [7, -7, 7, -7, 7, -7, 0, 0, 0, 0, 0, 0]
+    with pytest.raises(ref.PluginContractError, match="comp is required"):
+        ref.dequantize(got, s, None, tier=ref.INT4)
+
+
+def test_default_scales_match_golden() -> None:
+    s8 = (np.random.default_rng(3).uniform(0.05, 3.0, 5000) / 127).astype(np.float32)
+    for tier, golden in ((ref.INT12, Q.default_int12_scale), (ref.INT4, Q.default_int4_scale)):
+        want = golden(torch.from_numpy(s8)).numpy()
+        assert np.array_equal(ref.default_scale(s8, tier).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
+def test_int4_packing_matches_golden(n: int) -> None:
+    codes = np.random.default_rng(n).integers(-8, 8, n).astype(np.int32)
+    if n >= 2:
+        codes[:2] = (-8, 7)  # both nibble extremes, low nibble first
+    packed = ref.pack_int4(codes)
+    assert np.array_equal(packed, Q.pack_int4(codes))
+    assert np.array_equal(ref.unpack_int4(packed, n), codes)
+    if n >= 2:
+        assert packed[0] == 0x78  # -8 -> 0x8 in the low nibble, 7 -> 0x7 in the high one
+
+
 # ---- the cache: dequantised latents bit-identical to the golden simulation ---------------------
 @pytest.mark.parametrize("ranks", [(6, 5), (8, 8), (1, 3)])
 def test_cache_latents_bit_identical(ranks: tuple[int, int]) -> None:
@@ -182,6 +243,127 @@ def test_cache_latents_bit_identical(ranks: tuple[int, int]) -> None:
         assert np.all(np.isnan(ck[b, n:])), "uncached positions point at the poisoned row"
 
 
+def _int4_rows_by_region(d: ref.Dims, slots: np.ndarray) -> set[int]:
+    """Regions (tier codes of the region, 0..3) holding the INT4 rows of a slot table."""
+    g = slots[(slots >= 0) & (ref.slot_tier(slots) == ref.INT4)] & 0xFFFFFF
+    bounds = np.cumsum([d.rows_fp16, d.rows_int12, d.rows_int8, d.rows_int4])
+    return set(np.searchsorted(bounds, g, side="right").tolist())
+
+
+def _numpy_latents(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
+    """Dequantised latents read from the pool's bytes in plain NumPy, independently of the C++ layout code: row
+    offsets from gsm.tiers.row_bytes and the region sizes, FP16 / INT12 / INT8 / INT4 decoded with the golden's
+    unpackers, values as float32 (q * s) then + comp (NumPy rounds each operation)."""
+    d = sc.dims
+    w16, w12, w8, w4 = tiers.row_bytes(d.rank_k, d.rank_v)
+    widths = (w16, w12, w8, w4)
+    counts = (d.rows_fp16, d.rows_int12, d.rows_int8, d.rows_int4)
+    starts = np.concatenate([[0], np.cumsum(np.multiply(widths, counts))])
+    firsts = np.concatenate([[0], np.cumsum(counts)])
+    s12, s8, comp8, s4, comp4 = sc.quant
+    rk, rv = d.rank_k, d.rank_v
+    out = np.full((*sc.slots.shape, d.rank), np.nan, np.float32)
+    for b in range(sc.slots.shape[0]):
+        pool = sc.pool[b].view(np.uint8)
+        for p in range(int(sc.lengths[b])):
+            tier, g = int(sc.slots[b, p]) >> 24, int(sc.slots[b, p]) & 0xFFFFFF
+            reg = int(np.searchsorted(firsts[1:], g, side="right"))
+            row = pool[starts[reg] + (g - firsts[reg]) * widths[reg]:]
+            if tier == ref.FP16:
+                out[b, p] = row[:2 * d.rank].view(np.float16).astype(np.float32)
+            elif tier == ref.INT12:
+                nk = 3 * ((rk + 1) // 2)
+                q = np.concatenate([Q.unpack_int12(row[:nk], rk), Q.unpack_int12(row[nk:nk + 3 * ((rv + 1) // 2)], rv)])
+                out[b, p] = q.astype(np.float32) * s12
+            elif tier == ref.INT8:
+                out[b, p] = (row[:d.rank].view(np.int8).astype(np.float32) * s8).astype(np.float32) + comp8
+            else:
+                nk = (rk + 1) // 2
+                q = np.concatenate([Q.unpack_int4(row[:nk], rk), Q.unpack_int4(row[nk:nk + (rv + 1) // 2], rv)])
+                out[b, p] = (q.astype(np.float32) * s4).astype(np.float32) + comp4
+    return out[..., :rk], out[..., rk:]
+
+
+@pytest.mark.parametrize("ranks", [(6, 5), (1, 3), (7, 9)])
+def test_int4_demotion_paths_bit_identical(ranks: tuple[int, int]) -> None:
+    """Every path to INT4 (FP16 -> INT4, FP16 -> INT12 -> INT4, FP16 -> INT8 -> INT4, FP16 -> INT12 -> INT8 ->
+    INT4), INT4 rows in their own region and in FP16, INT12 and INT8 rows, odd ranks: the reference's latents equal
+    the golden's re-quantisation of the value held, and a plain NumPy decode of the pool's bytes."""
+    rng = np.random.default_rng(100 + sum(ranks))
+    sc = make_scenario(rng, num_heads=2, num_kv_heads=1, head_dim=8, rank_k=ranks[0], rank_v=ranks[1],
+                       index_heads=1, index_dim=4, sink_tokens=1, top_k=4, max_sparse_window=2, window=2,
+                       n_max=200, past=[180, 60], new=[3, 1], tier_mix=ALL_PATHS)
+    d = sc.dims
+    assert set(PATH_TIERS) == set(np.unique(sc.path[sc.path >= 0]))
+    assert _int4_rows_by_region(d, sc.slots) == {0, 1, 2, 3}
+    ck, cv = ref.read_latents(d, sc.pool, sc.slots, sc.quant)
+    gk, gv = golden_held(sc)
+    nk, nv = _numpy_latents(sc)
+    for b in range(2):
+        n = int(sc.lengths[b])
+        for got, want, npy in ((ck, gk, nk), (cv, gv, nv)):
+            assert np.array_equal(got[b, :n].view(np.uint32), want[b, :n].view(np.uint32))
+            assert np.array_equal(npy[b, :n].view(np.uint32), want[b, :n].view(np.uint32))
+    # spelled out once for FP16 -> INT8 -> INT4: INT4 quantises the INT8 value with comp8 added
+    s8, c8, s4, c4 = (torch.from_numpy(a[:ranks[0]]) for a in (sc.s8, sc.comp, sc.s4, sc.comp4))
+    v8 = Q.dequantize(Q.quantize(Q.round_fp16(torch.from_numpy(sc.ck_raw)), s8, Q.INT8), s8, c8)
+    v4 = Q.dequantize(Q.quantize(v8, s4, Q.INT4), s4, c4).numpy()
+    via8 = sc.path == PATH_INT4_FROM_INT8
+    assert np.array_equal(ck[via8].view(np.uint32), v4[via8].view(np.uint32))
+
+
+def test_int4_row_bytes_and_pool_layout() -> None:
+    """An INT4 row is pack_int4(codes_k) then pack_int4(codes_v) at its row's first byte; the pool holds
+    C16 W16 + C12 W12 + C8 W8 + C4 W4 bytes (gsm.tiers.row_bytes), rows of the INT4 region W4 apart; a move with the
+    tier unchanged copies an INT4 row into another row byte for byte."""
+    d = ref.Dims(num_heads=1, num_kv_heads=1, head_dim=2, rank_k=5, rank_v=3, n_max=8, rows_fp16=3, rows_int12=2,
+                 rows_int8=2, rows_int4=3, index_dim=2)
+    w16, w12, w8, w4 = tiers.row_bytes(5, 3)
+    assert w4 == 5 and ref.pool_words(d) == -(-(3 * w16 + 2 * w12 + 2 * w8 + 3 * w4) // 4)
+    assert [ref.row_offset(d, g) for g in (7, 8, 9)] == [3 * w16 + 2 * w12 + 2 * w8 + i * w4 for i in range(3)]
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 1, 8)).astype(np.float32) * 3
+    s4 = np.full(8, 0.5, np.float32)
+    quant = np.stack([np.full(8, 1e-3), np.full(8, 0.02), np.zeros(8), s4, np.full(8, 0.125)]).astype(np.float32)
+    pool = ref.empty_pool(d, 1, 0xAB)
+    keys = np.zeros((1, 8, 2), np.float16)
+    slots = np.full((1, 8), -1, np.int32)
+    slots[0, 0] = ref.make_slot(ref.FP16, 1)
+    ref.kv_update(d, x[..., :5], x[..., 5:], np.zeros((1, 1, 2), np.float32), pool, keys, slots, [0], [1])
+    ref.kv_demote(d, np.array([[0, slots[0, 0], ref.make_slot(ref.INT4, 8)]]), pool, quant)
+    codes = Q.quantize(Q.round_fp16(torch.from_numpy(x[0, 0])), torch.from_numpy(s4), Q.INT4).numpy()
+    want = np.concatenate([Q.pack_int4(codes[:5]), Q.pack_int4(codes[5:])])
+    raw = pool[0].view(np.uint8)
+    at = ref.row_offset(d, 8)
+    assert np.array_equal(raw[at:at + w4], want)
+    assert raw[at - 1] == 0xAB and raw[at + w4] == 0xAB, "an INT4 row writes its W4 bytes only"
+    ref.kv_demote(d, np.array([[0, ref.make_slot(ref.INT4, 8), ref.make_slot(ref.INT4, 5)]]), pool, quant)
+    at5 = ref.row_offset(d, 5)
+    assert np.array_equal(raw[at5:at5 + w4], want)  # an INT4 row in an INT8 row
+
+
+def test_int4_slots_are_checked() -> None:
+    """Tier 3 is a valid slot tier in every region; no tier may sit in a narrower region, and an INT4 row never
+    regains precision."""
+    sc = _scenario("decode-int4-mixed")
+    d = sc.dims
+    base4 = d.rows_fp16 + d.rows_int12 + d.rows_int8
+    src = int(sc.slots[0, 3])
+    int4_row = ref.make_slot(ref.INT4, base4)
+    with pytest.raises(ref.PluginContractError, match="region is narrower"):
+        ref.kv_demote(d, np.array([[0, src, ref.make_slot(ref.INT8, base4)]]), sc.pool.copy(), sc.quant)
+    with pytest.raises(ref.PluginContractError, match="malformed"):
+        ref.kv_demote(d, np.array([[0, src, ref.make_slot(ref.INT4, base4 + d.rows_int4)]]), sc.pool.copy(),
+                      sc.quant)
+    with pytest.raises(ref.PluginContractError, match="malformed"):
+        ref.kv_demote(d, np.array([[0, src, ref.make_slot(4, 0)]]), sc.pool.copy(), sc.quant)
+    pool = ref.kv_demote(d, np.array([[0, src, int4_row]]), sc.pool.copy(), sc.quant)
+    with pytest.raises(ref.PluginContractError, match="promotion"):
+        ref.kv_demote(d, np.array([[0, int4_row, ref.make_slot(ref.INT8, base4 - 1)]]), pool, sc.quant)
+    with pytest.raises(ValueError, match=r"quant: expected shape \(5, "):
+        ref.read_latents(d, sc.pool, sc.slots, sc.quant[:3])
+
+
 # ---- attention ---------------------------------------------------------------------------------
 # (nH, nKV, D, r_k, r_v, nI, dI, sinks, top_k, max_window, window, n_max, past, new, tier_mix)
 CASES = {
@@ -195,6 +377,9 @@ CASES = {
     "topk0-no-sinks": (2, 1, 8, 4, 4, 2, 4, 0, 0, 5, 5, 64, [30], [6], (1, 0, 0, 0)),
     "gqa4-odd-ranks": (8, 2, 16, 11, 3, 3, 8, 3, 10, 6, 2, 200, [150, 20], [3, 3], (0.4, 0.2, 0.2, 0.2)),
     "prefill-2048": (2, 2, 8, 4, 4, 2, 8, 1, 64, 8, 3, 2048, [0], [2048], (1, 0, 0, 0)),
+    # INT4 rows by every path and in every region (testing.PATH_TIERS), odd ranks
+    "decode-int4-mixed": (4, 2, 16, 7, 5, 2, 8, 2, 12, 4, 3, 300, [280, 40], [1, 1], ALL_PATHS),
+    "prefill-chunk-int4-only": (4, 1, 8, 6, 9, 2, 4, 1, 8, 4, 4, 160, [120], [6], (0, 0, 0, 0, 1, 0, 0, 0)),
 }
 
 
@@ -211,6 +396,15 @@ def test_owning_attention_matches_golden(name: str) -> None:
     sc = _scenario(name)
     res = sc.call(return_scores=True)
     golden_check(sc, res)
+    if "int4" in name:
+        assert (ref.slot_tier(sc.slots[sc.path >= 0]) == ref.INT4).any()
+        # the latents attention read are a plain NumPy decode of the pool's bytes (golden_check's are the golden's)
+        nk, nv = _numpy_latents(sc)
+        gk, gv = golden_held(sc)
+        for b in range(len(sc.past)):
+            n = int(sc.lengths[b])
+            assert np.array_equal(nk[b, :n].view(np.uint32), gk[b, :n].view(np.uint32))
+            assert np.array_equal(nv[b, :n].view(np.uint32), gv[b, :n].view(np.uint32))
     dense = [int(t) + 1 <= sc.dims.sink_tokens + sc.window + sc.dims.max_top_k
              for b in range(len(sc.past)) for t in range(sc.past[b], sc.lengths[b])]
     if name.startswith("topk-covers"):
@@ -219,7 +413,8 @@ def test_owning_attention_matches_golden(name: str) -> None:
         assert not all(dense), "the case must exercise sparse selection"
 
 
-@pytest.mark.parametrize("name", ["chunked-prefill-mixed-tiers", "decode-mqa-long", "gqa4-odd-ranks"])
+@pytest.mark.parametrize("name", ["chunked-prefill-mixed-tiers", "decode-mqa-long", "gqa4-odd-ranks",
+                                  "decode-int4-mixed"])
 def test_sharing_attention_matches_golden(name: str) -> None:
     src = _scenario(name)
     sel = src.call().selected  # the source (owning) layer's selection of the same call
@@ -357,10 +552,12 @@ def test_contract_errors() -> None:
 
 
 # ---- tier policy helpers vs the golden cache ----------------------------------------------------
-def test_hotness_and_ranking_match_golden() -> None:
+@pytest.mark.parametrize("fractions", [(0.3, 0.3, 0.4), (0.2, 0.2, 0.3, 0.3)])
+def test_hotness_and_ranking_match_golden(fractions: tuple[float, ...]) -> None:
     rng = np.random.default_rng(9)
     n = 700
-    quant = KVQuantConfig(tier_fractions=(0.3, 0.3, 0.4), fp16_window=16, hotness_decay=0.9, hot_token_ids=(3, 7))
+    quant = KVQuantConfig(tier_fractions=fractions, fp16_window=16, hotness_decay=0.9, hot_token_ids=(3, 7),
+                          **({"bit_widths": (16, 12, 8, 4)} if len(fractions) == 4 else {}))
     cache = SequenceCache(deployed=True, layers={})
     cache.add_positions(rng.integers(0, 12, n).tolist())
     for _ in range(3):
@@ -372,3 +569,40 @@ def test_hotness_and_ranking_match_golden() -> None:
     got = ref.ranked_tiers(cache.hotness.numpy(), np.asarray(cache.tokens), hot_token_ids=quant.hot_token_ids,
                            sink_tokens=2, fp16_window=quant.fp16_window, tier_fractions=quant.tier_fractions)
     assert np.array_equal(got, want)
+    assert (got == ref.INT4).any() == (len(fractions) == 4)
+
+
+def _ranked_by_tier_counts(hotness: np.ndarray, tokens: np.ndarray, hot_ids: tuple[int, ...], sinks: int,
+                           window: int, fractions: tuple[float, ...]) -> np.ndarray:
+    """decisions "Re-tier pass" with gsm.tiers.tier_counts: eligible positions by hotness descending (ties to the
+    lower position), the first n16 FP16, then n12 INT12, n8 INT8, the rest INT4."""
+    n = hotness.size
+    out = np.zeros(n, np.int32)
+    eligible = [s for s in range(sinks, max(sinks, n - window)) if int(tokens[s]) not in hot_ids]
+    order = np.asarray(eligible, np.int64)[np.argsort(-hotness[eligible], kind="stable")]
+    counts = tiers.tier_counts(fractions, len(eligible))
+    out[order] = np.repeat(np.arange(4, dtype=np.int32), counts)
+    return out
+
+
+@pytest.mark.parametrize("fractions", [
+    (0.25, 0.25, 0.25, 0.25), (0.1, 0.2, 0.3, 0.4), (0.0, 0.0, 0.0, 1.0), (0.5, 0.0, 0.0, 0.5),
+    (1 / 3, 1 / 3, 1 / 3, 0.0), (0.2, 0.7, 0.1, 0.0), (0.2, 0.7, 0.1), (0.3, 0.3, 0.3), (0.3, 0.3, 0.3, 0.0),
+    (0.05, 0.3, 0.6499999999999999, 1e-9), (0.3, 0.3, 0.39, 0.01)])
+def test_ranking_with_four_fractions_follows_tier_counts(fractions: tuple[float, ...]) -> None:
+    """Four fractions rank by gsm.tiers.tier_counts; three (or f4 = 0) never make an INT4 row, even when the float
+    sum of the fractions is 0.9999999999999999 (0.2 + 0.7 + 0.1) or well below 1."""
+    rng = np.random.default_rng(len(fractions) + int(1000 * fractions[0]))
+    for n in (0, 1, 5, 37, 700, 1001):
+        hot = rng.random(n).astype(np.float32).round(1)  # many ties
+        tokens = rng.integers(0, 12, n).astype(np.int32)
+        got = ref.ranked_tiers(hot, tokens, hot_token_ids=(3, 7), sink_tokens=2, fp16_window=16,
+                               tier_fractions=fractions)
+        want = _ranked_by_tier_counts(hot, tokens, (3, 7), 2, 16, fractions)
+        assert np.array_equal(got, want), n
+        if len(fractions) == 3 or fractions[3] == 0:
+            assert not (got == ref.INT4).any()
+    assert sum((0.2, 0.7, 0.1)) == 0.9999999999999999
+    with pytest.raises(ValueError, match="3 or 4 numbers"):
+        ref.ranked_tiers(np.zeros(3, np.float32), np.zeros(3, np.int32), sink_tokens=0, fp16_window=0,
+                         tier_fractions=(0.5, 0.5))

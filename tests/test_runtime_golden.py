@@ -28,7 +28,7 @@ from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, need_ort_ops_library, retie
 from builder.build import build
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
-from gsm.golden.quant import FP16, INT8, INT12
+from gsm.golden.quant import FP16, INT4, INT8, INT12
 from gsm.synth import synth_checkpoint
 
 LOGIT_TOL = 1e-3
@@ -42,6 +42,33 @@ def retiering_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     base = synth_checkpoint("tiny", root / "tiny", seed=3)
     return retiering_copy(base, root / "tiny-retier")
+
+
+INT4_FRACTIONS = (0.25, 0.125, 0.25, 0.375)
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory):
+    """The tiny model re-tiering into all four tiers (GSM_SPEC v2), with fitted-looking INT4 tables: the
+    data-free INT8 scales, INT4 scales clipping at half the data-free range, non-zero compensation."""
+    from safetensors.numpy import save
+
+    from gsm.golden.weights import GoldenWeights, KVCalibration, LatentScales
+
+    root = tmp_path_factory.mktemp("ckpt4")
+    base = synth_checkpoint("tiny", root / "tiny", seed=3)
+    from gsm import checkpoint
+
+    df = KVCalibration.data_free(GoldenWeights.from_tensors(checkpoint.load_config(base),
+                                                            checkpoint.load_state_dict(base)))
+    g = torch.Generator().manual_seed(5)
+    cal = KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, (torch.rand(s.scale_int8.shape, generator=g)
+                                                                        - 0.5) * s.scale_int8,
+                                         s.scale_int4 * 0.5, (torch.rand(s.scale_int8.shape, generator=g) - 0.5)
+                                         * s.scale_int4 * 0.5)
+                         for k, s in df.scales.items()}, calibrated=True)
+    return retiering_copy(base, root / "tiny-int4", tier_fractions=INT4_FRACTIONS,
+                          calibration=save(cal.to_tensors()))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +95,7 @@ def debug_bundle(retiering_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("graph", ["portable", "cpu"])
-@pytest.mark.parametrize("which", ["tiny", "stories260K"])
+@pytest.mark.parametrize("which", ["tiny", "tiny-int4", "stories260K"])
 def test_portable_bundle_reproduces_golden_deployed(which, graph, request, tmp_path):
     """Both networks ONNX Runtime runs: the standard-op graph and model.cpu.onnx (GsmCachedAttention, the fused
     op, for the owning layers; stories260K has sharing layers too, which keep standard ops)."""
@@ -76,13 +103,14 @@ def test_portable_bundle_reproduces_golden_deployed(which, graph, request, tmp_p
 
     if graph == "cpu":
         need_ort_ops_library()
-    ckpt = request.getfixturevalue("retiering_checkpoint" if which == "tiny" else "stories_checkpoint")
+    ckpt = request.getfixturevalue({"tiny": "retiering_checkpoint", "tiny-int4": "int4_checkpoint",
+                                    "stories260K": "stories_checkpoint"}[which])
     bundle = tmp_path / "bundle"
     build(device="orin", checkpoint_dir=ckpt, output=bundle, max_seq=N_MAX, debug_outputs=True)
     rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph=graph)
     assert rt.backend.graph == graph
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
-    if which == "tiny":
+    if which != "stories260K":
         prompt = np.random.default_rng(7).integers(3, 259, PROMPT_LEN).tolist()
     else:  # real text: BOS + a TinyStories paragraph start
         prompt = rt.encode(CALIB_TEXT.read_text()[:400])[:PROMPT_LEN]
@@ -110,9 +138,10 @@ def test_portable_bundle_reproduces_golden_deployed(which, graph, request, tmp_p
         check_selection(seq, g.trace, seq.length)
         assert np.array_equal(seq.state.tier, gcache.tier.numpy()), f"tiers differ after step {len(g_tokens)}"
         tiers_seen |= set(seq.state.tier.tolist())
-    tol = max(LOGIT_TOL, (1e-4 if which == "tiny" else 1.5e-4) * float(np.abs(g_logits.numpy()).max()))
+    tol = max(LOGIT_TOL, (1.5e-4 if which == "stories260K" else 1e-4) * float(np.abs(g_logits.numpy()).max()))
     assert worst <= tol, f"max |logits - golden| = {worst} (tolerance {tol})"
-    assert tiers_seen == {FP16, INT12, INT8}  # every tier was exercised
+    # every tier was exercised
+    assert tiers_seen == ({FP16, INT12, INT8, INT4} if which == "tiny-int4" else {FP16, INT12, INT8})
     # the cache holds the golden's values (bit-exact where the FP16 inputs agree; <= 1 fp16 ulp otherwise)
     for l in golden.cfg.owning_layers:
         n = seq.length
@@ -148,7 +177,8 @@ def test_demotion_graph_is_bit_exact(retiering_checkpoint, debug_bundle):
     for l, c in gcache.layers.items():
         k, v = seq.cache.latents(l, n)
         k[...], v[...] = c.ck.numpy(), c.cv.numpy()
-    for quant, rounds in ((golden.quant, 1), (golden.quant.replace(tier_fractions=(0.1, 0.2, 0.7)), 2)):
+    for quant, rounds in ((golden.quant, 1), (golden.quant.replace(tier_fractions=(0.1, 0.2, 0.7)), 2),
+                          (golden.quant.with_fractions((0.05, 0.1, 0.25, 0.6)), 2)):
         state = SequenceState(tokens=list(prompt), tier=gcache.tier.numpy().copy(),
                               hotness=gcache.hotness.numpy().copy())
         policy = TierPolicy(golden.p.sink_tokens, quant.fp16_window, quant.tier_fractions, quant.hotness_decay,

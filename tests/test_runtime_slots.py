@@ -27,14 +27,16 @@ def check_table(t: SlotTable, state: SequenceState) -> None:
     assert not free & set(rows.tolist())
 
 
-@pytest.mark.parametrize("rate,chunk", [(8, 16), (5, 1), (64, 64)])
-def test_policy_never_overflows_the_planned_pools(rate, chunk):
+@pytest.mark.parametrize("rate,chunk,fractions", [(8, 16, (0.25, 0.25, 0.5)), (5, 1, (0.25, 0.25, 0.5)),
+                                                 (64, 64, (0.25, 0.25, 0.5)), (8, 16, (0.125, 0.125, 0.25, 0.5)),
+                                                 (5, 1, (0.0, 0.25, 0.25, 0.5))])
+def test_policy_never_overflows_the_planned_pools(rate, chunk, fractions):
     cfg = preset_config(PRESETS["tiny"])
     cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, quantization_adaptation_rate=rate))
-    q = KVQuantConfig(fp16_window=8)
+    q = KVQuantConfig(fp16_window=8).with_fractions(fractions)
     n_max = 300
     rows = pool_rows(n_max, chunk, cfg, q)
-    t = SlotTable(n_max, (rows.fp16, rows.int12, rows.int8))
+    t = SlotTable(n_max, rows.by_tier)
     p = TierPolicy(cfg.gsm.sink_tokens, q.fp16_window, q.tier_fractions, q.hotness_decay, rate)
     s = SequenceState()
     rng = np.random.default_rng(rate)
@@ -58,7 +60,8 @@ def test_policy_never_overflows_the_planned_pools(rate, chunk):
     step(chunk, True)
     while s.length < n_max:
         step(1, False)
-    assert seen == {0, 1, 2}  # every region holds rows by the end
+    # every region holds rows by the end (the INT4 region exists only with an INT4 fraction)
+    assert seen == set(range(len(fractions))) and (rows.int4 > 0) == (len(fractions) == 4)
 
 
 def test_demotion_moves_to_the_narrowest_free_region():

@@ -11,20 +11,20 @@ Decisions the spec leaves open (docs/decisions.md repeats them):
   call's queries; a new position starts at h = 0 before the update;
 - re-tier pass: eligible = positions outside the sinks and the last `fp16_window` positions whose
   token id is not in hot_token_ids; ranked by hotness, descending, ties to the lower position;
-  n_fp16 = floor(f0 * N), n_int12 = floor((f0 + f1) * N) - n_fp16, the rest INT8 (with a 1e-9
-  guard against float noise); a row's new tier is max(old, ranked) — demotion only.
+  counts per tier by gsm.tiers.tier_counts (FP16, INT12, INT8, then INT4 when tier_fractions has a
+  fourth, non-zero share); a row's new tier is max(old, ranked) — demotion only.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from gsm.config import KVQuantConfig
-from gsm.golden.quant import FP16, INT8, INT12, TIER_BYTES, dequantize, quantize, round_fp16
+from gsm.golden.quant import FP16, INT4, INT8, INT12, TIER_BYTES, dequantize, quantize, round_fp16
 from gsm.golden.weights import KVCalibration
+from gsm.tiers import tier_counts
 
 
 @dataclass
@@ -92,13 +92,11 @@ class SequenceCache:
             return target
         pos = torch.tensor(eligible)
         order = torch.sort(self.hotness[pos], descending=True, stable=True).indices  # ties: lower s
-        N = len(eligible)
-        f0, f1, _ = quant.tier_fractions
-        n16 = math.floor(f0 * N + 1e-9)
-        n12 = math.floor((f0 + f1) * N + 1e-9) - n16
+        n16, n12, n8, _ = tier_counts(quant.tier_fractions, len(eligible))
         ranked = pos[order]
         target[ranked[n16:n16 + n12]] = INT12
-        target[ranked[n16 + n12:]] = INT8
+        target[ranked[n16 + n12:n16 + n12 + n8]] = INT8
+        target[ranked[n16 + n12 + n8:]] = INT4
         return target
 
     def retier(self, quant: KVQuantConfig, calib: KVCalibration, sink_tokens: int) -> int:
@@ -109,12 +107,16 @@ class SequenceCache:
             for i, c in self.layers.items():
                 for kv, vals, codes in (("k", c.ck, c.qk), ("v", c.cv, c.qv)):
                     sc = calib.scales[(i, kv)]
-                    if int(new[s]) == INT12:
+                    t = int(new[s])
+                    if t == INT12:
                         codes[s] = quantize(vals[s], sc.scale_int12, INT12)
                         vals[s] = dequantize(codes[s], sc.scale_int12)
-                    else:  # INT8, from the FP16 or the INT12-dequantised value
+                    elif t == INT8:  # from the FP16 or the INT12-dequantised value
                         codes[s] = quantize(vals[s], sc.scale_int8, INT8)
                         vals[s] = dequantize(codes[s], sc.scale_int8, sc.comp_int8)
+                    else:  # INT4, from whatever value the row holds
+                        codes[s] = quantize(vals[s], sc.scale_int4, INT4)
+                        vals[s] = dequantize(codes[s], sc.scale_int4, sc.comp_int4)
         self.tier = new
         return int(changed.numel())
 

@@ -8,14 +8,19 @@ order to agree bit for bit on dequantised latents:
 - INT8 tier:  q = clamp(rint_half_even(x / s8), -127, 127);    v = (float32(q) * s8) + comp
   (two separately rounded fp32 operations, no fused multiply-add: CUDA code uses __fmul_rn and
   __fadd_rn, ONNX uses Mul then Add)
+- INT4 tier:  q = clamp(rint_half_even(x / s4), -7, 7);        v = (float32(q) * s4) + comp4
 - `x / s` is an IEEE float32 division (not a multiply by a reciprocal).
-- Demotion INT12 -> INT8 re-quantises the INT12 *dequantised* value, since that is all the engine
-  still holds; FP16 -> INT8 quantises the FP16 value.
-- Default INT12 scale when calibration has none: s12 = float32(float32(s8 * 127) / 2047).
+- Demotion re-quantises the value the engine still holds: FP16 -> INT8 quantises the FP16 value,
+  INT12 -> INT8 the INT12-dequantised one, INT8 -> INT4 the INT8-dequantised one (compensation included).
+- Default scales when calibration has none: s12 = float32(float32(s8 * 127) / 2047),
+  s4 = float32(float32(s8 * 127) / 7), comp4 = 0.
 
 INT12 packing: two values a, b (12-bit two's complement) in three bytes
     byte0 = a & 0xFF, byte1 = ((a >> 8) & 0x0F) | ((b & 0x0F) << 4), byte2 = (b >> 4) & 0xFF
 an odd count is padded with a zero value.
+
+INT4 packing: code 2j in the low nibble, 2j + 1 in the high nibble of byte j, each as q & 0xF (4-bit
+two's complement); an odd count is padded with a zero code. Engines pack c_k's and c_v's codes separately.
 """
 
 from __future__ import annotations
@@ -23,11 +28,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Tier codes, ordered by precision lost: demotion only ever increases the code.
-FP16, INT12, INT8 = 0, 1, 2
-TIER_NAMES = ("fp16", "int12", "int8")
-TIER_BYTES = (2.0, 1.5, 1.0)  # bytes per latent value (spec 6)
-QMAX = {INT12: 2047, INT8: 127}
+from gsm.tiers import BYTES as TIER_BYTES  # noqa: F401  (re-exported: the golden's names for gsm.tiers)
+from gsm.tiers import FP16, INT4, INT8, INT12, QMAX  # noqa: F401
+from gsm.tiers import NAMES as TIER_NAMES  # noqa: F401
 
 
 def round_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -36,14 +39,14 @@ def round_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, tier: int) -> torch.Tensor:
-    """x: [..., r] float32, scale: [r] -> integer codes (int32) of the INT12 or INT8 tier."""
+    """x: [..., r] float32, scale: [r] -> integer codes (int32) of the INT12, INT8 or INT4 tier."""
     qmax = QMAX[tier]
     q = torch.round(x.float() / scale.float())  # torch.round is round-half-to-even
     return q.clamp_(-qmax, qmax).to(torch.int32)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:
-    """codes [..., r] -> float32; comp (INT8 only) is added after the scale multiply."""
+    """codes [..., r] -> float32; comp (INT8 and INT4) is added after the scale multiply."""
     v = q.float() * scale.float()
     if comp is not None:
         v = v + comp.float()
@@ -54,6 +57,31 @@ def default_int12_scale(scale_int8: torch.Tensor) -> torch.Tensor:
     """Spec 5 default, with the float32 operation order fixed."""
     s = scale_int8.float() * torch.tensor(127.0, dtype=torch.float32)
     return s / torch.tensor(2047.0, dtype=torch.float32)
+
+
+def default_int4_scale(scale_int8: torch.Tensor) -> torch.Tensor:
+    """Decisions "A 4-bit tier": the data-free INT4 scale, float32 operations in this order."""
+    s = scale_int8.float() * torch.tensor(127.0, dtype=torch.float32)
+    return s / torch.tensor(7.0, dtype=torch.float32)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int codes in [-8, 7], any shape -> uint8 bytes, one per pair (flattened, zero padded)."""
+    v = np.asarray(q, dtype=np.int32).ravel()
+    if v.size and (v.min() < -8 or v.max() > 7):
+        raise ValueError("INT4 codes must lie in [-8, 7]")
+    if v.size % 2:
+        v = np.concatenate([v, np.zeros(1, np.int32)])
+    u = (v & 0xF).astype(np.uint8)
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of pack_int4: the first `count` int32 codes."""
+    p = np.asarray(packed, dtype=np.uint8).astype(np.int32)
+    v = np.empty(p.size * 2, np.int32)
+    v[0::2], v[1::2] = p & 0xF, p >> 4
+    return np.where(v >= 8, v - 16, v)[:count]
 
 
 def pack_int12(q: np.ndarray) -> np.ndarray:

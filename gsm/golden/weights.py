@@ -10,7 +10,7 @@ import torch
 
 from gsm import names
 from gsm.config import ModelConfig
-from gsm.golden.quant import default_int12_scale
+from gsm.golden.quant import default_int4_scale, default_int12_scale
 
 
 @dataclass
@@ -100,6 +100,15 @@ class LatentScales:
     scale_int8: torch.Tensor  # [r]
     scale_int12: torch.Tensor  # [r]
     comp_int8: torch.Tensor  # [r]
+    scale_int4: torch.Tensor | None = None  # [r]; None: the data-free default of decisions "A 4-bit tier"
+    comp_int4: torch.Tensor | None = None  # [r]; None: 0
+
+    def __post_init__(self) -> None:
+        self.int4_fitted = self.scale_int4 is not None  # fitted on text (written back), not the default
+        if self.scale_int4 is None:
+            self.scale_int4 = default_int4_scale(self.scale_int8)
+        if self.comp_int4 is None:
+            self.comp_int4 = torch.zeros_like(self.scale_int8)
 
 
 @dataclass
@@ -119,7 +128,10 @@ class KVCalibration:
                 s12 = (torch.as_tensor(np.asarray(tensors[n12])).float() if n12 in tensors
                        else default_int12_scale(s8))
                 comp = torch.as_tensor(np.asarray(tensors[names.calib_name(i, kv, "comp_int8")])).float()
-                out[(i, kv)] = LatentScales(s8, s12, comp)
+                s4, c4 = (names.calib_name(i, kv, w) for w in ("scale_int4", "comp_int4"))
+                out[(i, kv)] = LatentScales(
+                    s8, s12, comp, torch.as_tensor(np.asarray(tensors[s4])).float() if s4 in tensors else None,
+                    torch.as_tensor(np.asarray(tensors[c4])).float() if c4 in tensors else None)
         return cls(out, calibrated=True)
 
     @classmethod
@@ -146,4 +158,12 @@ class KVCalibration:
             d[names.calib_name(i, kv, "scale_int8")] = s.scale_int8.numpy().astype(np.float32)
             d[names.calib_name(i, kv, "scale_int12")] = s.scale_int12.numpy().astype(np.float32)
             d[names.calib_name(i, kv, "comp_int8")] = s.comp_int8.numpy().astype(np.float32)
+            if s.int4_fitted:
+                d[names.calib_name(i, kv, "scale_int4")] = s.scale_int4.numpy().astype(np.float32)
+                d[names.calib_name(i, kv, "comp_int4")] = s.comp_int4.numpy().astype(np.float32)
         return d
+
+    @property
+    def int4_fitted(self) -> bool:
+        """Every latent has INT4 scales fitted on text (a bundle ships INT4 rows only then)."""
+        return bool(self.scales) and all(s.int4_fitted for s in self.scales.values())

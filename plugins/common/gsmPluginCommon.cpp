@@ -102,10 +102,10 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
 
 void validateLayout(char const* pluginName, GsmDims const& d)
 {
-    int64_t const rows = static_cast<int64_t>(d.rowsFP16) + d.rowsINT12 + d.rowsINT8;
+    int64_t const rows = regionRows(d);
     if (rows < d.nMax)
     {
-        throw std::invalid_argument(std::string(pluginName) + ": rows_fp16 + rows_int12 + rows_int8 = " + std::to_string(rows)
+        throw std::invalid_argument(std::string(pluginName) + ": rows_fp16 + rows_int12 + rows_int8 + rows_int4 = " + std::to_string(rows)
             + " < n_max = " + std::to_string(d.nMax) + " (every cached position needs a row)");
     }
     if (rows > kSlotRowMask + 1)

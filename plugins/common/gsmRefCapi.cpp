@@ -33,7 +33,9 @@ GSM_EXPORT char const* gsm_ref_last_error()
 // Bumped whenever a signature below or docs/engine_io.md's layout changes.
 GSM_EXPORT int32_t gsm_ref_abi_version()
 {
-    return 3; // 3: kv_update / sparse_attention take cacheRows + the pools' rows (engine_io rev 6)
+    // 3: kv_update / sparse_attention take cacheRows + the pools' rows (engine_io rev 6); 4: the INT4 tier
+    // (GsmDims.rowsINT4, [5, r] quant tables, four tier fractions, dequantize by tier, INT4 packing probes)
+    return 4;
 }
 
 GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)
@@ -93,9 +95,10 @@ GSM_EXPORT void gsm_ref_hotness_update(int32_t n, float* hotness, float const* m
 }
 
 GSM_EXPORT void gsm_ref_ranked_tiers(int32_t n, float const* hotness, int32_t const* tokens, int32_t nHot,
-    int32_t const* hotIds, int32_t sinkTokens, int32_t fp16Window, double f0, double f1, int32_t* out)
+    int32_t const* hotIds, int32_t sinkTokens, int32_t fp16Window, double f0, double f1, double f2, double f3,
+    int32_t* out)
 {
-    gsm::ref::rankedTiers(n, hotness, tokens, nHot, hotIds, sinkTokens, fp16Window, f0, f1, out);
+    gsm::ref::rankedTiers(n, hotness, tokens, nHot, hotIds, sinkTokens, fp16Window, f0, f1, f2, f3, out);
 }
 
 // ---- probes of gsm_math.h, so tests can compare the shared numerics with gsm/golden/quant.py ----
@@ -115,7 +118,7 @@ GSM_EXPORT void gsm_ref_f16_to_f32(uint16_t const* x, float* out, int64_t n)
     }
 }
 
-// x [n, r], scale [r] -> codes [n, r]
+// x [n, r], scale [r] -> codes [n, r]; qmax 2047 (INT12), 127 (INT8) or 7 (INT4)
 GSM_EXPORT void gsm_ref_quantize(float const* x, float const* scale, int64_t n, int32_t r, int32_t qmax, int32_t* out)
 {
     for (int64_t i = 0; i < n; ++i)
@@ -127,18 +130,44 @@ GSM_EXPORT void gsm_ref_quantize(float const* x, float const* scale, int64_t n, 
     }
 }
 
-// codes [n, r] -> values [n, r]; comp == nullptr: INT12 rule, else INT8 rule
-GSM_EXPORT void gsm_ref_dequantize(
-    int32_t const* q, float const* scale, float const* comp, int64_t n, int32_t r, float* out)
+// codes [n, r] -> values [n, r] by the rule of `tier` (1 INT12: comp unused; 2 INT8, 3 INT4: comp [r]).
+// Returns 1 for another tier or a missing comp.
+GSM_EXPORT int32_t gsm_ref_dequantize(
+    int32_t const* q, float const* scale, float const* comp, int64_t n, int32_t r, int32_t tier, float* out)
 {
+    if (tier != gsm::kTierINT12 && tier != gsm::kTierINT8 && tier != gsm::kTierINT4)
+    {
+        return status(false, "dequantize: tier " + std::to_string(tier) + " has no codes (1 INT12, 2 INT8, 3 INT4)");
+    }
+    if (tier != gsm::kTierINT12 && comp == nullptr)
+    {
+        return status(false, "dequantize: the INT8 and INT4 rules add a compensation: comp is required");
+    }
     for (int64_t i = 0; i < n; ++i)
     {
         for (int32_t c = 0; c < r; ++c)
         {
-            out[i * r + c] = comp ? gsm::dequantINT8(q[i * r + c], scale[c], comp[c])
-                                  : gsm::dequantINT12(q[i * r + c], scale[c]);
+            int32_t const code = q[i * r + c];
+            out[i * r + c] = tier == gsm::kTierINT12 ? gsm::dequantINT12(code, scale[c])
+                : (tier == gsm::kTierINT8 ? gsm::dequantINT8(code, scale[c], comp[c])
+                                          : gsm::dequantINT4(code, scale[c], comp[c]));
         }
     }
+    return status(true, std::string());
+}
+
+// Data-free scales from s8 [n]: tier 1 the INT12 default, 3 the INT4 default; 1 for another tier.
+GSM_EXPORT int32_t gsm_ref_default_scale(float const* s8, int64_t n, int32_t tier, float* out)
+{
+    if (tier != gsm::kTierINT12 && tier != gsm::kTierINT4)
+    {
+        return status(false, "default_scale: only INT12 (1) and INT4 (3) scales derive from s8");
+    }
+    for (int64_t i = 0; i < n; ++i)
+    {
+        out[i] = tier == gsm::kTierINT12 ? gsm::defaultScaleINT12(s8[i]) : gsm::defaultScaleINT4(s8[i]);
+    }
+    return status(true, std::string());
 }
 
 GSM_EXPORT void gsm_ref_pack_int12(int32_t const* q, int64_t n, uint8_t* out)
@@ -154,5 +183,21 @@ GSM_EXPORT void gsm_ref_unpack_int12(uint8_t const* packed, int64_t n, int32_t* 
     for (int64_t i = 0; i < n; ++i)
     {
         out[i] = gsm::unpackINT12(packed, static_cast<int32_t>(i));
+    }
+}
+
+GSM_EXPORT void gsm_ref_pack_int4(int32_t const* q, int64_t n, uint8_t* out)
+{
+    for (int64_t p = 0; 2 * p < n; ++p)
+    {
+        out[p] = gsm::packINT4Pair(q[2 * p], 2 * p + 1 < n ? q[2 * p + 1] : 0);
+    }
+}
+
+GSM_EXPORT void gsm_ref_unpack_int4(uint8_t const* packed, int64_t n, int32_t* out)
+{
+    for (int64_t i = 0; i < n; ++i)
+    {
+        out[i] = gsm::unpackINT4(packed, static_cast<int32_t>(i));
     }
 }

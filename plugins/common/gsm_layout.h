@@ -32,6 +32,7 @@ struct GsmDims
     int32_t rowsFP16;        // C16
     int32_t rowsINT12;       // C12
     int32_t rowsINT8;        // C8
+    int32_t rowsINT4;        // C4 (attribute rows_int4, optional: 0 for nodes written before the tier existed)
 };
 
 // Where call entry b's cache lives in the [R, ...] pools and indexer keys (engine_io revision 6: the
@@ -122,9 +123,22 @@ GSM_HD int64_t rowBytesINT8(GsmDims const& d)
     return latentRank(d);
 }
 
+// ceil(r_k/2) + ceil(r_v/2) <= r = W8, so an INT8 row always holds an INT4 row.
+GSM_HD int64_t rowBytesINT4(GsmDims const& d)
+{
+    return packedINT4Bytes(d.rankK) + packedINT4Bytes(d.rankV);
+}
+
+// Rows of all four regions: the global rows a slot entry may name.
+GSM_HD int64_t regionRows(GsmDims const& d)
+{
+    return static_cast<int64_t>(d.rowsFP16) + d.rowsINT12 + d.rowsINT8 + d.rowsINT4;
+}
+
 GSM_HD int64_t poolBytes(GsmDims const& d)
 {
-    return d.rowsFP16 * rowBytesFP16(d) + d.rowsINT12 * rowBytesINT12(d) + d.rowsINT8 * rowBytesINT8(d);
+    return d.rowsFP16 * rowBytesFP16(d) + d.rowsINT12 * rowBytesINT12(d) + d.rowsINT8 * rowBytesINT8(d)
+        + d.rowsINT4 * rowBytesINT4(d);
 }
 
 // Pool of one sequence in int32 words (the graph tensor's last dimension).
@@ -136,7 +150,8 @@ GSM_HD int64_t poolWords(GsmDims const& d)
 // Narrowest tier a row of region containing global row g can hold (0 FP16 region, ...).
 GSM_HD int32_t regionOf(GsmDims const& d, int32_t g)
 {
-    return g < d.rowsFP16 ? kTierFP16 : (g < d.rowsFP16 + d.rowsINT12 ? kTierINT12 : kTierINT8);
+    int64_t const end12 = static_cast<int64_t>(d.rowsFP16) + d.rowsINT12;
+    return g < d.rowsFP16 ? kTierFP16 : (g < end12 ? kTierINT12 : (g < end12 + d.rowsINT8 ? kTierINT8 : kTierINT4));
 }
 
 GSM_HD int64_t rowOffset(GsmDims const& d, int32_t g)
@@ -146,11 +161,17 @@ GSM_HD int64_t rowOffset(GsmDims const& d, int32_t g)
         return g * rowBytesFP16(d);
     }
     int64_t const base12 = d.rowsFP16 * rowBytesFP16(d);
-    if (g < d.rowsFP16 + d.rowsINT12)
+    int64_t const first8 = static_cast<int64_t>(d.rowsFP16) + d.rowsINT12;
+    if (g < first8)
     {
         return base12 + (g - d.rowsFP16) * rowBytesINT12(d);
     }
-    return base12 + d.rowsINT12 * rowBytesINT12(d) + (g - d.rowsFP16 - d.rowsINT12) * rowBytesINT8(d);
+    int64_t const base8 = base12 + d.rowsINT12 * rowBytesINT12(d);
+    if (g < first8 + d.rowsINT8)
+    {
+        return base8 + (g - first8) * rowBytesINT8(d);
+    }
+    return base8 + d.rowsINT8 * rowBytesINT8(d) + (g - first8 - d.rowsINT8) * rowBytesINT4(d);
 }
 
 // A slot entry is well formed when its row exists and its region is wide enough for its tier.
@@ -162,11 +183,11 @@ GSM_HD bool slotValid(GsmDims const& d, int32_t entry)
     }
     int32_t const tier = slotTier(entry);
     int32_t const g = slotRow(entry);
-    return tier >= kTierFP16 && tier <= kTierINT8 && g < d.rowsFP16 + d.rowsINT12 + d.rowsINT8
-        && regionOf(d, g) <= tier;
+    return tier >= kTierFP16 && tier <= kTierINT4 && g < regionRows(d) && regionOf(d, g) <= tier;
 }
 
-// Quant table of a layer: float32 [3, r]: rows s12, s8, comp8; columns k channels then v channels.
+// Quant table of a layer: float32 [5, r]: rows s12, s8, comp8, s4, comp4; columns k channels then v channels.
+// Rows 3 and 4 are read for INT4 rows only, so the [3, r] table of a graph without INT4 rows reads the same.
 struct QuantView
 {
     float const* table;
@@ -183,6 +204,14 @@ struct QuantView
     {
         return table[2 * r + c];
     }
+    GSM_HD float s4(int32_t c) const
+    {
+        return table[3 * r + c];
+    }
+    GSM_HD float comp4(int32_t c) const
+    {
+        return table[4 * r + c];
+    }
 };
 
 // Dequantised latent value c (0..r-1: k channels then v channels) of a row encoded with `tier`.
@@ -198,11 +227,16 @@ GSM_HD float loadLatent(GsmDims const& d, uint8_t const* row, int32_t tier, Quan
         int32_t const q = c < d.rankK ? unpackINT12(row, c) : unpackINT12(row + packedINT12Bytes(d.rankK), c - d.rankK);
         return dequantINT12(q, qv.s12(c));
     }
-    int32_t const q = static_cast<int8_t>(row[c]);
-    return dequantINT8(q, qv.s8(c), qv.comp8(c));
+    if (tier == kTierINT8)
+    {
+        int32_t const q = static_cast<int8_t>(row[c]);
+        return dequantINT8(q, qv.s8(c), qv.comp8(c));
+    }
+    int32_t const q = c < d.rankK ? unpackINT4(row, c) : unpackINT4(row + packedINT4Bytes(d.rankK), c - d.rankK);
+    return dequantINT4(q, qv.s4(c), qv.comp4(c));
 }
 
-// Store one value of a row in `tier` (INT12 values come in pairs: see storeINT12Pair).
+// Store one value of a row in `tier` (INT12 and INT4 values come in pairs: see int12PairPtr, int4PairPtr).
 GSM_HD void storeFP16(uint8_t* row, int32_t c, float v)
 {
     uint16_t const h = f32ToF16Bits(v);
@@ -214,6 +248,12 @@ GSM_HD void storeFP16(uint8_t* row, int32_t c, float v)
 GSM_HD uint8_t* int12PairPtr(GsmDims const& d, uint8_t* row, int32_t part, int32_t p)
 {
     return row + (part ? packedINT12Bytes(d.rankK) : 0) + 3 * p;
+}
+
+// Byte of pair p of the k part (part 0) or v part (part 1) of an INT4 row: channels 2p and 2p + 1 of that part.
+GSM_HD uint8_t* int4PairPtr(GsmDims const& d, uint8_t* row, int32_t part, int32_t p)
+{
+    return row + (part ? packedINT4Bytes(d.rankK) : 0) + p;
 }
 
 } // namespace gsm

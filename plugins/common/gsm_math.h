@@ -28,12 +28,14 @@
 namespace gsm
 {
 
-// Tier codes, ordered by precision lost: demotion only ever increases the code (gsm/golden/quant.py).
+// Tier codes, ordered by precision lost: demotion only ever increases the code (gsm/tiers.py).
 constexpr int32_t kTierFP16 = 0;
 constexpr int32_t kTierINT12 = 1;
 constexpr int32_t kTierINT8 = 2;
+constexpr int32_t kTierINT4 = 3;
 constexpr int32_t kQmaxINT12 = 2047;
 constexpr int32_t kQmaxINT8 = 127;
+constexpr int32_t kQmaxINT4 = 7; // symmetric like INT8: the code -8 is never produced
 
 // ---------------------------------------------------------------------------------------------
 // Bit casts (memcpy on the host is the only defined way; the device has intrinsics).
@@ -195,7 +197,7 @@ GSM_HD float rintEven(float x)
 #endif
 }
 
-// INT12/INT8 code: clamp(rint_half_even(x / s), -qmax, qmax) with an IEEE float32 division.
+// INT12/INT8/INT4 code: clamp(rint_half_even(x / s), -qmax, qmax) with an IEEE float32 division.
 // NaN latents are outside the contract (the golden's cast of NaN is implementation defined).
 GSM_HD int32_t quantize(float x, float scale, int32_t qmax)
 {
@@ -215,10 +217,22 @@ GSM_HD float dequantINT8(int32_t q, float s8, float comp)
     return addRN(mulRN(static_cast<float>(q), s8), comp);
 }
 
+// The same two roundings as INT8, with the tier's own scale and compensation.
+GSM_HD float dequantINT4(int32_t q, float s4, float comp4)
+{
+    return addRN(mulRN(static_cast<float>(q), s4), comp4);
+}
+
 // Default INT12 scale when calibration has none: float32(float32(s8 * 127) / 2047).
 GSM_HD float defaultScaleINT12(float s8)
 {
     return divRN(mulRN(s8, 127.0f), 2047.0f);
+}
+
+// Default INT4 scale when calibration has none: float32(float32(s8 * 127) / 7).
+GSM_HD float defaultScaleINT4(float s8)
+{
+    return divRN(mulRN(s8, 127.0f), 7.0f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -251,6 +265,28 @@ GSM_HD int32_t unpackINT12(uint8_t const* packed, int32_t i)
 GSM_HD int32_t packedINT12Bytes(int32_t n)
 {
     return 3 * ((n + 1) / 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// INT4 packing: codes 2j and 2j + 1 in the low and high nibble of byte j, each as q & 0xF (4-bit
+// two's complement).
+GSM_HD uint8_t packINT4Pair(int32_t a, int32_t b)
+{
+    return static_cast<uint8_t>((static_cast<uint32_t>(a) & 0x0Fu) | ((static_cast<uint32_t>(b) & 0x0Fu) << 4));
+}
+
+// Code i of a packed INT4 array.
+GSM_HD int32_t unpackINT4(uint8_t const* packed, int32_t i)
+{
+    uint32_t const byte = packed[i >> 1];
+    uint32_t const v = (i & 1) ? (byte >> 4) : (byte & 0x0Fu);
+    return v >= 8u ? static_cast<int32_t>(v) - 16 : static_cast<int32_t>(v);
+}
+
+// Bytes of n packed INT4 codes (odd counts padded with a zero code).
+GSM_HD int32_t packedINT4Bytes(int32_t n)
+{
+    return (n + 1) / 2;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ __global__ void kvDemoteStageKernel(GsmDims d, int32_t B, int32_t const* list, i
     }
 }
 
-// Phase 2: encode each staged row into its destination. INT12 works on pairs of codes.
+// Phase 2: encode each staged row into its destination. INT12 and INT4 work on pairs of codes, one thread per
+// pair, so no two threads write one byte.
 __global__ void kvDemoteWriteKernel(GsmDims d, int32_t B, int32_t const* list, int32_t* pool, float const* quant,
     float const* staged)
 {
@@ -117,11 +118,27 @@ __global__ void kvDemoteWriteKernel(GsmDims d, int32_t B, int32_t const* list, i
             packINT12Pair(a, bq, int12PairPtr(d, row, part, p));
         }
     }
-    else
+    else if (tier == kTierINT8)
     {
         for (int32_t c = threadIdx.x; c < r; c += blockDim.x)
         {
             row[c] = static_cast<uint8_t>(static_cast<int8_t>(quantize(v[c], qv.s8(c), kQmaxINT8)));
+        }
+    }
+    else
+    {
+        int32_t const bytesK = packedINT4Bytes(d.rankK);
+        int32_t const bytesV = packedINT4Bytes(d.rankV);
+        for (int32_t i = threadIdx.x; i < bytesK + bytesV; i += blockDim.x)
+        {
+            int32_t const part = i < bytesK ? 0 : 1;
+            int32_t const p = part ? i - bytesK : i;
+            int32_t const n = part ? d.rankV : d.rankK;
+            int32_t const c0 = part ? d.rankK : 0;
+            bool const pair = 2 * p + 1 < n; // else the last byte of an odd part: a zero high nibble
+            int32_t const a = quantize(v[c0 + 2 * p], qv.s4(c0 + 2 * p), kQmaxINT4);
+            int32_t const bq = pair ? quantize(v[c0 + 2 * p + 1], qv.s4(c0 + 2 * p + 1), kQmaxINT4) : 0;
+            *int4PairPtr(d, row, part, p) = packINT4Pair(a, bq);
         }
     }
 }

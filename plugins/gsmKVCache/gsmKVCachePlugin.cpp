@@ -55,6 +55,7 @@ std::vector<AttrSpec> cacheSpecs()
         {"rows_fp16", 0, 1 << 24, true, 0, &GsmDims::rowsFP16},
         {"rows_int12", 0, 1 << 24, true, 0, &GsmDims::rowsINT12},
         {"rows_int8", 0, 1 << 24, true, 0, &GsmDims::rowsINT8},
+        {"rows_int4", 0, 1 << 24, false, 0, &GsmDims::rowsINT4}, // optional: nodes before the INT4 tier have none
     };
 }
 } // namespace

@@ -61,9 +61,25 @@ void encodeRow(GsmDims const& d, uint8_t* row, int32_t tier, float const* v, Qua
         }
         return;
     }
-    for (int32_t c = 0; c < r; ++c)
+    if (tier == kTierINT8)
     {
-        row[c] = static_cast<uint8_t>(static_cast<int8_t>(quantize(v[c], qv.s8(c), kQmaxINT8)));
+        for (int32_t c = 0; c < r; ++c)
+        {
+            row[c] = static_cast<uint8_t>(static_cast<int8_t>(quantize(v[c], qv.s8(c), kQmaxINT8)));
+        }
+        return;
+    }
+    // INT4: as INT12, each part on its own bytes, an odd part padded with a zero code.
+    for (int32_t part = 0; part < 2; ++part)
+    {
+        int32_t const n = part ? d.rankV : d.rankK;
+        int32_t const c0 = part ? d.rankK : 0;
+        for (int32_t p = 0; 2 * p < n; ++p)
+        {
+            int32_t const a = quantize(v[c0 + 2 * p], qv.s4(c0 + 2 * p), kQmaxINT4);
+            int32_t const b = 2 * p + 1 < n ? quantize(v[c0 + 2 * p + 1], qv.s4(c0 + 2 * p + 1), kQmaxINT4) : 0;
+            *int4PairPtr(d, row, part, p) = packINT4Pair(a, b);
+        }
     }
 }
 
@@ -218,7 +234,7 @@ void hotnessUpdate(int32_t n, float* hotness, float const* mass, double decay)
 }
 
 void rankedTiers(int32_t n, float const* hotness, int32_t const* tokens, int32_t nHot, int32_t const* hotIds,
-    int32_t sinkTokens, int32_t fp16Window, double f0, double f1, int32_t* out)
+    int32_t sinkTokens, int32_t fp16Window, double f0, double f1, double f2, double f3, int32_t* out)
 {
     std::fill(out, out + n, kTierFP16);
     std::unordered_set<int32_t> hot(hotIds, hotIds + nHot);
@@ -239,12 +255,16 @@ void rankedTiers(int32_t n, float const* hotness, int32_t const* tokens, int32_t
     std::stable_sort(eligible.begin(), eligible.end(),
         [&](int32_t a, int32_t b) { return hotness[a] > hotness[b]; });
     double const N = static_cast<double>(eligible.size());
+    // gsm.tiers.tier_counts, operation for operation (Python floats are doubles, math.floor rounds down).
+    int64_t const all = static_cast<int64_t>(eligible.size());
     int64_t const n16 = static_cast<int64_t>(std::floor(f0 * N + 1e-9));
     int64_t const n12 = static_cast<int64_t>(std::floor((f0 + f1) * N + 1e-9)) - n16;
-    for (size_t i = 0; i < eligible.size(); ++i)
+    // Without an INT4 fraction the rest is INT8, whatever float noise does to f0 + f1 + f2.
+    int64_t const end8 = f3 == 0.0 ? all : std::min(all, static_cast<int64_t>(std::floor((f0 + f1 + f2) * N + 1e-9)));
+    for (int64_t rank = 0; rank < all; ++rank)
     {
-        int64_t const rank = static_cast<int64_t>(i);
-        out[eligible[i]] = rank < n16 ? kTierFP16 : (rank < n16 + n12 ? kTierINT12 : kTierINT8);
+        out[eligible[rank]] = rank < n16 ? kTierFP16
+            : (rank < n16 + n12 ? kTierINT12 : (rank < end8 ? kTierINT8 : kTierINT4));
     }
 }
 

@@ -25,8 +25,9 @@ bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, floa
     int32_t const* newLengths, CacheRows rows, std::string* err);
 
 // GsmKVDemote: list [M,3] = (b, old slot entry, new slot entry). All sources are read before any
-// destination is written; destination rows must be distinct. FP16 -> INT12/INT8 quantises the
-// FP16 value, INT12 -> INT8 the INT12-dequantised value; an unchanged tier moves the row.
+// destination is written; destination rows must be distinct. A demotion quantises the value the row
+// holds (FP16, or INT12- / INT8-dequantised, compensation included); an unchanged tier moves the row.
+// quant [5, r]: s12, s8, comp8, s4, comp4.
 bool kvDemote(GsmDims const& d, int32_t B, int32_t M, int32_t const* list, int32_t* pool, float const* quant,
     std::string* err);
 
@@ -40,9 +41,10 @@ bool readLatents(GsmDims const& d, int32_t B, int32_t const* pool, int32_t const
 void hotnessUpdate(int32_t n, float* hotness, float const* mass, double decay);
 
 // Tier each position gets from its hotness rank alone (decisions "Re-tier pass"); the runtime
-// applies max(old, ranked). tokens [n], hotIds [nHot]; out [n] tier codes.
+// applies max(old, ranked). tokens [n], hotIds [nHot]; f0..f3 the tier fractions (f3 = 0: no INT4 row);
+// out [n] tier codes.
 void rankedTiers(int32_t n, float const* hotness, int32_t const* tokens, int32_t nHot, int32_t const* hotIds,
-    int32_t sinkTokens, int32_t fp16Window, double f0, double f1, int32_t* out);
+    int32_t sinkTokens, int32_t fp16Window, double f0, double f1, double f2, double f3, int32_t* out);
 
 } // namespace ref
 } // namespace gsm

@@ -23,7 +23,7 @@ struct AttnInputs
     int32_t const* slots;       // [B, N_max]
     int32_t const* pastLengths; // [B]
     int32_t const* newLengths;  // [B]
-    float const* quant;         // [3, r]
+    float const* quant;         // [5, r]: s12, s8, comp8, s4, comp4
     float const* ropeCos;       // [N_max, D]
     float const* ropeSin;       // [N_max, D]
     float const* w0;            // owning: k_up [kvD, r_k]; sharing: kv_proj_weight [2kvD, r]

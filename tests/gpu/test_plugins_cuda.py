@@ -69,6 +69,10 @@ CASES = {
     # model's (its own max_sparse_window), decode and a prefill chunk crossing the window's edge
     "streaming-wide-window": (9, 3, 64, 97, 93, 4, 32, 1, 0, 1056, 1056, 2048, [1500, 40, 2047, 1000], [1, 1, 1, 80],
                               (0.4, 0.3, 0.2, 0.1)),
+    # the INT4 tier: rows reached by every path (testing.PATH_TIERS) and held in every region, odd ranks
+    "smollm2-decode-int4": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [300, 17, 511, 200], [1, 1, 1, 1],
+                            (0.2, 0.1, 0.1, 0.1, 0.15, 0.1, 0.15, 0.1)),
+    "chunked-int4-only": (4, 1, 8, 7, 9, 2, 4, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5], (0, 0, 0, 0, 1, 0, 0, 0)),
 }
 
 
@@ -169,7 +173,7 @@ def test_all_scores_tied_select_lowest_positions(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["chunked-mixed-tiers", "decode-mqa-2048", "decode-gqa8-d128", "smollm2-decode",
-                                  "smollm2-prefill-chunks"])
+                                  "smollm2-prefill-chunks", "smollm2-decode-int4"])
 def test_sharing_attention_cuda_matches_reference(name: str) -> None:
     sel = _scenario(name).call().selected
     sc = _scenario(name, layer_kind=1)
@@ -262,13 +266,26 @@ def test_cache_update_and_demote_bit_identical(ranks: tuple[int, int]) -> None:
     got16 = gcuda.kv_update(d, ck, cv, key, sc.pool, sc.index_keys, slots, past, new, fp16=True)
     assert np.array_equal(got16[0], want16[0])
     assert np.array_equal(got16[1].view(np.uint16), want16[1].view(np.uint16))
-    # demotions of every kind, in place and moved, FP16 -> INT12 -> INT8
+    # demotions of every kind, in place and moved, FP16 -> INT12 -> INT8 -> INT4; INT4 rows in every region
     base12, base8 = d.rows_fp16, d.rows_fp16 + d.rows_int12
+    base4 = base8 + d.rows_int8
+    same = 0xFFFFFF  # slot & same: the row an entry already holds (an in-place re-encoding)
     first = [(0, int(slots[0, s]), ref.make_slot(ref.INT12, base12 + i)) for i, s in enumerate(range(1, 30))]
     first += [(0, int(slots[0, s]), ref.make_slot(ref.INT8, base8 + i)) for i, s in enumerate(range(30, 50))]
-    first += [(1, int(slots[1, 1]), ref.make_slot(ref.INT12, int(slots[1, 1]) & 0xFFFFFF))]
-    second = [(0, e[2], ref.make_slot(ref.INT8, e[2] & 0xFFFFFF)) for e in first[:10]]
-    for entries in (first, second):
+    first += [(1, int(slots[1, 1]), ref.make_slot(ref.INT12, int(slots[1, 1]) & same))]
+    first += [(0, int(slots[0, s]), ref.make_slot(ref.INT4, base4 + i)) for i, s in enumerate(range(50, 70))]
+    first += [(0, int(slots[0, s]), ref.make_slot(ref.INT4, int(slots[0, s]) & same)) for s in range(70, 80)]
+    first += [(1, int(slots[1, 2]), ref.make_slot(ref.INT4, base4))]
+
+    def to_int4(entries, first_free):  # every other row re-encoded in place, the others moved to the INT4 region
+        return [(b, e, ref.make_slot(ref.INT4, e & same if i % 2 == 0 else base4 + first_free + i))
+                for i, (b, _, e) in enumerate(entries)]
+
+    second = [(0, e[2], ref.make_slot(ref.INT8, e[2] & same)) for e in first[:10]]
+    second += to_int4(first[10:20], 20) + to_int4(first[29:39], 40)  # INT12 -> INT4, INT8 -> INT4
+    third = [(0, e[2], ref.make_slot(ref.INT4, e[2] & same)) for e in second[:10]]  # INT8 in an INT12 row -> INT4
+    third += [(0, e[2], ref.make_slot(ref.INT4, base4 + 55 + i)) for i, e in enumerate(first[70:75])]  # INT4 moves
+    for entries in (first, second, third):
         before = want_pool.copy()
         want_pool = ref.kv_demote(d, np.asarray(entries), want_pool, sc.quant)
         got_pool = gcuda.kv_demote(d, np.asarray(entries), got_pool, sc.quant)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gsm_edge_plugins._lib import CUDA_EMULATED_LIB, CUDA_LIB, find_library, load
-from gsm_edge_plugins.ref import AttentionResult, Dims
+from gsm_edge_plugins.ref import AttentionResult, Dims, _quant
 
 _c = ctypes
 
@@ -171,7 +171,7 @@ def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = Fa
     owning = d.layer_kind == 0
     act = np.float16 if fp16 else np.float32
     t = {"q": _dev(sc.q.astype(act)), "pool": _dev(sc.pool), "slots": _dev(sc.slots), "past": _dev(sc.past),
-         "new": _dev(sc.new), "quant": _dev(sc.quant), "cos": _dev(sc.rope_cos), "sin": _dev(sc.rope_sin),
+         "new": _dev(sc.new), "quant": _dev(_quant(sc.quant, d)), "cos": _dev(sc.rope_cos), "sin": _dev(sc.rope_sin),
          "w0": _dev(sc.w0), "w1": _dev(sc.w1),
          "rows": None if sc.cache_rows is None else _dev(np.asarray(sc.cache_rows, np.int32)),
          "out": mem.full((B, S, d.num_heads * d.head_dim), np.nan, act)}
@@ -221,7 +221,7 @@ def kv_demote(d: Dims, entries: np.ndarray, pool: np.ndarray, quant: np.ndarray)
     dc = d.c()
     ws = K.mem.full((max(1, int(K.lib.gsm_cuda_kv_demote_workspace_bytes(_c.byref(dc), entries.shape[0]))),), 0,
                     np.uint8)
-    d_entries, d_quant = _dev(entries), _dev(quant)
+    d_entries, d_quant = _dev(entries), _dev(_quant(quant, d))
     K.check(K.lib.gsm_cuda_kv_demote(_c.byref(dc), pool.shape[0], entries.shape[0], _p(d_entries), _p(dp),
                                      _p(d_quant), _p(ws), None))
     K.check(K.lib.gsm_cuda_synchronize())

@@ -8,14 +8,16 @@ meaning of every argument are those of docs/engine_io.md section 4.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from gsm_edge_plugins._lib import REF_LIB, load
 
-ABI_VERSION = 3  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
-FP16, INT12, INT8 = 0, 1, 2
+ABI_VERSION = 4  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
+FP16, INT12, INT8, INT4 = 0, 1, 2, 3  # tier codes (gsm/tiers.py)
+QUANT_ROWS = 5  # quant table [5, r]: s12, s8, comp8, s4, comp4
 SLOT_EMPTY = -1
 _c = ctypes
 
@@ -25,7 +27,7 @@ class GsmDims(_c.Structure):
 
     _fields_ = [(n, _c.c_int32) for n in (
         "layerKind", "numHeads", "numKvHeads", "headDim", "rankK", "rankV", "indexHeads", "indexDim",
-        "sinkTokens", "maxTopK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8")]
+        "sinkTokens", "maxTopK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8", "rowsINT4")]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Dims:
     rows_fp16: int
     rows_int12: int
     rows_int8: int
+    rows_int4: int = 0
     index_heads: int = 1
     index_dim: int = 8
     sink_tokens: int = 1
@@ -52,8 +55,8 @@ class Dims:
         for f in fields(self):
             if int(getattr(self, f.name)) < 0:
                 raise ValueError(f"Dims.{f.name} must be >= 0, got {getattr(self, f.name)}")
-        if self.rows_fp16 + self.rows_int12 + self.rows_int8 < self.n_max:
-            raise ValueError("rows_fp16 + rows_int12 + rows_int8 must be >= n_max (one row per position)")
+        if self.rows_fp16 + self.rows_int12 + self.rows_int8 + self.rows_int4 < self.n_max:
+            raise ValueError("rows_fp16 + rows_int12 + rows_int8 + rows_int4 must be >= n_max (one row per position)")
 
     @property
     def rank(self) -> int:
@@ -71,7 +74,7 @@ class Dims:
     def c(self) -> GsmDims:
         return GsmDims(self.layer_kind, self.num_heads, self.num_kv_heads, self.head_dim, self.rank_k, self.rank_v,
                        self.index_heads, self.index_dim, self.sink_tokens, self.max_top_k, self.max_sparse_window,
-                       self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8)
+                       self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8, self.rows_int4)
 
 
 def make_slot(tier: int, row: int) -> int:
@@ -109,13 +112,16 @@ class _Ref:
             "gsm_ref_read_latents": (i32, [dp, i32, p, p, p, p, p]),
             "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p, p, i32, p, p, p, p, i32]),
             "gsm_ref_hotness_update": (None, [i32, p, p, f64]),
-            "gsm_ref_ranked_tiers": (None, [i32, p, p, i32, p, i32, i32, f64, f64, p]),
+            "gsm_ref_ranked_tiers": (None, [i32, p, p, i32, p, i32, i32, f64, f64, f64, f64, p]),
             "gsm_ref_f32_to_f16": (None, [p, p, i64]),
             "gsm_ref_f16_to_f32": (None, [p, p, i64]),
             "gsm_ref_quantize": (None, [p, p, i64, i32, i32, p]),
-            "gsm_ref_dequantize": (None, [p, p, p, i64, i32, p]),
+            "gsm_ref_dequantize": (i32, [p, p, p, i64, i32, i32, p]),
+            "gsm_ref_default_scale": (i32, [p, i64, i32, p]),
             "gsm_ref_pack_int12": (None, [p, i64, p]),
             "gsm_ref_unpack_int12": (None, [p, i64, p]),
+            "gsm_ref_pack_int4": (None, [p, i64, p]),
+            "gsm_ref_unpack_int4": (None, [p, i64, p]),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
@@ -150,6 +156,15 @@ def _arr(a: np.ndarray | None, dtype: type, shape: tuple[int, ...] | None = None
     return a
 
 
+def _quant(quant: np.ndarray, d: Dims) -> np.ndarray:
+    """A layer's quant table as the library reads it: float32 [5, r] (rows s12, s8, comp8, s4, comp4)."""
+    q = np.ascontiguousarray(quant, dtype=np.float32)
+    if q.shape != (QUANT_ROWS, d.rank):
+        raise ValueError(f"quant: expected shape ({QUANT_ROWS}, {d.rank}) (rows s12, s8, comp8, s4, comp4), got "
+                         f"{q.shape}")
+    return q
+
+
 def _p(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
@@ -165,6 +180,11 @@ def _inplace(a: np.ndarray, dtype: type, shape: tuple[int, ...], name: str) -> n
 def pool_words(d: Dims) -> int:
     """int32 words of one sequence's latent pool (docs/engine_io.md section 3)."""
     return int(lib().lib.gsm_ref_pool_words(_c.byref(d.c())))
+
+
+def row_offset(d: Dims, g: int) -> int:
+    """Byte offset of global row g in a sequence's latent pool (docs/engine_io.md section 3)."""
+    return int(lib().lib.gsm_ref_row_offset(_c.byref(d.c()), int(g)))
 
 
 def empty_pool(d: Dims, batch: int, fill_byte: int = 0) -> np.ndarray:
@@ -200,7 +220,7 @@ def kv_demote(d: Dims, entries: np.ndarray, pool: np.ndarray, quant: np.ndarray)
     entries = _arr(entries, np.int32).reshape(-1, 3)
     B = pool.shape[0]
     _inplace(pool, np.int32, (B, pool_words(d)), "pool")
-    quant = _arr(quant, np.float32, (3, d.rank), "quant")
+    quant = _quant(quant, d)
     L = lib()
     L.check(L.lib.gsm_ref_kv_demote(_c.byref(d.c()), B, entries.shape[0], _p(entries), _p(pool), _p(quant)))
     return pool
@@ -211,7 +231,7 @@ def read_latents(d: Dims, pool: np.ndarray, slots: np.ndarray, quant: np.ndarray
     B = pool.shape[0]
     pool = _arr(pool, np.int32, (B, pool_words(d)), "pool")
     slots = _arr(slots, np.int32, (B, d.n_max), "slots")
-    quant = _arr(quant, np.float32, (3, d.rank), "quant")
+    quant = _quant(quant, d)
     ck = np.empty((B, d.n_max, d.rank_k), np.float32)
     cv = np.empty((B, d.n_max, d.rank_v), np.float32)
     L = lib()
@@ -250,7 +270,7 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
     slots = _arr(slots, np.int32, (B, d.n_max), "slots")
     past = _arr(past_lengths, np.int32, (B,), "past_lengths")
     new = _arr(new_lengths, np.int32, (B,), "new_lengths")
-    quant = _arr(quant, np.float32, (3, d.rank), "quant")
+    quant = _quant(quant, d)
     rope_cos = _arr(rope_cos, np.float32, (d.n_max, d.head_dim), "rope_cos")
     rope_sin = _arr(rope_sin, np.float32, (d.n_max, d.head_dim), "rope_sin")
     if owning:
@@ -294,14 +314,20 @@ def hotness_update(hotness: np.ndarray, mass: np.ndarray, decay: float) -> np.nd
 
 
 def ranked_tiers(hotness: np.ndarray, tokens: np.ndarray, *, hot_token_ids: tuple[int, ...] = (),
-                 sink_tokens: int, fp16_window: int, tier_fractions: tuple[float, float, float]) -> np.ndarray:
-    """Tier of each position by hotness rank alone (decisions "Re-tier pass"); apply max(old, ranked)."""
+                 sink_tokens: int, fp16_window: int, tier_fractions: Sequence[float]) -> np.ndarray:
+    """Tier of each position by hotness rank alone (decisions "Re-tier pass"); apply max(old, ranked).
+    tier_fractions: (f16, f12, f8) or (f16, f12, f8, f4); three mean f4 = 0, which never ranks a row INT4."""
+    fr = tuple(float(f) for f in tier_fractions)
+    if len(fr) == 3:
+        fr = (*fr, 0.0)
+    if len(fr) != 4:
+        raise ValueError(f"tier_fractions: 3 or 4 numbers, got {list(tier_fractions)}")
     h = _arr(hotness, np.float32)
     tok = _arr(tokens, np.int32, h.shape, "tokens")
     hot = np.asarray(hot_token_ids, dtype=np.int32).reshape(-1)
     out = np.empty(h.shape, np.int32)
     lib().lib.gsm_ref_ranked_tiers(h.size, _p(h), _p(tok), hot.size, _p(hot) if hot.size else None, sink_tokens,
-                                   fp16_window, float(tier_fractions[0]), float(tier_fractions[1]), _p(out))
+                                   fp16_window, *fr, _p(out))
     return out
 
 
@@ -321,7 +347,7 @@ def f16_bits_to_f32(h: np.ndarray) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, scale: np.ndarray, qmax: int) -> np.ndarray:
-    """x [n, r], scale [r] -> int32 codes clamp(rint_half_even(x / s), -qmax, qmax)."""
+    """x [n, r], scale [r] -> int32 codes clamp(rint_half_even(x / s), -qmax, qmax); qmax 2047, 127 or 7."""
     x = _arr(x, np.float32)
     r = x.shape[-1]
     s = _arr(scale, np.float32, (r,), "scale")
@@ -330,14 +356,27 @@ def quantize(x: np.ndarray, scale: np.ndarray, qmax: int) -> np.ndarray:
     return out
 
 
-def dequantize(q: np.ndarray, scale: np.ndarray, comp: np.ndarray | None = None) -> np.ndarray:
-    """codes [n, r] -> float32: q*s (INT12) or (q*s)+comp (INT8), no FMA."""
+def dequantize(q: np.ndarray, scale: np.ndarray, comp: np.ndarray | None = None, tier: int | None = None
+               ) -> np.ndarray:
+    """codes [n, r] -> float32: q*s (INT12) or (q*s)+comp (INT8, INT4), no FMA. tier: INT12, INT8 or INT4
+    (None: INT12 without comp, INT8 with it)."""
     q = _arr(q, np.int32)
     r = q.shape[-1]
     s = _arr(scale, np.float32, (r,), "scale")
     c = _arr(comp, np.float32, (r,), "comp")
+    t = (INT12 if comp is None else INT8) if tier is None else int(tier)
     out = np.empty(q.shape, np.float32)
-    lib().lib.gsm_ref_dequantize(_p(q), _p(s), _p(c), q.size // max(r, 1), r, _p(out))
+    L = lib()
+    L.check(L.lib.gsm_ref_dequantize(_p(q), _p(s), _p(c), q.size // max(r, 1), r, t, _p(out)))
+    return out
+
+
+def default_scale(s8: np.ndarray, tier: int) -> np.ndarray:
+    """Data-free INT12 or INT4 scale from s8 (gsm_math.h defaultScaleINT12 / defaultScaleINT4)."""
+    s = _arr(s8, np.float32)
+    out = np.empty(s.shape, np.float32)
+    L = lib()
+    L.check(L.lib.gsm_ref_default_scale(_p(s), s.size, int(tier), _p(out)))
     return out
 
 
@@ -354,4 +393,20 @@ def unpack_int12(packed: np.ndarray, count: int) -> np.ndarray:
         raise ValueError(f"{count} INT12 codes need {3 * ((count + 1) // 2)} bytes, got {p.size}")
     out = np.empty(count, np.int32)
     lib().lib.gsm_ref_unpack_int12(_p(p), count, _p(out))
+    return out
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    q = _arr(q, np.int32).ravel()
+    out = np.empty((q.size + 1) // 2, np.uint8)
+    lib().lib.gsm_ref_pack_int4(_p(q), q.size, _p(out))
+    return out
+
+
+def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
+    p = _arr(packed, np.uint8).ravel()
+    if p.size < (count + 1) // 2:
+        raise ValueError(f"{count} INT4 codes need {(count + 1) // 2} bytes, got {p.size}")
+    out = np.empty(count, np.int32)
+    lib().lib.gsm_ref_unpack_int4(_p(p), count, _p(out))
     return out

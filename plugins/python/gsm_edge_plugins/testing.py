@@ -14,10 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from gsm_edge_plugins import ref
-from gsm_edge_plugins.ref import FP16, INT8, INT12, Dims, make_slot
+from gsm_edge_plugins.ref import FP16, INT4, INT8, INT12, Dims, make_slot
 
 # How a position's row reached its tier (the golden simulation needs the path, not only the tier).
 PATH_FP16, PATH_INT12, PATH_INT8_FROM_FP16, PATH_INT8_FROM_INT12 = 0, 1, 2, 3
+PATH_INT4_FROM_FP16, PATH_INT4_FROM_INT12, PATH_INT4_FROM_INT8, PATH_INT4_FROM_INT12_INT8 = 4, 5, 6, 7
+# The tiers each path passes through after FP16, one re-tier point per step.
+PATH_TIERS = {PATH_FP16: (), PATH_INT12: (INT12,), PATH_INT8_FROM_FP16: (INT8,), PATH_INT8_FROM_INT12: (INT12, INT8),
+              PATH_INT4_FROM_FP16: (INT4,), PATH_INT4_FROM_INT12: (INT12, INT4), PATH_INT4_FROM_INT8: (INT8, INT4),
+              PATH_INT4_FROM_INT12_INT8: (INT12, INT8, INT4)}
 
 
 @dataclass
@@ -32,8 +37,10 @@ class Scenario:
     path: np.ndarray  # [B, N_max] PATH_* (-1 where uncached)
     s8: np.ndarray  # [r]
     s12: np.ndarray  # [r]
-    comp: np.ndarray  # [r]
-    quant: np.ndarray  # [3, r] = s12, s8, comp8
+    comp: np.ndarray  # [r] comp8
+    s4: np.ndarray  # [r]
+    comp4: np.ndarray  # [r]
+    quant: np.ndarray  # [5, r] = s12, s8, comp8, s4, comp4
     pool: np.ndarray  # [B, pool_words] int32
     index_keys: np.ndarray  # [B, N_max, dI] float16
     slots: np.ndarray  # [B, N_max] int32
@@ -94,13 +101,14 @@ def rope_tables_np(n: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.
 def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int, head_dim: int, rank_k: int,
                   rank_v: int, index_heads: int, index_dim: int, sink_tokens: int, top_k: int,
                   max_sparse_window: int, window: int, n_max: int, past: list[int], new: list[int],
-                  tier_mix: tuple[float, float, float, float] = (1.0, 0.0, 0.0, 0.0), layer_kind: int = 0,
+                  tier_mix: tuple[float, ...] = (1.0, 0.0, 0.0, 0.0), layer_kind: int = 0,
                   theta: float = 10000.0, poison: bool = True, key_value: float | None = None,
                   seq_top_k: list[int] | None = None) -> Scenario:
     """top_k: the node's max_top_k (K_sel); seq_top_k: each sequence's sparse_top_k input (None: the call
     passes none, every sequence selects max_top_k). tier_mix: fractions of the cached positions outside
-    the call's new rows that end as FP16, INT12, INT8 (from FP16) and INT8 (from INT12). key_value: every
-    indexer key equal to this constant (all scores tie) instead of random."""
+    the call's new rows that take each path PATH_FP16, PATH_INT12, ... in order (4 to 8 numbers: FP16, INT12,
+    INT8 from FP16, INT8 from INT12, then INT4 from FP16, from INT12, from INT8, from INT12 then INT8).
+    key_value: every indexer key equal to this constant (all scores tie) instead of random."""
     B = len(past)
     past_a, new_a = np.asarray(past, np.int32), np.asarray(new, np.int32)
     n_b = past_a + new_a
@@ -108,8 +116,8 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     spare = 2
     d = Dims(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rank_k=rank_k, rank_v=rank_v,
              n_max=n_max, rows_fp16=n_max + spare, rows_int12=n_max // 2 + 1, rows_int8=n_max // 2 + 1,
-             index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens, max_top_k=top_k,
-             max_sparse_window=max_sparse_window, layer_kind=layer_kind)
+             rows_int4=n_max // 2 + 1, index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens,
+             max_top_k=top_k, max_sparse_window=max_sparse_window, layer_kind=layer_kind)
     r, kvD = d.rank, d.kv_dim
     nan = np.float32(np.nan)
 
@@ -125,7 +133,13 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     s8 = (np.float32(2.5) / 127 * rng.uniform(0.8, 1.2, r)).astype(np.float32)
     s12 = ((s8 * np.float32(127)) / np.float32(2047)).astype(np.float32)  # spec 5 default, float32 order
     comp = (rng.standard_normal(r).astype(np.float32) * s8 * np.float32(0.05)).astype(np.float32)
-    quant = np.stack([s12, s8, comp]).astype(np.float32)
+    # What the INT4 tier draws comes from a generator of its own (spawning leaves rng's stream as it is), so a
+    # scenario without INT4 paths holds the numbers it held before the tier existed. s4 is a calibrated-like
+    # scale, not the s8 default (~2 % of the values clamp at +-7), and comp4 is non-zero.
+    aux = rng.spawn(1)[0]
+    s4 = (np.float32(2.2 / 7) * aux.uniform(0.8, 1.2, r)).astype(np.float32)
+    comp4 = (aux.standard_normal(r).astype(np.float32) * s4 * np.float32(0.2)).astype(np.float32)
+    quant = np.stack([s12, s8, comp, s4, comp4]).astype(np.float32)
 
     # every cached position gets its own FP16 row first (a random permutation), as the runtime would
     pool = ref.empty_pool(d, B, fill_byte=0xFF if poison else 0)  # 0xFFFF is an FP16 NaN
@@ -139,41 +153,44 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     ref.kv_update(d, ck[:, :S_all], cv[:, :S_all], keys[:, :S_all], pool, index_keys, slots, np.zeros(B, np.int32),
                   n_b)
 
-    # demotions, in two passes like two re-tier points: FP16 -> INT12 / INT8, then INT12 -> INT8
+    # demotions, one pass per step of the paths as at successive re-tier points: FP16 -> INT12 / INT8 / INT4, then
+    # INT12 -> INT8 / INT4, then INT8 -> INT4
     path = np.full((B, n_max), -1, np.int32)
     free12 = {b: list(rng.permutation(np.arange(d.rows_fp16, d.rows_fp16 + d.rows_int12))) for b in range(B)}
     base8 = d.rows_fp16 + d.rows_int12
     free8 = {b: list(rng.permutation(np.arange(base8, base8 + d.rows_int8))) for b in range(B)}
-    first, second = [], []
+    base4 = base8 + d.rows_int8
+    free4 = {b: list(aux.permutation(np.arange(base4, base4 + d.rows_int4))) for b in range(B)}
+    mix = np.asarray(tier_mix, np.float64)
+    if not 4 <= mix.size <= len(PATH_TIERS):
+        raise ValueError(f"tier_mix: 4 to {len(PATH_TIERS)} fractions, got {list(tier_mix)}")
+    passes: list[list[tuple[int, int, int]]] = [[], [], []]
     for b in range(B):
         path[b, :n_b[b]] = PATH_FP16
         old = np.arange(past_a[b])  # the call's new rows stay FP16, as freshly written rows are
-        pick = rng.choice(4, size=old.size, p=np.asarray(tier_mix) / sum(tier_mix))
+        pick = rng.choice(mix.size, size=old.size, p=mix / mix.sum())
         for s, kind in zip(old.tolist(), pick.tolist()):
-            if kind == PATH_FP16:
-                continue
             src = int(slots[b, s])
-            g_src = src & 0xFFFFFF
-            if kind in (PATH_INT12, PATH_INT8_FROM_INT12):
-                # half of the INT12 rows stay in their FP16 row (a borrowed row), half move
-                g = g_src if rng.random() < 0.5 or not free12[b] else int(free12[b].pop())
-                dst = make_slot(INT12, g)
-            else:
-                g = int(free8[b].pop()) if free8[b] else g_src
-                dst = make_slot(INT8, g)
-            first.append((b, src, dst))
-            slots[b, s] = dst
-            path[b, s] = kind if kind != PATH_INT8_FROM_INT12 else PATH_INT12
-            if kind == PATH_INT8_FROM_INT12:
-                g8 = g if rng.random() < 0.5 or not free8[b] else int(free8[b].pop())  # in place or moved
-                second.append((b, dst, make_slot(INT8, g8), s))
-    if first:
-        ref.kv_demote(d, np.asarray(first, np.int32), pool, quant)
-    if second:
-        ref.kv_demote(d, np.asarray([e[:3] for e in second], np.int32), pool, quant)
-        for b, _, dst, s in second:
-            slots[b, s] = dst
-            path[b, s] = PATH_INT8_FROM_INT12
+            for step, tier in enumerate(PATH_TIERS[kind]):
+                g_src = src & 0xFFFFFF
+                if tier == INT12:
+                    # half of the INT12 rows stay in their FP16 row (a borrowed row), half move
+                    g = g_src if rng.random() < 0.5 or not free12[b] else int(free12[b].pop())
+                elif tier == INT8 and step == 0:
+                    g = int(free8[b].pop()) if free8[b] else g_src
+                elif tier == INT8:
+                    g = g_src if rng.random() < 0.5 or not free8[b] else int(free8[b].pop())  # in place or moved
+                else:
+                    # half of the INT4 rows stay in the wider row they held (FP16, INT12 or INT8 region)
+                    g = g_src if aux.random() < 0.5 or not free4[b] else int(free4[b].pop())
+                dst = make_slot(tier, g)
+                passes[step].append((b, src, dst))
+                src = dst
+            slots[b, s] = src
+            path[b, s] = kind
+    for entries in passes:
+        if entries:
+            ref.kv_demote(d, np.asarray(entries, np.int32), pool, quant)
 
     # activations of the call; padding rows poisoned
     q = rng.standard_normal((B, S, num_heads * head_dim), dtype=np.float32)
@@ -196,5 +213,5 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
         w0 = (rng.standard_normal((2 * kvD, r), dtype=np.float32) * scale).astype(np.float32)
         w1 = rng.standard_normal(2 * kvD, dtype=np.float32) * np.float32(0.1)
     seq_k = None if seq_top_k is None else np.asarray(seq_top_k, np.int32)
-    return Scenario(d, window, past_a, new_a, ck, cv, keys, path, s8, s12, comp, quant, pool, index_keys, slots,
-                    q, iq, iw, cos, sin, w0, w1, seq_k)
+    return Scenario(d, window, past_a, new_a, ck, cv, keys, path, s8, s12, comp, s4, comp4, quant, pool, index_keys,
+                    slots, q, iq, iw, cos, sin, w0, w1, seq_k)
