@@ -1,6 +1,7 @@
 """KV bytes per position against held-out perplexity: GSM latent precisions beside llama.cpp's KV cache types.
 
-    python bench/kv_frontier.py --checkpoint CKPT --lengths 512,2048 --sequences 4 [--llama-dir DIR] [--out F]
+    python bench/kv_frontier.py --checkpoint CKPT --lengths 512,2048 --sequences 4 [--formats fp16,tiers:0/0/0/1,...]
+        [--llama-dir DIR] [--out F]
 
 GSM rows are the golden model in deployed mode (FP16 rows, spec 5), one prefill per held-out window, with
 every latent row (K and V latents of every owning layer) re-quantised as it is written:
@@ -263,16 +264,25 @@ def copy_rows(a: argparse.Namespace) -> dict[str, Any]:
             ids = s.tokenizer.encode("\n\n".join(body) + question, add_special_tokens=False).ids
             trial: dict[str, Any] = {"number": number, "depth": depth, "prompt_tokens": len(ids), "answers": {}}
             for fmt in a.formats:
-                f.fmt = fmt
+                tiers = fmt.split("+")[0].startswith("tiers:")
+                f.fmt = "fp16" if tiers else fmt
                 f.keys.fmt = "int8-channel" if fmt.endswith("+keys8") else None
+                quant0 = dep.quant
+                if tiers:
+                    dep.quant = quant0.with_fractions(tier_mix(fmt.split("+")[0]))
                 with f.keys:
-                    # forward, not prefill/decode: no re-tier pass, the rows keep the format they were written in
                     cache = dep.new_cache()
-                    logits = dep.forward(cache, ids).logits[-1]
+                    if tiers:  # the engines' policy: chunked prefill, each call ending with a re-tier pass
+                        for c0 in range(0, len(ids), a.retier_every):
+                            logits = dep.prefill(cache, ids[c0:c0 + a.retier_every]).logits[-1]
+                    else:  # forward, not prefill: no re-tier pass, the rows keep the format they were written in
+                        logits = dep.forward(cache, ids).logits[-1]
                     out: list[int] = []
                     for _ in range(16):  # digits are one token each: the whole number and a stop
                         out.append(int(torch.argmax(logits)))
-                        logits = dep.forward(cache, [out[-1]]).logits[-1]
+                        step = dep.decode(cache, out[-1]) if tiers else dep.forward(cache, [out[-1]])
+                        logits = step.logits[-1]
+                dep.quant = quant0
                 text = s.tokenizer.decode(out)
                 trial["answers"][fmt] = {"text": text, "exact": number in text}
             results["trials"].append(trial)

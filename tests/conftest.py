@@ -83,6 +83,31 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
         extra_files={calib.name: calibration} if calibration is not None else None, progress=False)
 
 
+INT4_FRACTIONS = (0.25, 0.125, 0.25, 0.375)
+
+
+def int4_copy(base: Path, out: Path) -> Path:
+    """retiering_copy of `base` whose re-tier passes fill all four tiers (GSM_SPEC v2), with fitted-looking INT4
+    tables: the data-free INT8 scales, INT4 scales clipping at half the data-free range, non-zero compensation
+    for both (so every operation of the INT8 and INT4 dequantisation is exercised)."""
+    import torch
+    from safetensors.numpy import save
+
+    from gsm import checkpoint
+    from gsm.golden.weights import GoldenWeights, KVCalibration, LatentScales
+
+    df = KVCalibration.data_free(GoldenWeights.from_tensors(checkpoint.load_config(base),
+                                                            checkpoint.load_state_dict(base)))
+    g = torch.Generator().manual_seed(5)
+
+    def jitter(scale: torch.Tensor) -> torch.Tensor:
+        return (torch.rand(scale.shape, generator=g) - 0.5) * scale
+
+    cal = KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, jitter(s.scale_int8), s.scale_int4 * 0.5,
+                                         jitter(s.scale_int4 * 0.5)) for k, s in df.scales.items()}, calibrated=True)
+    return retiering_copy(base, out, tier_fractions=INT4_FRACTIONS, calibration=save(cal.to_tensors()))
+
+
 def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, int]]) -> Path:
     """A copy of checkpoint `base` whose owning layers select per `table` (layer -> (window, top_k)),
     gsm_config layer_selection; weights, quantisation, tokenizer and calibration as they were."""

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, need_ort_ops_library, retiering_copy
+from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, int4_copy, need_ort_ops_library, retiering_copy
 
 from builder.build import build
 from gsm.config import KVQuantConfig
@@ -44,31 +44,11 @@ def retiering_checkpoint(tmp_path_factory):
     return retiering_copy(base, root / "tiny-retier")
 
 
-INT4_FRACTIONS = (0.25, 0.125, 0.25, 0.375)
-
-
 @pytest.fixture(scope="module")
 def int4_checkpoint(tmp_path_factory):
-    """The tiny model re-tiering into all four tiers (GSM_SPEC v2), with fitted-looking INT4 tables: the
-    data-free INT8 scales, INT4 scales clipping at half the data-free range, non-zero compensation."""
-    from safetensors.numpy import save
-
-    from gsm.golden.weights import GoldenWeights, KVCalibration, LatentScales
-
+    """The tiny model re-tiering into all four tiers (GSM_SPEC v2), with INT4 tables."""
     root = tmp_path_factory.mktemp("ckpt4")
-    base = synth_checkpoint("tiny", root / "tiny", seed=3)
-    from gsm import checkpoint
-
-    df = KVCalibration.data_free(GoldenWeights.from_tensors(checkpoint.load_config(base),
-                                                            checkpoint.load_state_dict(base)))
-    g = torch.Generator().manual_seed(5)
-    cal = KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, (torch.rand(s.scale_int8.shape, generator=g)
-                                                                        - 0.5) * s.scale_int8,
-                                         s.scale_int4 * 0.5, (torch.rand(s.scale_int8.shape, generator=g) - 0.5)
-                                         * s.scale_int4 * 0.5)
-                         for k, s in df.scales.items()}, calibrated=True)
-    return retiering_copy(base, root / "tiny-int4", tier_fractions=INT4_FRACTIONS,
-                          calibration=save(cal.to_tensors()))
+    return int4_copy(synth_checkpoint("tiny", root / "tiny", seed=3), root / "tiny-int4")
 
 
 @pytest.fixture(scope="module")

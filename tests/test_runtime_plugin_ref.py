@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import retiering_copy
+from conftest import int4_copy, retiering_copy
 
 from builder.build import build
 from gsm.golden.model import GoldenModel
@@ -35,11 +35,22 @@ def ckpt(tmp_path_factory):
     return retiering_copy(base, root / "retier")
 
 
-def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def ckpt_int4(tmp_path_factory):
+    """Re-tiering into all four tiers: the pools' INT4 region, INT4 rows in wider regions, INT4 demotion lists."""
+    root = tmp_path_factory.mktemp("ck4")
+    return int4_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "int4")
+
+
+@pytest.mark.parametrize("which", ["ckpt", "ckpt_int4"])
+def test_plugin_path_fp32_reproduces_golden(which, request, tmp_path):
     import runtime
 
+    ckpt = request.getfixturevalue(which)
     out = tmp_path / "b32"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", max_batch=2)
+    # INT4: a longer plan with short prefill calls, so the pools have an INT4 region for the demoted rows to move to
+    size = {"max_seq": 256, "max_input": PROMPT_LEN} if which == "ckpt_int4" else {"max_seq": N_MAX}
+    build(device="orin", checkpoint_dir=ckpt, output=out, trt_precision="fp32", max_batch=2, **size)
     rt = runtime.load(out, backend="reference")
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     # default --max-top-k: the model's sparse_top_k; a larger run-time budget is refused, naming the flag
@@ -65,7 +76,10 @@ def test_plugin_path_fp32_reproduces_golden(ckpt, tmp_path):
         assert np.array_equal(seq.state.tier, gcache.tier.numpy()), f"tiers differ after step {step}"
         tiers |= set(seq.state.tier.tolist())
     assert worst <= 1e-3, worst
-    assert tiers == {0, 1, 2}
+    assert tiers == ({0, 1, 2, 3} if which == "ckpt_int4" else {0, 1, 2})
+    if which == "ckpt_int4":  # the plan gave the pools an INT4 region, and demoted rows moved into it
+        c16, c12, c8, c4 = json.loads((out / "bundle.json").read_text())["pool_rows"].values()
+        assert c4 > 0 and any(int(e) & 0xFFFFFF >= c16 + c12 + c8 for e in seq.cache.slots.entries[: seq.length])
     # dequantised latents read back through the slot table equal the golden's cache
     quant = {l: t for l, t in _quant_tables(out).items()}
     for l, c in gcache.layers.items():
