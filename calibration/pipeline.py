@@ -61,7 +61,7 @@ class CalibrateOptions:
     prefill_len: int | None = None  # default seq_len // 4
     adaptation_rate: int = 16
     fraction_step: float = 0.25
-    int4: bool = True  # the tier search may choose INT4 rows (decisions "A 4-bit tier")
+    int4: bool = False  # the tier search may choose INT4 rows (opt in: docs/calibration.md "INT4 in the search")
     confidence_z: float = 2.0  # standard errors of margin when comparing with the budget
     sweep: bool = False  # measure every candidate on calibration and held-out text (sweep.py)
     tier_fractions: Fractions | None = None  # fixed: skip the search

@@ -425,3 +425,18 @@ def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated,
         assert int(np.argmax(a)) == tok
         a, b = seq.decode(tok), gm.decode(cache, tok).logits[-1].numpy()
     assert int((cache.tier > 0).sum()) > 0  # demoted rows were read on the way
+
+
+def test_int4_in_the_search_is_opt_in():
+    """The search leaves INT4 out unless asked (docs/calibration.md: it miscopied numbers at 2K), and a fixed
+    mix may name four fractions."""
+    from calibration.cli import build_parser
+    from calibration.pipeline import CalibrateOptions
+
+    p = build_parser()
+    base = ["run", "--checkpoint", "ck"]
+    assert p.parse_args(base).int4 is False and CalibrateOptions(checkpoint=Path("ck")).int4 is False
+    assert p.parse_args([*base, "--int4"]).int4 is True
+    assert p.parse_args([*base, "--tier-fractions", "0,0,0.25,0.75"]).tier_fractions == (0.0, 0.0, 0.25, 0.75)
+    with pytest.raises(SystemExit):
+        p.parse_args([*base, "--tier-fractions", "0.5,0.5,0.5,0.5"])

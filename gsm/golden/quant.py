@@ -65,15 +65,23 @@ def default_int4_scale(scale_int8: torch.Tensor) -> torch.Tensor:
     return s / torch.tensor(7.0, dtype=torch.float32)
 
 
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """int codes in [-8, 7], any shape -> uint8 bytes, one per pair (flattened, zero padded)."""
+def _code_pairs(q: np.ndarray, bits: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Codes in the `bits`-bit two's-complement range, flattened, zero padded to pairs -> (first, second) of each
+    pair as unsigned `bits`-bit fields."""
     v = np.asarray(q, dtype=np.int32).ravel()
-    if v.size and (v.min() < -8 or v.max() > 7):
-        raise ValueError("INT4 codes must lie in [-8, 7]")
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if v.size and (v.min() < lo or v.max() > hi):
+        raise ValueError(f"{name} codes must lie in [{lo}, {hi}]")
     if v.size % 2:
         v = np.concatenate([v, np.zeros(1, np.int32)])
-    u = (v & 0xF).astype(np.uint8)
-    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    u = (v & ((1 << bits) - 1)).astype(np.uint32)
+    return u[0::2], u[1::2]
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int codes in [-8, 7], any shape -> uint8 bytes, one per pair (flattened, zero padded)."""
+    a, b = _code_pairs(q, 4, "INT4")
+    return (a | (b << 4)).astype(np.uint8)
 
 
 def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
@@ -86,13 +94,7 @@ def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
 
 def pack_int12(q: np.ndarray) -> np.ndarray:
     """int codes in [-2048, 2047], any shape -> uint8 bytes, 3 per pair (flattened, zero padded)."""
-    v = np.asarray(q, dtype=np.int32).ravel()
-    if v.size and (v.min() < -2048 or v.max() > 2047):
-        raise ValueError("INT12 codes must lie in [-2048, 2047]")
-    if v.size % 2:
-        v = np.concatenate([v, np.zeros(1, np.int32)])
-    u = (v & 0xFFF).astype(np.uint32)
-    a, b = u[0::2], u[1::2]
+    a, b = _code_pairs(q, 12, "INT12")
     out = np.empty((a.size, 3), np.uint8)
     out[:, 0] = a & 0xFF
     out[:, 1] = ((a >> 8) & 0x0F) | ((b & 0x0F) << 4)
