@@ -17,6 +17,7 @@ import numpy as np
 from gsm import names
 from gsm.checkpoint import CALIB_FILE, CheckpointTensors
 from gsm.config import ModelConfig
+from gsm.quant_table import TABLE_ROWS, table_of
 from gsm.safetensors_io import LazySafetensors
 
 
@@ -29,27 +30,6 @@ class QuantTables:
     tables: dict[int, np.ndarray]  # owning layer -> [5, r_k + r_v] float32 (TABLE_ROWS)
     int4_fitted: bool  # every latent has INT4 scales fitted on text: only then may rows be INT4
     source: str  # "file:<path>", "checkpoint", "data-free"
-
-
-TABLE_ROWS = ("scale_int12", "scale_int8", "comp_int8", "scale_int4", "comp_int4")  # engine_io section 6
-
-
-def default_int12_scale(s8: np.ndarray) -> np.ndarray:
-    """s12 = float32(float32(s8 * 127) / 2047) (decisions "Rounding")."""
-    return (s8.astype(np.float32) * np.float32(127.0)) / np.float32(2047.0)
-
-
-def default_int4_scale(s8: np.ndarray) -> np.ndarray:
-    """s4 = float32(float32(s8 * 127) / 7) (decisions "A 4-bit tier")."""
-    return (s8.astype(np.float32) * np.float32(127.0)) / np.float32(7.0)
-
-
-def table_rows(rows: dict[str, np.ndarray]) -> np.ndarray:
-    """[5, r] in TABLE_ROWS order; the optional rows get their defaults (INT12, INT4 scales from s8, comp4 0)."""
-    s8 = rows["scale_int8"]
-    defaults = {"scale_int12": lambda: default_int12_scale(s8), "scale_int4": lambda: default_int4_scale(s8),
-                "comp_int4": lambda: np.zeros_like(s8)}
-    return np.stack([rows[w] if w in rows else defaults[w]() for w in TABLE_ROWS]).astype(np.float32)
 
 
 def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) -> tuple[dict[int, np.ndarray], bool]:
@@ -72,7 +52,7 @@ def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) 
                     raise CalibrationError(f"{path}: {n} has shape {list(a.shape)}, expected [{r}] (rank of layer {l})")
                 rows[what] = a
             int4 = int4 and "scale_int4" in rows and "comp_int4" in rows
-            cols.append(table_rows(rows))
+            cols.append(table_of(rows))
         out[l] = np.concatenate(cols, axis=1).astype(np.float32)
     return out, int4
 

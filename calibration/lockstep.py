@@ -170,14 +170,16 @@ class Lockstep:
         changed = int((new != old).sum())
         if changed:
             to = {t: ((new != old) & (new == t))[..., None] for t in (INT12, INT8, INT4)}
+            to = {t: m for t, m in to.items() if bool(m.any())}  # a tier no row enters costs nothing
             for i in self.cfg.owning_layers:
                 for kv, buf in (("k", self.ck[i]), ("v", self.cv[i])):
                     s8, s12, comp, s4, comp4 = self.scales[(i, kv)]
+                    rule = {INT12: (s12, None), INT8: (s8, comp), INT4: (s4, comp4)}  # scale, compensation
                     vals = buf[:, :n]
-                    out = torch.where(to[INT12], dequantize(quantize(vals, s12, INT12), s12), vals)
-                    out = torch.where(to[INT8], dequantize(quantize(vals, s8, INT8), s8, comp), out)
-                    if bool(to[INT4].any()):
-                        out = torch.where(to[INT4], dequantize(quantize(vals, s4, INT4), s4, comp4), out)
+                    out = vals
+                    for t, m in to.items():  # every source value is the held one (demotion re-quantises it)
+                        s, c = rule[t]
+                        out = torch.where(m, dequantize(quantize(vals, s, t), s, c), out)
                     buf[:, :n] = out
             self.tier[:, :n] = new
             self.reconstruct_all()

@@ -27,14 +27,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from calibration.lockstep import Config, bytes_per_row, decode_scores, prefill_sequence
+from calibration.lockstep import Config, Fractions, bytes_per_row, decode_scores, prefill_sequence
 from calibration.stats import LatentObserver
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
 from gsm.golden.weights import GoldenWeights, KVCalibration
 from gsm.tiers import avg_bytes
 
-Fractions = tuple[float, ...]  # FP16, INT12, INT8 (, INT4)
 MAX_STATE_BYTES = 512 << 20  # decode state of the rows measured together (lockstep.bytes_per_row each)
 
 
@@ -98,15 +97,10 @@ def relative_increase(s: Score, ref: Score, z: float = 0.0) -> float:
     return math.exp(diff + z * se) - 1.0
 
 
-def avg_bytes_per_value(fractions: Fractions) -> float:
-    """Spec 6: average bytes per latent value under the tier fractions (FP16 2, INT12 1.5, INT8 1, INT4 0.5)."""
-    return avg_bytes(fractions)
-
-
 def kv_bytes_per_position(weights: GoldenWeights, fractions: Fractions) -> float:
     """Spec 6: sum over owning layers of (r_k + r_v) * avg bytes + dI * 2 (FP16 indexer key)."""
     d_i = weights.cfg.gsm.indexer_dim
-    avg = avg_bytes_per_value(fractions)
+    avg = avg_bytes(fractions)
     return float(sum((rk + rv) * avg + d_i * 2 for rk, rv in weights.ranks.values()))
 
 

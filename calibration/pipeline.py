@@ -195,8 +195,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
             swept = sweep(Evaluator(weights, quant, search_seqs, protocol), measured, calib,
                           candidate_fractions(o.fraction_step, o.int4), z=o.confidence_z, progress=progress)
 
-    quant_out = quant.with_fractions(tuple(choice.fractions)).replace(method=o.method,
-                              samples=int(cal.ids.shape[0]), data_hash=ids_sha256(cal.ids))
+    quant_out = quant.with_fractions(tuple(choice.fractions)).replace(method=o.method, samples=int(cal.ids.shape[0]),
+                                                                      data_hash=ids_sha256(cal.ids))
     dest = o.out if o.out is not None else o.checkpoint
     report: dict[str, Any] = {
         "checkpoint": str(o.checkpoint), "output": str(dest), "method": o.method,

@@ -23,7 +23,8 @@ from fractions import Fraction
 from itertools import groupby
 from typing import Any
 
-from calibration.measure import Fractions, Score, avg_bytes_per_value, relative_increase
+from calibration.measure import Fractions, Score, relative_increase
+from gsm.tiers import avg_bytes
 
 
 def candidate_fractions(step: float, int4: bool = True) -> list[Fractions]:
@@ -43,7 +44,7 @@ def candidate_fractions(step: float, int4: bool = True) -> list[Fractions]:
 
 def cost_key(f: Fractions) -> float:
     """Average bytes per value, rounded so float noise of non-dyadic steps cannot split a cost level."""
-    return round(avg_bytes_per_value(f), 9)
+    return round(avg_bytes(f), 9)
 
 
 @dataclass

@@ -134,7 +134,7 @@ def _layer_selection(v: Any) -> dict[int, tuple[int, int]]:
 
 
 def _pool_rows(v: Any) -> PoolRows:
-    return PoolRows(**{k: _int(0)(v[k]) for k in ("fp16", "int12", "int8", "int4") if k in v or k != "int4"})
+    return PoolRows(**{k: _int(0)(v[k]) for k in ("fp16", "int12", "int8")}, int4=_int(0)(v.get("int4", 0)))
 
 
 def _kv_quantization(v: Any) -> KVQuantConfig:

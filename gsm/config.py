@@ -20,7 +20,6 @@ from typing import Any
 from gsm import tiers
 
 SPEC_VERSION = 1
-BIT_WIDTHS = (16, 12, 8)  # GSM_SPEC v1; v2 adds the 4-bit tier (gsm.tiers.BIT_WIDTHS_V2)
 
 
 class ConfigError(ValueError):
@@ -331,7 +330,7 @@ class KVQuantConfig:
     """quant_config.json `kv_quantization` (spec 5). Defaults are our decisions (docs/decisions.md)."""
 
     scheme: str = "adaptive"
-    bit_widths: tuple[int, ...] = BIT_WIDTHS
+    bit_widths: tuple[int, ...] = tiers.BIT_WIDTHS_V1  # GSM_SPEC v2 adds the 4 (tiers.BIT_WIDTHS_V2)
     # fractions of the positions outside window and sinks kept FP16 / INT12 / INT8 (/ INT4: four numbers,
     # GSM_SPEC v2; three mean no INT4 row)
     tier_fractions: tuple[float, ...] = (0.25, 0.25, 0.5)

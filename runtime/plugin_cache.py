@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import BundleConfig
+from gsm.quant_table import full_table
 from runtime.backend import RowPool, kv_noise_sums, relative_noise
 from runtime.slots import SlotTable
 
@@ -123,22 +124,14 @@ def read_latents(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: n
 
 def quant_tables(demote_graph: Any) -> dict[int, np.ndarray]:
     """owning layer -> its [5, r] quantisation table (s12, s8, comp8, s4, comp4), from the demotion graph's
-    initializers `gsm.layers.{l}.quant` (an onnx ModelProto with its external data loaded), as full_quant_table
-    makes them."""
+    initializers `gsm.layers.{l}.quant` (an onnx ModelProto with its external data loaded), as gsm.quant_table's
+    full_table makes them."""
     from onnx import numpy_helper
 
     out = {}
     for t in demote_graph.graph.initializer:
         parts = t.name.split(".")
         if len(parts) == 4 and parts[:2] == ["gsm", "layers"] and parts[3] == "quant":
-            out[int(parts[2])] = full_quant_table(numpy_helper.to_array(t))
+            out[int(parts[2])] = full_table(numpy_helper.to_array(t))
     return out
 
-
-def full_quant_table(a: np.ndarray) -> np.ndarray:
-    """A layer's table as the plugins read it, [5, r]; a graph built before the 4-bit tier holds [3, r] (s12, s8,
-    comp8) and never makes INT4 rows, so s4, comp4 get their defaults (decisions "A 4-bit tier")."""
-    a = np.asarray(a, np.float32)
-    if a.shape[0] == 3:
-        a = np.concatenate([a, (a[1:2] * np.float32(127.0)) / np.float32(7.0), np.zeros_like(a[:1])])
-    return a

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import FILES, BundleConfig
+from gsm.quant_table import full_table
 from runtime.backend import Capabilities, StepOutput, check_max_top_k
-from runtime.plugin_cache import PluginCache, PluginRows, full_quant_table, quant_tables, read_latents
+from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -62,7 +63,7 @@ def _ops() -> list[type]:
         def _run(self, *x, **_: Any):  # type: ignore[override]
             d, a = dims(self.onnx_node)
             q, pool, slots, past, new, quant, cos, sin, w0, w1 = x[:10]
-            quant = full_quant_table(quant)
+            quant = full_table(quant)
             f32 = np.float32
             if int(a["layer_kind"]) == 0:
                 # input 14 sparse_top_k [B] since engine_io rev 4, input 15 cache_rows since rev 6
@@ -80,7 +81,7 @@ def _ops() -> list[type]:
 
         def _run(self, entries, quant, pool, **_: Any):  # type: ignore[override]
             d, _a = dims(self.onnx_node)
-            return (ref.kv_demote(d, entries, pool, full_quant_table(quant)),)  # in place, entries name their pool rows
+            return (ref.kv_demote(d, entries, pool, full_table(quant)),)  # in place, entries name their pool rows
 
     return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote]
 

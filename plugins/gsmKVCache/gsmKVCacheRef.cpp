@@ -33,6 +33,24 @@ bool fail(std::string* err, std::string const& msg)
     return false;
 }
 
+// The codes of the packed tiers (INT12, INT4) come in pairs: channels 2p and 2p + 1 of each part (c_k's, then
+// c_v's, packed separately), an odd part's last pair padded with a zero code. `store(part, p, a, b)` writes one.
+template <typename Scale, typename Store>
+void encodePairs(GsmDims const& d, float const* v, Scale scale, int32_t qmax, Store store)
+{
+    for (int32_t part = 0; part < 2; ++part)
+    {
+        int32_t const n = part ? d.rankV : d.rankK;
+        int32_t const c0 = part ? d.rankK : 0;
+        for (int32_t p = 0; 2 * p < n; ++p)
+        {
+            int32_t const a = quantize(v[c0 + 2 * p], scale(c0 + 2 * p), qmax);
+            int32_t const b = 2 * p + 1 < n ? quantize(v[c0 + 2 * p + 1], scale(c0 + 2 * p + 1), qmax) : 0;
+            store(part, p, a, b);
+        }
+    }
+}
+
 // Encode the r dequantised values `v` as a row of `tier` at `row`.
 void encodeRow(GsmDims const& d, uint8_t* row, int32_t tier, float const* v, QuantView const& qv)
 {
@@ -43,43 +61,25 @@ void encodeRow(GsmDims const& d, uint8_t* row, int32_t tier, float const* v, Qua
         {
             storeFP16(row, c, v[c]);
         }
-        return;
     }
-    if (tier == kTierINT12)
+    else if (tier == kTierINT12)
     {
-        // k and v parts are packed separately; an odd part is padded with a zero code.
-        for (int32_t part = 0; part < 2; ++part)
-        {
-            int32_t const n = part ? d.rankV : d.rankK;
-            int32_t const c0 = part ? d.rankK : 0;
-            for (int32_t p = 0; 2 * p < n; ++p)
-            {
-                int32_t const a = quantize(v[c0 + 2 * p], qv.s12(c0 + 2 * p), kQmaxINT12);
-                int32_t const b = 2 * p + 1 < n ? quantize(v[c0 + 2 * p + 1], qv.s12(c0 + 2 * p + 1), kQmaxINT12) : 0;
-                packINT12Pair(a, b, int12PairPtr(d, row, part, p));
-            }
-        }
-        return;
+        encodePairs(
+            d, v, [&](int32_t c) { return qv.s12(c); }, kQmaxINT12,
+            [&](int32_t part, int32_t p, int32_t a, int32_t b) { packINT12Pair(a, b, int12PairPtr(d, row, part, p)); });
     }
-    if (tier == kTierINT8)
+    else if (tier == kTierINT8)
     {
         for (int32_t c = 0; c < r; ++c)
         {
             row[c] = static_cast<uint8_t>(static_cast<int8_t>(quantize(v[c], qv.s8(c), kQmaxINT8)));
         }
-        return;
     }
-    // INT4: as INT12, each part on its own bytes, an odd part padded with a zero code.
-    for (int32_t part = 0; part < 2; ++part)
+    else
     {
-        int32_t const n = part ? d.rankV : d.rankK;
-        int32_t const c0 = part ? d.rankK : 0;
-        for (int32_t p = 0; 2 * p < n; ++p)
-        {
-            int32_t const a = quantize(v[c0 + 2 * p], qv.s4(c0 + 2 * p), kQmaxINT4);
-            int32_t const b = 2 * p + 1 < n ? quantize(v[c0 + 2 * p + 1], qv.s4(c0 + 2 * p + 1), kQmaxINT4) : 0;
-            *int4PairPtr(d, row, part, p) = packINT4Pair(a, b);
-        }
+        encodePairs(
+            d, v, [&](int32_t c) { return qv.s4(c); }, kQmaxINT4,
+            [&](int32_t part, int32_t p, int32_t a, int32_t b) { *int4PairPtr(d, row, part, p) = packINT4Pair(a, b); });
     }
 }
 
