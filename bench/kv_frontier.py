@@ -12,15 +12,16 @@ every latent row (K and V latents of every owning layer) re-quantised as it is w
   calibration latents (KVQuant quantises keys per channel before RoPE, which GSM's latents are);
 - `int4-g32`: symmetric 4-bit per row in groups of 32 channels, one FP16 scale each (absmax / 7), the layout of
   llama.cpp's q4_0 (0.5625 bytes per value), no calibration;
-- `+keys8`: also the indexer keys INT8 per channel (absmax / 127 on the calibration text).
-These formats are a simulation in the golden model, a bound: in one prefill every row is quantised, also the
-recent window and sinks an engine keeps in FP16, and no compensation term is added.
+- `+keys8`: also the indexer keys INT8 per channel, as every engine holds them (decisions "INT8 indexer keys":
+  the golden's own codes, with the checkpoint's calibrated index_key.scale_int8); without it the keys are FP16.
+These latent formats are a simulation in the golden model, a bound: in one prefill every row is quantised, also
+the recent window and sinks an engine keeps in FP16, and no compensation term is added.
 
 `tiers:F16/F12/F8/F4` rows are the engines' tier policy itself (spec 5, decisions "A 4-bit tier"): the golden
 deployed model with the checkpoint's calibrated tables (kv_calibration.safetensors: scales, compensation, the
 INT4 pair), the window prefilled in chunks of `--retier-every` tokens, each chunk a prefill call that ends with
 the re-tier pass (so rows are demoted by hotness rank while the window is read, the sinks and the last
-fp16_window rows stay FP16), every chunk's logits scored. `+keys8` adds INT8 indexer keys as above.
+fp16_window rows stay FP16), every chunk's logits scored. `+keys8` holds INT8 indexer keys as above.
 Bytes per position follow spec 6: (r_k + r_v) x average bytes per value under the tier fractions + the indexer
 key, summed over owning layers; dense FP16 is L x 2 x kvD x 2.
 
@@ -91,13 +92,10 @@ def channel_scales(rows: torch.Tensor, qmax: int, mse: bool) -> torch.Tensor:
 
 
 class Formats:
-    """The golden's latent hook and index_scores patch for one row format."""
+    """The golden's latent hook for one row format, and the key precision and tier fractions it runs with."""
 
     def __init__(self, gsm) -> None:
-        from quality_real import KeyHooks
-
-        self.gsm, self.keys = gsm, KeyHooks(gsm)
-        self.keys.record = False
+        self.gsm, self.quant0 = gsm, gsm.quant
         self.fmt = "fp16"
         self.scales: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.collected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -119,14 +117,25 @@ class Formats:
         ck.copy_(quantise(ck, sk, qmax))  # views of the cache: the rows are stored quantised
         cv.copy_(quantise(cv, sv, qmax))
 
+    def quant_of(self, fmt: str) -> Any:
+        """The golden's kv_quantization for a format: INT8 keys for `+keys8` (FP16 otherwise), and for `tiers:` the
+        fractions."""
+        base = fmt.split("+")[0]
+        q = self.quant0.replace(index_key_bits=8 if fmt.endswith("+keys8") else 16)
+        return q.with_fractions(tier_mix(base)) if base.startswith("tiers:") else q
+
+    def use(self, fmt: str) -> bool:
+        """Set the golden up for `fmt`; whether it runs the engines' tier policy (a `tiers:` format)."""
+        tiers = fmt.split("+")[0].startswith("tiers:")
+        self.fmt = "fp16" if tiers else fmt
+        self.gsm.quant = self.quant_of(fmt)
+        return tiers
+
     def calibrate(self, calib: torch.Tensor) -> None:
         self.fmt = "collect"
-        with self.keys:
-            for row in calib:
-                self.gsm.forward(self.gsm.new_cache(), row)
-        from gsm.golden.quant import round_fp16
-
-        self.keys.scales = {i: round_fp16(m / 127) for i, m in self.keys.absmax.items()}
+        self.gsm.quant = self.quant0.replace(index_key_bits=16)
+        for row in calib:
+            self.gsm.forward(self.gsm.new_cache(), row)
         rows = {i: (torch.cat([a for a, _ in v]), torch.cat([b for _, b in v])) for i, v in self.collected.items()}
         def per_layer(qmax: int, mse: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             return {i: (channel_scales(k, qmax, mse), channel_scales(v, qmax, mse)) for i, (k, v) in rows.items()}
@@ -138,24 +147,15 @@ class Formats:
     def nll(self, row: torch.Tensor, fmt: str, retier_every: int = 64) -> float:
         from quality_real import token_nll
 
-        base = fmt.split("+")[0]
-        self.fmt = "fp16" if base.startswith("tiers:") else fmt
-        self.keys.fmt = "int8-channel" if fmt.endswith("+keys8") else None
-        with self.keys:
-            if not base.startswith("tiers:"):
-                return float(token_nll(self.gsm.forward(self.gsm.new_cache(), row).logits, row).sum())
-            quant0 = self.gsm.quant
-            self.gsm.quant = quant0.with_fractions(tier_mix(base))
-            try:  # chunked prefill: each call ends with the re-tier pass
-                cache, total = self.gsm.new_cache(), 0.0
-                for a in range(0, row.numel() - 1, retier_every):
-                    logits = self.gsm.prefill(cache, row[a:a + retier_every]).logits
-                    target = row[a + 1:a + 1 + logits.shape[0]]
-                    total += float(torch.nn.functional.cross_entropy(logits[:target.numel()], target,
-                                                                     reduction="sum"))
-                return total
-            finally:
-                self.gsm.quant = quant0
+        if not self.use(fmt):
+            return float(token_nll(self.gsm.forward(self.gsm.new_cache(), row).logits, row).sum())
+        # chunked prefill: each call ends with the re-tier pass
+        cache, total = self.gsm.new_cache(), 0.0
+        for a in range(0, row.numel() - 1, retier_every):
+            logits = self.gsm.prefill(cache, row[a:a + retier_every]).logits
+            target = row[a + 1:a + 1 + logits.shape[0]]
+            total += float(torch.nn.functional.cross_entropy(logits[:target.numel()], target, reduction="sum"))
+        return total
 
 
 def tier_mix(base: str) -> tuple[float, ...]:
@@ -168,30 +168,30 @@ def format_bytes(fmt: str) -> tuple[float, float]:
     from gsm.tiers import avg_bytes
 
     base = fmt.split("+")[0]
-    if base.startswith("tiers:"):
-        return avg_bytes(tier_mix(base)), 1.0 if fmt.endswith("+keys8") else 2.0
-    return GSM_FORMATS[fmt]
+    key = 1.0 if fmt.endswith("+keys8") else 2.0
+    return (avg_bytes(tier_mix(base)) if base.startswith("tiers:") else GSM_FORMATS[base][0]), key
 
 
 def valid_format(fmt: str) -> bool:
-    if fmt in GSM_FORMATS:
-        return True
     base, _, extra = fmt.partition("+")
+    if extra not in ("", "keys8"):
+        return False
+    if base in GSM_FORMATS:
+        return True
     try:
         mix = tier_mix(base)
     except ValueError:
         return False
-    return base.startswith("tiers:") and extra in ("", "keys8") and len(mix) in (3, 4) and \
-        abs(sum(mix) - 1) < 1e-6 and min(mix) >= 0
+    return base.startswith("tiers:") and len(mix) in (3, 4) and abs(sum(mix) - 1) < 1e-6 and min(mix) >= 0
 
 
 def bytes_per_position(cfg, ranks: dict[int, tuple[int, int]], value_bytes: float, key_bytes: float) -> float:
     return sum((rk + rv) * value_bytes + cfg.gsm.indexer_dim * key_bytes for rk, rv in ranks.values())
 
 
-GSM_FORMATS = {  # name: (bytes per latent value, bytes per indexer-key value)
+GSM_FORMATS = {  # name: (bytes per latent value, bytes per indexer-key value without +keys8)
     "fp16": (2.0, 2.0), "int8": (1.0, 2.0), "int4-absmax": (0.5, 2.0), "int4-mse": (0.5, 2.0),
-    "int4-mse+keys8": (0.5, 1.0), "int4-g32": (0.5625, 2.0), "int4-g32+keys8": (0.5625, 1.0),
+    "int4-g32": (0.5625, 2.0),
 }
 
 
@@ -204,6 +204,9 @@ def calibrated(a: argparse.Namespace) -> tuple[Any, Any, Formats]:
 
     s = Setup(a.checkpoint, a.dense, a.eval_text)
     dep = GoldenModel(s.gsm.w, mode="deployed", quant=s.gsm.quant, calibration=s.gsm.calib)
+    if any(f.endswith("+keys8") for f in a.formats) and not s.gsm.calib.keys_fitted(s.cfg):
+        raise SystemExit(f"--formats ...+keys8: {a.checkpoint} has no INT8 indexer-key scales; calibrate it "
+                         "(python -m calibration run, INT8 keys by default)")
     f = Formats(dep)
     calib = windows(eval_stream(a.calib_text, s.tokenizer, a.calib_sequences * a.calib_len), a.calib_len,
                     a.calib_sequences, s.bos_id)
@@ -264,25 +267,18 @@ def copy_rows(a: argparse.Namespace) -> dict[str, Any]:
             ids = s.tokenizer.encode("\n\n".join(body) + question, add_special_tokens=False).ids
             trial: dict[str, Any] = {"number": number, "depth": depth, "prompt_tokens": len(ids), "answers": {}}
             for fmt in a.formats:
-                tiers = fmt.split("+")[0].startswith("tiers:")
-                f.fmt = "fp16" if tiers else fmt
-                f.keys.fmt = "int8-channel" if fmt.endswith("+keys8") else None
-                quant0 = dep.quant
-                if tiers:
-                    dep.quant = quant0.with_fractions(tier_mix(fmt.split("+")[0]))
-                with f.keys:
-                    cache = dep.new_cache()
-                    if tiers:  # the engines' policy: chunked prefill, each call ending with a re-tier pass
-                        for c0 in range(0, len(ids), a.retier_every):
-                            logits = dep.prefill(cache, ids[c0:c0 + a.retier_every]).logits[-1]
-                    else:  # forward, not prefill: no re-tier pass, the rows keep the format they were written in
-                        logits = dep.forward(cache, ids).logits[-1]
-                    out: list[int] = []
-                    for _ in range(16):  # digits are one token each: the whole number and a stop
-                        out.append(int(torch.argmax(logits)))
-                        step = dep.decode(cache, out[-1]) if tiers else dep.forward(cache, [out[-1]])
-                        logits = step.logits[-1]
-                dep.quant = quant0
+                tiers = f.use(fmt)
+                cache = dep.new_cache()
+                if tiers:  # the engines' policy: chunked prefill, each call ending with a re-tier pass
+                    for c0 in range(0, len(ids), a.retier_every):
+                        logits = dep.prefill(cache, ids[c0:c0 + a.retier_every]).logits[-1]
+                else:  # forward, not prefill: no re-tier pass, the rows keep the format they were written in
+                    logits = dep.forward(cache, ids).logits[-1]
+                out: list[int] = []
+                for _ in range(16):  # digits are one token each: the whole number and a stop
+                    out.append(int(torch.argmax(logits)))
+                    step = dep.decode(cache, out[-1]) if tiers else dep.forward(cache, [out[-1]])
+                    logits = step.logits[-1]
                 text = s.tokenizer.decode(out)
                 trial["answers"][fmt] = {"text": text, "exact": number in text}
             results["trials"].append(trial)

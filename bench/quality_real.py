@@ -341,7 +341,9 @@ class KeyHooks:
 
         self._orig = (gm.index_scores, gm.select)
 
-        def scores(x, idx_q, idx_w, keys, n_heads):
+        def scores(x, idx_q, idx_w, keys, n_heads, key_scale=None):
+            if key_scale is not None:
+                raise RuntimeError("KeyHooks simulates INT8 keys over FP16 ones: run the model with index_key_bits 16")
             i = self.layer_of[id(idx_q)]
             m = keys.abs().amax(dim=0)
             self.absmax[i] = m if i not in self.absmax else torch.maximum(self.absmax[i], m)
@@ -370,7 +372,8 @@ def key_quant(setup: Setup, calib: torch.Tensor, seqs: torch.Tensor) -> dict[str
 
     p = setup.cfg.gsm
     budget = p.sink_tokens + p.sparse_window + p.sparse_top_k
-    dep = GoldenModel(setup.gsm.w, mode="deployed", quant=setup.gsm.quant, calibration=setup.gsm.calib)
+    dep = GoldenModel(setup.gsm.w, mode="deployed", quant=setup.gsm.quant.replace(index_key_bits=16),
+                      calibration=setup.gsm.calib)  # FP16 keys, quantised by the hooks below
     with KeyHooks(dep) as h:
         for row in calib:  # FP16 keys on calibration text: per-channel absmax
             dep.forward(dep.new_cache(), row)

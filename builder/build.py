@@ -21,7 +21,7 @@ from typing import Any
 
 import gsm
 from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
-from builder.calib import has_int4_tables, quant_tables
+from builder.calib import has_int4_tables, has_key_scales, quant_tables
 from builder.graph_cpu import CPU_DOMAIN, CPU_OP, CPU_OP_VERSION
 from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
@@ -156,13 +156,17 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             qt = quant_tables(cfg, ranks, tensors, ckpt, calibration)
         except CalibrationError as e:
             raise BuildError(str(e)) from None
+        if quant.int8_keys and qt.key_scales is None:
+            raise BuildError(f"{qt.source}: kv_quantization.index_key_bits is 8 but the calibration has no "
+                             "index_key.scale_int8 tables; rerun `python -m calibration run`")
         if quant.uses_int4 and not qt.int4_fitted:
             raise BuildError(f"{qt.source}: INT4 tier fractions {list(quant.tier_fractions)} but some owning layer's "
                              "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
         rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
         wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights)
         spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),
-                       nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy])
+                       nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy],
+                       key_scales=qt.key_scales if quant.int8_keys else None)
         ck_hash = checkpoint_hash(ckpt)
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
@@ -354,13 +358,15 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
     if uncalibrated not in UNCALIBRATED:
         raise BuildError(f"--uncalibrated must be one of {', '.join(UNCALIBRATED)}, got {uncalibrated!r}")
     table = calibration if calibration is not None else ckpt / checkpoint.CALIB_FILE
+    if quant.int8_keys and not ((calibration is not None or table.is_file()) and has_key_scales(table)):
+        return _fp16_keys_policy(quant, ckpt, calibration, demo, uncalibrated, table)
     if calibration is not None or table.is_file():
         if quant.uses_int4 and not has_int4_tables(table):
             return _without_int4(quant), {
                 "mode": "calibrated", "note": f"{table} has no fitted INT4 scales (scale_int4/comp_int4), so the "
                 "INT4 share of the tier fractions is kept INT8; rerun `python -m calibration run` to fit them"}
         return quant, {"mode": "calibrated", "note": "INT12/INT8" + ("/INT4" if quant.uses_int4 else "") +
-                       " tiers with calibrated scales"}
+                       " tiers with calibrated scales" + (", INT8 indexer keys" if quant.int8_keys else "")}
     quant = _without_int4(quant)  # INT4 rows need scales fitted on text, whatever --uncalibrated says
     fractions = "/".join(f"{f:g}" for f in quant.tier_fractions)
     if demo:
@@ -372,6 +378,14 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
             {"mode": "fp16-only", "note": f"{ckpt} has no calibration tables, so the KV cache stays FP16 "
              f"(no INT12/INT8 tiers). Run `python -m calibration run --checkpoint {ckpt}` to enable them, "
              "or pass --uncalibrated data-free to use uncalibrated scales"})
+
+
+def _fp16_keys_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, demo: bool, uncalibrated: str,
+                      table: Path) -> tuple[KVQuantConfig, dict[str, str]]:
+    """index_key_bits 8 without key scales (a --calibration file from before them): FP16 keys, said so."""
+    quant, info = kv_tier_policy(dataclasses.replace(quant, index_key_bits=16), ckpt, calibration, demo, uncalibrated)
+    return quant, {**info, "note": info["note"] + f"; {table} has no INT8 indexer-key scales "
+                   "(index_key.scale_int8), so the indexer keys stay FP16"}
 
 
 def _without_int4(quant: KVQuantConfig) -> KVQuantConfig:

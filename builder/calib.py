@@ -30,6 +30,37 @@ class QuantTables:
     tables: dict[int, np.ndarray]  # owning layer -> [5, r_k + r_v] float32 (TABLE_ROWS)
     int4_fitted: bool  # every latent has INT4 scales fitted on text: only then may rows be INT4
     source: str  # "file:<path>", "checkpoint", "data-free"
+    # owning layer -> [dI] float32 INT8 indexer-key scale, when the file has one for every owning layer
+    key_scales: dict[int, np.ndarray] | None = None
+
+
+def _key_scales(cfg: ModelConfig, path: Path) -> dict[int, np.ndarray] | None:
+    """The INT8 indexer-key scales of every owning layer, None when the file has none; some only: refused."""
+    f = LazySafetensors(path)
+    want = {l: names.index_key_scale_name(l) for l in cfg.owning_layers}
+    have = [l for l, n in want.items() if n in f.names]
+    if not have:
+        return None
+    if len(have) != len(want):
+        missing = [n for l, n in want.items() if l not in have]
+        raise CalibrationError(f"{path}: INT8 indexer-key scales for some owning layers only; missing {missing[:3]}"
+                               f"{' ...' if len(missing) > 3 else ''} (rerun `python -m calibration run`)")
+    out = {}
+    for l, n in want.items():
+        a = f.array(n).astype(np.float32)
+        if a.shape != (cfg.gsm.indexer_dim,) or not np.isfinite(a).all() or (a <= 0).any():
+            raise CalibrationError(f"{path}: {n} must be {cfg.gsm.indexer_dim} positive finite values (the indexer "
+                                   f"dim), got shape {list(a.shape)}")
+        out[l] = a
+    return out
+
+
+def has_key_scales(path: Path) -> bool:
+    """The calibration file holds INT8 indexer-key scales (checked before planning, as has_int4_tables)."""
+    try:
+        return any(n.endswith(".index_key.scale_int8") for n in LazySafetensors(path).names)
+    except (OSError, ValueError):
+        return False
 
 
 def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) -> tuple[dict[int, np.ndarray], bool]:
@@ -92,7 +123,9 @@ def quant_tables(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], tensors: C
     if calibration is not None:
         if not calibration.is_file():
             raise CalibrationError(f"--calibration {calibration}: no such file")
-        return QuantTables(*_from_file(cfg, ranks, calibration), source=f"file:{calibration}")
+        return QuantTables(*_from_file(cfg, ranks, calibration), source=f"file:{calibration}",
+                           key_scales=_key_scales(cfg, calibration))
     if (checkpoint_dir / CALIB_FILE).is_file():
-        return QuantTables(*_from_file(cfg, ranks, checkpoint_dir / CALIB_FILE), source="checkpoint")
+        path = checkpoint_dir / CALIB_FILE
+        return QuantTables(*_from_file(cfg, ranks, path), source="checkpoint", key_scales=_key_scales(cfg, path))
     return QuantTables(_data_free(cfg, tensors), False, "data-free")

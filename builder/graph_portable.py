@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from builder.nodes import F16, F32, I32, I64, cast, positions, valid_rows
+from builder.nodes import F16, F32, I8, I32, I64, cast, key_codes, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm.config import ModelConfig
 from gsm.tiers import INT4, INT8, INT12, QMAX
@@ -45,8 +45,11 @@ class PortableOps:
 
     variant = "portable"
 
-    def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int) -> None:
+    def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int, *,
+                 int8_keys: bool = False) -> None:
         self.g, self.cfg, self.ranks, self.n_max = g, cfg, ranks, n_max
+        self.int8_keys = int8_keys  # the key buffers hold INT8 codes (int8) instead of FP16 keys
+        self.key_type = I8 if int8_keys else F16
         self._geo: dict[str, str] = {}
         self._sel: dict[tuple[str, str], dict[str, str]] = {}
 
@@ -62,7 +65,7 @@ class PortableOps:
             rk, rv = self.ranks[l]
             state[l] = {"k": g.input(f"latent_k.{l}", F32, ["R", self.n_max, rk]),
                         "v": g.input(f"latent_v.{l}", F32, ["R", self.n_max, rv]),
-                        "keys": g.input(f"index_keys.{l}", F16, ["R", self.n_max, dI])}
+                        "keys": g.input(f"index_keys.{l}", self.key_type, ["R", self.n_max, dI])}
         # revision 5: every layer's K rows (RoPE applied) as the golden reconstructs them from the held
         # latents, cached by position, so that a step gathers K_sel rows instead of rebuilding them
         self.k_rows = {l: g.input(f"k_rows.{l}", F32, ["R", self.n_max, self.cfg.kv_dim])
@@ -75,7 +78,7 @@ class PortableOps:
             rk, rv = self.ranks[l]
             g.output(f"new_latent_k.{l}", F32, ["B", "S", rk])
             g.output(f"new_latent_v.{l}", F32, ["B", "S", rv])
-            g.output(f"new_index_keys.{l}", F16, ["B", "S", dI])
+            g.output(f"new_index_keys.{l}", self.key_type, ["B", "S", dI])
         for l in range(self.cfg.num_hidden_layers):
             g.output(f"new_k_rows.{l}", F32, ["B", "S", self.cfg.kv_dim])
         # per-layer probes (revision 4): always in the graph, where they are intermediate tensors anyway;
@@ -183,13 +186,14 @@ class PortableOps:
     def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
                   new: str) -> dict[str, str]:
         """The new rows as the cache will hold them: latents rounded to FP16 and back (deployed mode),
-        keys as FP16. They are graph outputs; the runtime writes them at positions past + j."""
+        keys as FP16 or INT8 codes. They are graph outputs; the runtime writes them at positions past + j."""
         g = self.g
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
             out = dict(cache)
             out["new_k"] = g.op("Cast", [cast(g, ck, F16)], to=F32, outputs=[f"new_latent_k.{l}"])
             out["new_v"] = g.op("Cast", [cast(g, cv, F16)], to=F32, outputs=[f"new_latent_v.{l}"])
-            out["new_keys"] = g.op("Cast", [key], to=F16, outputs=[f"new_index_keys.{l}"])
+            out["new_keys"] = (key_codes(g, key, I8, outputs=[f"new_index_keys.{l}"]) if self.int8_keys
+                               else g.op("Cast", [key], to=F16, outputs=[f"new_index_keys.{l}"]))
         return out
 
     # -- GsmSparseAttention --------------------------------------------------------------------------

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from builder.nodes import F16, F32, I32
+from builder.nodes import F16, F32, I32, key_codes
 from builder.onnx_util import GraphBuilder
 from builder.plan import PoolRows, pool_words
+from gsm.bundle_format import IndexKeyLayout
 from gsm.config import ModelConfig
 
 DOMAIN = "gsm.plugins"
@@ -36,8 +37,11 @@ class PluginOps:
     variant = "trt"
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
-                 rows: PoolRows, max_top_k: int | None = None) -> None:
+                 rows: PoolRows, max_top_k: int | None = None, *, int8_keys: bool = False) -> None:
         self.g, self.cfg, self.ranks, self.n_max, self.rows = g, cfg, ranks, n_max, rows
+        # INT8 keys: codes four to an int32 word (`index_key_bits` 8 on the update and owning attention nodes)
+        self.keys = IndexKeyLayout(cfg.gsm.indexer_dim, 8 if int8_keys else 16)
+        self.key_type = F16 if self.keys.bits == 16 else I32
         self.max_top_k = n_max if max_top_k is None else max_top_k
         low = min(cfg.gsm.max_layer_top_k, n_max)
         if not low <= self.max_top_k <= n_max:  # every layer's default budget must fit
@@ -49,6 +53,10 @@ class PluginOps:
                 "rows_fp16": self.rows.fp16, "rows_int12": self.rows.int12, "rows_int8": self.rows.int8,
                 "rows_int4": self.rows.int4, **kw}
 
+    def _key_attrs(self) -> dict[str, Any]:
+        """`index_key_bits` only when 8: a node without it means FP16 keys (engine_io revision 9)."""
+        return {} if self.keys.bits == 16 else {"index_key_bits": 8}
+
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
         return I32, ["B", "S", self.cfg.gsm.k_sel(l, self.max_top_k)]
 
@@ -57,21 +65,21 @@ class PluginOps:
 
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
-        g, dI = self.g, self.cfg.gsm.indexer_dim
+        g = self.g
         self.slots = g.input("kv_slots", I32, ["B", self.n_max])
         self.top_k = g.input("sparse_top_k", I32, ["B"])  # per-sequence selection budget (engine_io rev 4)
         self.cache_rows = g.input("cache_rows", I32, ["B"])  # each sequence's row of the pools (engine_io rev 6)
         state = {}
         for l in self.cfg.owning_layers:
             state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)]),
-                        "keys": g.input(f"index_keys.{l}", F16, ["R", self.n_max, dI])}
+                        "keys": g.input(f"index_keys.{l}", self.key_type, ["R", self.n_max, self.keys.plugin_width])}
         return state
 
     def declare_cache_outputs(self) -> None:
-        g, dI = self.g, self.cfg.gsm.indexer_dim
+        g = self.g
         for l in self.cfg.owning_layers:
             g.output(f"kv_pool_out.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)])
-            g.output(f"index_keys_out.{l}", F16, ["R", self.n_max, dI])
+            g.output(f"index_keys_out.{l}", self.key_type, ["R", self.n_max, self.keys.plugin_width])
         for l in self.cfg.owning_layers:  # per-layer probes (rev 4); the runtime binds them when asked
             g.output(f"selected.{l}", *self.selected_type(l))
             g.output(f"attn_mass.{l}", F32, self.mass_shape())
@@ -82,10 +90,13 @@ class PluginOps:
         g = self.g
         rk, rv = self.ranks[l]
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
+            if self.keys.bits == 8:  # the node stores the codes the standard ops make (integers in float32)
+                key = key_codes(g, key)
             pool, keys = g.op("GsmKVCacheUpdate", [ck, cv, key, cache["pool"], cache["keys"], self.slots, past, new,
                                                    self.cache_rows],
                               outputs=[f"kv_pool_out.{l}", f"index_keys_out.{l}"], domain=DOMAIN,
-                              **self._attrs(rank_k=rk, rank_v=rv, index_dim=self.cfg.gsm.indexer_dim))
+                              **self._attrs(rank_k=rk, rank_v=rv, index_dim=self.cfg.gsm.indexer_dim),
+                              **self._key_attrs())
         return {"pool": pool, "keys": keys}
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
@@ -102,7 +113,7 @@ class PluginOps:
                             max_sparse_window=p.layer_max_window(l if owning else source))
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
-            attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim)
+            attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim, **self._key_attrs())
             ins += [index_q, index_w, cache["keys"], sparse_window, top_k, self.cache_rows]
             outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:

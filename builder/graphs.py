@@ -67,13 +67,15 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         progress("portable graph + weights")
         g = GraphBuilder(store)
         # the portable graph always outputs selected.{l} / attn_mass.{l} (engine_io rev 4): no debug copies
-        Network(g, PortableOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32,
+        Network(g, PortableOps(g, cfg, ranks, n_max, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
+                quant, F32,
                 projections=projections).build()
         save_model(g.model("gsm_portable", doc="GSM network, standard ONNX ops, fp32 (docs/engine_io.md 5)"),
                    out / FILES.model_portable)
         progress("ONNX Runtime CPU graph")
         g = GraphBuilder(store)
-        Network(g, CpuOps(g, cfg, ranks, n_max), replace(spec, debug=False), source, quant, F32,
+        Network(g, CpuOps(g, cfg, ranks, n_max, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
+                quant, F32,
                 projections=projections).build()
         save_model(g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},
                            doc="GSM network, standard ONNX ops + GsmCachedAttention (ONNX Runtime CPU custom op), "
@@ -81,7 +83,8 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         progress("TensorRT graph")
         g = GraphBuilder(store, opset=trt_opset)
         trt_spec = replace(spec, debug=False)
-        Network(g, PluginOps(g, cfg, ranks, n_max, rows, max_top_k=max_top_k), trt_spec, source, quant,
+        Network(g, PluginOps(g, cfg, ranks, n_max, rows, max_top_k=max_top_k, int8_keys=spec.int8_keys), trt_spec,
+                source, quant,
                 F16 if trt_precision == "fp16" else F32, projections=projections, form="tensorrt").build()
         doc = f"GSM network with GSM plugin nodes, {trt_precision} activations (docs/engine_io.md 2-4)"
         save_model(g.model("gsm_trt", extra_opsets={DOMAIN: 1}, doc=doc), out / FILES.model_trt)

@@ -94,6 +94,12 @@ class NetSpec:
     debug: bool = False  # portable only: also output each owning layer's selected positions
     quantised: frozenset[str] = frozenset()  # checkpoint tensors emitted as quantised projections
     nbits_accuracy: int = 0  # MatMulNBits accuracy_level of the portable graph (0 exact, 4 INT8 activations)
+    # owning layer -> [dI] float32 scale of its INT8 indexer keys (None: FP16 keys; decisions "INT8 indexer keys")
+    key_scales: dict[int, np.ndarray] | None = None
+
+    @property
+    def int8_keys(self) -> bool:
+        return self.key_scales is not None
 
 
 class Network:
@@ -218,13 +224,22 @@ class Network:
             self.g.store.put_chunks(name, shape, (c for p in parts for c in self.source.chunks(p)))
         return self.g.weight(name)
 
-    def in_scale(self, i: int, n_ones: int) -> str:
-        """[k_S; v_S; ones(n_ones)] of owning layer i (stored once, streamed)."""
+    def in_scale(self, i: int) -> str:
+        """The column scale after owning layer i's in_proj Gemm (stored once, streamed): [k_S; v_S] over the
+        latents, then over the indexer's key, query and weight columns ones, or with INT8 keys float32(1 / s)
+        over the key (its codes are rint of that product) and s tiled over the query heads (the score reads
+        codes against the query scaled by s; gsm.golden.quant "INT8 indexer keys")."""
         name = fused_name("in_scale", i)
         if name not in self.g.store.tensors:
+            nI, dI = self.cfg.gsm.indexer_heads, self.cfg.gsm.indexer_dim
             k_s, v_s = names.layer_name("k_S", i), names.layer_name("v_S", i)
-            n = self.source.shape(k_s)[0] + self.source.shape(v_s)[0] + n_ones
-            chunks = (*self.source.chunks(k_s), *self.source.chunks(v_s), np.ones(n_ones, np.float32))
+            if self.spec.key_scales is None:
+                index = np.ones(dI + nI * dI + nI, np.float32)
+            else:
+                s = np.asarray(self.spec.key_scales[i], np.float32)
+                index = np.concatenate([np.float32(1.0) / s, np.tile(s, nI), np.ones(nI, np.float32)])
+            n = self.source.shape(k_s)[0] + self.source.shape(v_s)[0] + index.size
+            chunks = (*self.source.chunks(k_s), *self.source.chunks(v_s), index)
             self.g.store.put_chunks(name, (n,), chunks)
         return self.g.weight(name)
 
@@ -249,7 +264,7 @@ class Network:
         with_q = q_name not in spec.quantised
         parts = [names.layer_name(k, i) for k in GSM_SIDE] + ([q_name] if with_q else [])
         w = self.rows("in_proj", i, parts)
-        scale = self.in_scale(i, dI + nI * dI + nI)
+        scale = self.in_scale(i)
         if with_q and self.act == F32:
             # the ones over q's rows are a constant Concat, folded at session creation
             scale = g.op("Concat", [scale, g.const(np.ones(cfg.q_dim, np.float32), np.float32, "ones_q")], axis=0)

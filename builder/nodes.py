@@ -11,8 +11,8 @@ from onnx import TensorProto
 
 from builder.onnx_util import GraphBuilder
 
-F32, F16, I32, I64, BOOL, U8 = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT32, TensorProto.INT64,
-                                TensorProto.BOOL, TensorProto.UINT8)
+F32, F16, I32, I64, BOOL, U8, I8 = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT32, TensorProto.INT64,
+                                    TensorProto.BOOL, TensorProto.UINT8, TensorProto.INT8)
 
 
 def rope_tables(n_max: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -25,6 +25,14 @@ def rope_tables(n_max: int, head_dim: int, theta: float) -> tuple[np.ndarray, np
 
 def cast(g: GraphBuilder, x: str, to: int) -> str:
     return g.op("Cast", [x], to=to)
+
+
+def key_codes(g: GraphBuilder, key: str, to: int | None = None, outputs: list[str] | None = None) -> str:
+    """INT8 indexer-key codes from the key already multiplied by float32(1 / s) (in_proj's column scale):
+    clip(round_half_even(.), -127, 127), as float32 or cast to `to` (decisions "INT8 indexer keys")."""
+    codes = g.op("Clip", [g.op("Round", [key]), g.const(np.float32(-127), np.float32, "key_qmin"),
+                          g.const(np.float32(127), np.float32, "key_qmax")], outputs=None if to else outputs)
+    return codes if to is None else g.op("Cast", [codes], to=to, outputs=outputs)
 
 
 def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, act: int, out: int | None = None) -> str:

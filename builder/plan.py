@@ -31,7 +31,7 @@ from typing import Any
 
 from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
-from gsm.bundle_format import PoolRows
+from gsm.bundle_format import IndexKeyLayout, PoolRows
 from gsm.config import KVQuantConfig, ModelConfig
 from gsm.tiers import avg_bytes, row_bytes, tier_counts
 from jetson.profiles import PROFILES, DeviceProfile
@@ -227,10 +227,15 @@ def weight_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights
                             head_weights=head_weights, int4_grid=int4_grid).values())
 
 
+def key_bytes(cfg: ModelConfig, quant: KVQuantConfig) -> int:
+    """Device bytes of one position's indexer key in one owning layer: dI * 2 FP16, dI INT8 (in int32 words)."""
+    return IndexKeyLayout(cfg.gsm.indexer_dim, quant.index_key_bits).bytes
+
+
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig) -> float:
-    """Spec 6: sum over owning layers of (r_k + r_v) * average tier bytes + dI * 2."""
+    """Spec 6: sum over owning layers of (r_k + r_v) * average tier bytes + the indexer key's bytes."""
     avg = avg_bytes(quant.tier_fractions)
-    return sum((rk + rv) * avg + cfg.gsm.indexer_dim * 2 for rk, rv in ranks.values())
+    return sum((rk + rv) * avg + key_bytes(cfg, quant) for rk, rv in ranks.values())
 
 
 def dense_fp16_bytes_per_position(cfg: ModelConfig) -> int:
@@ -239,19 +244,21 @@ def dense_fp16_bytes_per_position(cfg: ModelConfig) -> int:
 
 
 def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: PoolRows, max_seq: int,
-                  max_batch: int) -> int:
+                  max_batch: int, quant: KVQuantConfig) -> int:
     """Bytes of kv_pool.{l} + index_keys.{l} of every owning layer and of kv_slots, all sequences."""
     per_seq = max_seq * SLOT_ENTRY_BYTES
     for rk, rv in ranks.values():
-        per_seq += 4 * pool_words(rk, rv, rows) + max_seq * cfg.gsm.indexer_dim * 2
+        per_seq += 4 * pool_words(rk, rv, rows) + max_seq * key_bytes(cfg, quant)
     return per_seq * max_batch
 
 
-def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], max_seq: int, max_batch: int) -> int:
+def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], max_seq: int, max_batch: int,
+                    quant: KVQuantConfig) -> int:
     """What the onnxruntime backend holds for the plan's rows (engine_io 5, revision 5): per position float32
-    latents and FP16 indexer keys of every owning layer and float32 K rows of every layer. Larger than the
-    TensorRT pools (which hold the tiers' bytes): the CPU graphs read latents as float32."""
-    per_position = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
+    latents and the indexer keys (FP16, or int8 codes) of every owning layer and float32 K rows of every layer.
+    Larger than the TensorRT pools (which hold the tiers' bytes): the CPU graphs read latents as float32."""
+    key = cfg.gsm.indexer_dim * (1 if quant.int8_keys else 2)
+    per_position = sum(4 * (rk + rv) + key for rk, rv in ranks.values())
     per_position += 4 * cfg.num_hidden_layers * cfg.kv_dim
     return per_position * max_seq * max_batch
 
@@ -292,7 +299,7 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
         selected = min(context, g.sink_tokens + g.selection_of(src).rows)
         kv += selected * (rk + rv) * avg
         if cfg.is_owning(i):
-            kv += context * g.indexer_dim * 2
+            kv += context * key_bytes(cfg, quant)
     return int(weights + kv)
 
 
@@ -327,7 +334,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     def total(S: int) -> int:
         T = min(max_input, S)
         rows = pool_rows(S, T, cfg, quant)
-        return wbytes + kv_pool_bytes(cfg, ranks, rows, S, max_batch) + \
+        return wbytes + kv_pool_bytes(cfg, ranks, rows, S, max_batch, quant) + \
             activation_bytes(cfg, S, max_batch, T, None if max_top_k is None else min(max_top_k, S)) + \
             WORKSPACE_BYTES
 
@@ -336,7 +343,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     dbytes = decode_bytes_per_token(cfg, ranks, quant, tensors, max_seq)
     return MemoryPlan(
         device=profile.name, max_seq=max_seq, max_batch=max_batch, max_input=max_input, params=params,
-        weight_bytes=wbytes, pool_rows=rows, kv_pool_bytes=kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch),
+        weight_bytes=wbytes, pool_rows=rows, kv_pool_bytes=kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch, quant),
         activation_bytes=activation_bytes(cfg, max_seq, max_batch, max_input, max_top_k),
         workspace_bytes=WORKSPACE_BYTES,
         usable_bytes=profile.usable_bytes, kv_bytes_per_position=kv_bytes_per_position(cfg, ranks, quant),
@@ -344,7 +351,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
         weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
         max_top_k=min(cfg.gsm.max_layer_top_k, max_seq) if max_top_k is None else max_top_k,
-        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch))
+        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch, quant))
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,

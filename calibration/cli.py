@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--int4", action="store_true", help="let the search choose the 4-bit tier too (INT4 scales are "
                    "fitted and written either way; off by default: INT4 rows cost +0.8 %% perplexity on SmolLM2 but "
                    "copied 5 of 9 serial numbers at 2K tokens where FP16 rows copied 8, docs/quality.md 2b)")
+    r.add_argument("--index-keys", choices=("int8", "fp16"), default="int8", help="indexer keys in the cache: INT8 "
+                   "codes with per-channel scales fitted here (half the key's bytes; on SmolLM2 0.5 %% of top-k picks "
+                   "move at 2K) or FP16 as before (default %(default)s)")
     r.add_argument("--confidence-z", type=_NONNEG, default=2.0, help="a candidate passes when its perplexity "
                    "increase plus this many standard errors (over sequences) is within the budget; 0 = point "
                    "estimate (default %(default)s)")
@@ -95,7 +98,7 @@ def run_command(args: argparse.Namespace) -> int:
         samples=args.samples, seq_len=args.seq_len, method=args.method, percentile=args.percentile,
         error_budget=args.error_budget, search_samples=args.search_samples, eval_samples=args.eval_samples,
         prefill_len=args.prefill_len, adaptation_rate=args.adaptation_rate, fraction_step=args.fraction_step,
-        int4=args.int4, confidence_z=args.confidence_z, sweep=args.sweep,
+        int4=args.int4, index_keys=args.index_keys, confidence_z=args.confidence_z, sweep=args.sweep,
         tier_fractions=args.tier_fractions, fp16_window=args.fp16_window, hotness_decay=args.hotness_decay,
         reservoir=args.reservoir, seed=args.seed, out=args.out, overwrite=args.overwrite)
     try:

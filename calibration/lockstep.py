@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from gsm.config import GSMParams, KVQuantConfig
 from gsm.golden.blocks import rms_norm, swiglu_mlp
 from gsm.golden.model import GoldenModel
-from gsm.golden.quant import FP16, INT4, INT8, INT12, dequantize, quantize, round_fp16
+from gsm.golden.quant import FP16, INT4, INT8, INT12, dequantize, quantize, quantize_keys, round_fp16
 from gsm.golden.rope import apply_rope, rope_tables
 from gsm.golden.selection import select
 from gsm.golden.weights import GoldenWeights, KVCalibration, OwningKV
@@ -109,6 +109,15 @@ class Lockstep:
         self.cv: dict[int, torch.Tensor] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.scales: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
+        # INT8 indexer keys: one [dI] scale per owning layer (None: FP16 keys), the same in every configuration,
+        # since the prefills (per sequence) already hold the codes
+        self.key_scale: dict[int, torch.Tensor] | None = None
+        if quant.int8_keys:
+            self.key_scale = {i: configs[0].calib.index_key_scales[i].float() for i in self.cfg.owning_layers}
+            if any(not torch.equal(configs[c].calib.index_key_scales[i].float(), s)
+                   for _, c in rows for i, s in self.key_scale.items()):
+                raise ValueError("lockstep configurations must share their INT8 indexer-key scales (the prefills "
+                                 "hold the keys' codes)")
         for i in self.cfg.owning_layers:
             rk, rv = weights.owning(i).ranks
             self.ck[i] = torch.zeros(self.R, self.T, rk)
@@ -203,8 +212,11 @@ class Lockstep:
                 kv = lw.kv
                 self.ck[i][:, t] = round_fp16((x @ kv.k_Vt.T) * kv.k_S)
                 self.cv[i][:, t] = round_fp16((x @ kv.v_Vt.T) * kv.v_S)
-                self.keys[i][:, t] = round_fp16(x @ kv.idx_k.T)
-                sel_of[i] = select(self._index_scores(x, kv, self.keys[i][:, :n]), q_pos, self.p)  # [R, n]
+                if self.key_scale is None:
+                    self.keys[i][:, t] = round_fp16(x @ kv.idx_k.T)
+                else:
+                    self.keys[i][:, t] = quantize_keys(x @ kv.idx_k.T, self.key_scale[i])
+                sel_of[i] = select(self._index_scores(i, x, kv, self.keys[i][:, :n]), q_pos, self.p)  # [R, n]
             else:
                 sel_of[i] = sel_of[lw.kv.source]
             self._reconstruct(i, t, n)
@@ -223,10 +235,12 @@ class Lockstep:
             self.retier()
         return logits
 
-    def _index_scores(self, x: torch.Tensor, kv: OwningKV, keys: torch.Tensor) -> torch.Tensor:
+    def _index_scores(self, i: int, x: torch.Tensor, kv: OwningKV, keys: torch.Tensor) -> torch.Tensor:
         """golden selection.index_scores with one key set per row: keys [R, n, dI] -> [R, n]."""
         i_heads, d_i = self.cfg.gsm.indexer_heads, self.cfg.gsm.indexer_dim
         q = (x @ kv.idx_q.T).view(self.R, i_heads, d_i)
+        if self.key_scale is not None:
+            q = q * self.key_scale[i]
         wts = x @ kv.idx_w.T  # [R, nI]
         dots = torch.relu(q @ keys.transpose(1, 2))  # [R, nI, n]
         return (wts[:, None, :] @ dots).squeeze(1) / math.sqrt(d_i)

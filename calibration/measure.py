@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from calibration.lockstep import Config, Fractions, bytes_per_row, decode_scores, prefill_sequence
+from calibration.lockstep import Config, Fractions, Prefilled, bytes_per_row, decode_scores, prefill_sequence
 from calibration.stats import LatentObserver
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
@@ -97,11 +97,11 @@ def relative_increase(s: Score, ref: Score, z: float = 0.0) -> float:
     return math.exp(diff + z * se) - 1.0
 
 
-def kv_bytes_per_position(weights: GoldenWeights, fractions: Fractions) -> float:
-    """Spec 6: sum over owning layers of (r_k + r_v) * avg bytes + dI * 2 (FP16 indexer key)."""
+def kv_bytes_per_position(weights: GoldenWeights, fractions: Fractions, key_bytes: int = 2) -> float:
+    """Spec 6: sum over owning layers of (r_k + r_v) * avg bytes + dI * key_bytes (2 FP16, 1 INT8 indexer keys)."""
     d_i = weights.cfg.gsm.indexer_dim
     avg = avg_bytes(fractions)
-    return float(sum((rk + rv) * avg + d_i * 2 for rk, rv in weights.ranks.values()))
+    return float(sum((rk + rv) * avg + d_i * key_bytes for rk, rv in weights.ranks.values()))
 
 
 def deployed_model(weights: GoldenWeights, quant: KVQuantConfig, calib: KVCalibration, fractions: Fractions,
@@ -161,19 +161,40 @@ class Evaluator:
         with torch.inference_mode():
             # [B, S, V]: every row is scored against its own sequence's exact distribution
             if observer is not None:
-                exact.latent_hooks.append(observer)
+                observer.attach(exact)
             ref = []
             for row in sequences:
                 if observer is not None:
                     observer.begin_sequence(row.tolist())
                 ref.append(exact_logprobs(exact, row, protocol.prefill_len))
             self.reference = torch.stack(ref)
-            exact.latent_hooks.clear()
-            prefiller = GoldenModel(weights, mode="deployed", quant=quant, params=self.params)
-            self.prefilled = [prefill_sequence(prefiller, row[: protocol.prefill_len]) for row in sequences]
+            if observer is not None:
+                observer.detach(exact)
+        self._key_scales: dict[int, torch.Tensor] | None = None
+        self._prefilled: list[Prefilled] | None = None
         self.exact = sum((score(lp, row, protocol.prefill_len) for lp, row in zip(self.reference, sequences)),
                          Score())
         self.rows_per_batch = max(1, max_state_bytes // bytes_per_row(weights, int(sequences.shape[1])))
+
+    def use_int8_keys(self, scales: dict[int, torch.Tensor]) -> None:
+        """Deployed configurations hold INT8 indexer keys of these scales (index_key_bits 8); each configuration's
+        calibration must carry the same scales (scales.with_key_scales)."""
+        self.quant = self.quant.replace(index_key_bits=8)
+        self._key_scales, self._prefilled = dict(scales), None
+
+    @property
+    def prefilled(self) -> list[Prefilled]:
+        """The sequences' deployed prefills (before any re-tier), made on first use: with INT8 keys they depend on
+        the key scales, which calibration fits after this evaluator's exact pass."""
+        if self._prefilled is None:
+            calib = None
+            if self._key_scales is not None:
+                calib = replace(KVCalibration.data_free(self.weights), index_key_scales=self._key_scales)
+            prefiller = GoldenModel(self.weights, mode="deployed", quant=self.quant, params=self.params,
+                                    calibration=calib)
+            with torch.inference_mode():
+                self._prefilled = [prefill_sequence(prefiller, row[: self.protocol.prefill_len]) for row in self.seqs]
+        return self._prefilled
 
     def deployed(self, calib: KVCalibration, fractions: Fractions) -> Score:
         return self.deployed_many([(calib, fractions)])[0]

@@ -40,6 +40,8 @@ from gsm import checkpoint as ckpt
 from gsm.golden.model import GoldenModel
 from gsm.golden.weights import GoldenWeights, KVCalibration
 
+INDEX_KEYS = ("int8", "fp16")  # --index-keys
+
 ALL_FP16: Fractions = (1.0, 0.0, 0.0)
 ALL_INT8: Fractions = (0.0, 0.0, 1.0)
 ALL_INT4: Fractions = (0.0, 0.0, 0.0, 1.0)
@@ -61,6 +63,7 @@ class CalibrateOptions:
     prefill_len: int | None = None  # default seq_len // 4
     adaptation_rate: int = 16
     fraction_step: float = 0.25
+    index_keys: str = "int8"  # INT8 indexer keys (fitted here) or fp16 (decisions "INT8 indexer keys")
     int4: bool = False  # the tier search may choose INT4 rows (opt in: docs/calibration.md "INT4 in the search")
     confidence_z: float = 2.0  # standard errors of margin when comparing with the budget
     sweep: bool = False  # measure every candidate on calibration and held-out text (sweep.py)
@@ -100,6 +103,8 @@ def check_options(o: CalibrateOptions, max_positions: int) -> None:
     for flag, v in (("--samples", o.samples), ("--search-samples", o.search_samples), ("--reservoir", o.reservoir)):
         if v < 1:
             raise CalibrationInputError(f"{flag} must be >= 1, got {v}")
+    if o.index_keys not in INDEX_KEYS:
+        raise CalibrationInputError(f"--index-keys {o.index_keys!r}: expected one of {', '.join(INDEX_KEYS)}")
     if o.eval_samples < 0:
         raise CalibrationInputError(f"--eval-samples must be >= 0, got {o.eval_samples}")
     if o.error_budget < 0:
@@ -158,6 +163,13 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     calib = sc.calibrate(stats, o.method, percentile=o.percentile)
     naive = sc.naive_calibration(stats)
     progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")
+    key_scales = sc.key_scales(observer.key_absmax) if o.index_keys == "int8" else None
+    if key_scales is not None:  # every deployed measurement below holds the keys as the engines will
+        calib, naive = sc.with_key_scales(calib, key_scales), sc.with_key_scales(naive, key_scales)
+        quant = quant.replace(index_key_bits=8)
+        if search is not None:
+            search.use_int8_keys(key_scales)
+        progress("indexer keys INT8, per-channel abs-max scales")
 
     if search is None:
         choice = Choice(tuple(o.tier_fractions), o.error_budget, True, [])
@@ -176,6 +188,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     # measured on fitted text is no evidence
     held_obs = LatentObserver(exact, capacity=o.reservoir, seed=o.seed, fp16=False)
     measured = Evaluator(weights, quant, ev.ids, protocol, observer=held_obs) if ev is not None else None
+    if measured is not None and key_scales is not None:
+        measured.use_int8_keys(key_scales)
     if ev is None:
         observe(exact, cal.ids, held_obs)
     held = held_obs.stats
@@ -192,7 +206,10 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         if o.sweep:
             from calibration.sweep import sweep
 
-            swept = sweep(Evaluator(weights, quant, search_seqs, protocol), measured, calib,
+            sweep_search = Evaluator(weights, quant, search_seqs, protocol)
+            if key_scales is not None:
+                sweep_search.use_int8_keys(key_scales)
+            swept = sweep(sweep_search, measured, calib,
                           candidate_fractions(o.fraction_step, o.int4), z=o.confidence_z, progress=progress)
 
     quant_out = quant.with_fractions(tuple(choice.fractions)).replace(method=o.method, samples=int(cal.ids.shape[0]),
@@ -256,7 +273,7 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
     even when the search picked all-INT8).
     """
     no_comp = sc.without_compensation(calib)
-    data_free = KVCalibration.data_free(weights)
+    data_free = sc.with_key_scales(KVCalibration.data_free(weights), calib.index_key_scales)
     chosen = tuple(choice.fractions)
     configs: list[tuple[str, KVCalibration | None, Fractions | None]] = [
         ("exact (no quantisation)", None, None),
@@ -285,7 +302,7 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
         if cal is None or fr is None:
             s, b = ev.exact, kv_bytes_per_position(weights, ALL_FP16)  # exact holds float32; FP16 for bytes
         else:
-            s, b = done[(id(cal), fr)], kv_bytes_per_position(weights, fr)
+            s, b = done[(id(cal), fr)], kv_bytes_per_position(weights, fr, 1 if ev.quant.int8_keys else 2)
             progress(f"{name}: perplexity {s.perplexity:.4f}")
         rows.append({"name": name, "tier_fractions": None if fr is None else list(fr), "kv_bytes_per_position": b,
                      "perplexity": s.perplexity, "mean_nll": s.mean_nll,

@@ -104,6 +104,22 @@ class LatentObserver:
                 g = torch.Generator().manual_seed(seed * 1_000_003 + 2 * i + n)
                 self.stats[(i, kv)] = ChannelStats(r, capacity, g)
         self._tokens: list[int] = []
+        # per owning layer: abs-max per channel of the indexer keys (their INT8 scale), sinks left out: a
+        # sink is selected whatever its score, so its key never meets the scale's clip
+        self.key_absmax = {i: torch.zeros(model.cfg.gsm.indexer_dim) for i in model.cfg.owning_layers}
+
+    def attach(self, model: GoldenModel) -> None:
+        model.latent_hooks.append(self)
+        model.key_hooks.append(self.observe_keys)
+
+    def detach(self, model: GoldenModel) -> None:
+        model.latent_hooks.remove(self)
+        model.key_hooks.remove(self.observe_keys)
+
+    def observe_keys(self, layer: int, start: int, keys: torch.Tensor) -> None:
+        rows = keys[max(0, self.sink_tokens - start):]
+        if rows.numel():
+            self.key_absmax[layer] = torch.maximum(self.key_absmax[layer], rows.detach().float().abs().amax(dim=0))
 
     def begin_sequence(self, token_ids: list[int]) -> None:
         self._tokens = list(token_ids)
@@ -125,13 +141,13 @@ class LatentObserver:
 @torch.inference_mode()
 def observe(model: GoldenModel, sequences: torch.Tensor, observer: LatentObserver) -> None:
     """Feed `observer` the latent rows of `model`'s forward calls over [B, T] ids, in order."""
-    model.latent_hooks.append(observer)
+    observer.attach(model)
     try:
         for row in sequences:
             observer.begin_sequence(row.tolist())
             model.forward(model.new_cache(), row)
     finally:
-        model.latent_hooks.remove(observer)
+        observer.detach(model)
 
 
 def collect_stats(model: GoldenModel, sequences: torch.Tensor, *, capacity: int = 16384,

@@ -25,7 +25,7 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 8
+GRAPH_REVISION = 9
 OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 
@@ -87,6 +87,26 @@ class PoolRows:
     @property
     def by_tier(self) -> tuple[int, int, int, int]:
         return self.fp16, self.int12, self.int8, self.int4
+
+
+@dataclass(frozen=True)
+class IndexKeyLayout:
+    """One position's indexer key in the caches (decisions "INT8 indexer keys"): FP16 values, or INT8 codes, which
+    the plugin graph holds four to an int32 word (TensorRT plugins do not take 8-bit tensors as plain bytes; the
+    latent pools are int32 words for the same reason) and the ONNX Runtime graphs as int8."""
+
+    index_dim: int
+    bits: int  # 16 or 8
+
+    @property
+    def plugin_width(self) -> int:
+        """Elements of `index_keys.{l}`'s last axis in the plugin graph: dI float16, or ceil(dI / 4) int32 words."""
+        return self.index_dim if self.bits == 16 else -(-self.index_dim // 4)
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes of one position's key (the plugin graph's words included)."""
+        return 2 * self.index_dim if self.bits == 16 else 4 * self.plugin_width
 
 
 # -- field parsers: each returns the value as BundleConfig holds it, or raises TypeError/ValueError ------------
@@ -199,6 +219,11 @@ class BundleConfig:
     # run-time window is 0 and a budget -1); empty: every layer selects with sparse_window and sparse_top_k
     layer_selection: dict[int, tuple[int, int]] = _spec(_layer_selection, "an object layer -> [window, top_k]",
                                                         default_factory=dict)
+
+    @property
+    def index_keys(self) -> IndexKeyLayout:
+        """How the caches hold the indexer keys (kv_quantization.index_key_bits; FP16 before revision 9)."""
+        return IndexKeyLayout(self.index_dim, self.kv_quantization.index_key_bits)
 
     def selection_of(self, layer: int) -> tuple[int, int]:
         """(window, top_k) owning layer `layer` selects with by default."""

@@ -86,8 +86,9 @@ ERROR_CODES: dict[str, str] = {
     "TENSOR_NONFINITE": "a tensor holds NaN or Inf",
     "MANIFEST_INVALID": "manifest.json exists but is not a gsm-edge manifest v1",
     "MANIFEST_MISMATCH": "a file is missing, changed or unlisted with respect to manifest.json",
-    "CALIB_TENSOR_MISSING": "kv_calibration.safetensors lacks scale_int8/comp_int8 of an owning layer",
-    "CALIB_SHAPE_MISMATCH": "a calibration tensor's shape is not [rank of its latent]",
+    "CALIB_TENSOR_MISSING": "kv_calibration.safetensors lacks scale_int8/comp_int8 of an owning layer (or the "
+                            "index_key.scale_int8 that index_key_bits 8 needs)",
+    "CALIB_SHAPE_MISMATCH": "a calibration tensor's shape is not [rank of its latent] ([indexer dim] for a key's)",
     "CALIB_SCALE_INVALID": "a calibration scale is not positive and finite (or comp is not finite)",
     "CALIB_UNEXPECTED": "kv_calibration.safetensors holds a tensor spec section 5 does not name",
     "TOKENIZER_INVALID": "tokenizer.json does not load, or has more tokens than vocab_size",
@@ -138,6 +139,7 @@ class _Checker:
         self.params = 0
         self.cfg: ModelConfig | None = None
         self.ranks: dict[int, tuple[int, int]] = {}
+        self.quant: KVQuantConfig | None = None
 
     # reporting
     def error(self, code: str, file: str | os.PathLike[str] | None, tensor: str | None,
@@ -290,7 +292,7 @@ class _Checker:
             return
         self.marks["adaptive_quant"] = True
         try:
-            KVQuantConfig.from_json(data)
+            self.quant = KVQuantConfig.from_json(data)
         except CONFIG_PARSE_ERRORS as e:
             self.error("QUANT_INVALID", path, None, f"{QUANT_FILE}: {e}")
 
@@ -425,6 +427,9 @@ class _Checker:
 
     def _check_calibration(self) -> None:
         path = self.dir / CALIB_FILE
+        if not path.exists() and self.quant is not None and self.quant.int8_keys:
+            self.error("CALIB_TENSOR_MISSING", path, None, f"{CALIB_FILE} is missing, but {QUANT_FILE} index_key_bits "
+                       "is 8: the INT8 indexer keys need their scales (index_key.scale_int8 of every owning layer)")
         if not path.exists() or CALIB_FILE in self.bad_links:
             return
         try:
@@ -447,13 +452,19 @@ class _Checker:
                     if what in names.CALIB_REQUIRED and names.calib_name(i, x, what) not in f:
                         n = names.calib_name(i, x, what)
                         self.error("CALIB_TENSOR_MISSING", path, n, f"{CALIB_FILE}: {n} [{r}] missing")
+            n, d_i = names.index_key_scale_name(i), self.cfg.gsm.indexer_dim
+            expected[n] = d_i
+            if self.quant is not None and self.quant.int8_keys and n not in f:
+                self.error("CALIB_TENSOR_MISSING", path, n, f"{CALIB_FILE}: {n} [{d_i}] missing "
+                           f"({QUANT_FILE} index_key_bits is 8)")
         for n in f.names:
             if n not in expected:
                 self.error("CALIB_UNEXPECTED", path, n, f"{CALIB_FILE}: {n} is not a spec section 5 "
                            "name of a KV-owning layer")
             elif f.shape(n) != (expected[n],):
+                what = "the indexer dim" if ".index_key." in n else "the latent rank"
                 self.error("CALIB_SHAPE_MISMATCH", path, n, f"{CALIB_FILE}: {n} has shape "
-                           f"{list(f.shape(n))}, expected [{expected[n]}] (the latent rank)")
+                           f"{list(f.shape(n))}, expected [{expected[n]}] ({what})")
             elif f.dtype(n) in FLOAT_DTYPES:
                 a = f.array(n)
                 bad = ~(a > 0) | ~(a < math.inf) if "scale" in n else ~(abs(a) < math.inf)

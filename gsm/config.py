@@ -325,6 +325,9 @@ class ModelConfig:
 DTYPE_NAMES = {"float32", "float16", "bfloat16"}
 
 
+INDEX_KEY_BITS = (16, 8)
+
+
 @dataclass(frozen=True)
 class KVQuantConfig:
     """quant_config.json `kv_quantization` (spec 5). Defaults are our decisions (docs/decisions.md)."""
@@ -337,6 +340,9 @@ class KVQuantConfig:
     fp16_window: int = 32
     hotness_decay: float = 0.9
     hot_token_ids: tuple[int, ...] = ()
+    # bits of the cached indexer keys: 16 (FP16, GSM_SPEC v1) or 8 (per-channel INT8 codes with scales in
+    # kv_calibration.safetensors, GSM_SPEC v2; decisions "INT8 indexer keys")
+    index_key_bits: int = 16
     method: str = "absmax"
     samples: int = 0
     data_hash: str = ""
@@ -349,6 +355,9 @@ class KVQuantConfig:
         if len(self.tier_fractions) == 4 and self.tier_fractions[3] > 0 and 4 not in self.bit_widths:
             raise ConfigError(f"kv_quantization.tier_fractions {list(self.tier_fractions)} keep INT4 rows but "
                               f"bit_widths {list(self.bit_widths)} has no 4 (GSM_SPEC v2: [16, 12, 8, 4])")
+        if self.index_key_bits not in INDEX_KEY_BITS:
+            raise ConfigError(f"kv_quantization.index_key_bits must be one of {list(INDEX_KEY_BITS)} "
+                              f"(FP16 or INT8 indexer keys), got {self.index_key_bits!r}")
         if self.fp16_window < 0:
             raise ConfigError(f"kv_quantization.fp16_window must be >= 0, got {self.fp16_window}")
         if not 0.0 <= self.hotness_decay < 1.0:
@@ -368,6 +377,10 @@ class KVQuantConfig:
     @property
     def uses_int4(self) -> bool:
         return tiers.uses_int4(self.tier_fractions)
+
+    @property
+    def int8_keys(self) -> bool:
+        return self.index_key_bits == 8
 
     def with_fractions(self, fractions: tuple[float, ...]) -> KVQuantConfig:
         """These options with other tier fractions; INT4 rows make bit_widths GSM_SPEC v2's."""
@@ -398,6 +411,8 @@ class KVQuantConfig:
         d = dataclasses.asdict(self)
         for k in ("bit_widths", "tier_fractions", "hot_token_ids"):
             d[k] = list(d[k])
+        if d["index_key_bits"] == 16:  # the v1 default: a v1 file stays as it was
+            del d["index_key_bits"]
         return {"kv_quantization": d}
 
     def replace(self, **kw: Any) -> KVQuantConfig:

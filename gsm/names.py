@@ -105,3 +105,9 @@ def calib_name(i: int, kv: str, what: str) -> str:
     """`layers.{i}.{k,v}.{scale_int8,scale_int12,comp_int8,scale_int4,comp_int4}`."""
     assert kv in ("k", "v") and what in CALIB_TENSORS
     return f"layers.{i}.{kv}.{what}"
+
+
+def index_key_scale_name(i: int) -> str:
+    """`layers.{i}.index_key.scale_int8` [dI]: per-channel scale of owning layer i's INT8 indexer keys
+    (decisions "INT8 indexer keys"; required when kv_quantization.index_key_bits is 8)."""
+    return f"layers.{i}.index_key.scale_int8"

@@ -24,7 +24,7 @@ class CacheGeometry:
     """What one cached position costs, from bundle.json and config.json."""
 
     latent_values: int  # sum over owning layers of r_k + r_v
-    index_bytes: int  # sum over owning layers of index_dim * 2 (FP16 indexer keys)
+    index_bytes: int  # sum over owning layers of one position's indexer key (index_dim * 2 FP16, index_dim INT8)
     dense_fp16_bytes: int  # the uncompressed model's K/V bytes per position
 
     @classmethod
@@ -35,7 +35,7 @@ class CacheGeometry:
         head_dim = int(model_cfg.get("head_dim") or int(model_cfg["hidden_size"]) // heads)
         kv_dim = int(model_cfg.get("num_key_value_heads") or heads) * head_dim
         return cls(latent_values=sum(rk + rv for rk, rv in ranks),
-                   index_bytes=len(ranks) * bundle_cfg.index_dim * 2,
+                   index_bytes=len(ranks) * bundle_cfg.index_keys.bytes,
                    dense_fp16_bytes=int(model_cfg["num_hidden_layers"]) * 2 * kv_dim * 2)
 
 

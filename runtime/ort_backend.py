@@ -9,8 +9,8 @@ library is not built, or the bundle predates the graph, `model.portable.onnx` (s
 Both take and return the same tensors, so everything below serves either.
 
 The cache is what the portable graph reads: per owning layer float32 latents `latent_k/v.{l}`
-[R, N_max, r] and FP16 indexer keys `index_keys.{l}` [R, N_max, dI], and (rev 5) per layer the K rows
-`k_rows.{l}` [R, N_max, kvD] made from the held latents, one row per live sequence. The K rows trade
+[R, N_max, r] and the indexer keys `index_keys.{l}` [R, N_max, dI] (FP16, or INT8 codes), and (rev 5) per layer
+the K rows `k_rows.{l}` [R, N_max, kvD] made from the held latents, one row per live sequence. The K rows trade
 memory (kvD float32 per layer and position, about as much as the latents again) for not rebuilding
 K_sel rows per layer on every step, the largest cost of a CPU step at a large top-k; a re-tier pass
 rewrites them from the re-encoded latents (the demotion graph returns both).
@@ -206,7 +206,8 @@ class OrtBackend:
             rk, rv = self.cfg.ranks[l]
             shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
             shapes[f"latent_v.{l}"] = ((self.n_max, rv), np.float32)
-            shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.float16)
+            # FP16 keys, or INT8 codes (kv_quantization.index_key_bits 8, graph revision 9)
+            shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.int8 if self.cfg.index_keys.bits == 8 else np.float16)
         for l, kvd in self.k_rows.items():
             shapes[f"k_rows.{l}"] = ((self.n_max, kvd), np.float32)
         return shapes

@@ -121,7 +121,9 @@ class RefBackend:
         self.buffers: dict[str, np.ndarray] = {}
         for l in self.layers:
             self.buffers[f"kv_pool.{l}"] = np.zeros((R, widths[f"kv_pool.{l}"]), np.int32)
-            self.buffers[f"index_keys.{l}"] = np.zeros((R, self.n_max, cfg.index_dim), np.float16)
+            keys = cfg.index_keys  # FP16, or INT8 codes four to an int32 word (engine_io revision 9)
+            self.buffers[f"index_keys.{l}"] = np.zeros((R, self.n_max, keys.plugin_width),
+                                                       np.float16 if keys.bits == 16 else np.int32)
         row_bytes = sum(b[0].nbytes for b in self.buffers.values()) + 4 * self.n_max  # + the slot table
         # a shadow call (forward commit=False) writes only beyond each sequence's length: probes possible;
         # demote() reads the re-encoded latents back for the KV noise

@@ -6,15 +6,15 @@ execute_async_v3) and cuda-python's runtime API for device memory. It is only im
 on a machine with TensorRT, a GPU and the GSM plugin library; tests skip it elsewhere.
 
 Buffers (docs/engine_io.md section 2), allocated once and bound at the same address for `X` and `X_out`:
-the pools kv_pool.{l} int32 words [R, P32] and index_keys.{l} f16 [R, N_max, dI], R = the plan's max_batch
-rows, always bound whole; the per-call tensors (input_ids, lengths, kv_slots [B, N_max], cache_rows [B],
-outputs) sized for max_batch sequences. Each sequence keeps one row of the pools (runtime.plugin_cache,
-shared with the reference backend, which runs the same host logic over the same memory model in CI); a
-call carries any of the resident sequences. Per call the runtime writes the per-call inputs (host ->
-device), runs the prefill context (profile 0, S > 1) or the decode context (profile 1, S = 1), and reads
-logits and attn_mass back. Demotion runs demote.plan over the whole pools with a demotion list whose
-entries name their rows; a re-tier pass reads the sequence's pool rows back before and after it for the
-KV noise.
+the pools kv_pool.{l} int32 words [R, P32] and index_keys.{l} [R, N_max, ...] (f16, or INT8 codes in int32
+words), R = the plan's max_batch rows, always bound whole; the per-call tensors (input_ids, lengths,
+kv_slots [B, N_max], cache_rows [B], outputs) sized for max_batch sequences. Each sequence keeps one row of
+the pools (runtime.plugin_cache, shared with the reference backend, which runs the same host logic over the
+same memory model in CI); a call carries any of the resident sequences. Per call the runtime writes the
+per-call inputs (host -> device), runs the prefill context (profile 0, S > 1) or the decode context
+(profile 1, S = 1), and reads logits and attn_mass back. Demotion runs demote.plan over the whole pools with a
+demotion list whose entries name their rows; a re-tier pass reads the sequence's pool rows back before and after
+it for the KV noise.
 """
 
 from __future__ import annotations

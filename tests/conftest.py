@@ -59,7 +59,8 @@ def need_ort_ops_library() -> None:
 
 
 def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8,
-                   tier_fractions: tuple[float, ...] | None = None, calibration: bytes | None = None) -> Path:
+                   tier_fractions: tuple[float, ...] | None = None, calibration: bytes | None = None,
+                   index_key_bits: int | None = None) -> Path:
     """A copy of checkpoint `base` that re-tiers every `rate` decode steps behind an `fp16_window`
     FP16 window, so that short golden-regression runs really read INT12/INT8 rows. Keeps the
     tokenizer and any calibration (or writes `calibration`, kv_calibration.safetensors bytes), and
@@ -73,6 +74,8 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
     quant = checkpoint.load_quant(base).replace(fp16_window=fp16_window)
     if tier_fractions is not None:
         quant = quant.with_fractions(tier_fractions)
+    if index_key_bits is not None:
+        quant = quant.replace(index_key_bits=index_key_bits)
     tok = base / "tokenizer.json"
     calib = base / "kv_calibration.safetensors"
     if calibration is None and calib.is_file():
@@ -87,25 +90,31 @@ INT4_FRACTIONS = (0.25, 0.125, 0.25, 0.375)
 
 
 def int4_copy(base: Path, out: Path) -> Path:
-    """retiering_copy of `base` whose re-tier passes fill all four tiers (GSM_SPEC v2), with fitted-looking INT4
-    tables: the data-free INT8 scales, INT4 scales clipping at half the data-free range, non-zero compensation
-    for both (so every operation of the INT8 and INT4 dequantisation is exercised)."""
+    """retiering_copy of `base` in GSM_SPEC v2's formats: re-tier passes fill all four tiers, with fitted-looking INT4
+    tables (the data-free INT8 scales, INT4 scales clipping at half the data-free range, non-zero compensation for
+    both, so every operation of the INT8 and INT4 dequantisation is exercised), and INT8 indexer keys whose scales
+    clip at ~3 standard deviations of the key (from the weights, as the data-free latent scales), so some codes
+    saturate."""
     import torch
     from safetensors.numpy import save
 
     from gsm import checkpoint
     from gsm.golden.weights import GoldenWeights, KVCalibration, LatentScales
 
-    df = KVCalibration.data_free(GoldenWeights.from_tensors(checkpoint.load_config(base),
-                                                            checkpoint.load_state_dict(base)))
+    w = GoldenWeights.from_tensors(checkpoint.load_config(base), checkpoint.load_state_dict(base))
+    df = KVCalibration.data_free(w)
     g = torch.Generator().manual_seed(5)
 
     def jitter(scale: torch.Tensor) -> torch.Tensor:
         return (torch.rand(scale.shape, generator=g) - 0.5) * scale
 
+    keys = {i: (3.0 * (w.owning(i).idx_k * w.layers[i].input_norm).norm(dim=1) / 127.0).float()
+            for i in w.cfg.owning_layers}
     cal = KVCalibration({k: LatentScales(s.scale_int8, s.scale_int12, jitter(s.scale_int8), s.scale_int4 * 0.5,
-                                         jitter(s.scale_int4 * 0.5)) for k, s in df.scales.items()}, calibrated=True)
-    return retiering_copy(base, out, tier_fractions=INT4_FRACTIONS, calibration=save(cal.to_tensors()))
+                                         jitter(s.scale_int4 * 0.5)) for k, s in df.scales.items()}, calibrated=True,
+                        index_key_scales=keys)
+    return retiering_copy(base, out, tier_fractions=INT4_FRACTIONS, calibration=save(cal.to_tensors()),
+                          index_key_bits=8)
 
 
 def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, int]]) -> Path:

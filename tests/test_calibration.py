@@ -281,6 +281,46 @@ def test_scales_are_reproducible_bytes_and_token_ids_match_text(stories_gsm, tmp
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "c" / f).read_bytes()
 
 
+def test_index_key_scales_are_absmax_of_the_calibration_keys(stories_gsm, tmp_path):
+    """INT8 indexer keys (the default): scale = abs-max / 127 per channel of every key the calibration sequences
+    write at positions past the sinks (recomputed here from the golden's own forward); --index-keys fp16 writes
+    none and leaves index_key_bits at 16."""
+    from gsm import names
+    from gsm.convert.data import token_sequences
+    from gsm.tokenizer import load_tokenizer
+
+    ids = token_sequences(CALIB_TEXT, load_tokenizer(stories_gsm), seq_len=128, max_tokens=128 * 16, bos_id=1,
+                          vocab_size=512)
+    np.save(tmp_path / "ids.npy", ids.numpy().astype(np.int32))
+    common = ["--checkpoint", str(stories_gsm), "--data", str(tmp_path / "ids.npy"), *SMALL, "--tier-fractions",
+              "0,0,1", "--eval-samples", "0"]
+    assert main(["run", *common, "--out", str(tmp_path / "int8")]) == 0
+    assert main(["run", *common, "--index-keys", "fp16", "--out", str(tmp_path / "fp16")]) == 0
+    m = GoldenModel.from_checkpoint(stories_gsm)
+    seen: dict[int, list[torch.Tensor]] = {}
+    m.key_hooks.append(lambda i, start, keys: seen.setdefault(i, []).append(keys[m.p.sink_tokens - start:].clone()))
+    with torch.no_grad():
+        for row in ids:
+            m.forward(m.new_cache(), row)
+    file = ckpt.load_kv_calibration(tmp_path / "int8")
+    assert ckpt.load_quant(tmp_path / "int8").index_key_bits == 8
+    for i, parts in seen.items():
+        absmax = torch.cat(parts).abs().amax(dim=0)
+        assert (absmax > 0).all()
+        want = (absmax / torch.tensor(127.0)).numpy()
+        assert np.array_equal(file[names.index_key_scale_name(i)], want), i
+    assert verify(tmp_path / "int8").ok
+    assert not any(".index_key." in n for n in ckpt.load_kv_calibration(tmp_path / "fp16"))
+    assert ckpt.load_quant(tmp_path / "fp16").index_key_bits == 16
+    # the deployed golden of the INT8 checkpoint holds the codes
+    g = GoldenModel.from_checkpoint(tmp_path / "int8", mode="deployed")
+    cache = g.new_cache()
+    with torch.no_grad():
+        g.forward(cache, ids[0])
+    k = cache.layers[m.cfg.owning_layers[0]].keys
+    assert torch.equal(k, k.round()) and k.abs().max() <= 127 and cache.key_bytes == 1
+
+
 def test_in_place_rewrite_is_atomic_and_verifies(ckpt_copy):
     weights = (ckpt_copy / "model.safetensors").read_bytes()
     assert main(["run", "--checkpoint", str(ckpt_copy), "--data", str(CALIB_TEXT), *SMALL,

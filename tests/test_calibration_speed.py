@@ -65,7 +65,14 @@ def _golden_row(w, quant, calib, fractions, row, prot):
     return torch.cat(lps), cache
 
 
-def test_lockstep_equals_golden_decode(small):
+def _key_scales(w: GoldenWeights, sigmas: float) -> dict[int, torch.Tensor]:
+    """INT8 indexer-key scales clipping at `sigmas` standard deviations of the key (from the weights)."""
+    return {i: (sigmas * (w.owning(i).idx_k * w.layers[i].input_norm).norm(dim=1) / 127.0).float()
+            for i in w.cfg.owning_layers}
+
+
+@pytest.mark.parametrize("key_bits", [16, 8])
+def test_lockstep_equals_golden_decode(small, key_bits):
     w, quant, seqs = small
     prot = Protocol(PREFILL, RATE)
     params = replace(w.cfg.gsm, quantization_adaptation_rate=RATE)
@@ -73,9 +80,16 @@ def test_lockstep_equals_golden_decode(small):
     configs = [Config(df, (0.0, 0.0, 1.0)), Config(_scaled(df, 0.5, 1), (0.25, 0.25, 0.5)),
                Config(_scaled(df, 2.0, 2), (0.0, 1.0, 0.0)), Config(df, (1.0, 0.0, 0.0)),
                Config(_scaled(df, 0.7, 3), (0.0, 0.25, 0.25, 0.5))]
+    prefill_calib = None
+    if key_bits == 8:  # INT8 indexer keys: every configuration holds codes of the same key scales
+        quant = quant.replace(index_key_bits=8)
+        keys = _key_scales(w, 3.0)
+        configs = [Config(replace(c.calib, index_key_scales=keys), c.fractions) for c in configs]
+        prefill_calib = configs[0].calib
     exact = GoldenModel(w, mode="exact", quant=quant)
     ref = torch.stack([F.log_softmax(exact.forward(exact.new_cache(), r[:-1]).logits[PREFILL:], -1) for r in seqs])
-    pre = [prefill_sequence(GoldenModel(w, mode="deployed", quant=quant, params=params), r[:PREFILL]) for r in seqs]
+    pm = GoldenModel(w, mode="deployed", quant=quant, params=params, calibration=prefill_calib)
+    pre = [prefill_sequence(pm, r[:PREFILL]) for r in seqs]
     rows = [(b, c) for c in range(len(configs)) for b in range(seqs.shape[0])]
     # the same decode as decode_scores, kept here to compare the final state too
     ls = Lockstep(w, quant, params, seqs, pre, configs, rows)
@@ -107,6 +121,11 @@ def test_lockstep_equals_golden_decode(small):
                 assert bool(((mine - theirs).abs() <= step * 1.001).all()), (b, c, i, kv)
                 assert float((mine == theirs).float().mean()) >= 0.8, (b, c, i, kv)
     assert demoted > 0 and int4 > 0
+    if key_bits == 8:
+        assert torch.equal(ls.keys[w.cfg.owning_layers[0]], ls.keys[w.cfg.owning_layers[0]].round())
+        bad = [Config(replace(configs[0].calib, index_key_scales=_key_scales(w, 6.0)), (0.0, 0.0, 1.0))]
+        with pytest.raises(ValueError, match="share their INT8 indexer-key scales"):
+            Lockstep(w, quant, params, seqs, pre, [configs[0], *bad], [(0, 0), (0, 1)])
 
 
 def test_search_measures_whole_levels_once():

@@ -555,6 +555,33 @@ def test_gsm_spec_v2_int4_tier_passes(ctx: Ctx) -> None:
     assert "CALIB_SCALE_INVALID" in verify(d).codes  # an INT4 scale is checked like the others
 
 
+def test_int8_index_keys_need_their_scales(ctx: Ctx) -> None:
+    """index_key_bits 8 (decisions "INT8 indexer keys"): every owning layer's index_key.scale_int8 [dI], checked
+    like the latent scales; without the flag the tensors are still allowed (and checked)."""
+    d = ctx.copy(manifest=False)
+    d_i = json.loads((d / "config.json").read_text())["gsm_config"]["indexer_dim"]
+
+    def keys(a: dict[str, np.ndarray], layers: tuple[int, ...] = (0, 1, 2), dim: int = d_i) -> None:
+        for i in layers:
+            a[names.index_key_scale_name(i)] = np.full(dim, 0.02, np.float32)
+
+    edit_json(d / "quant_config.json", lambda j: j["kv_quantization"].update(index_key_bits=8))
+    write_calibration(d, keys)
+    assert verify(d).ok, verify(d).to_json()
+    write_calibration(d, lambda a: keys(a, (0, 2)))
+    r = verify(d)
+    assert r.codes == ["CALIB_TENSOR_MISSING"] and names.index_key_scale_name(1) in r.errors[0].message
+    write_calibration(d, lambda a: keys(a, dim=d_i + 1))
+    assert set(verify(d).codes) == {"CALIB_SHAPE_MISMATCH"} and "indexer dim" in verify(d).errors[0].message
+    write_calibration(d, lambda a: (keys(a), a[names.index_key_scale_name(0)].__setitem__(3, -1.0)))
+    assert verify(d).codes == ["CALIB_SCALE_INVALID"]
+    edit_json(d / "quant_config.json", lambda j: j["kv_quantization"].update(index_key_bits=16))
+    write_calibration(d)
+    assert verify(d).ok  # FP16 keys need no key scales
+    edit_json(d / "quant_config.json", lambda j: j["kv_quantization"].update(index_key_bits=4))
+    assert "QUANT_INVALID" in verify(d).codes
+
+
 def test_params_counts_elements(tiny: Path) -> None:
     f = LazySafetensors(tiny / "model.safetensors")
     assert verify(tiny).params == sum(int(np.prod(f.shape(n))) for n in f.names)

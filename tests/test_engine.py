@@ -212,13 +212,17 @@ def test_cache_bytes_against_hand_computation():
     2 KV heads of 16): dense 4*2*32*2 = 512 B/position; FP16 position 66*2 + 3*16*2 = 228 B."""
     from types import SimpleNamespace
 
+    from gsm.bundle_format import IndexKeyLayout
     from runtime.metrics import CacheGeometry, cache_bytes, compression_ratio, tier_counts
 
-    bundle_cfg = SimpleNamespace(ranks={0: (12, 10), 1: (14, 8), 2: (12, 10)}, index_dim=16)  # BundleConfig's fields
-    geo = CacheGeometry.from_bundle(bundle_cfg,
-                                    {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                     "hidden_size": 64})
+    model = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    ranks = {0: (12, 10), 1: (14, 8), 2: (12, 10)}
+    bundle_cfg = SimpleNamespace(ranks=ranks, index_keys=IndexKeyLayout(16, 16))  # BundleConfig's fields
+    geo = CacheGeometry.from_bundle(bundle_cfg, model)
     assert (geo.latent_values, geo.index_bytes, geo.dense_fp16_bytes) == (66, 96, 512)
+    # INT8 indexer keys: one byte per channel, 3 layers x 16
+    assert CacheGeometry.from_bundle(SimpleNamespace(ranks=ranks, index_keys=IndexKeyLayout(16, 8)),
+                                     model).index_bytes == 48
     counts = tier_counts([np.zeros(10, np.int8), np.array([0, 1, 2, 2, 3, 3, 3], np.int8)])
     assert counts.tolist() == [11, 1, 2, 3]
     b = cache_bytes(counts, geo)

@@ -34,24 +34,34 @@ GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 10), "vec": (6, 2, 16, 4, 16, 20, 36)}
 R, N = 4, 64
 
 
-def model_bytes(geo: tuple[int, ...], sinks: int) -> bytes:
+KEY_INPUTS = ("new_index_keys", "index_keys")
+
+
+def model_bytes(geo: tuple[int, ...], sinks: int, key_type: int = TensorProto.FLOAT16) -> bytes:
     nH, nKV, D, nI, dI, _, _ = geo
     node = helper.make_node("GsmCachedAttention", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS], domain=DOMAIN,
                             num_heads=nH, num_kv_heads=nKV, head_dim=D, index_heads=nI, index_dim=dI,
                             sink_tokens=sinks)
     graph = helper.make_graph([node], "gsm_cached_attention",
-                              [helper.make_tensor_value_info(n, t, None) for n, t in INPUTS],
+                              [helper.make_tensor_value_info(n, key_type if n in KEY_INPUTS else t, None)
+                               for n, t in INPUTS],
                               [helper.make_tensor_value_info(n, t, None) for n, t in OUTPUTS])
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
     m.ir_version = 8
     return m.SerializeToString()
 
 
-def session(geo: tuple[int, ...], sinks: int, threads: int) -> ort.InferenceSession:
+def session(geo: tuple[int, ...], sinks: int, threads: int, key_type: int = TensorProto.FLOAT16
+            ) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(LIB))
     so.intra_op_num_threads = threads
-    return ort.InferenceSession(model_bytes(geo, sinks), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model_bytes(geo, sinks, key_type), so, providers=["CPUExecutionProvider"])
+
+
+def int8_keys(x: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The same inputs with INT8 key codes (decisions "INT8 indexer keys"; the op reads them as float32 integers)."""
+    return {**x, **{n: rng.integers(-127, 128, x[n].shape).astype(np.int8) for n in KEY_INPUTS}}
 
 
 def make_inputs(rng: np.random.Generator, geo: tuple[int, ...], past: list[int], new: list[int], S: int,
@@ -161,15 +171,20 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("keys", ["fp16", "int8"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_reference(name: str) -> None:
+def test_matches_reference(name: str, keys: str) -> None:
     geo_name, past, new, S, window, sinks, top_k, zero_w = CASES[name]
     geo = GEOMETRIES[geo_name]
-    x = make_inputs(np.random.default_rng(sorted(CASES).index(name)), geo, past, new, S, window, top_k, zero_w)
+    rng = np.random.default_rng(sorted(CASES).index(name))
+    x = make_inputs(rng, geo, past, new, S, window, top_k, zero_w)
+    key_type = TensorProto.FLOAT16
+    if keys == "int8":
+        x, key_type = int8_keys(x, rng), TensorProto.INT8
     want = reference(x, geo, sinks)
     got = {}
     for threads in (1, 2):
-        res = session(geo, sinks, threads).run(None, x)
+        res = session(geo, sinks, threads, key_type).run(None, x)
         got[threads] = dict(zip([n for n, _ in OUTPUTS], res))
         np.testing.assert_array_equal(got[threads]["selected"], want["selected"])
         for n in ("attn_out", "new_k_rows", "attn_mass"):
@@ -202,6 +217,22 @@ def test_bad_input_names_it(field: str, value: list[int], names: str) -> None:
     with pytest.raises(Exception, match="GsmCachedAttention") as err:
         session(geo, 1, 1).run(None, x)
     assert names in str(err.value)
+
+
+def test_key_types_must_agree() -> None:
+    geo = GEOMETRIES["vec"]
+    x = make_inputs(np.random.default_rng(5), geo, [4], [1], 1, 1, [2])
+    x["index_keys"] = int8_keys(x, np.random.default_rng(6))["index_keys"]  # int8 cache, float16 new keys
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(LIB))
+    types = {"index_keys": TensorProto.INT8}
+    node = onnx.load_from_string(model_bytes(geo, 1))
+    for v in node.graph.input:
+        if v.name in types:
+            v.type.tensor_type.elem_type = types[v.name]
+    sess = ort.InferenceSession(node.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="index_keys and new_index_keys must both be float16 or both int8"):
+        sess.run(None, x)
 
 
 def test_bad_shape_names_input() -> None:

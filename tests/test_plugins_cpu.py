@@ -91,8 +91,13 @@ def golden_check(sc: Scenario, res: ref.AttentionResult, selected_in: np.ndarray
             nq = d.index_heads * d.index_dim
             x = torch.from_numpy(np.concatenate([sc.index_q[b, :T], sc.index_w[b, :T]], axis=1))
             eye = torch.eye(nq + d.index_heads)
-            keys = Q.round_fp16(torch.from_numpy(sc.keys_raw[b, :n]))
-            assert np.array_equal(sc.index_keys[b, :n].astype(np.float32), keys.numpy())
+            if d.index_key_bits == 8:  # the node stores clip(rint(x), -127, 127) of the (already scaled) key it gets
+                keys = torch.from_numpy(np.clip(np.rint(sc.keys_raw[b, :n]), -127, 127))
+                assert np.array_equal(ref.key_codes_of(d, sc.index_keys[b, :n]).astype(np.float32), keys.numpy())
+                assert (np.rint(sc.keys_raw[b, :n]) != sc.keys_raw[b, :n]).all()  # the store rounds (and clamps)
+            else:
+                keys = Q.round_fp16(torch.from_numpy(sc.keys_raw[b, :n]))
+                assert np.array_equal(sc.index_keys[b, :n].astype(np.float32), keys.numpy())
             g_scores = index_scores(x, eye[:nq], eye[nq:], keys, d.index_heads)
             ours = torch.from_numpy(res.scores[b, :T, :n].copy())
             causal = A.causal_mask(q_pos, n)
@@ -380,6 +385,9 @@ CASES = {
     # INT4 rows by every path and in every region (testing.PATH_TIERS), odd ranks
     "decode-int4-mixed": (4, 2, 16, 7, 5, 2, 8, 2, 12, 4, 3, 300, [280, 40], [1, 1], ALL_PATHS),
     "prefill-chunk-int4-only": (4, 1, 8, 6, 9, 2, 4, 1, 8, 4, 4, 160, [120], [6], (0, 0, 0, 0, 1, 0, 0, 0)),
+    # INT8 indexer keys (engine_io rev 9; "keys8" in the name): dI 8 fills two int32 words, 12 pads the last one
+    "decode-keys8-gqa4": (8, 2, 16, 11, 3, 3, 8, 3, 10, 6, 2, 200, [150, 20], [1, 1], (0.4, 0.2, 0.2, 0.2)),
+    "chunked-keys8-int4-odd-dim": (4, 1, 8, 7, 5, 2, 12, 2, 12, 4, 3, 300, [280, 40], [4, 1], ALL_PATHS),
 }
 
 
@@ -388,7 +396,8 @@ def _scenario(name: str, *, layer_kind: int = 0, seed: int = 0) -> Scenario:
     rng = np.random.default_rng(abs(hash(name)) % 2**32 + seed)
     return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
                          index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
-                         past=past, new=new, tier_mix=mix, layer_kind=layer_kind)
+                         past=past, new=new, tier_mix=mix, layer_kind=layer_kind,
+                         index_key_bits=8 if "keys8" in name else 16)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -396,6 +405,8 @@ def test_owning_attention_matches_golden(name: str) -> None:
     sc = _scenario(name)
     res = sc.call(return_scores=True)
     golden_check(sc, res)
+    if "keys8" in name:  # some keys reach the clamp
+        assert (np.abs(ref.key_codes_of(sc.dims, sc.index_keys)[sc.path >= 0]) == 127).any()
     if "int4" in name:
         assert (ref.slot_tier(sc.slots[sc.path >= 0]) == ref.INT4).any()
         # the latents attention read are a plain NumPy decode of the pool's bytes (golden_check's are the golden's)

@@ -54,6 +54,7 @@ class SequenceCache:
     decode_steps: int = 0
     # side caches of the golden's own diagnostics (dense K/V of sharing layers for KV noise)
     dense_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    key_bytes: int = 2  # bytes per indexer key channel: 2 FP16, 1 INT8 codes
 
     @property
     def length(self) -> int:
@@ -122,10 +123,10 @@ class SequenceCache:
 
     # -- accounting (spec 6) --------------------------------------------------------------------
     def bytes_used(self) -> float:
-        """Bytes of the latent cache under the current tiers, plus FP16 indexer keys."""
+        """Bytes of the latent cache under the current tiers, plus the indexer keys (FP16 or INT8)."""
         total = 0.0
         for c in self.layers.values():
             r = c.ck.shape[1] + c.cv.shape[1]
             per_tier = torch.tensor([r * b for b in TIER_BYTES])
-            total += float(per_tier[self.tier.long()].sum()) + self.length * c.keys.shape[1] * 2
+            total += float(per_tier[self.tier.long()].sum()) + self.length * c.keys.shape[1] * self.key_bytes
         return total

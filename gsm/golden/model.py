@@ -26,12 +26,15 @@ from gsm.config import GSMParams, KVQuantConfig, ModelConfig
 from gsm.golden import attention as A
 from gsm.golden.blocks import rms_norm, swiglu_mlp
 from gsm.golden.cache import LayerCache, SequenceCache
+from gsm.golden.quant import quantize_keys
 from gsm.golden.selection import index_scores, select
 from gsm.golden.weights import GoldenWeights, KVCalibration, OwningKV
 
 Mode = Literal["exact", "deployed"]
 # (owning layer, first new position, c_k rows [T, r_k], c_v rows [T, r_v]) as the cache stores them
 LatentHook = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+# (owning layer, first new position, indexer keys [T, dI] float32, before any INT8 coding)
+KeyHook = Callable[[int, int, torch.Tensor], None]
 
 
 @dataclass
@@ -69,9 +72,13 @@ class GoldenModel:
         self.mode = mode
         self.quant = quant or KVQuantConfig()
         self.calib = calibration or KVCalibration.data_free(weights)
+        if self.key_scales is not None and not self.calib.keys_fitted(self.cfg):
+            raise ValueError("kv_quantization.index_key_bits is 8 but the calibration has no index_key.scale_int8 "
+                             "for every owning layer")
         self.dense_kv = dense_kv or {}
         # observers of new latent rows (calibration statistics, as TensorRT-LLM's forward hooks)
         self.latent_hooks: list[LatentHook] = []
+        self.key_hooks: list[KeyHook] = []
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, mode: Mode = "exact", **kw) -> GoldenModel:
@@ -83,11 +90,18 @@ class GoldenModel:
         calib = KVCalibration.from_tensors(cfg, calib_t) if calib_t is not None else None
         return cls(weights, mode=mode, quant=checkpoint.load_quant(path), calibration=calib, **kw)
 
+    @property
+    def key_scales(self) -> dict[int, torch.Tensor] | None:
+        """INT8 indexer keys (decisions "INT8 indexer keys"): what deployed engines hold under `quant`; exact mode
+        keeps float32 keys. None: FP16 keys."""
+        return self.calib.index_key_scales if self.mode == "deployed" and self.quant.int8_keys else None
+
     # -- cache -----------------------------------------------------------------------------------
     def new_cache(self) -> SequenceCache:
         layers = {i: LayerCache.empty(*self.w.owning(i).ranks, self.cfg.gsm.indexer_dim)
                   for i in self.cfg.owning_layers}
-        return SequenceCache(deployed=self.mode == "deployed", layers=layers)
+        return SequenceCache(deployed=self.mode == "deployed", layers=layers,
+                             key_bytes=1 if self.key_scales is not None else 2)
 
     # -- one forward call ------------------------------------------------------------------------
     def forward(self, cache: SequenceCache, ids: list[int] | torch.Tensor, *, trace: bool = False) -> StepResult:
@@ -106,13 +120,18 @@ class GoldenModel:
             q = A.queries(x, lw.q_proj, q_pos, cfg.num_attention_heads, cfg.rope_theta)  # [nH, T, D]
             if isinstance(lw.kv, OwningKV):
                 kv = lw.kv
-                cache.append(i, (x @ kv.k_Vt.T) * kv.k_S, (x @ kv.v_Vt.T) * kv.v_S, x @ kv.idx_k.T)
+                ks = self.key_scales[i] if self.key_scales is not None else None
+                keys = x @ kv.idx_k.T
+                for key_hook in self.key_hooks:
+                    key_hook(i, n0, keys)
+                keys = keys if ks is None else quantize_keys(keys, ks)
+                cache.append(i, (x @ kv.k_Vt.T) * kv.k_S, (x @ kv.v_Vt.T) * kv.v_S, keys)
                 c = cache.layers[i]
                 for hook in self.latent_hooks:
                     hook(i, n0, c.ck[n0:], c.cv[n0:])
                 lp = self.p.for_layer(i)
                 if lp.sparse_top_k > 0:
-                    scores = index_scores(x, kv.idx_q, kv.idx_w, c.keys, cfg.gsm.indexer_heads)  # [T, n]
+                    scores = index_scores(x, kv.idx_q, kv.idx_w, c.keys, cfg.gsm.indexer_heads, ks)  # [T, n]
                 else:  # a streaming layer (sinks + window): no indexer pick to score
                     scores = torch.zeros(T, n)
                 sel_of[i] = select(scores, q_pos, lp)

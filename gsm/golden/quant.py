@@ -15,6 +15,12 @@ order to agree bit for bit on dequantised latents:
 - Default scales when calibration has none: s12 = float32(float32(s8 * 127) / 2047),
   s4 = float32(float32(s8 * 127) / 7), comp4 = 0.
 
+INT8 indexer keys (decisions "INT8 indexer keys"): per channel of the key e [dI] (float32, not rounded to
+FP16 first), q = clamp(rint_half_even(e * inv), -127, 127) with inv = float32(1 / s) (an IEEE float32
+division, once per channel: engines fold it into the multiply that follows their projection); the index
+score then reads q as float32 against the query scaled per channel, q_hat * s (one float32 multiply), which is
+q_hat . (s * q) in real arithmetic.
+
 INT12 packing: two values a, b (12-bit two's complement) in three bytes
     byte0 = a & 0xFF, byte1 = ((a >> 8) & 0x0F) | ((b & 0x0F) << 4), byte2 = (b >> 4) & 0xFF
 an odd count is padded with a zero value.
@@ -51,6 +57,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, comp: torch.Tensor | None =
     if comp is not None:
         v = v + comp.float()
     return v
+
+
+def key_inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """float32(1 / s) per channel of an INT8 indexer key."""
+    return torch.ones_like(scale, dtype=torch.float32) / scale.float()
+
+
+def quantize_keys(e: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Indexer keys [..., dI] float32 -> their INT8 codes as float32 (what the score reads)."""
+    return torch.round(e.float() * key_inverse_scale(scale)).clamp_(-127, 127)
 
 
 def default_int12_scale(scale_int8: torch.Tensor) -> torch.Tensor:

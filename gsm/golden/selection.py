@@ -10,14 +10,18 @@ from gsm.config import GSMParams
 
 
 def index_scores(x: torch.Tensor, idx_q: torch.Tensor, idx_w: torch.Tensor, keys: torch.Tensor,
-                 n_heads: int) -> torch.Tensor:
+                 n_heads: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """I(t, s) = sum_j w_j ReLU(q_j . e_s) / sqrt(dI) for every query row and cached key.
 
     x: [T, H] normalised inputs of the queries; idx_q: [nI*dI, H]; idx_w: [nI, H];
     keys: [n, dI] cached indexer keys -> scores [T, n] (causality is applied by `select`).
+    key_scale [dI]: the keys are INT8 codes of that scale; each query head is scaled by it instead
+    (gsm.golden.quant "INT8 indexer keys").
     """
     T, dI = x.shape[0], keys.shape[1]
     q = (x @ idx_q.T).view(T, n_heads, dI)  # [T, nI, dI]
+    if key_scale is not None:
+        q = q * key_scale.float()
     w = x @ idx_w.T  # [T, nI]
     dots = torch.relu(torch.einsum("tjd,sd->tjs", q, keys))  # [T, nI, n]
     return torch.einsum("tj,tjs->ts", w, dots) / math.sqrt(dI)  # [T, n]

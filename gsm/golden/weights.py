@@ -117,6 +117,8 @@ class KVCalibration:
 
     scales: dict[tuple[int, str], LatentScales]
     calibrated: bool  # False for the data-free defaults below
+    # owning layer -> [dI] scale of its INT8 indexer keys (optional; fitted on text only)
+    index_key_scales: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: Mapping[str, np.ndarray | torch.Tensor]) -> KVCalibration:
@@ -132,7 +134,9 @@ class KVCalibration:
                 out[(i, kv)] = LatentScales(
                     s8, s12, comp, torch.as_tensor(np.asarray(tensors[s4])).float() if s4 in tensors else None,
                     torch.as_tensor(np.asarray(tensors[c4])).float() if c4 in tensors else None)
-        return cls(out, calibrated=True)
+        keys = {i: torch.as_tensor(np.asarray(tensors[names.index_key_scale_name(i)])).float()
+                for i in cfg.owning_layers if names.index_key_scale_name(i) in tensors}
+        return cls(out, calibrated=True, index_key_scales=keys)
 
     @classmethod
     def data_free(cls, w: GoldenWeights, sigmas: float = 4.0) -> KVCalibration:
@@ -161,7 +165,13 @@ class KVCalibration:
             if s.int4_fitted:
                 d[names.calib_name(i, kv, "scale_int4")] = s.scale_int4.numpy().astype(np.float32)
                 d[names.calib_name(i, kv, "comp_int4")] = s.comp_int4.numpy().astype(np.float32)
+        for i, s in sorted(self.index_key_scales.items()):
+            d[names.index_key_scale_name(i)] = s.numpy().astype(np.float32)
         return d
+
+    def keys_fitted(self, cfg: ModelConfig) -> bool:
+        """Every owning layer has its INT8 indexer-key scale (index_key_bits 8 needs them)."""
+        return all(i in self.index_key_scales for i in cfg.owning_layers)
 
     @property
     def int4_fitted(self) -> bool:

@@ -45,7 +45,7 @@ GSM_EXPORT char const* gsm_cuda_architectures()
 
 // fp16 0: ck/cv/key float32; 1: float16 bits (what TensorRT passes when it picks kHALF for the plugins' I/O).
 GSM_EXPORT int32_t gsm_cuda_kv_update(GsmDims const* d, int32_t B, int32_t S, int32_t fp16, void const* ck,
-    void const* cv, void const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
+    void const* cv, void const* key, int32_t* pool, void* indexKeys, int32_t const* slots, int32_t const* past,
     int32_t const* newLengths, int32_t const* cacheRowsDevice, int32_t poolRows, void* stream)
 {
     cudaStream_t const st = static_cast<cudaStream_t>(stream);
@@ -81,7 +81,7 @@ GSM_EXPORT int64_t gsm_cuda_attention_workspace_bytes(GsmDims const* d, int64_t 
 GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_t S, int32_t fp16, void const* q,
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, void const* indexQ,
-    void const* indexW, uint16_t const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
+    void const* indexW, void const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
     int32_t const* sparseTopKDevice, int32_t const* cacheRowsDevice, int32_t poolRows, void* out,
     int32_t* selectedOut, float* mass, void* workspace, int64_t workspaceBytes, void* stream)
 {

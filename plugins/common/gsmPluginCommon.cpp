@@ -102,6 +102,11 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
 
 void validateLayout(char const* pluginName, GsmDims const& d)
 {
+    if (d.indexKeyBits != 8 && d.indexKeyBits != 16)
+    {
+        throw std::invalid_argument(std::string(pluginName) + ": attribute 'index_key_bits' = "
+            + std::to_string(d.indexKeyBits) + ", expected 8 (INT8 key codes) or 16 (FP16 keys)");
+    }
     int64_t const rows = regionRows(d);
     if (rows < d.nMax)
     {

@@ -34,8 +34,9 @@ GSM_EXPORT char const* gsm_ref_last_error()
 GSM_EXPORT int32_t gsm_ref_abi_version()
 {
     // 3: kv_update / sparse_attention take cacheRows + the pools' rows (engine_io rev 6); 4: the INT4 tier
-    // (GsmDims.rowsINT4, [5, r] quant tables, four tier fractions, dequantize by tier, INT4 packing probes)
-    return 4;
+    // (GsmDims.rowsINT4, [5, r] quant tables, four tier fractions, dequantize by tier, INT4 packing probes);
+    // 5: INT8 indexer keys (GsmDims.indexKeyBits, index keys as bytes of either layout)
+    return 5;
 }
 
 GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)
@@ -49,7 +50,7 @@ GSM_EXPORT int64_t gsm_ref_row_offset(GsmDims const* d, int32_t g)
 }
 
 GSM_EXPORT int32_t gsm_ref_kv_update(GsmDims const* d, int32_t B, int32_t S, float const* ck, float const* cv,
-    float const* key, int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* past,
+    float const* key, int32_t* pool, void* indexKeys, int32_t const* slots, int32_t const* past,
     int32_t const* newLengths, int32_t const* cacheRows, int32_t poolRows)
 {
     std::string err;
@@ -77,7 +78,7 @@ GSM_EXPORT int32_t gsm_ref_read_latents(GsmDims const* d, int32_t B, int32_t con
 GSM_EXPORT int32_t gsm_ref_sparse_attention(GsmDims const* d, int32_t B, int32_t S, float const* q,
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
-    float const* indexW, uint16_t const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn,
+    float const* indexW, void const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn,
     int32_t const* sparseTopK, int32_t const* cacheRows, int32_t poolRows, float* out, int32_t* selectedOut,
     float* mass, float* scores, int32_t nThreads)
 {

@@ -33,6 +33,7 @@ struct GsmDims
     int32_t rowsINT12;       // C12
     int32_t rowsINT8;        // C8
     int32_t rowsINT4;        // C4 (attribute rows_int4, optional: 0 for nodes written before the tier existed)
+    int32_t indexKeyBits;    // 8: INT8 indexer-key codes; 16 (or 0, a node without the attribute): FP16 keys
 };
 
 // Where call entry b's cache lives in the [R, ...] pools and indexer keys (engine_io revision 6: the
@@ -145,6 +146,30 @@ GSM_HD int64_t poolBytes(GsmDims const& d)
 GSM_HD int64_t poolWords(GsmDims const& d)
 {
     return (poolBytes(d) + 3) / 4;
+}
+
+// Indexer keys (engine_io revision 9): FP16 values, or INT8 codes (index_key_bits 8) packed four to an int32 word,
+// so one position's key is indexKeyBytes(d) bytes at indexKeyOffset(d, row, p) of `index_keys` [R, N_max, ...].
+GSM_HD bool int8Keys(GsmDims const& d)
+{
+    return d.indexKeyBits == 8;
+}
+
+GSM_HD int64_t indexKeyBytes(GsmDims const& d)
+{
+    return int8Keys(d) ? 4 * ((static_cast<int64_t>(d.indexDim) + 3) / 4) : 2 * static_cast<int64_t>(d.indexDim);
+}
+
+GSM_HD int64_t indexKeyOffset(GsmDims const& d, int32_t row, int32_t p)
+{
+    return (static_cast<int64_t>(row) * d.nMax + p) * indexKeyBytes(d);
+}
+
+// The INT8 code of a key the graph already coded (clip(round(e / s), -127, 127), integers in float32): rint and
+// the clamp keep any other value in range, as a store must.
+GSM_HD int8_t keyCode(float x)
+{
+    return static_cast<int8_t>(quantize(x, 1.0f, 127));
 }
 
 // Narrowest tier a row of region containing global row g can hold (0 FP16 region, ...).

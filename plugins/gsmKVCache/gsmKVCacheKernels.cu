@@ -27,7 +27,7 @@ __device__ __forceinline__ uint8_t* seqPool(GsmDims const& d, int32_t* pool, int
 // grid (S, B): one block per new row; threads over latent channels and key channels.
 template <typename T>
 __global__ void kvCacheUpdateKernel(GsmDims d, int32_t S, T const* ck, T const* cv, T const* key, int32_t* pool,
-    uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths, CacheRows rows)
+    void* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths, CacheRows rows)
 {
     int32_t const j = blockIdx.x;
     int32_t const b = blockIdx.y;
@@ -54,10 +54,18 @@ __global__ void kvCacheUpdateKernel(GsmDims d, int32_t S, T const* ck, T const* 
             storeFP16(row, c, v);
         }
     }
-    uint16_t* kdst = indexKeys + (static_cast<int64_t>(cacheRow) * d.nMax + p) * d.indexDim;
+    uint8_t* kdst = static_cast<uint8_t*>(indexKeys) + indexKeyOffset(d, cacheRow, p);
     for (int32_t c = threadIdx.x; c < d.indexDim; c += blockDim.x)
     {
-        kdst[c] = f32ToF16Bits(toFloat(key[src * d.indexDim + c]));
+        float const e = toFloat(key[src * d.indexDim + c]);
+        if (int8Keys(d))
+        {
+            reinterpret_cast<int8_t*>(kdst)[c] = keyCode(e);
+        }
+        else
+        {
+            reinterpret_cast<uint16_t*>(kdst)[c] = f32ToF16Bits(e);
+        }
     }
 }
 
@@ -166,7 +174,7 @@ LaunchList demoteLaunches(int64_t M)
 
 template <typename T>
 cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const* ck, T const* cv, T const* key,
-    int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
+    int32_t* pool, void* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
     CacheRows rows, cudaStream_t stream)
 {
     if (B <= 0 || S <= 0)
@@ -231,9 +239,9 @@ std::vector<LaunchGeometry> kvDemoteLaunches(int32_t M)
 }
 
 template cudaError_t launchKVCacheUpdate<float>(GsmDims const&, int32_t, int32_t, float const*, float const*,
-    float const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, CacheRows, cudaStream_t);
+    float const*, int32_t*, void*, int32_t const*, int32_t const*, int32_t const*, CacheRows, cudaStream_t);
 template cudaError_t launchKVCacheUpdate<__half>(GsmDims const&, int32_t, int32_t, __half const*, __half const*,
-    __half const*, int32_t*, uint16_t*, int32_t const*, int32_t const*, int32_t const*, CacheRows, cudaStream_t);
+    __half const*, int32_t*, void*, int32_t const*, int32_t const*, int32_t const*, CacheRows, cudaStream_t);
 
 } // namespace cuda
 } // namespace gsm

@@ -22,7 +22,7 @@ namespace cuda
 // through a bad entry would corrupt another position; the runtime owns kv_slots and validates it.
 template <typename T>
 cudaError_t launchKVCacheUpdate(GsmDims const& d, int32_t B, int32_t S, T const* ck, T const* cv, T const* key,
-    int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
+    int32_t* pool, void* indexKeys, int32_t const* slots, int32_t const* pastLengths, int32_t const* newLengths,
     CacheRows rows, cudaStream_t stream);
 
 // The kernel launches of launchKVCacheUpdate(d, B, S, ...), one record per distinct geometry.

@@ -56,6 +56,7 @@ std::vector<AttrSpec> cacheSpecs()
         {"rows_int12", 0, 1 << 24, true, 0, &GsmDims::rowsINT12},
         {"rows_int8", 0, 1 << 24, true, 0, &GsmDims::rowsINT8},
         {"rows_int4", 0, 1 << 24, false, 0, &GsmDims::rowsINT4}, // optional: nodes before the INT4 tier have none
+        {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; optional: FP16 before rev 9
     };
 }
 } // namespace
@@ -101,9 +102,9 @@ bool GsmKVCacheUpdatePlugin::allowedType(
     {
         return type == inOut[kCk].desc.type;
     }
-    if (pos == kKeys || pos == nbInputs + 1)
+    if (pos == kKeys || pos == nbInputs + 1) // FP16 keys, or INT8 codes in int32 words
     {
-        return type == DataType::kHALF;
+        return type == (int8Keys(mDims) ? DataType::kINT32 : DataType::kHALF);
     }
     return type == DataType::kINT32; // pool, slots, lengths, pool output
 }
@@ -166,11 +167,11 @@ int32_t GsmKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     int32_t const R = static_cast<int32_t>(dim(inputDesc[kPool], 0));
     CacheRows const rows = cacheRowsOf(mHasRowsInput ? static_cast<int32_t const*>(inputs[kRows]) : nullptr, R, B);
     auto* pool = static_cast<int32_t*>(outputs[0]);
-    auto* keys = static_cast<uint16_t*>(outputs[1]);
+    void* keys = outputs[1];
     cudaError_t e = carryOver(pool, inputs[kPool], static_cast<size_t>(R) * poolWords(mDims) * 4, stream);
     if (e == cudaSuccess)
     {
-        e = carryOver(keys, inputs[kKeys], static_cast<size_t>(R) * mDims.nMax * mDims.indexDim * 2, stream);
+        e = carryOver(keys, inputs[kKeys], static_cast<size_t>(R) * mDims.nMax * indexKeyBytes(mDims), stream);
     }
     auto const* slots = static_cast<int32_t const*>(inputs[kSlots]);
     auto const* past = static_cast<int32_t const*>(inputs[kPast]);

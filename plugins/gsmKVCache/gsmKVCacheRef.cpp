@@ -1,7 +1,10 @@
 #include "gsmKVCacheRef.h"
 
+#include <cstring>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <unordered_set>
@@ -86,7 +89,7 @@ void encodeRow(GsmDims const& d, uint8_t* row, int32_t tier, float const* v, Qua
 } // namespace
 
 bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, float const* cv, float const* key,
-    int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths,
+    int32_t* pool, void* indexKeys, int32_t const* slots, int32_t const* pastLengths,
     int32_t const* newLengths, CacheRows rows, std::string* err)
 {
     for (int32_t b = 0; b < B; ++b)
@@ -124,10 +127,19 @@ bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, floa
             {
                 storeFP16(dst, d.rankK + c, cv[src * d.rankV + c]);
             }
-            uint16_t* kdst = indexKeys + (static_cast<int64_t>(row) * d.nMax + p) * d.indexDim;
+            uint8_t* kdst = static_cast<uint8_t*>(indexKeys) + indexKeyOffset(d, row, p);
             for (int32_t c = 0; c < d.indexDim; ++c)
             {
-                kdst[c] = f32ToF16Bits(key[src * d.indexDim + c]);
+                float const e = key[src * d.indexDim + c];
+                if (int8Keys(d))
+                {
+                    reinterpret_cast<int8_t*>(kdst)[c] = keyCode(e);
+                }
+                else
+                {
+                    uint16_t const h = f32ToF16Bits(e);
+                    std::memcpy(kdst + 2 * c, &h, 2);
+                }
             }
         }
     }

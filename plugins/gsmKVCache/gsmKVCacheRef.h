@@ -16,12 +16,13 @@ namespace ref
 {
 
 // GsmKVCacheUpdate: write the valid new rows (FP16, RNE) into the rows kv_slots names, and the
-// indexer keys (FP16) by position. ck [B,S,r_k], cv [B,S,r_v], key [B,S,dI] float32, kv_slots [B, N_max];
-// pool [R, poolWords] int32 and indexKeys [R, N_max, dI] float16 bits, sequence b in row rows.of(b).
+// indexer keys by position (FP16, or INT8 codes with d.indexKeyBits 8: key then holds the codes).
+// ck [B,S,r_k], cv [B,S,r_v], key [B,S,dI] float32, kv_slots [B, N_max]; pool [R, poolWords] int32 and
+// indexKeys [R, N_max, indexKeyBytes(d)] bytes, sequence b in row rows.of(b).
 // Returns false and sets *err when a slot of a new position is not an FP16-tier row, a row is outside
 // the pools or lengths are out of range.
 bool kvCacheUpdate(GsmDims const& d, int32_t B, int32_t S, float const* ck, float const* cv, float const* key,
-    int32_t* pool, uint16_t* indexKeys, int32_t const* slots, int32_t const* pastLengths,
+    int32_t* pool, void* indexKeys, int32_t const* slots, int32_t const* pastLengths,
     int32_t const* newLengths, CacheRows rows, std::string* err);
 
 // GsmKVDemote: list [M,3] = (b, old slot entry, new slot entry). All sources are read before any

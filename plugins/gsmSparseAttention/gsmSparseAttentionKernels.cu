@@ -117,15 +117,17 @@ __global__ void indexScoresKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceAr
     {
         return;
     }
-    __half const* key
-        = reinterpret_cast<__half const*>(a.indexKeys) + (static_cast<int64_t>(a.rows.of(b)) * d.nMax + s) * d.indexDim;
+    uint8_t const* key = static_cast<uint8_t const*>(a.indexKeys) + indexKeyOffset(d, a.rows.of(b), s);
+    bool const codes = int8Keys(d); // INT8 codes: the query is scaled by the keys' scale already
     float acc = 0.f;
     for (int32_t i = 0; i < d.indexHeads; ++i)
     {
         float dot = 0.f;
         for (int32_t c = 0; c < d.indexDim; ++c)
         {
-            dot += qh[i * d.indexDim + c] * __half2float(key[c]);
+            float const e = codes ? static_cast<float>(reinterpret_cast<int8_t const*>(key)[c])
+                                  : __half2float(reinterpret_cast<__half const*>(key)[c]);
+            dot += qh[i * d.indexDim + c] * e;
         }
         acc += wh[i] * fmaxf(dot, 0.f);
     }

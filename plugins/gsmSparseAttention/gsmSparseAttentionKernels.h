@@ -34,7 +34,7 @@ struct AttnDeviceArgs
     float const* w1;
     void const* indexQ;             // owning
     void const* indexW;             // owning
-    uint16_t const* indexKeys;      // owning
+    void const* indexKeys;          // owning: FP16 bits or INT8 codes (GsmDims.indexKeyBits)
     int32_t const* sparseWindow;    // owning, device scalar
     int32_t const* selectedIn;      // sharing
     void* out;

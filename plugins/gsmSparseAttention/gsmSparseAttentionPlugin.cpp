@@ -59,6 +59,7 @@ std::vector<AttrSpec> const& GsmSparseAttentionPlugin::attributeSpecs()
         {"rows_int12", 0, 1 << 24, true, 0, &GsmDims::rowsINT12},
         {"rows_int8", 0, 1 << 24, true, 0, &GsmDims::rowsINT8},
         {"rows_int4", 0, 1 << 24, false, 0, &GsmDims::rowsINT4}, // optional: nodes before the INT4 tier have none
+        {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; optional: FP16 before rev 9
     };
     return specs;
 }
@@ -176,7 +177,7 @@ bool GsmSparseAttentionPlugin::allowedType(
     case kW1: return type == DataType::kFLOAT;
     case kIndexQOrSelected: return owning ? type == act : type == DataType::kINT32;
     case kIndexW: return type == act;
-    case kIndexKeys: return type == DataType::kHALF;
+    case kIndexKeys: return type == (int8Keys(mDims) ? DataType::kINT32 : DataType::kHALF); // INT8 codes in words
     case kWindow:
     case kTopK: return type == DataType::kINT32;
     default: return false;
@@ -260,7 +261,7 @@ int32_t GsmSparseAttentionPlugin::enqueueImpl(PluginTensorDesc const* inputDesc,
     {
         a.indexQ = inputs[kIndexQOrSelected];
         a.indexW = inputs[kIndexW];
-        a.indexKeys = static_cast<uint16_t const*>(inputs[kIndexKeys]);
+        a.indexKeys = inputs[kIndexKeys];
         a.sparseWindow = static_cast<int32_t const*>(inputs[kWindow]);
         a.sparseTopK = mHasTopKInput ? static_cast<int32_t const*>(inputs[kTopK]) : nullptr;
         a.selectedOut = static_cast<int32_t*>(outputs[1]);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -202,10 +203,19 @@ void Runner::select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* s
     std::vector<float> score(t + 1);
     for (int32_t s = 0; s <= t; ++s)
     {
-        uint16_t const* key = in_.indexKeys + (static_cast<int64_t>(in_.rows.of(b)) * d_.nMax + s) * d_.indexDim;
+        uint8_t const* key = static_cast<uint8_t const*>(in_.indexKeys) + indexKeyOffset(d_, in_.rows.of(b), s);
         for (int32_t c = 0; c < d_.indexDim; ++c)
         {
-            e[c] = f16BitsToF32(key[c]);
+            if (int8Keys(d_))
+            {
+                e[c] = static_cast<float>(reinterpret_cast<int8_t const*>(key)[c]); // q is scaled by the key scale
+            }
+            else
+            {
+                uint16_t h;
+                std::memcpy(&h, key + 2 * c, 2);
+                e[c] = f16BitsToF32(h);
+            }
         }
         float acc = 0.f;
         for (int32_t i = 0; i < d_.indexHeads; ++i)

@@ -30,7 +30,7 @@ struct AttnInputs
     float const* w1;            // owning: v_up [kvD, r_v]; sharing: kv_proj_bias [2kvD]
     float const* indexQ;        // owning: [B, S, nI*dI]
     float const* indexW;        // owning: [B, S, nI]
-    uint16_t const* indexKeys;  // owning: [R, N_max, dI] float16 bits, rows as the pool's
+    void const* indexKeys;      // owning: [R, N_max, indexKeyBytes] FP16 bits or INT8 codes, rows as the pool's
     int32_t sparseWindow;       // owning: run-time window
     int32_t const* selectedIn;  // sharing: [B, S, K_sel]
     int32_t const* sparseTopK;  // owning: [B] budget of each sequence, 0..max_top_k (nullptr: max_top_k for all)

@@ -214,14 +214,26 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         float const* w = in.indexW + q * nI;
         float* o = sc.scores.data() + sc.scoreOff[q];
         int64_t const c1 = std::min(p1, past);
+        // keys of positions p..p+n-1 from `keys` (elements offset `at`), FP16 bits or INT8 codes
+        auto score = [&](void const* keys, int64_t at, int64_t n, float* dst)
+        {
+            if (in.int8Keys)
+            {
+                K.scoresInt8(iq, w, nI, dI, sqrtDI, static_cast<int8_t const*>(keys) + at * dI, n, dst);
+            }
+            else
+            {
+                K.scores(iq, w, nI, dI, sqrtDI, static_cast<uint16_t const*>(keys) + at * dI, n, dst);
+            }
+        };
         if (p0 < c1)
         {
-            K.scores(iq, w, nI, dI, sqrtDI, in.indexKeys + (row * N + p0) * dI, c1 - p0, o + p0);
+            score(in.indexKeys, row * N + p0, c1 - p0, o + p0);
         }
         int64_t const n0 = std::max(p0, past);
         if (n0 < p1)
         {
-            K.scores(iq, w, nI, dI, sqrtDI, in.newIndexKeys + (b * S + (n0 - past)) * dI, p1 - n0, o + n0);
+            score(in.newIndexKeys, b * S + (n0 - past), p1 - n0, o + n0);
         }
     });
 

@@ -37,9 +37,10 @@ struct CachedAttentionInputs
     float const* indexW = nullptr;         // [B,S,nI]
     float const* newLatentK = nullptr;     // [B,S,rk]
     float const* newLatentV = nullptr;     // [B,S,rv]
-    uint16_t const* newIndexKeys = nullptr;// [B,S,dI] float16 bits
+    void const* newIndexKeys = nullptr;    // [B,S,dI] float16 bits, or int8 codes when int8Keys
     float const* latentV = nullptr;        // [R,N,rv]
-    uint16_t const* indexKeys = nullptr;   // [R,N,dI] float16 bits
+    void const* indexKeys = nullptr;       // [R,N,dI] as newIndexKeys
+    bool int8Keys = false;                 // INT8 key codes (index_q scaled by their scale already)
     float const* kRows = nullptr;          // [R,N,nKV*D]
     float const* kUp = nullptr;            // [nKV*D,rk]
     float const* vUp = nullptr;            // [nKV*D,rv]

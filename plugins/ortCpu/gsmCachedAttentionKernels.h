@@ -20,6 +20,9 @@ struct Kernels
     // out[i] = (sum_h w[h] * relu(iq[h] . key_i)) / sqrtDI for the n keys rows[i*dI ..] (float16 bits)
     void (*scores)(float const* iq, float const* w, int64_t nI, int64_t dI, float sqrtDI, uint16_t const* keys,
         int64_t n, float* out);
+    // the same over INT8 key codes (iq already scaled per channel by the keys' scale)
+    void (*scoresInt8)(float const* iq, float const* w, int64_t nI, int64_t dI, float sqrtDI, int8_t const* keys,
+        int64_t n, float* out);
     // out[s] = (qh . (rows[s] + off)) / sqrtD over D, s < n
     void (*logits)(float const* qh, float const* const* rows, int64_t off, int64_t n, int64_t D, float sqrtD,
         float* out);

@@ -80,6 +80,15 @@ OrtStatus* inputShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, s
     return st;
 }
 
+OrtStatus* elementType(OrtValue const* value, ONNXTensorElementDataType* type)
+{
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorTypeAndShape(value, &info));
+    OrtStatus* st = gApi->GetTensorElementType(info, type);
+    gApi->ReleaseTensorTypeAndShapeInfo(info);
+    return st;
+}
+
 // Checks that input i has exactly the shape `want` (entries < 0: any size, reported back).
 OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> want, char const* meaning)
 {
@@ -121,6 +130,15 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     for (size_t i = 0; i < kNumInputs; ++i)
     {
         GSM_ORT_TRY(inputShape(ctx, i, &v[i], &sh[i]));
+    }
+    // the indexer keys: FP16, or INT8 codes (decisions "INT8 indexer keys"), the same in both key inputs
+    ONNXTensorElementDataType keyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, newKeyType = keyType;
+    GSM_ORT_TRY(elementType(v[kIndexKeys], &keyType));
+    GSM_ORT_TRY(elementType(v[kNewIndexKeys], &newKeyType));
+    if ((keyType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && keyType != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8)
+        || newKeyType != keyType)
+    {
+        return invalid("inputs index_keys and new_index_keys must both be float16 or both int8 (INT8 key codes)");
     }
     CachedAttentionDims d;
     d.nH = kn.numHeads;
@@ -176,9 +194,10 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     in.indexW = static_cast<float const*>(p[kIndexW]);
     in.newLatentK = static_cast<float const*>(p[kNewLatentK]);
     in.newLatentV = static_cast<float const*>(p[kNewLatentV]);
-    in.newIndexKeys = static_cast<uint16_t const*>(p[kNewIndexKeys]);
+    in.newIndexKeys = p[kNewIndexKeys];
     in.latentV = static_cast<float const*>(p[kLatentV]);
-    in.indexKeys = static_cast<uint16_t const*>(p[kIndexKeys]);
+    in.indexKeys = p[kIndexKeys];
+    in.int8Keys = keyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
     in.kRows = static_cast<float const*>(p[kKRows]);
     in.kUp = static_cast<float const*>(p[kKUp]);
     in.vUp = static_cast<float const*>(p[kVUp]);
@@ -279,7 +298,7 @@ ONNXTensorElementDataType ORT_API_CALL inputType(OrtCustomOp const*, size_t i)
 {
     if (i == kNewIndexKeys || i == kIndexKeys)
     {
-        return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+        return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; // float16 keys or int8 codes, checked per call
     }
     return i >= kCacheRows ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }

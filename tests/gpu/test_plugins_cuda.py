@@ -73,6 +73,10 @@ CASES = {
     "smollm2-decode-int4": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [300, 17, 511, 200], [1, 1, 1, 1],
                             (0.2, 0.1, 0.1, 0.1, 0.15, 0.1, 0.15, 0.1)),
     "chunked-int4-only": (4, 1, 8, 7, 9, 2, 4, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5], (0, 0, 0, 0, 1, 0, 0, 0)),
+    # INT8 indexer keys (engine_io rev 9): SmolLM2's geometry, and an index dim that pads its last int32 word
+    "smollm2-decode-keys8": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [300, 17, 511, 200], [1, 1, 1, 1],
+                             (0.2, 0.1, 0.1, 0.1, 0.15, 0.1, 0.15, 0.1)),
+    "chunked-keys8-odd-dim": (4, 1, 8, 7, 9, 2, 12, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5], (0.4, 0.3, 0.2, 0.1)),
 }
 
 
@@ -82,7 +86,7 @@ def _scenario(name: str, layer_kind: int = 0, seq_top_k: list[int] | None = None
     return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
                          index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
                          past=past, new=new, tier_mix=mix, layer_kind=layer_kind, seq_top_k=seq_top_k,
-                         key_value=key_value)
+                         key_value=key_value, index_key_bits=8 if "keys8" in name else 16)
 
 
 def _near_tie_rows(sc, scores: np.ndarray) -> set[tuple[int, int]]:
@@ -239,16 +243,19 @@ def test_cache_rows_cuda_match_reference(name: str) -> None:
 
 
 @pytest.mark.parametrize("ranks", [(6, 5), (1, 3), (97, 93), (160, 160)])
-def test_cache_update_and_demote_bit_identical(ranks: tuple[int, int]) -> None:
+@pytest.mark.parametrize("key_bits", [16, 8])
+def test_cache_update_and_demote_bit_identical(ranks: tuple[int, int], key_bits: int) -> None:
     rng = np.random.default_rng(sum(ranks))
     sc = make_scenario(rng, num_heads=2, num_kv_heads=1, head_dim=8, rank_k=ranks[0], rank_v=ranks[1],
-                       index_heads=1, index_dim=32, sink_tokens=1, top_k=4, max_sparse_window=2, window=2,
-                       n_max=128, past=[100, 3], new=[4, 1], tier_mix=(1, 0, 0, 0))
+                       index_heads=1, index_dim=32 if key_bits == 16 else 30, sink_tokens=1, top_k=4,
+                       max_sparse_window=2, window=2, n_max=128, past=[100, 3], new=[4, 1], tier_mix=(1, 0, 0, 0),
+                       index_key_bits=key_bits)
     d = sc.dims
     B, S = 2, 6
     ck = rng.standard_normal((B, S, d.rank_k), dtype=np.float32)
     cv = rng.standard_normal((B, S, d.rank_v), dtype=np.float32)
-    key = rng.standard_normal((B, S, d.index_dim), dtype=np.float32)
+    # INT8 keys: the codes-to-be, off-integer and past the clamp now and then (the store rounds and clamps)
+    key = rng.standard_normal((B, S, d.index_dim), dtype=np.float32) * np.float32(1 if key_bits == 16 else 60)
     past, new = np.array([104, 4], np.int32), np.array([6, 2], np.int32)  # sequence 1: 4 padding rows
     slots = sc.slots.copy()
     free = iter(range(d.rows_fp16 - 1 - 20, d.rows_fp16 - 1))  # rows the scenario left unused
@@ -260,6 +267,11 @@ def test_cache_update_and_demote_bit_identical(ranks: tuple[int, int]) -> None:
     assert not np.array_equal(want_pool, sc.pool)  # the update wrote something
     assert np.array_equal(got_pool, want_pool)
     assert np.array_equal(got_keys.view(np.uint16), want_keys.view(np.uint16))
+    if key_bits == 8:
+        codes = ref.key_codes_of(d, want_keys)
+        for b in range(B):
+            n = int(new[b])
+            assert np.array_equal(codes[b, past[b]:past[b] + n], np.clip(np.rint(key[b, :n]), -127, 127))
     # float16 inputs (TensorRT's kHALF): the same bytes as the reference writes from the rounded values
     want16 = ref.kv_update(d, _fp16(ck), _fp16(cv), _fp16(key), sc.pool.copy(), sc.index_keys.copy(), slots, past,
                            new)

@@ -210,7 +210,7 @@ def kv_update(d: Dims, ck, cv, key, pool, index_keys, slots, past, new, *, cache
     K.check(K.lib.gsm_cuda_kv_update(_c.byref(dc), B, S, int(fp16), *map(_p, ins[:3]), _p(dp), _p(dk),
                                      *map(_p, ins[3:]), _p(rows), int(np.shape(pool)[0]), None))
     K.check(K.lib.gsm_cuda_synchronize())
-    return K.mem.host(dp), K.mem.host(dk).view(np.float16)
+    return K.mem.host(dp), K.mem.host(dk).view(np.asarray(index_keys).dtype)
 
 
 def kv_demote(d: Dims, entries: np.ndarray, pool: np.ndarray, quant: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from gsm_edge_plugins._lib import REF_LIB, load
 
-ABI_VERSION = 4  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
+ABI_VERSION = 5  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
 FP16, INT12, INT8, INT4 = 0, 1, 2, 3  # tier codes (gsm/tiers.py)
 QUANT_ROWS = 5  # quant table [5, r]: s12, s8, comp8, s4, comp4
 SLOT_EMPTY = -1
@@ -27,7 +27,8 @@ class GsmDims(_c.Structure):
 
     _fields_ = [(n, _c.c_int32) for n in (
         "layerKind", "numHeads", "numKvHeads", "headDim", "rankK", "rankV", "indexHeads", "indexDim",
-        "sinkTokens", "maxTopK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8", "rowsINT4")]
+        "sinkTokens", "maxTopK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8", "rowsINT4",
+        "indexKeyBits")]
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,14 @@ class Dims:
     max_top_k: int = 64  # the largest per-sequence sparse_top_k (engine_io rev 4; the attribute was `top_k`)
     max_sparse_window: int = 8
     layer_kind: int = 0
+    index_key_bits: int = 16  # 8: INT8 indexer-key codes, four to an int32 word (engine_io revision 9)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if int(getattr(self, f.name)) < 0:
                 raise ValueError(f"Dims.{f.name} must be >= 0, got {getattr(self, f.name)}")
+        if self.index_key_bits not in (8, 16):
+            raise ValueError(f"Dims.index_key_bits must be 8 or 16, got {self.index_key_bits}")
         if self.rows_fp16 + self.rows_int12 + self.rows_int8 + self.rows_int4 < self.n_max:
             raise ValueError("rows_fp16 + rows_int12 + rows_int8 + rows_int4 must be >= n_max (one row per position)")
 
@@ -71,15 +75,31 @@ class Dims:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def index_keys_type(self) -> tuple[type, int]:
+        """dtype and last-axis width of `index_keys` [R, N_max, width]: float16 [dI], or int32 words holding the
+        INT8 codes [ceil(dI / 4)] (gsm.bundle_format.IndexKeyLayout)."""
+        return (np.float16, self.index_dim) if self.index_key_bits == 16 else (np.int32, -(-self.index_dim // 4))
+
+    def empty_index_keys(self, rows: int) -> np.ndarray:
+        dtype, width = self.index_keys_type
+        return np.zeros((rows, self.n_max, width), dtype)
+
     def c(self) -> GsmDims:
         return GsmDims(self.layer_kind, self.num_heads, self.num_kv_heads, self.head_dim, self.rank_k, self.rank_v,
                        self.index_heads, self.index_dim, self.sink_tokens, self.max_top_k, self.max_sparse_window,
-                       self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8, self.rows_int4)
+                       self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8, self.rows_int4, self.index_key_bits)
 
 
 def make_slot(tier: int, row: int) -> int:
     """kv_slots encoding: (tier << 24) | global row."""
     return (int(tier) << 24) | int(row)
+
+
+def key_codes_of(d: Dims, index_keys: np.ndarray) -> np.ndarray:
+    """The INT8 codes [..., dI] an int32-word `index_keys` array holds (little-endian bytes, code c at byte c)."""
+    words = np.ascontiguousarray(index_keys, dtype=np.int32)
+    return words.view(np.int8).reshape(*words.shape[:-1], -1)[..., :d.index_dim]
 
 
 def slot_tier(entry: np.ndarray | int) -> np.ndarray | int:
@@ -205,7 +225,8 @@ def kv_update(d: Dims, ck: np.ndarray, cv: np.ndarray, key: np.ndarray, pool: np
     R = B if cache_rows is None else pool.shape[0]
     rows = None if cache_rows is None else _arr(np.reshape(cache_rows, -1), np.int32, (B,), "cache_rows")
     _inplace(pool, np.int32, (R, pool_words(d)), "pool")
-    _inplace(index_keys, np.float16, (R, d.n_max, d.index_dim), "index_keys")
+    kdt, kw = d.index_keys_type
+    _inplace(index_keys, kdt, (R, d.n_max, kw), "index_keys")
     slots = _arr(slots, np.int32, (B, d.n_max), "slots")
     past = _arr(past_lengths, np.int32, (B,), "past_lengths")
     new = _arr(new_lengths, np.int32, (B,), "new_lengths")
@@ -280,7 +301,8 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
             raise ValueError("an owning layer needs index_q, index_w, index_keys and sparse_window")
         index_q = _arr(index_q, np.float32, (B, S, d.index_heads * d.index_dim), "index_q")
         index_w = _arr(index_w, np.float32, (B, S, d.index_heads), "index_w")
-        index_keys = _arr(index_keys, np.float16, (R, d.n_max, d.index_dim), "index_keys")
+        kdt, kw = d.index_keys_type
+        index_keys = _arr(index_keys, kdt, (R, d.n_max, kw), "index_keys")
         sel_out: np.ndarray | None = np.empty((B, S, d.k_sel), np.int32)
         mass: np.ndarray | None = np.empty((B, d.n_max), np.float32)
         sel_in = None

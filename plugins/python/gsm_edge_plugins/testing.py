@@ -81,7 +81,7 @@ class Scenario:
         if rows.shape != (self.pool.shape[0],) or len(set(rows.tolist())) != rows.size:
             raise ValueError(f"rows: one distinct row per sequence, got {rows}")
         pool = ref.empty_pool(self.dims, total, fill_byte)
-        keys = np.full((total, *self.index_keys.shape[1:]), np.nan, np.float16)
+        keys = np.full((total, *self.index_keys.shape[1:]), *_key_poison(self.index_keys.dtype))
         pool[rows], keys[rows] = self.pool, self.index_keys
         return replace(self, pool=pool, index_keys=keys, cache_rows=rows)
 
@@ -98,17 +98,25 @@ def rope_tables_np(n: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+def _key_poison(dtype: np.dtype) -> tuple[float | int, np.dtype]:
+    """Fill value of unwritten indexer keys: NaN FP16 keys; INT8 codes have no NaN, so a large code (0x7F bytes)
+    whose scores stand out."""
+    return (np.nan, np.float16) if np.dtype(dtype) == np.float16 else (0x7F7F7F7F, np.int32)
+
+
 def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int, head_dim: int, rank_k: int,
                   rank_v: int, index_heads: int, index_dim: int, sink_tokens: int, top_k: int,
                   max_sparse_window: int, window: int, n_max: int, past: list[int], new: list[int],
                   tier_mix: tuple[float, ...] = (1.0, 0.0, 0.0, 0.0), layer_kind: int = 0,
                   theta: float = 10000.0, poison: bool = True, key_value: float | None = None,
-                  seq_top_k: list[int] | None = None) -> Scenario:
+                  seq_top_k: list[int] | None = None, index_key_bits: int = 16) -> Scenario:
     """top_k: the node's max_top_k (K_sel); seq_top_k: each sequence's sparse_top_k input (None: the call
     passes none, every sequence selects max_top_k). tier_mix: fractions of the cached positions outside
     the call's new rows that take each path PATH_FP16, PATH_INT12, ... in order (4 to 8 numbers: FP16, INT12,
     INT8 from FP16, INT8 from INT12, then INT4 from FP16, from INT12, from INT8, from INT12 then INT8).
-    key_value: every indexer key equal to this constant (all scores tie) instead of random."""
+    key_value: every indexer key equal to this constant (all scores tie) instead of random.
+    index_key_bits 8: INT8 indexer keys; the keys the update node stores are then 60 x the random ones, not
+    integers and ~3.5 % beyond +-127, so the store's rint and clamp are exercised."""
     B = len(past)
     past_a, new_a = np.asarray(past, np.int32), np.asarray(new, np.int32)
     n_b = past_a + new_a
@@ -117,7 +125,7 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     d = Dims(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rank_k=rank_k, rank_v=rank_v,
              n_max=n_max, rows_fp16=n_max + spare, rows_int12=n_max // 2 + 1, rows_int8=n_max // 2 + 1,
              rows_int4=n_max // 2 + 1, index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens,
-             max_top_k=top_k, max_sparse_window=max_sparse_window, layer_kind=layer_kind)
+             max_top_k=top_k, max_sparse_window=max_sparse_window, layer_kind=layer_kind, index_key_bits=index_key_bits)
     r, kvD = d.rank, d.kv_dim
     nan = np.float32(np.nan)
 
@@ -130,6 +138,8 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
         cv[b, :n_b[b]] = rng.standard_normal((n_b[b], rank_v), dtype=np.float32)
         keys[b, :n_b[b]] = (rng.standard_normal((n_b[b], index_dim), dtype=np.float32) if key_value is None
                             else np.float32(key_value))
+    if index_key_bits == 8:
+        keys = (keys * np.float32(60)).astype(np.float32)
     s8 = (np.float32(2.5) / 127 * rng.uniform(0.8, 1.2, r)).astype(np.float32)
     s12 = ((s8 * np.float32(127)) / np.float32(2047)).astype(np.float32)  # spec 5 default, float32 order
     comp = (rng.standard_normal(r).astype(np.float32) * s8 * np.float32(0.05)).astype(np.float32)
@@ -143,7 +153,9 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
 
     # every cached position gets its own FP16 row first (a random permutation), as the runtime would
     pool = ref.empty_pool(d, B, fill_byte=0xFF if poison else 0)  # 0xFFFF is an FP16 NaN
-    index_keys = np.full((B, n_max, index_dim), np.nan if poison else 0, np.float16)
+    index_keys = d.empty_index_keys(B)
+    if poison:
+        index_keys[:] = _key_poison(index_keys.dtype)[0]
     poison_row = make_slot(FP16, n_max + spare - 1)  # never written: a NaN row
     slots = np.full((B, n_max), poison_row if poison else -1, np.int32)
     for b in range(B):
