@@ -3,10 +3,12 @@
     python bench/bundle_perplexity.py B1 [B2 ...] [--text ../shared/data/tinystories_eval.txt] [--windows 4]
 
 Each bundle reads the same `--windows` consecutive windows of `--window` tokens of the text (encoded
-once with `Runtime.encode`, the bundle's tokenizer), one prefill per window, and scores every next
-token. Bundles must be built with `--logits all --max-input WINDOW` (the
-prefill then returns every position's logits). This is how docs/weights.md compares weight formats
-through the whole deployed path (SmolLM2: fp32 weights vs INT8 / INT4 bundles).
+once with `Runtime.encode`, the bundle's tokenizer), prefilled as the runtime prefills a prompt, and scores every
+next token. Bundles must be built with `--logits all`. With `--max-input WINDOW` a window is one prefill call:
+how docs/weights.md compares weight formats through the whole deployed path (SmolLM2: fp32 weights vs INT8 /
+INT4 bundles). With a smaller `--max-input` (64) the runtime prefills in chunks of that many tokens, each call
+followed by the re-tier pass, so later chunks read rows the KV tiers have demoted: the engines' own KV tiers
+measured end to end (docs/quality.md 2b, the protocol of bench/kv_frontier.py's `tiers:` rows).
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyst
 
 
 def window_nll(rt: runtime.Runtime, win: list[int]) -> float:
-    """Summed negative log-likelihood of win[1:] given its prefix, from one prefill."""
-    seq = rt.new_sequence()
-    seq.prefill(win)
-    lg = np.asarray(seq.last.logits[0], np.float64)  # [len(win), V]
-    lg = lg - lg.max(axis=1, keepdims=True)
-    lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
-    return -float(sum(lp[i, win[i + 1]] for i in range(len(win) - 1)))
+    """Summed negative log-likelihood of win[1:] given its prefix, from the runtime's prefill of the window (in
+    chunks of the bundle's max-input, each followed by a re-tier pass)."""
+    total = 0.0
+
+    def score(first: int, logits: np.ndarray) -> None:  # logits [n, V] of positions first .. first + n - 1
+        nonlocal total
+        lg = np.asarray(logits, np.float64)
+        lg = lg - lg.max(axis=1, keepdims=True)
+        lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+        total -= float(sum(lp[i, win[first + i + 1]] for i in range(lg.shape[0]) if first + i + 1 < len(win)))
+
+    rt.new_sequence().prefill(win, scorer=score)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     text = a.text.read_text(encoding="utf-8")
     for b in a.bundles:
         rt = runtime.load(b, backend="onnxruntime", threads=a.threads)
-        if rt.cfg.logits != "all" or rt.max_input < a.window:
-            print(f"error: {b}: build it with --logits all --max-input {a.window}", file=sys.stderr)
+        if rt.cfg.logits != "all":
+            print(f"error: {b}: build it with --logits all (and --max-input {a.window} for one prefill call per "
+                  "window)", file=sys.stderr)
             return 2
         ids = rt.encode(text)
         if len(ids) < a.windows * a.window:
@@ -57,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
             win = ids[w * a.window:(w + 1) * a.window]
             nll += window_nll(rt, win)
             count += len(win) - 1
+        q = rt.cfg.kv_quantization
+        plan = json.loads((b / "plan.json").read_text())
         print(json.dumps({"bundle": str(b), "perplexity": math.exp(nll / count), "tokens": count,
-                          "weights": rt.cfg.weights}), flush=True)
+                          "window": a.window, "max_input": rt.max_input, "weights": rt.cfg.weights,
+                          "tier_fractions": list(q.tier_fractions), "index_key_bits": q.index_key_bits,
+                          "kv_bytes_per_position": plan["kv_bytes_per_position"],
+                          "vs_dense_fp16": plan["kv_bytes_per_position"] / plan["dense_fp16_bytes_per_position"]}),
+              flush=True)
     return 0
 
 

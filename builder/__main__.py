@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from builder.plan import DEFAULT_INT8_GROUP_SIZE, HEAD_CHOICES, HEAD_GROUP_SIZE, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES
-from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main
+from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main, tier_fractions
 
 PROG = "python -m builder"
 
@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-input", type=int_at_least(1),
                    help="most new tokens per call (prefill chunk; default min(max-seq, 512))")
     b.add_argument("--calibration", type=Path, help="kv_calibration.safetensors to use instead of the checkpoint's")
+    b.add_argument("--tier-fractions", type=tier_fractions, help="KV tier fractions F16,F12,F8[,F4] instead of the "
+                   "checkpoint's (calibrated tables still required for INT4 rows)")
+    b.add_argument("--index-keys", choices=["int8", "fp16"], help="indexer keys in the cache (default: the "
+                   "checkpoint's index_key_bits; int8 needs the calibration's index_key.scale_int8 tables)")
     b.add_argument("--logits", choices=["last", "all"], default="last")
     b.add_argument("--trt-precision", choices=["fp16", "fp32"], default="fp16",
                    help="activations of model.onnx (fp32: to check the plugin path against the portable graph)")
@@ -95,7 +99,8 @@ def _build(args: argparse.Namespace) -> int:
                   overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
                   uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
                   int4_grid=args.int4_grid, head_weights=args.head_weights, matmul_accuracy=args.matmul_accuracy,
-                  awq_scales=args.awq_scales, max_top_k=args.max_top_k,
+                  awq_scales=args.awq_scales, max_top_k=args.max_top_k, tier_fractions=args.tier_fractions,
+                  index_keys=args.index_keys,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:

@@ -45,7 +45,7 @@ from builder.plan import (
 from gsm import checkpoint
 from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows
 from gsm.checker import verify
-from gsm.config import KVQuantConfig
+from gsm.config import ConfigError, KVQuantConfig
 from jetson import resolve_device
 
 DEMO_PRESET, DEMO_SEED = "tiny", 0
@@ -89,6 +89,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           uncalibrated: str = "data-free", weights: str = "fp16", group_size: int | None = None,
           int4_grid: str = "auto", head_weights: str | None = None, matmul_accuracy: str | None = None,
           awq_scales: Path | None = None, max_top_k: int | None = None,
+          tier_fractions: tuple[float, ...] | None = None, index_keys: str | None = None,
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
@@ -99,7 +100,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4); default
     fast for INT8 and INT4 (ONNX Runtime has no fast float32 INT8 kernel, and INT4 decodes 6-54 % faster
     with INT8 activations at +0.07 % perplexity on SmolLM2, docs/weights.md); awq_scales: a
-    `python -m calibration.awq` file (symmetric INT4 only)."""
+    `python -m calibration.awq` file (symmetric INT4 only); tier_fractions: the KV tier fractions instead of the
+    checkpoint's (three or four); index_keys: int8 | fp16 instead of the checkpoint's index_key_bits."""
     t0 = time.perf_counter()
     _check_weight_options(weights, group_size, int4_grid, matmul_accuracy, head_weights)
     from jetson import DetectionError, UnknownDeviceError
@@ -126,7 +128,10 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             raise BuildError(f"{ckpt} is not a valid GSM checkpoint (python -m gsm verify {ckpt}):\n"
                              + "\n".join(lines) + more)
         cfg = checkpoint.load_config(ckpt)
-        quant, kv_tiers = kv_tier_policy(checkpoint.load_quant(ckpt), ckpt, calibration, demo, uncalibrated)
+        quant, kv_tiers = kv_tier_policy(_asked_quant(checkpoint.load_quant(ckpt), tier_fractions, index_keys),
+                                         ckpt, calibration, demo, uncalibrated)
+        if index_keys == "int8" and not quant.int8_keys:
+            raise BuildError(f"--index-keys int8: {kv_tiers['note']}")
         if kv_tiers["mode"] != "calibrated":
             say(kv_tiers["note"])
         tensors = checkpoint.CheckpointTensors(ckpt)
@@ -378,6 +383,24 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
             {"mode": "fp16-only", "note": f"{ckpt} has no calibration tables, so the KV cache stays FP16 "
              f"(no INT12/INT8 tiers). Run `python -m calibration run --checkpoint {ckpt}` to enable them, "
              "or pass --uncalibrated data-free to use uncalibrated scales"})
+
+
+INDEX_KEYS = {"int8": 8, "fp16": 16}  # --index-keys -> kv_quantization.index_key_bits
+
+
+def _asked_quant(quant: KVQuantConfig, tier_fractions: tuple[float, ...] | None, index_keys: str | None
+                 ) -> KVQuantConfig:
+    """The checkpoint's kv_quantization with the build's --tier-fractions / --index-keys."""
+    if index_keys is not None:
+        if index_keys not in INDEX_KEYS:
+            raise BuildError(f"--index-keys must be one of {', '.join(INDEX_KEYS)}, got {index_keys!r}")
+        quant = dataclasses.replace(quant, index_key_bits=INDEX_KEYS[index_keys])
+    if tier_fractions is not None:
+        try:
+            quant = quant.with_fractions(tuple(float(f) for f in tier_fractions))
+        except ConfigError as e:
+            raise BuildError(f"--tier-fractions: {e}") from None
+    return quant
 
 
 def _fp16_keys_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, demo: bool, uncalibrated: str,

@@ -8,25 +8,13 @@ import math
 import sys
 from pathlib import Path
 
-from calibration.measure import Fractions
 from calibration.scales import DEFAULT_PERCENTILE, METHODS
-from gsm.cli_support import float_in, int_at_least
+from gsm.cli_support import float_in, int_at_least, tier_fractions
 
 PROG = "python -m calibration"
 
 _INT0, _INT1 = int_at_least(0), int_at_least(1)
 _NONNEG, _STEP, _DECAY = float_in(0, math.inf), float_in(0, 1, lo_open=True), float_in(0, 1, hi_open=True)
-
-
-def parse_fractions(text: str) -> Fractions:
-    try:
-        parts = tuple(float(x) for x in text.split(","))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected three numbers like 0.25,0.25,0.5, got {text!r}") from e
-    if len(parts) not in (3, 4) or any(p < 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
-        raise argparse.ArgumentTypeError("expected three (FP16,INT12,INT8) or four (…,INT4) non-negative fractions "
-                                         f"summing to 1, got {text!r}")
-    return parts  # type: ignore[return-value]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="percentile of |x| for --method percentile (default %(default)s)")
     r.add_argument("--error-budget", type=_NONNEG, default=0.01, help="allowed relative perplexity increase of "
                    "deployed over exact mode when choosing tier fractions (default %(default)s)")
-    r.add_argument("--tier-fractions", type=parse_fractions, help="fix FP16,INT12,INT8[,INT4] fractions "
+    r.add_argument("--tier-fractions", type=tier_fractions, help="fix FP16,INT12,INT8[,INT4] fractions "
                    "(skips the search)")
     r.add_argument("--fraction-step", type=_STEP, default=0.25, help="grid step of the fraction search")
     r.add_argument("--int4", action="store_true", help="let the search choose the 4-bit tier too (INT4 scales are "

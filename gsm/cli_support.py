@@ -69,6 +69,18 @@ def float_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = Fal
     return parse
 
 
+def tier_fractions(text: str) -> tuple[float, ...]:
+    """argparse type of --tier-fractions: F16,F12,F8 or F16,F12,F8,F4, non-negative, summing to 1."""
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected three numbers like 0.25,0.25,0.5, got {text!r}") from e
+    if len(parts) not in (3, 4) or any(not p >= 0 for p in parts) or abs(sum(parts) - 1.0) > 1e-6:
+        raise argparse.ArgumentTypeError("expected three (FP16,INT12,INT8) or four (…,INT4) non-negative fractions "
+                                         f"summing to 1, got {text!r}")
+    return parts
+
+
 def error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
 

@@ -123,3 +123,22 @@ def test_checkpoint_claiming_int8_keys_without_calibration_is_refused(keys8_chec
     with pytest.raises(BuildError, match="kv_calibration.safetensors is missing, but quant_config.json index_key_bits"):
         build(device="orin", checkpoint_dir=d, output=tmp_path / "b", max_seq=N_MAX)
     assert not (tmp_path / "b").exists()
+
+
+def test_build_flags_override_the_checkpoint(keys8_checkpoint, tmp_path):
+    """--tier-fractions and --index-keys replace the checkpoint's kv_quantization in the bundle (and its plan)."""
+    build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
+          tier_fractions=(0.0, 0.0, 0.0, 1.0), index_keys="fp16")
+    cfg = BundleConfig.load(tmp_path / "b")
+    assert cfg.kv_quantization.tier_fractions == (0.0, 0.0, 0.0, 1.0) and cfg.index_keys.bits == 16
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert plan["kv_bytes_per_position"] == pytest.approx(sum(rk + rv for rk, rv in cfg.ranks.values()) * 0.5
+                                                          + 3 * 16 * 2)
+    with pytest.raises(BuildError, match="--tier-fractions: kv_quantization.tier_fractions must be three"):
+        build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "c", max_seq=N_MAX,
+              tier_fractions=(0.5, 0.6, 0.0))
+    cal = _calibration_without(keys8_checkpoint, tmp_path / "old.safetensors", None)
+    with pytest.raises(BuildError, match="--index-keys int8: .*indexer keys stay FP16"):
+        build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "c", max_seq=N_MAX, calibration=cal,
+              index_keys="int8")
+    assert not (tmp_path / "c").exists()

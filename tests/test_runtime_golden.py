@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +210,31 @@ def test_hotness_update_matches_golden():
         g.update_hotness(torch.from_numpy(m), 0.9)
         s.update_hotness(m, 0.9)
     assert np.array_equal(s.hotness, g.hotness.numpy())
+
+
+def test_chunked_prefill_scoring_is_the_golden_protocol(int4_checkpoint, tmp_path):
+    """bench/bundle_perplexity.py's window NLL on a bundle with a small --max-input (the KV-tier protocol of
+    docs/quality.md 2b: chunks of max-input tokens, each prefill call ending with a re-tier pass) equals the golden
+    deployed model prefilled in the same chunks, INT4 rows and INT8 keys included."""
+    import math
+
+    import runtime
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bundle_perplexity import window_nll
+
+    chunk, n = 16, 96
+    bundle = tmp_path / "b"
+    build(device="orin", checkpoint_dir=int4_checkpoint, output=bundle, max_seq=N_MAX, logits="all", max_input=chunk)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    win = np.random.default_rng(13).integers(3, 259, n).tolist()
+    golden = GoldenModel.from_checkpoint(int4_checkpoint, mode="deployed")
+    assert golden.key_scales is not None
+    cache, want = golden.new_cache(), 0.0
+    with torch.no_grad():
+        for a in range(0, n, chunk):
+            lp = torch.log_softmax(golden.prefill(cache, win[a:a + chunk]).logits.double(), dim=-1)
+            want -= sum(float(lp[i, win[a + i + 1]]) for i in range(lp.shape[0]) if a + i + 1 < n)
+    assert (cache.tier == INT4).any()  # later chunks read demoted rows
+    got = window_nll(rt, win)
+    assert math.isclose(got, want, rel_tol=1e-4), (got, want)
