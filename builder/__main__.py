@@ -7,7 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from builder.plan import DEFAULT_INT8_GROUP_SIZE, HEAD_CHOICES, HEAD_GROUP_SIZE, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES
+from builder.plan import (
+    DEFAULT_INT8_GROUP_SIZE,
+    GSM_CHOICES,
+    HEAD_CHOICES,
+    HEAD_GROUP_SIZE,
+    INT4_GRIDS,
+    PER_CHANNEL,
+    WEIGHT_CHOICES,
+)
 from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main, tier_fractions
 
 PROG = "python -m builder"
@@ -58,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the embedding and LM head (one tensor when tied): fp16, or INT8 / INT4 symmetric per group "
                    f"of {HEAD_GROUP_SIZE}; default int8 for --weights int8 and int4 (an INT4 head costs far more "
                    "quality), fp16 for fp16; fp16 keeps the float head of a quantised build")
+    b.add_argument("--gsm-weights", choices=list(GSM_CHOICES), help="the GSM-side projections of owning layers "
+                   "(latent down-projections, indexer): fp16, or INT8 per output channel (default: int8 with "
+                   "--weights int8|int4, else fp16)")
     b.add_argument("--matmul-accuracy", choices=["exact", "fast"],
                    help="portable graph's quantised matmuls: exact (float32 on the dequantised weights) or fast "
                    "(ONNX Runtime quantises activations to INT8 blocks); default exact, fast for int8")
@@ -100,7 +111,7 @@ def _build(args: argparse.Namespace) -> int:
                   uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
                   int4_grid=args.int4_grid, head_weights=args.head_weights, matmul_accuracy=args.matmul_accuracy,
                   awq_scales=args.awq_scales, max_top_k=args.max_top_k, tier_fractions=args.tier_fractions,
-                  index_keys=args.index_keys,
+                  index_keys=args.index_keys, gsm_weights=args.gsm_weights,
                   say=say, step=step)
     except BuildError as e:  # a refusal: bad input, nothing written
         if status is not None:

@@ -90,6 +90,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           int4_grid: str = "auto", head_weights: str | None = None, matmul_accuracy: str | None = None,
           awq_scales: Path | None = None, max_top_k: int | None = None,
           tier_fractions: tuple[float, ...] | None = None, index_keys: str | None = None,
+          gsm_weights: str | None = None,
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
@@ -101,7 +102,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     fast for INT8 and INT4 (ONNX Runtime has no fast float32 INT8 kernel, and INT4 decodes 6-54 % faster
     with INT8 activations at +0.07 % perplexity on SmolLM2, docs/weights.md); awq_scales: a
     `python -m calibration.awq` file (symmetric INT4 only); tier_fractions: the KV tier fractions instead of the
-    checkpoint's (three or four); index_keys: int8 | fp16 instead of the checkpoint's index_key_bits."""
+    checkpoint's (three or four); index_keys: int8 | fp16 instead of the checkpoint's index_key_bits; gsm_weights:
+    fp16 | int8 (per output channel), the GSM-side projections (None: DEFAULT_GSM of the --weights choice)."""
     t0 = time.perf_counter()
     _check_weight_options(weights, group_size, int4_grid, matmul_accuracy, head_weights)
     from jetson import DetectionError, UnknownDeviceError
@@ -142,12 +144,13 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         try:
             plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
                                   max_input=max_input, group_size=group, head_weights=head_weights, int4_grid=grid,
-                                  max_top_k=max_top_k)
+                                  max_top_k=max_top_k, gsm_weights=gsm_weights)
             require_fit(plan, cfg, ranks, quant)
         except PlanError as e:
             raise BuildError(str(e)) from None
         if matmul_accuracy is None:  # quantised weights decode faster with INT8 activations (docs/weights.md)
-            matmul_accuracy = "fast" if {plan.weights, plan.head_weights} & {"int8", "int4"} else "exact"
+            matmul_accuracy = "fast" if {plan.weights, plan.head_weights, plan.gsm_weights} & {"int8", "int4"} \
+                else "exact"
         wreport = _weights_report(plan, cfg, ranks, weights, grid_note, matmul_accuracy)
         awq = None
         if awq_scales is not None:
@@ -168,7 +171,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             raise BuildError(f"{qt.source}: INT4 tier fractions {list(quant.tier_fractions)} but some owning layer's "
                              "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
         rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
-        wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights)
+        wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights,
+                               plan.gsm_weights)
         spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),
                        nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy],
                        key_scales=qt.key_scales if quant.int8_keys else None)
@@ -286,6 +290,8 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
         "head_weights": plan.head_weights,  # the embedding and LM head (one tensor when tied)
         "head_group_size": None if plan.head_weights == "fp16" else HEAD_GROUP_SIZE,
         "tied_head": bool(cfg.tie_word_embeddings),
+        # the GSM-side projections of owning layers (latent Vt, indexer key / query / weight): fp16 or INT8 per channel
+        "gsm_weights": plan.gsm_weights,
     }
     if plan.weights == "int4":
         rep.update({"group_size": plan.group_size, "int4_grid": plan.int4_grid, "grid_note": grid_note})
@@ -293,7 +299,7 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
         rep["group_size"] = None if plan.group_size == PER_CHANNEL else plan.group_size  # None: per output channel
         if rep["group_size"] is not None:
             rep["tensorrt_note"] = TRT_INT8_BLOCKED_NOTE
-    if plan.weights != "fp16" or plan.head_weights != "fp16":
+    if plan.weights != "fp16" or plan.head_weights != "fp16" or plan.gsm_weights != "fp16":
         rep["matmul_accuracy"] = matmul_accuracy
     if requested == "auto":
         tried = WEIGHT_CHOICES[: WEIGHT_CHOICES.index(plan.weights)]
@@ -307,8 +313,8 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
 
 def _weights_record(rep: dict[str, Any]) -> dict[str, Any]:
     """The weight format as the bundle's manifest and bundle.json record it."""
-    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "head_weights", "head_group_size", "quantised",
-                                "matmul_accuracy", "awq") if k in rep}
+    return {k: rep[k] for k in ("format", "group_size", "int4_grid", "head_weights", "head_group_size", "gsm_weights",
+                                "quantised", "matmul_accuracy", "awq") if k in rep}
 
 
 def load_awq_scales(path: Path, plan: MemoryPlan, tensors: Any, cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:

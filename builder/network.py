@@ -70,6 +70,30 @@ class TensorSource(Protocol):
     def chunks(self, name: str) -> Iterable[np.ndarray]: ...
 
 
+class FusedSource:
+    """A TensorSource that also serves row-concatenations of its tensors under their FUSED names (a quantised fused
+    projection is quantised from it: groups run along K within each row, so quantising the concatenation is
+    quantising each part)."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.parts: dict[str, list[str]] = {}
+
+    def define(self, name: str, parts: list[str]) -> None:
+        self.parts[name] = list(parts)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.parts:
+            return self.source.shape(name)
+        shapes = [tuple(self.source.shape(p)) for p in self.parts[name]]
+        return (sum(sh[0] for sh in shapes), *shapes[0][1:])
+
+    def chunks(self, name: str) -> Iterable[np.ndarray]:
+        if name not in self.parts:
+            return self.source.chunks(name)
+        return (c for p in self.parts[name] for c in self.source.chunks(p))
+
+
 class CheckpointSource:
     """TensorSource over a checkpoint: 16 MiB chunks, so a build never holds a whole tensor."""
 
@@ -106,7 +130,9 @@ class Network:
     def __init__(self, g: GraphBuilder, ops: Any, spec: NetSpec, source: TensorSource,
                  quant_tables: dict[int, np.ndarray], act: int, *, projections: ProjectionStore | None = None,
                  form: str = "portable") -> None:
-        self.g, self.ops, self.spec, self.source, self.act = g, ops, spec, source, act
+        self.g, self.ops, self.spec, self.act = g, ops, spec, act
+        self.source = FusedSource(source)
+        self._fused: set[str] = set()  # FUSED tensors emitted as one quantised projection
         self.cfg = spec.cfg
         self.quant_tables = quant_tables
         self._cast: dict[str, str] = {}
@@ -139,7 +165,7 @@ class Network:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
         stored tensor, the residual as its C input (one node, not Gemm + Add), or the quantised form of
         this variant (+ an Add)."""
-        if name not in self.spec.quantised:
+        if name not in self.spec.quantised and name not in self._fused:
             return linear(self.g, x2d, self.w(name), residual)
         if residual is not None:
             return self.g.op("Add", [residual, self.proj(x2d, name)])
@@ -156,6 +182,23 @@ class Network:
             self.g.add_nodes(dq_nodes(x2d, out, prefix, lay, with_dq=self._first_dq(name), group_sums=sums),
                              {"": lay.dq_opset})
         return out
+
+    def fused_proj(self, x2d: str, key: str, i: int, parts: list[str]) -> str | None:
+        """x @ W^T over the FUSED tensor `key` of layer i (checkpoint tensors `parts` by rows) as one quantised
+        projection, when every part is quantised alike (and none has AWQ scales); None otherwise. One node
+        instead of one per part (ONNX Runtime pays a fixed cost per node). The GSM side (in_proj) keeps float32
+        activations in the TensorRT form too, as its float version does."""
+        if self.projections is None or any(p not in self.spec.quantised for p in parts):
+            return None
+        cfgs = {self.projections.configs[p] for p in parts}
+        if len(cfgs) != 1 or any(p in self.projections.input_scales for p in parts):
+            return None
+        name = fused_name(key, i)
+        if name not in self._fused:
+            self.projections.register(name, cfgs.pop(), trt_act_dtype="float32" if key == "in_proj" else None)
+            self.source.define(name, parts)
+            self._fused.add(name)
+        return self.proj(x2d, name)
 
     def group_sums(self, x2d: str, k: int, block: int) -> str:
         """x [M, K] @ group_indicator: the sums a float-zero-point weight's offset term multiplies, made once
@@ -249,8 +292,9 @@ class Network:
 
     def gsm_inputs(self, i: int, x32: str, x: str, bs: Any) -> tuple[str, list[str]]:
         """q [B, S, q_dim] float32 and the GSM-side tensors (GSM_SIDE_OUT, [B, S, width] float32) of owning
-        layer i: one Gemm over in_proj, the latent scales applied after it as before ((x Vt^T) * S, not S
-        folded into Vt: the latents are rounded to FP16 next and the golden tolerance is tight).
+        layer i: one Gemm over in_proj (or one quantised projection, --gsm-weights int8), the latent scales applied
+        after it as before ((x Vt^T) * S, not S folded into Vt: the latents are rounded to FP16 next and the golden
+        tolerance is tight).
 
         q_proj is a block of in_proj unless quantised; in a float32 graph its rows ride the same Gemm, in a
         lower-precision one they are split off the stored weight (a constant, folded by the engine builder)
@@ -261,10 +305,16 @@ class Network:
         widths = [rk, rv, dI, nI * dI, nI]
         outs = [o.format(i=i) for o in GSM_SIDE_OUT]
         q_name = names.layer_name("q_proj", i)
-        with_q = q_name not in spec.quantised
-        parts = [names.layer_name(k, i) for k in GSM_SIDE] + ([q_name] if with_q else [])
-        w = self.rows("in_proj", i, parts)
+        side = [names.layer_name(k, i) for k in GSM_SIDE]
         scale = self.in_scale(i)
+        # --gsm-weights int8: one quantised node, q on its own. The ONNX Runtime graphs take it only with exact
+        # (float32-activation) MatMulNBits: its INT8 kernel at float activations runs ~12x slower than the float
+        # Gemm, and INT8 activations on these projections cost +0.5 % perplexity on SmolLM2 (+0.03 % with float
+        # ones, what TensorRT's DequantizeLinear + MatMul computes); so a fast build keeps them float there
+        fused = self.fused_proj(x32, "in_proj", i, side) if self.form == "tensorrt" or spec.nbits_accuracy == 0 \
+            else None
+        with_q = fused is None and q_name not in spec.quantised
+        w = self.rows("in_proj", i, side + ([q_name] if with_q else [])) if fused is None else None
         if with_q and self.act == F32:
             # the ones over q's rows are a constant Concat, folded at session creation
             scale = g.op("Concat", [scale, g.const(np.ones(cfg.q_dim, np.float32), np.float32, "ones_q")], axis=0)
@@ -278,17 +328,21 @@ class Network:
         else:
             q = self.proj(x, q_name)
         q = bs(q if self.act == F32 else cast(g, q, F32), cfg.q_dim, f"L{i}.q")
-        y = bs(g.op("Mul", [linear(g, x32, w), scale]), sum(widths))
+        y = bs(g.op("Mul", [fused if fused is not None else linear(g, x32, w), scale]), sum(widths))
         gsm = g.op("Split", [y, g.const(widths, np.int64, "gsm_split")], n_out=len(widths), axis=-1, outputs=outs)
         return q, gsm
 
     def mlp(self, i: int, y: str) -> str:
         """silu(y gate^T) * (y up^T): one Gemm over gate_up and a Split unless either is quantised."""
         gate, up = names.layer_name("gate_proj", i), names.layer_name("up_proj", i)
-        if gate in self.spec.quantised or up in self.spec.quantised:
-            return silu_mul(self.g, self.proj(y, gate), self.proj(y, up))
-        w = self.act_w(self.rows("gate_up", i, [gate, up]))
         inter = self.cfg.intermediate_size
+        if gate in self.spec.quantised or up in self.spec.quantised:
+            gu = self.fused_proj(y, "gate_up", i, [gate, up])  # one quantised node when both are alike
+            if gu is None:
+                return silu_mul(self.g, self.proj(y, gate), self.proj(y, up))
+            a, b = self.g.op("Split", [gu, self.g.const([inter, inter], np.int64, "gate_up_split")], n_out=2, axis=-1)
+            return silu_mul(self.g, a, b)
+        w = self.act_w(self.rows("gate_up", i, [gate, up]))
         a, b = self.g.op("Split", [linear(self.g, y, w), self.g.const([inter, inter], np.int64, "gate_up_split")],
                          n_out=2, axis=-1)
         return silu_mul(self.g, a, b)

@@ -63,6 +63,12 @@ HEAD_GROUP_SIZE = 32
 # parameters) an INT4 head at group 32 cost +12.1 % held-out perplexity (+9.5 % at group 16), INT8 -0.02 %
 # against the FP16 head (docs/weights.md); the user's Q4_1 GGUF keeps its token embedding at Q8_0 likewise
 DEFAULT_HEAD = {"fp16": "fp16", "int8": "int8", "int4": "int8"}
+# the GSM-side projections of owning layers (latent down-projections Vt and the indexer's key, query and weight
+# projections, one stored tensor in_proj per layer): FP16, or INT8 per output channel in both graph forms
+GSM_CHOICES = ("fp16", "int8")
+DEFAULT_GSM = {"fp16": "fp16", "int8": "int8", "int4": "int8"}
+GSM_SIDE_KEYS = ("k_Vt", "v_Vt", "idx_k", "idx_q", "idx_w")  # builder.network's in_proj blocks, in order
+GSM_SIDE_CONFIG = WeightQuantConfig(8, None)
 
 
 class PlanError(ValueError):
@@ -116,6 +122,7 @@ class MemoryPlan:
     group_size: int = DEFAULT_GROUP_SIZE  # group along K of the quantised projections (PER_CHANNEL: one per row)
     head_weights: str = "fp16"  # HEAD_CHOICES: the embedding and LM head
     int4_grid: str = "sym"  # INT4_GRIDS
+    gsm_weights: str = "fp16"  # GSM_CHOICES: the GSM-side projections (in_proj)
     max_top_k: int = 0  # largest per-sequence selection budget the TensorRT graph takes (0: not given)
     cpu_kv_bytes: int = 0  # the onnxruntime backend's cache, all rows (cpu_cache_bytes; 0: a plan from before it)
 
@@ -187,10 +194,23 @@ def head_config(head_weights: str) -> WeightQuantConfig | None:
     return None if head_weights == "fp16" else WeightQuantConfig(8 if head_weights == "int8" else 4, HEAD_GROUP_SIZE)
 
 
+def gsm_choice(weights: str, gsm_weights: str | None) -> str:
+    """The --gsm-weights a build uses: the one asked for, else DEFAULT_GSM of the --weights choice."""
+    choice = DEFAULT_GSM[weights] if gsm_weights is None else gsm_weights
+    if choice not in GSM_CHOICES:
+        raise PlanError(f"--gsm-weights must be one of {', '.join(GSM_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def gsm_side_names(cfg: ModelConfig) -> set[str]:
+    """The GSM-side projections of every owning layer (what --gsm-weights int8 quantises)."""
+    return {names.layer_name(k, i) for k in GSM_SIDE_KEYS for i in cfg.owning_layers}
+
+
 def weight_configs(cfg: ModelConfig, weights: str = "fp16", group_size: int | None = None, int4_grid: str = "sym",
-                   head_weights: str | None = None) -> dict[str, WeightQuantConfig]:
-    """The quantisation of every tensor a --weights / --head-weights choice replaces, by checkpoint name
-    (head_weights None: DEFAULT_HEAD of the --weights choice). Empty: all FP16."""
+                   head_weights: str | None = None, gsm_weights: str | None = None) -> dict[str, WeightQuantConfig]:
+    """The quantisation of every tensor a --weights / --head-weights / --gsm-weights choice replaces, by checkpoint
+    name (head_weights / gsm_weights None: DEFAULT_HEAD / DEFAULT_GSM of the --weights choice). Empty: all FP16."""
     wq = weight_config(weights, group_size, int4_grid)
     hq = head_config(head_choice(weights, head_weights))
     out: dict[str, WeightQuantConfig] = {}
@@ -198,6 +218,8 @@ def weight_configs(cfg: ModelConfig, weights: str = "fp16", group_size: int | No
         out.update(dict.fromkeys(quantised_names(cfg), wq))
     if hq is not None:
         out.update(dict.fromkeys(head_names(cfg), hq))
+    if gsm_choice(weights, gsm_weights) == "int8":
+        out.update(dict.fromkeys(gsm_side_names(cfg), GSM_SIDE_CONFIG))
     return out
 
 
@@ -208,9 +230,9 @@ def quantised_names(cfg: ModelConfig) -> set[str]:
 
 def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
                  group_size: int | None = None, head_weights: str | None = None,
-                 int4_grid: str = "sym") -> dict[str, int]:
+                 int4_grid: str = "sym", gsm_weights: str | None = None) -> dict[str, int]:
     """Device bytes of every spec-3 tensor the engine holds (tied head once) under a --weights choice."""
-    configs = weight_configs(cfg, weights, group_size, int4_grid, head_weights)
+    configs = weight_configs(cfg, weights, group_size, int4_grid, head_weights, gsm_weights)
     out = {}
     for name, shape in names.expected_shapes(cfg, ranks).items():
         if name in configs:
@@ -221,10 +243,11 @@ def tensor_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights
 
 
 def weight_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], *, weights: str = "fp16",
-                 group_size: int | None = None, head_weights: str | None = None, int4_grid: str = "sym") -> int:
+                 group_size: int | None = None, head_weights: str | None = None, int4_grid: str = "sym",
+                 gsm_weights: str | None = None) -> int:
     """Engine weight bytes under a --weights choice (fp16 = 2 bytes per parameter)."""
     return sum(tensor_bytes(cfg, ranks, weights=weights, group_size=group_size,
-                            head_weights=head_weights, int4_grid=int4_grid).values())
+                            head_weights=head_weights, int4_grid=int4_grid, gsm_weights=gsm_weights).values())
 
 
 def key_bytes(cfg: ModelConfig, quant: KVQuantConfig) -> int:
@@ -306,7 +329,8 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
               max_input: int | None = None, weights: str = "fp16", group_size: int | None = None,
-              head_weights: str | None = None, int4_grid: str = "sym", max_top_k: int | None = None) -> MemoryPlan:
+              head_weights: str | None = None, int4_grid: str = "sym", max_top_k: int | None = None,
+              gsm_weights: str | None = None) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
     callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
     for auto); head_weights None: DEFAULT_HEAD[weights]. max_top_k: the TensorRT graph's largest
@@ -327,8 +351,9 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     params = param_count(cfg, ranks)
     group_size = default_group_size(weights) if group_size is None else group_size
     head_weights = head_choice(weights, head_weights)
+    gsm_weights = gsm_choice(weights, gsm_weights)
     tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, head_weights=head_weights,
-                           int4_grid=int4_grid)
+                           int4_grid=int4_grid, gsm_weights=gsm_weights)
     wbytes = sum(tensors.values())
 
     def total(S: int) -> int:
@@ -350,7 +375,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
         weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
-        max_top_k=min(cfg.gsm.max_layer_top_k, max_seq) if max_top_k is None else max_top_k,
+        gsm_weights=gsm_weights, max_top_k=min(cfg.gsm.max_layer_top_k, max_seq) if max_top_k is None else max_top_k,
         cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch, quant))
 
 
@@ -433,4 +458,4 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
 
 def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
     return {"weights": plan.weights, "group_size": plan.group_size, "head_weights": plan.head_weights,
-            "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k}
+            "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k, "gsm_weights": plan.gsm_weights}

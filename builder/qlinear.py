@@ -319,6 +319,14 @@ class ProjectionStore:
         self.input_scales = input_scales or {}
         self.layouts: dict[tuple[str, str], QLayout] = {}
         self.init_names: dict[tuple[str, str], list[str]] = {}
+        self.trt_act_dtypes: dict[str, str] = {}  # per-tensor override of trt_act_dtype
+
+    def register(self, name: str, cfg: WeightQuantConfig, *, trt_act_dtype: str | None = None) -> None:
+        """A tensor beyond the checkpoint's (a row-concatenation of quantised ones) and its config; trt_act_dtype:
+        its TensorRT form's activation type when not the graph's (float32 for the GSM-side projections)."""
+        self.configs[name] = cfg
+        if trt_act_dtype is not None:
+            self.trt_act_dtypes[name] = trt_act_dtype
 
     def input_scale_name(self, name: str, form: str) -> str | None:
         """The stored 1/s of `name` in `form`, or None without AWQ."""
@@ -347,11 +355,12 @@ class ProjectionStore:
             chunks = _scale_columns(chunks, np.asarray(s, np.float32), shape[1])
         q = quantize_chunks(shape, chunks, self.config(name, form), name=name)
         self.store.note_held(q.codes.nbytes)
-        makers = {"portable": lambda p: nbits_inits(p, q), "tensorrt": lambda p: dq_inits(p, q, self.trt_act_dtype)}
+        trt_act = self.trt_act_dtypes.get(name, self.trt_act_dtype)
+        makers = {"portable": lambda p: nbits_inits(p, q), "tensorrt": lambda p: dq_inits(p, q, trt_act)}
         for f in forms:
             inits = makers[f](self.prefix(name, f))
             if s is not None:
-                dt, onnx_t = _act_type("float32" if f == "portable" else self.trt_act_dtype)
+                dt, onnx_t = _act_type("float32" if f == "portable" else trt_act)
                 inv = (1.0 / np.asarray(s, np.float64)).astype(dt)
                 inits.append(_init(self.input_scale_name(name, f), inv, onnx_t))
             for i in inits:

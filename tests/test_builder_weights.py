@@ -17,7 +17,7 @@ from conftest import retiering_copy
 from runtime_bundles import run_module
 
 from builder.build import BuildError, build
-from builder.plan import DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL, quantised_names
+from builder.plan import DEFAULT_INT8_GROUP_SIZE, GSM_SIDE_CONFIG, PER_CHANNEL, gsm_side_names, quantised_names
 from builder.wquant import WeightQuantConfig, dequantize, on_block_grid, quantize, quantize_chunks
 from gsm import checkpoint
 from gsm.golden.model import GoldenModel
@@ -35,18 +35,24 @@ def tiny(tmp_path_factory):
     return retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "tiny-retier")
 
 
-def golden_with(ckpt, wcfg: WeightQuantConfig | None, head: WeightQuantConfig | None = None) -> GoldenModel:
-    """The golden model in deployed mode on the checkpoint's weights, projections dequantised (wcfg) and the
-    embedding and LM head too (head; a tied model's one tensor serves as both)."""
+def golden_with(ckpt, wcfg: WeightQuantConfig | None, head: WeightQuantConfig | None = None,
+                gsm: WeightQuantConfig | None = None) -> GoldenModel:
+    """The golden model in deployed mode on the checkpoint's weights, projections dequantised (wcfg), the
+    embedding and LM head too (head; a tied model's one tensor serves as both), and the GSM-side projections
+    (gsm: --gsm-weights int8, GSM_SIDE_CONFIG)."""
     cfg = checkpoint.load_config(ckpt)
     sd = dict(checkpoint.load_state_dict(ckpt))
+    original = GoldenWeights.from_tensors(cfg, dict(sd))
     todo = [(n, wcfg) for n in quantised_names(cfg)] + [
-        (n, head) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in sd]
+        (n, head) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in sd] + [
+        (n, gsm) for n in sorted(gsm_side_names(cfg))]
     for name, c in todo:
         if c is not None:
             sd[name] = dequantize(quantize(np.asarray(sd[name], np.float32), c))
     calib_t = checkpoint.load_kv_calibration(ckpt)
-    calib = KVCalibration.from_tensors(cfg, calib_t) if calib_t is not None else None
+    # without a calibration file, the data-free scales of the checkpoint's own latent projections, as the builder
+    # computes them (not of the dequantised ones the golden runs on)
+    calib = KVCalibration.from_tensors(cfg, calib_t) if calib_t is not None else KVCalibration.data_free(original)
     return GoldenModel(GoldenWeights.from_tensors(cfg, sd), mode="deployed", quant=checkpoint.load_quant(ckpt),
                        calibration=calib)
 
@@ -91,7 +97,7 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
             WeightQuantConfig(4, group, symmetric=grid == "sym", float_zero_point=grid == "asym-f"))
     head = WeightQuantConfig(8, 32)  # embedding and untied head: INT8 symmetric at group 32 for INT8 and INT4
     prompt = np.random.default_rng(1).integers(3, 259, PROMPT_LEN).tolist()
-    worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg, head), prompt)
+    worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg, head, GSM_SIDE_CONFIG), prompt)
     assert gt == rt, f"greedy tokens diverge: {gt} vs {rt}"
     assert worst <= 1, worst
     # and the quantisation is real: the fp32 golden's logits differ by far more than the tolerance
@@ -112,14 +118,17 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
 
     portable = onnx.load(bundle / "model.portable.onnx", load_external_data=False)
     ops = [n.op_type for n in portable.graph.node]
-    # 4 layers x 5 projections + the (untied) LM head; the embedding a quantised gather; GSM side stays Gemm
-    assert ops.count("MatMulNBits") == 5 * 4 + 1 and ops.count("GatherBlockQuantized") == 1 and "Gemm" in ops
+    # 4 layers x q, o, gate+up (one node), down, the 3 owning layers' GSM-side in_proj (INT8 per channel) and the
+    # (untied) LM head; the embedding a quantised gather; no float Gemm left but the asym-f offset terms
+    assert ops.count("MatMulNBits") == 4 * 4 + 3 + 1 and ops.count("GatherBlockQuantized") == 1
+    assert ("Gemm" in ops) == (grid == "asym-f")
     assert "Gather" not in ops[:3]
     trt = onnx.load(bundle / "model.onnx", load_external_data=False)
     dqs = [n for n in trt.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dqs) == 5 * 4 + 2
+    assert len(dqs) == 4 * 4 + 3 + 2
     blocks = {a.i for n in dqs for a in n.attribute if a.name == "block_size"}
     assert blocks == (set() if weights == "int8" else {wcfg.group_size})  # INT8 head: per channel in TensorRT
+    assert w["gsm_weights"] == "int8"
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +168,11 @@ def test_tied_head_quantised_once(tied, tmp_path, head_bits):
     float_ops = [n for n in onnx.load(tmp_path / "f" / "model.portable.onnx", load_external_data=False).graph.node]
     assert not [n for n in float_ops if n.op_type == "GatherBlockQuantized"]
     prompt = np.random.default_rng(6).integers(3, 1000, PROMPT_LEN).tolist()
-    golden = golden_with(tied, WeightQuantConfig(4, 32), WeightQuantConfig(head_bits, 32))
+    golden = golden_with(tied, WeightQuantConfig(4, 32), WeightQuantConfig(head_bits, 32), GSM_SIDE_CONFIG)
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
-    worst_float, _, _ = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32)), prompt[:8])
+    worst_float, _, _ = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32), None, GSM_SIDE_CONFIG),
+                                   prompt[:8])
     assert worst_float > 10  # the head's quantisation is real
 
 
@@ -209,7 +219,7 @@ def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path, weights, group, 
         return
     for logits, cfg in ((a, WeightQuantConfig(8, group)), (b, WeightQuantConfig(8, None))):
         # the head at group 32 portable, per channel in the TensorRT form (like every grouped INT8 weight)
-        golden = golden_with(tiny, cfg, WeightQuantConfig(8, 32 if cfg.group_size else None))
+        golden = golden_with(tiny, cfg, WeightQuantConfig(8, 32 if cfg.group_size else None), GSM_SIDE_CONFIG)
         with torch.no_grad():
             g = golden.prefill(golden.new_cache(), prompt).logits[-1].numpy()
         assert np.abs(logits - g).max() <= tolerance(g)
@@ -265,7 +275,8 @@ def test_streamed_build_bound(tiny, tmp_path):
     info = write_graphs(tmp_path / "g", spec, CheckpointSource(tensors, chunk_bytes=4096), qt,
                         pool_rows(64, 16, cfg, quant), weights=dict.fromkeys(names, WeightQuantConfig(4, 32)))
     shapes = [tensors.shape(n) for n in names]
-    codes = max(n * -(-k // 32) * 32 for n, k in shapes)  # one byte per weight, K padded to the group
+    gate_up = (2 * cfg.intermediate_size, cfg.hidden_size)  # gate and up quantised as one node
+    codes = max(n * -(-k // 32) * 32 for n, k in [*shapes, gate_up])  # one byte per weight, K padded to the group
     assert info.largest_tensor_bytes <= max(4096, codes)
     assert info.largest_tensor_bytes < max(4 * n * k for n, k in shapes)
 
@@ -390,7 +401,7 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     """`--weights int4` detects the Q4_1 grid (asym-f, group 32) and loses nothing: the bundle matches the
     golden on the checkpoint's own weights; symmetric INT4 does not."""
     r = build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
-              head_weights="fp16", matmul_accuracy="exact")  # float32 activations, as the golden: weights compared
+              head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact")  # float32 activations, as the golden
     w = r.report["weights"]
     assert (w["int4_grid"], w["group_size"]) == ("asym-f", 32) and "Q4_1" in w["grid_note"]
     prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
@@ -398,7 +409,7 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
     build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "s", max_seq=N_MAX, weights="int4",
-          int4_grid="sym", head_weights="fp16", matmul_accuracy="exact")
+          int4_grid="sym", head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact")
     worst_sym, _, _ = run_both(tmp_path / "s", golden, prompt[:8])
     assert worst_sym > 10
 
@@ -419,7 +430,7 @@ def test_awq_scales_bundle_matches_golden(tiny, tmp_path):
     scales = {n: rng.uniform(0.25, 4.0, np.asarray(sd[n]).shape[1]) for n in quantised_names(cfg)}
     f = _awq_file(tmp_path / "awq.safetensors", scales, 32)
     r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              int4_grid="sym", awq_scales=f, head_weights="fp16", matmul_accuracy="exact")
+              int4_grid="sym", awq_scales=f, head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact")
     assert r.report["weights"]["awq"]["projections"] == 20
     wcfg = WeightQuantConfig(4, 32)
     for n, s in scales.items():
@@ -492,3 +503,43 @@ def test_quantised_gather_rows_equal_the_dequantised_weight(bits, k):
     assert np.abs(logits - x @ deq.T).max() <= 1e-5 * np.abs(x @ deq.T).max()
     assert {n.input[0] for n in nodes if n.op_type == "GatherBlockQuantized"} == {
         n.input[1] for n in nodes if n.op_type == "MatMulNBits"}
+
+
+def test_gsm_side_int8_bytes_by_hand():
+    """--gsm-weights int8 (the default with quantised --weights): each owning layer's latent and indexer
+    projections at one byte per weight plus one FP16 scale per output row, instead of two bytes per weight."""
+    from builder.plan import gsm_choice, weight_bytes
+    from gsm import names
+    from gsm.synth import PRESETS, preset_config, preset_ranks
+
+    p = PRESETS["tiny"]
+    cfg = preset_config(p)
+    ranks = preset_ranks(p, cfg)
+    shapes = names.expected_shapes(cfg, ranks)
+    side = sorted(gsm_side_names(cfg))
+    assert len(side) == 5 * len(cfg.owning_layers)
+    saved = sum(2 * shapes[n][0] * shapes[n][1] - (shapes[n][0] * shapes[n][1] + 2 * shapes[n][0]) for n in side)
+    assert weight_bytes(cfg, ranks, weights="int4", gsm_weights="fp16") - weight_bytes(cfg, ranks, weights="int4") \
+        == saved
+    assert weight_bytes(cfg, ranks, weights="fp16", gsm_weights="int8") == weight_bytes(cfg, ranks) - saved
+    assert (gsm_choice("int4", None), gsm_choice("int8", None), gsm_choice("fp16", None)) == ("int8", "int8", "fp16")
+    with pytest.raises(Exception, match="--gsm-weights must be one of fp16, int8"):
+        gsm_choice("int4", "int4")
+
+
+def test_gsm_side_int8_in_the_cpu_graphs_only_with_exact_matmuls(tiny, tmp_path):
+    """The TensorRT graph always takes the INT8 GSM side (float activations: DequantizeLinear + MatMul); the
+    ONNX Runtime graphs only with --matmul-accuracy exact, a fast build keeps their float Gemm (INT8 activations
+    there cost +0.5 % perplexity on SmolLM2, and the float-activation INT8 kernel is slower than the Gemm)."""
+    import onnx
+
+    for acc, in_proj_nbits in (("fast", 0), ("exact", 3)):
+        b = tmp_path / acc
+        r = build(device="orin", checkpoint_dir=tiny, output=b, max_seq=N_MAX, weights="int4", matmul_accuracy=acc)
+        assert r.report["weights"]["gsm_weights"] == "int8"
+        for f in ("model.portable.onnx", "model.cpu.onnx"):
+            g = onnx.load(b / f, load_external_data=False).graph
+            nbits = [n for n in g.node if n.op_type == "MatMulNBits" and ".in_proj." in n.input[1]]
+            assert len(nbits) == in_proj_nbits, (acc, f)
+        trt = onnx.load(b / "model.onnx", load_external_data=False).graph
+        assert len([n for n in trt.node if n.op_type == "DequantizeLinear" and ".in_proj." in n.input[0]]) == 3

@@ -273,14 +273,18 @@ def _llama3_8b():
     return cfg, {i: (r, r) for i in cfg.owning_layers}
 
 
-def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, head: int | None | str = "same") -> int:
+def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, head: int | None | str = "same",
+                       gsm: int | None | str = "same") -> int:
     """By hand: projections q, o, gate, up, down quantised, the embedding and LM head at `head` bits
-    (symmetric, one FP16 scale per 32; "same": `bits`), every other parameter FP16 (group None: one FP16
-    scale per row)."""
+    (symmetric, one FP16 scale per 32; "same": `bits`), the GSM-side projections (latent Vt, indexer key / query /
+    weight) at `gsm` bits (8: one byte a weight and one FP16 scale per row; "same": 8 when `bits` is given), every
+    other parameter FP16 (group None: one FP16 scale per row)."""
     H, I, L, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.q_dim, cfg.kv_dim
     g = cfg.gsm
     proj = [(qd, H), (H, qd), (I, H), (I, H), (H, I)]  # [N, K] of q, o, gate, up, down
     head = (None if bits is None else 8) if head == "same" else head
+    gsm = (None if bits is None else 8) if gsm == "same" else gsm
+    gsm_bytes = 0
     n_head = 1 if cfg.tie_word_embeddings else 2
     V = cfg.vocab_size
     head_bytes = n_head * (V * H * 2 if head is None else V * H * head // 8 + V * math.ceil(H / 32) * 2)
@@ -288,8 +292,9 @@ def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, he
     for i in range(L):
         if cfg.is_owning(i):
             rk, rv = ranks[i]
-            other += (rk + rv) * H + kvd * (rk + rv) + rk + rv + (g.indexer_heads * g.indexer_dim + g.indexer_dim
-                                                                   + g.indexer_heads) * H
+            side = rk + rv + g.indexer_heads * g.indexer_dim + g.indexer_dim + g.indexer_heads  # in_proj rows
+            other += kvd * (rk + rv) + rk + rv
+            gsm_bytes += side * H * 2 if gsm is None else side * H + side * 2
         else:
             rk, rv = ranks[g.kv_sharing[i]]
             other += 2 * kvd * (rk + rv) + 2 * kvd
@@ -299,7 +304,7 @@ def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, he
         q = sum(n * k + n * (1 if group is None else math.ceil(k / group)) * 2 for n, k in proj)
     else:
         q = sum(n * k // 2 + n * math.ceil(k / group) * 2 for n, k in proj)
-    return other * 2 + L * q + head_bytes
+    return other * 2 + L * q + head_bytes + gsm_bytes
 
 
 @pytest.mark.parametrize("which", ["1b", "8b"])
@@ -323,6 +328,8 @@ def test_weight_bytes_by_hand(which):
     for head in (None, 8, 4):
         hw = {None: "fp16", 8: "int8", 4: "int4"}[head]
         assert weight_bytes(cfg, ranks, weights="int4", head_weights=hw) == _hand_weight_bytes(cfg, ranks, 4, head=head)
+    assert weight_bytes(cfg, ranks, weights="int4", gsm_weights="fp16") == _hand_weight_bytes(cfg, ranks, 4, gsm=None)
+    assert weight_bytes(cfg, ranks, gsm_weights="int8") == _hand_weight_bytes(cfg, ranks, None, gsm=8)
     assert weight_bytes(cfg, ranks, head_weights="int8") == _hand_weight_bytes(cfg, ranks, None, head=8)
     if which == "8b":  # about 14.7 GiB at FP16; at INT4 5.4 GiB with the FP16 embedding and head, 4.5 INT8, 4.0 INT4
         assert 14.5 < fp16 / 2**30 < 14.9
