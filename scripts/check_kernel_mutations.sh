@@ -5,7 +5,7 @@
 # `GSM_CUDA=emulated pytest tests/gpu` must FAIL on that library. The unmutated copy must pass (the control).
 # Prints one line per mutation and exits 1 if any mutation survived (the tests passed on a broken kernel).
 #
-# Usage: bash scripts/check_kernel_mutations.sh    (after pip install -e ".[test]"; ~6 minutes on 2 cores)
+# Usage: bash scripts/check_kernel_mutations.sh    (after pip install -e ".[test]"; ~8 minutes on 2 cores)
 # Needs g++ (C++17), TBB (libtbb-dev) and the HIP CPU Runtime (GSM_HIP_CPU_ROOT, default ../shared/tools/hip-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,8 @@ MUTATIONS=(
   "INT12 pair packing reads past an odd part|gsmKVCache/gsmKVCacheKernels.cu|2 * p + 1 < n ? quantize|2 * p + 1 <= n ? quantize"
   "attention reads pool row b, not cache_rows[b]|gsmSparseAttention/gsmSparseAttentionKernels.cu|a.pool + static_cast<int64_t>(a.rows.of(b)) * poolWords(d)|a.pool + static_cast<int64_t>(b) * poolWords(d)"
   "cache update writes pool row b, not cache_rows[b]|gsmKVCache/gsmKVCacheKernels.cu|seqPool(d, pool, cacheRow)|seqPool(d, pool, b)"
+  "INT8 key store truncates instead of rounding and clamping|gsmKVCache/gsmKVCacheKernels.cu|reinterpret_cast<int8_t*>(kdst)[c] = keyCode(e);|reinterpret_cast<int8_t*>(kdst)[c] = static_cast<int8_t>(e);"
+  "attention reads INT8 key codes as FP16|gsmSparseAttention/gsmSparseAttentionKernels.cu|bool const codes = int8Keys(d);|bool const codes = false;"
 )
 
 build() { # <plugins dir> <out dir>: the emulated library from that copy of the sources
