@@ -149,6 +149,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
     quant = quant0.replace(**{k: v for k, v in (("fp16_window", o.fp16_window),
                                                  ("hotness_decay", o.hotness_decay)) if v is not None})
+    # FP16 keys until this run fits key scales (a recalibrated checkpoint's old ones are replaced, not reused)
+    quant = quant.replace(index_key_bits=16)
     # statistics read latents only: a one-row output head spares the [T, vocab] logits (latents unchanged)
     exact = GoldenModel(dataclasses.replace(weights, lm_head=weights.lm_head[:1]), mode="exact", quant=quant)
     protocol = o.protocol

@@ -312,6 +312,10 @@ def test_index_key_scales_are_absmax_of_the_calibration_keys(stories_gsm, tmp_pa
     assert verify(tmp_path / "int8").ok
     assert not any(".index_key." in n for n in ckpt.load_kv_calibration(tmp_path / "fp16"))
     assert ckpt.load_quant(tmp_path / "fp16").index_key_bits == 16
+    # recalibrating the INT8-key checkpoint with FP16 keys drops the field with the scales
+    again = ["--checkpoint", str(tmp_path / "int8"), *common[2:], "--index-keys", "fp16", "--out", str(tmp_path / "re")]
+    assert main(["run", *again]) == 0
+    assert ckpt.load_quant(tmp_path / "re").index_key_bits == 16 and verify(tmp_path / "re").ok
     # the deployed golden of the INT8 checkpoint holds the codes
     g = GoldenModel.from_checkpoint(tmp_path / "int8", mode="deployed")
     cache = g.new_cache()
