@@ -57,10 +57,7 @@ def _key_scales(cfg: ModelConfig, path: Path) -> dict[int, np.ndarray] | None:
 
 def has_key_scales(path: Path) -> bool:
     """The calibration file holds INT8 indexer-key scales (checked before planning, as has_int4_tables)."""
-    try:
-        return any(n.endswith(".index_key.scale_int8") for n in LazySafetensors(path).names)
-    except (OSError, ValueError):
-        return False
+    return _holds(path, (".index_key.scale_int8",))
 
 
 def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) -> tuple[dict[int, np.ndarray], bool]:
@@ -112,8 +109,13 @@ def _data_free(cfg: ModelConfig, tensors: CheckpointTensors) -> dict[int, np.nda
 def has_int4_tables(path: Path) -> bool:
     """The calibration file holds fitted INT4 scales (checked before planning; the build refuses a file that holds
     them for only some latents once it reads the tables)."""
+    return _holds(path, (".scale_int4", ".comp_int4"))
+
+
+def _holds(path: Path, suffixes: tuple[str, ...]) -> bool:
+    """The file holds a tensor whose name ends in one of `suffixes` (False when it does not read)."""
     try:
-        return any(n.endswith((".scale_int4", ".comp_int4")) for n in LazySafetensors(path).names)
+        return any(n.endswith(suffixes) for n in LazySafetensors(path).names)
     except (OSError, ValueError):
         return False
 

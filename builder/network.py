@@ -86,6 +86,8 @@ class FusedSource:
         if name not in self.parts:
             return self.source.shape(name)
         shapes = [tuple(self.source.shape(p)) for p in self.parts[name]]
+        if len({sh[1:] for sh in shapes}) != 1:
+            raise ValueError(f"{name}: parts {self.parts[name]} differ in shape past the rows: {shapes}")
         return (sum(sh[0] for sh in shapes), *shapes[0][1:])
 
     def chunks(self, name: str) -> Iterable[np.ndarray]:
@@ -260,11 +262,8 @@ class Network:
         concatenated along rows. Streamed: such a concatenation is the parts' bytes one after another."""
         name = fused_name(key, i)
         if name not in self.g.store.tensors:
-            shapes = [self.source.shape(p) for p in parts]
-            if len({s[1:] for s in shapes}) != 1:
-                raise ValueError(f"{name}: parts {parts} differ in shape past the rows: {shapes}")
-            shape = (sum(s[0] for s in shapes), *shapes[0][1:])
-            self.g.store.put_chunks(name, shape, (c for p in parts for c in self.source.chunks(p)))
+            self.source.define(name, parts)
+            self.g.store.put_chunks(name, self.source.shape(name), self.source.chunks(name))
         return self.g.weight(name)
 
     def in_scale(self, i: int) -> str:
