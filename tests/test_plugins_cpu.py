@@ -10,6 +10,8 @@ fails the comparison.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -101,7 +103,10 @@ def golden_check(sc: Scenario, res: ref.AttentionResult, selected_in: np.ndarray
             g_scores = index_scores(x, eye[:nq], eye[nq:], keys, d.index_heads)
             ours = torch.from_numpy(res.scores[b, :T, :n].copy())
             causal = A.causal_mask(q_pos, n)
-            np.testing.assert_allclose(ours[causal].numpy(), g_scores[causal].numpy(), rtol=TOL, atol=TOL)
+            # float32 sums of large keys cancel: the error bound follows sum |w| |q||k|, not the (small) score
+            cond = index_scores(x.abs(), eye[:nq], eye[nq:], keys.abs(), d.index_heads)[causal]
+            err = (ours[causal] - g_scores[causal]).abs()
+            assert (err <= TOL * (1 + cond)).all(), f"index scores off by {(err / (1 + cond)).max():.3g} x cond"
             # the selection rule itself is exact: golden `select` on the plugin's own scores
             mask = select(torch.where(causal, ours, torch.zeros(())), q_pos, p)
         else:
@@ -393,7 +398,7 @@ CASES = {
 
 def _scenario(name: str, *, layer_kind: int = 0, seed: int = 0) -> Scenario:
     nH, nKV, D, rk, rv, nI, dI, sinks, topk, mw, w, n_max, past, new, mix = CASES[name]
-    rng = np.random.default_rng(abs(hash(name)) % 2**32 + seed)
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + seed)  # str hash() is salted per process
     return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
                          index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
                          past=past, new=new, tier_mix=mix, layer_kind=layer_kind,
