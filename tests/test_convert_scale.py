@@ -174,14 +174,19 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gsm", "convert", "--from", "hf", str(src), "--out", str(out),
                         "--calib-text", str(CALIB_TEXT), "--eval-text", str(EVAL_TEXT), "--calib-tokens", "4096",
                         "--eval-tokens", "1024", "--indexer-steps", "20", "--long-check", "2048",
+                        "--long-fit", "3072", "--long-fit-windows", "1", "--long-fit-rows", "64",
+                        "--long-fit-steps", "40",
                         "--report", str(tmp_path / "r.json")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert len(rep["layers"]) == n
     assert rep["calibration"]["bos"] is False  # SmolLM2's tokenizer_config: add_bos_token false
-    assert set(rep["stage_seconds"]) >= {"calibration statistics", "whitened SVD", "indexer fit", "selection budget",
-                                         "quality report"}
+    assert set(rep["stage_seconds"]) >= {"calibration statistics", "whitened SVD", "indexer fit", "long sample",
+                                         "indexer long fit", "selection budget", "quality report"}
+    # the indexer's second fit on rows of a long window lowers its own KL in every layer
+    assert rep["indexer_long_fit"] == {"windows": 1, "seq_len": 3072, "rows_per_window": 64, "steps": 40}
+    assert all(r["indexer_long_kl_first_last"][1] < r["indexer_long_kl_first_last"][0] for r in rep["layers"])
     sb = rep["selection_budget"]  # --top-k auto at SmolLM2's context 8192: measured at the full 2K
     assert sb["seq_len"] == 2048 and sb["sequences"] == 2
     # the per-layer ladder up to 1536 (2048 leaves no sparse row), a selection per layer, and the report's

@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-tokens", type=int_at_least(1), default=16384)
     p.add_argument("--eval-tokens", type=int_at_least(1), default=4096)
     p.add_argument("--indexer-steps", type=int_at_least(0), default=200)
+    p.add_argument("--long-fit", type=int_at_least(0), metavar="TOKENS",
+                   help="the indexer's second fit, on sampled query rows of long calibration windows of this many "
+                   "tokens (default gsm.convert.pipeline.LONG_FIT_LEN, clamped to the model's context; 0 skips it)")
+    p.add_argument("--long-fit-windows", type=int_at_least(1), help="windows of the long fit")
+    p.add_argument("--long-fit-rows", type=int_at_least(1), help="query rows sampled per window")
+    p.add_argument("--long-fit-steps", type=int_at_least(0), help="Adam steps per layer")
     p.add_argument("--top-k", type=top_k_arg, default="auto",
                    help="gsm_config.sparse_top_k, or 'auto' (default): the smallest top-k of a ladder "
                    "whose mean indexer hit rate on calibration sequences of 2K tokens (at most the model's "
@@ -244,6 +250,9 @@ def convert_command(args: argparse.Namespace) -> int:
                           sharing_budget=args.sharing_budget, seq_len=args.seq_len,
                           calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
                           indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
+                          **{f: v for f, v in (("long_fit_len", args.long_fit), ("long_fit_rows", args.long_fit_rows),
+                                               ("long_fit_windows", 0 if args.long_fit == 0 else args.long_fit_windows),
+                                               ("long_fit_steps", args.long_fit_steps)) if v is not None},
                           auto_window=auto_window, auto_top_k=auto_top_k,
                           per_layer_selection=args.selection != "uniform",
                           **({} if args.long_check is None else {"long_check": args.long_check}),

@@ -14,6 +14,7 @@ among (sinks and window are always selected, so they carry no signal).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,52 @@ def init_from_projections(wq: torch.Tensor, k_lowrank: LowRank, xx: torch.Tensor
     return Indexer(q=q.reshape(n_idx * d_idx, H), k=key, w=w.repeat(n_idx, 1))
 
 
+def candidates(q_pos: torch.Tensor, T: int, p: GSMParams) -> torch.Tensor:
+    """[len(q_pos), T]: the positions the indexer chooses among for queries at q_pos (causal, neither sink nor
+    window: those are always selected, so they carry no signal)."""
+    pos = torch.arange(T, device=q_pos.device)
+    causal = pos[None, :] <= q_pos[:, None]
+    fixed = (pos[None, :] < p.sink_tokens) | (pos[None, :] > q_pos[:, None] - p.sparse_window)
+    return causal & ~fixed
+
+
+def targets(attn: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fit's target, attention renormalised over the candidates, and its negative entropy (float32)."""
+    t = attn.to(torch.float32) * cand
+    t = t / t.sum(-1, keepdim=True).clamp_min(1e-12)
+    return t, (t * torch.log(t.clamp_min(1e-12))).sum(-1)
+
+
+def _kl(params: list[torch.Tensor], x_q: torch.Tensor, x_k: torch.Tensor, cand: torch.Tensor, target: torch.Tensor,
+        neg_entropy: torch.Tensor) -> torch.Tensor:
+    """Mean KL(target || softmax(index scores over the candidates)); x_q [b, R, H] queries, x_k [b, T, H] keys."""
+    n_heads, d_idx = params[2].shape[0], params[1].shape[0]
+    q = (x_q @ params[0].T).unflatten(-1, (n_heads, d_idx))  # [b, R, nI, dI]
+    keys = x_k @ params[1].T  # [b, T, dI]
+    w = x_q @ params[2].T  # [b, R, nI]
+    dots = torch.relu(torch.einsum("brjd,bsd->brjs", q, keys))  # [b, R, nI, T]
+    scores = torch.einsum("brj,brjs->brs", w, dots) / math.sqrt(d_idx)  # as index_scores
+    logq = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), dim=-1)
+    return (neg_entropy - (target * logq.clamp_min(-1e4)).sum(-1)).mean()
+
+
+def _adam(ix: Indexer, steps: int, lr: float, seed: int, dev: torch.device,
+          loss_of: Callable[[list[torch.Tensor], int], torch.Tensor]) -> tuple[Indexer, list[float]]:
+    torch.manual_seed(seed)
+    params = [t.to(dev, torch.float32).clone().requires_grad_(True) for t in (ix.q, ix.k, ix.w)]
+    opt = torch.optim.Adam(params, lr=lr)
+    losses: list[float] = []
+    for step in range(steps):
+        loss = loss_of(params, step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 20 == 0 or step == steps - 1:
+            losses.append(float(loss.detach()))
+    q, k, w = (t.detach().cpu() for t in params)
+    return Indexer(q=q, k=k, w=w), losses
+
+
 def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, steps: int = 200,
         lr: float = 3e-3, batch: int = 8, seed: int = 0, device: torch.device | None = None,
         ) -> tuple[Indexer, list[float]]:
@@ -61,42 +108,43 @@ def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, step
     indexer and the loss every 20 steps (first and last included).
     """
     dev = device or torch.device("cpu")
-    torch.manual_seed(seed)
     B, T, _ = xs.shape
-    pos = torch.arange(T, device=dev)
-    causal = pos[None, :] <= pos[:, None]
-    fixed = (pos[None, :] < p.sink_tokens) | (pos[None, :] > pos[:, None] - p.sparse_window)
-    cand = causal & ~fixed  # [T, T]
-    rows = cand.any(-1)
-    params = [t.to(dev, torch.float32).clone().requires_grad_(True) for t in (ix.q, ix.k, ix.w)]
-    opt = torch.optim.Adam(params, lr=lr)
-    n_heads = ix.w.shape[0]
-    d_idx = ix.k.shape[0]
-    losses: list[float] = []
-    gen = torch.Generator().manual_seed(seed)
+    cand = candidates(torch.arange(T), T, p)
+    rows = cand.any(-1)  # query rows with a choice to make
     # the target and its entropy do not change during the fit: computed once, on the fixed sample
-    targets = attn.to(torch.float32) * cand.cpu()  # [B, T, T]
-    targets = (targets / targets.sum(-1, keepdim=True).clamp_min(1e-12))[:, rows.cpu()]  # [B, R, T]
-    entropy = (targets * torch.log(targets.clamp_min(1e-12))).sum(-1)  # [B, R]
-    for step in range(steps):
+    target, neg_ent = targets(attn[:, rows], cand[rows])  # [B, R, T], [B, R]
+    cand = cand[rows].to(dev)
+    gen = torch.Generator().manual_seed(seed)
+
+    def loss_of(params: list[torch.Tensor], step: int) -> torch.Tensor:
         idx = torch.randint(0, B, (min(batch, B),), generator=gen)
         x = xs[idx].to(dev, torch.float32)  # [b, T, H]
-        target = targets[idx].to(dev)  # [b, R, T]
-        q = (x @ params[0].T).unflatten(-1, (n_heads, d_idx))  # [b, T, nI, dI]
-        keys = x @ params[1].T  # [b, T, dI]
-        w = x @ params[2].T  # [b, T, nI]
-        dots = torch.relu(torch.einsum("btjd,bsd->btjs", q, keys))  # [b, T, nI, T]
-        scores = torch.einsum("btj,btjs->bts", w, dots) / math.sqrt(d_idx)  # as index_scores
-        logq = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), dim=-1)[:, rows]
-        kl = entropy[idx].to(dev) - (target * logq.clamp_min(-1e4)).sum(-1)  # [b, R]
-        loss = kl.mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 20 == 0 or step == steps - 1:
-            losses.append(float(loss.detach()))
-    q, k, w = (t.detach().cpu() for t in params)
-    return Indexer(q=q, k=k, w=w), losses
+        return _kl(params, x[:, rows.to(dev)], x, cand, target[idx].to(dev), neg_ent[idx].to(dev))
+
+    return _adam(ix, steps, lr, seed, dev, loss_of)
+
+
+def fit_rows(ix: Indexer, xs: torch.Tensor, rows: torch.Tensor, attn: torch.Tensor, p: GSMParams, *,
+             steps: int = 300, lr: float = 3e-3, seed: int = 0, device: torch.device | None = None,
+             ) -> tuple[Indexer, list[float]]:
+    """Fit the indexer to sampled query rows of long windows (gsm.convert.long_sample): xs [B, T, H] inputs at
+    every position, rows [B, R] query positions, attn [B, R, T] their attention. One window per step, all its
+    rows; the same KL as `fit`. Returns the fitted indexer and the loss every 20 steps."""
+    dev = device or torch.device("cpu")
+    B, T, _ = xs.shape
+    prepared = []
+    for b in range(B):
+        cand = candidates(rows[b], T, p)
+        target, neg_ent = targets(attn[b], cand)
+        prepared.append((rows[b].to(dev), cand.to(dev), target.to(dev), neg_ent.to(dev)))
+
+    def loss_of(params: list[torch.Tensor], step: int) -> torch.Tensor:
+        b = step % B
+        r, cand, target, neg_ent = prepared[b]
+        x = xs[b].to(dev, torch.float32)  # [T, H]
+        return _kl(params, x[r][None], x[None], cand[None], target[None], neg_ent[None])
+
+    return _adam(ix, steps, lr, seed, dev, loss_of)
 
 
 def hit_rate(scores: torch.Tensor, probs: torch.Tensor, p: GSMParams) -> float:

@@ -37,6 +37,8 @@ class Plan:
     sharing_trials: list[dict[str, Any]] = field(default_factory=list)
     window_search: list[dict[str, Any]] = field(default_factory=list)
     selection_budget: dict[str, Any] = field(default_factory=dict)  # how sparse_top_k was chosen (report)
+    indexer_long_losses: dict[int, list[float]] = field(default_factory=dict)  # the long fit's KL (when it ran)
+    long_fit: dict[str, Any] = field(default_factory=dict)  # its windows, rows and steps (report)
 
 
 def resident(src: DenseSource) -> DenseSource:

@@ -147,6 +147,8 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
                                                          lowranks[(i, "v")], rv, x_ev),
                 "mask_hit_rate": hits[i],
                 "indexer_kl_first_last": [plan.indexer_losses[i][0], plan.indexer_losses[i][-1]],
+                **({"indexer_long_kl_first_last": [plan.indexer_long_losses[i][0], plan.indexer_long_losses[i][-1]]}
+                   if i in plan.indexer_long_losses else {}),
             })
         else:
             f = plan.sharing[i]
