@@ -416,7 +416,7 @@ def long_fit(dense: DenseLlama, plan: Plan, windows: torch.Tensor, opts: Convert
     past, which a 256-token window never asks for. The sample is freed layer by layer as the fits finish.
     """
     p, L = plan.params, dense.config.num_hidden_layers
-    with stages.run("long sample", total=windows.shape[0]) as advance:
+    with stages.run("long sample", total=windows.shape[0], parallel=True) as advance:  # 256-token GEMMs
         sample = collect_long_sample(dense, windows, rows_per_window=opts.long_fit_rows,
                                      first=p.sink_tokens + p.sparse_window, seed=opts.seed, advance=advance)
     stages.progress(f"long sample: {windows.shape[0]} x {windows.shape[1]} tokens, {sample.rows.shape[1]} query "
@@ -457,7 +457,8 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
         indexers, losses = fit_indexers(src, lowranks, stats, params, opts.indexer_steps, opts.seed, device,
                                         advance)
     for i in range(L):
-        stages.progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
+        if losses[i]:  # none with --indexer-steps 0
+            stages.progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
     plan = Plan(ranks=ranks, sharing={}, indexers=indexers, indexer_losses=losses, params=params,
                 window_search=window_table)
     if long_windows is not None and opts.long_fit_steps > 0:

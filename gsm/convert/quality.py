@@ -58,6 +58,11 @@ def heldout_rel_error(w: torch.Tensor, lr: LowRank, r: int, x: torch.Tensor) -> 
     return float((x @ (U @ (S[:, None] * Vt)).T - y).norm() / y.norm().clamp_min(1e-30))
 
 
+def first_last(losses: list[float]) -> list[float]:
+    """A fit's first and last recorded loss ([] when it took no step)."""
+    return [losses[0], losses[-1]] if losses else []
+
+
 def ppl(nll: float) -> float:
     return math.exp(nll)
 
@@ -146,8 +151,8 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
                 "rel_error_v_heldout": heldout_rel_error(src.get(names.layer_name("v_proj", i)),
                                                          lowranks[(i, "v")], rv, x_ev),
                 "mask_hit_rate": hits[i],
-                "indexer_kl_first_last": [plan.indexer_losses[i][0], plan.indexer_losses[i][-1]],
-                **({"indexer_long_kl_first_last": [plan.indexer_long_losses[i][0], plan.indexer_long_losses[i][-1]]}
+                "indexer_kl_first_last": first_last(plan.indexer_losses.get(i, [])),
+                **({"indexer_long_kl_first_last": first_last(plan.indexer_long_losses[i])}
                    if i in plan.indexer_long_losses else {}),
             })
         else:
