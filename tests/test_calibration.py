@@ -52,8 +52,10 @@ def stories_gsm(tmp_path_factory) -> Path:
     from gsm.sources.llama2c import read_llama2c
 
     out = tmp_path_factory.mktemp("conv") / "gsm"
+    # the subject here is the latent scales: the short-fit indexer only (long_fit_windows 0) keeps the checkpoint
+    # these thresholds were set on (a long-fit indexer selects other rows: per-tensor INT8's KL was then 1.6x, not 5x)
     opts = ConvertOptions(calib_text=CALIB_TEXT, sharing="none", seq_len=256, calib_tokens=8192, indexer_steps=40,
-                          indexer_sequences=8,
+                          indexer_sequences=8, long_fit_windows=0,
                           gsm=GSMParams(sparse_window=16, max_sparse_window=16, sparse_top_k=51, indexer_dim=8))
     convert(read_llama2c(STORIES), out, opts, progress=lambda _: None)
     return out
