@@ -138,6 +138,15 @@ def add_layer(curve: HitRateCurve, layer: int, x_own: torch.Tensor, idx_q: torch
         add_block(curve, layer, index_scores(x_own[q_pos], idx_q, idx_w, keys, n_idx), probs, q_pos, sinks, window)
 
 
+def chunk_row_attention(cfg: Any, chunk_q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, pick: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Head-mean dense attention [r, n] of a prefill chunk's query rows `pick` (a mask or indices into q_pos, the
+    chunk's positions) over the n cached RoPE'd keys k [nKV, n, D]; chunk_q [c, nH*D] is the chunk's captured
+    pre-RoPE queries, cos/sin its RoPE tables."""
+    q = A.apply_rope(chunk_q.float().view(-1, cfg.num_attention_heads, cfg.head_dim).transpose(0, 1), cos, sin)
+    return A.attention_probs(q[:, pick], k, A.causal_mask(q_pos[pick], k.shape[1])).mean(0)
+
+
 @torch.no_grad()
 def add_sequence(curve: HitRateCurve, dense: Any, ids: torch.Tensor, indexers: Sequence[Any], n_idx: int,
                  sinks: int, window: int, chunk: int = 256) -> None:
@@ -164,10 +173,7 @@ def add_sequence(curve: HitRateCurve, dense: Any, ids: torch.Tensor, indexers: S
             rows = q_pos >= first
             if not rows.any():
                 continue
-            q = A.apply_rope(lc.q[0].float().view(-1, cfg.num_attention_heads, cfg.head_dim).transpose(0, 1),
-                             cos, sin)[:, rows]
-            k = kv[i][0][0]  # [nKV, a + chunk, D], RoPE'd
-            probs = A.attention_probs(q, k, A.causal_mask(q_pos[rows], k.shape[1])).mean(0)
+            probs = chunk_row_attention(cfg, lc.q[0], kv[i][0][0], q_pos, rows, cos, sin)
             add_block(curve, i, index_scores(x[rows], ix.q, ix.w, keys[i], n_idx), probs, q_pos[rows], sinks, window)
 
 

@@ -251,7 +251,7 @@ def convert_command(args: argparse.Namespace) -> int:
                           calib_tokens=args.calib_tokens, eval_tokens=args.eval_tokens,
                           indexer_steps=args.indexer_steps, seed=args.seed, gsm=params,
                           **{f: v for f, v in (("long_fit_len", args.long_fit), ("long_fit_rows", args.long_fit_rows),
-                                               ("long_fit_windows", 0 if args.long_fit == 0 else args.long_fit_windows),
+                                               ("long_fit_windows", args.long_fit_windows),
                                                ("long_fit_steps", args.long_fit_steps)) if v is not None},
                           auto_window=auto_window, auto_top_k=auto_top_k,
                           per_layer_selection=args.selection != "uniform",

@@ -113,13 +113,13 @@ def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, step
     rows = cand.any(-1)  # query rows with a choice to make
     # the target and its entropy do not change during the fit: computed once, on the fixed sample
     target, neg_ent = targets(attn[:, rows], cand[rows])  # [B, R, T], [B, R]
-    cand = cand[rows].to(dev)
+    cand, rows = cand[rows].to(dev), rows.to(dev)
     gen = torch.Generator().manual_seed(seed)
 
     def loss_of(params: list[torch.Tensor], step: int) -> torch.Tensor:
         idx = torch.randint(0, B, (min(batch, B),), generator=gen)
         x = xs[idx].to(dev, torch.float32)  # [b, T, H]
-        return _kl(params, x[:, rows.to(dev)], x, cand, target[idx].to(dev), neg_ent[idx].to(dev))
+        return _kl(params, x[:, rows], x, cand, target[idx].to(dev), neg_ent[idx].to(dev))
 
     return _adam(ix, steps, lr, seed, dev, loss_of)
 
@@ -132,17 +132,16 @@ def fit_rows(ix: Indexer, xs: torch.Tensor, rows: torch.Tensor, attn: torch.Tens
     rows; the same KL as `fit`. Returns the fitted indexer and the loss every 20 steps."""
     dev = device or torch.device("cpu")
     B, T, _ = xs.shape
-    prepared = []
+    prepared = []  # per window, once: its float32 inputs (every step reads all T), rows, candidates and target
     for b in range(B):
         cand = candidates(rows[b], T, p)
         target, neg_ent = targets(attn[b], cand)
-        prepared.append((rows[b].to(dev), cand.to(dev), target.to(dev), neg_ent.to(dev)))
+        x = xs[b].to(dev, torch.float32)  # [T, H]
+        prepared.append((x[rows[b].to(dev)][None], x[None], cand[None].to(dev), target[None].to(dev),
+                         neg_ent[None].to(dev)))
 
     def loss_of(params: list[torch.Tensor], step: int) -> torch.Tensor:
-        b = step % B
-        r, cand, target, neg_ent = prepared[b]
-        x = xs[b].to(dev, torch.float32)  # [T, H]
-        return _kl(params, x[r][None], x[None], cand[None], target[None], neg_ent[None])
+        return _kl(params, *prepared[step % B])
 
     return _adam(ix, steps, lr, seed, dev, loss_of)
 

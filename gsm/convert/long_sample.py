@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gsm.convert.budget import chunk_row_attention
 from gsm.golden import attention as A
 
 CHUNK = 256  # query positions per chunk of the dense prefill
@@ -53,7 +54,7 @@ def collect_long_sample(dense, ids: torch.Tensor, *, rows_per_window: int, first
     """
     cfg = dense.config
     B, T = ids.shape
-    L, H, nH, D = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
     gen = torch.Generator().manual_seed(seed)
     rows = torch.stack([sample_rows(T, first, rows_per_window, gen) for _ in range(B)])
     R = rows.shape[1]
@@ -65,14 +66,13 @@ def collect_long_sample(dense, ids: torch.Tensor, *, rows_per_window: int, first
             q_pos = torch.arange(a, min(a + CHUNK, T))
             _, layers = dense.run_cached(ids[None, b, a:a + CHUNK], kv, capture=True)  # extends kv in place
             here = (rows[b] >= a) & (rows[b] < a + CHUNK)
-            cos, sin = A.rope_tables(q_pos, D, cfg.rope_theta)
+            cos, sin = A.rope_tables(q_pos, cfg.head_dim, cfg.rope_theta)
             for i, lc in enumerate(layers):
                 x[i][b, a:a + CHUNK] = lc.x[0].to(torch.float16)
                 if not here.any():
                     continue
-                q = A.apply_rope(lc.q[0].float().view(-1, nH, D).transpose(0, 1), cos, sin)[:, rows[b][here] - a]
                 k = kv[i][0][0]  # [nKV, a + chunk, D], RoPE'd
-                probs = A.attention_probs(q, k, A.causal_mask(rows[b][here], k.shape[1])).mean(0)
+                probs = chunk_row_attention(cfg, lc.q[0], k, q_pos, rows[b][here] - a, cos, sin)
                 attn[i][b, here, :k.shape[1]] = probs.to(torch.float16)
         if advance is not None:
             advance(1)

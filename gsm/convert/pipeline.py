@@ -56,7 +56,7 @@ WINDOW_SEARCH_LAYERS = 6  # the split is one number for the model: scored on thi
 SHARING_REACH = 3  # auto sharing: a layer may read the latents of one of the 3 layers before it
 SHARING_MAX_REJECTIONS = 3  # auto sharing stops after this many rejected trials in a row
 SHARING_EVAL_SEQUENCES = 8  # calibration sequences each sharing trial is scored on
-# SmolLM2 (docs/quality.md 1c): 3 windows of 4K, 256 rows each, 300 steps after the short fit lift the held-out
+# SmolLM2 (docs/quality.md section 0): 3 windows of 4K, 256 rows each, 300 steps after the short fit lift the held-out
 # hit rate at 4K and top-k 512 from 0.915 to 0.933 and cut the 2K perplexity cost of 545 rows from +1.66 % to +1.30 %
 LONG_FIT_LEN = 4096  # positions per long window (clamped to the model's context)
 LONG_FIT_WINDOWS = 3
@@ -78,7 +78,7 @@ class ConvertOptions:
     indexer_sequences: int = 32  # the bounded sample the indexer and the window search are fitted on
     indexer_steps: int = 200
     # the indexer's second fit, on sampled query rows of long calibration windows (gsm.convert.long_sample);
-    # 0 windows: the short sample only
+    # 0 tokens, windows or steps: the short sample only
     long_fit_len: int = LONG_FIT_LEN
     long_fit_windows: int = LONG_FIT_WINDOWS
     long_fit_rows: int = LONG_FIT_ROWS
@@ -150,7 +150,7 @@ def check_lengths(max_positions: int, opts: ConvertOptions) -> Lengths:
                          f"{max_positions}), not {opts.budget_seq_len}")
         if budget_len < seq_len:
             raise ValueError(f"the selection-budget context {budget_len} is shorter than --seq-len {seq_len}")
-    long_len = min(opts.long_fit_len, max_positions) if opts.long_fit_windows > 0 else 0
+    long_len = min(opts.long_fit_len, max_positions) if opts.long_fit_windows > 0 and opts.long_fit_steps > 0 else 0
     if 0 < long_len < opts.long_fit_len:
         notes.append(f"the indexer's long fit uses windows of {long_len} tokens (max_position_embeddings "
                      f"{max_positions}), not {opts.long_fit_len}")
@@ -285,8 +285,7 @@ def long_fit_windows(path: Path, tok: Tokenizer, lengths: Lengths, opts: Convert
                      vocab_size: int) -> tuple[torch.Tensor, list[str]]:
     """opts.long_fit_windows calibration windows of lengths.long_fit_len for the indexer's long fit, after the
     short sample and the selection budget's windows (the curve then scores text neither fit saw)."""
-    skip = opts.indexer_sequences * lengths.seq_len + (opts.budget_sequences * lengths.budget_seq_len
-                                                       if lengths.budget_seq_len else 0)
+    skip = opts.indexer_sequences * lengths.seq_len + opts.budget_sequences * lengths.budget_seq_len  # 0: no budget
     return calib_windows(path, tok, what="indexer long fit", skip=skip, n=opts.long_fit_windows,
                          L=lengths.long_fit_len, min_len=lengths.seq_len + 1, bos_id=bos_id, vocab_size=vocab_size)
 
@@ -461,7 +460,7 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
             stages.progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
     plan = Plan(ranks=ranks, sharing={}, indexers=indexers, indexer_losses=losses, params=params,
                 window_search=window_table)
-    if long_windows is not None and opts.long_fit_steps > 0:
+    if long_windows is not None:
         long_fit(dense, plan, long_windows, opts, device, stages)
     if budget_seqs is not None:
         t0 = time.perf_counter()
