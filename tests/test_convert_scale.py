@@ -184,6 +184,7 @@ def test_truncated_smollm2_converts_end_to_end(tmp_path):
     assert rep["calibration"]["bos"] is False  # SmolLM2's tokenizer_config: add_bos_token false
     assert set(rep["stage_seconds"]) >= {"calibration statistics", "whitened SVD", "indexer fit", "long sample",
                                          "indexer long fit", "selection budget", "quality report"}
+    assert rep["indexer_short_fit"] == {"sequences": 16, "seq_len": 256, "steps": 20}  # 4096 calibration tokens
     # the indexer's second fit on rows of a long window lowers its own KL in every layer
     assert rep["indexer_long_fit"] == {"windows": 1, "seq_len": 3072, "rows_per_window": 64, "steps": 40}
     assert all(r["indexer_long_kl_first_last"][1] < r["indexer_long_kl_first_last"][0] for r in rep["layers"])

@@ -41,6 +41,12 @@ def test_collect_long_sample_equals_the_whole_sequence_capture(stories_src):
             assert (s.attn[i][b][~causal] == 0).all()
 
 
+def test_row_groups_score_each_run_against_its_own_causal_prefix():
+    rows = torch.tensor([40, 41, 90, 200, 399])
+    assert ixr.row_groups(rows, size=2) == [(0, 2, 42), (2, 4, 201), (4, 5, 400)]
+    assert ixr.row_groups(rows, size=8) == [(0, 5, 400)]
+
+
 def _kl_by_hand(ix: ixr.Indexer, x: torch.Tensor, rows: torch.Tensor, attn: torch.Tensor, p: GSMParams) -> float:
     """Mean over rows of KL(attention renormalised over the candidates || softmax of the golden's index scores)."""
     scores = index_scores(x, ix.q, ix.w, x @ ix.k.T, p.indexer_heads)  # [T, T]
@@ -66,7 +72,8 @@ def _planted(B: int, T: int, H: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def test_fit_rows_objective_is_the_kl_over_candidates_and_it_learns_far_positions():
-    """fit_rows' first loss is the KL computed by hand from the golden's index scores on the sampled rows; fitted
+    """fit_rows' first loss is the KL computed by hand from the golden's index scores on the sampled rows (48 rows:
+    two runs of ixr.GROUP_ROWS, each scored against its own prefix, weighted by its rows); fitted
     on rows of long windows only, the indexer finds the planted positions far back (recency cannot)."""
     B, T, H = 3, 400, 16
     p = GSMParams(sparse_window=8, sink_tokens=1, sparse_top_k=32, indexer_heads=2, indexer_dim=8)

@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int_at_least(2), default=256)
     p.add_argument("--calib-tokens", type=int_at_least(1), default=16384)
     p.add_argument("--eval-tokens", type=int_at_least(1), default=4096)
-    p.add_argument("--indexer-steps", type=int_at_least(0), default=200)
+    p.add_argument("--indexer-steps", type=int_at_least(0), default=200,
+                   help="Adam steps of the indexer's fit on the short calibration sequences (0: the long fit "
+                   "starts from the initialisation)")
     p.add_argument("--long-fit", type=int_at_least(0), metavar="TOKENS",
                    help="the indexer's second fit, on sampled query rows of long calibration windows of this many "
                    "tokens (default gsm.convert.pipeline.LONG_FIT_LEN, clamped to the model's context; 0 skips it)")

@@ -56,8 +56,8 @@ WINDOW_SEARCH_LAYERS = 6  # the split is one number for the model: scored on thi
 SHARING_REACH = 3  # auto sharing: a layer may read the latents of one of the 3 layers before it
 SHARING_MAX_REJECTIONS = 3  # auto sharing stops after this many rejected trials in a row
 SHARING_EVAL_SEQUENCES = 8  # calibration sequences each sharing trial is scored on
-# SmolLM2 (docs/quality.md section 0): 3 windows of 4K, 256 rows each, 300 steps after the short fit lift the held-out
-# hit rate at 4K and top-k 512 from 0.915 to 0.933 and cut the 2K perplexity cost of 545 rows from +1.66 % to +1.30 %
+# SmolLM2 (docs/convert.md): 3 windows of 4K, 256 rows each, 300 steps after the short fit; 8 windows gave +0.88 %
+# at 2K where 3 gave +0.91 %, for 1 GB more sample
 LONG_FIT_LEN = 4096  # positions per long window (clamped to the model's context)
 LONG_FIT_WINDOWS = 3
 LONG_FIT_ROWS = 256  # query rows sampled per window
@@ -76,7 +76,7 @@ class ConvertOptions:
     calib_tokens: int = 16384  # moments of H x H need far fewer tokens than the forward costs
     eval_tokens: int = 4096
     indexer_sequences: int = 32  # the bounded sample the indexer and the window search are fitted on
-    indexer_steps: int = 200
+    indexer_steps: int = 200  # the short fit's Adam steps (0: the long fit starts from the initialisation)
     # the indexer's second fit, on sampled query rows of long calibration windows (gsm.convert.long_sample);
     # 0 tokens, windows or steps: the short sample only
     long_fit_len: int = LONG_FIT_LEN
@@ -411,8 +411,9 @@ def long_fit(dense: DenseLlama, plan: Plan, windows: torch.Tensor, opts: Convert
              stages: Stages) -> None:
     """Refit every layer's indexer on sampled query rows of long calibration windows [B, T] (mutates plan).
 
-    Starts from the short fit: at 256 tokens it already ranks the near past; the long rows teach it the far
-    past, which a 256-token window never asks for. The sample is freed layer by layer as the fits finish.
+    Starts from the short fit: at 256 tokens it ranks the near past (from the initialisation instead, 8 windows
+    left SmolLM2 +1.18 % over dense at 2K, not +0.88 %); the long rows teach it the far past, which a 256-token
+    window never asks for. The sample is freed layer by layer as the fits finish.
     """
     p, L = plan.params, dense.config.num_hidden_layers
     with stages.run("long sample", total=windows.shape[0], parallel=True) as advance:  # 256-token GEMMs
@@ -452,14 +453,16 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
     if opts.auto_window:
         params, window_table = choose_window(src, lowranks, stats, opts, device, stages)
     ranks = ranks_at(lowranks, list(range(L)), opts.tolerance, opts.kv_budget, params.indexer_dim)
-    with stages.run("indexer fit", total=L) as advance:
-        indexers, losses = fit_indexers(src, lowranks, stats, params, opts.indexer_steps, opts.seed, device,
-                                        advance)
+    steps = opts.indexer_steps
+    with stages.run("indexer fit" if steps else "indexer initialisation", total=L) as advance:
+        indexers, losses = fit_indexers(src, lowranks, stats, params, steps, opts.seed, device, advance)
+    short_fit = {"sequences": int(stats.seq_x[0].shape[0]), "seq_len": int(calib.shape[1]), "steps": steps}
+    stats.seq_x, stats.attn = [], []  # the short sample's last reader: its 0.5 GB (SmolLM2) is free for the long one
     for i in range(L):
         if losses[i]:  # none with --indexer-steps 0
             stages.progress(f"indexer of layer {i}: KL {losses[i][0]:.3f} -> {losses[i][-1]:.3f}")
     plan = Plan(ranks=ranks, sharing={}, indexers=indexers, indexer_losses=losses, params=params,
-                window_search=window_table)
+                window_search=window_table, short_fit=short_fit)
     if long_windows is not None:
         long_fit(dense, plan, long_windows, opts, device, stages)
     if budget_seqs is not None:
@@ -546,6 +549,7 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
         "length_notes": notes,
         "gsm_config": gcfg.gsm.to_json(),
         "window_search": plan.window_search,
+        "indexer_short_fit": plan.short_fit,
         "indexer_long_fit": plan.long_fit,
         "selection_budget": plan.selection_budget,
         "sharing_trials": plan.sharing_trials,

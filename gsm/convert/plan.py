@@ -39,6 +39,7 @@ class Plan:
     selection_budget: dict[str, Any] = field(default_factory=dict)  # how sparse_top_k was chosen (report)
     indexer_long_losses: dict[int, list[float]] = field(default_factory=dict)  # the long fit's KL (when it ran)
     long_fit: dict[str, Any] = field(default_factory=dict)  # its windows, rows and steps (report)
+    short_fit: dict[str, Any] = field(default_factory=dict)  # the short fit's sequences and steps (report)
 
 
 def resident(src: DenseSource) -> DenseSource:
