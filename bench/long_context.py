@@ -192,10 +192,16 @@ def cmd_retrieval(a: argparse.Namespace) -> dict[str, Any]:
     filler = eval_stream(a.eval_text, s.tokenizer, max(a.lengths) * 4)
     res: dict[str, Any] = {"checkpoint": str(a.checkpoint), "selection": s.cfg.gsm.selection_summary(),
                            "probes": [], "score": {}}
+    ctx = s.cfg.max_position_embeddings
     for L in a.lengths:
+        # the answer must fit the context too: a probe at the full context is cut to leave --max-new positions
+        fit = min(L, ctx - a.max_new - 8)  # probe_prompt lands within a few tokens of its length
+        if fit < L:
+            print(f"[retrieval] {L}: prompts of {fit} tokens, leaving {a.max_new} of the {ctx}-position context for "
+                  "the answer", flush=True)
         for depth in a.depths:
             for trial in range(a.trials):
-                ids, stops, digits = probe_prompt(s, filler, L, depth, trial)
+                ids, stops, digits = probe_prompt(s, filler, fit, depth, trial)
                 row: dict[str, Any] = {"length": L, "prompt_tokens": len(ids), "depth": depth, "trial": trial,
                                        "digits": digits}
                 for m in a.models:

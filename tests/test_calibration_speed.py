@@ -101,8 +101,16 @@ def test_lockstep_equals_golden_decode(small, key_bits):
     for r, (b, c) in enumerate(rows):
         lp, cache = _golden_row(w, quant, configs[c].calib, configs[c].fractions, seqs[b], prot)
         # batched products sum in another order; where that crosses an FP16/INT rounding boundary of a
-        # latent, the log-probs move by up to ~5e-4 (measured), elsewhere by ~1e-5
-        assert float((steps[r] - lp).abs().max()) <= 2e-3, (b, c)
+        # latent, the log-probs move by up to ~5e-4 (measured), elsewhere by ~1e-5. INT8 indexer keys make index
+        # scores sums of integer-code products, so two candidates can tie to within that summation order and the
+        # two sides pick different rows at one step: on an AVX-512 machine one step of one row moved 8.5e-3 with
+        # its neighbours within 2e-4, which a divergence of state would not (the tiers are compared below). One
+        # such isolated step per row is allowed.
+        dev = (steps[r] - lp).abs().amax(-1)
+        over = [s for s in range(dev.numel()) if dev[s] > 2e-3]
+        assert not over or (key_bits == 8 and len(over) == 1 and float(dev.max()) <= 2e-2
+                            and all(dev[t] <= 2e-3 for t in (over[0] - 1, over[0] + 1) if 0 <= t < dev.numel())), \
+            (b, c, over)
         g_nll = float(-lp.gather(1, seqs[b, PREFILL + 1:, None]).sum())
         g_kl = float((ref[b].exp() * (ref[b] - lp)).sum())
         assert math.isclose(float(nll[r]), g_nll, rel_tol=2e-5), (b, c)
