@@ -183,6 +183,15 @@ def probe_prompt(s: Setup, filler: list[int], length: int, depth: float, trial: 
     return ids, stops, fact_of(length, depth, trial)[2]
 
 
+PROMPT_SLACK = 8  # probe_prompt lands within a few tokens of the length it is asked for
+
+
+def probe_length(length: int, context: int, max_new: int) -> int:
+    """The prompt length of a probe asked at `length`: the answer must fit the context too, so a probe at the full
+    context is cut to leave max_new positions (and the prompt's slack) for it."""
+    return min(length, context - max_new - PROMPT_SLACK)
+
+
 def answer(r: Runner, ids: list[int], stops: list[int], max_new: int) -> list[int]:
     return greedy_until(lambda: r.prefill(torch.tensor(ids)), r.step, max_new, stops)
 
@@ -194,8 +203,7 @@ def cmd_retrieval(a: argparse.Namespace) -> dict[str, Any]:
                            "probes": [], "score": {}}
     ctx = s.cfg.max_position_embeddings
     for L in a.lengths:
-        # the answer must fit the context too: a probe at the full context is cut to leave --max-new positions
-        fit = min(L, ctx - a.max_new - 8)  # probe_prompt lands within a few tokens of its length
+        fit = probe_length(L, ctx, a.max_new)
         if fit < L:
             print(f"[retrieval] {L}: prompts of {fit} tokens, leaving {a.max_new} of the {ctx}-position context for "
                   "the answer", flush=True)

@@ -31,6 +31,11 @@ def test_facts_are_deterministic_and_distinct(lc):
     assert len({lc.fact_of(L, d, 0)[2] for L in (1024, 2048, 4096) for d in (0.1, 0.5, 0.9)}) == 9
 
 
+def test_probes_leave_the_answer_room_in_the_context(lc):
+    assert lc.probe_length(8192, 8192, 24) == 8192 - 24 - lc.PROMPT_SLACK  # the dense model refuses 8193 positions
+    assert lc.probe_length(4096, 8192, 24) == 4096
+
+
 def test_buckets_cover_the_window(lc):
     assert lc.bucket_edges(8192) == [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
     assert lc.bucket_edges(3000) == [(0, 1024), (1024, 2048), (2048, 3000)]
