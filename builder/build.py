@@ -27,6 +27,7 @@ from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
+    GSM_SIDE_FAST_CONFIG,
     HEAD_CHOICES,
     HEAD_GROUP_SIZE,
     INT4_GRIDS,
@@ -172,7 +173,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                              "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
         rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
         wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights,
-                               plan.gsm_weights)
+                               plan.gsm_weights, fast_matmuls=matmul_accuracy == "fast")
         spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),
                        nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy],
                        key_scales=qt.key_scales if quant.int8_keys else None)
@@ -291,8 +292,11 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
         "head_group_size": None if plan.head_weights == "fp16" else HEAD_GROUP_SIZE,
         "tied_head": bool(cfg.tie_word_embeddings),
         # the GSM-side projections of owning layers (latent Vt, indexer key / query / weight): fp16 or INT8 per channel
+        # in the TensorRT graph; in the ONNX Runtime graphs per group of gsm_group_size inputs in a fast build
         "gsm_weights": plan.gsm_weights,
     }
+    if plan.gsm_weights == "int8":
+        rep["gsm_group_size"] = GSM_SIDE_FAST_CONFIG.group_size if matmul_accuracy == "fast" else None
     if plan.weights == "int4":
         rep.update({"group_size": plan.group_size, "int4_grid": plan.int4_grid, "grid_note": grid_note})
     if plan.weights == "int8":

@@ -306,12 +306,9 @@ class Network:
         q_name = names.layer_name("q_proj", i)
         side = [names.layer_name(k, i) for k in GSM_SIDE]
         scale = self.in_scale(i)
-        # --gsm-weights int8: one quantised node, q on its own. The ONNX Runtime graphs take it only with exact
-        # (float32-activation) MatMulNBits: its INT8 kernel at float activations runs ~12x slower than the float
-        # Gemm, and INT8 activations on these projections cost +0.5 % perplexity on SmolLM2 (+0.03 % with float
-        # ones, what TensorRT's DequantizeLinear + MatMul computes); so a fast build keeps them float there
-        fused = self.fused_proj(x32, "in_proj", i, side) if self.form == "tensorrt" or spec.nbits_accuracy == 0 \
-            else None
+        # --gsm-weights int8: one quantised node, q on its own (a fast build's ONNX Runtime graphs: group 32 with
+        # INT8 activations, builder.plan GSM_SIDE_FAST_CONFIG; the TensorRT graph: per channel, float activations)
+        fused = self.fused_proj(x32, "in_proj", i, side)
         with_q = fused is None and q_name not in spec.quantised
         w = self.rows("in_proj", i, side + ([q_name] if with_q else [])) if fused is None else None
         if with_q and self.act == F32:
