@@ -223,7 +223,8 @@ def transformers_anchor(a: argparse.Namespace, bundle: Path) -> dict:
 def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     d = a.llama_dir
     bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
-    gguf = next(iter(sorted(d.glob(f"*.{a.llama_quant}.gguf"))), None)
+    # the user's own file where it is that precision (the shared Q4_1 source), else llama_cpp.sh's copies
+    gguf = next(iter(sorted(d.glob(f"*.{a.llama_quant}.gguf")) + sorted(DATA.glob(f"*.{a.llama_quant}.gguf"))), None)
     if not (bench.is_file() and gguf):
         return {"status": f"llama-bench or *.{a.llama_quant}.gguf not found in {d} (../shared/tools/llama_cpp.sh)"}
     out: dict = {"gguf": gguf.name, "threads": a.threads}
