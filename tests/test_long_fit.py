@@ -95,3 +95,22 @@ def test_fit_rows_objective_is_the_kl_over_candidates_and_it_learns_far_position
     assert mine > ixr.hit_rate(ixr.baseline_scores("recency", T), probs, p) + 0.3
     assert mine > ixr.hit_rate(ixr.baseline_scores("random", T), probs, p) + 0.3
     assert mine > ixr.hit_rate(index_scores(x_new[0], init.q, init.w, x_new[0] @ init.k.T, 2), probs, p) + 0.3
+
+
+def test_default_indexer_heads_are_one_per_kv_group_at_most():
+    """The converter's default indexer_heads is min(4, nKV) because a head beyond nKV starts as a copy of head
+    j - nKV (the same group's mean query) and, the fit's gradient being symmetric in the two, stays one: 4 heads
+    over 3 groups (SmolLM2) fit as 3 distinct heads, one of them counted twice."""
+    from gsm.convert.cli import default_indexer_heads
+    from gsm.convert.svd import input_covariance, whitened_svd
+
+    assert [default_indexer_heads(n) for n in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 4]
+    H, D, n_heads, n_kv, n_idx, d_idx = 48, 8, 9, 3, 4, 6
+    g = torch.Generator().manual_seed(0)
+    wq, wk, x = torch.randn(n_heads * D, H, generator=g), torch.randn(n_kv * D, H, generator=g), torch.randn(
+        500, H, generator=g)
+    ix = ixr.init_from_projections(wq, whitened_svd(wk, input_covariance(x)), x.T.double() @ x.double(),
+                                   x.sum(0).double(), n_heads=n_heads, n_kv=n_kv, n_idx=n_idx, d_idx=d_idx)
+    q = ix.q.view(n_idx, d_idx, H)
+    assert torch.equal(q[0], q[3]) and torch.equal(ix.w[0], ix.w[3])
+    assert not torch.allclose(q[0], q[1]) and not torch.allclose(q[1], q[2])

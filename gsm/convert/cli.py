@@ -65,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gsm_config.sparse_window, or 'auto' (default): split the budget sinks + "
                    f"{GSMParams.sparse_window} + top-k between window and top-k by calibration hit rate")
     p.add_argument("--sinks", type=int_at_least(0), default=GSMParams.sink_tokens, help="gsm_config.sink_tokens")
-    p.add_argument("--indexer-heads", type=int_at_least(1), default=GSMParams.indexer_heads)
+    p.add_argument("--indexer-heads", type=int_at_least(1),
+                   help=f"gsm_config.indexer_heads (default: min({GSMParams.indexer_heads}, num_key_value_heads): "
+                   "the initialisation gives head j KV group j mod nKV, so heads beyond nKV would start, and stay, "
+                   "copies)")
     p.add_argument("--indexer-dim", type=int_at_least(1),
                    help="gsm_config.indexer_dim (default: min(32, max(8, kvD/4)), "
                    "so the indexer key stays small next to the K/V it selects from)")
@@ -74,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where calibration statistics, SVDs and indexer fits run (auto: cuda when visible)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out (and --report) if they exist and gsm-edge wrote them")
+
+
+def default_indexer_heads(num_kv_heads: int) -> int:
+    """Spec default 4, but at most one head per KV group: the indexer's head j starts from group j mod nKV's mean
+    query (gsm.convert.indexer.init_from_projections), and two heads that start alike stay alike through the fit."""
+    return min(GSMParams.indexer_heads, num_kv_heads)
 
 
 def default_indexer_dim(kv_dim: int) -> int:
@@ -240,7 +249,8 @@ def convert_command(args: argparse.Namespace) -> int:
                          f"--top-k {args.top_k}")
     params = GSMParams(sparse_top_k=GSMParams.sparse_top_k if auto_top_k else args.top_k, sparse_window=window,
                        max_sparse_window=max(GSMParams.max_sparse_window, window),
-                       sink_tokens=args.sinks, indexer_heads=args.indexer_heads,
+                       sink_tokens=args.sinks,
+                       indexer_heads=args.indexer_heads or default_indexer_heads(source.config.num_key_value_heads),
                        indexer_dim=args.indexer_dim or default_indexer_dim(source.config.kv_dim),
                        kv_compression_tolerance=args.tolerance)
     if args.kv_budget is not None and args.kv_budget < min_kv_budget(n_layers, params.indexer_dim):
