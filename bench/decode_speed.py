@@ -226,7 +226,8 @@ def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     # the user's own file where it is that precision (the shared Q4_1 source), else llama_cpp.sh's copies
     gguf = next(iter(sorted(d.glob(f"*.{a.llama_quant}.gguf")) + sorted(DATA.glob(f"*.{a.llama_quant}.gguf"))), None)
     if not (bench.is_file() and gguf):
-        return {"status": f"llama-bench or *.{a.llama_quant}.gguf not found in {d} (../shared/tools/llama_cpp.sh)"}
+        return {"status": f"llama-bench in {d} or *.{a.llama_quant}.gguf in {d} or {DATA} not found "
+                          "(../shared/tools/llama_cpp.sh)"}
     out: dict = {"gguf": gguf.name, "threads": a.threads}
     r = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(a.steps * 2), "-t", str(a.threads), "-o",
                         "json"], capture_output=True, text=True)
