@@ -29,8 +29,10 @@ INPUTS = [("q", TensorProto.FLOAT), ("index_q", TensorProto.FLOAT), ("index_w", 
 OUTPUTS = [("attn_out", TensorProto.FLOAT), ("new_k_rows", TensorProto.FLOAT), ("selected", TensorProto.INT32),
            ("attn_mass", TensorProto.FLOAT)]
 
-# (nH, nKV, D, nI, dI, rk, rv): odd sizes (scalar tails everywhere) and vector-friendly sizes
-GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 10), "vec": (6, 2, 16, 4, 16, 20, 36)}
+# (nH, nKV, D, nI, dI, rk, rv): odd sizes (scalar tails everywhere), vector-friendly sizes, and SmolLM2's head
+# geometry (9 heads over 3 key heads of 64, 3 indexer heads of 32: a partial block of heads in the index scores)
+# with ranks that leave every kernel a vector tail
+GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 10), "vec": (6, 2, 16, 4, 16, 20, 36), "gqa3": (9, 3, 64, 3, 32, 23, 52)}
 R, N = 4, 64
 
 
@@ -168,6 +170,8 @@ CASES = {
     "ties_decode": ("vec", [30, 12], [1, 1], 1, 2, 1, [5, 4], True),
     "ties_prefill": ("odd", [30, 12], [5, 5], 5, 1, 2, [6, 3], True),
     "no_window_no_sinks": ("vec", [25, 31, 8], [1, 1, 1], 1, 0, 0, [4, 2, 3], False),
+    "decode_gqa3": ("gqa3", [45, 9], [1, 1], 1, 3, 1, [11, 2], False),
+    "prefill_gqa3": ("gqa3", [13, 0], [6, 4], 6, 2, 1, [7, 3], False),
 }
 
 
