@@ -245,3 +245,20 @@ def test_bad_shape_names_input() -> None:
     x["v_up"] = x["v_up"][:, :-1].copy()
     with pytest.raises(Exception, match="input v_up has shape"):
         session(geo, 1, 1).run(None, x)
+
+
+def test_op_benchmark_runs(capsys) -> None:
+    """bench/attention_op_cpu.py times the op on this model: one line per context, hot and cold rows."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "attention_op_cpu.py"
+    spec = importlib.util.spec_from_file_location("attention_op_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for extra in ([], ["--cold"]):
+        assert mod.main(["--geometry", ",".join(map(str, GEOMETRIES["gqa3"])), "--past", "3,40", "--top-k", "5",
+                         "--window", "2", "--calls", "2", "--repeats", "1", "--cache-mib", "8", *extra]) == 0
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if "us per call" in ln]
+        # positions attended: every position at past 3, sink + window + top-k at past 40
+        assert [int(ln.split(" positions attended")[0].split()[-1]) for ln in lines] == [4, 8], lines
