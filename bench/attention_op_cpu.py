@@ -42,26 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         print("libgsm_ort_ops.so is not built", file=sys.stderr)
         return 2
     geo = tuple(int(v) for v in a.geometry.split(","))
-    nH, nKV, D, nI, dI, rk, rv = geo
+    _, nKV, D, _, _, _, rv = geo
     pasts = [int(v) for v in a.past.split(",")]
     N = max(pasts) + 1
     R = max(1, (a.cache_mib << 20) // (N * (nKV * D + rv) * 4)) if a.cold else 1
     rng = np.random.default_rng(0)
-
-    def f(*shape):
-        return rng.standard_normal(shape).astype(np.float32)
-
-    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
-    ang = np.arange(N)[:, None] * inv[None, :]
-    ang = np.concatenate([ang, ang], 1)
-    x = {"q": f(1, 1, nH * D), "index_q": f(1, 1, nI * dI), "index_w": f(1, 1, nI), "new_latent_k": f(1, 1, rk),
-         "new_latent_v": f(1, 1, rv), "new_index_keys": rng.integers(-127, 128, (1, 1, dI)).astype(np.int8),
-         "latent_v": f(R, N, rv), "index_keys": rng.integers(-127, 128, (R, N, dI)).astype(np.int8),
-         "k_rows": f(R, N, nKV * D), "k_up": f(nKV * D, rk), "v_up": f(nKV * D, rv),
-         "rope_cos": np.cos(ang).astype(np.float32), "rope_sin": np.sin(ang).astype(np.float32),
-         "cache_rows": np.array([0], np.int32), "past_lengths": np.array([0], np.int32),
-         "new_lengths": np.array([1], np.int32), "sparse_window": np.array([a.window], np.int32),
-         "sparse_top_k": np.array([a.top_k], np.int32)}
+    x = T.int8_keys(T.make_inputs(rng, geo, [pasts[0]], [1], 1, a.window, [a.top_k], rows=R, positions=N), rng)
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(T.LIB))
     so.intra_op_num_threads = a.threads

@@ -67,9 +67,11 @@ def int8_keys(x: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, n
 
 
 def make_inputs(rng: np.random.Generator, geo: tuple[int, ...], past: list[int], new: list[int], S: int,
-                window: int, top_k: list[int], zero_w: bool = False) -> dict[str, np.ndarray]:
+                window: int, top_k: list[int], zero_w: bool = False, *, rows: int = R, positions: int = N
+                ) -> dict[str, np.ndarray]:
+    """Random inputs of one call over cache buffers of `rows` sequences x `positions` (FP16 index keys)."""
     nH, nKV, D, nI, dI, rk, rv = geo
-    B = len(past)
+    B, R, N = len(past), rows, positions
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
     ang = np.arange(N)[:, None] * inv[None, :]
