@@ -22,7 +22,7 @@ from typing import Any
 import gsm
 from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
 from builder.calib import has_int4_tables, has_key_scales, quant_tables
-from builder.graph_cpu import CPU_DOMAIN, CPU_OP, CPU_OP_VERSION
+from builder.graph_cpu import CPU_DOMAIN, CPU_OPS
 from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
@@ -202,7 +202,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                 "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace,
                             "versions": info.plugins},
                 "graphs": FILES.graphs(),
-                "cpu_ops": {"domain": CPU_DOMAIN, "versions": {CPU_OP: CPU_OP_VERSION}},
+                "cpu_ops": {"domain": CPU_DOMAIN, "versions": dict(CPU_OPS)},
                 "engine": engine, "calibration": qt.source, "trt_precision": trt_precision,
                 "portable_opset": info.portable_opset, "weights": _weights_record(wreport),
             })

@@ -7,6 +7,11 @@ and does not shrink with a second thread. `GsmCachedAttention` computes the same
 identical, values to float32 rounding) in one node over the same cache buffers, so the graph keeps the
 portable graph's inputs and outputs (engine_io revision 5) and the runtime binds either the same way.
 Sharing layers keep the standard-op subgraph (the op covers owning layers only).
+
+A float-zero-point projection (builder/qlinear.py: MatMulNBits on the symmetric part + a per-group offset term)
+gets its offset term as one `GsmGroupOffset` node instead of the portable graph's group-sum MatMul, offset Gemm
+and residual Add: three small operators per projection (120 of each on SmolLM2), none of which used a second
+thread at a decode step's single row.
 """
 
 from __future__ import annotations
@@ -15,13 +20,21 @@ from builder.graph_portable import PortableOps
 
 CPU_DOMAIN = "ai.gsm_edge.cpu"
 CPU_OP = "GsmCachedAttention"
+OFFSET_OP = "GsmGroupOffset"
 CPU_OP_VERSION = 1
+CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION}  # what model.cpu.onnx may use of the domain
 
 
 class CpuOps(PortableOps):
     """PortableOps with the owning layers' attention as one `GsmCachedAttention` node."""
 
     variant = "cpu"
+    fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
+
+    def group_offset(self, x: str, main: str, offsets: str, block: int, out: str, residual: str | None) -> str:
+        """out = main + group sums of x [M, K] (`block` inputs each) @ offsets [ceil(K / block), N] (+ residual)."""
+        return self.g.op(OFFSET_OP, [x, main, offsets] + ([residual] if residual else []), outputs=[out],
+                         domain=CPU_DOMAIN, block_size=block)
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,

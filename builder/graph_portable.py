@@ -44,6 +44,7 @@ class PortableOps:
     """Standard-op GSM subgraphs; tensors by name in GraphBuilder `g`."""
 
     variant = "portable"
+    fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int, *,
                  int8_keys: bool = False) -> None:

@@ -35,6 +35,7 @@ class PluginOps:
     (docs/engine_io.md section 4.2, "max_top_k" for the memory it costs)."""
 
     variant = "trt"
+    fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
                  rows: PoolRows, max_top_k: int | None = None, *, int8_keys: bool = False) -> None:

@@ -20,7 +20,7 @@ GSM-side projections (+ q_proj in float32), and gate_proj + up_proj.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -169,13 +169,19 @@ class Network:
         this variant (+ an Add)."""
         if name not in self.spec.quantised and name not in self._fused:
             return linear(self.g, x2d, self.w(name), residual)
-        if residual is not None:
-            return self.g.op("Add", [residual, self.proj(x2d, name)])
         lay, prefix = self._quantised(name)
+        fold = self.form == "portable" and lay.offsets and self.ops.fused_offsets
+        if residual is not None and not fold:
+            return self.g.op("Add", [residual, self.proj(x2d, name)])
         out = self.g.fresh("qlinear")
         inv = self.projections.input_scale_name(name, self.form)
         if inv is not None:  # AWQ: the stored weight is W diag(s), so the input is x / s
             x2d = self.g.op("Mul", [x2d, inv])
+        if fold:  # the offset term, and the residual, as one node of the ops (CpuOps.group_offset)
+            main = self.g.fresh("qlinear_main")
+            self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),
+                                         accuracy_level=self.spec.nbits_accuracy), {MS_DOMAIN: 1})
+            return self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual)
         sums = self.group_sums(x2d, lay.k, lay.block) if lay.offsets else None
         if self.form == "portable":
             self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy,

@@ -67,14 +67,15 @@ def tolerance(golden_logits) -> float:
     return max(LOGIT_TOL, 1e-4 * float(np.abs(np.asarray(golden_logits)).max()))
 
 
-def run_both(bundle, golden: GoldenModel, prompt: list[int]) -> tuple[float, list[int], list[int]]:
+def run_both(bundle, golden: GoldenModel, prompt: list[int], graph: str = "auto"
+             ) -> tuple[float, list[int], list[int]]:
     """Greedy prefill + decode of bundle and golden side by side, both fed the golden's token; the worst logit
     difference in units of `tolerance` (<= 1: they agree), and both token lists (stopped at the first
     disagreement). A runtime pick within twice the tolerance of the golden's best logit is a tie the logit check
     already judges (float reassociation may break it either way), so it is listed as the golden's token."""
     import runtime
 
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph=graph)
     seq, cache = rt.new_sequence(), golden.new_cache()
     with torch.no_grad():
         g = golden.prefill(cache, prompt).logits[-1]
@@ -131,6 +132,19 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     assert ops.count("MatMulNBits") == 4 * 4 + 3 + 1 and ops.count("GatherBlockQuantized") == 1
     assert ("Gemm" in ops) == (grid == "asym-f")
     assert "Gather" not in ops[:3]
+    # model.cpu.onnx: each asym-f projection's offset term (and o / down's residual) is one GsmGroupOffset node,
+    # held to the golden above where the op library is built (auto takes that graph); the portable form here
+    cpu = onnx.load(bundle / "model.cpu.onnx", load_external_data=False).graph.node
+    cpu_ops = [n.op_type for n in cpu]
+    assert cpu_ops.count("GsmGroupOffset") == (4 * 4 if grid == "asym-f" else 0)
+    # no offset Gemm and no group-sum MatMul (over a `groups_*` indicator) left
+    assert {n.op_type for n in cpu if any(i.endswith(".offsets") or "groups_" in i for i in n.input)} <= {
+        "GsmGroupOffset"}
+    if grid == "asym-f":
+        with_residual = [n for n in cpu if n.op_type == "GsmGroupOffset" and len(n.input) == 4]
+        assert len(with_residual) == 2 * 4  # o and down add the residual stream in the node
+        worst_p, gt_p, rt_p = run_both(bundle, golden_with(tiny, wcfg, head, GSM_SIDE_CONFIG), prompt, "portable")
+        assert gt_p == rt_p and worst_p <= 1, worst_p
     trt = onnx.load(bundle / "model.onnx", load_external_data=False)
     dqs = [n for n in trt.graph.node if n.op_type == "DequantizeLinear"]
     assert len(dqs) == 4 * 4 + 3 + 2

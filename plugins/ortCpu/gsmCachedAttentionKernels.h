@@ -33,6 +33,13 @@ struct Kernels
     void (*matvec)(float const* W, float const* x, int64_t m, int64_t r, float* y);
     // out[d] = sum_s p[s] * rows[s][off + d], d < D (s ascending)
     void (*weightedRows)(float const* p, float const* const* rows, int64_t off, int64_t n, int64_t D, float* out);
+    // GsmGroupOffset, columns n0 <= n < n1 of `rows` rows m (sums [rows, G]; main, res and y of row stride N):
+    // y[m*N + n] = main[m*N + n] + sum_g sums[m*G + g] * O[g*N + n] (g ascending), then + res[m*N + n] when res is
+    // not null
+    void (*groupOffset)(float const* sums, int64_t rows, float const* O, int64_t G, int64_t N, int64_t n0, int64_t n1,
+        float const* main, float const* res, float* y);
+    // sums[g] = sum of x[g*block .. min(K, (g+1)*block)), g < ceil(K / block)
+    void (*groupSums)(float const* x, int64_t K, int64_t block, float* sums);
 };
 
 Kernels const& genericKernels();

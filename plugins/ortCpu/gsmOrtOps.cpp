@@ -1,6 +1,6 @@
-// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with one op,
-// GsmCachedAttention (gsmCachedAttention.h), through ONNX Runtime's C API only. Load it with
-// SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
+// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with two ops,
+// GsmCachedAttention (gsmCachedAttention.h) and GsmGroupOffset (gsmGroupOffset.h), through ONNX Runtime's C API
+// only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
 
 #include <cstring>
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gsmCachedAttention.h"
+#include "gsmGroupOffset.h"
 
 namespace
 {
@@ -343,6 +344,162 @@ int ORT_API_CALL endVersion(OrtCustomOp const*)
     return 1;
 }
 
+// -- GsmGroupOffset ---------------------------------------------------------------------------------------------
+constexpr char const* kOffsetOpName = "GsmGroupOffset";
+enum OffsetInput : size_t
+{
+    kOffX, kOffMain, kOffOffsets, kOffResidual, kOffNumInputs
+};
+char const* const kOffsetInputNames[kOffNumInputs] = {"x", "main", "offsets", "residual"};
+
+struct OffsetKernel
+{
+    int64_t blockSize;
+};
+
+OrtStatus* offsetInvalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmGroupOffset: " + m).c_str());
+}
+
+OrtStatus* offsetShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, std::vector<int64_t>* dims)
+{
+    GSM_ORT_TRY(gApi->KernelContext_GetInput(ctx, i, value));
+    if (*value == nullptr)
+    {
+        dims->clear();
+        return nullptr;
+    }
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorTypeAndShape(*value, &info));
+    size_t n = 0;
+    OrtStatus* st = gApi->GetDimensionsCount(info, &n);
+    if (st == nullptr)
+    {
+        dims->assign(n, 0);
+        st = gApi->GetDimensions(info, dims->data(), n);
+    }
+    gApi->ReleaseTensorTypeAndShapeInfo(info);
+    return st;
+}
+
+OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
+{
+    OffsetKernel const& kn = *static_cast<OffsetKernel const*>(opKernel);
+    OrtValue const* v[kOffNumInputs];
+    std::vector<int64_t> sh[kOffNumInputs];
+    size_t present = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetInputCount(ctx, &present));
+    for (size_t i = 0; i < kOffNumInputs; ++i)
+    {
+        v[i] = nullptr;
+        if (i < present)
+        {
+            GSM_ORT_TRY(offsetShape(ctx, i, &v[i], &sh[i]));
+        }
+        if (v[i] == nullptr && i != kOffResidual)
+        {
+            return offsetInvalid(std::string("input ") + kOffsetInputNames[i] + " is missing");
+        }
+    }
+    if (sh[kOffX].size() != 2 || sh[kOffMain].size() != 2 || sh[kOffOffsets].size() != 2)
+    {
+        return offsetInvalid("inputs x " + dimsText(sh[kOffX]) + ", main " + dimsText(sh[kOffMain]) + ", offsets "
+            + dimsText(sh[kOffOffsets]) + ": expected [M, K], [M, N] and [ceil(K / block_size), N]");
+    }
+    gsm::ortcpu::GroupOffsetArgs a;
+    a.M = sh[kOffX][0];
+    a.K = sh[kOffX][1];
+    a.N = sh[kOffMain][1];
+    a.block = kn.blockSize;
+    int64_t const G = (a.K + a.block - 1) / a.block;
+    if (sh[kOffMain][0] != a.M || sh[kOffOffsets][0] != G || sh[kOffOffsets][1] != a.N)
+    {
+        return offsetInvalid("inputs x " + dimsText(sh[kOffX]) + ", main " + dimsText(sh[kOffMain]) + ", offsets "
+            + dimsText(sh[kOffOffsets]) + ": expected main [M, N] with x's M and offsets [" + std::to_string(G)
+            + ", N] (ceil(K / block_size), block_size " + std::to_string(a.block) + ")");
+    }
+    if (v[kOffResidual] != nullptr && sh[kOffResidual] != sh[kOffMain])
+    {
+        return offsetInvalid("input residual has shape " + dimsText(sh[kOffResidual]) + ", expected main's "
+            + dimsText(sh[kOffMain]));
+    }
+    void* p[kOffNumInputs] = {};
+    for (size_t i = 0; i < kOffNumInputs; ++i)
+    {
+        if (v[i] != nullptr)
+        {
+            GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+        }
+    }
+    a.x = static_cast<float const*>(p[kOffX]);
+    a.main = static_cast<float const*>(p[kOffMain]);
+    a.offsets = static_cast<float const*>(p[kOffOffsets]);
+    a.residual = static_cast<float const*>(p[kOffResidual]);
+    OrtValue* ov = nullptr;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, sh[kOffMain].data(), 2, &ov));
+    void* y = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
+    a.y = static_cast<float*>(y);
+    gsm::ortcpu::ParallelRunner par;
+    par.run = runParallel;
+    par.ctx = ctx;
+    if (!gsm::ortcpu::runGroupOffset(a, par))
+    {
+        return gApi->CreateStatus(ORT_FAIL, "GsmGroupOffset: the intra-op thread pool failed");
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL offsetCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info,
+    void** kernel)
+{
+    OffsetKernel kn{};
+    OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, "block_size", &kn.blockSize);
+    if (st != nullptr)
+    {
+        std::string m = std::string("attribute block_size (int64) is missing or invalid: ") + gApi->GetErrorMessage(st);
+        gApi->ReleaseStatus(st);
+        return offsetInvalid(m);
+    }
+    if (kn.blockSize <= 0)
+    {
+        return offsetInvalid("attribute block_size = " + std::to_string(kn.blockSize) + " must be positive");
+    }
+    *kernel = new OffsetKernel(kn);
+    return nullptr;
+}
+
+void ORT_API_CALL offsetDestroyKernel(void* kernel)
+{
+    delete static_cast<OffsetKernel*>(kernel);
+}
+
+char const* ORT_API_CALL offsetOpName(OrtCustomOp const*)
+{
+    return kOffsetOpName;
+}
+
+ONNXTensorElementDataType ORT_API_CALL offsetFloat(OrtCustomOp const*, size_t)
+{
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL offsetInputCount(OrtCustomOp const*)
+{
+    return kOffNumInputs;
+}
+
+size_t ORT_API_CALL offsetOutputCount(OrtCustomOp const*)
+{
+    return 1;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetInputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kOffResidual ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 OrtCustomOp makeOp()
 {
     OrtCustomOp op;
@@ -369,7 +526,23 @@ OrtCustomOp makeOp()
     return op;
 }
 
+OrtCustomOp makeOffsetOp()
+{
+    OrtCustomOp op = makeOp();
+    op.GetName = offsetOpName;
+    op.GetInputType = offsetFloat;
+    op.GetInputTypeCount = offsetInputCount;
+    op.GetOutputType = offsetFloat;
+    op.GetOutputTypeCount = offsetOutputCount;
+    op.KernelDestroy = offsetDestroyKernel;
+    op.GetInputCharacteristic = offsetInputKind;
+    op.CreateKernelV2 = offsetCreateKernel;
+    op.KernelComputeV2 = offsetCompute;
+    return op;
+}
+
 OrtCustomOp gOp = makeOp();
+OrtCustomOp gOffsetOp = makeOffsetOp();
 
 } // namespace
 
@@ -393,6 +566,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     {
         GSM_ORT_TRY(api->CreateCustomOpDomain(kDomain, &domain));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOp));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOffsetOp));
     }
     return api->AddCustomOpDomain(options, domain);
 }

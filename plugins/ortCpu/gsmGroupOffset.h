@@ -1,0 +1,35 @@
+/*
+ * gsmGroupOffset.h: the math of the ONNX Runtime CPU op GsmGroupOffset (README.md here), on raw pointers.
+ * A weight on a float-zero-point grid (builder/qlinear.py: w = s (u - 2^(bits-1)) + offset per group) runs as
+ * MatMulNBits on the symmetric part plus a per-group offset term; this op is that term and what follows it:
+ *   y[m, n] = main[m, n] + sum_g (sum_{k in group g} x[m, k]) * offsets[g, n]   (+ residual[m, n])
+ * It replaces the portable graph's group-sum MatMul, offset Gemm and residual Add (three nodes, each a fixed
+ * dispatch cost and none using a second thread at a decode step's one row) with one node on the intra-op pool.
+ * Values agree with the portable graph to float32 rounding (blocked, FMA-contracted sums, as MLAS's).
+ */
+#pragma once
+
+#include <cstdint>
+
+#include "gsmCachedAttention.h"
+
+namespace gsm
+{
+namespace ortcpu
+{
+
+struct GroupOffsetArgs
+{
+    int64_t M = 0, K = 0, N = 0, block = 0;  // rows, inputs, outputs, inputs per group (G = ceil(K / block))
+    float const* x = nullptr;                // [M, K] the projection's input
+    float const* main = nullptr;             // [M, N] MatMulNBits' output
+    float const* offsets = nullptr;          // [G, N]
+    float const* residual = nullptr;         // [M, N] or null
+    float* y = nullptr;                      // [M, N]
+};
+
+// Computes y (the shapes are the caller's to check); false if the intra-op pool failed.
+bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par);
+
+} // namespace ortcpu
+} // namespace gsm

@@ -1,0 +1,84 @@
+"""`GsmGroupOffset` (plugins/ortCpu, model.cpu.onnx): a float-zero-point projection's offset term and residual,
+y = main + (group sums of x) @ offsets (+ residual), against NumPy in float64 from that definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gsm_edge_plugins import ort_ops_library
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+
+LIB = ort_ops_library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="libgsm_ort_ops.so not built (ONNX Runtime C API headers not "
+                                                    "found: run scripts/fetch_ort_headers.sh and rebuild the plugins)")
+DOMAIN = "ai.gsm_edge.cpu"
+
+
+def session(block: int | None, residual: bool, threads: int) -> ort.InferenceSession:
+    names = ["x", "main", "offsets"] + (["residual"] if residual else [])
+    attrs = {} if block is None else {"block_size": block}
+    node = helper.make_node("GsmGroupOffset", names, ["y"], domain=DOMAIN, **attrs)
+    graph = helper.make_graph([node], "group_offset", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                       for n in names],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    m.ir_version = 8
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(LIB))
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def reference(x: np.ndarray, main: np.ndarray, offsets: np.ndarray, block: int,
+              residual: np.ndarray | None) -> np.ndarray:
+    x64, y = x.astype(np.float64), main.astype(np.float64)
+    for g in range(offsets.shape[0]):
+        y = y + x64[:, g * block:(g + 1) * block].sum(axis=1, keepdims=True) * offsets[g].astype(np.float64)
+    return y if residual is None else y + residual
+
+
+# (M, K, N, block): a decode row at SmolLM2's gate+up and down shapes; 4-row blocks with a remainder row; a last
+# group shorter than the block; column counts that leave a tail after the 16- and 32-column strips; one tile only
+SHAPES = [(1, 576, 3072, 32), (1, 1536, 576, 32), (9, 100, 37, 32), (4, 64, 16, 16), (37, 96, 600, 32),
+          (2, 7, 5, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_numpy(shape, residual, threads) -> None:
+    M, K, N, block = shape
+    rng = np.random.default_rng(M * 7 + K)
+    G = -(-K // block)
+    x, main = rng.standard_normal((M, K), np.float32), rng.standard_normal((M, N), np.float32)
+    offsets = rng.standard_normal((G, N), np.float32)
+    res = rng.standard_normal((M, N), np.float32) if residual else None
+    feeds = {"x": x, "main": main, "offsets": offsets, **({"residual": res} if residual else {})}
+    y = session(block, residual, threads).run(None, feeds)[0]
+    want = reference(x, main, offsets, block, res)
+    assert y.shape == (M, N) and y.dtype == np.float32
+    # float32 sums of up to K/block + 2 terms of the rounding of a block's sum: a few ulp of the output scale
+    assert np.abs(y - want).max() <= 4e-6 * np.abs(want).max(), np.abs(y - want).max()
+
+
+@pytest.mark.parametrize("field,shape,message", [
+    ("offsets", (3, 8), "offsets [3, 8]: expected main [M, N] with x's M and offsets [2, N]"),
+    ("main", (3, 8), "main [3, 8]"),
+    ("residual", (2, 7), "input residual has shape [2, 7], expected main's [2, 8]"),
+])
+def test_bad_shape_names_input(field, shape, message) -> None:
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 64), np.float32), "main": rng.standard_normal((2, 8), np.float32),
+             "offsets": rng.standard_normal((2, 8), np.float32), "residual": rng.standard_normal((2, 8), np.float32)}
+    feeds[field] = rng.standard_normal(shape, np.float32)
+    with pytest.raises(Exception, match="GsmGroupOffset") as err:
+        session(32, True, 1).run(None, feeds)
+    assert message in str(err.value)
+
+
+def test_block_size_is_required() -> None:
+    with pytest.raises(Exception, match="GsmGroupOffset: attribute block_size"):
+        session(None, False, 1)
