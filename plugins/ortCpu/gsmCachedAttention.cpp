@@ -190,11 +190,13 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     });
 
     // -- B: index scores of every causal position of each query, by position, in blocks; only for the queries
-    //       whose budget leaves the indexer a pick (section C's test): a streaming layer (top-k 0) and a query
-    //       within sinks + window skip the scan of every cached key ---------------------------------------
+    //       whose budget leaves the indexer a choice (section C's tests): a streaming layer (top-k 0), a query
+    //       within sinks + window, and one whose budget covers every position (spec 4.1: then Sel(t) is every
+    //       s <= t, as in a short context) skip the scan of every cached key ----------------------------------
     auto needsScores = [&](int64_t q) {
         int64_t const t = qpos(q), lo = std::min(d.sinks, t + 1), ws = std::max(t - W + 1, lo);
-        return std::min(d.sinks + W + in.topK[q / S], k) > lo + (t + 1 - ws);
+        int64_t const kcap = std::min(d.sinks + W + in.topK[q / S], k);
+        return kcap > lo + (t + 1 - ws) && kcap < t + 1;
     };
     sc.scoreOff.resize(static_cast<size_t>(Q + 1));
     sc.blockStart.resize(static_cast<size_t>(Q + 1));
@@ -267,14 +269,11 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             float const* s = sc.scores.data() + sc.scoreOff[q];
             int64_t const m = std::min(kcap - nf, ws - lo);
             picks.clear();
-            if (m == ws - lo)
+            if (m == ws - lo)  // every candidate (no scores were made: section B)
             {
                 for (int64_t p = lo; p < ws; ++p)
                 {
-                    if (s[p] > -std::numeric_limits<float>::infinity())
-                    {
-                        picks.push_back(static_cast<int32_t>(p));
-                    }
+                    picks.push_back(static_cast<int32_t>(p));
                 }
             }
             else if (m > 0)
