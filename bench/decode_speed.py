@@ -16,7 +16,8 @@ Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
   ~/.cache/gsm-edge/llama.cpp, built by ../shared/tools/llama_cpp.sh): `llama-bench -p 0 -n N` from an
   empty context, `llama-completion` after a prompt of each context length ("eval time" = decode,
   "prompt eval time" = prefill), with its F32 GGUF (the precision of a float32 bundle; `--llama-quant Q8_0`
-  against a `--weights int8` bundle);
+  against a `--weights int8` bundle, made once from the F32 file with llama-quantize when llama_cpp.sh's folder
+  has none);
 - transformers with eager attention on the same weights (`--transformers-gguf`, dequantised to float32 by
   its GGUF loader) and thread count: prefill in 512-token chunks and greedy decode after each context;
 - ONNX Runtime GenAI's own INT4 model of the same GGUF (`--genai-dir`, built there once by
@@ -225,6 +226,11 @@ def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
     # the user's own file where it is that precision (the shared Q4_1 source), else llama_cpp.sh's copies
     gguf = next(iter(sorted(d.glob(f"*.{a.llama_quant}.gguf")) + sorted(DATA.glob(f"*.{a.llama_quant}.gguf"))), None)
+    f32, quantize = next(iter(sorted(d.glob("*.F32.gguf"))), None), d / "bin" / "llama-quantize"
+    if gguf is None and f32 is not None and quantize.is_file():  # e.g. Q8_0: llama_cpp.sh makes F32 and F16 only
+        made = f32.with_name(f32.name.replace(".F32.", f".{a.llama_quant}."))
+        r = subprocess.run([str(quantize), str(f32), str(made), a.llama_quant], capture_output=True, text=True)
+        gguf = made if r.returncode == 0 and made.is_file() else None
     if not (bench.is_file() and gguf):
         return {"status": f"llama-bench in {d} or *.{a.llama_quant}.gguf in {d} or {DATA} not found "
                           "(../shared/tools/llama_cpp.sh)"}
