@@ -66,7 +66,7 @@ def golden_variant(setup: Setup, name: str, n: int) -> GoldenModel:
     if name == "all":
         return GoldenModel(g.w, mode="exact", params=p.overridden(sparse_top_k=n))
     if name == "recency":
-        rp = p.recency_equivalent()
+        rp = p.recency_equivalent(n)  # a growing budget: the rows of its query at position n - 1
         return GoldenModel(replace(g.w, cfg=setup.cfg.replace(gsm=rp)), mode="exact")
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 

@@ -219,10 +219,11 @@ def _bundle_config(spec: NetSpec, plan: MemoryPlan, rows: PoolRows, quant: KVQua
         owning_layers=tuple(cfg.owning_layers),
         ranks={int(l): (int(rk), int(rv)) for l, (rk, rv) in spec.ranks.items()}, index_dim=g.indexer_dim,
         pool_rows=rows, sink_tokens=g.sink_tokens, sparse_window=g.sparse_window,
-        max_sparse_window=g.max_sparse_window, sparse_top_k=g.sparse_top_k,
+        max_sparse_window=g.max_sparse_window, sparse_top_k=g.sparse_top_k, sparse_top_k_divisor=g.sparse_top_k_divisor,
         quantization_adaptation_rate=g.quantization_adaptation_rate, kv_quantization=quant,
         graph_revision=GRAPH_REVISION, max_top_k=plan.max_top_k, weights=weights,
-        layer_selection={l: (ls.sparse_window, ls.sparse_top_k) for l, ls in g.layer_selection.items()})
+        layer_selection={l: (ls.sparse_window, ls.sparse_top_k, *([ls.sparse_top_k_divisor] if ls.sparse_top_k_divisor
+                                                                    else [])) for l, ls in g.layer_selection.items()})
 
 
 UNCALIBRATED = ("fp16", "data-free")

@@ -48,9 +48,11 @@ class CpuOps(PortableOps):
         ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["v"], cache["keys"],
                self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, top_k]
         outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}"]
+        d = p.selection_of(l).sparse_top_k_divisor
+        grows = {"sparse_top_k_divisor": d} if d else {}  # absent: a fixed top-k, as graphs before it
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             out, _, sel, mass = g.op(CPU_OP, ins, n_out=4, outputs=outs, domain=CPU_DOMAIN,
                                      num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                                      head_dim=cfg.head_dim, index_heads=p.indexer_heads, index_dim=p.indexer_dim,
-                                     sink_tokens=p.sink_tokens)
+                                     sink_tokens=p.sink_tokens, **grows)
         return out, sel, mass

@@ -94,7 +94,8 @@ class PortableOps:
         Its symbolic width is named per distinct selection (revision 7): layers that select differently have
         different widths, and ONNX Runtime plans buffers as if equal names were equal sizes."""
         ls = self.cfg.gsm.selection_of(l)
-        return I32, ["B", "S", f"K_w{ls.sparse_window}_k{ls.sparse_top_k}"]
+        grows = f"_d{ls.sparse_top_k_divisor}" if ls.sparse_top_k_divisor else ""
+        return I32, ["B", "S", f"K_w{ls.sparse_window}_k{ls.sparse_top_k}{grows}"]
 
     def mass_shape(self) -> list[Any]:
         """attn_mass covers positions 0..L-1, L = max(past_lengths) + S (every position of the call)."""
@@ -160,10 +161,12 @@ class PortableOps:
         self._geo = geo
         return geo
 
-    def _selection(self, rope: tuple[str, str], window: str, top_k: str) -> dict[str, str]:
-        """The call's geometry plus what one (window [1], top_k [B]) pair decides, emitted once per distinct
-        pair (layers that select alike share it): the sink/window mask, the TopK width and the budget mask."""
-        key = (window, top_k)
+    def _selection(self, rope: tuple[str, str], window: str, top_k: str, divisor: int = 0) -> dict[str, str]:
+        """The call's geometry plus what one (window [1], top_k [B], divisor) triple decides, emitted once per
+        distinct triple (layers that select alike share it): the sink/window mask, the TopK width and the budget
+        mask. divisor > 0: the query at t picks max(top_k[b], (t + 1) // divisor) (a budget growing with the
+        context, per query: a prefill chunk's queries differ)."""
+        key = (window, top_k, divisor)
         if key in self._sel:
             return self._sel[key]
         geo = dict(self._call(rope))
@@ -175,11 +178,17 @@ class PortableOps:
             geo["fixed"] = g.op("Or", [sink, win])  # [B, S, C]
             # per-sequence budget sinks + window + top_k[b]; one TopK of the batch's largest (capped by the
             # columns: a budget >= the context is dense attention), each sequence then keeps its own
-            budget = g.op("Add", [g.op("Add", [cast(g, top_k, I64), cast(g, window, I64)]),
-                                  g.const(p.sink_tokens, np.int64, "sinks")])  # [B]
-            geo["k"] = k = g.op("Min", [g.op("ReduceMax", [budget], keepdims=1), geo["n_cols"]])  # [1]
+            top = g.op("Unsqueeze", [cast(g, top_k, I64), g.const([1, 2], np.int64, "ax12")])  # [B, 1, 1]
+            if divisor:
+                grown = g.op("Div", [g.op("Add", [cast(g, t3, I64), g.const(1, np.int64, "i1")]),
+                                     g.const(divisor, np.int64, f"top_k_divisor{divisor}")])  # [B, S, 1], floor
+                top = g.op("Max", [top, grown])
+            budget = g.op("Add", [g.op("Add", [top, cast(g, window, I64)]),
+                                  g.const(p.sink_tokens, np.int64, "sinks")])  # [B, 1 or S, 1]
+            most = g.op("Reshape", [g.op("ReduceMax", [budget], keepdims=0), g.const([1], np.int64, "shape1")])
+            geo["k"] = k = g.op("Min", [most, geo["n_cols"]])  # [1]
             rank = g.op("Range", [g.const(0, np.int64, "i0"), g.op("Squeeze", [k]), g.const(1, np.int64, "i1")])
-            geo["in_budget"] = g.op("Less", [rank, g.op("Unsqueeze", [budget, g.const([1, 2], np.int64, "ax12")])])
+            geo["in_budget"] = g.op("Less", [rank, budget])  # [B, 1 or S, k]
         self._sel[key] = geo
         return geo
 
@@ -210,7 +219,8 @@ class PortableOps:
         nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         grp = cfg.gqa_group
         owning = selected is None
-        geo = self._selection(rope, sparse_window, top_k) if owning else self._call(rope)
+        geo = (self._selection(rope, sparse_window, top_k, self.cfg.gsm.selection_of(l).sparse_top_k_divisor)
+               if owning else self._call(rope))
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             if owning:
                 selected = self._select(l, geo, index_q, index_w, cache)

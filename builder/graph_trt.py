@@ -44,10 +44,10 @@ class PluginOps:
         self.keys = IndexKeyLayout(cfg.gsm.indexer_dim, 8 if int8_keys else 16)
         self.key_type = F16 if self.keys.bits == 16 else I32
         self.max_top_k = n_max if max_top_k is None else max_top_k
-        low = min(cfg.gsm.max_layer_top_k, n_max)
-        if not low <= self.max_top_k <= n_max:  # every layer's default budget must fit
-            raise ValueError(f"max_top_k must be in [min(the layers' largest sparse_top_k {cfg.gsm.max_layer_top_k}, "
-                             f"max-seq), max-seq {n_max}], got {self.max_top_k}")
+        low = cfg.gsm.max_top_k_to(n_max)
+        if not low <= self.max_top_k <= n_max:  # every layer's default budget must fit, at its last position too
+            raise ValueError(f"max_top_k must be in [the layers' largest top-k within max-seq {low}, "
+                             f"max-seq {n_max}], got {self.max_top_k}")
 
     def _attrs(self, **kw: Any) -> dict[str, Any]:
         return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "n_max": self.n_max,
@@ -115,6 +115,8 @@ class PluginOps:
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim, **self._key_attrs())
+            if p.selection_of(l).sparse_top_k_divisor:  # absent: a fixed top-k, as graphs before it
+                attrs["sparse_top_k_divisor"] = p.selection_of(l).sparse_top_k_divisor
             ins += [index_q, index_w, cache["keys"], sparse_window, top_k, self.cache_rows]
             outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:

@@ -303,11 +303,11 @@ def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: 
     g = cfg.gsm
     hidden = B * T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 2
     own = cfg.owning_layers
-    sel = min(S, max(g.sink_tokens + g.layer_max_window(l) + g.selection_of(l).sparse_top_k for l in own))
+    sel = min(S, max(g.sink_tokens + g.layer_max_window(l) + g.selection_of(l).top_k_at(S - 1) for l in own))
     scores = B * T * (S * g.indexer_heads + sel * cfg.num_attention_heads) * 4  # index + attention
     kv = B * S * 2 * cfg.kv_dim * 2  # one layer's reconstructed K/V
     logits = B * T * cfg.vocab_size * 4
-    mtk = min(g.max_layer_top_k, S) if max_top_k is None else max_top_k
+    mtk = g.max_top_k_to(S) if max_top_k is None else max_top_k
     k_sel = sum(g.k_sel(l, mtk) for l in own)  # each layer's own window
     per_layer = B * (T * k_sel + len(own) * S) * 4
     return hidden + scores + kv + logits + per_layer
@@ -326,7 +326,7 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
     for i in range(cfg.num_hidden_layers):
         src = i if cfg.is_owning(i) else g.kv_sharing[i]
         rk, rv = ranks[src]
-        selected = min(context, g.sink_tokens + g.selection_of(src).rows)
+        selected = min(context, g.sink_tokens + g.selection_of(src).rows_at(context - 1))
         kv += selected * (rk + rv) * avg
         if cfg.is_owning(i):
             kv += context * key_bytes(cfg, quant)
@@ -351,9 +351,10 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     max_input = min(max_seq, 512) if max_input is None else max_input
     if not 1 <= max_input <= max_seq:
         raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
-    low = min(cfg.gsm.max_layer_top_k, max_seq)
+    low = cfg.gsm.max_top_k_to(max_seq)
     if max_top_k is not None and not low <= max_top_k <= max_seq:
-        raise PlanError(f"--max-top-k must be in [{low} (the model's largest sparse_top_k), max-seq={max_seq}], "
+        raise PlanError(f"--max-top-k must be in [{low} (the model's largest top-k within max-seq), "
+                        f"max-seq={max_seq}], "
                         f"got {max_top_k}")
     params = param_count(cfg, ranks)
     group_size = default_group_size(weights) if group_size is None else group_size
@@ -382,7 +383,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         dense_fp16_bytes_per_position=dense_fp16_bytes_per_position(cfg), largest_fitting_seq=largest,
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
         weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
-        gsm_weights=gsm_weights, max_top_k=min(cfg.gsm.max_layer_top_k, max_seq) if max_top_k is None else max_top_k,
+        gsm_weights=gsm_weights, max_top_k=cfg.gsm.max_top_k_to(max_seq) if max_top_k is None else max_top_k,
         cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch, quant))
 
 
@@ -454,7 +455,7 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
                                                   **{**_weight_kw(plan), "weights": w}).fits]
     if lower:
         msg += f" With --weights {lower[0]} it fits at --max-seq {plan.max_seq}."
-    low = min(cfg.gsm.max_layer_top_k, plan.max_seq)
+    low = cfg.gsm.max_top_k_to(plan.max_seq)
     if profile is not None and plan.max_top_k > low and make_plan(
             cfg, ranks, quant, profile, max_seq=plan.max_seq, max_batch=plan.max_batch, max_input=plan.max_input,
             **{**_weight_kw(plan), "max_top_k": low}).fits:

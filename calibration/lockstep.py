@@ -216,7 +216,7 @@ class Lockstep:
                     self.keys[i][:, t] = round_fp16(x @ kv.idx_k.T)
                 else:
                     self.keys[i][:, t] = quantize_keys(x @ kv.idx_k.T, self.key_scale[i])
-                sel_of[i] = select(self._index_scores(i, x, kv, self.keys[i][:, :n]), q_pos, self.p)  # [R, n]
+                sel_of[i] = select(self._index_scores(i, x, kv, self.keys[i][:, :n]), q_pos, self.p.for_layer(i))
             else:
                 sel_of[i] = sel_of[lw.kv.source]
             self._reconstruct(i, t, n)

@@ -25,7 +25,7 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 9
+GRAPH_REVISION = 10
 OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 
@@ -146,11 +146,12 @@ def _ranks(v: Any) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _layer_selection(v: Any) -> dict[int, tuple[int, int]]:
-    out = {int(k): (int(w), int(t)) for k, (w, t) in v.items()}
-    if any(w < 1 or t < 0 for w, t in out.values()):
-        raise ValueError("a window below 1 or a negative top-k")
-    return out
+def _layer_selection(v: Any) -> dict[int, tuple[int, ...]]:
+    # [window, top_k] or, for a budget growing with the context, [window, top_k, divisor]
+    out = {int(k): tuple(int(x) for x in e) for k, e in v.items()}
+    if any(len(e) not in (2, 3) or e[0] < 1 or min(e[1:]) < 0 for e in out.values()):
+        raise ValueError("a window below 1, a negative top-k or divisor, or not 2 or 3 numbers")
+    return {k: e[:2] if len(e) == 3 and e[2] == 0 else e for k, e in out.items()}
 
 
 def _pool_rows(v: Any) -> PoolRows:
@@ -217,8 +218,11 @@ class BundleConfig:
     weights: dict[str, Any] = _spec(_record, "an object with a format", default_factory=lambda: {"format": "fp16"})
     # owning layer -> (window, top_k) where the checkpoint chose per layer (revision 7 graphs select so when the
     # run-time window is 0 and a budget -1); empty: every layer selects with sparse_window and sparse_top_k
-    layer_selection: dict[int, tuple[int, int]] = _spec(_layer_selection, "an object layer -> [window, top_k]",
+    layer_selection: dict[int, tuple[int, ...]] = _spec(_layer_selection,
+                                                        "an object layer -> [window, top_k(, top_k divisor)]",
                                                         default_factory=dict)
+    # the uniform top-k's growth (gsm_config sparse_top_k_divisor; 0: a fixed count)
+    sparse_top_k_divisor: int = _spec(_int(0), "an integer >= 0", default=0)
 
     @property
     def index_keys(self) -> IndexKeyLayout:
@@ -226,8 +230,13 @@ class BundleConfig:
         return IndexKeyLayout(self.index_dim, self.kv_quantization.index_key_bits)
 
     def selection_of(self, layer: int) -> tuple[int, int]:
-        """(window, top_k) owning layer `layer` selects with by default."""
-        return self.layer_selection.get(layer, (self.sparse_window, self.sparse_top_k))
+        """(window, top_k) owning layer `layer` selects with by default (top_k: the floor of a growing one)."""
+        return self.layer_selection.get(layer, (self.sparse_window, self.sparse_top_k))[:2]
+
+    def top_k_divisor_of(self, layer: int) -> int:
+        """Owning layer `layer`'s top-k growth (0: a fixed count)."""
+        e = self.layer_selection.get(layer)
+        return self.sparse_top_k_divisor if e is None else (e[2] if len(e) == 3 else 0)
 
     def __post_init__(self) -> None:
         if not set(self.layer_selection) <= set(self.owning_layers):

@@ -53,17 +53,40 @@ def gsm_checksum(gsm_config: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class LayerSelection:
-    """One owning layer's selection (spec 4.1 per layer): sinks (the model's) + `sparse_window` + `sparse_top_k`.
+    """One owning layer's selection (spec 4.1 per layer): sinks (the model's) + `sparse_window` + a top-k.
 
-    `sparse_top_k = 0` is a streaming layer (sinks + window, no indexer pick: DuoAttention's split)."""
+    `sparse_top_k = 0` is a streaming layer (sinks + window, no indexer pick: DuoAttention's split).
+    `sparse_top_k_divisor` d > 0 makes the top-k grow with the context (docs/decisions.md "A budget that grows
+    with the context"): the query at position t picks max(sparse_top_k, (t + 1) // d); 0 keeps it fixed."""
 
     sparse_window: int
     sparse_top_k: int
+    sparse_top_k_divisor: int = 0
+
+    def top_k_at(self, t: int) -> int:
+        """The top-k of the query at absolute position t."""
+        return top_k_at(self.sparse_top_k, self.sparse_top_k_divisor, t)
 
     @property
     def rows(self) -> int:
-        """Rows a query past the dense threshold reads, less the model's sinks."""
+        """Rows a query past the dense threshold reads with the floor budget, less the model's sinks."""
         return self.sparse_window + self.sparse_top_k
+
+    def rows_at(self, t: int) -> int:
+        """Rows the query at position t reads past the dense threshold, less the model's sinks."""
+        return self.sparse_window + self.top_k_at(t)
+
+    def to_json(self) -> dict[str, int]:
+        d = dataclasses.asdict(self)
+        if not self.sparse_top_k_divisor:
+            del d["sparse_top_k_divisor"]  # a fixed budget's entry stays as format v2 wrote it
+        return d
+
+
+def top_k_at(top_k: int, divisor: int, t: int) -> int:
+    """Spec 4.1 with a growing budget: max(top_k, (t + 1) // divisor) for divisor > 0, else top_k (integers only,
+    so every engine computes the same count)."""
+    return max(top_k, (t + 1) // divisor) if divisor > 0 else top_k
 
 
 @dataclass(frozen=True)
@@ -74,6 +97,8 @@ class GSMParams:
     max_sparse_window: int = 8
     sparse_top_k: int = 64
     sink_tokens: int = 1
+    # 0: a fixed top-k (format v1); d > 0: the top-k grows to (t + 1) // d (LayerSelection)
+    sparse_top_k_divisor: int = 0
     indexer_heads: int = 4
     indexer_dim: int = 32
     kv_compression_ratio: float = 3.2
@@ -94,7 +119,7 @@ class GSMParams:
             raise ConfigError(
                 f"gsm_config.max_sparse_window ({self.max_sparse_window}) must be >= "
                 f"sparse_window ({self.sparse_window})")
-        for name in ("sparse_top_k", "sink_tokens"):
+        for name in ("sparse_top_k", "sink_tokens", "sparse_top_k_divisor"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"gsm_config.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("indexer_heads", "indexer_dim", "quantization_adaptation_rate"):
@@ -118,9 +143,10 @@ class GSMParams:
             if layer in self.kv_sharing:
                 raise ConfigError(f"gsm_config.layer_selection: layer {layer} shares layer {self.kv_sharing[layer]}'s "
                                   "KV and selection (spec 4.2); it has no selection of its own")
-            if ls.sparse_window < 1 or ls.sparse_top_k < 0:
-                raise ConfigError(f"gsm_config.layer_selection[{layer}]: sparse_window must be >= 1 and sparse_top_k "
-                                  f">= 0, got {ls.sparse_window} and {ls.sparse_top_k}")
+            if ls.sparse_window < 1 or ls.sparse_top_k < 0 or ls.sparse_top_k_divisor < 0:
+                raise ConfigError(f"gsm_config.layer_selection[{layer}]: sparse_window must be >= 1, sparse_top_k "
+                                  f"and sparse_top_k_divisor >= 0, got {ls.sparse_window}, {ls.sparse_top_k} and "
+                                  f"{ls.sparse_top_k_divisor}")
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GSMParams:
@@ -138,7 +164,8 @@ class GSMParams:
                 if k in kw:
                     kw[k] = tuple(kw[k])
             if "layer_selection" in kw:
-                kw["layer_selection"] = {int(k): LayerSelection(int(v["sparse_window"]), int(v["sparse_top_k"]))
+                kw["layer_selection"] = {int(k): LayerSelection(int(v["sparse_window"]), int(v["sparse_top_k"]),
+                                                                int(v.get("sparse_top_k_divisor", 0)))
                                          for k, v in (kw["layer_selection"] or {}).items()}
             return cls(**kw)
         except (TypeError, ValueError, AttributeError) as e:
@@ -155,16 +182,23 @@ class GSMParams:
             d["layer_selection"] = self._layer_selection_json()
         else:
             del d["layer_selection"]  # a v1 config stays byte-identical (and keeps its checksum)
+        if not self.sparse_top_k_divisor:
+            del d["sparse_top_k_divisor"]  # likewise: a fixed budget writes no growth field
         d["checksum"] = gsm_checksum(d)
         return d
 
+    def top_k_at(self, t: int) -> int:
+        """The uniform fields' top-k of the query at position t (a layer's own: `for_layer(l).top_k_at`)."""
+        return top_k_at(self.sparse_top_k, self.sparse_top_k_divisor, t)
+
     def selection_is_dense(self, n_positions: int) -> bool:
-        """Spec 4.1: a query at t attends densely when t + 1 <= sinks + window + top_k."""
-        return n_positions <= self.sink_tokens + self.sparse_window + self.sparse_top_k
+        """Spec 4.1: a query at t attends densely when t + 1 <= sinks + window + top_k(t)."""
+        return n_positions <= self.sink_tokens + self.sparse_window + self.top_k_at(n_positions - 1)
 
     def selection_of(self, layer: int) -> LayerSelection:
         """The window and top-k owning layer `layer` selects with."""
-        return self.layer_selection.get(layer, LayerSelection(self.sparse_window, self.sparse_top_k))
+        return self.layer_selection.get(layer, LayerSelection(self.sparse_window, self.sparse_top_k,
+                                                              self.sparse_top_k_divisor))
 
     def for_layer(self, layer: int) -> GSMParams:
         """These params with owning layer `layer`'s window and top-k in the uniform fields (what select() reads)."""
@@ -172,13 +206,14 @@ class GSMParams:
         if ls is None:
             return self
         return dataclasses.replace(self, sparse_window=ls.sparse_window, sparse_top_k=ls.sparse_top_k,
+                                   sparse_top_k_divisor=ls.sparse_top_k_divisor,
                                    max_sparse_window=max(self.max_sparse_window, ls.sparse_window), layer_selection={})
 
     def overridden(self, *, sparse_top_k: int | None = None, sparse_window: int | None = None) -> GSMParams:
         """A run-time override, as the engines apply it: every layer selects with the given top-k (window),
-        the field not given stays each layer's own."""
+        the field not given stays each layer's own; a growing layer's top-k still grows from the given floor."""
         per = {i: LayerSelection(ls.sparse_window if sparse_window is None else sparse_window,
-                                 ls.sparse_top_k if sparse_top_k is None else sparse_top_k)
+                                 ls.sparse_top_k if sparse_top_k is None else sparse_top_k, ls.sparse_top_k_divisor)
                for i, ls in self.layer_selection.items()}
         return dataclasses.replace(self, layer_selection=per,
                                    sparse_top_k=self.sparse_top_k if sparse_top_k is None else sparse_top_k,
@@ -186,8 +221,19 @@ class GSMParams:
 
     @property
     def max_layer_top_k(self) -> int:
-        """The largest top-k any layer selects with by default (the engines' max_top_k floor)."""
+        """The largest top-k floor of any layer (its budget at a short context)."""
         return max([self.sparse_top_k, *(ls.sparse_top_k for ls in self.layer_selection.values())])
+
+    def max_top_k_to(self, n_max: int) -> int:
+        """The largest top-k any layer selects with by default within n_max positions, at most n_max: the
+        engines' max_top_k floor (a growing layer reaches (n_max) // d at its last position)."""
+        sels = [self.selection_of(-1), *self.layer_selection.values()]
+        return min(max(ls.top_k_at(n_max - 1) for ls in sels), n_max)
+
+    @property
+    def grows(self) -> bool:
+        """Whether any layer's budget grows with the context."""
+        return any(ls.sparse_top_k_divisor for ls in [self.selection_of(-1), *self.layer_selection.values()])
 
     def layer_max_window(self, layer: int) -> int:
         """The widest window owning layer `layer` may select with: its own, or a run-time one."""
@@ -198,23 +244,30 @@ class GSMParams:
         logits workspace, for nodes that honour budgets up to max_top_k."""
         return self.sink_tokens + self.layer_max_window(layer) + max_top_k
 
-    def recency_equivalent(self) -> GSMParams:
-        """The same rows per layer given to sinks + a window (top-k 0): the baseline a selector must beat."""
-        per = {i: LayerSelection(self.selection_of(i).rows, 0) for i in self.layer_selection}
-        w = self.sparse_window + self.sparse_top_k
-        return dataclasses.replace(self, sparse_window=w, sparse_top_k=0,
+    def recency_equivalent(self, n_positions: int = 0) -> GSMParams:
+        """The same rows per layer given to sinks + a window (top-k 0): the baseline a selector must beat. A
+        growing budget's rows are those of a query at position n_positions - 1 (its floor's when 0)."""
+        t = max(n_positions - 1, 0)
+        per = {i: LayerSelection(self.selection_of(i).rows_at(t), 0) for i in self.layer_selection}
+        w = self.sparse_window + self.top_k_at(t)
+        return dataclasses.replace(self, sparse_window=w, sparse_top_k=0, sparse_top_k_divisor=0,
                                    max_sparse_window=max(self.max_sparse_window, w), layer_selection=per)
 
     def mean_rows(self, layers: list[int], n_positions: int) -> float:
         """Rows a query at position n_positions - 1 reads per layer, averaged over `layers` (sinks included)."""
-        return sum(min(n_positions, self.sink_tokens + self.selection_of(i).rows) for i in layers) / max(len(layers), 1)
+        t = n_positions - 1
+        return (sum(min(n_positions, self.sink_tokens + self.selection_of(i).rows_at(t)) for i in layers)
+                / max(len(layers), 1))
 
     def selection_summary(self) -> dict[str, Any]:
-        return {"sink_tokens": self.sink_tokens, "sparse_window": self.sparse_window, "sparse_top_k": self.sparse_top_k,
-                "layer_selection": self._layer_selection_json()}
+        d = {"sink_tokens": self.sink_tokens, "sparse_window": self.sparse_window, "sparse_top_k": self.sparse_top_k,
+             "layer_selection": self._layer_selection_json()}
+        if self.sparse_top_k_divisor:
+            d["sparse_top_k_divisor"] = self.sparse_top_k_divisor
+        return d
 
     def _layer_selection_json(self) -> dict[str, dict[str, int]]:
-        return {str(k): dataclasses.asdict(v) for k, v in sorted(self.layer_selection.items())}
+        return {str(k): v.to_json() for k, v in sorted(self.layer_selection.items())}
 
 
 @dataclass(frozen=True)

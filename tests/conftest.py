@@ -117,16 +117,17 @@ def int4_copy(base: Path, out: Path) -> Path:
                           index_key_bits=8)
 
 
-def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, int]]) -> Path:
-    """A copy of checkpoint `base` whose owning layers select per `table` (layer -> (window, top_k)),
-    gsm_config layer_selection; weights, quantisation, tokenizer and calibration as they were."""
+def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, ...]]) -> Path:
+    """A copy of checkpoint `base` whose owning layers select per `table` (layer -> (window, top_k) or
+    (window, top_k, top_k divisor)), gsm_config layer_selection; weights, quantisation, tokenizer and
+    calibration as they were."""
     import dataclasses
 
     from gsm import checkpoint
     from gsm.config import LayerSelection
 
     cfg = checkpoint.load_config(base)
-    sel = {l: LayerSelection(w, k) for l, (w, k) in table.items()}
+    sel = {l: LayerSelection(*e) for l, e in table.items()}
     cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, layer_selection=sel))
     tok = base / "tokenizer.json"
     calib = base / "kv_calibration.safetensors"

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 
 import pytest
@@ -24,6 +23,7 @@ from calibration.measure import Protocol, Score, deployed_model
 from calibration.pipeline import level_measure
 from calibration.tiers import candidate_fractions, choose_fractions, cost_key
 from gsm import checkpoint as ckpt
+from gsm.config import LayerSelection
 from gsm.golden.model import GoldenModel
 from gsm.golden.weights import GoldenWeights, KVCalibration, LatentScales
 from gsm.synth import synth_checkpoint
@@ -71,9 +71,18 @@ def _key_scales(w: GoldenWeights, sigmas: float) -> dict[int, torch.Tensor]:
             for i in w.cfg.owning_layers}
 
 
-@pytest.mark.parametrize("key_bits", [16, 8])
-def test_lockstep_equals_golden_decode(small, key_bits):
+def per_layer_growing(w: GoldenWeights) -> GoldenWeights:
+    """w selecting per layer: the first owning layer streams (sinks + window), the others grow their top-k."""
+    own = w.cfg.owning_layers
+    table = {own[0]: LayerSelection(6, 0), **{l: LayerSelection(2, 3, 4) for l in own[1:]}}
+    return replace(w, cfg=w.cfg.replace(gsm=replace(w.cfg.gsm, layer_selection=table)))
+
+
+@pytest.mark.parametrize("key_bits, selection", [(16, "uniform"), (8, "uniform"), (16, "per-layer growing")])
+def test_lockstep_equals_golden_decode(small, key_bits, selection):
     w, quant, seqs = small
+    if selection != "uniform":
+        w = per_layer_growing(w)
     prot = Protocol(PREFILL, RATE)
     params = replace(w.cfg.gsm, quantization_adaptation_rate=RATE)
     df = KVCalibration.data_free(w)
@@ -105,17 +114,23 @@ def test_lockstep_equals_golden_decode(small, key_bits):
         # scores sums of integer-code products, so two candidates can tie to within that summation order and the
         # two sides pick different rows at one step: on an AVX-512 machine one step of one row moved 8.5e-3 with
         # its neighbours within 2e-4, which a divergence of state would not (the tiers are compared below). One
-        # such isolated step per row is allowed.
+        # such isolated step per row is allowed; so with per-layer selection, whose top-k of 3 (before it grows) turns
+        # on a near-tie of index scores as the batched inputs' summation order moves them (measured: one step of one
+        # row 2.9e-2, its neighbours 1e-4, where one layer's k-th and next candidate differ by 6e-5 relative).
         dev = (steps[r] - lp).abs().amax(-1)
         over = [s for s in range(dev.numel()) if dev[s] > 2e-3]
-        assert not over or (key_bits == 8 and len(over) == 1 and float(dev.max()) <= 2e-2
+        assert not over or ((key_bits == 8 or selection != "uniform") and len(over) == 1
+                            and float(dev.max()) <= (2e-2 if selection == "uniform" else 5e-2)
                             and all(dev[t] <= 2e-3 for t in (over[0] - 1, over[0] + 1) if 0 <= t < dev.numel())), \
             (b, c, over)
         g_nll = float(-lp.gather(1, seqs[b, PREFILL + 1:, None]).sum())
         g_kl = float((ref[b].exp() * (ref[b] - lp)).sum())
-        assert math.isclose(float(nll[r]), g_nll, rel_tol=2e-5), (b, c)
+        # (an isolated step above moves its token's NLL by at most its own deviation)
+        assert abs(float(nll[r]) - g_nll) <= 2e-5 * abs(g_nll) + (float(dev.max()) if over else 0.0), (b, c)
         # float32 KL sums have a noise floor of ~1e-6 per sequence (the golden's own go negative near 0)
-        assert abs(float(kl[r]) - g_kl) <= 0.02 * abs(g_kl) + 5e-6, (b, c, float(kl[r]), g_kl)
+        # (and its KL term by at most as much: the reference's probabilities sum to 1)
+        flip = float(dev.max()) if over else 0.0
+        assert abs(float(kl[r]) - g_kl) <= 0.02 * abs(g_kl) + 5e-6 + flip, (b, c, float(kl[r]), g_kl)
         n = cache.length
         assert torch.equal(ls.tier[r, :n], cache.tier), (b, c)  # the same rows demoted to the same tiers
         demoted += int((cache.tier > 0).sum())

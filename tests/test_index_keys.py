@@ -74,7 +74,7 @@ def _calibration_without(ckpt: Path, out: Path, keep: set[int] | None) -> Path:
 def test_bundle_holds_codes_in_every_graph(keys8_checkpoint, tmp_path):
     r = build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX)
     cfg = BundleConfig.load(tmp_path / "b")
-    assert cfg.index_keys == IndexKeyLayout(16, 8) and cfg.graph_revision == 9
+    assert cfg.index_keys == IndexKeyLayout(16, 8) and cfg.graph_revision >= 9
     assert "INT8 indexer keys" in r.report["kv_tiers"]["note"]
     want = {"model.portable.onnx": (onnx.TensorProto.INT8, 16), "model.cpu.onnx": (onnx.TensorProto.INT8, 16),
             "model.onnx": (onnx.TensorProto.INT32, 4)}

@@ -49,6 +49,13 @@ def test_recency_baseline_reads_the_same_rows_per_layer():
         assert r.selection_of(layer).sparse_top_k == 0
         assert r.selection_of(layer).rows == p.selection_of(layer).rows
     assert r.mean_rows([0, 1, 2], 8192) == p.mean_rows([0, 1, 2], 8192) == 1 + (96 + 232 + 544) / 3
+    # a growing budget: the baseline's window is the rows of the query at position n - 1
+    g = GSMParams(sparse_window=32, max_sparse_window=32, sparse_top_k=512, sparse_top_k_divisor=8,
+                  layer_selection={0: LayerSelection(96, 0), 1: LayerSelection(32, 200, 16)})
+    for n in (1024, 8192):
+        r = g.recency_equivalent(n)
+        assert r.mean_rows([0, 1, 2], n) == g.mean_rows([0, 1, 2], n) and not r.grows
+    assert g.recency_equivalent(8192).selection_of(1).sparse_window == 32 + 512
 
 
 def test_probe_places_the_fact_at_its_depth(lc, monkeypatch):

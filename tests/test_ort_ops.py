@@ -39,11 +39,14 @@ R, N = 4, 64
 KEY_INPUTS = ("new_index_keys", "index_keys")
 
 
-def model_bytes(geo: tuple[int, ...], sinks: int, key_type: int = TensorProto.FLOAT16) -> bytes:
+def model_bytes(geo: tuple[int, ...], sinks: int, key_type: int = TensorProto.FLOAT16,
+                divisor: int | float | None = None) -> bytes:
+    """divisor: the node's sparse_top_k_divisor attribute (None: a node without it, as graphs before it had)."""
     nH, nKV, D, nI, dI, _, _ = geo
+    extra = {} if divisor is None else {"sparse_top_k_divisor": divisor}
     node = helper.make_node("GsmCachedAttention", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS], domain=DOMAIN,
                             num_heads=nH, num_kv_heads=nKV, head_dim=D, index_heads=nI, index_dim=dI,
-                            sink_tokens=sinks)
+                            sink_tokens=sinks, **extra)
     graph = helper.make_graph([node], "gsm_cached_attention",
                               [helper.make_tensor_value_info(n, key_type if n in KEY_INPUTS else t, None)
                                for n, t in INPUTS],
@@ -53,12 +56,12 @@ def model_bytes(geo: tuple[int, ...], sinks: int, key_type: int = TensorProto.FL
     return m.SerializeToString()
 
 
-def session(geo: tuple[int, ...], sinks: int, threads: int, key_type: int = TensorProto.FLOAT16
-            ) -> ort.InferenceSession:
+def session(geo: tuple[int, ...], sinks: int, threads: int, key_type: int = TensorProto.FLOAT16,
+            divisor: int | float | None = None) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(LIB))
     so.intra_op_num_threads = threads
-    return ort.InferenceSession(model_bytes(geo, sinks, key_type), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model_bytes(geo, sinks, key_type, divisor), so, providers=["CPUExecutionProvider"])
 
 
 def int8_keys(x: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -90,8 +93,9 @@ def make_inputs(rng: np.random.Generator, geo: tuple[int, ...], past: list[int],
             "sparse_top_k": np.array(top_k, np.int32)}
 
 
-def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int) -> dict[str, np.ndarray]:
-    """The specification in plain loops (float32 NumPy; the decode V sum in float64)."""
+def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, divisor: int = 0) -> dict[str, np.ndarray]:
+    """The specification in plain loops (float32 NumPy; the decode V sum in float64). divisor > 0: the query at
+    position t selects max(top_k[b], (t + 1) // divisor) by score."""
     nH, nKV, D, nI, dI, rk, rv = geo
     f32 = np.float32
     B, S = x["q"].shape[:2]
@@ -100,8 +104,11 @@ def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int) -> dic
     W = int(x["sparse_window"][0])
     tc = int(past.max())
     L = tc + S
-    budget = sinks + W + topk
-    k = min(int(budget.max()), L)
+
+    def budget(b: int, t: int) -> int:
+        return sinks + W + (max(topk[b], (t + 1) // divisor) if divisor > 0 else topk[b])
+
+    k = min(max(budget(b, past[b] + j) for b in range(B) for j in range(S)), L)
 
     def rope(v: np.ndarray, p: int) -> np.ndarray:
         c, s = x["rope_cos"][p], x["rope_sin"][p]
@@ -136,7 +143,7 @@ def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int) -> dic
                         acc = f32(acc + x["index_w"][b, j, h] * max(f32(np.dot(iq[h], e)), f32(0)))
                     vals.append(float(acc / f32(math.sqrt(dI))))
             order = sorted(range(len(cols)), key=lambda c: (-vals[c], c))[:k]
-            kept = sorted(cols[c][0] for r, c in enumerate(order) if vals[c] > -math.inf and r < budget[b])
+            kept = sorted(cols[c][0] for r, c in enumerate(order) if vals[c] > -math.inf and r < budget(b, t))
             sel[b, j, :len(kept)] = kept
             K = np.stack([x["k_rows"][row, p] if p < past[b] else new_k[b, p - past[b]] for p in kept])
             lat = np.stack([x["latent_v"][row, p] if p < past[b] else x["new_latent_v"][b, p - past[b]]
@@ -177,6 +184,25 @@ CASES = {
 }
 
 
+def check_against_reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, key_type: int,
+                            divisor: int | None = None) -> dict[str, np.ndarray]:
+    """The op on 1 and 2 threads equals the reference (selection exactly, values to float32 rounding) and itself;
+    returns the reference's outputs."""
+    want = reference(x, geo, sinks, divisor or 0)
+    got = {}
+    for threads in (1, 2):
+        res = session(geo, sinks, threads, key_type, divisor).run(None, x)
+        got[threads] = dict(zip([n for n, _ in OUTPUTS], res))
+        np.testing.assert_array_equal(got[threads]["selected"], want["selected"])
+        for n in ("attn_out", "new_k_rows", "attn_mass"):
+            assert got[threads][n].shape == want[n].shape, n
+            np.testing.assert_allclose(got[threads][n], want[n], rtol=1e-5, atol=1e-5, err_msg=n)
+    np.testing.assert_array_equal(got[1]["selected"], got[2]["selected"])
+    for n in ("attn_out", "new_k_rows", "attn_mass"):
+        np.testing.assert_allclose(got[1][n], got[2][n], rtol=1e-6, atol=1e-7, err_msg=n)
+    return want
+
+
 @pytest.mark.parametrize("keys", ["fp16", "int8"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name: str, keys: str) -> None:
@@ -187,18 +213,86 @@ def test_matches_reference(name: str, keys: str) -> None:
     key_type = TensorProto.FLOAT16
     if keys == "int8":
         x, key_type = int8_keys(x, rng), TensorProto.INT8
-    want = reference(x, geo, sinks)
-    got = {}
-    for threads in (1, 2):
-        res = session(geo, sinks, threads, key_type).run(None, x)
-        got[threads] = dict(zip([n for n, _ in OUTPUTS], res))
-        np.testing.assert_array_equal(got[threads]["selected"], want["selected"])
-        for n in ("attn_out", "new_k_rows", "attn_mass"):
-            assert got[threads][n].shape == want[n].shape, n
-            np.testing.assert_allclose(got[threads][n], want[n], rtol=1e-5, atol=1e-5, err_msg=n)
-    np.testing.assert_array_equal(got[1]["selected"], got[2]["selected"])
-    for n in ("attn_out", "new_k_rows", "attn_mass"):
-        np.testing.assert_allclose(got[1][n], got[2][n], rtol=1e-6, atol=1e-7, err_msg=n)
+    check_against_reference(x, geo, sinks, key_type)
+
+
+# A budget that grows with the context (attribute sparse_top_k_divisor d > 0): the query at t selects
+# max(top_k[b], (t + 1) // d) by score. name: geometry, past, new, S, window, sinks, top_k, divisor, and the number
+# of positions each valid query keeps, worked out by hand (sinks + window + that top-k, or t + 1 when dense)
+GROWTH_CASES = {
+    # t = 39: 40 // 4 = 10 > 3 (t // 4 would be 9)
+    "decode_grows": ("vec", [39], [1], 1, 2, 1, [3], 4, [[13]]),
+    # t = 40: 41 // 4 = 10 < 12: the sequence's own budget stands
+    "decode_budget_stands": ("vec", [40], [1], 1, 2, 1, [12], 4, [[15]]),
+    # t = 18..27: (t + 1) // 4 = 4 5 5 5 5 6 6 6 6 7, so growth takes over from t = 23 inside the chunk
+    "prefill_straddles": ("odd", [18], [10], 10, 2, 1, [5], 4, [[8] * 5 + [9] * 4 + [10]]),
+    # two sequences, different past lengths: t = 49 grows to 10, t = 12 keeps 2
+    "decode_b2_unequal": ("vec", [49, 12], [1, 1], 1, 3, 1, [2, 2], 5, [[14], [6]]),
+    # SmolLM2's heads; sequence 0 grows (t = 40..44: 6 7 7 7 7; one padding row), sequence 1 is dense up to t = 7
+    # (8 <= 1 + 3 + 4), then t = 8 keeps 1 + 3 + 4
+    "prefill_gqa3_b2": ("gqa3", [40, 3], [5, 6], 6, 3, 1, [4, 4], 6, [[10, 11, 11, 11, 11], [4, 5, 6, 7, 8, 8]]),
+    # growth moves the dense threshold: (t + 1) - (t + 1) // 2 <= 1 + 2 while t + 1 <= 6, so t = 0..5 are dense
+    # with top_k 0, then t = 6..8 keep 1 + 2 + 3, 1 + 2 + 4, 1 + 2 + 4
+    "dense_threshold_grows": ("vec", [0], [9], 9, 2, 1, [0], 2, [[1, 2, 3, 4, 5, 6, 6, 7, 7]]),
+    # divisor 1: (t + 1) // 1 = t + 1, every query dense
+    "divisor_one_dense": ("odd", [30, 7], [1, 1], 1, 1, 0, [2, 0], 1, [[31], [8]]),
+}
+
+
+@pytest.mark.parametrize("keys", ["fp16", "int8"])
+@pytest.mark.parametrize("name", sorted(GROWTH_CASES))
+def test_growing_top_k_matches_reference(name: str, keys: str) -> None:
+    geo_name, past, new, S, window, sinks, top_k, divisor, kept = GROWTH_CASES[name]
+    geo = GEOMETRIES[geo_name]
+    rng = np.random.default_rng(100 + sorted(GROWTH_CASES).index(name))
+    x = make_inputs(rng, geo, past, new, S, window, top_k)
+    key_type = TensorProto.FLOAT16
+    if keys == "int8":
+        x, key_type = int8_keys(x, rng), TensorProto.INT8
+    sel = check_against_reference(x, geo, sinks, key_type, divisor)["selected"]
+    for b, want in enumerate(kept):
+        assert (sel[b, :len(want)] >= 0).sum(axis=-1).tolist() == want, b
+    # the width: the call's largest budget (its last rows'), at most Tc + S
+    budgets = [sinks + window + max(top_k[b], (past[b] + S) // divisor) for b in range(len(past))]
+    assert sel.shape[-1] == min(max(budgets), max(past) + S)
+
+
+def test_growth_differs_per_query_of_a_chunk() -> None:
+    """One prefill chunk whose queries select different top-k: each query keeps its own count, not the chunk's
+    last budget, and the padded width is the largest one."""
+    geo = GEOMETRIES["vec"]
+    x = make_inputs(np.random.default_rng(11), geo, [30], [6], 6, 2, [3])
+    sel = session(geo, 1, 1, divisor=5).run(["selected"], x)[0]
+    # t = 30..35: (t + 1) // 5 = 6 6 6 6 7 7
+    assert (sel[0] >= 0).sum(axis=-1).tolist() == [9, 9, 9, 9, 10, 10]
+    assert sel.shape == (1, 6, 10)
+    assert (sel[0, :4, 9] == -1).all()
+
+
+def test_missing_divisor_is_a_fixed_top_k() -> None:
+    """A graph without the attribute (written before it existed) selects exactly as with divisor 0."""
+    geo = GEOMETRIES["vec"]
+    x = make_inputs(np.random.default_rng(12), geo, [40, 21], [4, 4], 4, 2, [3, 5])
+    old = session(geo, 1, 1).run(None, x)
+    zero = session(geo, 1, 1, divisor=0).run(None, x)
+    for a, b in zip(old, zero):
+        np.testing.assert_array_equal(a, b)
+    want = reference(x, geo, 1)
+    np.testing.assert_array_equal(old[2], want["selected"])
+    assert old[2].shape[-1] == 1 + 2 + 5
+    assert reference(x, geo, 1, divisor=4)["selected"].shape[-1] > old[2].shape[-1]  # growth would have shown
+
+
+@pytest.mark.parametrize("value,message", [
+    (-1, "attribute sparse_top_k_divisor = -1 must be >= 0"),
+    (2.0, "attribute sparse_top_k_divisor must be an int64"),
+])
+def test_bad_divisor_names_the_attribute(value: int | float, message: str) -> None:
+    geo = GEOMETRIES["odd"]
+    x = make_inputs(np.random.default_rng(13), geo, [4], [1], 1, 1, [2])
+    with pytest.raises(Exception, match="GsmCachedAttention") as err:
+        session(geo, 1, 1, divisor=value).run(None, x)
+    assert message in str(err.value)
 
 
 def test_tie_rule_keeps_lower_positions() -> None:

@@ -10,6 +10,7 @@ fails the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -108,7 +109,13 @@ def golden_check(sc: Scenario, res: ref.AttentionResult, selected_in: np.ndarray
             err = (ours[causal] - g_scores[causal]).abs()
             assert (err <= TOL * (1 + cond)).all(), f"index scores off by {(err / (1 + cond)).max():.3g} x cond"
             # the selection rule itself is exact: golden `select` on the plugin's own scores
-            mask = select(torch.where(causal, ours, torch.zeros(())), q_pos, p)
+            scored = torch.where(causal, ours, torch.zeros(()))
+            if d.sparse_top_k_divisor > 0:  # each query has its own top-k: the golden's rule row by row at it
+                mask = torch.cat([select(scored[j:j + 1], q_pos[j:j + 1],
+                                         dataclasses.replace(p, sparse_top_k=sc.query_top_k(b, past + j)))
+                                  for j in range(T)])
+            else:
+                mask = select(scored, q_pos, p)
         else:
             mask = torch.zeros(T, n, dtype=torch.bool)
             for j in range(T):
@@ -480,6 +487,86 @@ def test_budget_outside_max_top_k_is_refused(bad: int, b: int) -> None:
         sc.call(sparse_top_k=budgets)
     with pytest.raises(ValueError, match="sparse_top_k: expected shape"):
         sc.call(sparse_top_k=np.array([3], np.int32))
+
+
+# ---- a top-k that grows with the context (attribute sparse_top_k_divisor) ----------------------------------
+def _numpy_selection(scores: np.ndarray, t: int, sinks: int, window: int, top_k: int) -> list[int]:
+    """Sel(t) of spec 4.1 in plain Python: every s <= t when t + 1 <= sinks + window + top_k, else the sinks, the
+    window and the top_k best other positions (score descending, the lower position first)."""
+    if t + 1 <= sinks + window + top_k:
+        return list(range(t + 1))
+    best = sorted(range(sinks, t - window + 1), key=lambda s: (-float(scores[s]), s))[:top_k]
+    return sorted([*range(sinks), *best, *range(t - window + 1, t + 1)])
+
+
+# name: make_scenario arguments, and the positions each valid query keeps, worked out by hand from
+# max(sparse_top_k[b], (t + 1) // divisor) capped at max_top_k
+GROWTH = {
+    # t = 399, 100, 30, 7 with divisor 8: top-k 50 (grown past 10; t // 8 would be 49), 20 (12 < 20), 3 (= 3),
+    # 2 (1 < 2; 8 > 2 + 3 + 2)
+    "decode-b4": (dict(past=[399, 100, 30, 7], new=[1, 1, 1, 1], seq_top_k=[10, 20, 3, 2], sparse_top_k_divisor=8,
+                       top_k=64, n_max=512), [[55], [25], [8], [7]]),
+    # t = 90..101: 11 until t = 94, then 12 (96 // 8) inside the chunk; t = 40..45: 5 > 4
+    "chunked-straddle": (dict(past=[90, 40], new=[12, 6], seq_top_k=[11, 4], sparse_top_k_divisor=8, top_k=64,
+                              n_max=160), [[16] * 5 + [17] * 7, [10] * 6]),
+    # (t + 1) // 2 = 50 at t = 100, capped at max_top_k 16
+    "capped": (dict(past=[100], new=[3], seq_top_k=[4], sparse_top_k_divisor=2, top_k=16, n_max=160), [[21] * 3]),
+    # top-k 0 grown to (t + 1) // 2: dense while t + 1 <= 2 + 3 + (t + 1) // 2, i.e. t <= 9; t = 10, 11 keep
+    # 5 + 5 and 5 + 6
+    "dense-threshold": (dict(past=[0], new=[12], seq_top_k=[0], sparse_top_k_divisor=2, top_k=16, n_max=64),
+                        [list(range(1, 11)) + [10, 11]]),
+}
+
+
+def _growth_scenario(name: str, **override) -> Scenario:
+    kw, _ = GROWTH[name]
+    kw = {**kw, **override}
+    return make_scenario(np.random.default_rng(zlib.crc32(name.encode())), num_heads=4, num_kv_heads=2, head_dim=8,
+                         rank_k=6, rank_v=5, index_heads=2, index_dim=4, sink_tokens=2, max_sparse_window=4, window=3,
+                         tier_mix=(0.4, 0.2, 0.2, 0.2), **kw)
+
+
+@pytest.mark.parametrize("name", list(GROWTH))
+def test_growing_top_k_matches_numpy_and_golden(name: str) -> None:
+    """Each query selects max(sparse_top_k[b], (t + 1) // divisor) (at most max_top_k): the counts worked out by
+    hand, the positions a plain-Python selection takes on the reference's own scores, and the golden's attention
+    over them (golden_check, the golden's selection at each query's top-k)."""
+    sc = _growth_scenario(name)
+    res = sc.call(return_scores=True)
+    kept = GROWTH[name][1]
+    d = sc.dims
+    for b in range(len(sc.past)):
+        assert (res.selected[b, :int(sc.new[b])] >= 0).sum(axis=-1).tolist() == kept[b], b
+        for j in range(int(sc.new[b])):
+            t = int(sc.past[b]) + j
+            top_k = min(max(int(sc.top_k[b]), (t + 1) // d.sparse_top_k_divisor), d.max_top_k)
+            want = _numpy_selection(res.scores[b, j], t, d.sink_tokens, sc.window, top_k)
+            assert res.selected[b, j, :len(want)].tolist() == want, (b, j)
+            assert (res.selected[b, j, len(want):] == -1).all()
+    golden_check(sc, res)
+
+
+def test_growth_off_selects_the_fixed_top_k() -> None:
+    """Divisor 0 (a node without the attribute) is the fixed per-sequence budget; the same call with a divisor
+    selects more where growth exceeds the budget, and the same where it does not."""
+    grown = _growth_scenario("decode-b4")
+    fixed = _growth_scenario("decode-b4", sparse_top_k_divisor=0)
+    assert ref.Dims(**{f.name: getattr(fixed.dims, f.name) for f in dataclasses.fields(fixed.dims)
+                       if f.name != "sparse_top_k_divisor"}) == fixed.dims
+    a, b = fixed.call(), grown.call()
+    assert (a.selected >= 0).sum(axis=-1)[:, 0].tolist() == [2 + 3 + 10, 2 + 3 + 20, 2 + 3 + 3, 2 + 3 + 2]
+    assert (b.selected >= 0).sum(axis=-1)[:, 0].tolist() == [55, 25, 8, 7]
+    assert np.array_equal(a.selected[1:], b.selected[1:])
+    assert np.array_equal(a.out[1:].view(np.uint32), b.out[1:].view(np.uint32))
+
+
+def test_negative_divisor_is_refused() -> None:
+    sc = _growth_scenario("decode-b4")
+    with pytest.raises(ValueError, match="sparse_top_k_divisor must be >= 0"):
+        dataclasses.replace(sc.dims, sparse_top_k_divisor=-1)
+    object.__setattr__(sc.dims, "sparse_top_k_divisor", -3)  # past the dataclass's check: the C++ one answers
+    with pytest.raises(ref.PluginContractError, match="sparse_top_k_divisor -3 is negative"):
+        sc.call()
 
 
 def test_selection_ties_go_to_lower_positions() -> None:

@@ -241,3 +241,54 @@ def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bu
         seq.decode(3)
     with pytest.raises(runtime.RequestError, match="build-time budget"):
         runtime.load(old, backend="reference", sparse_top_k=3)
+
+
+def _one_attention_node(sc, divisor: int | None):
+    """A graph of one owning GsmSparseAttention node (16 inputs) over a plugin scenario; divisor None: a node without
+    the attribute sparse_top_k_divisor, as graphs written before it have."""
+    from dataclasses import fields
+
+    from onnx import TensorProto, helper
+
+    names = ["q", "kv_pool", "kv_slots", "past_lengths", "new_lengths", "quant", "rope_cos", "rope_sin", "k_up",
+             "v_up", "index_q", "index_w", "index_keys", "sparse_window", "sparse_top_k", "cache_rows"]
+    attrs = {f.name: int(getattr(sc.dims, f.name)) for f in fields(sc.dims) if f.name != "sparse_top_k_divisor"}
+    if divisor is not None:
+        attrs["sparse_top_k_divisor"] = divisor
+    node = helper.make_node("GsmSparseAttention", names, ["attn_out", "selected", "attn_mass"],
+                            domain="gsm.plugins", **attrs)
+    graph = helper.make_graph([node], "one_attention", [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
+                                                         for n in names],
+                              [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
+                               for n in ("attn_out", "selected", "attn_mass")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("gsm.plugins", 1)])
+    feeds = dict(zip(names, [sc.q, sc.pool, sc.slots, sc.past, sc.new, sc.quant, sc.rope_cos, sc.rope_sin, sc.w0,
+                             sc.w1, sc.index_q, sc.index_w, sc.index_keys, np.array([sc.window], np.int32),
+                             sc.top_k, np.arange(len(sc.past), dtype=np.int32)]))
+    return model, feeds
+
+
+def test_reference_backend_node_reads_the_divisor_attribute():
+    """The reference backend's GsmSparseAttention op takes the node's sparse_top_k_divisor into the plugin reference:
+    the query at t selects max(sparse_top_k[b], (t + 1) // divisor) by score (counts worked out here), as the
+    reference called directly; a node without the attribute selects the fixed per-sequence budget."""
+    from gsm_edge_plugins.testing import make_scenario
+    from onnx.reference import ReferenceEvaluator
+
+    from runtime.ref_backend import _ops
+
+    sc = make_scenario(np.random.default_rng(21), num_heads=4, num_kv_heads=2, head_dim=8, rank_k=6, rank_v=5,
+                       index_heads=2, index_dim=4, sink_tokens=1, top_k=32, max_sparse_window=4, window=2, n_max=96,
+                       past=[70, 20], new=[4, 1], seq_top_k=[5, 5], sparse_top_k_divisor=6)
+    counts = {}
+    for divisor in (6, None):
+        model, feeds = _one_attention_node(sc, divisor)
+        out, sel, _mass = ReferenceEvaluator(model, new_ops=_ops()).run(None, feeds)
+        counts[divisor] = [(sel[b, :int(sc.new[b])] >= 0).sum(axis=-1).tolist() for b in range(2)]
+        if divisor is not None:
+            want = sc.call()
+            assert np.array_equal(sel, want.selected)
+            assert np.array_equal(out.view(np.uint32), want.out.view(np.uint32))
+    # t = 70..73: 71 // 6 = 11, then 12 from t = 71; t = 20: 21 // 6 = 3 < 5
+    assert counts[6] == [[1 + 2 + 11] + [1 + 2 + 12] * 3, [1 + 2 + 5]]
+    assert counts[None] == [[1 + 2 + 5] * 4, [1 + 2 + 5]]

@@ -104,13 +104,16 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
             for l in rt.cfg.owning_layers:
                 assert selection_mask(seqs[b].last.selected[l][0], seqs[b].length).all()
     # sparse budgets select exactly sinks + window + top_k positions once the context is longer (each layer
-    # its own window, and its own top-k unless the sequence has a budget)
+    # its own window, and its own top-k unless the sequence has a budget; a growing layer's top-k is
+    # max(that, (t + 1) // d) at the last position t)
     for l in rt.cfg.owning_layers:
         own_w, own_k = rt.cfg.selection_of(l)
+        d = rt.cfg.top_k_divisor_of(l)
         w = own_w if rt._window_input == 0 else rt.sparse_window
         for b, k in ((0, 0), (1, 3), (2, own_k)):
             got = seqs[b].last.selected[l][0]
-            assert int((got >= 0).sum()) == rt.cfg.sink_tokens + w + k, f"sequence {b}, layer {l}"
+            grown = max(k, seqs[b].length // d) if d else k
+            assert int((got >= 0).sum()) == rt.cfg.sink_tokens + w + grown, f"sequence {b}, layer {l}"
     return seqs
 
 

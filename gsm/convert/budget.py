@@ -16,13 +16,13 @@ dropped (a [heads, block, T] slice, never [heads, T, T]).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from gsm.config import LayerSelection
+from gsm.config import GSMParams, LayerSelection
 from gsm.golden import attention as A
 from gsm.golden.selection import index_scores
 
@@ -35,6 +35,8 @@ LAYER_LADDER = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 204
 HIT_RATE_TARGET = 0.95
 BUDGET_SEQ_LEN = 2048  # the context the curve is measured at (clamped to the model's)
 BUDGET_SEQUENCES = 2  # calibration sequences of BUDGET_SEQ_LEN the curve is measured on
+# 0: every layer's top-k is the fixed count chosen at BUDGET_SEQ_LEN; d > 0: it grows to (t + 1) // d past it
+TOP_K_DIVISOR = 0
 SELECTORS = ("indexer", "recency")
 
 
@@ -252,6 +254,17 @@ def allocate(curve: HitRateCurve, target: float) -> tuple[list[LayerChoice], boo
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mean_hit(_pick(options, mid)) >= target else (lo, mid)
     return _pick(options, lo), True
+
+
+def with_growth(p: GSMParams, divisor: int) -> GSMParams:
+    """p with every layer that picks by the indexer (top-k > 0) growing its top-k to (t + 1) // divisor at
+    position t (docs/decisions.md "A budget that grows with the context"); streaming layers (sinks + window)
+    stay as they are, the anchors' streaming heads. divisor 0: p unchanged."""
+    if divisor == 0:
+        return p
+    per = {i: replace(ls, sparse_top_k_divisor=divisor) if ls.sparse_top_k > 0 else ls
+           for i, ls in p.layer_selection.items()}
+    return replace(p, layer_selection=per, sparse_top_k_divisor=divisor if p.sparse_top_k > 0 else 0)
 
 
 def rows_per_step(p: Any, layers: Sequence[int], contexts: Sequence[int]) -> dict[int, dict[str, float]]:

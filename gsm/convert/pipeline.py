@@ -35,7 +35,7 @@ from gsm import names
 from gsm.config import GSMParams, KVQuantConfig
 from gsm.convert import budget as bud
 from gsm.convert import indexer as ixr
-from gsm.convert.budget import BUDGET_SEQ_LEN, BUDGET_SEQUENCES, HIT_RATE_TARGET
+from gsm.convert.budget import BUDGET_SEQ_LEN, BUDGET_SEQUENCES, HIT_RATE_TARGET, TOP_K_DIVISOR
 from gsm.convert.data import DataError, add_bos_of, stream_windows, text_sha256, token_sequences, token_stream
 from gsm.convert.long_sample import collect_long_sample
 from gsm.convert.plan import LowRanks, Plan, assemble, golden_of, mean_nll, ranks_at, resident
@@ -89,6 +89,8 @@ class ConvertOptions:
     auto_window: bool = False  # search the window/top-k split of the budget (choose_window)
     auto_top_k: bool = False  # choose sparse_top_k from bud.LADDER by hit rate (selection_budget_stage)
     per_layer_selection: bool = True  # with auto_top_k: each layer its own selector and budget
+    # > 0: each indexer layer's top-k grows to (t + 1) // top_k_divisor past its floor (bud.with_growth)
+    top_k_divisor: int = TOP_K_DIVISOR
     long_check: tuple[int, ...] = LONG_CHECK  # held-out window lengths of the report's long-context check
     long_check_windows: int = 1  # windows per length
     hit_rate_target: float = HIT_RATE_TARGET
@@ -292,7 +294,7 @@ def long_fit_windows(path: Path, tok: Tokenizer, lengths: Lengths, opts: Convert
 
 @torch.no_grad()
 def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, target: float, stages: Stages,
-                           per_layer: bool = True) -> tuple[GSMParams, dict[str, Any]]:
+                           per_layer: bool = True, top_k_divisor: int = 0) -> tuple[GSMParams, dict[str, Any]]:
     """The selection budget from the indexers' hit rate under the dense attention on calibration sequences
     `seqs` [B, T] (every k of a ladder from one dense pass per sequence, gsm.convert.budget).
 
@@ -300,6 +302,7 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
     longer window) and k, the fewest mean rows whose mean hit rate reaches `target` (budget.allocate), written as
     gsm_config layer_selection; sparse_top_k is then the layers' largest top-k. Uniform: the smallest sparse_top_k
     of bud.LADDER whose mean hit rate reaches `target`. Either way the largest measurable choice when none does.
+    top_k_divisor > 0: the chosen top-k are floors that grow with the context (bud.with_growth).
 
     The indexers were fitted with sinks and window only (the fit does not depend on top-k), so they are
     scored as fitted; every layer uses its own indexer (sharing is decided afterwards; a sharing layer then
@@ -332,8 +335,10 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
     else:
         k, reached = bud.choose_top_k(curve, target)
         new = replace(p, sparse_top_k=k)
+    new = bud.with_growth(new, top_k_divisor)
     layers = list(range(cfg.num_hidden_layers))
-    info.update(sparse_top_k=new.sparse_top_k, target_reached=reached, curve=curve.to_json(),
+    info.update(sparse_top_k=new.sparse_top_k, sparse_top_k_divisor=top_k_divisor, target_reached=reached,
+                curve=curve.to_json(),
                 rows_per_step=bud.rows_per_step(new, layers, sorted({int(seqs.shape[1]), *(
                     n for n in (2048, 4096, 8192) if n <= cfg.max_position_embeddings)})))
     for r in info["curve"]:
@@ -468,10 +473,13 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
     if budget_seqs is not None:
         t0 = time.perf_counter()
         plan.params, plan.selection_budget = selection_budget_stage(src, plan, budget_seqs, opts.hit_rate_target,
-                                                                    stages, per_layer=opts.per_layer_selection)
+                                                                    stages, per_layer=opts.per_layer_selection,
+                                                                    top_k_divisor=opts.top_k_divisor)
         plan.selection_budget["seconds"] = time.perf_counter() - t0
     else:
-        plan.selection_budget = {"mode": "fixed", "sparse_top_k": params.sparse_top_k}
+        plan.params = bud.with_growth(plan.params, opts.top_k_divisor)
+        plan.selection_budget = {"mode": "fixed", "sparse_top_k": params.sparse_top_k,
+                                 "sparse_top_k_divisor": opts.top_k_divisor}
     calib_eval = calib[: max(4, min(SHARING_EVAL_SEQUENCES, calib.shape[0]))]
     decide_sharing(src, lowranks, stats, plan, opts, calib_eval, stages)
     if opts.kv_budget is not None and plan.sharing:

@@ -130,7 +130,7 @@ class GoldenModel:
                 for hook in self.latent_hooks:
                     hook(i, n0, c.ck[n0:], c.cv[n0:])
                 lp = self.p.for_layer(i)
-                if lp.sparse_top_k > 0:
+                if lp.sparse_top_k > 0 or lp.sparse_top_k_divisor > 0:
                     scores = index_scores(x, kv.idx_q, kv.idx_w, c.keys, cfg.gsm.indexer_heads, ks)  # [T, n]
                 else:  # a streaming layer (sinks + window): no indexer pick to score
                     scores = torch.zeros(T, n)

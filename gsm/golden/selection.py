@@ -31,8 +31,8 @@ def select(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Ten
     """Boolean mask Sel [T, n]: row t selects the cached positions its query at q_pos[t] attends to.
 
     scores: [T, n] over cached positions 0..n-1; q_pos: [T] absolute query positions (< n).
-    Sel(t) = sinks ∪ window ∪ top-k of the rest (ties: lower s first); every s <= t when
-    t + 1 <= sinks + window + top_k (spec 4.1).
+    Sel(t) = sinks ∪ window ∪ top-k(t) of the rest (ties: lower s first); every s <= t when
+    t + 1 <= sinks + window + top_k(t) (spec 4.1; top_k(t) grows with t when p.sparse_top_k_divisor > 0).
     """
     T, n = scores.shape
     s = torch.arange(n)
@@ -40,12 +40,14 @@ def select(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Ten
     fixed = causal & ((s[None, :] < p.sink_tokens) | (s[None, :] > q_pos[:, None] - p.sparse_window))
     cand = causal & ~fixed  # positions the indexer chooses among
     mask = fixed.clone()
-    k = min(p.sparse_top_k, n)
+    k_t = torch.tensor([min(p.top_k_at(int(t)), n) for t in q_pos], dtype=torch.long)  # [T]
+    k = int(k_t.max()) if T else 0
     if k > 0:
         # stable descending sort: among equal scores the lower position comes first (spec tie rule)
         order = torch.sort(scores.masked_fill(~cand, float("-inf")), dim=-1, descending=True,
                            stable=True).indices[:, :k]  # [T, k]
-        mask |= torch.zeros_like(mask).scatter_(1, order, True) & cand
+        keep = torch.arange(k)[None, :] < k_t[:, None]  # each query its own count
+        mask |= torch.zeros_like(mask).scatter_(1, order, keep) & cand
     dense_rows = torch.tensor([p.selection_is_dense(int(t) + 1) for t in q_pos], dtype=torch.bool)
     mask[dense_rows] = causal[dense_rows]
     return mask

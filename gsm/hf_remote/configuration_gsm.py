@@ -59,12 +59,14 @@ class GSMConfig(PretrainedConfig):
         """One gsm_config value, or its spec default."""
         return self.gsm_config.get(name, GSM_DEFAULTS[name])
 
-    def layer_selection(self, layer: int) -> tuple[int, int]:
-        """(window, top_k) owning layer `layer` selects with: its gsm_config layer_selection entry, else the model's."""
+    def layer_selection(self, layer: int) -> tuple[int, int, int]:
+        """(window, top_k, top_k divisor) owning layer `layer` selects with: its gsm_config layer_selection entry,
+        else the model's (divisor 0: a fixed top-k)."""
         own = (self.gsm_config.get("layer_selection") or {}).get(str(layer))
         if own is None:
-            return self.gsm("sparse_window"), self.gsm("sparse_top_k")
-        return int(own["sparse_window"]), int(own["sparse_top_k"])
+            return (self.gsm("sparse_window"), self.gsm("sparse_top_k"),
+                    int(self.gsm_config.get("sparse_top_k_divisor", 0)))
+        return int(own["sparse_window"]), int(own["sparse_top_k"]), int(own.get("sparse_top_k_divisor", 0))
 
     @property
     def kv_sharing(self) -> dict[int, int]:

@@ -79,8 +79,9 @@ def index_scores(x: torch.Tensor, idx_q: torch.Tensor, idx_w: torch.Tensor, keys
     return torch.einsum("tj,tjs->ts", w, dots) / math.sqrt(dI)
 
 
-def select(scores: torch.Tensor, n0: int, sinks: int, window: int, top_k: int) -> torch.Tensor:
-    """Sel [T, n] bool for queries at positions n0..n0+T-1 over positions 0..n-1 (spec 4.1)."""
+def select(scores: torch.Tensor, n0: int, sinks: int, window: int, top_k: int, divisor: int = 0) -> torch.Tensor:
+    """Sel [T, n] bool for queries at positions n0..n0+T-1 over positions 0..n-1 (spec 4.1); divisor > 0: the
+    query at t picks max(top_k, (t + 1) // divisor) (a budget growing with the context)."""
     T, n = scores.shape
     s = torch.arange(n, device=scores.device)
     t = torch.arange(n0, n0 + T, device=scores.device)
@@ -88,13 +89,15 @@ def select(scores: torch.Tensor, n0: int, sinks: int, window: int, top_k: int) -
     fixed = causal & ((s[None, :] < sinks) | (s[None, :] > t[:, None] - window))
     cand = causal & ~fixed
     mask = fixed.clone()
-    k = min(top_k, n)
+    k_t = torch.clamp((t + 1) // divisor, min=top_k) if divisor > 0 else torch.full_like(t, top_k)  # [T]
+    k = min(int(k_t.max()) if T else 0, n)
     if k > 0:
         # stable descending sort: equal scores keep the lower position first (spec tie rule)
         order = torch.sort(scores.masked_fill(~cand, float("-inf")), dim=-1, descending=True,
                            stable=True).indices[:, :k]
-        mask |= torch.zeros_like(mask).scatter_(1, order, True) & cand
-    dense_rows = t + 1 <= sinks + window + top_k
+        keep = torch.arange(k, device=scores.device)[None, :] < k_t[:, None]
+        mask |= torch.zeros_like(mask).scatter_(1, order, keep) & cand
+    dense_rows = t + 1 <= sinks + window + k_t
     mask[dense_rows] = causal[dense_rows]
     return mask
 

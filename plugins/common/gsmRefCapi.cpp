@@ -35,8 +35,8 @@ GSM_EXPORT int32_t gsm_ref_abi_version()
 {
     // 3: kv_update / sparse_attention take cacheRows + the pools' rows (engine_io rev 6); 4: the INT4 tier
     // (GsmDims.rowsINT4, [5, r] quant tables, four tier fractions, dequantize by tier, INT4 packing probes);
-    // 5: INT8 indexer keys (GsmDims.indexKeyBits, index keys as bytes of either layout)
-    return 5;
+    // 5: INT8 indexer keys (GsmDims.indexKeyBits, index keys as bytes of either layout); 6: GsmDims.sparseTopKDivisor
+    return 6;
 }
 
 GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)

@@ -34,6 +34,7 @@ struct GsmDims
     int32_t rowsINT8;        // C8
     int32_t rowsINT4;        // C4 (attribute rows_int4, optional: 0 for nodes written before the tier existed)
     int32_t indexKeyBits;    // 8: INT8 indexer-key codes; 16 (or 0, a node without the attribute): FP16 keys
+    int32_t sparseTopKDivisor; // > 0: a query's top-k grows to (t + 1) / this (queryTopK); 0: a fixed top-k
 };
 
 // Where call entry b's cache lives in the [R, ...] pools and indexer keys (engine_io revision 6: the
@@ -103,6 +104,22 @@ GSM_HD int32_t latentRank(GsmDims const& d)
 GSM_HD int32_t maxSelected(GsmDims const& d)
 {
     return d.sinkTokens + d.maxSparseWindow + d.maxTopK;
+}
+
+// Top-k of the query at absolute position t whose sequence's budget is seqTopK (spec 4.1; sparse_top_k_divisor
+// > 0: max(seqTopK, (t + 1) / divisor), a budget that grows with the context). Clamped to [0, max_top_k]: the
+// build sizes max_top_k for the growth at n_max, and a kernel must never select more than K_sel whatever it is
+// handed.
+GSM_HD int32_t queryTopK(GsmDims const& d, int32_t seqTopK, int32_t t)
+{
+    int32_t k = seqTopK;
+    if (d.sparseTopKDivisor > 0)
+    {
+        int32_t const grown = static_cast<int32_t>((static_cast<int64_t>(t) + 1) / d.sparseTopKDivisor);
+        k = grown > k ? grown : k;
+    }
+    k = k < 0 ? 0 : k;
+    return k > d.maxTopK ? d.maxTopK : k;
 }
 
 // Bytes of one row of each region. A wider region must hold any narrower tier's row, and with

@@ -41,7 +41,8 @@ struct AttnDeviceArgs
     int32_t* selectedOut;           // owning
     float* mass;                    // owning (may be null)
     int32_t const* sparseTopK;      // owning, device [B]: each sequence's budget, clamped to 0..max_top_k
-                                    // (null: max_top_k for every sequence, the pre-rev-4 behaviour)
+                                    // (null: max_top_k for every sequence, the pre-rev-4 behaviour); a query
+                                    // grows it with GsmDims.sparseTopKDivisor (queryTopK)
     CacheRows rows;                 // cache_rows (device [B], engine_io rev 6) into the [R, ...] pools / keys
 };
 

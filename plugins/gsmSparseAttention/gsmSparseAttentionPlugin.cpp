@@ -60,6 +60,8 @@ std::vector<AttrSpec> const& GsmSparseAttentionPlugin::attributeSpecs()
         {"rows_int8", 0, 1 << 24, true, 0, &GsmDims::rowsINT8},
         {"rows_int4", 0, 1 << 24, false, 0, &GsmDims::rowsINT4}, // optional: nodes before the INT4 tier have none
         {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; optional: FP16 before rev 9
+        // optional: a node without it selects a fixed top-k
+        {"sparse_top_k_divisor", 0, kMaxI, false, 0, &GsmDims::sparseTopKDivisor},
     };
     return specs;
 }

@@ -94,9 +94,14 @@ private:
     // K (rotated) and V of position s: kvD values each.
     bool reconstruct(int32_t b, int32_t s, float* K, float* V) const;
     // Selection budget of sequence b (validated in run()).
-    int32_t topKOf(int32_t b) const
+    int32_t seqTopKOf(int32_t b) const
     {
         return in_.sparseTopK != nullptr ? in_.sparseTopK[b] : d_.maxTopK;
+    }
+    // Top-k of sequence b's query at position t: its budget, grown with the context (sparse_top_k_divisor).
+    int32_t topKOf(int32_t b, int32_t t) const
+    {
+        return queryTopK(d_, seqTopKOf(b), t);
     }
     void select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* scoresRow) const;
     void attendRow(int32_t b, int32_t j, int32_t count, float const* K, float const* V, int64_t const* rowOf,
@@ -181,7 +186,7 @@ void Runner::select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* s
 {
     int32_t const t = in_.pastLengths[b] + j;
     int32_t const w = in_.sparseWindow;
-    int32_t const topK = topKOf(b);
+    int32_t const topK = topKOf(b, t);
     count = 0;
     if (selectionIsDense(t, d_.sinkTokens, w, topK))
     {
@@ -333,10 +338,14 @@ bool Runner::run(int32_t nThreads, std::string* err)
         return fail("GsmSparseAttention: sparse_window " + std::to_string(in_.sparseWindow) + " outside 1..max_sparse_window = "
             + std::to_string(d_.maxSparseWindow));
     }
+    if (d_.sparseTopKDivisor < 0)
+    {
+        return fail("GsmSparseAttention: sparse_top_k_divisor " + std::to_string(d_.sparseTopKDivisor) + " is negative");
+    }
     for (int32_t b = 0; d_.layerKind == 0 && b < B_; ++b)
     {
         // a kernel clamps instead (it cannot raise); the reference names the value, as for sparse_window
-        int32_t const k = topKOf(b);
+        int32_t const k = seqTopKOf(b);
         if (k < 0 || k > d_.maxTopK)
         {
             return fail("GsmSparseAttention: sparse_top_k[" + std::to_string(b) + "] = " + std::to_string(k)

@@ -2,7 +2,9 @@
  * CPU reference of GsmSparseAttention (docs/engine_io.md 4.2): indexer scores, sink + window + top-k
  * selection, gather and dequantisation of the selected latent rows, K/V reconstruction (U of an
  * owning layer or kv_projector of a sharing layer), RoPE, GQA softmax attention and the attention
- * mass per position. Each sequence selects with its own sparse_top_k (engine_io rev 4). float32 activations; multi-threaded over query rows.
+ * mass per position. Each sequence selects with its own sparse_top_k (engine_io rev 4), each query with that
+ * budget grown to (t + 1) / sparse_top_k_divisor when the node has a divisor. float32 activations; multi-threaded
+ * over query rows.
  */
 #pragma once
 

@@ -97,6 +97,12 @@ struct Scratch
 
 } // namespace
 
+int64_t queryTopK(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t b, int64_t t)
+{
+    int64_t const k = in.topK[b];
+    return d.topKDivisor > 0 ? std::max(k, (t + 1) / d.topKDivisor) : k;
+}
+
 bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t* k, int64_t* L,
     std::string* error)
 {
@@ -107,6 +113,10 @@ bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs 
     if (in.window < 0)
     {
         return fail("sparse_window = " + std::to_string(in.window) + " is negative");
+    }
+    if (d.topKDivisor < 0)
+    {
+        return fail("attribute sparse_top_k_divisor = " + std::to_string(d.topKDivisor) + " is negative");
     }
     int64_t tc = 0, maxBudget = 0;
     for (int64_t b = 0; b < d.B; ++b)
@@ -137,7 +147,8 @@ bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs 
             return fail("sparse_top_k" + at + std::to_string(in.topK[b]) + " is negative");
         }
         tc = std::max(tc, past);
-        maxBudget = std::max(maxBudget, d.sinks + static_cast<int64_t>(in.window) + in.topK[b]);
+        int64_t const last = past + std::max<int64_t>(d.S - 1, 0);
+        maxBudget = std::max(maxBudget, d.sinks + static_cast<int64_t>(in.window) + queryTopK(d, in, b, last));
     }
     *L = tc + d.S;
     *k = d.B == 0 ? 0 : std::min(maxBudget, *L);
@@ -195,7 +206,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     //       s <= t, as in a short context) skip the scan of every cached key ----------------------------------
     auto needsScores = [&](int64_t q) {
         int64_t const t = qpos(q), lo = std::min(d.sinks, t + 1), ws = std::max(t - W + 1, lo);
-        int64_t const kcap = std::min(d.sinks + W + in.topK[q / S], k);
+        int64_t const kcap = std::min(d.sinks + W + queryTopK(d, in, qb(q), t), k);
         return kcap > lo + (t + 1 - ws) && kcap < t + 1;
     };
     sc.scoreOff.resize(static_cast<size_t>(Q + 1));
@@ -246,7 +257,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         static thread_local std::vector<uint64_t> keys;
         static thread_local std::vector<int32_t> picks;
         int64_t const b = qb(q), t = qpos(q);
-        int64_t const budget = d.sinks + W + in.topK[b];
+        int64_t const budget = d.sinks + W + queryTopK(d, in, b, t);
         int64_t const kcap = std::min(budget, k);
         int64_t const lo = std::min(d.sinks, t + 1);  // sinks: [0, lo)
         int64_t const ws = std::max(t - W + 1, lo);   // window: [ws, t]; candidates [lo, ws)

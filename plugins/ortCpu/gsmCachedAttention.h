@@ -28,6 +28,7 @@ struct CachedAttentionDims
     int64_t rk = 0, rv = 0;               // latent ranks
     int64_t R = 0, N = 0;                 // cache rows, positions per row (N_max)
     int64_t sinks = 0;                    // sink_tokens attribute
+    int64_t topKDivisor = 0;              // sparse_top_k_divisor attribute (0: a fixed top-k; see queryTopK)
 };
 
 struct CachedAttentionInputs
@@ -70,8 +71,14 @@ struct ParallelRunner
     void* ctx = nullptr;
 };
 
+// Top-k of sequence b's query at absolute position t: top_k[b], grown to (t + 1) / topKDivisor when the node
+// has a divisor (a budget that follows the context). Everything that reads a query's budget goes through this.
+int64_t queryTopK(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t b, int64_t t);
+
 // Checks the run-time values (lengths, rows, budgets; the shapes are the caller's) and gives the output
-// widths: k = min(max_b(sinks + window + top_k[b]), Tc + S) and L = Tc + S, Tc = max_b past[b].
+// widths: k = min(max over the queries (b, t) of sinks + window + queryTopK(b, t), Tc + S) and L = Tc + S,
+// Tc = max_b past[b]. Every one of the S rows of a sequence is a query (padding rows too), and the budget
+// grows with t, so the last row of each sequence, t = past[b] + S - 1, has its largest.
 // Returns false with a message naming the input.
 bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t* k,
     int64_t* L, std::string* error);

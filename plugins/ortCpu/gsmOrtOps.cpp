@@ -33,7 +33,7 @@ constexpr size_t kNumOutputs = 4;
 
 struct Kernel
 {
-    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens;
+    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor;
 };
 
 OrtStatus* invalid(std::string const& m)
@@ -148,6 +148,7 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     d.nI = kn.indexHeads;
     d.dI = kn.indexDim;
     d.sinks = kn.sinkTokens;
+    d.topKDivisor = kn.topKDivisor;
     if (sh[kQ].size() != 3)
     {
         return invalid("input q has shape " + dimsText(sh[kQ]) + ", expected [B, S, num_heads*head_dim]");
@@ -252,6 +253,45 @@ OrtStatus* attribute(OrtKernelInfo const* info, char const* name, int64_t* value
     return nullptr;
 }
 
+// Whether the node has an attribute `name` of a type other than int64 (ONNX Runtime reports a missing attribute
+// and a mistyped one alike, and a mistyped one must not read as missing).
+bool hasOtherTypedAttribute(OrtKernelInfo const* info, char const* name)
+{
+    float f = 0.f;
+    size_t n = 0;
+    OrtStatus* const probes[] = {gApi->KernelInfoGetAttribute_float(info, name, &f),
+        gApi->KernelInfoGetAttribute_string(info, name, nullptr, &n),
+        gApi->KernelInfoGetAttributeArray_int64(info, name, nullptr, &n),
+        gApi->KernelInfoGetAttributeArray_float(info, name, nullptr, &n)};
+    bool found = false;
+    for (OrtStatus* st : probes)
+    {
+        found = found || st == nullptr;
+        if (st != nullptr)
+        {
+            gApi->ReleaseStatus(st);
+        }
+    }
+    return found;
+}
+
+// An int64 attribute that graphs written before it existed lack: `fallback` then.
+OrtStatus* optionalAttribute(OrtKernelInfo const* info, char const* name, int64_t fallback, int64_t* value)
+{
+    OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, value);
+    if (st == nullptr)
+    {
+        return nullptr;
+    }
+    gApi->ReleaseStatus(st);
+    if (hasOtherTypedAttribute(info, name))
+    {
+        return invalid(std::string("attribute ") + name + " must be an int64");
+    }
+    *value = fallback;
+    return nullptr;
+}
+
 OrtStatus* ORT_API_CALL createKernelV2(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
 {
     Kernel kn{};
@@ -261,6 +301,7 @@ OrtStatus* ORT_API_CALL createKernelV2(OrtCustomOp const*, OrtApi const*, OrtKer
     GSM_ORT_TRY(attribute(info, "index_heads", &kn.indexHeads));
     GSM_ORT_TRY(attribute(info, "index_dim", &kn.indexDim));
     GSM_ORT_TRY(attribute(info, "sink_tokens", &kn.sinkTokens));
+    GSM_ORT_TRY(optionalAttribute(info, "sparse_top_k_divisor", 0, &kn.topKDivisor));
     if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0)
     {
         return invalid("attributes num_heads = " + std::to_string(kn.numHeads) + ", num_kv_heads = "
@@ -275,6 +316,11 @@ OrtStatus* ORT_API_CALL createKernelV2(OrtCustomOp const*, OrtApi const*, OrtKer
         return invalid("attributes index_heads, index_dim must be positive and sink_tokens >= 0 (got "
             + std::to_string(kn.indexHeads) + ", " + std::to_string(kn.indexDim) + ", "
             + std::to_string(kn.sinkTokens) + ")");
+    }
+    if (kn.topKDivisor < 0)
+    {
+        return invalid("attribute sparse_top_k_divisor = " + std::to_string(kn.topKDivisor)
+            + " must be >= 0 (0: a fixed top-k)");
     }
     *kernel = new Kernel(kn);
     return nullptr;

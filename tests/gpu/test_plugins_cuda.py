@@ -80,13 +80,15 @@ CASES = {
 }
 
 
-def _scenario(name: str, layer_kind: int = 0, seq_top_k: list[int] | None = None, key_value: float | None = None):
+def _scenario(name: str, layer_kind: int = 0, seq_top_k: list[int] | None = None, key_value: float | None = None,
+              divisor: int = 0):
     nH, nKV, D, rk, rv, nI, dI, sinks, topk, mw, w, n_max, past, new, mix = CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))  # str hash() is salted per process
     return make_scenario(rng, num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, index_heads=nI,
                          index_dim=dI, sink_tokens=sinks, top_k=topk, max_sparse_window=mw, window=w, n_max=n_max,
                          past=past, new=new, tier_mix=mix, layer_kind=layer_kind, seq_top_k=seq_top_k,
-                         key_value=key_value, index_key_bits=8 if "keys8" in name else 16)
+                         key_value=key_value, index_key_bits=8 if "keys8" in name else 16,
+                         sparse_top_k_divisor=divisor)
 
 
 def _near_tie_rows(sc, scores: np.ndarray) -> set[tuple[int, int]]:
@@ -97,7 +99,8 @@ def _near_tie_rows(sc, scores: np.ndarray) -> set[tuple[int, int]]:
         return rows
     for b in range(len(sc.past)):
         for j in range(int(sc.new[b])):
-            t, k = int(sc.past[b]) + j, sc.budget(b)
+            t = int(sc.past[b]) + j
+            k = sc.query_top_k(b, t)
             if t + 1 <= d.sink_tokens + sc.window + k or k == 0:
                 continue
             cand = np.sort(scores[b, j, d.sink_tokens:t - sc.window + 1])[::-1]
@@ -156,6 +159,53 @@ def test_smollm2_budgets_zero_small_and_covering_the_context() -> None:
     for s in (sc, sc_dense):
         want = s.call(return_scores=True)
         _compare(s, want, gcuda.sparse_attention(s), _near_tie_rows(s, want.scores))
+
+
+def _numpy_selection(scores: np.ndarray, t: int, sinks: int, window: int, top_k: int) -> list[int]:
+    """Sel(t) of spec 4.1 in plain Python: every s <= t when t + 1 <= sinks + window + top_k, else the sinks, the
+    window and the top_k best other positions (score descending, the lower position first)."""
+    if t + 1 <= sinks + window + top_k:
+        return list(range(t + 1))
+    best = sorted(range(sinks, t - window + 1), key=lambda s: (-float(scores[s]), s))[:top_k]
+    return sorted([*range(sinks), *best, *range(t - window + 1, t + 1)])
+
+
+# A top-k that grows with the context (attribute sparse_top_k_divisor d): the query at t selects
+# max(sparse_top_k[b], (t + 1) // d), at most max_top_k. name: case, sparse_top_k, d
+GROWTH = {
+    # t = 300, 17, 511, 200, d 4: 75 (past 10), 4 (dense: 18 <= 4 + 64 + 4), 128 (= max_top_k, past 100; t // 4
+    # would be 127), 50 (past 40)
+    "smollm2-decode-grows": ("smollm2-decode", [10, 3, 100, 40], 4),
+    # sequence 0 (t = 260..307) keeps its 90 until t = 272 (273 // 3 = 91), then grows every third position
+    "smollm2-prefill-straddles": ("smollm2-prefill-chunks", [90, 5, 10], 3),
+    # (t + 1) // 2 beyond max_top_k 6 in every sparse row: capped
+    "chunked-capped": ("chunked-mixed-tiers", [2, 1, 3], 2),
+}
+
+
+@pytest.mark.parametrize("name", list(GROWTH))
+def test_growing_top_k_cuda_matches_reference_and_numpy(name: str) -> None:
+    case, seq_top_k, divisor = GROWTH[name]
+    sc = _scenario(case, seq_top_k=seq_top_k, divisor=divisor)
+    d = sc.dims
+    want = sc.call(return_scores=True)
+    got = gcuda.sparse_attention(sc)
+    skip = _near_tie_rows(sc, want.scores)
+    _compare(sc, want, got, skip)
+    tops: dict[int, set[int]] = {}
+    for b in range(len(sc.past)):
+        for j in range(int(sc.new[b])):
+            t = int(sc.past[b]) + j
+            k = min(max(seq_top_k[b], (t + 1) // divisor), d.max_top_k)
+            tops.setdefault(b, set()).add(k)
+            sel = _numpy_selection(want.scores[b, j], t, d.sink_tokens, sc.window, k)
+            assert int((got.selected[b, j] >= 0).sum()) == len(sel), (b, j)
+            if (b, j) not in skip:
+                assert got.selected[b, j, :len(sel)].tolist() == sel, (b, j)
+    if name == "smollm2-prefill-straddles":
+        assert min(tops[0]) == 90 and max(tops[0]) == 102, tops[0]  # different top-k inside one chunk
+    if name == "chunked-capped":
+        assert tops[2] == {d.max_top_k}
 
 
 @pytest.mark.parametrize("name", ["chunked-mixed-tiers", "smollm2-decode", "smollm2-prefill-chunks"])

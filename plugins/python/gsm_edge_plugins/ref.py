@@ -15,7 +15,7 @@ import numpy as np
 
 from gsm_edge_plugins._lib import REF_LIB, load
 
-ABI_VERSION = 5  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
+ABI_VERSION = 6  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
 FP16, INT12, INT8, INT4 = 0, 1, 2, 3  # tier codes (gsm/tiers.py)
 QUANT_ROWS = 5  # quant table [5, r]: s12, s8, comp8, s4, comp4
 SLOT_EMPTY = -1
@@ -28,7 +28,7 @@ class GsmDims(_c.Structure):
     _fields_ = [(n, _c.c_int32) for n in (
         "layerKind", "numHeads", "numKvHeads", "headDim", "rankK", "rankV", "indexHeads", "indexDim",
         "sinkTokens", "maxTopK", "maxSparseWindow", "nMax", "rowsFP16", "rowsINT12", "rowsINT8", "rowsINT4",
-        "indexKeyBits")]
+        "indexKeyBits", "sparseTopKDivisor")]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Dims:
     max_sparse_window: int = 8
     layer_kind: int = 0
     index_key_bits: int = 16  # 8: INT8 indexer-key codes, four to an int32 word (engine_io revision 9)
+    sparse_top_k_divisor: int = 0  # > 0: a query's top-k grows to max(sparse_top_k[b], (t + 1) // this)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,7 +89,8 @@ class Dims:
     def c(self) -> GsmDims:
         return GsmDims(self.layer_kind, self.num_heads, self.num_kv_heads, self.head_dim, self.rank_k, self.rank_v,
                        self.index_heads, self.index_dim, self.sink_tokens, self.max_top_k, self.max_sparse_window,
-                       self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8, self.rows_int4, self.index_key_bits)
+                       self.n_max, self.rows_fp16, self.rows_int12, self.rows_int8, self.rows_int4, self.index_key_bits,
+                       self.sparse_top_k_divisor)
 
 
 def make_slot(tier: int, row: int) -> int:

@@ -89,6 +89,14 @@ class Scenario:
         """Selection budget of sequence b: its sparse_top_k, or max_top_k without per-sequence budgets."""
         return self.dims.max_top_k if self.top_k is None else int(self.top_k[b])
 
+    def query_top_k(self, b: int, t: int) -> int:
+        """Top-k of sequence b's query at absolute position t: the budget, grown to (t + 1) // sparse_top_k_divisor
+        when the node has a divisor, at most max_top_k (spec 4.1, written out here apart from the C++)."""
+        k, div = self.budget(b), self.dims.sparse_top_k_divisor
+        if div > 0:
+            k = max(k, (t + 1) // div)
+        return min(max(k, 0), self.dims.max_top_k)
+
 
 def rope_tables_np(n: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [n, D] by decisions "RoPE tables" (float64 angles, one rounding to float32)."""
@@ -109,14 +117,16 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
                   max_sparse_window: int, window: int, n_max: int, past: list[int], new: list[int],
                   tier_mix: tuple[float, ...] = (1.0, 0.0, 0.0, 0.0), layer_kind: int = 0,
                   theta: float = 10000.0, poison: bool = True, key_value: float | None = None,
-                  seq_top_k: list[int] | None = None, index_key_bits: int = 16) -> Scenario:
+                  seq_top_k: list[int] | None = None, index_key_bits: int = 16,
+                  sparse_top_k_divisor: int = 0) -> Scenario:
     """top_k: the node's max_top_k (K_sel); seq_top_k: each sequence's sparse_top_k input (None: the call
     passes none, every sequence selects max_top_k). tier_mix: fractions of the cached positions outside
     the call's new rows that take each path PATH_FP16, PATH_INT12, ... in order (4 to 8 numbers: FP16, INT12,
     INT8 from FP16, INT8 from INT12, then INT4 from FP16, from INT12, from INT8, from INT12 then INT8).
     key_value: every indexer key equal to this constant (all scores tie) instead of random.
     index_key_bits 8: INT8 indexer keys; the keys the update node stores are then 60 x the random ones, not
-    integers and ~3.5 % beyond +-127, so the store's rint and clamp are exercised."""
+    integers and ~3.5 % beyond +-127, so the store's rint and clamp are exercised.
+    sparse_top_k_divisor: the node's attribute (> 0: each query's top-k grows with its position)."""
     B = len(past)
     past_a, new_a = np.asarray(past, np.int32), np.asarray(new, np.int32)
     n_b = past_a + new_a
@@ -125,7 +135,8 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     d = Dims(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rank_k=rank_k, rank_v=rank_v,
              n_max=n_max, rows_fp16=n_max + spare, rows_int12=n_max // 2 + 1, rows_int8=n_max // 2 + 1,
              rows_int4=n_max // 2 + 1, index_heads=index_heads, index_dim=index_dim, sink_tokens=sink_tokens,
-             max_top_k=top_k, max_sparse_window=max_sparse_window, layer_kind=layer_kind, index_key_bits=index_key_bits)
+             max_top_k=top_k, max_sparse_window=max_sparse_window, layer_kind=layer_kind, index_key_bits=index_key_bits,
+             sparse_top_k_divisor=sparse_top_k_divisor)
     r, kvD = d.rank, d.kv_dim
     nan = np.float32(np.nan)
 
