@@ -135,8 +135,9 @@ def test_auto_top_k_is_the_smallest_ladder_k_reaching_the_target_on_an_independe
 def test_per_layer_selection_reaches_the_target_on_an_independent_recount(auto):
     """The default (--selection per-layer): each layer's chosen window and top-k, rescored with the converter's
     select()-based hit rate on the same calibration windows, is the report's figure for it; the mean over layers
-    reaches the target; the table is what the checkpoint holds (sharing layers follow their source: no entry);
-    and the reported rows per step follow the table. The short report's 256-token windows and this model's
+    reaches the target; the table is what the checkpoint holds (sharing layers follow their source: no entry), each
+    indexer layer's top-k a floor growing by 1/TOP_K_DIVISOR of the context; and the reported rows per step follow
+    the table. The short report's 256-token windows and this model's
     512-token context leave the long-context check out, and the report says so."""
     from dataclasses import replace
 
@@ -144,7 +145,7 @@ def test_per_layer_selection_reaches_the_target_on_an_independent_recount(auto):
 
     from gsm.config import LayerSelection
     from gsm.convert import indexer as ixr
-    from gsm.convert.budget import HIT_RATE_TARGET
+    from gsm.convert.budget import HIT_RATE_TARGET, TOP_K_DIVISOR
     from gsm.convert.data import stream_windows, token_stream
     from gsm.dense import DenseLlama
     from gsm.golden.selection import index_scores
@@ -165,19 +166,20 @@ def test_per_layer_selection_reaches_the_target_on_an_independent_recount(auto):
     # written indexers (a sharing layer's own indexer is not written)
     for d in sb["layers"]:
         i = d["layer"]
-        ls = LayerSelection(d["sparse_window"], d["sparse_top_k"])
+        ls = LayerSelection(d["sparse_window"], d["sparse_top_k"], TOP_K_DIVISOR if d["sparse_top_k"] else 0)
         assert ls.rows == p.sparse_window + d["k"]
         if i not in gsm.cfg.owning_layers:
             continue
         assert p.layer_selection[i] == ls
         lc, kv = cap.layers[i], gsm.w.layers[i].kv
-        lp = replace(p.for_layer(i))
+        lp = replace(p.for_layer(i), sparse_top_k_divisor=0)  # the stage scores the floors it chooses
         rates = [ixr.hit_rate(index_scores(lc.x[b], kv.idx_q, kv.idx_w, lc.x[b] @ kv.idx_k.T, p.indexer_heads)
                               if d["selector"] == "indexer" else ixr.baseline_scores("recency", 512), lc.probs[b], lp)
                  for b in range(2)]
         assert d["hit_rate"] == pytest.approx(float(torch.tensor(rates).mean()), abs=2e-4), f"layer {i}"
     assert sb["mean_hit_rate"] == pytest.approx(sum(d["hit_rate"] for d in sb["layers"]) / len(sb["layers"]), abs=1e-3)
-    by_hand = sum(min(512, p.sink_tokens + d["sparse_window"] + d["sparse_top_k"]) for d in sb["layers"])
+    by_hand = sum(min(512, p.sink_tokens + d["sparse_window"] + (max(d["sparse_top_k"], 512 // TOP_K_DIVISOR)
+                                                                   if d["sparse_top_k"] else 0)) for d in sb["layers"])
     by_hand /= len(sb["layers"])
     assert sb["rows_per_step"]["512"]["rows"] == pytest.approx(by_hand)  # the measurement length (the context)
     assert "long_context" not in rep
@@ -232,6 +234,7 @@ def test_hf_directory_converts_like_llama2c(tmp_path, stories_hf, stories_src):
     (["--top-k", "-1"], "--top-k"),
     (["--hit-rate-target", "1.5"], "--hit-rate-target"),
     (["--top-k", "64", "--hit-rate-target", "0.9"], "--hit-rate-target"),
+    (["--top-k-divisor", "-1"], "--top-k-divisor"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = convert(tmp_path / "out", *args)

@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-fit-steps", type=int_at_least(0), help="Adam steps per layer")
     p.add_argument("--top-k-divisor", type=int_at_least(0), default=None, metavar="D",
                    help="each indexer layer's top-k grows with the context: the query at position t picks "
-                   "max(top-k, (t + 1) // D) (gsm_config sparse_top_k_divisor; default "
-                   "gsm.convert.budget.TOP_K_DIVISOR; 0: a fixed count)")
+                   "max(top-k, (t + 1) // D) (gsm_config sparse_top_k_divisor; default with --top-k auto "
+                   "gsm.convert.budget.TOP_K_DIVISOR, with --top-k N 0: a fixed count)")
     p.add_argument("--top-k", type=top_k_arg, default="auto",
                    help="gsm_config.sparse_top_k, or 'auto' (default): the smallest top-k of a ladder "
                    "whose mean indexer hit rate on calibration sequences of 2K tokens (at most the model's "
@@ -271,7 +271,7 @@ def convert_command(args: argparse.Namespace) -> int:
                                                ("long_fit_steps", args.long_fit_steps)) if v is not None},
                           auto_window=auto_window, auto_top_k=auto_top_k,
                           per_layer_selection=args.selection != "uniform",
-                          **({} if args.top_k_divisor is None else {"top_k_divisor": args.top_k_divisor}),
+                          top_k_divisor=args.top_k_divisor,
                           **({} if args.long_check is None else {"long_check": args.long_check}),
                           hit_rate_target=HIT_RATE_TARGET if args.hit_rate_target is None else args.hit_rate_target,
                           device=args.device)

@@ -89,8 +89,15 @@ class ConvertOptions:
     auto_window: bool = False  # search the window/top-k split of the budget (choose_window)
     auto_top_k: bool = False  # choose sparse_top_k from bud.LADDER by hit rate (selection_budget_stage)
     per_layer_selection: bool = True  # with auto_top_k: each layer its own selector and budget
-    # > 0: each indexer layer's top-k grows to (t + 1) // top_k_divisor past its floor (bud.with_growth)
-    top_k_divisor: int = TOP_K_DIVISOR
+    # > 0: each indexer layer's top-k grows to (t + 1) // top_k_divisor past its floor (bud.with_growth); None:
+    # TOP_K_DIVISOR when the top-k is chosen (auto_top_k), 0 for a given one (written as given)
+    top_k_divisor: int | None = None
+
+    @property
+    def growth(self) -> int:
+        if self.top_k_divisor is not None:
+            return self.top_k_divisor
+        return TOP_K_DIVISOR if self.auto_top_k else 0
     long_check: tuple[int, ...] = LONG_CHECK  # held-out window lengths of the report's long-context check
     long_check_windows: int = 1  # windows per length
     hit_rate_target: float = HIT_RATE_TARGET
@@ -337,8 +344,9 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
         new = replace(p, sparse_top_k=k)
     new = bud.with_growth(new, top_k_divisor)
     layers = list(range(cfg.num_hidden_layers))
-    info.update(sparse_top_k=new.sparse_top_k, sparse_top_k_divisor=top_k_divisor, target_reached=reached,
-                curve=curve.to_json(),
+    if top_k_divisor:
+        info["sparse_top_k_divisor"] = top_k_divisor
+    info.update(sparse_top_k=new.sparse_top_k, target_reached=reached, curve=curve.to_json(),
                 rows_per_step=bud.rows_per_step(new, layers, sorted({int(seqs.shape[1]), *(
                     n for n in (2048, 4096, 8192) if n <= cfg.max_position_embeddings)})))
     for r in info["curve"]:
@@ -474,12 +482,12 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
         t0 = time.perf_counter()
         plan.params, plan.selection_budget = selection_budget_stage(src, plan, budget_seqs, opts.hit_rate_target,
                                                                     stages, per_layer=opts.per_layer_selection,
-                                                                    top_k_divisor=opts.top_k_divisor)
+                                                                    top_k_divisor=opts.growth)
         plan.selection_budget["seconds"] = time.perf_counter() - t0
     else:
-        plan.params = bud.with_growth(plan.params, opts.top_k_divisor)
+        plan.params = bud.with_growth(plan.params, opts.growth)
         plan.selection_budget = {"mode": "fixed", "sparse_top_k": params.sparse_top_k,
-                                 "sparse_top_k_divisor": opts.top_k_divisor}
+                                 **({"sparse_top_k_divisor": opts.growth} if opts.growth else {})}
     calib_eval = calib[: max(4, min(SHARING_EVAL_SEQUENCES, calib.shape[0]))]
     decide_sharing(src, lowranks, stats, plan, opts, calib_eval, stages)
     if opts.kv_budget is not None and plan.sharing:
