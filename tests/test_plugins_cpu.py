@@ -40,6 +40,7 @@ from gsm_edge_plugins.testing import (  # noqa: E402
     PATH_TIERS,
     Scenario,
     make_scenario,
+    numpy_selection,
 )
 
 TOL = 1e-5
@@ -490,15 +491,6 @@ def test_budget_outside_max_top_k_is_refused(bad: int, b: int) -> None:
 
 
 # ---- a top-k that grows with the context (attribute sparse_top_k_divisor) ----------------------------------
-def _numpy_selection(scores: np.ndarray, t: int, sinks: int, window: int, top_k: int) -> list[int]:
-    """Sel(t) of spec 4.1 in plain Python: every s <= t when t + 1 <= sinks + window + top_k, else the sinks, the
-    window and the top_k best other positions (score descending, the lower position first)."""
-    if t + 1 <= sinks + window + top_k:
-        return list(range(t + 1))
-    best = sorted(range(sinks, t - window + 1), key=lambda s: (-float(scores[s]), s))[:top_k]
-    return sorted([*range(sinks), *best, *range(t - window + 1, t + 1)])
-
-
 # name: make_scenario arguments, and the positions each valid query keeps, worked out by hand from
 # max(sparse_top_k[b], (t + 1) // divisor) capped at max_top_k
 GROWTH = {
@@ -540,7 +532,7 @@ def test_growing_top_k_matches_numpy_and_golden(name: str) -> None:
         for j in range(int(sc.new[b])):
             t = int(sc.past[b]) + j
             top_k = min(max(int(sc.top_k[b]), (t + 1) // d.sparse_top_k_divisor), d.max_top_k)
-            want = _numpy_selection(res.scores[b, j], t, d.sink_tokens, sc.window, top_k)
+            want = numpy_selection(res.scores[b, j], t, d.sink_tokens, sc.window, top_k)
             assert res.selected[b, j, :len(want)].tolist() == want, (b, j)
             assert (res.selected[b, j, len(want):] == -1).all()
     golden_check(sc, res)

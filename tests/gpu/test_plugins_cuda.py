@@ -45,7 +45,7 @@ else:
                     allow_module_level=True)
 
 from gsm_edge_plugins import ref  # noqa: E402
-from gsm_edge_plugins.testing import make_scenario  # noqa: E402
+from gsm_edge_plugins.testing import make_scenario, numpy_selection  # noqa: E402
 
 TOL = 1e-5 if EMULATED else 1e-4
 
@@ -161,15 +161,6 @@ def test_smollm2_budgets_zero_small_and_covering_the_context() -> None:
         _compare(s, want, gcuda.sparse_attention(s), _near_tie_rows(s, want.scores))
 
 
-def _numpy_selection(scores: np.ndarray, t: int, sinks: int, window: int, top_k: int) -> list[int]:
-    """Sel(t) of spec 4.1 in plain Python: every s <= t when t + 1 <= sinks + window + top_k, else the sinks, the
-    window and the top_k best other positions (score descending, the lower position first)."""
-    if t + 1 <= sinks + window + top_k:
-        return list(range(t + 1))
-    best = sorted(range(sinks, t - window + 1), key=lambda s: (-float(scores[s]), s))[:top_k]
-    return sorted([*range(sinks), *best, *range(t - window + 1, t + 1)])
-
-
 # A top-k that grows with the context (attribute sparse_top_k_divisor d): the query at t selects
 # max(sparse_top_k[b], (t + 1) // d), at most max_top_k. name: case, sparse_top_k, d
 GROWTH = {
@@ -198,7 +189,7 @@ def test_growing_top_k_cuda_matches_reference_and_numpy(name: str) -> None:
             t = int(sc.past[b]) + j
             k = min(max(seq_top_k[b], (t + 1) // divisor), d.max_top_k)
             tops.setdefault(b, set()).add(k)
-            sel = _numpy_selection(want.scores[b, j], t, d.sink_tokens, sc.window, k)
+            sel = numpy_selection(want.scores[b, j], t, d.sink_tokens, sc.window, k)
             assert int((got.selected[b, j] >= 0).sum()) == len(sel), (b, j)
             if (b, j) not in skip:
                 assert got.selected[b, j, :len(sel)].tolist() == sel, (b, j)

@@ -238,3 +238,12 @@ def make_scenario(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int
     seq_k = None if seq_top_k is None else np.asarray(seq_top_k, np.int32)
     return Scenario(d, window, past_a, new_a, ck, cv, keys, path, s8, s12, comp, s4, comp4, quant, pool, index_keys,
                     slots, q, iq, iw, cos, sin, w0, w1, seq_k)
+
+
+def numpy_selection(scores: np.ndarray, t: int, sinks: int, window: int, top_k: int) -> list[int]:
+    """Sel(t) of spec 4.1 in plain Python: every s <= t when t + 1 <= sinks + window + top_k, else the sinks, the
+    window and the top_k best other positions (score descending, the lower position first)."""
+    if t + 1 <= sinks + window + top_k:
+        return list(range(t + 1))
+    best = sorted(range(sinks, t - window + 1), key=lambda s: (-float(scores[s]), s))[:top_k]
+    return sorted([*range(sinks), *best, *range(t - window + 1, t + 1)])
