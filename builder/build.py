@@ -44,7 +44,7 @@ from builder.plan import (
     weight_configs,
 )
 from gsm import checkpoint
-from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows
+from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows, selection_entry
 from gsm.checker import verify
 from gsm.config import ConfigError, KVQuantConfig
 from jetson import resolve_device
@@ -222,8 +222,8 @@ def _bundle_config(spec: NetSpec, plan: MemoryPlan, rows: PoolRows, quant: KVQua
         max_sparse_window=g.max_sparse_window, sparse_top_k=g.sparse_top_k, sparse_top_k_divisor=g.sparse_top_k_divisor,
         quantization_adaptation_rate=g.quantization_adaptation_rate, kv_quantization=quant,
         graph_revision=GRAPH_REVISION, max_top_k=plan.max_top_k, weights=weights,
-        layer_selection={l: (ls.sparse_window, ls.sparse_top_k, *([ls.sparse_top_k_divisor] if ls.sparse_top_k_divisor
-                                                                    else [])) for l, ls in g.layer_selection.items()})
+        layer_selection={l: selection_entry(ls.sparse_window, ls.sparse_top_k, ls.sparse_top_k_divisor)
+                         for l, ls in g.layer_selection.items()})
 
 
 UNCALIBRATED = ("fp16", "data-free")

@@ -115,8 +115,9 @@ class PluginOps:
         ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim, **self._key_attrs())
-            if p.selection_of(l).sparse_top_k_divisor:  # absent: a fixed top-k, as graphs before it
-                attrs["sparse_top_k_divisor"] = p.selection_of(l).sparse_top_k_divisor
+            divisor = p.selection_of(l).sparse_top_k_divisor
+            if divisor:  # absent: a fixed top-k, as graphs before it
+                attrs["sparse_top_k_divisor"] = divisor
             ins += [index_q, index_w, cache["keys"], sparse_window, top_k, self.cache_rows]
             outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         else:

@@ -354,8 +354,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
     low = cfg.gsm.max_top_k_to(max_seq)
     if max_top_k is not None and not low <= max_top_k <= max_seq:
         raise PlanError(f"--max-top-k must be in [{low} (the model's largest top-k within max-seq), "
-                        f"max-seq={max_seq}], "
-                        f"got {max_top_k}")
+                        f"max-seq={max_seq}], got {max_top_k}")
     params = param_count(cfg, ranks)
     group_size = default_group_size(weights) if group_size is None else group_size
     head_weights = head_choice(weights, head_weights)

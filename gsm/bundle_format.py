@@ -146,12 +146,17 @@ def _ranks(v: Any) -> dict[int, tuple[int, int]]:
     return out
 
 
+def selection_entry(window: int, top_k: int, divisor: int = 0) -> tuple[int, ...]:
+    """A `layer_selection` entry: (window, top_k), or (window, top_k, divisor) for a budget growing with the
+    context (a fixed one keeps the two-number form older bundles have)."""
+    return (window, top_k, divisor) if divisor else (window, top_k)
+
+
 def _layer_selection(v: Any) -> dict[int, tuple[int, ...]]:
-    # [window, top_k] or, for a budget growing with the context, [window, top_k, divisor]
     out = {int(k): tuple(int(x) for x in e) for k, e in v.items()}
     if any(len(e) not in (2, 3) or e[0] < 1 or min(e[1:]) < 0 for e in out.values()):
         raise ValueError("a window below 1, a negative top-k or divisor, or not 2 or 3 numbers")
-    return {k: e[:2] if len(e) == 3 and e[2] == 0 else e for k, e in out.items()}
+    return {k: selection_entry(*e) for k, e in out.items()}
 
 
 def _pool_rows(v: Any) -> PoolRows:

@@ -219,21 +219,11 @@ class GSMParams:
                                    sparse_top_k=self.sparse_top_k if sparse_top_k is None else sparse_top_k,
                                    sparse_window=self.sparse_window if sparse_window is None else sparse_window)
 
-    @property
-    def max_layer_top_k(self) -> int:
-        """The largest top-k floor of any layer (its budget at a short context)."""
-        return max([self.sparse_top_k, *(ls.sparse_top_k for ls in self.layer_selection.values())])
-
     def max_top_k_to(self, n_max: int) -> int:
         """The largest top-k any layer selects with by default within n_max positions, at most n_max: the
         engines' max_top_k floor (a growing layer reaches (n_max) // d at its last position)."""
-        sels = [self.selection_of(-1), *self.layer_selection.values()]
+        sels = [self.selection_of(-1), *self.layer_selection.values()]  # -1: no layer's own, the uniform fields
         return min(max(ls.top_k_at(n_max - 1) for ls in sels), n_max)
-
-    @property
-    def grows(self) -> bool:
-        """Whether any layer's budget grows with the context."""
-        return any(ls.sparse_top_k_divisor for ls in [self.selection_of(-1), *self.layer_selection.values()])
 
     def layer_max_window(self, layer: int) -> int:
         """The widest window owning layer `layer` may select with: its own, or a run-time one."""

@@ -137,6 +137,21 @@ def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, ...]
         extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
 
 
+def tiny_selection_case(root: Path, table: dict[int, tuple[int, ...]], n_max: int) -> tuple[Path, Path]:
+    """The selection tests' model: the synthetic tiny (owning layers 0, 1, 2; layer 3 shares layer 1), re-tiering
+    often, selecting per `table` (layer_selection_copy), and its bundle of max-seq n_max with debug outputs, an
+    fp32 plugin graph, 8 sequences and max_top_k n_max (the reference backend takes the dense budget).
+    Returns (checkpoint, bundle)."""
+    from builder.build import build
+    from gsm.synth import synth_checkpoint
+
+    base = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=3), root / "retier")
+    ckpt = layer_selection_copy(base, root / "selecting", table)
+    build(device="orin", checkpoint_dir=ckpt, output=root / "bundle", max_seq=n_max, trt_precision="fp32",
+          debug_outputs=True, max_top_k=n_max, max_batch=8)
+    return ckpt, root / "bundle"
+
+
 # the serving tests' bundles (tests/test_serve*.py): the demo model plain and with a ChatML template, 8 rows
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):

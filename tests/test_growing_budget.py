@@ -23,14 +23,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import layer_selection_copy, need_ort_ops_library, retiering_copy
+from conftest import need_ort_ops_library, tiny_selection_case
 from test_runtime_topk import N_MAX, drive_budgets
 
 from builder.build import build
 from gsm.config import ConfigError, GSMParams, LayerSelection
 from gsm.convert.budget import with_growth
 from gsm.golden.model import GoldenModel
-from gsm.synth import synth_checkpoint
 
 # tiny: owning layers 0, 1, 2 (layer 3 shares layer 1); 1 sink. Layer 0 streams; layer 1 grows from 3 by 1/4 of
 # the context (past t + 1 = 12), layer 2 from 4 by 1/3 (past t + 1 = 12 as well, faster after)
@@ -38,18 +37,18 @@ TABLE = {0: (12, 0), 1: (2, 3, 4), 2: (3, 4, 3)}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grow")
-    base = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=3), root / "retier")
-    return layer_selection_copy(base, root / "growing", TABLE)
+def case(tmp_path_factory):
+    return tiny_selection_case(tmp_path_factory.mktemp("grow"), TABLE, N_MAX)
 
 
 @pytest.fixture(scope="module")
-def bundle(ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("b") / "b"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True,
-          max_top_k=N_MAX, max_batch=8)  # the reference backend takes the dense budget N_MAX
-    return out
+def ckpt(case):
+    return case[0]
+
+
+@pytest.fixture(scope="module")
+def bundle(case):
+    return case[1]
 
 
 def rule(t: int, sinks: int, w: int, k: int, d: int) -> int:

@@ -20,31 +20,29 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import layer_selection_copy, need_ort_ops_library, retiering_copy
+from conftest import need_ort_ops_library, tiny_selection_case
 from test_runtime_topk import N_MAX, drive_budgets
 
-from builder.build import build
 from gsm.config import ConfigError, GSMParams, LayerSelection, gsm_checksum
 from gsm.golden.model import GoldenModel
-from gsm.synth import synth_checkpoint
 
 # tiny: owning layers 0, 1, 2 (layer 3 shares layer 1); the model's window 3, max_sparse_window 8, top-k 8, 1 sink
 TABLE = {0: (12, 0), 1: (2, 12)}  # layer 2: the model's (3, 8)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layersel")
-    base = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=3), root / "retier")
-    return layer_selection_copy(base, root / "per-layer", TABLE)
+def case(tmp_path_factory):
+    return tiny_selection_case(tmp_path_factory.mktemp("layersel"), TABLE, N_MAX)
 
 
 @pytest.fixture(scope="module")
-def bundle(ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("b") / "b"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True,
-          max_top_k=N_MAX, max_batch=8)
-    return out
+def ckpt(case):
+    return case[0]
+
+
+@pytest.fixture(scope="module")
+def bundle(case):
+    return case[1]
 
 
 def test_v1_config_is_unchanged_and_a_table_round_trips():
@@ -58,7 +56,7 @@ def test_v1_config_is_unchanged_and_a_table_round_trips():
                                     "2": {"sparse_window": 3, "sparse_top_k": 100}}
     q = GSMParams.from_json(d)
     assert q == p and q.selection_of(1) == LayerSelection(p.sparse_window, p.sparse_top_k)
-    assert q.max_layer_top_k == 100 and q.layer_max_window(0) == 40 and q.layer_max_window(2) == p.max_sparse_window
+    assert q.max_top_k_to(8192) == 100 and q.layer_max_window(0) == 40 and q.layer_max_window(2) == p.max_sparse_window
 
 
 @pytest.mark.parametrize("table, words", [

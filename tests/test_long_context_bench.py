@@ -54,7 +54,8 @@ def test_recency_baseline_reads_the_same_rows_per_layer():
                   layer_selection={0: LayerSelection(96, 0), 1: LayerSelection(32, 200, 16)})
     for n in (1024, 8192):
         r = g.recency_equivalent(n)
-        assert r.mean_rows([0, 1, 2], n) == g.mean_rows([0, 1, 2], n) and not r.grows
+        assert r.mean_rows([0, 1, 2], n) == g.mean_rows([0, 1, 2], n)
+        assert r.sparse_top_k_divisor == 0 and not any(ls.sparse_top_k_divisor for ls in r.layer_selection.values())
     assert g.recency_equivalent(8192).selection_of(1).sparse_window == 32 + 512
 
 

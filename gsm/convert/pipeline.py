@@ -92,18 +92,19 @@ class ConvertOptions:
     # > 0: each indexer layer's top-k grows to (t + 1) // top_k_divisor past its floor (bud.with_growth); None:
     # TOP_K_DIVISOR when the top-k is chosen (auto_top_k), 0 for a given one (written as given)
     top_k_divisor: int | None = None
-
-    @property
-    def growth(self) -> int:
-        if self.top_k_divisor is not None:
-            return self.top_k_divisor
-        return TOP_K_DIVISOR if self.auto_top_k else 0
     long_check: tuple[int, ...] = LONG_CHECK  # held-out window lengths of the report's long-context check
     long_check_windows: int = 1  # windows per length
     hit_rate_target: float = HIT_RATE_TARGET
     budget_seq_len: int = BUDGET_SEQ_LEN
     budget_sequences: int = BUDGET_SEQUENCES
     device: str = "auto"  # cpu | cuda | auto: where statistics, SVDs and indexer fits run
+
+    @property
+    def growth(self) -> int:
+        """The top-k divisor the conversion writes (top_k_divisor resolved)."""
+        if self.top_k_divisor is not None:
+            return self.top_k_divisor
+        return TOP_K_DIVISOR if self.auto_top_k else 0
 
 
 @dataclass(frozen=True)
