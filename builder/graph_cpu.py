@@ -12,17 +12,25 @@ A float-zero-point projection (builder/qlinear.py: MatMulNBits on the symmetric 
 gets its offset term as one `GsmGroupOffset` node instead of the portable graph's group-sum MatMul, offset Gemm
 and residual Add: three small operators per projection (120 of each on SmolLM2), none of which used a second
 thread at a decode step's single row.
+
+An owning layer's GSM-side projection (in_proj: latents and indexer) is scaled, split and rounded as the cache
+holds it by one `GsmSideSplit` node instead of the portable graph's Mul, Reshape, Split, FP16 Casts and INT8 key
+codes (ten nodes per layer; the values are the same bits).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from builder.graph_portable import PortableOps
 
 CPU_DOMAIN = "ai.gsm_edge.cpu"
 CPU_OP = "GsmCachedAttention"
 OFFSET_OP = "GsmGroupOffset"
+SIDE_OP = "GsmSideSplit"
 CPU_OP_VERSION = 1
-CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION}  # what model.cpu.onnx may use of the domain
+# what model.cpu.onnx may use of the domain
+CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
 
 
 class CpuOps(PortableOps):
@@ -30,6 +38,30 @@ class CpuOps(PortableOps):
 
     variant = "cpu"
     fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
+    fused_side = True  # Network.gsm_inputs emits the GSM-side tail through side_split
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._side: set[int] = set()  # owning layers whose new rows side_split made in the cache's form
+        self._batch_shape: str | None = None
+
+    def side_split(self, l: int, y: str, scale: str, widths: list[int]) -> list[str]:
+        """Owning layer l's in_proj output y [B*S, sum(widths)] as [B, S, w] blocks: the latents and the key as
+        kv_update would make them (named as its outputs), the indexer's query and weights scaled."""
+        g = self.g
+        if self._batch_shape is None:
+            self._batch_shape = g.op("Shape", ["input_ids"])  # [B, S]
+        self._side.add(l)
+        outs = [f"new_latent_k.{l}", f"new_latent_v.{l}", f"new_index_keys.{l}", f"L{l}.index_q", f"L{l}.index_w"]
+        with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
+            return g.op(SIDE_OP, [y, scale, self._batch_shape, f"index_keys.{l}"], n_out=len(outs), outputs=outs,
+                        domain=CPU_DOMAIN, widths=[int(w) for w in widths])
+
+    def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
+                  new: str) -> dict[str, str]:
+        if l not in self._side:
+            return super().kv_update(l, cache, ck, cv, key, past, new)
+        return {**cache, "new_k": ck, "new_v": cv, "new_keys": key}  # side_split made them in the cache's form
 
     def group_offset(self, x: str, main: str, offsets: str, block: int, out: str, residual: str | None) -> str:
         """out = main + group sums of x [M, K] (`block` inputs each) @ offsets [ceil(K / block), N] (+ residual)."""

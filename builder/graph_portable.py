@@ -45,6 +45,7 @@ class PortableOps:
 
     variant = "portable"
     fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
+    fused_side = False  # CpuOps: an owning layer's GSM-side scale, split and cache rounding as one custom node
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int, *,
                  int8_keys: bool = False) -> None:

@@ -36,6 +36,7 @@ class PluginOps:
 
     variant = "trt"
     fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
+    fused_side = False  # CpuOps: an owning layer's GSM-side scale, split and cache rounding as one custom node
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
                  rows: PoolRows, max_top_k: int | None = None, *, int8_keys: bool = False) -> None:

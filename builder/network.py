@@ -330,7 +330,10 @@ class Network:
         else:
             q = self.proj(x, q_name)
         q = bs(q if self.act == F32 else cast(g, q, F32), cfg.q_dim, f"L{i}.q")
-        y = bs(g.op("Mul", [fused if fused is not None else linear(g, x32, w), scale]), sum(widths))
+        side = fused if fused is not None else linear(g, x32, w)
+        if self.ops.fused_side:  # scale, split and cache rounding as one node of the ops (CpuOps.side_split)
+            return q, self.ops.side_split(i, side, scale, widths)
+        y = bs(g.op("Mul", [side, scale]), sum(widths))
         gsm = g.op("Split", [y, g.const(widths, np.int64, "gsm_split")], n_out=len(widths), axis=-1, outputs=outs)
         return q, gsm
 

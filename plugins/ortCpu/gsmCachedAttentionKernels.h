@@ -40,6 +40,11 @@ struct Kernels
         float const* main, float const* res, float* y);
     // sums[g] = sum of x[g*block .. min(K, (g+1)*block)), g < ceil(K / block)
     void (*groupSums)(float const* x, int64_t K, int64_t block, float* sums);
+    // GsmSideSplit: v = y[i] * s[i] rounded to float16 (nearest even), as float32 (halfRound) or as float16 bits
+    // (halfStore), for i below the returned count, a multiple of the vector width (0 without F16C); the caller
+    // converts the rest
+    int64_t (*halfRound)(float const* y, float const* s, int64_t n, float* out);
+    int64_t (*halfStore)(float const* y, float const* s, int64_t n, uint16_t* out);
 };
 
 Kernels const& genericKernels();

@@ -1,6 +1,6 @@
-// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with two ops,
-// GsmCachedAttention (gsmCachedAttention.h) and GsmGroupOffset (gsmGroupOffset.h), through ONNX Runtime's C API
-// only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
+// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with three ops,
+// GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h) and GsmSideSplit (gsmSideSplit.h),
+// through ONNX Runtime's C API only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
 
 #include <cstring>
@@ -9,6 +9,7 @@
 
 #include "gsmCachedAttention.h"
 #include "gsmGroupOffset.h"
+#include "gsmSideSplit.h"
 
 namespace
 {
@@ -546,6 +547,177 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetInputKind(OrtCustomOp co
     return i == kOffResidual ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
+// -- GsmSideSplit -----------------------------------------------------------------------------------------------
+constexpr char const* kSideOpName = "GsmSideSplit";
+enum SideInput : size_t
+{
+    kSideY, kSideScale, kSideShape, kSideKeysLike, kSideNumInputs
+};
+char const* const kSideInputNames[kSideNumInputs] = {"y", "scale", "batch_shape", "keys_like"};
+char const* const kSideOutputNames[gsm::ortcpu::kSideBlocks] = {"latent_k", "latent_v", "index_key", "index_q",
+    "index_w"};
+
+struct SideKernel
+{
+    int64_t widths[gsm::ortcpu::kSideBlocks];
+};
+
+OrtStatus* sideInvalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmSideSplit: " + m).c_str());
+}
+
+OrtStatus* ORT_API_CALL sideCompute(void* opKernel, OrtKernelContext* ctx)
+{
+    using gsm::ortcpu::kSideBlocks;
+    SideKernel const& kn = *static_cast<SideKernel const*>(opKernel);
+    OrtValue const* v[kSideNumInputs];
+    std::vector<int64_t> sh[kSideNumInputs];
+    for (size_t i = 0; i < kSideNumInputs; ++i)
+    {
+        GSM_ORT_TRY(offsetShape(ctx, i, &v[i], &sh[i]));
+        if (v[i] == nullptr)
+        {
+            return sideInvalid(std::string("input ") + kSideInputNames[i] + " is missing");
+        }
+    }
+    // the index key leaves as the key cache holds it: keys_like is that buffer (only its type and width are read)
+    ONNXTensorElementDataType keyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    GSM_ORT_TRY(elementType(v[kSideKeysLike], &keyType));
+    if (keyType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && keyType != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8)
+    {
+        return sideInvalid("input keys_like must be float16 or int8 (the key cache's type)");
+    }
+    int64_t W = 0;
+    for (int64_t w : kn.widths)
+    {
+        W += w;
+    }
+    if (sh[kSideY].size() != 2 || sh[kSideY][1] != W)
+    {
+        return sideInvalid("input y has shape " + dimsText(sh[kSideY]) + ", expected [M, " + std::to_string(W)
+            + "] (the sum of widths)");
+    }
+    if (sh[kSideScale] != std::vector<int64_t>{W})
+    {
+        return sideInvalid("input scale has shape " + dimsText(sh[kSideScale]) + ", expected [" + std::to_string(W)
+            + "]");
+    }
+    if (sh[kSideKeysLike].empty() || sh[kSideKeysLike].back() != kn.widths[gsm::ortcpu::kSideIndexKey])
+    {
+        return sideInvalid("input keys_like has shape " + dimsText(sh[kSideKeysLike]) + ", expected a last axis of "
+            + std::to_string(kn.widths[gsm::ortcpu::kSideIndexKey]) + " (widths[2], the index key's)");
+    }
+    if (sh[kSideShape] != std::vector<int64_t>{2})
+    {
+        return sideInvalid("input batch_shape has shape " + dimsText(sh[kSideShape]) + ", expected [2] ([B, S])");
+    }
+    void* p[kSideNumInputs];
+    for (size_t i = 0; i < kSideNumInputs; ++i)
+    {
+        GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+    }
+    int64_t const* bs = static_cast<int64_t const*>(p[kSideShape]);
+    if (bs[0] < 0 || bs[1] < 0 || bs[0] * bs[1] != sh[kSideY][0])
+    {
+        return sideInvalid("input batch_shape = [" + std::to_string(bs[0]) + ", " + std::to_string(bs[1])
+            + "] does not give y's " + std::to_string(sh[kSideY][0]) + " rows (B * S)");
+    }
+    gsm::ortcpu::SideSplitArgs a;
+    a.M = sh[kSideY][0];
+    a.W = W;
+    a.y = static_cast<float const*>(p[kSideY]);
+    a.scale = static_cast<float const*>(p[kSideScale]);
+    a.int8Keys = keyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    for (int b = 0; b < kSideBlocks; ++b)
+    {
+        a.widths[b] = kn.widths[b];
+        int64_t const dims[3] = {bs[0], bs[1], kn.widths[b]};
+        OrtValue* ov = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, static_cast<size_t>(b), dims, 3, &ov));
+        void* o = nullptr;
+        GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &o));
+        if (b == gsm::ortcpu::kSideIndexKey)
+        {
+            a.keys = o;
+        }
+        else
+        {
+            a.out[b] = static_cast<float*>(o);
+        }
+    }
+    gsm::ortcpu::ParallelRunner par;
+    par.run = runParallel;
+    par.ctx = ctx;
+    if (!gsm::ortcpu::runSideSplit(a, par))
+    {
+        return gApi->CreateStatus(ORT_FAIL, "GsmSideSplit: the intra-op thread pool failed");
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL sideCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
+{
+    SideKernel kn{};
+    size_t n = gsm::ortcpu::kSideBlocks;
+    OrtStatus* st = gApi->KernelInfoGetAttributeArray_int64(info, "widths", kn.widths, &n);
+    if (st != nullptr || n != static_cast<size_t>(gsm::ortcpu::kSideBlocks))
+    {
+        std::string m = st != nullptr ? std::string(": ") + gApi->GetErrorMessage(st) : std::string();
+        if (st != nullptr)
+        {
+            gApi->ReleaseStatus(st);
+        }
+        return sideInvalid("attribute widths must be 5 int64 (rk, rv, index_dim, index_heads*index_dim, "
+                           "index_heads)" + m);
+    }
+    for (int64_t w : kn.widths)
+    {
+        if (w <= 0)
+        {
+            return sideInvalid("attribute widths holds " + std::to_string(w) + ": every width must be positive");
+        }
+    }
+    *kernel = new SideKernel(kn);
+    return nullptr;
+}
+
+void ORT_API_CALL sideDestroyKernel(void* kernel)
+{
+    delete static_cast<SideKernel*>(kernel);
+}
+
+char const* ORT_API_CALL sideOpName(OrtCustomOp const*)
+{
+    return kSideOpName;
+}
+
+ONNXTensorElementDataType ORT_API_CALL sideInputType(OrtCustomOp const*, size_t i)
+{
+    if (i == kSideShape)
+    {
+        return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    }
+    // keys_like: float16 or int8; the index_key output takes its type (ONNX Runtime's custom-op type inference
+    // gives an undefined output the type of the last input whose type is open)
+    return i == kSideKeysLike ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL sideInputCount(OrtCustomOp const*)
+{
+    return kSideNumInputs;
+}
+
+ONNXTensorElementDataType ORT_API_CALL sideOutputType(OrtCustomOp const*, size_t i)
+{
+    return i == gsm::ortcpu::kSideIndexKey ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL sideOutputCount(OrtCustomOp const*)
+{
+    return gsm::ortcpu::kSideBlocks;
+}
+
 OrtCustomOp makeOp()
 {
     OrtCustomOp op;
@@ -587,8 +759,23 @@ OrtCustomOp makeOffsetOp()
     return op;
 }
 
+OrtCustomOp makeSideOp()
+{
+    OrtCustomOp op = makeOp();
+    op.GetName = sideOpName;
+    op.GetInputType = sideInputType;
+    op.GetInputTypeCount = sideInputCount;
+    op.GetOutputType = sideOutputType;
+    op.GetOutputTypeCount = sideOutputCount;
+    op.KernelDestroy = sideDestroyKernel;
+    op.CreateKernelV2 = sideCreateKernel;
+    op.KernelComputeV2 = sideCompute;
+    return op;
+}
+
 OrtCustomOp gOp = makeOp();
 OrtCustomOp gOffsetOp = makeOffsetOp();
+OrtCustomOp gSideOp = makeSideOp();
 
 } // namespace
 
@@ -613,6 +800,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         GSM_ORT_TRY(api->CreateCustomOpDomain(kDomain, &domain));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOffsetOp));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSideOp));
     }
     return api->AddCustomOpDomain(options, domain);
 }
