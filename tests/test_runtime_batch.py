@@ -25,12 +25,16 @@ MAX_BATCH = 4  # the memory plan's cache rows: the most sequences alive at once
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
-    ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=4), root / "retier")
-    out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True,
-          max_batch=MAX_BATCH)
+def retier_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch_ck")
+    return retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=4), root / "retier")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, retier_checkpoint):
+    out = tmp_path_factory.mktemp("batch") / "bundle"
+    build(device="orin", checkpoint_dir=retier_checkpoint, output=out, max_seq=N_MAX, max_input=MAX_INPUT,
+          debug_outputs=True, max_batch=MAX_BATCH)
     return out
 
 
@@ -165,3 +169,43 @@ def test_decode_step_reads_no_max_seq_sized_tensor(bundle, tmp_path):
     for a in big:  # each views a cache buffer [R, N_max, width] as [R * N_max, width]
         (shape,) = a["input_type_shape"][0].values()
         assert len(shape) == 3 and shape[1] == N_MAX, a["input_type_shape"]
+
+
+def test_decode_fast_path_equals_the_general_one(bundle, retier_checkpoint, tmp_path):
+    """Without probes or debug outputs a decode call (S = 1) writes its fixed-shape outputs into arrays bound once
+    per batch size (runtime/ort_backend.py `_run_decode`); a debug bundle of the same checkpoint takes the general
+    path (every output allocated per call). Same logits bit for bit over steps with re-tier passes, a batch that
+    grows (a new binding), a probed step in between (the general path, then the fast one again), and logits kept
+    from earlier steps unchanged by later ones (no aliasing of the bound arrays)."""
+    import runtime
+
+    lean = tmp_path / "lean"
+    cfg = json.loads((bundle / "bundle.json").read_text())
+    build(device="orin", checkpoint_dir=retier_checkpoint, output=lean, max_seq=N_MAX, max_input=MAX_INPUT,
+          max_batch=MAX_BATCH)
+    assert not json.loads((lean / "bundle.json").read_text())["debug_outputs"] and cfg["debug_outputs"]
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 259, n).tolist() for n in (5, 12, 3)]
+
+    def trace(path):
+        rt = runtime.load(path, backend="onnxruntime", threads=1)
+        seqs = [rt.new_sequence() for _ in prompts]
+        kept = list(rt.prefill_batch(seqs[:2], prompts[:2]))
+        live = seqs[:2]
+        for step in range(20):
+            if step == 6:  # a third sequence joins: B 2 -> 3
+                kept.append(rt.prefill_batch([seqs[2]], [prompts[2]])[0])
+                live = seqs
+            tokens = [int(np.argmax(lg)) for lg in kept[-len(live):]]
+            out = rt.decode_batch(live, tokens, probe=[step == 10] * len(live))
+            kept.extend(out)  # not copied: later steps must not change them
+        return kept, [s.state.tier.copy() for s in seqs], rt.backend._decode_key is not None
+
+    fast, fast_tiers, took_fast = trace(lean)
+    slow, slow_tiers, took_fast_debug = trace(bundle)
+    assert took_fast and not took_fast_debug
+    assert len(fast) == len(slow)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert np.array_equal(a, b), f"logits {i} differ"
+    assert all(np.array_equal(a, b) for a, b in zip(fast_tiers, slow_tiers))
+    assert {t for tiers in fast_tiers for t in tiers.tolist()} >= {0, 1}  # re-tier passes ran
