@@ -15,7 +15,8 @@ thread at a decode step's single row.
 
 An owning layer's GSM-side projection (in_proj: latents and indexer) is scaled, split and rounded as the cache
 holds it by one `GsmSideSplit` node instead of the portable graph's Mul, Reshape, Split, FP16 Casts and INT8 key
-codes (ten nodes per layer; the values are the same bits).
+codes (ten nodes per layer; the values are the same bits). The gate+up projection's `GsmGroupOffset` also takes
+the SwiGLU product (silu(gate) * up), in place of the Split, Sigmoid and two Mul after it.
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ class CpuOps(PortableOps):
             return super().kv_update(l, cache, ck, cv, key, past, new)
         return {**cache, "new_k": ck, "new_v": cv, "new_keys": key}  # side_split made them in the cache's form
 
-    def group_offset(self, x: str, main: str, offsets: str, block: int, out: str, residual: str | None) -> str:
-        """out = main + group sums of x [M, K] (`block` inputs each) @ offsets [ceil(K / block), N] (+ residual)."""
+    def group_offset(self, x: str, main: str, offsets: str, block: int, out: str, residual: str | None,
+                     swiglu: bool = False) -> str:
+        """out = main + group sums of x [M, K] (`block` inputs each) @ offsets [ceil(K / block), N] (+ residual);
+        with swiglu, silu(first half) * second half of that sum ([M, N / 2]: gate and up as one projection)."""
+        act = {"swiglu": 1} if swiglu else {}  # absent: the plain sum, as graphs before it
         return self.g.op(OFFSET_OP, [x, main, offsets] + ([residual] if residual else []), outputs=[out],
-                         domain=CPU_DOMAIN, block_size=block)
+                         domain=CPU_DOMAIN, block_size=block, **act)
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,

@@ -163,10 +163,18 @@ class Network:
             self._selections[key] = (w, k)
         return self._selections[key]
 
-    def proj(self, x2d: str, name: str, residual: str | None = None) -> str:
+    def proj(self, x2d: str, name: str, residual: str | None = None, *, swiglu: bool = False) -> str:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
         stored tensor, the residual as its C input (one node, not Gemm + Add), or the quantised form of
-        this variant (+ an Add)."""
+        this variant (+ an Add). swiglu (W = [gate; up]): silu(x gate^T) * (x up^T) instead, inside the offset
+        node where the ops fold one (CpuOps), else as Split + silu_mul."""
+        if swiglu:
+            lay = self._quantised(name)[0] if name in self.spec.quantised or name in self._fused else None
+            if lay is None or not (self.form == "portable" and lay.offsets and self.ops.fused_offsets):
+                inter = self.cfg.intermediate_size
+                a, b = self.g.op("Split", [self.proj(x2d, name), self.g.const([inter, inter], np.int64,
+                                                                                "gate_up_split")], n_out=2, axis=-1)
+                return silu_mul(self.g, a, b)
         if name not in self.spec.quantised and name not in self._fused:
             return linear(self.g, x2d, self.w(name), residual)
         lay, prefix = self._quantised(name)
@@ -181,7 +189,7 @@ class Network:
             main = self.g.fresh("qlinear_main")
             self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),
                                          accuracy_level=self.spec.nbits_accuracy), {MS_DOMAIN: 1})
-            return self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual)
+            return self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual, swiglu)
         sums = self.group_sums(x2d, lay.k, lay.block) if lay.offsets else None
         if self.form == "portable":
             self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy,
@@ -191,7 +199,7 @@ class Network:
                              {"": lay.dq_opset})
         return out
 
-    def fused_proj(self, x2d: str, key: str, i: int, parts: list[str]) -> str | None:
+    def fused_proj(self, x2d: str, key: str, i: int, parts: list[str], *, swiglu: bool = False) -> str | None:
         """x @ W^T over the FUSED tensor `key` of layer i (checkpoint tensors `parts` by rows) as one quantised
         projection, when every part is quantised alike (and none has AWQ scales); None otherwise. One node
         instead of one per part (ONNX Runtime pays a fixed cost per node). The GSM side (in_proj) keeps float32
@@ -206,7 +214,7 @@ class Network:
             self.projections.register(name, cfgs.pop(), trt_act_dtype="float32" if key == "in_proj" else None)
             self.source.define(name, parts)
             self._fused.add(name)
-        return self.proj(x2d, name)
+        return self.proj(x2d, name, swiglu=swiglu)
 
     def group_sums(self, x2d: str, k: int, block: int) -> str:
         """x [M, K] @ group_indicator: the sums a float-zero-point weight's offset term multiplies, made once
@@ -342,11 +350,9 @@ class Network:
         gate, up = names.layer_name("gate_proj", i), names.layer_name("up_proj", i)
         inter = self.cfg.intermediate_size
         if gate in self.spec.quantised or up in self.spec.quantised:
-            gu = self.fused_proj(y, "gate_up", i, [gate, up])  # one quantised node when both are alike
-            if gu is None:
-                return silu_mul(self.g, self.proj(y, gate), self.proj(y, up))
-            a, b = self.g.op("Split", [gu, self.g.const([inter, inter], np.int64, "gate_up_split")], n_out=2, axis=-1)
-            return silu_mul(self.g, a, b)
+            # one quantised node when both are alike, and the product inside its offset node where there is one
+            gu = self.fused_proj(y, "gate_up", i, [gate, up], swiglu=True)
+            return silu_mul(self.g, self.proj(y, gate), self.proj(y, up)) if gu is None else gu
         w = self.act_w(self.rows("gate_up", i, [gate, up]))
         a, b = self.g.op("Split", [linear(self.g, y, w), self.g.const([inter, inter], np.int64, "gate_up_split")],
                          n_out=2, axis=-1)

@@ -143,6 +143,10 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     if grid == "asym-f":
         with_residual = [n for n in cpu if n.op_type == "GsmGroupOffset" and len(n.input) == 4]
         assert len(with_residual) == 2 * 4  # o and down add the residual stream in the node
+        # gate+up's node takes the SwiGLU product too: no Split / Sigmoid / product Mul after it
+        swiglu = [n for n in cpu if n.op_type == "GsmGroupOffset" and any(a.name == "swiglu" and a.i == 1
+                                                                            for a in n.attribute)]
+        assert len(swiglu) == 4 and "Sigmoid" not in cpu_ops and "Sigmoid" in ops
         worst_p, gt_p, rt_p = run_both(bundle, golden_with(tiny, wcfg, head, GSM_SIDE_CONFIG), prompt, "portable")
         assert gt_p == rt_p and worst_p <= 1, worst_p
     trt = onnx.load(bundle / "model.onnx", load_external_data=False)

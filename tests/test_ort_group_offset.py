@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(LIB is None, reason="libgsm_ort_ops.so not built
 DOMAIN = "ai.gsm_edge.cpu"
 
 
-def session(block: int | None, residual: bool, threads: int) -> ort.InferenceSession:
+def session(block: int | None, residual: bool, threads: int, swiglu: int | None = None) -> ort.InferenceSession:
     names = ["x", "main", "offsets"] + (["residual"] if residual else [])
-    attrs = {} if block is None else {"block_size": block}
+    attrs = ({} if block is None else {"block_size": block}) | ({} if swiglu is None else {"swiglu": swiglu})
     node = helper.make_node("GsmGroupOffset", names, ["y"], domain=DOMAIN, **attrs)
     graph = helper.make_graph([node], "group_offset", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
                                                        for n in names],
@@ -82,3 +82,48 @@ def test_bad_shape_names_input(field, shape, message) -> None:
 def test_block_size_is_required() -> None:
     with pytest.raises(Exception, match="GsmGroupOffset: attribute block_size"):
         session(None, False, 1)
+
+
+def silu_mul(y: np.ndarray) -> np.ndarray:
+    a, b = np.split(y.astype(np.float64), 2, axis=1)
+    return a / (1.0 + np.exp(-a)) * b
+
+
+# SmolLM2's gate+up decode row and prefill block; a width that leaves a tail after the 8-lane strips; one column
+SWIGLU_SHAPES = [(1, 576, 3072, 32), (37, 576, 3072, 32), (3, 64, 2 * 13, 16), (2, 32, 2, 32)]
+
+
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_swiglu_matches_numpy(shape, threads) -> None:
+    """swiglu = 1: silu(gate) * up of the offset-corrected projection [gate; up], against float64 NumPy; the
+    inputs span the exponent's clamp (|a| up to ~100) and the sigmoid's flat ends."""
+    M, K, N, block = shape
+    rng = np.random.default_rng(M + N)
+    G = -(-K // block)
+    x, main = rng.standard_normal((M, K), np.float32), (rng.standard_normal((M, N)) * 8).astype(np.float32)
+    main[0, : min(4, N // 2)] = np.float32([-100.0, 100.0, 90.0, -95.0])[: min(4, N // 2)]
+    offsets = (rng.standard_normal((G, N)) * 0.01).astype(np.float32)
+    feeds = {"x": x, "main": main, "offsets": offsets}
+    y = session(block, False, threads, swiglu=1).run(None, feeds)[0]
+    assert y.shape == (M, N // 2) and y.dtype == np.float32
+    # the projection itself is test_matches_numpy's; the epilogue against float64 over the op's own sum
+    plain = session(block, False, threads).run(None, feeds)[0]
+    want = silu_mul(plain)
+    # expv within 2 ulp of exp, then one division and one product: a few ulp of each value (and for a -> -inf,
+    # where the exponent's clamp keeps exp finite, a value below 1e-35 where the true one is smaller still)
+    assert np.all(np.abs(y - want) <= 1e-6 * np.abs(want) + 1e-35), np.max(np.abs(y - want) / (np.abs(want) + 1e-35))
+    assert np.abs(silu_mul(reference(x, main, offsets, block, None)) - y).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_swiglu_refuses_a_residual_an_odd_width_and_other_values() -> None:
+    feeds = {"x": np.ones((1, 64), np.float32), "main": np.ones((1, 8), np.float32),
+             "offsets": np.ones((2, 8), np.float32), "residual": np.ones((1, 8), np.float32)}
+    with pytest.raises(Exception, match="with swiglu = 1 main must have an even width .* no residual"):
+        session(32, True, 1, swiglu=1).run(None, feeds)
+    odd = {**{k: v for k, v in feeds.items() if k != "residual"}, "main": np.ones((1, 7), np.float32),
+           "offsets": np.ones((2, 7), np.float32)}
+    with pytest.raises(Exception, match="even width"):
+        session(32, False, 1, swiglu=1).run(None, odd)
+    with pytest.raises(Exception, match="GsmGroupOffset: attribute swiglu = 2 must be 0 or 1"):
+        session(32, False, 1, swiglu=2)

@@ -45,6 +45,8 @@ struct Kernels
     // converts the rest
     int64_t (*halfRound)(float const* y, float const* s, int64_t n, float* out);
     int64_t (*halfStore)(float const* y, float const* s, int64_t n, uint16_t* out);
+    // GsmGroupOffset with swiglu: out[i] = silu(y[i]) * y[I + i] for i < I (silu(a) = a / (1 + exp(-a)))
+    void (*swiglu)(float const* y, int64_t I, float* out);
 };
 
 Kernels const& genericKernels();

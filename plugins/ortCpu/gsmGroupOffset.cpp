@@ -42,6 +42,24 @@ void tile(void* data, size_t i)
     }
 }
 
+struct SwigluJob
+{
+    float const* full;  // [M, 2I]
+    float* y;           // [M, I]
+    int64_t I, M;
+    Kernels const* k;
+};
+
+void swigluRows(void* data, size_t i)
+{
+    SwigluJob const& s = *static_cast<SwigluJob const*>(data);
+    int64_t const r0 = static_cast<int64_t>(i) * kRows, r1 = std::min(s.M, r0 + kRows);
+    for (int64_t m = r0; m < r1; ++m)
+    {
+        s.k->swiglu(s.full + m * 2 * s.I, s.I, s.y + m * s.I);
+    }
+}
+
 } // namespace
 
 bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
@@ -54,17 +72,43 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
     {
         k.groupSums(a.x + m * a.K, a.K, a.block, sums.data() + m * G);
     }
-    Job j{&a, sums.data(), G, (a.N + kCols - 1) / kCols, &k};
+    // with swiglu the projection's [M, N] lands in scratch first, then the product goes to y [M, N/2]
+    GroupOffsetArgs b = a;
+    static thread_local std::vector<float> full;
+    if (a.swiglu)
+    {
+        full.resize(static_cast<size_t>(a.M * a.N));
+        b.y = full.data();
+    }
+    Job j{&b, sums.data(), G, (a.N + kCols - 1) / kCols, &k};
     int64_t const tiles = (a.M + kRows - 1) / kRows * j.colTiles;
-    if (par.run == nullptr || tiles == 1 || a.M * G * a.N < kSerialWork)
+    bool const serial = par.run == nullptr || tiles == 1 || a.M * G * a.N < kSerialWork;
+    if (serial)
     {
         for (int64_t i = 0; i < tiles; ++i)
         {
             tile(&j, static_cast<size_t>(i));
         }
+    }
+    else if (!par.run(par.ctx, tile, static_cast<size_t>(tiles), &j))
+    {
+        return false;
+    }
+    if (!a.swiglu)
+    {
         return true;
     }
-    return par.run(par.ctx, tile, static_cast<size_t>(tiles), &j);
+    SwigluJob s{b.y, a.y, a.N / 2, a.M, &k};
+    int64_t const items = (a.M + kRows - 1) / kRows;
+    if (serial || items == 1)
+    {
+        for (int64_t i = 0; i < items; ++i)
+        {
+            swigluRows(&s, static_cast<size_t>(i));
+        }
+        return true;
+    }
+    return par.run(par.ctx, swigluRows, static_cast<size_t>(items), &s);
 }
 
 } // namespace ortcpu

@@ -5,6 +5,8 @@
  *   y[m, n] = main[m, n] + sum_g (sum_{k in group g} x[m, k]) * offsets[g, n]   (+ residual[m, n])
  * It replaces the portable graph's group-sum MatMul, offset Gemm and residual Add (three nodes, each a fixed
  * dispatch cost and none using a second thread at a decode step's one row) with one node on the intra-op pool.
+ * With swiglu (gate and up as one projection) it also takes the SwiGLU product, silu(gate) * up, which the
+ * portable graph spells as Split, Sigmoid, Mul, Mul (three nodes more after ONNX Runtime's fusions).
  * Values agree with the portable graph to float32 rounding (blocked, FMA-contracted sums, as MLAS's).
  */
 #pragma once
@@ -25,7 +27,8 @@ struct GroupOffsetArgs
     float const* main = nullptr;             // [M, N] MatMulNBits' output
     float const* offsets = nullptr;          // [G, N]
     float const* residual = nullptr;         // [M, N] or null
-    float* y = nullptr;                      // [M, N]
+    bool swiglu = false;                     // y = silu(first N/2 columns) * last N/2 (no residual), [M, N/2]
+    float* y = nullptr;                      // [M, N], or [M, N/2] with swiglu
 };
 
 // Computes y (the shapes are the caller's to check); false if the intra-op pool failed.

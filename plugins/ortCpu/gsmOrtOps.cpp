@@ -277,7 +277,8 @@ bool hasOtherTypedAttribute(OrtKernelInfo const* info, char const* name)
 }
 
 // An int64 attribute that graphs written before it existed lack: `fallback` then.
-OrtStatus* optionalAttribute(OrtKernelInfo const* info, char const* name, int64_t fallback, int64_t* value)
+OrtStatus* optionalAttribute(OrtKernelInfo const* info, char const* name, int64_t fallback, int64_t* value,
+    OrtStatus* (*fail)(std::string const&) = invalid)
 {
     OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, value);
     if (st == nullptr)
@@ -287,7 +288,7 @@ OrtStatus* optionalAttribute(OrtKernelInfo const* info, char const* name, int64_
     gApi->ReleaseStatus(st);
     if (hasOtherTypedAttribute(info, name))
     {
-        return invalid(std::string("attribute ") + name + " must be an int64");
+        return fail(std::string("attribute ") + name + " must be an int64");
     }
     *value = fallback;
     return nullptr;
@@ -401,7 +402,7 @@ char const* const kOffsetInputNames[kOffNumInputs] = {"x", "main", "offsets", "r
 
 struct OffsetKernel
 {
-    int64_t blockSize;
+    int64_t blockSize, swiglu;
 };
 
 OrtStatus* offsetInvalid(std::string const& m)
@@ -466,6 +467,11 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
             + dimsText(sh[kOffOffsets]) + ": expected main [M, N] with x's M and offsets [" + std::to_string(G)
             + ", N] (ceil(K / block_size), block_size " + std::to_string(a.block) + ")");
     }
+    if (kn.swiglu != 0 && (v[kOffResidual] != nullptr || a.N % 2 != 0))
+    {
+        return offsetInvalid("with swiglu = 1 main must have an even width (gate, then up) and there is no residual "
+                             "(got main " + dimsText(sh[kOffMain]) + (v[kOffResidual] != nullptr ? ", a residual)" : ")"));
+    }
     if (v[kOffResidual] != nullptr && sh[kOffResidual] != sh[kOffMain])
     {
         return offsetInvalid("input residual has shape " + dimsText(sh[kOffResidual]) + ", expected main's "
@@ -483,8 +489,10 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
     a.main = static_cast<float const*>(p[kOffMain]);
     a.offsets = static_cast<float const*>(p[kOffOffsets]);
     a.residual = static_cast<float const*>(p[kOffResidual]);
+    a.swiglu = kn.swiglu != 0;
+    int64_t const outDims[2] = {a.M, a.swiglu ? a.N / 2 : a.N};
     OrtValue* ov = nullptr;
-    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, sh[kOffMain].data(), 2, &ov));
+    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, outDims, 2, &ov));
     void* y = nullptr;
     GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
     a.y = static_cast<float*>(y);
@@ -512,6 +520,11 @@ OrtStatus* ORT_API_CALL offsetCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     if (kn.blockSize <= 0)
     {
         return offsetInvalid("attribute block_size = " + std::to_string(kn.blockSize) + " must be positive");
+    }
+    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &kn.swiglu, offsetInvalid));
+    if (kn.swiglu != 0 && kn.swiglu != 1)
+    {
+        return offsetInvalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
     }
     *kernel = new OffsetKernel(kn);
     return nullptr;
