@@ -24,7 +24,7 @@ struct Job
 {
     GroupOffsetArgs const* a;
     float const* sums;  // [M, G]
-    int64_t G, colTiles;
+    int64_t G, cols, colTiles;  // columns per tile: kCols, or every column for a decode call's row
     Kernels const* k;
 };
 
@@ -32,8 +32,8 @@ void tile(void* data, size_t i)
 {
     Job const& j = *static_cast<Job const*>(data);
     GroupOffsetArgs const& a = *j.a;
-    int64_t const r0 = static_cast<int64_t>(i) / j.colTiles * kRows, c0 = static_cast<int64_t>(i) % j.colTiles * kCols;
-    int64_t const r1 = std::min(a.M, r0 + kRows), c1 = std::min(a.N, c0 + kCols);
+    int64_t const r0 = static_cast<int64_t>(i) / j.colTiles * kRows, c0 = static_cast<int64_t>(i) % j.colTiles * j.cols;
+    int64_t const r1 = std::min(a.M, r0 + kRows), c1 = std::min(a.N, c0 + j.cols);
     for (int64_t m = r0; m < r1; m += 4)
     {
         int64_t const rows = std::min<int64_t>(4, r1 - m);
@@ -80,9 +80,13 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
         full.resize(static_cast<size_t>(a.M * a.N));
         b.y = full.data();
     }
-    Job j{&b, sums.data(), G, (a.N + kCols - 1) / kCols, &k};
+    int64_t const colTiles = (a.N + kCols - 1) / kCols;
+    bool const serial = par.run == nullptr || (a.M <= kRows && colTiles == 1) || a.M * G * a.N < kSerialWork;
+    // serial rows fewer than 4 (a decode step) take every column at once: the kernel then streams each offsets
+    // row start to end, where 256-column strips read the array in 1 KB pieces a row apart
+    bool const whole = serial && a.M < 4;
+    Job j{&b, sums.data(), G, whole ? a.N : kCols, whole ? 1 : colTiles, &k};
     int64_t const tiles = (a.M + kRows - 1) / kRows * j.colTiles;
-    bool const serial = par.run == nullptr || tiles == 1 || a.M * G * a.N < kSerialWork;
     if (serial)
     {
         for (int64_t i = 0; i < tiles; ++i)
