@@ -414,10 +414,8 @@ class Network:
                 y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)
                 h = self.proj(self.mlp(i, y), names.layer_name("down_proj", i), residual=h)
         self._head(h, shape_bs, new)
-        total = masses[0]
-        for m in masses[1:]:
-            total = g.op("Add", [total, m])
-        g.op("Identity", [total], outputs=["attn_mass"])
+        # one variadic Sum (in order, as a chain of Adds would add them) instead of a node per owning layer
+        g.op("Sum" if len(masses) > 1 else "Identity", masses, outputs=["attn_mass"])
         g.output("attn_mass", F32, ops.mass_shape())
         ops.declare_cache_outputs()
         if spec.debug:
