@@ -49,6 +49,26 @@ def stories_hf(stories_src):
     return model
 
 
+ORT_OPS_DOMAIN = "ai.gsm_edge.cpu"  # plugins/ortCpu's ops (builder/graph_cpu.py CPU_DOMAIN)
+NO_ORT_OPS = ("libgsm_ort_ops.so not built (ONNX Runtime C API headers not found: run scripts/fetch_ort_headers.sh "
+              "and rebuild the plugins)")
+
+
+def ort_op_session(node, inputs: list, outputs: list, threads: int = 1):
+    """An ONNX Runtime CPU session of one node of libgsm_ort_ops.so (value infos `inputs`, `outputs`)."""
+    import onnxruntime as ort
+    from gsm_edge_plugins import ort_ops_library
+    from onnx import helper
+
+    graph = helper.make_graph([node], node.op_type, inputs, outputs)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ORT_OPS_DOMAIN, 1)])
+    m.ir_version = 8
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(ort_ops_library()))
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def need_ort_ops_library() -> None:
     """Skip the calling test where libgsm_ort_ops.so (model.cpu.onnx's custom op) was not built."""
     from gsm_edge_plugins import ort_ops_library

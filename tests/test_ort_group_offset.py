@@ -5,31 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import NO_ORT_OPS, ORT_OPS_DOMAIN, ort_op_session
 from gsm_edge_plugins import ort_ops_library
 
-ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
-LIB = ort_ops_library()
-pytestmark = pytest.mark.skipif(LIB is None, reason="libgsm_ort_ops.so not built (ONNX Runtime C API headers not "
-                                                    "found: run scripts/fetch_ort_headers.sh and rebuild the plugins)")
-DOMAIN = "ai.gsm_edge.cpu"
+pytestmark = pytest.mark.skipif(ort_ops_library() is None, reason=NO_ORT_OPS)
 
 
-def session(block: int | None, residual: bool, threads: int, swiglu: int | None = None) -> ort.InferenceSession:
+def session(block: int | None, residual: bool, threads: int, swiglu: int | None = None):
     names = ["x", "main", "offsets"] + (["residual"] if residual else [])
     attrs = ({} if block is None else {"block_size": block}) | ({} if swiglu is None else {"swiglu": swiglu})
-    node = helper.make_node("GsmGroupOffset", names, ["y"], domain=DOMAIN, **attrs)
-    graph = helper.make_graph([node], "group_offset", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                                                       for n in names],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
-    m.ir_version = 8
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(LIB))
-    so.intra_op_num_threads = threads
-    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    node = helper.make_node("GsmGroupOffset", names, ["y"], domain=ORT_OPS_DOMAIN, **attrs)
+    return ort_op_session(node, [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], threads)
 
 
 def reference(x: np.ndarray, main: np.ndarray, offsets: np.ndarray, block: int,

@@ -6,35 +6,28 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import NO_ORT_OPS, ORT_OPS_DOMAIN, ort_op_session
 from gsm_edge_plugins import ort_ops_library
 
-ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
-LIB = ort_ops_library()
-pytestmark = pytest.mark.skipif(LIB is None, reason="libgsm_ort_ops.so not built (ONNX Runtime C API headers not "
-                                                    "found: run scripts/fetch_ort_headers.sh and rebuild the plugins)")
-DOMAIN = "ai.gsm_edge.cpu"
+pytestmark = pytest.mark.skipif(ort_ops_library() is None, reason=NO_ORT_OPS)
 OUTS = ["latent_k", "latent_v", "index_key", "index_q", "index_w"]
 
 
-def session(widths: list[int] | None, key_type: int, threads: int = 1) -> ort.InferenceSession:
+def session(widths: list[int] | None, key_type: int, threads: int = 1):
     attrs = {} if widths is None else {"widths": widths}
-    node = helper.make_node("GsmSideSplit", ["y", "scale", "batch_shape", "keys_like"], OUTS, domain=DOMAIN, **attrs)
+    node = helper.make_node("GsmSideSplit", ["y", "scale", "batch_shape", "keys_like"], OUTS, domain=ORT_OPS_DOMAIN,
+                            **attrs)
     ins = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
            helper.make_tensor_value_info("scale", TensorProto.FLOAT, None),
            helper.make_tensor_value_info("batch_shape", TensorProto.INT64, None),
            helper.make_tensor_value_info("keys_like", key_type, None)]
     outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in OUTS]
     outs[2] = helper.make_tensor_value_info("index_key", key_type, None)
-    graph = helper.make_graph([node], "side_split", ins, outs)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
-    m.ir_version = 8
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(LIB))
-    so.intra_op_num_threads = threads
-    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort_op_session(node, ins, outs, threads)
 
 
 def reference(y: np.ndarray, scale: np.ndarray, widths: list[int], int8_keys: bool, b: int, s: int) -> list[np.ndarray]:

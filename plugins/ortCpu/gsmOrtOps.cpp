@@ -757,38 +757,40 @@ OrtCustomOp makeOp()
     return op;
 }
 
-OrtCustomOp makeOffsetOp()
+// What makes each further op of the domain; the other fields are GsmCachedAttention's (makeOp)
+struct OpFns
 {
-    OrtCustomOp op = makeOp();
-    op.GetName = offsetOpName;
-    op.GetInputType = offsetFloat;
-    op.GetInputTypeCount = offsetInputCount;
-    op.GetOutputType = offsetFloat;
-    op.GetOutputTypeCount = offsetOutputCount;
-    op.KernelDestroy = offsetDestroyKernel;
-    op.GetInputCharacteristic = offsetInputKind;
-    op.CreateKernelV2 = offsetCreateKernel;
-    op.KernelComputeV2 = offsetCompute;
-    return op;
-}
+    decltype(OrtCustomOp::GetName) name;
+    decltype(OrtCustomOp::GetInputType) inputType;
+    decltype(OrtCustomOp::GetInputTypeCount) inputCount;
+    decltype(OrtCustomOp::GetOutputType) outputType;
+    decltype(OrtCustomOp::GetOutputTypeCount) outputCount;
+    decltype(OrtCustomOp::GetInputCharacteristic) inputKind;
+    decltype(OrtCustomOp::CreateKernelV2) create;
+    decltype(OrtCustomOp::KernelComputeV2) compute;
+    decltype(OrtCustomOp::KernelDestroy) destroy;
+};
 
-OrtCustomOp makeSideOp()
+OrtCustomOp makeOp(OpFns const& f)
 {
     OrtCustomOp op = makeOp();
-    op.GetName = sideOpName;
-    op.GetInputType = sideInputType;
-    op.GetInputTypeCount = sideInputCount;
-    op.GetOutputType = sideOutputType;
-    op.GetOutputTypeCount = sideOutputCount;
-    op.KernelDestroy = sideDestroyKernel;
-    op.CreateKernelV2 = sideCreateKernel;
-    op.KernelComputeV2 = sideCompute;
+    op.GetName = f.name;
+    op.GetInputType = f.inputType;
+    op.GetInputTypeCount = f.inputCount;
+    op.GetOutputType = f.outputType;
+    op.GetOutputTypeCount = f.outputCount;
+    op.GetInputCharacteristic = f.inputKind;
+    op.CreateKernelV2 = f.create;
+    op.KernelComputeV2 = f.compute;
+    op.KernelDestroy = f.destroy;
     return op;
 }
 
 OrtCustomOp gOp = makeOp();
-OrtCustomOp gOffsetOp = makeOffsetOp();
-OrtCustomOp gSideOp = makeSideOp();
+OrtCustomOp gOffsetOp = makeOp({offsetOpName, offsetFloat, offsetInputCount, offsetFloat, offsetOutputCount,
+    offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
+OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
+    sideCreateKernel, sideCompute, sideDestroyKernel});
 
 } // namespace
 
