@@ -82,6 +82,7 @@ class QLayout:
     zero_points: bool  # MatMulNBits has a (uint8) zero_points input
     offsets: bool  # float zero point: codes taken as symmetric, plus a per-group offset term
     per_channel: bool = False  # one group per row (group_size None): TensorRT form per axis, not blocked
+    offsets_f16: bool = False  # the portable form stores the offsets in float16 (each exactly: _portable_offsets)
 
     @property
     def blocked(self) -> bool:
@@ -94,20 +95,32 @@ class QLayout:
         return DQ_BLOCK_OPSET if self.blocked or self.bits == 4 else 13
 
     @classmethod
-    def of(cls, q: QuantizedWeight) -> QLayout:
+    def of(cls, q: QuantizedWeight, form: str = "portable") -> QLayout:
+        """form "portable" (MatMulNBits) or "tensorrt" (DequantizeLinear, offsets in the activation dtype)."""
+        f16 = form == "portable" and q.cfg.float_zero_point and _portable_offsets(q).dtype == np.float16
         return cls(q.k, q.n, q.cfg.bits, q.block, not q.cfg.symmetric and not q.cfg.float_zero_point,
-                   q.cfg.float_zero_point, q.cfg.group_size is None)
+                   q.cfg.float_zero_point, q.cfg.group_size is None, f16)
+
+
+def _portable_offsets(q: QuantizedWeight) -> np.ndarray:
+    """[n_blocks, N] group offsets of the portable form: float16 when every one is a float16 exactly (a Q4_1
+    source: half the bytes a decode step reads for them, nothing rounded), else float32."""
+    off = np.ascontiguousarray(q.group_offsets().T)
+    half = off.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), off) else off
 
 
 def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
     """MatMulNBits initializers: packed codes, float32 scales, [uint8 zero points]; with a float zero point
-    no zero points (the kernel's implicit 2^(bits-1)) but float32 per-group offsets [n_blocks, N]:
+    no zero points (the kernel's implicit 2^(bits-1)) but per-group offsets [n_blocks, N] (float16 where exact):
     ONNX Runtime 1.32 has a float-zero-point path, but it ran 30-100x slower than the symmetric
     kernel (N=1536, K=576, M=1: 6.3 ms vs 0.21 ms), the offset term costs one small MatMul."""
     a = pack_matmul_nbits(q)
     inits = [_init(prefix + ".qweight", a.b, TensorProto.UINT8), _init(prefix + ".scales", a.scales, TensorProto.FLOAT)]
     if q.cfg.float_zero_point:
-        inits.append(_init(prefix + ".offsets", np.ascontiguousarray(q.group_offsets().T), TensorProto.FLOAT))
+        off = _portable_offsets(q)
+        inits.append(_init(prefix + ".offsets", off,
+                           TensorProto.FLOAT16 if off.dtype == np.float16 else TensorProto.FLOAT))
     elif a.zero_points is not None:
         inits.append(_init(prefix + ".zero_points", a.zero_points, TensorProto.UINT8))
     return inits
@@ -256,7 +269,12 @@ def _offset_nodes(main: str, out: str, prefix: str, lay: QLayout,
     x @ group_indicator(K, block), made once by the caller for every projection that reads the same x."""
     if group_sums is None:
         raise ValueError(f"{prefix}: a float-zero-point weight needs the group sums of its input")
-    return [helper.make_node("Gemm", [group_sums, prefix + ".offsets", main], [out], name=prefix + "/offset_Gemm")]
+    if not lay.offsets_f16:
+        return [helper.make_node("Gemm", [group_sums, prefix + ".offsets", main], [out], name=prefix + "/offset_Gemm")]
+    # float16 offsets widened for the Gemm (a constant Cast, folded when the session is made)
+    return [helper.make_node("Cast", [prefix + ".offsets"], [prefix + ".offsets_f32"], name=prefix + "/offsets_f32",
+                             to=TensorProto.FLOAT),
+            helper.make_node("Gemm", [group_sums, prefix + ".offsets_f32", main], [out], name=prefix + "/offset_Gemm")]
 
 
 def _group_sums(parts: QLinearParts, x: str, prefix: str, lay: QLayout, dt: np.dtype, onnx_t: int) -> str | None:
@@ -279,7 +297,7 @@ def dq_matmul(x: str, out: str, prefix: str, q: QuantizedWeight, *, act_dtype: s
     parts = QLinearParts(opsets={"": DQ_BLOCK_OPSET})
     xin = _input_scale(parts, x, prefix, input_scale, dt, onnx_act)
     parts.inits += dq_inits(prefix, q, act_dtype)
-    lay = QLayout.of(q)
+    lay = QLayout.of(q, "tensorrt")
     parts.nodes += dq_nodes(xin, out, prefix, lay, group_sums=_group_sums(parts, xin, prefix, lay, dt, onnx_act))
     parts.output = out
     return parts
@@ -367,7 +385,7 @@ class ProjectionStore:
                 self.store.put_raw(i.name, i.data_type, i.dims, i.raw)
             self.init_names[(name, f)] = [i.name for i in inits]
             del inits
-            self.layouts[(name, f)] = QLayout.of(q)
+            self.layouts[(name, f)] = QLayout.of(q, f)
         return self.layouts[(name, form)]
 
 

@@ -78,6 +78,7 @@ class QuantizedWeight:
     k: int
     block: int
     cfg: WeightQuantConfig
+    mins: np.ndarray | None = None  # [N, n_blocks] float32, float zero point only: each group's min (code 0's value)
 
     @property
     def n(self) -> int:
@@ -97,7 +98,13 @@ class QuantizedWeight:
 
     def group_offsets(self) -> np.ndarray:
         """float32 [N, n_blocks]: (2^(bits-1) - zp) * scale, what every weight of a group adds to
-        signed_codes() * scale (zero when symmetric)."""
+        signed_codes() * scale (zero when symmetric). With a float zero point it is min + 2^(bits-1) * scale, made
+        from the group's min in one rounding: exact for a Q4_1 source (min and scale float16, the sum a float16 as
+        well where |min| >= scale, which the graphs then store in float16), where (2^(bits-1) - zp) * scale carries
+        zp's own rounding."""
+        if self.mins is not None:
+            half = float(1 << (self.cfg.bits - 1))
+            return (self.mins.astype(np.float64) + half * self.scales.astype(np.float64)).astype(np.float32)
         zp = self.zero_points.astype(np.float32)
         return ((1 << (self.cfg.bits - 1)) - zp) * self.scales
 
@@ -131,7 +138,8 @@ def quantize(w: np.ndarray, cfg: WeightQuantConfig, *, name: str = "weight") -> 
         zpf = (-lo / scale).astype(np.float32)
         # codes from the distance to the group's min: min -> 0 and max -> 2^bits - 1 exactly
         u = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, levels)
-        return QuantizedWeight(u.reshape(n, nb * block).astype(np.uint8), scale, zpf, k, block, cfg)
+        return QuantizedWeight(u.reshape(n, nb * block).astype(np.uint8), scale, zpf, k, block, cfg,
+                               lo.astype(np.float32))
     if not cfg.symmetric:
         zp = np.clip(np.rint(-lo / scale), 0, levels).astype(np.int32)
     u = np.clip(np.rint(g / scale[..., None]) + zp[..., None], 0, levels)
@@ -194,6 +202,7 @@ def quantize_chunks(shape: tuple[int, ...], chunks, cfg: WeightQuantConfig, *, n
     codes = np.empty((n, nb * block), np.uint8)
     scales = np.empty((n, nb), np.float32)
     zps = np.empty((n, nb), np.float32 if cfg.float_zero_point else np.uint8)
+    mins = np.empty((n, nb), np.float32) if cfg.float_zero_point else None
     pending: list[np.ndarray] = []
     have = row = 0
 
@@ -202,6 +211,8 @@ def quantize_chunks(shape: tuple[int, ...], chunks, cfg: WeightQuantConfig, *, n
         q = quantize(rows, cfg, name=name)
         r = rows.shape[0]
         codes[row:row + r], scales[row:row + r], zps[row:row + r] = q.codes, q.scales, q.zero_points
+        if mins is not None:
+            mins[row:row + r] = q.mins
         row += r
 
     def take(rows: int) -> None:
@@ -220,7 +231,7 @@ def quantize_chunks(shape: tuple[int, ...], chunks, cfg: WeightQuantConfig, *, n
         take(have // k)
     if row != n or have:
         raise WeightQuantError(f"{name}: streamed {row * k + have} values, shape {list(shape)} needs {n * k}")
-    return QuantizedWeight(codes, scales, zps, k, block, cfg)
+    return QuantizedWeight(codes, scales, zps, k, block, cfg, mins)
 
 
 def fake_quantize(w: np.ndarray, cfg: WeightQuantConfig, *, name: str = "weight") -> np.ndarray:

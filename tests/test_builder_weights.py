@@ -270,6 +270,43 @@ def test_q4_1_blocks_are_reproduced_exactly():
     assert np.abs(sym - w).max() > 1e-3
 
 
+def test_q4_1_group_offsets_are_float16_exactly():
+    """The float zero point's per-group offset min + 8 d, made from the group's min: for Q4_1 blocks (fp16 d and m)
+    whose offsets are float16 values the bundle stores them in float16
+    (half the bytes) with nothing rounded, and the portable form equals the float64 product; a float source's
+    offsets are not float16 values and stay float32."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    from builder.qlinear import QLayout, matmul_nbits, nbits_inits, standalone_model
+
+    rng = np.random.default_rng(1)
+    n, k = 64, 192
+    q = rng.integers(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = (rng.random((n, k // 32, 1)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    # 0 near the middle of each block's range, as in real weights (SmolLM2: every offset of 148 of its 150 INT4
+    # projections is a float16), so |m + 8 d| <= d
+    m = (-d * rng.uniform(7.0, 9.0, (n, k // 32, 1))).astype(np.float16).astype(np.float32)
+    w = (q * d + m).astype(np.float32).reshape(n, k)
+    qw = quantize(w, WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True))
+    off = qw.group_offsets()
+    assert np.array_equal(off, (m + 8 * d)[..., 0])  # exactly the source's m + 8 d
+    assert np.array_equal(off.astype(np.float16).astype(np.float32), off)
+    types = {i.name: i.data_type for i in nbits_inits("p", qw)}
+    assert types == {"p.qweight": TensorProto.UINT8, "p.scales": TensorProto.FLOAT, "p.offsets": TensorProto.FLOAT16}
+    assert QLayout.of(qw).offsets_f16 and not QLayout.of(qw, "tensorrt").offsets_f16
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    model = standalone_model(matmul_nbits("x", "y", "p", qw), "x", k, n)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    noisy = quantize(w + rng.standard_normal(w.shape).astype(np.float32) * 1e-4,
+                     WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True))
+    assert {i.name: i.data_type for i in nbits_inits("p", noisy)}["p.offsets"] == TensorProto.FLOAT
+    assert not QLayout.of(noisy).offsets_f16
+
+
 @pytest.mark.parametrize("cfg", [WeightQuantConfig(4, 32), WeightQuantConfig(8, None),
                                  WeightQuantConfig(4, 64, symmetric=False, float_zero_point=True)])
 def test_streamed_quantisation_equals_whole_tensor(cfg):
@@ -279,6 +316,8 @@ def test_streamed_quantisation_equals_whole_tensor(cfg):
     a, b = quantize(w, cfg), quantize_chunks(w.shape, iter(chunks), cfg, rows_per_step=5)
     for x, y in ((a.codes, b.codes), (a.scales, b.scales), (a.zero_points, b.zero_points)):
         assert np.array_equal(x, y)
+    assert (a.mins is None) == (b.mins is None) == (not cfg.float_zero_point)
+    assert a.mins is None or np.array_equal(a.mins, b.mins)
 
 
 def test_streamed_build_bound(tiny, tmp_path):

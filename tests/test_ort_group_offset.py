@@ -15,11 +15,13 @@ from onnx import TensorProto, helper  # noqa: E402
 pytestmark = pytest.mark.skipif(ort_ops_library() is None, reason=NO_ORT_OPS)
 
 
-def session(block: int | None, residual: bool, threads: int, swiglu: int | None = None):
+def session(block: int | None, residual: bool, threads: int, swiglu: int | None = None,
+            offsets: int = TensorProto.FLOAT):
     names = ["x", "main", "offsets"] + (["residual"] if residual else [])
     attrs = ({} if block is None else {"block_size": block}) | ({} if swiglu is None else {"swiglu": swiglu})
     node = helper.make_node("GsmGroupOffset", names, ["y"], domain=ORT_OPS_DOMAIN, **attrs)
-    return ort_op_session(node, [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+    return ort_op_session(node, [helper.make_tensor_value_info(n, offsets if n == "offsets" else TensorProto.FLOAT,
+                                                               None) for n in names],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], threads)
 
 
@@ -40,15 +42,18 @@ SHAPES = [(1, 576, 3072, 32), (1, 1536, 576, 32), (9, 100, 37, 32), (4, 64, 16, 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_numpy(shape, residual, threads) -> None:
+@pytest.mark.parametrize("half", [False, True])
+def test_matches_numpy(shape, residual, threads, half) -> None:
+    """float32 offsets, or float16 ones (a Q4_1 source's, builder/qlinear.py), widened exactly."""
     M, K, N, block = shape
     rng = np.random.default_rng(M * 7 + K)
     G = -(-K // block)
     x, main = rng.standard_normal((M, K), np.float32), rng.standard_normal((M, N), np.float32)
-    offsets = rng.standard_normal((G, N), np.float32)
+    offsets = rng.standard_normal((G, N), np.float32).astype(np.float16 if half else np.float32)
     res = rng.standard_normal((M, N), np.float32) if residual else None
     feeds = {"x": x, "main": main, "offsets": offsets, **({"residual": res} if residual else {})}
-    y = session(block, residual, threads).run(None, feeds)[0]
+    y = session(block, residual, threads, offsets=TensorProto.FLOAT16 if half else TensorProto.FLOAT).run(
+        None, feeds)[0]
     want = reference(x, main, offsets, block, res)
     assert y.shape == (M, N) and y.dtype == np.float32
     # float32 sums of up to K/block + 2 terms of the rounding of a block's sum: a few ulp of the output scale
@@ -118,3 +123,10 @@ def test_swiglu_refuses_a_residual_an_odd_width_and_other_values() -> None:
         session(32, False, 1, swiglu=1).run(None, odd)
     with pytest.raises(Exception, match="GsmGroupOffset: attribute swiglu = 2 must be 0 or 1"):
         session(32, False, 1, swiglu=2)
+
+
+def test_offsets_of_another_type_are_refused() -> None:
+    feeds = {"x": np.ones((1, 64), np.float32), "main": np.ones((1, 8), np.float32),
+             "offsets": np.ones((2, 8), np.float64)}
+    with pytest.raises(Exception, match="input offsets must be float32 or float16"):
+        session(32, False, 1, offsets=TensorProto.DOUBLE).run(None, feeds)

@@ -38,6 +38,9 @@ struct Kernels
     // not null
     void (*groupOffset)(float const* sums, int64_t rows, float const* O, int64_t G, int64_t N, int64_t n0, int64_t n1,
         float const* main, float const* res, float* y);
+    // the same over float16 offsets (bits, widened exactly)
+    void (*groupOffsetHalf)(float const* sums, int64_t rows, uint16_t const* O, int64_t G, int64_t N, int64_t n0,
+        int64_t n1, float const* main, float const* res, float* y);
     // sums[g] = sum of x[g*block .. min(K, (g+1)*block)), g < ceil(K / block)
     void (*groupSums)(float const* x, int64_t K, int64_t block, float* sums);
     // GsmSideSplit: v = y[i] * s[i] rounded to float16 (nearest even), as float32 (halfRound) or as float16 bits

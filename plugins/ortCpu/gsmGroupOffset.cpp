@@ -37,8 +37,17 @@ void tile(void* data, size_t i)
     for (int64_t m = r0; m < r1; m += 4)
     {
         int64_t const rows = std::min<int64_t>(4, r1 - m);
-        j.k->groupOffset(j.sums + m * j.G, rows, a.offsets, j.G, a.N, c0, c1, a.main + m * a.N,
-            a.residual != nullptr ? a.residual + m * a.N : nullptr, a.y + m * a.N);
+        float const* res = a.residual != nullptr ? a.residual + m * a.N : nullptr;
+        if (a.halfOffsets)
+        {
+            j.k->groupOffsetHalf(j.sums + m * j.G, rows, static_cast<uint16_t const*>(a.offsets), j.G, a.N, c0, c1,
+                a.main + m * a.N, res, a.y + m * a.N);
+        }
+        else
+        {
+            j.k->groupOffset(j.sums + m * j.G, rows, static_cast<float const*>(a.offsets), j.G, a.N, c0, c1,
+                a.main + m * a.N, res, a.y + m * a.N);
+        }
     }
 }
 

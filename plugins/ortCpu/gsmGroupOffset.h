@@ -7,6 +7,7 @@
  * dispatch cost and none using a second thread at a decode step's one row) with one node on the intra-op pool.
  * With swiglu (gate and up as one projection) it also takes the SwiGLU product, silu(gate) * up, which the
  * portable graph spells as Split, Sigmoid, Mul, Mul (three nodes more after ONNX Runtime's fusions).
+ * The offsets are float32 or float16 (a Q4_1 source's are float16 values: half the bytes a step reads).
  * Values agree with the portable graph to float32 rounding (blocked, FMA-contracted sums, as MLAS's).
  */
 #pragma once
@@ -25,7 +26,8 @@ struct GroupOffsetArgs
     int64_t M = 0, K = 0, N = 0, block = 0;  // rows, inputs, outputs, inputs per group (G = ceil(K / block))
     float const* x = nullptr;                // [M, K] the projection's input
     float const* main = nullptr;             // [M, N] MatMulNBits' output
-    float const* offsets = nullptr;          // [G, N]
+    void const* offsets = nullptr;           // [G, N] float32, or float16 bits when halfOffsets
+    bool halfOffsets = false;
     float const* residual = nullptr;         // [M, N] or null
     bool swiglu = false;                     // y = silu(first N/2 columns) * last N/2 (no residual), [M, N/2]
     float* y = nullptr;                      // [M, N], or [M, N/2] with swiglu

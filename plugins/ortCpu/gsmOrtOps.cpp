@@ -450,6 +450,12 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
             return offsetInvalid(std::string("input ") + kOffsetInputNames[i] + " is missing");
         }
     }
+    ONNXTensorElementDataType offType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    GSM_ORT_TRY(elementType(v[kOffOffsets], &offType));
+    if (offType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && offType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+    {
+        return offsetInvalid("input offsets must be float32 or float16");
+    }
     if (sh[kOffX].size() != 2 || sh[kOffMain].size() != 2 || sh[kOffOffsets].size() != 2)
     {
         return offsetInvalid("inputs x " + dimsText(sh[kOffX]) + ", main " + dimsText(sh[kOffMain]) + ", offsets "
@@ -487,7 +493,8 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
     }
     a.x = static_cast<float const*>(p[kOffX]);
     a.main = static_cast<float const*>(p[kOffMain]);
-    a.offsets = static_cast<float const*>(p[kOffOffsets]);
+    a.offsets = p[kOffOffsets];
+    a.halfOffsets = offType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     a.residual = static_cast<float const*>(p[kOffResidual]);
     a.swiglu = kn.swiglu != 0;
     int64_t const outDims[2] = {a.M, a.swiglu ? a.N / 2 : a.N};
@@ -543,6 +550,12 @@ char const* ORT_API_CALL offsetOpName(OrtCustomOp const*)
 ONNXTensorElementDataType ORT_API_CALL offsetFloat(OrtCustomOp const*, size_t)
 {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+ONNXTensorElementDataType ORT_API_CALL offsetInputType(OrtCustomOp const*, size_t i)
+{
+    // offsets: float32 or float16, checked per call
+    return i == kOffOffsets ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 
 size_t ORT_API_CALL offsetInputCount(OrtCustomOp const*)
@@ -787,7 +800,7 @@ OrtCustomOp makeOp(OpFns const& f)
 }
 
 OrtCustomOp gOp = makeOp();
-OrtCustomOp gOffsetOp = makeOp({offsetOpName, offsetFloat, offsetInputCount, offsetFloat, offsetOutputCount,
+OrtCustomOp gOffsetOp = makeOp({offsetOpName, offsetInputType, offsetInputCount, offsetFloat, offsetOutputCount,
     offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
