@@ -40,6 +40,7 @@ class CpuOps(PortableOps):
     variant = "cpu"
     fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
     fused_side = True  # Network.gsm_inputs emits the GSM-side tail through side_split
+    flat_q = True  # GsmCachedAttention takes q [B*S, q_dim] and returns attn_out so: no Reshape either side
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -77,6 +78,7 @@ class CpuOps(PortableOps):
                   sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
                   source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
         if selected is not None or index_q is None or index_w is None or sparse_window is None or top_k is None:
+            assert selected is not None, f"owning layer {l}: the standard-op attention needs q as [B, S, q_dim]"
             return super().attention(l, q, cache, past, new, rope=rope, up=up, index_q=index_q, index_w=index_w,
                                      sparse_window=sparse_window, top_k=top_k, selected=selected, source=source,
                                      quant=quant)

@@ -37,6 +37,7 @@ class PluginOps:
     variant = "trt"
     fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
     fused_side = False  # CpuOps: an owning layer's GSM-side scale, split and cache rounding as one custom node
+    flat_q = False  # CpuOps: an owning layer's q enters and attn_out leaves the attention as [B*S, q_dim]
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
                  rows: PoolRows, max_top_k: int | None = None, *, int8_keys: bool = False) -> None:

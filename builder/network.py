@@ -145,6 +145,7 @@ class Network:
         self.projections, self.form = projections, form
         self._dq_done: set[str] = set()  # TensorRT form: weights whose DequantizeLinear is in the graph
         self._group_sums: dict[tuple[str, int, int], str] = {}  # (input, K, block) -> its group sums
+        self._flat_q: set[int] = set()  # owning layers whose attention takes q and gives attn_out as [B*S, q_dim]
         self._selections: dict[tuple[int, int], tuple[str, str]] = {}  # (window, top_k) -> graph tensors
 
     def layer_selection(self, i: int) -> tuple[str, str]:
@@ -337,7 +338,11 @@ class Network:
             q = linear(g, x, self.act_w(wq))
         else:
             q = self.proj(x, q_name)
-        q = bs(q if self.act == F32 else cast(g, q, F32), cfg.q_dim, f"L{i}.q")
+        q = q if self.act == F32 else cast(g, q, F32)
+        if self.ops.flat_q:  # the CPU op takes q [B*S, q_dim] as the projection leaves it, and returns attn so
+            self._flat_q.add(i)
+        else:
+            q = bs(q, cfg.q_dim, f"L{i}.q")
         side = fused if fused is not None else linear(g, x32, w)
         if self.ops.fused_side:  # scale, split and cache rounding as one node of the ops (CpuOps.side_split)
             return q, self.ops.side_split(i, side, scale, widths)
@@ -408,7 +413,8 @@ class Network:
                 attn, _, _ = ops.attention(i, q, cache[src], past, new, rope=rope, up=up, selected=selected[src],
                                            source=src, quant=quant[src])
             with g.in_scope(f"L{i}"):
-                a2 = g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])  # f32 from the GSM node
+                # f32 from the GSM node: [B, S, q_dim], or [B*S, q_dim] already where the ops take q flat
+                a2 = attn if i in self._flat_q else g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])
                 a2 = a2 if self.act == F32 else cast(g, a2, self.act)
                 h = self.proj(a2, names.layer_name("o_proj", i), residual=h)
                 y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)

@@ -335,6 +335,26 @@ def test_key_types_must_agree() -> None:
         sess.run(None, x)
 
 
+@pytest.mark.parametrize("name", ["prefill_b3_padding", "decode_b3_unequal", "decode_gqa3"])
+def test_flat_q_gives_the_same_outputs(name: str) -> None:
+    """q as the projection leaves it, [B*S, nH*D] (model.cpu.onnx, no Reshape before the op), gives the 3-D call's
+    outputs bit for bit, attn_out as [B*S, nH*D]; B and S come from index_q."""
+    geo_name, past, new, S, window, sinks, top_k, zero_w = CASES[name]
+    geo = GEOMETRIES[geo_name]
+    x = make_inputs(np.random.default_rng(7), geo, past, new, S, window, top_k, zero_w)
+    sess = session(geo, sinks, 2)
+    names = [o.name for o in sess.get_outputs()]
+    want = dict(zip(names, sess.run(None, x)))
+    flat = {**x, "q": x["q"].reshape(len(past) * S, -1)}
+    got = dict(zip(names, sess.run(None, flat)))
+    assert got["attn_out"].shape == (len(past) * S, want["attn_out"].shape[-1])
+    assert np.array_equal(got["attn_out"], want["attn_out"].reshape(got["attn_out"].shape))
+    for n in ("new_k_rows", "selected", "attn_mass"):
+        assert np.array_equal(got[n], want[n]), n
+    with pytest.raises(Exception, match=r"input q has shape .*\(\[B\*S, num_heads\*head_dim\], or \[B, S, \.\.\.\]\)"):
+        sess.run(None, {**x, "q": x["q"].reshape(len(past) * S, -1)[:-1].copy()})
+
+
 def test_bad_shape_names_input() -> None:
     geo = GEOMETRIES["odd"]
     x = make_inputs(np.random.default_rng(4), geo, [4], [1], 1, 1, [2])

@@ -150,12 +150,14 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     d.dI = kn.indexDim;
     d.sinks = kn.sinkTokens;
     d.topKDivisor = kn.topKDivisor;
-    if (sh[kQ].size() != 3)
+    // B and S from index_q; q is [B, S, nH*D] or, as the projection leaves it, [B*S, nH*D] (attn_out then the same)
+    if (sh[kIndexQ].size() != 3)
     {
-        return invalid("input q has shape " + dimsText(sh[kQ]) + ", expected [B, S, num_heads*head_dim]");
+        return invalid("input index_q has shape " + dimsText(sh[kIndexQ]) + ", expected [B, S, index_heads*index_dim]");
     }
-    d.B = sh[kQ][0];
-    d.S = sh[kQ][1];
+    d.B = sh[kIndexQ][0];
+    d.S = sh[kIndexQ][1];
+    bool const flatQ = sh[kQ].size() == 2;
     if (sh[kLatentV].size() != 3 || sh[kKUp].size() != 2)
     {
         return invalid("input latent_v has shape " + dimsText(sh[kLatentV]) + " and k_up " + dimsText(sh[kKUp])
@@ -166,7 +168,14 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     d.rv = sh[kLatentV][2];
     d.rk = sh[kKUp][1];
     int64_t const B = d.B, S = d.S, kvD = d.nKV * d.D;
-    GSM_ORT_TRY(expectShape(kQ, sh[kQ], {B, S, d.nH * d.D}, "[B, S, num_heads*head_dim]"));
+    if (flatQ)
+    {
+        GSM_ORT_TRY(expectShape(kQ, sh[kQ], {B * S, d.nH * d.D}, "[B*S, num_heads*head_dim], or [B, S, ...]"));
+    }
+    else
+    {
+        GSM_ORT_TRY(expectShape(kQ, sh[kQ], {B, S, d.nH * d.D}, "[B, S, num_heads*head_dim], or [B*S, ...]"));
+    }
     GSM_ORT_TRY(expectShape(kIndexQ, sh[kIndexQ], {B, S, d.nI * d.dI}, "[B, S, index_heads*index_dim]"));
     GSM_ORT_TRY(expectShape(kIndexW, sh[kIndexW], {B, S, d.nI}, "[B, S, index_heads]"));
     GSM_ORT_TRY(expectShape(kNewLatentK, sh[kNewLatentK], {B, S, d.rk}, "[B, S, rk], rk from k_up"));
@@ -219,12 +228,13 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
         return gApi->CreateStatus(ORT_INVALID_ARGUMENT, err.c_str());
     }
     int64_t const outDims[kNumOutputs][3] = {{B, S, d.nH * d.D}, {B, S, kvD}, {B, S, k}, {B, L, 0}};
-    size_t const outRank[kNumOutputs] = {3, 3, 3, 2};
+    int64_t const flatOut[2] = {B * S, d.nH * d.D};
+    size_t const outRank[kNumOutputs] = {flatQ ? size_t{2} : size_t{3}, 3, 3, 2};
     void* o[kNumOutputs];
     for (size_t i = 0; i < kNumOutputs; ++i)
     {
         OrtValue* ov = nullptr;
-        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, i, outDims[i], outRank[i], &ov));
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, i, i == 0 && flatQ ? flatOut : outDims[i], outRank[i], &ov));
         GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &o[i]));
     }
     gsm::ortcpu::CachedAttentionOutputs out;
