@@ -45,18 +45,16 @@ class CpuOps(PortableOps):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._side: set[int] = set()  # owning layers whose new rows side_split made in the cache's form
-        self._batch_shape: str | None = None
 
-    def side_split(self, l: int, y: str, scale: str, widths: list[int]) -> list[str]:
-        """Owning layer l's in_proj output y [B*S, sum(widths)] as [B, S, w] blocks: the latents and the key as
-        kv_update would make them (named as its outputs), the indexer's query and weights scaled."""
+    def side_split(self, l: int, y: str, scale: str, widths: list[int], batch_shape: str) -> list[str]:
+        """Owning layer l's in_proj output y [B*S, sum(widths)] as [B, S, w] blocks (batch_shape: [B, S] int64):
+        the latents and the key as kv_update would make them (named as its outputs), the indexer's query and
+        weights scaled."""
         g = self.g
-        if self._batch_shape is None:
-            self._batch_shape = g.op("Shape", ["input_ids"])  # [B, S]
         self._side.add(l)
         outs = [f"new_latent_k.{l}", f"new_latent_v.{l}", f"new_index_keys.{l}", f"L{l}.index_q", f"L{l}.index_w"]
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
-            return g.op(SIDE_OP, [y, scale, self._batch_shape, f"index_keys.{l}"], n_out=len(outs), outputs=outs,
+            return g.op(SIDE_OP, [y, scale, batch_shape, f"index_keys.{l}"], n_out=len(outs), outputs=outs,
                         domain=CPU_DOMAIN, widths=[int(w) for w in widths])
 
     def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,

@@ -167,19 +167,14 @@ class Network:
     def proj(self, x2d: str, name: str, residual: str | None = None, *, swiglu: bool = False) -> str:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
         stored tensor, the residual as its C input (one node, not Gemm + Add), or the quantised form of
-        this variant (+ an Add). swiglu (W = [gate; up]): silu(x gate^T) * (x up^T) instead, inside the offset
-        node where the ops fold one (CpuOps), else as Split + silu_mul."""
-        if swiglu:
-            lay = self._quantised(name)[0] if name in self.spec.quantised or name in self._fused else None
-            if lay is None or not (self.form == "portable" and lay.offsets and self.ops.fused_offsets):
-                inter = self.cfg.intermediate_size
-                a, b = self.g.op("Split", [self.proj(x2d, name), self.g.const([inter, inter], np.int64,
-                                                                                "gate_up_split")], n_out=2, axis=-1)
-                return silu_mul(self.g, a, b)
+        this variant (+ an Add). swiglu (W = [gate; up], quantised): silu(x gate^T) * (x up^T) instead, inside the
+        offset node where the ops fold one (CpuOps), else as Split + silu_mul."""
+        if swiglu and not self._folds_offsets(self._quantised(name)[0]):
+            return self.swiglu(self.proj(x2d, name))
         if name not in self.spec.quantised and name not in self._fused:
             return linear(self.g, x2d, self.w(name), residual)
         lay, prefix = self._quantised(name)
-        fold = self.form == "portable" and lay.offsets and self.ops.fused_offsets
+        fold = self._folds_offsets(lay)
         if residual is not None and not fold:
             return self.g.op("Add", [residual, self.proj(x2d, name)])
         out = self.g.fresh("qlinear")
@@ -199,6 +194,16 @@ class Network:
             self.g.add_nodes(dq_nodes(x2d, out, prefix, lay, with_dq=self._first_dq(name), group_sums=sums),
                              {"": lay.dq_opset})
         return out
+
+    def _folds_offsets(self, lay) -> bool:
+        """Whether a quantised projection's offset term (and residual) is one node of this variant's ops."""
+        return self.form == "portable" and lay.offsets and self.ops.fused_offsets
+
+    def swiglu(self, gate_up: str) -> str:
+        """silu(gate) * up of a [M, 2 * intermediate] gate+up projection: Split and silu_mul."""
+        inter = self.cfg.intermediate_size
+        a, b = self.g.op("Split", [gate_up, self.g.const([inter, inter], np.int64, "gate_up_split")], n_out=2, axis=-1)
+        return silu_mul(self.g, a, b)
 
     def fused_proj(self, x2d: str, key: str, i: int, parts: list[str], *, swiglu: bool = False) -> str | None:
         """x @ W^T over the FUSED tensor `key` of layer i (checkpoint tensors `parts` by rows) as one quantised
@@ -304,7 +309,7 @@ class Network:
         """A float32 stored tensor (or a node output over one) in the activation type."""
         return weight if self.act == F32 else cast(self.g, weight, self.act)
 
-    def gsm_inputs(self, i: int, x32: str, x: str, bs: Any) -> tuple[str, list[str]]:
+    def gsm_inputs(self, i: int, x32: str, x: str, bs: Any, shape_bs: str) -> tuple[str, list[str]]:
         """q [B, S, q_dim] float32 and the GSM-side tensors (GSM_SIDE_OUT, [B, S, width] float32) of owning
         layer i: one Gemm over in_proj (or one quantised projection, --gsm-weights int8), the latent scales applied
         after it as before ((x Vt^T) * S, not S folded into Vt: the latents are rounded to FP16 next and the golden
@@ -345,7 +350,7 @@ class Network:
             q = bs(q, cfg.q_dim, f"L{i}.q")
         side = fused if fused is not None else linear(g, x32, w)
         if self.ops.fused_side:  # scale, split and cache rounding as one node of the ops (CpuOps.side_split)
-            return q, self.ops.side_split(i, side, scale, widths)
+            return q, self.ops.side_split(i, side, scale, widths, shape_bs)
         y = bs(g.op("Mul", [side, scale]), sum(widths))
         gsm = g.op("Split", [y, g.const(widths, np.int64, "gsm_split")], n_out=len(widths), axis=-1, outputs=outs)
         return q, gsm
@@ -353,15 +358,11 @@ class Network:
     def mlp(self, i: int, y: str) -> str:
         """silu(y gate^T) * (y up^T): one Gemm over gate_up and a Split unless either is quantised."""
         gate, up = names.layer_name("gate_proj", i), names.layer_name("up_proj", i)
-        inter = self.cfg.intermediate_size
         if gate in self.spec.quantised or up in self.spec.quantised:
             # one quantised node when both are alike, and the product inside its offset node where there is one
             gu = self.fused_proj(y, "gate_up", i, [gate, up], swiglu=True)
             return silu_mul(self.g, self.proj(y, gate), self.proj(y, up)) if gu is None else gu
-        w = self.act_w(self.rows("gate_up", i, [gate, up]))
-        a, b = self.g.op("Split", [linear(self.g, y, w), self.g.const([inter, inter], np.int64, "gate_up_split")],
-                         n_out=2, axis=-1)
-        return silu_mul(self.g, a, b)
+        return self.swiglu(linear(self.g, y, self.act_w(self.rows("gate_up", i, [gate, up]))))
 
     def build(self) -> None:
         g, cfg, spec, ops = self.g, self.cfg, self.spec, self.ops
@@ -396,7 +397,7 @@ class Network:
                     # the GSM-side projections (latents, indexer) run in float32 in both variants: they
                     # are small (r and nI*dI rows), and float32 index scores keep the top-k selection
                     # of an FP16 engine equal to the golden's except at true near-ties
-                    q, (ck, cv, key, iq, iw) = self.gsm_inputs(i, x32, x, bs)
+                    q, (ck, cv, key, iq, iw) = self.gsm_inputs(i, x32, x, bs, shape_bs)
                 else:
                     q = self.proj(x, names.layer_name("q_proj", i))
                     q = bs(q if self.act == F32 else cast(g, q, F32), qd, f"L{i}.q")  # [B, S, nH*D] f32

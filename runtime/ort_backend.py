@@ -165,12 +165,13 @@ class OrtBackend:
         # the rows' positions to remake them; older graphs rebuild K per step
         self.k_rows = self._k_row_widths() if cfg.graph_revision >= 5 else {}
         self.demote_positions = cfg.graph_revision >= 5
-        self.cached = list(self._shapes())  # the buffers a call writes new rows into (graph outputs `new_<name>`)
+        shapes = self._shapes()
+        self.cached = list(shapes)  # the buffers a call writes new rows into (graph outputs `new_<name>`)
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
         # a decode call's (S = 1) outputs of fixed shape, bound once per batch size and set of outputs to arrays
         # kept here: a step then rebinds only what changes shape (attn_mass grows with the context)
-        widths = {f"new_{n}": (shape[1:], dt) for n, (shape, dt) in self._shapes().items()}
+        widths = {f"new_{n}": (shape[1:], dt) for n, (shape, dt) in shapes.items()}
         logits = next(o for o in self.session.get_outputs() if o.name == "logits")
         widths["logits"] = ((int(logits.shape[-1]),), np.float32)
         self._fixed = widths

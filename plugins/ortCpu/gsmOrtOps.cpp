@@ -62,12 +62,14 @@ std::string dimsText(std::vector<int64_t> const& v)
         }                                                                                                            \
     } while (0)
 
-OrtStatus* inputShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, std::vector<int64_t>* dims)
+// Input i and its shape; *value null (dims empty) where the node leaves an optional input out.
+OrtStatus* optionalInputShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, std::vector<int64_t>* dims)
 {
     GSM_ORT_TRY(gApi->KernelContext_GetInput(ctx, i, value));
     if (*value == nullptr)
     {
-        return invalid(std::string("input ") + kInputNames[i] + " is missing");
+        dims->clear();
+        return nullptr;
     }
     OrtTensorTypeAndShapeInfo* info = nullptr;
     GSM_ORT_TRY(gApi->GetTensorTypeAndShape(*value, &info));
@@ -80,6 +82,17 @@ OrtStatus* inputShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, s
     }
     gApi->ReleaseTensorTypeAndShapeInfo(info);
     return st;
+}
+
+// GsmCachedAttention's input i and its shape (every input is required)
+OrtStatus* inputShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, std::vector<int64_t>* dims)
+{
+    GSM_ORT_TRY(optionalInputShape(ctx, i, value, dims));
+    if (*value == nullptr)
+    {
+        return invalid(std::string("input ") + kInputNames[i] + " is missing");
+    }
+    return nullptr;
 }
 
 OrtStatus* elementType(OrtValue const* value, ONNXTensorElementDataType* type)
@@ -420,27 +433,6 @@ OrtStatus* offsetInvalid(std::string const& m)
     return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmGroupOffset: " + m).c_str());
 }
 
-OrtStatus* offsetShape(OrtKernelContext* ctx, size_t i, OrtValue const** value, std::vector<int64_t>* dims)
-{
-    GSM_ORT_TRY(gApi->KernelContext_GetInput(ctx, i, value));
-    if (*value == nullptr)
-    {
-        dims->clear();
-        return nullptr;
-    }
-    OrtTensorTypeAndShapeInfo* info = nullptr;
-    GSM_ORT_TRY(gApi->GetTensorTypeAndShape(*value, &info));
-    size_t n = 0;
-    OrtStatus* st = gApi->GetDimensionsCount(info, &n);
-    if (st == nullptr)
-    {
-        dims->assign(n, 0);
-        st = gApi->GetDimensions(info, dims->data(), n);
-    }
-    gApi->ReleaseTensorTypeAndShapeInfo(info);
-    return st;
-}
-
 OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
 {
     OffsetKernel const& kn = *static_cast<OffsetKernel const*>(opKernel);
@@ -453,7 +445,7 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
         v[i] = nullptr;
         if (i < present)
         {
-            GSM_ORT_TRY(offsetShape(ctx, i, &v[i], &sh[i]));
+            GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
         }
         if (v[i] == nullptr && i != kOffResidual)
         {
@@ -611,7 +603,7 @@ OrtStatus* ORT_API_CALL sideCompute(void* opKernel, OrtKernelContext* ctx)
     std::vector<int64_t> sh[kSideNumInputs];
     for (size_t i = 0; i < kSideNumInputs; ++i)
     {
-        GSM_ORT_TRY(offsetShape(ctx, i, &v[i], &sh[i]));
+        GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
         if (v[i] == nullptr)
         {
             return sideInvalid(std::string("input ") + kSideInputNames[i] + " is missing");
