@@ -11,7 +11,7 @@ from builder.plan import (
     DEFAULT_INT8_GROUP_SIZE,
     GSM_CHOICES,
     HEAD_CHOICES,
-    HEAD_GROUP_SIZE,
+    HEAD_GROUP_SIZES,
     INT4_GRIDS,
     PER_CHANNEL,
     WEIGHT_CHOICES,
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")
     b.add_argument("--head-weights", choices=list(HEAD_CHOICES),
                    help="the embedding and LM head (one tensor when tied): fp16, or INT8 / INT4 symmetric per group "
-                   f"of {HEAD_GROUP_SIZE}; default int8 for --weights int8 and int4 (an INT4 head costs far more "
+                   f"of {HEAD_GROUP_SIZES[8]} / {HEAD_GROUP_SIZES[4]}; default int8 for --weights int8 and int4 "
+                   "(an INT4 head costs far more "
                    "quality), fp16 for fp16; fp16 keeps the float head of a quantised build")
     b.add_argument("--gsm-weights", choices=list(GSM_CHOICES), help="the GSM-side projections of owning layers "
                    "(latent down-projections, indexer): fp16, or INT8 per output channel (default: int8 with "

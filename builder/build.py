@@ -29,7 +29,6 @@ from builder.plan import (
     DEFAULT_GROUP_SIZE,
     GSM_SIDE_FAST_CONFIG,
     HEAD_CHOICES,
-    HEAD_GROUP_SIZE,
     INT4_GRIDS,
     PER_CHANNEL,
     QUANTISED_KEYS,
@@ -37,6 +36,7 @@ from builder.plan import (
     MemoryPlan,
     choose_weights,
     fmt_bytes,
+    head_config,
     pool_rows,
     quantised_names,
     require_fit,
@@ -98,7 +98,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: the group along
     K (INT4 default 128 or the detected grid's; INT8 default 32, plan.PER_CHANNEL = one per row);
     int4_grid: auto | sym | asym-f (docs/weights.md); head_weights: fp16 | int8 | int4, the embedding and LM
-    head (None: plan.DEFAULT_HEAD of the --weights choice; symmetric at plan.HEAD_GROUP_SIZE);
+    head (None: plan.DEFAULT_HEAD of the --weights choice; symmetric at plan.HEAD_GROUP_SIZES of its bits);
     matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4); default
     fast for INT8 and INT4 (ONNX Runtime has no fast float32 INT8 kernel, and INT4 decodes 6-54 % faster
     with INT8 activations at +0.07 % perplexity on SmolLM2, docs/weights.md); awq_scales: a
@@ -290,7 +290,7 @@ def _weights_report(plan: MemoryPlan, cfg: Any, ranks: Any, requested: str, grid
         "ratio_vs_fp16": plan.weight_bytes / fp16,
         "quantised": sorted(QUANTISED_KEYS) if plan.weights != "fp16" else [],
         "head_weights": plan.head_weights,  # the embedding and LM head (one tensor when tied)
-        "head_group_size": None if plan.head_weights == "fp16" else HEAD_GROUP_SIZE,
+        "head_group_size": None if plan.head_weights == "fp16" else head_config(plan.head_weights).group_size,
         "tied_head": bool(cfg.tie_word_embeddings),
         # the GSM-side projections of owning layers (latent Vt, indexer key / query / weight): fp16 or INT8 per channel
         # in the TensorRT graph; in the ONNX Runtime graphs per group of gsm_group_size inputs in a fast build

@@ -54,11 +54,12 @@ INT4_GRIDS = ("sym", "asym-f")
 # weight-only quantised projections; GSM latent / indexer / projector weights and norms stay FP16 (small,
 # and the latents' error budget is the KV tiers')
 QUANTISED_KEYS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# --head-weights: the embedding and the LM head (one tensor when tied), symmetric per group of HEAD_GROUP_SIZE
-# whatever the projections' group and grid: llama.cpp's Q8_0 block, and ONNX Runtime's GatherBlockQuantized
-# (the quantised embedding lookup) takes no float zero point
+# --head-weights: the embedding and the LM head (one tensor when tied), symmetric per group of HEAD_GROUP_SIZES[bits]
+# whatever the projections' group and grid (ONNX Runtime's GatherBlockQuantized, the quantised embedding lookup,
+# takes no float zero point). INT8 at group 64: on SmolLM2 (whose Q8_0 source has blocks of 32) it holds the
+# held-out perplexity of group 32 (docs/weights.md) with half the scales a decode step reads; INT4 at group 32
 HEAD_CHOICES = WEIGHT_CHOICES
-HEAD_GROUP_SIZE = 32
+HEAD_GROUP_SIZES = {8: 64, 4: 32}
 # the --head-weights a --weights choice implies. INT4 keeps an INT8 head: on SmolLM2 (tied, 28 M of its 135 M
 # parameters) an INT4 head at group 32 cost +12.1 % held-out perplexity (+9.5 % at group 16), INT8 -0.02 %
 # against the FP16 head (docs/weights.md); the user's Q4_1 GGUF keeps its token embedding at Q8_0 likewise
@@ -193,10 +194,13 @@ def head_choice(weights: str, head_weights: str | None) -> str:
 
 
 def head_config(head_weights: str) -> WeightQuantConfig | None:
-    """The quantisation --head-weights means: None for fp16, else symmetric at HEAD_GROUP_SIZE."""
+    """The quantisation --head-weights means: None for fp16, else symmetric at HEAD_GROUP_SIZES of its bits."""
     if head_weights not in HEAD_CHOICES:
         raise PlanError(f"--head-weights must be one of {', '.join(HEAD_CHOICES)}, got {head_weights!r}")
-    return None if head_weights == "fp16" else WeightQuantConfig(8 if head_weights == "int8" else 4, HEAD_GROUP_SIZE)
+    if head_weights == "fp16":
+        return None
+    bits = 8 if head_weights == "int8" else 4
+    return WeightQuantConfig(bits, HEAD_GROUP_SIZES[bits])
 
 
 def gsm_choice(weights: str, gsm_weights: str | None) -> str:

@@ -104,7 +104,7 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     int8_group = {None: DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL: None}.get(group, group)
     wcfg = (WeightQuantConfig(8, int8_group) if weights == "int8" else
             WeightQuantConfig(4, group, symmetric=grid == "sym", float_zero_point=grid == "asym-f"))
-    head = WeightQuantConfig(8, 32)  # embedding and untied head: INT8 symmetric at group 32 for INT8 and INT4
+    head = WeightQuantConfig(8, 64)  # embedding and untied head: INT8 symmetric at group 64 for INT8 and INT4
     prompt = np.random.default_rng(1).integers(3, 259, PROMPT_LEN).tolist()
     worst, gt, rt = run_both(bundle, golden_with(tiny, wcfg, head, GSM_SIDE_CONFIG), prompt)
     assert gt == rt, f"greedy tokens diverge: {gt} vs {rt}"
@@ -178,7 +178,8 @@ def test_tied_head_quantised_once(tied, tmp_path, head_bits):
                        group_size=32, head_weights="fp16")
     cfg = checkpoint.load_config(tied)
     V, H = cfg.vocab_size, cfg.hidden_size
-    saved = 2 * V * H - (V * H * head_bits // 8 + V * (H // 32) * 2)  # FP16 tensor -> codes + FP16 scales per 32
+    group = {8: 64, 4: 32}[head_bits]  # INT8 heads at group 64, INT4 at 32
+    saved = 2 * V * H - (V * H * head_bits // 8 + V * (H // group) * 2)  # FP16 tensor -> codes + FP16 group scales
     assert float_head.plan.weight_bytes - r.plan.weight_bytes == saved
     assert (r.report["weights"]["head_weights"], r.report["weights"]["tied_head"]) == (head, True)
     assert float_head.report["weights"]["head_weights"] == "fp16"
@@ -194,7 +195,7 @@ def test_tied_head_quantised_once(tied, tmp_path, head_bits):
     float_ops = [n for n in onnx.load(tmp_path / "f" / "model.portable.onnx", load_external_data=False).graph.node]
     assert not [n for n in float_ops if n.op_type == "GatherBlockQuantized"]
     prompt = np.random.default_rng(6).integers(3, 1000, PROMPT_LEN).tolist()
-    golden = golden_with(tied, WeightQuantConfig(4, 32), WeightQuantConfig(head_bits, 32), GSM_SIDE_CONFIG)
+    golden = golden_with(tied, WeightQuantConfig(4, 32), WeightQuantConfig(head_bits, group), GSM_SIDE_CONFIG)
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
     worst_float, _, _ = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32), None, GSM_SIDE_CONFIG),
@@ -244,8 +245,8 @@ def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path, weights, group, 
         assert np.abs(a - b).max() <= 1e-3 and int(np.argmax(a)) == int(np.argmax(b))
         return
     for logits, cfg in ((a, WeightQuantConfig(8, group)), (b, WeightQuantConfig(8, None))):
-        # the head at group 32 portable, per channel in the TensorRT form (like every grouped INT8 weight)
-        golden = golden_with(tiny, cfg, WeightQuantConfig(8, 32 if cfg.group_size else None), GSM_SIDE_CONFIG)
+        # the head at group 64 portable, per channel in the TensorRT form (like every grouped INT8 weight)
+        golden = golden_with(tiny, cfg, WeightQuantConfig(8, 64 if cfg.group_size else None), GSM_SIDE_CONFIG)
         with torch.no_grad():
             g = golden.prefill(golden.new_cache(), prompt).logits[-1].numpy()
         assert np.abs(logits - g).max() <= tolerance(g)
