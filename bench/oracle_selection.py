@@ -11,8 +11,8 @@ issue's budget: 1/16 of dense at 8K with floor 512). The oracle of layer i score
 queries over every causal row (the mean over heads for `shared`, over a group's heads for `group`), given the
 hidden states the restricted layers below produced; the selected rows' logits are then softmaxed alone, as GSM
 attends over Sel(t). Held-out windows are bench/quality_real.py's (paragraphs of the evaluation text, BOS first).
-Perplexity per model over the windows and by position bucket; queries are taken `--block` at a time, so memory
-holds [heads, block, T] scores, never [heads, T, T].
+Perplexity per model over the windows and by position bucket; each window is a chunked prefill of `--chunk` queries
+at a time (gsm.convert.quality.token_nll), so memory holds [heads, chunk, T] scores, never [heads, T, T].
 """
 
 from __future__ import annotations
@@ -25,17 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from quality_real import eval_stream, windows  # noqa: E402
 
-from gsm import names  # noqa: E402
+from gsm.convert.quality import token_nll  # noqa: E402
 from gsm.dense import DenseLlama  # noqa: E402
-from gsm.golden.blocks import rms_norm, swiglu_mlp  # noqa: E402
-from gsm.golden.rope import apply_rope, rope_tables  # noqa: E402
 
 MODES = ("dense", "shared", "group", "head")
 BUCKETS = ((0, 1024), (1024, 2048), (2048, 4096), (4096, 8192))
@@ -67,60 +64,24 @@ def oracle_mask(probs: torch.Tensor, pos: torch.Tensor, mode: str, group: int, b
     return sel.expand(nH, -1, -1) if mode == "shared" else sel.repeat_interleave(nH // sel.shape[0], 0)
 
 
-class OracleModel:
-    """DenseLlama's weights, attention restricted per layer by `oracle_mask` (mode `dense`: not restricted)."""
+class OracleModel(DenseLlama):
+    """DenseLlama (its weights, not a copy) whose attention reads only the rows `oracle_mask` selects (mode `dense`:
+    every causal row). Score it a chunk of queries at a time (gsm.convert.quality.token_nll), so the oracle's dense
+    probabilities are [heads, chunk, T], never [heads, T, T]."""
 
-    def __init__(self, dense: DenseLlama, mode: str, *, floor: int, divisor: int, sinks: int, window: int,
-                 block: int) -> None:
+    def __init__(self, dense: DenseLlama, mode: str, *, floor: int, divisor: int, sinks: int, window: int) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.m, self.mode, self.block = dense, mode, block
-        self.floor, self.divisor, self.sinks, self.window = floor, divisor, sinks, window
+        vars(self).update(vars(dense))  # config, origin, the weight tensors themselves
+        self.mode, self.floor, self.divisor, self.sinks, self.window = mode, floor, divisor, sinks, window
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [nH, T, D], k, v [nKV, T, D] (RoPE'd) -> head outputs [nH, T, D]."""
-        nH, T, D = q.shape
-        group = nH // k.shape[0]
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        out = torch.empty_like(q)
-        for s0 in range(0, T, self.block):
-            s1 = min(T, s0 + self.block)
-            pos = torch.arange(s0, s1)
-            logits = (q[:, s0:s1] @ k[:, :s1].transpose(1, 2)) / math.sqrt(D)
-            logits = logits.masked_fill(~(torch.arange(s1)[None, :] <= pos[:, None])[None], float("-inf"))
-            p = logits.softmax(-1)
-            if self.mode != "dense":
-                sel = oracle_mask(p, pos, self.mode, group, row_budget(pos, self.floor, self.divisor), self.sinks,
-                                  self.window)
-                p = logits.masked_fill(~sel, float("-inf")).softmax(-1)
-            out[:, s0:s1] = p @ v[:, :s1]
-        return out
-
-    @torch.no_grad()
-    def token_nll(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> [T - 1] next-token NLL (the head applied 1,024 rows at a time)."""
-        m, cfg = self.m, self.m.config
-        T = ids.shape[0]
-        nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = rope_tables(torch.arange(T), D, cfg.rope_theta)
-        h = m.w[names.EMBED][ids]
-        for i in range(cfg.num_hidden_layers):
-            def w(key: str, i: int = i) -> torch.Tensor:
-                return m.w[names.layer_name(key, i)]
-
-            x = rms_norm(h, w("input_norm"), cfg.rms_norm_eps)
-            q = apply_rope(F.linear(x, w("q_proj")).view(T, nH, D).transpose(0, 1), cos, sin)
-            k = apply_rope(F.linear(x, w("k_proj")).view(T, nKV, D).transpose(0, 1), cos, sin)
-            v = F.linear(x, w("v_proj")).view(T, nKV, D).transpose(0, 1)
-            h = h + F.linear(self.attention(q, k, v).transpose(0, 1).reshape(T, nH * D), w("o_proj"))
-            h = h + swiglu_mlp(rms_norm(h, w("post_norm"), cfg.rms_norm_eps), w("gate_proj"), w("up_proj"),
-                               w("down_proj"))
-        hn = rms_norm(h, m.w[names.FINAL_NORM], cfg.rms_norm_eps)
-        out = torch.empty(T - 1)
-        for s0 in range(0, T - 1, 1024):
-            s1 = min(T - 1, s0 + 1024)
-            out[s0:s1] = F.cross_entropy(F.linear(hn[s0:s1], m.lm_head), ids[s0 + 1:s1 + 1], reduction="none")
-        return out
+    def attention_probs(self, scores: torch.Tensor, causal: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        probs = super().attention_probs(scores, causal, pos)  # [B, nH, T, S]
+        if self.mode == "dense":
+            return probs
+        group, budget = self.config.gqa_group, row_budget(pos, self.floor, self.divisor)
+        sel = torch.stack([oracle_mask(p, pos, self.mode, group, budget, self.sinks, self.window) for p in probs])
+        return scores.masked_fill(~sel, float("-inf")).softmax(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--divisor", type=int, default=16)
     ap.add_argument("--sinks", type=int, default=1)
     ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--block", type=int, default=512, help="queries scored at a time")
+    ap.add_argument("--chunk", type=int, default=512, help="queries scored at a time (a chunked prefill)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -151,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     base = None
     for mode in a.modes.split(","):
         t0 = time.perf_counter()
-        model = OracleModel(dense, mode, floor=a.floor, divisor=a.divisor, sinks=a.sinks, window=a.window,
-                            block=a.block)
-        nll = torch.stack([model.token_nll(seqs[b]) for b in range(a.sequences)])  # [n, L - 1]
+        model = OracleModel(dense, mode, floor=a.floor, divisor=a.divisor, sinks=a.sinks, window=a.window)
+        nll = torch.stack([token_nll(model, None, seqs[b], a.chunk) for b in range(a.sequences)])  # [n, L - 1]
         ppl = math.exp(float(nll.mean()))
         base = ppl if mode == "dense" else base
         res[mode] = {"perplexity": ppl, "vs_dense": None if base is None else ppl / base - 1,

@@ -102,7 +102,7 @@ class DenseLlama:
             kh = kh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, S+T, D]
             vh = vh.repeat_interleave(cfg.gqa_group, dim=1)  # [B, nH, S+T, D]
             scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)  # [B, nH, T, S+T]
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [B, nH, T, S+T]
+            probs = self.attention_probs(scores, causal, pos)  # [B, nH, T, S+T]
             o = (probs @ vh).transpose(1, 2).reshape(B, T, nH * D)  # [B, T, nH*D]
             h = h + F.linear(o, self._layer("o_proj", i))
             xm = rms_norm(h, self._layer("post_norm", i), cfg.rms_norm_eps)  # [B, T, H]
@@ -112,6 +112,12 @@ class DenseLlama:
                 layers.append(LayerCapture(x, q, k, v, probs if capture_probs else None))
         logits = F.linear(rms_norm(h, self.w[names.FINAL_NORM], cfg.rms_norm_eps), self.lm_head)
         return logits, layers  # logits: [B, T, V]
+
+    def attention_probs(self, scores: torch.Tensor, causal: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities [B, nH, T, S] from scores [B, nH, T, S], the causal mask [T, S] and the queries'
+        positions [T]: the softmax over every causal key. A model that attends to fewer rows overrides this
+        (bench/oracle_selection.py)."""
+        return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
     @torch.no_grad()
     def greedy(self, ids: Sequence[int] | torch.Tensor, n: int, *, stop_at_eos: bool = False) -> list[int]:

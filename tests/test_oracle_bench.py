@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from oracle_selection import OracleModel, oracle_mask, row_budget  # noqa: E402
 
+from gsm.convert.quality import token_nll  # noqa: E402
 from gsm.dense import DenseLlama  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def test_oracle_mask_is_the_rule(mode):
 
 
 def test_oracle_mask_takes_a_query_slice():
-    """Queries scored a block at a time select as if scored together (positions, not row indices, decide)."""
+    """Queries scored a chunk at a time select as if scored together (positions, not row indices, decide)."""
     p, T = _probs(4, 24, seed=2), 24
     whole = oracle_mask(p, torch.arange(T), "group", 2, row_budget(torch.arange(T), 6, 0), 1, 3)
     pos = torch.arange(16, 24)
@@ -64,12 +65,12 @@ def dense(stories_src):
 
 
 def test_full_budget_is_the_dense_model(dense):
-    """With every row in budget each oracle is the dense model (DenseLlama's own logits, an independent
-    forward); a small budget is not."""
+    """With every row in budget each oracle is the dense model (DenseLlama's own logits over the whole window); a
+    small budget is not. Scored in chunks, as the bench scores."""
     ids = torch.randint(3, dense.config.vocab_size, (96,), generator=torch.Generator().manual_seed(3))
     want = F.cross_entropy(dense.forward(ids[None])[0, :-1], ids[1:], reduction="none")
     for mode in ("dense", "shared", "group", "head"):
-        got = OracleModel(dense, mode, floor=96, divisor=0, sinks=1, window=4, block=40).token_nll(ids)
-        assert torch.allclose(got, want, atol=2e-4), mode
-    small = OracleModel(dense, "shared", floor=8, divisor=0, sinks=1, window=4, block=40).token_nll(ids)
-    assert (small - want).abs().max() > 1e-2
+        model = OracleModel(dense, mode, floor=96, divisor=0, sinks=1, window=4)
+        assert torch.allclose(token_nll(model, None, ids, 40), want, atol=2e-4), mode
+    small = OracleModel(dense, "shared", floor=8, divisor=0, sinks=1, window=4)
+    assert (token_nll(small, None, ids, 40) - want).abs().max() > 1e-2
