@@ -41,6 +41,7 @@ class CpuOps(PortableOps):
     fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
     fused_side = True  # Network.gsm_inputs emits the GSM-side tail through side_split
     flat_q = True  # GsmCachedAttention takes q [B*S, q_dim] and returns attn_out so: no Reshape either side
+    half_up = True  # GsmCachedAttention reads U_k / U_v as float16 when every value lies on the FP16 grid
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)

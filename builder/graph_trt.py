@@ -38,6 +38,7 @@ class PluginOps:
     fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
     fused_side = False  # CpuOps: an owning layer's GSM-side scale, split and cache rounding as one custom node
     flat_q = False  # CpuOps: an owning layer's q enters and attn_out leaves the attention as [B*S, q_dim]
+    half_up = False  # CpuOps: U_k / U_v as float16 when they lie on the FP16 grid
 
     def __init__(self, g: GraphBuilder, cfg: ModelConfig, ranks: dict[int, tuple[int, int]], n_max: int,
                  rows: PoolRows, max_top_k: int | None = None, *, int8_keys: bool = False) -> None:

@@ -96,6 +96,17 @@ class FusedSource:
         return (c for p in self.parts[name] for c in self.source.chunks(p))
 
 
+HALF_SUFFIX = ".float16"  # a float16 copy of a stored float32 tensor whose values all lie on the FP16 grid
+
+
+def on_half_grid(chunks: Iterable[np.ndarray], shape: tuple[int, ...]) -> np.ndarray | None:
+    """The tensor as float16 when that is exact for every value (NaN and overflow are not), else None."""
+    u = np.concatenate([np.asarray(c, np.float32).ravel() for c in chunks])
+    with np.errstate(over="ignore"):
+        h = u.astype(np.float16)
+    return h.reshape(shape) if np.array_equal(h.astype(np.float32), u) else None
+
+
 class CheckpointSource:
     """TensorSource over a checkpoint: 16 MiB chunks, so a build never holds a whole tensor."""
 
@@ -277,6 +288,18 @@ class Network:
     def lw(self, key: str, i: int, **kw: Any) -> str:
         return self.w(names.layer_name(key, i), **kw)
 
+    def up_weights(self, i: int) -> tuple[str, str]:
+        """Owning layer i's U_k and U_v: the stored float32 tensors, or, for ops that read them so (`half_up`),
+        float16 copies when every value of both lies on the FP16 grid (the converter rounds U there): the same
+        numbers in half the bytes a decode step reads. Each is small ([kvD, r]) and read whole to check."""
+        f32 = (self.lw("k_U", i, keep_f32=True), self.lw("v_U", i, keep_f32=True))
+        if not self.ops.half_up:
+            return f32
+        half = [on_half_grid(self.source.chunks(n), self.source.shape(n)) for n in f32]
+        if any(h is None for h in half):
+            return f32
+        return tuple(self.g.weight(n + HALF_SUFFIX, lambda h=h: h) for n, h in zip(f32, half))  # type: ignore
+
     def rows(self, key: str, i: int, parts: list[str]) -> str:
         """Stored FUSED tensor `key` of layer i: checkpoint tensors `parts` ([rows, in] each, row-major)
         concatenated along rows. Streamed: such a concatenation is the parts' bytes one after another."""
@@ -403,7 +426,7 @@ class Network:
                     q = bs(q if self.act == F32 else cast(g, q, F32), qd, f"L{i}.q")  # [B, S, nH*D] f32
             if cfg.is_owning(i):
                 cache[i] = ops.kv_update(i, cache[i], ck, cv, key, past, new)
-                up = (self.lw("k_U", i, keep_f32=True), self.lw("v_U", i, keep_f32=True))
+                up = self.up_weights(i)
                 window, top_k = self.layer_selection(i)
                 attn, selected[i], mass = ops.attention(i, q, cache[i], past, new, rope=rope, up=up, index_q=iq,
                                                         index_w=iw, sparse_window=window, top_k=top_k, quant=quant[i])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,21 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
         out, cfg, quant, checkpoint.load_state_dict(base),
         tokenizer_json=tok.read_text() if tok.is_file() else None,
         extra_files={calib.name: calibration} if calibration is not None else None, progress=False)
+
+
+def half_grid_copy(base: Path, out: Path) -> Path:
+    """A copy of checkpoint `base` with every U_k / U_v rounded to the FP16 grid, as the converter writes them
+    (decisions "U on the FP16 grid"); everything else as it was."""
+    from gsm import checkpoint
+
+    state = checkpoint.load_state_dict(base)
+    state = {k: (v.astype(np.float16).astype(np.float32) if k.endswith(("k_svd_U.weight", "v_svd_U.weight"))
+                 else v) for k, v in state.items()}
+    tok, calib = base / "tokenizer.json", base / "kv_calibration.safetensors"
+    return checkpoint.write_checkpoint_arrays(
+        out, checkpoint.load_config(base), checkpoint.load_quant(base), state,
+        tokenizer_json=tok.read_text() if tok.is_file() else None,
+        extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
 
 
 INT4_FRACTIONS = (0.25, 0.125, 0.25, 0.375)

@@ -443,17 +443,44 @@ def test_eval_text_is_never_fitted_on(calibrated):
     assert Path(rep["held_out"]["file"]).name == EVAL_TEXT.name
 
 
-# -- issue 5 "done when": the calibrated checkpoint through the builder and the ONNX Runtime backend ----
+# -- the calibrated checkpoint through the builder and the ONNX Runtime backend -----------------------------
+def sync_fp16_flips(gm, seq) -> list[int]:
+    """A golden hook, for lockstep runs of one token per call: each new latent row the golden appends must be the
+    engine's row (read from its cache buffers, already written) to 2^-10 of the row's largest value (an FP16
+    rounding flip: one unit of a value, a few of a small one, whose float32 error is the row's), and takes the
+    engine's values there. The ONNX Runtime graphs agree with the golden to float32 summation order; the cache's
+    FP16 rounding turns that into a flip now and then, which would then stay in both caches and compound (a
+    one-unit flip of a latent near 20 moved every later step's logits by 1e-3 on stories260K). Syncing them keeps
+    each step's comparison about the step. Returns [flipped, compared] value counts."""
+    counts = [0, 0]
+
+    def hook(i: int, n0: int, ck: torch.Tensor, cv: torch.Tensor) -> None:
+        ek, ev = seq.cache.latents(i, n0 + ck.shape[0])
+        for g, e in ((ck, ek[n0:]), (cv, ev[n0:])):
+            e = torch.from_numpy(np.array(e, np.float32))
+            assert torch.equal(e.half().float(), e)  # the engine's new rows are FP16 values too
+            diff = g != e
+            near = (g - e).abs() <= 2.0 ** -10 * g.abs().amax(-1, keepdim=True)
+            assert bool((near | ~diff).all()), f"layer {i}: a new latent differs from the engine's beyond a flip"
+            g[diff] = e[diff]
+            counts[0] += int(diff.sum())
+            counts[1] += g.numel()
+
+    gm.latent_hooks.append(hook)
+    return counts
+
+
 def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated, tmp_path):
-    """Scales travel checkpoint -> bundle; ORT then equals the golden in deployed mode (fp32 portable
-    build vs fp32 golden: logits to 1e-3, greedy tokens identical)."""
+    """Scales travel checkpoint -> bundle; ORT then equals the golden in deployed mode (fp32 build vs fp32 golden:
+    logits to 1e-4, greedy tokens identical, each new latent row the golden's up to FP16 rounding flips, which are
+    rare and synced as they happen: sync_fp16_flips)."""
     import runtime
     from builder.build import build
     from gsm.golden.model import GoldenModel
 
     cal, _ = calibrated
     # a copy that re-tiers every 8 decode steps behind a 4-position FP16 window, so that the calibrated
-    # INT8 rows are really read during the 48 steps below
+    # INT8 rows are really read during the steps below
     out = retiering_copy(cal, tmp_path / "ckpt", rate=8, fp16_window=4)
     bundle = tmp_path / "bundle"
     build(device="orin", checkpoint_dir=out, output=bundle, max_seq=256)
@@ -464,13 +491,18 @@ def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated,
     assert gm.calib.calibrated
     prompt = rt.encode("Once upon a time, there was a little dog named Max. He liked to")
     seq, cache = rt.new_sequence(), gm.new_cache()
-    a, b = seq.prefill(prompt), gm.prefill(cache, prompt).logits[-1].numpy()
-    for _ in range(48):
-        assert float(np.abs(a - b).max()) <= 1e-3
-        tok = int(np.argmax(b))
-        assert int(np.argmax(a)) == tok
+    flips = sync_fp16_flips(gm, seq)
+    # the prompt one token per call too (each call's new row is then still FP16 in the engine's buffers: a
+    # prefill's re-tier pass would demote its rows before the hook could read them); the engine's call first
+    a, b = seq.prefill(prompt[:1]), gm.prefill(cache, prompt[:1]).logits[-1].numpy()
+    for i in range(len(prompt) - 1 + 48):
+        assert float(np.abs(a - b).max()) <= 1e-4, i  # float32 order alone: 1.5e-5 measured
+        tok = prompt[i + 1] if i + 1 < len(prompt) else int(np.argmax(b))
+        if i + 1 >= len(prompt):
+            assert int(np.argmax(a)) == tok
         a, b = seq.decode(tok), gm.decode(cache, tok).logits[-1].numpy()
     assert int((cache.tier > 0).sum()) > 0  # demoted rows were read on the way
+    assert flips[1] > 0 and flips[0] <= 0.01 * flips[1], flips  # 64 of 21,045 measured
 
 
 def test_int4_in_the_search_is_opt_in():

@@ -26,10 +26,31 @@ def test_whitened_svd_error_formula_matches_output_error():
     lr = whitened_svd(w, input_covariance(x))
     y = x @ w.T
     for r in (1, 4, 8, 16):
-        U, S, Vt = lr.factors(r)
+        _, S, Vt = lr.factors(r)
+        U = lr.P[:, :r].float()  # the SVD's own U: the formula is the truncation's error
         measured = float((x @ (U @ (S[:, None] * Vt)).T - y).norm() / y.norm())
         assert measured == pytest.approx(lr.rel_error(r), rel=1e-3, abs=1e-5)
     assert lr.rel_error(16) < 1e-5  # full rank reproduces W
+
+
+def test_factors_put_u_on_the_fp16_grid():
+    """The checkpoint's U is the SVD's rounded to float16 values (decisions "U on the FP16 grid"): exactly
+    representable, each within half an FP16 unit of the SVD's, and the output error at full rank is that
+    rounding's alone (a few 1e-4, far below any rank tolerance)."""
+    x = correlated_inputs(4000, 24, 0)
+    w = torch.randn(16, 24, generator=torch.Generator().manual_seed(1))
+    lr = whitened_svd(w, input_covariance(x))
+    for r in (4, 16):
+        U, S, Vt = lr.factors(r)
+        assert torch.equal(U.half().float(), U)
+        P = lr.P[:, :r].float()
+        ulp = torch.where(P.abs() >= 2.0 ** -14, 2.0 ** (torch.floor(torch.log2(P.abs().clamp_min(2.0 ** -14))) - 10),
+                          torch.tensor(2.0 ** -24))
+        assert bool(((U - P).abs() <= ulp / 2).all())
+        assert not torch.equal(U, P)  # the rounding happened
+    y = x @ w.T
+    measured = float((x @ (U @ (S[:, None] * Vt)).T - y).norm() / y.norm())
+    assert 0 < measured < 1e-3
 
 
 def test_whitening_beats_plain_svd_on_output_error():

@@ -4,7 +4,9 @@ With full rank (tolerance 0), no sharing and top_k >= sequence length, GSM atten
 attention with K/V factored as U·diag(S)·Vt; the golden `exact` model must then compute the
 logits of `transformers.LlamaForCausalLM` holding the same stories260K weights. Tolerance 1e-4:
 float32 with a different summation order (the factored K/V adds one more matmul) and RoPE tables
-that transformers builds in float32 while ours are rounded from float64.
+that transformers builds in float32 while ours are rounded from float64. The factors are the SVD's own
+(`u_grid=False`): the converter's U on the FP16 grid changes the model itself by that rounding
+(tests/test_convert_math.py bounds it), which is not the golden's arithmetic this file checks.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def full_rank_gsm(src, params: GSMParams):
                           w=rnd(params.indexer_heads, H)) for i in range(L)}
     plan = Plan(ranks={i: (kvd, kvd) for i in range(L)}, sharing={}, indexers=idx, indexer_losses={},
                 params=params)
-    return golden_of(*assemble(src, lowranks, plan))
+    return golden_of(*assemble(src, lowranks, plan, u_grid=False))
 
 
 def real_ids(tok, n: int) -> list[int]:

@@ -319,19 +319,61 @@ def test_bad_input_names_it(field: str, value: list[int], names: str) -> None:
     assert names in str(err.value)
 
 
+def typed_session(geo: tuple[int, ...], sinks: int, types: dict[str, int], threads: int = 1) -> ort.InferenceSession:
+    """The op with some inputs declared of another element type than INPUTS gives them."""
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(LIB))
+    so.intra_op_num_threads = threads
+    node = onnx.load_from_string(model_bytes(geo, sinks))
+    for v in node.graph.input:
+        if v.name in types:
+            v.type.tensor_type.elem_type = types[v.name]
+    return ort.InferenceSession(node.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def test_key_types_must_agree() -> None:
     geo = GEOMETRIES["vec"]
     x = make_inputs(np.random.default_rng(5), geo, [4], [1], 1, 1, [2])
     x["index_keys"] = int8_keys(x, np.random.default_rng(6))["index_keys"]  # int8 cache, float16 new keys
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(LIB))
-    types = {"index_keys": TensorProto.INT8}
-    node = onnx.load_from_string(model_bytes(geo, 1))
-    for v in node.graph.input:
-        if v.name in types:
-            v.type.tensor_type.elem_type = types[v.name]
-    sess = ort.InferenceSession(node.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = typed_session(geo, 1, {"index_keys": TensorProto.INT8})
     with pytest.raises(Exception, match="index_keys and new_index_keys must both be float16 or both int8"):
+        sess.run(None, x)
+
+
+UP_INPUTS = ("k_up", "v_up")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["decode_b3_unequal", "decode_gqa3", "prefill_gqa3", "prefill_odd", "dense"])
+def test_float16_up_projections_give_the_float32_bits(name: str, threads: int) -> None:
+    """U_k and U_v as float16 (a checkpoint whose U lie on the FP16 grid: the builder then stores them so) give the
+    outputs of the same values as float32 bit for bit: the K rows of the call's latents, the decode form's U_v after
+    the latent sum and the prefill form's V rows; and both agree with the reference."""
+    geo_name, past, new, S, window, sinks, top_k, zero_w = CASES[name]
+    geo = GEOMETRIES[geo_name]
+    x = make_inputs(np.random.default_rng(11), geo, past, new, S, window, top_k, zero_w)
+    x.update({n: x[n].astype(np.float16).astype(np.float32) for n in UP_INPUTS})  # on the grid
+    want = check_against_reference(x, geo, sinks, TensorProto.FLOAT16)
+    names = [n for n, _ in OUTPUTS]
+    f32 = dict(zip(names, session(geo, sinks, threads).run(None, x)))
+    half = {**x, **{n: x[n].astype(np.float16) for n in UP_INPUTS}}
+    sess = typed_session(geo, sinks, dict.fromkeys(UP_INPUTS, TensorProto.FLOAT16), threads)
+    got = dict(zip(names, sess.run(None, half)))
+    for n in names:
+        assert np.array_equal(got[n], f32[n]), n
+    np.testing.assert_array_equal(got["selected"], want["selected"])
+
+
+def test_up_projection_types_must_agree() -> None:
+    geo = GEOMETRIES["vec"]
+    x = make_inputs(np.random.default_rng(5), geo, [4], [1], 1, 1, [2])
+    x["k_up"] = x["k_up"].astype(np.float16)  # float16 U_k, float32 U_v
+    sess = typed_session(geo, 1, {"k_up": TensorProto.FLOAT16})
+    with pytest.raises(Exception, match="k_up and v_up must both be float or both float16"):
+        sess.run(None, x)
+    x["v_up"] = x["v_up"].astype(np.float64)
+    sess = typed_session(geo, 1, {"k_up": TensorProto.FLOAT16, "v_up": TensorProto.DOUBLE})
+    with pytest.raises(Exception, match="k_up and v_up must both be float or both float16"):
         sess.run(None, x)
 
 

@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import int4_copy, need_ort_ops_library, retiering_copy
+from conftest import half_grid_copy, int4_copy, need_ort_ops_library, retiering_copy
 from runtime_bundles import ROOT, run_module
 
 from builder.build import build
@@ -26,8 +26,11 @@ N_MAX, MAX_INPUT = 192, 16
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
+    """A checkpoint whose U lie on the FP16 grid, as the converter writes them (so model.cpu.onnx reads float16
+    U; the quantised bundles below keep the synthetic checkpoint's float32 U)."""
     root = tmp_path_factory.mktemp("cpu_graph")
-    ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier")
+    ck = half_grid_copy(retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier"),
+                        root / "grid")
     out = root / "bundle"
     build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True,
           max_batch=4)  # the four budgets in one batch
@@ -98,6 +101,51 @@ def test_quantised_gsm_side_is_one_node_per_owning_layer(quantised_bundles):
         keys = next(i for i in cpu.input if i.name == f"index_keys.{cfg['owning_layers'][0]}")
         want = onnx.TensorProto.INT8 if name.endswith("keys8") else onnx.TensorProto.FLOAT16
         assert keys.type.tensor_type.elem_type == want, name
+
+
+def up_types(b) -> set[int]:
+    """Element types of the U_k / U_v initializers the GsmCachedAttention nodes of b's model.cpu.onnx read."""
+    import onnx
+
+    g = onnx.load(str(b / "model.cpu.onnx"), load_external_data=False).graph
+    types = {t.name: t.data_type for t in g.initializer}
+    return {types[n.input[i]] for n in g.node if n.op_type == "GsmCachedAttention" for i in (9, 10)}
+
+
+def test_u_on_the_fp16_grid_is_read_as_float16(bundle, quantised_bundles):
+    """U on the FP16 grid: the op reads float16 copies (half the bytes, the same values); the portable graph keeps
+    the float32 tensors; U off the grid (the synthetic checkpoint's) stays float32 in every graph."""
+    import onnx
+
+    assert up_types(bundle) == {onnx.TensorProto.FLOAT16}
+    portable = onnx.load(str(bundle / "model.portable.onnx"), load_external_data=False).graph
+    assert not any(t.name.endswith(".float16") for t in portable.initializer)
+    for b in quantised_bundles.values():
+        assert up_types(b) == {onnx.TensorProto.FLOAT}
+
+
+def test_float16_u_gives_the_float32_bits(bundle, tmp_path, monkeypatch):
+    """The same checkpoint built with the op reading float32 U gives the float16 bundle's logits bit for bit (the
+    op widens each block of U exactly and sums it as the float32 one; tests/test_ort_ops.py checks the op alone)."""
+    need_ort_ops_library()
+    import onnx
+
+    import runtime
+    from builder.graph_cpu import CpuOps
+
+    monkeypatch.setattr(CpuOps, "half_up", False)
+    f32 = tmp_path / "f32"
+    build(device="orin", checkpoint_dir=json.loads((bundle / "manifest.json").read_text())["checkpoint"]["path"],
+          output=f32, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True, max_batch=4)
+    assert up_types(f32) == {onnx.TensorProto.FLOAT}
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 259, n).tolist() for n in (9, 40)]
+    a = run(runtime.load(bundle, "onnxruntime", threads=2, graph="cpu"), prompts, [3, None], 12)
+    b = run(runtime.load(f32, "onnxruntime", threads=2, graph="cpu"), prompts, [3, None], 12)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x["tokens"] == y["tokens"], i
+        for s in range(len(prompts)):
+            assert np.array_equal(x["logits"][s], y["logits"][s]), f"step {i}, sequence {s}"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

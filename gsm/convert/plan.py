@@ -65,8 +65,10 @@ def ranks_at(lowranks: LowRanks, layers: list[int], tolerance: float, kv_budget:
     return {i: (r[(i, "k")], r[(i, "v")]) for i in layers}
 
 
-def assemble(src: DenseSource, lowranks: LowRanks, plan: Plan) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and the tensors of spec 3 (float32 numpy arrays) for the planned GSM model.
+def assemble(src: DenseSource, lowranks: LowRanks, plan: Plan, *, u_grid: bool = True,
+             ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and the tensors of spec 3 (float32 numpy arrays) for the planned GSM model (u_grid: U on the FP16
+    grid, as the converter writes it; LowRank.factors).
 
     Tensors taken unchanged from a `resident` source share its memory (no copy).
     """
@@ -89,7 +91,7 @@ def assemble(src: DenseSource, lowranks: LowRanks, plan: Plan) -> tuple[ModelCon
             t[names.layer_name("proj_b", i)] = f.bias.numpy()
             continue
         for kv, r in zip(("k", "v"), plan.ranks[i]):
-            U, S, Vt = lowranks[(i, kv)].factors(r)
+            U, S, Vt = lowranks[(i, kv)].factors(r, u_grid=u_grid)
             t[names.layer_name(f"{kv}_U", i)] = U.numpy()
             t[names.layer_name(f"{kv}_S", i)] = S.numpy()
             t[names.layer_name(f"{kv}_Vt", i)] = Vt.numpy()

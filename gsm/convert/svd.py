@@ -48,9 +48,13 @@ class LowRank:
                 return r
         return self.full_rank
 
-    def factors(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(U [kvD, r], S [r], Vt [r, H]) in float32."""
-        return (self.P[:, :r].float().contiguous(), self.sigma[:r].float().contiguous(),
+    def factors(self, r: int, *, u_grid: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(U [kvD, r], S [r], Vt [r, H]) in float32; with u_grid (what the converter writes) U on the FP16 grid:
+        every value a float16 (|U| <= 1, a relative change of at most 2^-11 per value, below the FP16 rounding the
+        cached latents get anyway), so an FP16 engine and the CPU op's float16 copy (docs/decisions.md "U on the
+        FP16 grid") hold exactly the golden's numbers. Without it the SVD's own U (full rank: W exactly)."""
+        U = self.P[:, :r].float()
+        return ((U.half().float() if u_grid else U).contiguous(), self.sigma[:r].float().contiguous(),
                 self.QtLinv[:r].float().contiguous())
 
 

@@ -85,6 +85,20 @@ void rope(float const* x, float const* c, float const* s, int64_t D, float* out)
     }
 }
 
+// y = U[row0 .. row0 + m) x over U's r columns, U float32 or float16 bits (in.halfUp)
+void upMatvec(Kernels const& K, CachedAttentionInputs const& in, void const* U, int64_t row0, float const* x,
+    int64_t m, int64_t r, float* y)
+{
+    if (in.halfUp)
+    {
+        K.matvecHalf(static_cast<uint16_t const*>(U) + row0 * r, x, m, r, y);
+    }
+    else
+    {
+        K.matvec(static_cast<float const*>(U) + row0 * r, x, m, r, y);
+    }
+}
+
 struct Scratch
 {
     std::vector<float> qr, scores, probs, ctx, vrows;
@@ -192,7 +206,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             big.resize(static_cast<size_t>(D));
             t = big.data();
         }
-        K.matvec(in.kUp + g * D * rk, in.newLatentK + q * rk, D, rk, t);
+        upMatvec(K, in, in.kUp, g * D, in.newLatentK + q * rk, D, rk, t);
         rope(t, c, s, D, out.newKRows + q * kvD + g * D);
         for (int64_t h = g * grp; h < (g + 1) * grp; ++h)
         {
@@ -392,7 +406,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         });
         ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
             int64_t const q = i / nH, h = i % nH, g = h / grp;
-            K.matvec(in.vUp + g * D * rv, sc.ctx.data() + (q * nH + h) * rv, D, rv, out.attnOut + (q * nH + h) * D);
+            upMatvec(K, in, in.vUp, g * D, sc.ctx.data() + (q * nH + h) * rv, D, rv, out.attnOut + (q * nH + h) * D);
         });
     }
     else
@@ -421,7 +435,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             int64_t const b = sc.uniq[u] / lmax, p = sc.uniq[u] % lmax, past = in.pastLengths[b];
             float const* c = p < past ? in.latentV + (in.cacheRows[b] * N + p) * rv
                                       : in.newLatentV + (b * S + p - past) * rv;
-            K.matvec(in.vUp, c, kvD, rv, sc.vrows.data() + u * kvD);
+            upMatvec(K, in, in.vUp, 0, c, kvD, rv, sc.vrows.data() + u * kvD);
         });
         for (int64_t q = 0; q < Q; ++q)
         {

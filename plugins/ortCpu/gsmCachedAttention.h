@@ -43,8 +43,9 @@ struct CachedAttentionInputs
     void const* indexKeys = nullptr;       // [R,N,dI] as newIndexKeys
     bool int8Keys = false;                 // INT8 key codes (index_q scaled by their scale already)
     float const* kRows = nullptr;          // [R,N,nKV*D]
-    float const* kUp = nullptr;            // [nKV*D,rk]
-    float const* vUp = nullptr;            // [nKV*D,rv]
+    void const* kUp = nullptr;             // [nKV*D,rk] float32, or float16 bits when halfUp
+    void const* vUp = nullptr;             // [nKV*D,rv] as kUp
+    bool halfUp = false;                   // U_k and U_v as float16 (a checkpoint whose U lie on the FP16 grid)
     float const* ropeCos = nullptr;        // [N,D]
     float const* ropeSin = nullptr;        // [N,D]
     int32_t const* cacheRows = nullptr;    // [B]

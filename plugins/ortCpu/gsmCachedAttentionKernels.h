@@ -31,6 +31,8 @@ struct Kernels
         float* ctx, int64_t rv);
     // y[o] = sum_i W[o*r + i] * x[i], o < m
     void (*matvec)(float const* W, float const* x, int64_t m, int64_t r, float* y);
+    // the same over float16 weights (bits, widened exactly; the sums of matvec in its order)
+    void (*matvecHalf)(uint16_t const* W, float const* x, int64_t m, int64_t r, float* y);
     // out[d] = sum_s p[s] * rows[s][off + d], d < D (s ascending)
     void (*weightedRows)(float const* p, float const* const* rows, int64_t off, int64_t n, int64_t D, float* out);
     // GsmGroupOffset, columns n0 <= n < n1 of `rows` rows m (sums [rows, G]; main, res and y of row stride N):

@@ -155,6 +155,15 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     {
         return invalid("inputs index_keys and new_index_keys must both be float16 or both int8 (INT8 key codes)");
     }
+    // U_k and U_v: float32, or float16 when the checkpoint's U lie on the FP16 grid (the builder stores them so)
+    ONNXTensorElementDataType kUpType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, vUpType = kUpType;
+    GSM_ORT_TRY(elementType(v[kKUp], &kUpType));
+    GSM_ORT_TRY(elementType(v[kVUp], &vUpType));
+    if ((kUpType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && kUpType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+        || vUpType != kUpType)
+    {
+        return invalid("inputs k_up and v_up must both be float or both float16");
+    }
     CachedAttentionDims d;
     d.nH = kn.numHeads;
     d.nKV = kn.numKvHeads;
@@ -224,8 +233,9 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     in.indexKeys = p[kIndexKeys];
     in.int8Keys = keyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
     in.kRows = static_cast<float const*>(p[kKRows]);
-    in.kUp = static_cast<float const*>(p[kKUp]);
-    in.vUp = static_cast<float const*>(p[kVUp]);
+    in.kUp = p[kKUp];
+    in.vUp = p[kVUp];
+    in.halfUp = kUpType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     in.ropeCos = static_cast<float const*>(p[kRopeCos]);
     in.ropeSin = static_cast<float const*>(p[kRopeSin]);
     in.cacheRows = static_cast<int32_t const*>(p[kCacheRows]);
@@ -371,6 +381,10 @@ ONNXTensorElementDataType ORT_API_CALL inputType(OrtCustomOp const*, size_t i)
     if (i == kNewIndexKeys || i == kIndexKeys)
     {
         return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; // float16 keys or int8 codes, checked per call
+    }
+    if (i == kKUp || i == kVUp)
+    {
+        return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; // float or float16, checked per call
     }
     return i >= kCacheRows ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
