@@ -2,10 +2,10 @@
 
 One node, SmolLM2-135M's geometry by default (9 heads over 3 key heads of 64, 3 indexer heads of 32, ranks 187 /
 192, INT8 index keys), inputs bound once, the best mean of --repeats runs of --calls calls. `--cold` gives every
-call another sequence row of a cache far larger than the CPU's caches, so its K rows and V latents come from
-memory, as they do in a model step after the layer's weights went through.
+call another sequence row of a cache far larger than the CPU's caches and another copy of U_k / U_v, so its K rows,
+V latents and U come from memory, as they do in a model step after the layer's weights went through.
 
-    python bench/attention_op_cpu.py [--past 8,256,512] [--top-k 294] [--threads 1] [--cold]
+    python bench/attention_op_cpu.py [--past 8,256,512] [--top-k 294] [--threads 1] [--cold] [--half-up]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="a different cache row each call (rows from memory)")
     ap.add_argument("--cache-mib", type=int, default=256, help="size of the --cold cache (well above the CPU's caches)")
+    ap.add_argument("--half-up", action="store_true", help="U_k / U_v as float16 (a checkpoint with U on the FP16 grid)")
     a = ap.parse_args(argv)
 
     import onnxruntime as ort
@@ -52,13 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     so.register_custom_ops_library(str(T.LIB))
     so.intra_op_num_threads = a.threads
     so.log_severity_level = 3
-    s = ort.InferenceSession(T.model_bytes(geo, 1, TensorProto.INT8), so, providers=["CPUExecutionProvider"])
+    model = T.model_bytes(geo, 1, TensorProto.INT8)
+    if a.half_up:
+        import onnx
+
+        x.update({n: x[n].astype(np.float16) for n in T.UP_INPUTS})
+        m = onnx.load_from_string(model)
+        for v in m.graph.input:
+            if v.name in T.UP_INPUTS:
+                v.type.tensor_type.elem_type = TensorProto.FLOAT16
+        model = m.SerializeToString()
+    s = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     b = s.io_binding()
     for k, v in x.items():
         b.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
     rows = [ort.OrtValue.ortvalue_from_numpy(np.array([i], np.int32)) for i in range(R)]
+    # cold: U_k / U_v from memory too, as in a model step (each layer its own): copies over a quarter of the cache size
+    n_up = max(1, (a.cache_mib << 18) // sum(x[n].nbytes for n in T.UP_INPUTS)) if a.cold else 1
+    ups = [{n: ort.OrtValue.ortvalue_from_numpy(x[n] + np.zeros_like(x[n])) for n in T.UP_INPUTS} for _ in range(n_up)]
     print(f"GsmCachedAttention decode, geometry {a.geometry}, top-k {a.top_k}, window {a.window}, "
-          f"{a.threads} thread(s), {'cold' if a.cold else 'hot'} rows ({R} cache rows)")
+          f"{a.threads} thread(s), {'cold' if a.cold else 'hot'} rows ({R} cache rows), "
+          f"{'float16' if a.half_up else 'float32'} U")
     for past in pasts:
         b.bind_ortvalue_input("past_lengths", ort.OrtValue.ortvalue_from_numpy(np.array([past], np.int32)))
         b.clear_binding_outputs()  # the outputs' shapes follow the context
@@ -70,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             nonlocal n
             if R > 1:
                 b.bind_ortvalue_input("cache_rows", rows[n % R])
+            if n_up > 1:
+                for k, v in ups[n % n_up].items():
+                    b.bind_ortvalue_input(k, v)
             n += 1
             s.run_with_iobinding(b)
 

@@ -72,6 +72,33 @@ def test_curve_equals_direct_numpy_and_select(block):
     assert [r["sparse_top_k"] for r in curve.to_json()] == [0, 1, 4, 9, 20]
 
 
+@pytest.mark.parametrize("block", [1, 256])
+def test_wide_window_curve_equals_direct_numpy(block):
+    """`indexer+w{W}` at ladder k: window W and the indexer's top k - (W - window), the same rows as window + k, on
+    the same sparse rows; nan where k < W - window (the option does not exist), and a layer's options skip it."""
+    x, iq, ik, iw, nI, q, k = _layer()
+    T = x.shape[0]
+    sinks, window, ks = 2, 3, (0, 1, 4, 9, 20, 43)
+    curve = bud.HitRateCurve(ks, n_layers=1, wide=(5, 11))
+    assert curve.selectors == ("indexer", "recency", "indexer+w5", "indexer+w11")
+    bud.add_layer(curve, 0, x, iq, ik, iw, nI, q, k, sinks, window, block=block)
+    probs = A.attention_probs(q, k, A.causal_mask(torch.arange(T), T)).double().numpy()
+    scores = index_scores(x, iq, iw, x @ ik.T, nI).double().numpy()
+    for w in (5, 11):
+        for j, kk in enumerate(ks):
+            got = curve.per_layer(f"indexer+w{w}")[0, j]
+            if kk < w - window or curve.rows[0, j] == 0:
+                assert np.isnan(got)
+                continue
+            want, rows = numpy_hit_rate(scores, probs, sinks, w, kk - (w - window))
+            assert rows == curve.rows[0, j]
+            assert got == pytest.approx(want, abs=1e-5)
+    opts = bud.layer_options(curve)[0]
+    assert {(o.selector, o.k) for o in opts if o.wide == 11} == {("indexer+w11", 9), ("indexer+w11", 20)}
+    sel = next(o for o in opts if o.selector == "indexer+w11" and o.k == 20).selection(window)
+    assert (sel.sparse_window, sel.sparse_top_k) == (11, 12)  # 2 + 11 + 12 = 2 + 3 + 20 rows
+
+
 def test_selected_mass_ties_take_the_lower_position():
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.0, 0.0]])
     scores = torch.zeros(1, 6)  # all tied: top-1 among candidates 1..2 (sink 0, window {3}) is position 1
@@ -161,15 +188,15 @@ def test_chunked_prefill_sequence_equals_whole_capture(stories_src):
                            cfg.rope_theta)
         bud.add_layer(whole, i, lc.x[0], ixs[i].q, ixs[i].k, ixs[i].w, nI, q, k, sinks, window, block=50)
     assert (chunked.rows == whole.rows).all()
-    for sel in bud.SELECTORS:
+    for sel in whole.selectors:
         np.testing.assert_allclose(chunked.per_layer(sel), whole.per_layer(sel), atol=1e-5)
 
 
 def _curve_from(table: dict[str, list[list[float]]], ks: tuple[int, ...]) -> bud.HitRateCurve:
     """A curve whose per-layer hit rates are `table[selector][layer][j]` at ks[j] (one sparse row each)."""
     n = len(table["indexer"])
-    c = bud.HitRateCurve(ks, n)
-    for s in bud.SELECTORS:
+    c = bud.HitRateCurve(ks, n, wide=tuple(int(s.split("+w")[1]) for s in table if "+w" in s))
+    for s in c.selectors:
         c.sums[s] = np.array(table[s], dtype=np.float64)
     c.rows = np.ones((n, len(ks)), dtype=np.int64)
     return c
@@ -208,13 +235,30 @@ def test_allocate_gives_rows_where_they_buy_hit_rate():
     assert not reached and [p.hit_rate for p in picks] == [1.0, 0.99]
 
 
+def test_allocate_takes_a_wider_window_where_it_buys_hit_rate():
+    """A layer whose attention is local beyond the model's window and far back too: the indexer beside a wider
+    window reaches the target with fewer rows than either the indexer beside the model's window or recency, and is
+    written as that window and the smaller top-k."""
+    ks = (0, 16, 64, 256)
+    nan = float("nan")
+    curve = _curve_from({"indexer": [[0.50, 0.60, 0.80, 0.93]], "recency": [[0.50, 0.55, 0.70, 0.85]],
+                         "indexer+w35": [[nan, nan, 0.95, 0.99]]}, ks)
+    picks, reached = bud.allocate(curve, 0.95)
+    assert reached and (picks[0].selector, picks[0].k, picks[0].wide) == ("indexer+w35", 64, 35)
+    sel = picks[0].selection(window=3)
+    assert (sel.sparse_window, sel.sparse_top_k) == (35, 32)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_allocate_is_near_the_brute_force_optimum(seed):
     """Random concave-ish curves: the price sweep reaches the target with at most the optimum's rows plus the
     hull gap (one ladder step in one layer), never fewer than the optimum (it would then miss the target)."""
     rng = np.random.default_rng(seed)
     ks = (0, 16, 32, 64, 128)
-    table = {s: [list(np.sort(rng.uniform(0.3, 1.0, len(ks)))) for _ in range(3)] for s in bud.SELECTORS}
+    table = {s: [list(np.sort(rng.uniform(0.3, 1.0, len(ks)))) for _ in range(3)]
+             for s in (*bud.SELECTORS, "indexer+w19")}
+    for row in table["indexer+w19"]:
+        row[:2] = [float("nan")] * 2  # k 0 and 16 leave no top-k beside a window 16 wider
     curve = _curve_from(table, ks)
     target = 0.8
     picks, reached = bud.allocate(curve, target)

@@ -164,9 +164,16 @@ def test_per_layer_selection_reaches_the_target_on_an_independent_recount(auto):
     _, cap = DenseLlama(read_llama2c(STORIES)).forward(seqs, capture=True, capture_probs=True)
     # the stage scored every layer with its own indexer before sharing: owning layers can be rescored from the
     # written indexers (a sharing layer's own indexer is not written)
+    divisors: dict[int, int] = {}
     for d in sb["layers"]:
         i = d["layer"]
-        ls = LayerSelection(d["sparse_window"], d["sparse_top_k"], TOP_K_DIVISOR if d["sparse_top_k"] else 0)
+        # the growth's divisor: at least --top-k-divisor, larger where the rows at the context call for it, none
+        # where a wider window took the growth's rows (budget.wide_divisor) or for a streaming layer
+        d_l = p.layer_selection[i].sparse_top_k_divisor if i in p.layer_selection else TOP_K_DIVISOR
+        wider = d["sparse_window"] > p.sparse_window and d["sparse_top_k"] > 0
+        assert (d_l >= TOP_K_DIVISOR or (wider and d_l == 0)) if d["sparse_top_k"] else d_l == 0
+        divisors[i] = d_l
+        ls = LayerSelection(d["sparse_window"], d["sparse_top_k"], d_l)
         assert ls.rows == p.sparse_window + d["k"]
         if i not in gsm.cfg.owning_layers:
             continue
@@ -174,12 +181,13 @@ def test_per_layer_selection_reaches_the_target_on_an_independent_recount(auto):
         lc, kv = cap.layers[i], gsm.w.layers[i].kv
         lp = replace(p.for_layer(i), sparse_top_k_divisor=0)  # the stage scores the floors it chooses
         rates = [ixr.hit_rate(index_scores(lc.x[b], kv.idx_q, kv.idx_w, lc.x[b] @ kv.idx_k.T, p.indexer_heads)
-                              if d["selector"] == "indexer" else ixr.baseline_scores("recency", 512), lc.probs[b], lp)
+                              if d["selector"] != "recency" else ixr.baseline_scores("recency", 512), lc.probs[b], lp)
                  for b in range(2)]
         assert d["hit_rate"] == pytest.approx(float(torch.tensor(rates).mean()), abs=2e-4), f"layer {i}"
     assert sb["mean_hit_rate"] == pytest.approx(sum(d["hit_rate"] for d in sb["layers"]) / len(sb["layers"]), abs=1e-3)
-    by_hand = sum(min(512, p.sink_tokens + d["sparse_window"] + (max(d["sparse_top_k"], 512 // TOP_K_DIVISOR)
-                                                                   if d["sparse_top_k"] else 0)) for d in sb["layers"])
+    by_hand = sum(min(512, p.sink_tokens + d["sparse_window"] + (max(d["sparse_top_k"], 512 // divisors[d["layer"]])
+                                                                   if divisors[d["layer"]] else d["sparse_top_k"]))
+                  for d in sb["layers"])
     by_hand /= len(sb["layers"])
     assert sb["rows_per_step"]["512"]["rows"] == pytest.approx(by_hand)  # the measurement length (the context)
     assert "long_context" not in rep

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -154,3 +155,43 @@ def test_converter_growth_leaves_streaming_layers():
     assert q.selection_of(0) == LayerSelection(64, 0) and q.selection_of(1) == LayerSelection(32, 300, 16)
     assert q.sparse_top_k_divisor == 16 and with_growth(p, 0) == p
     assert q.mean_rows([0, 1], 8192) == (1 + 64 + 1 + 32 + 512) / 2
+
+
+def test_a_wider_window_grows_its_top_k_less():
+    """A layer whose window is wider than the model's (an indexer+w choice) gets the smallest divisor that keeps its
+    rows at the model's context within a model-window layer's: its window took those rows from the top-k."""
+    from gsm.convert.budget import wide_divisor
+
+    p = GSMParams(sparse_window=32, max_sparse_window=32, sparse_top_k=300, layer_selection={
+        1: LayerSelection(32, 300), 2: LayerSelection(256, 76), 3: LayerSelection(128, 40), 4: LayerSelection(1000, 8)})
+    q = with_growth(p, 16, 8192)
+    d = {i: q.selection_of(i).sparse_top_k_divisor for i in (1, 2, 3, 4)}
+    assert d == {1: 16, 2: 29, 3: 20, 4: 0}
+    for i in (2, 3):  # the smallest such divisor: one less would read more than the model-window layer
+        extra = q.selection_of(i).sparse_window - 32
+        assert 8192 // d[i] <= 8192 // 16 - extra < 8192 // (d[i] - 1)
+        assert wide_divisor(16, extra, 8192) == d[i]
+    rows = {i: q.mean_rows([i], 8192) for i in (1, 2, 3)}
+    assert rows[1] == 1 + 32 + 512 and rows[2] <= rows[1] and rows[3] <= rows[1]
+    assert q.mean_rows([4], 8192) == 1 + 1000 + 8  # the window takes the growth: a fixed top-k
+    assert with_growth(p, 16) == replace(q, layer_selection={
+        **q.layer_selection, 2: LayerSelection(256, 76, 16), 3: LayerSelection(128, 40, 16),
+        4: LayerSelection(1000, 8, 16)})  # without the context: every indexer layer as before
+
+
+def test_growth_fits_the_rows_at_the_models_context():
+    """The converter's growth: the smallest divisor >= 16 whose mean rows at the model's context stay within 1/16 of
+    dense; 16 itself when the table already fits (the default conversion's own table did: 508 rows at 8K)."""
+    from gsm.convert.budget import fit_growth
+
+    fits = GSMParams(sparse_window=32, max_sparse_window=32, sparse_top_k=300, layer_selection={
+        0: LayerSelection(96, 0), 1: LayerSelection(32, 300)})
+    assert fit_growth(fits, 16, 8192, [0, 1]) == with_growth(fits, 16, 8192)
+    wide = GSMParams(sparse_window=32, max_sparse_window=32, sparse_top_k=300, layer_selection={
+        0: LayerSelection(128, 32), 1: LayerSelection(32, 300), 2: LayerSelection(256, 160)})
+    layers = [0, 1, 2]
+    g = fit_growth(wide, 16, 8192, layers)
+    d = g.sparse_top_k_divisor
+    assert d > 16 and g == with_growth(wide, d, 8192)
+    assert g.mean_rows(layers, 8192) <= 512 < with_growth(wide, d - 1, 8192).mean_rows(layers, 8192)
+    assert fit_growth(wide, 0, 8192, layers) == wide

@@ -343,10 +343,10 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
     else:
         k, reached = bud.choose_top_k(curve, target)
         new = replace(p, sparse_top_k=k)
-    new = bud.with_growth(new, top_k_divisor)
     layers = list(range(cfg.num_hidden_layers))
+    new = bud.fit_growth(new, top_k_divisor, cfg.max_position_embeddings, layers)
     if top_k_divisor:
-        info["sparse_top_k_divisor"] = top_k_divisor
+        info["sparse_top_k_divisor"] = new.sparse_top_k_divisor
     info.update(sparse_top_k=new.sparse_top_k, target_reached=reached, curve=curve.to_json(),
                 rows_per_step=bud.rows_per_step(new, layers, sorted({int(seqs.shape[1]), *(
                     n for n in (2048, 4096, 8192) if n <= cfg.max_position_embeddings)})))
@@ -354,7 +354,10 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
         stages.progress(f"top-k {r['sparse_top_k']:5d}: hit rate {r['hit_rate']:.4f} at {seqs.shape[1]} tokens "
                         f"(recency {r['recency_hit_rate']:.4f})")
     if "layers" in info:
-        stages.progress("per layer: " + ", ".join(f"{d['layer']}:{d['selector'][0]}{d['k']}" for d in info["layers"])
+        # i: the indexer beside the model's window, i+wW: beside window W, r: a longer window alone
+        stages.progress("per layer: " + ", ".join(
+            f"{d['layer']}:{d['selector'][0]}{d['k']}" + (f"+w{d['sparse_window']}" if "+w" in d["selector"] else "")
+            for d in info["layers"])
                         + f" (mean hit rate {info['mean_hit_rate']:.4f})")
     else:
         stages.progress(f"sparse_top_k {new.sparse_top_k}")
