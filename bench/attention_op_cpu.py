@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="a different cache row each call (rows from memory)")
     ap.add_argument("--cache-mib", type=int, default=256, help="size of the --cold cache (well above the CPU's caches)")
-    ap.add_argument("--half-up", action="store_true", help="U_k / U_v as float16 (a checkpoint with U on the FP16 grid)")
+    ap.add_argument("--half-up", action="store_true", help="U_k / U_v as float16 (U on the FP16 grid)")
     a = ap.parse_args(argv)
 
     import onnxruntime as ort
