@@ -55,14 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     so.log_severity_level = 3
     model = T.model_bytes(geo, 1, TensorProto.INT8)
     if a.half_up:
-        import onnx
-
         x.update({n: x[n].astype(np.float16) for n in T.UP_INPUTS})
-        m = onnx.load_from_string(model)
-        for v in m.graph.input:
-            if v.name in T.UP_INPUTS:
-                v.type.tensor_type.elem_type = TensorProto.FLOAT16
-        model = m.SerializeToString()
+        model = T.retyped(model, dict.fromkeys(T.UP_INPUTS, TensorProto.FLOAT16))
     s = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     b = s.io_binding()
     for k, v in x.items():

@@ -291,14 +291,14 @@ class Network:
     def up_weights(self, i: int) -> tuple[str, str]:
         """Owning layer i's U_k and U_v: the stored float32 tensors, or, for ops that read them so (`half_up`),
         float16 copies when every value of both lies on the FP16 grid (the converter rounds U there): the same
-        numbers in half the bytes a decode step reads. Each is small ([kvD, r]) and read whole to check."""
-        f32 = (self.lw("k_U", i, keep_f32=True), self.lw("v_U", i, keep_f32=True))
-        if not self.ops.half_up:
-            return f32
-        half = [on_half_grid(self.source.chunks(n), self.source.shape(n)) for n in f32]
-        if any(h is None for h in half):
-            return f32
-        return tuple(self.g.weight(n + HALF_SUFFIX, lambda h=h: h) for n, h in zip(f32, half))  # type: ignore
+        numbers in half the bytes a decode step reads (the graph then holds no float32 U). Each is small ([kvD, r])
+        and read whole to check."""
+        ups = (names.layer_name("k_U", i), names.layer_name("v_U", i))
+        if self.ops.half_up:
+            half = [on_half_grid(self.source.chunks(n), self.source.shape(n)) for n in ups]
+            if all(h is not None for h in half):
+                return tuple(self.g.weight(n + HALF_SUFFIX, lambda h=h: h) for n, h in zip(ups, half))  # type: ignore
+        return tuple(self.w(n, keep_f32=True) for n in ups)  # type: ignore
 
     def rows(self, key: str, i: int, parts: list[str]) -> str:
         """Stored FUSED tensor `key` of layer i: checkpoint tensors `parts` ([rows, in] each, row-major)

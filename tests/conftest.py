@@ -97,13 +97,20 @@ def retiering_copy(base: Path, out: Path, *, rate: int = 8, fp16_window: int = 8
         quant = quant.with_fractions(tier_fractions)
     if index_key_bits is not None:
         quant = quant.replace(index_key_bits=index_key_bits)
+    return rewrite_checkpoint(base, out, cfg, quant, checkpoint.load_state_dict(base), calibration)
+
+
+def rewrite_checkpoint(base: Path, out: Path, cfg, quant, state: dict, calibration: bytes | None = None) -> Path:
+    """Checkpoint `out`: `base`'s tokenizer and calibration (or `calibration`, kv_calibration.safetensors bytes) with
+    this config, quant_config and tensors; checksum and manifest written consistently."""
+    from gsm import checkpoint
+
     tok = base / "tokenizer.json"
     calib = base / "kv_calibration.safetensors"
     if calibration is None and calib.is_file():
         calibration = calib.read_bytes()
     return checkpoint.write_checkpoint_arrays(
-        out, cfg, quant, checkpoint.load_state_dict(base),
-        tokenizer_json=tok.read_text() if tok.is_file() else None,
+        out, cfg, quant, state, tokenizer_json=tok.read_text() if tok.is_file() else None,
         extra_files={calib.name: calibration} if calibration is not None else None, progress=False)
 
 
@@ -115,11 +122,7 @@ def half_grid_copy(base: Path, out: Path) -> Path:
     state = checkpoint.load_state_dict(base)
     state = {k: (v.astype(np.float16).astype(np.float32) if k.endswith(("k_svd_U.weight", "v_svd_U.weight"))
                  else v) for k, v in state.items()}
-    tok, calib = base / "tokenizer.json", base / "kv_calibration.safetensors"
-    return checkpoint.write_checkpoint_arrays(
-        out, checkpoint.load_config(base), checkpoint.load_quant(base), state,
-        tokenizer_json=tok.read_text() if tok.is_file() else None,
-        extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
+    return rewrite_checkpoint(base, out, checkpoint.load_config(base), checkpoint.load_quant(base), state)
 
 
 INT4_FRACTIONS = (0.25, 0.125, 0.25, 0.375)
@@ -165,12 +168,7 @@ def layer_selection_copy(base: Path, out: Path, table: dict[int, tuple[int, ...]
     cfg = checkpoint.load_config(base)
     sel = {l: LayerSelection(*e) for l, e in table.items()}
     cfg = cfg.replace(gsm=dataclasses.replace(cfg.gsm, layer_selection=sel))
-    tok = base / "tokenizer.json"
-    calib = base / "kv_calibration.safetensors"
-    return checkpoint.write_checkpoint_arrays(
-        out, cfg, checkpoint.load_quant(base), checkpoint.load_state_dict(base),
-        tokenizer_json=tok.read_text() if tok.is_file() else None,
-        extra_files={calib.name: calib.read_bytes()} if calib.is_file() else None, progress=False)
+    return rewrite_checkpoint(base, out, cfg, checkpoint.load_quant(base), checkpoint.load_state_dict(base))
 
 
 def tiny_selection_case(root: Path, table: dict[int, tuple[int, ...]], n_max: int) -> tuple[Path, Path]:

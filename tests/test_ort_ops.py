@@ -319,16 +319,21 @@ def test_bad_input_names_it(field: str, value: list[int], names: str) -> None:
     assert names in str(err.value)
 
 
+def retyped(model: bytes, types: dict[str, int]) -> bytes:
+    """`model` with the graph inputs named in `types` declared of those element types."""
+    m = onnx.load_from_string(model)
+    for v in m.graph.input:
+        if v.name in types:
+            v.type.tensor_type.elem_type = types[v.name]
+    return m.SerializeToString()
+
+
 def typed_session(geo: tuple[int, ...], sinks: int, types: dict[str, int], threads: int = 1) -> ort.InferenceSession:
     """The op with some inputs declared of another element type than INPUTS gives them."""
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(LIB))
     so.intra_op_num_threads = threads
-    node = onnx.load_from_string(model_bytes(geo, sinks))
-    for v in node.graph.input:
-        if v.name in types:
-            v.type.tensor_type.elem_type = types[v.name]
-    return ort.InferenceSession(node.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(retyped(model_bytes(geo, sinks), types), so, providers=["CPUExecutionProvider"])
 
 
 def test_key_types_must_agree() -> None:

@@ -118,6 +118,8 @@ def test_u_on_the_fp16_grid_is_read_as_float16(bundle, quantised_bundles):
     import onnx
 
     assert up_types(bundle) == {onnx.TensorProto.FLOAT16}
+    cpu = onnx.load(str(bundle / "model.cpu.onnx"), load_external_data=False).graph
+    assert not any(t.name.endswith(("k_svd_U.weight", "v_svd_U.weight")) for t in cpu.initializer)  # no float32 U
     portable = onnx.load(str(bundle / "model.portable.onnx"), load_external_data=False).graph
     assert not any(t.name.endswith(".float16") for t in portable.initializer)
     for b in quantised_bundles.values():

@@ -104,6 +104,16 @@ OrtStatus* elementType(OrtValue const* value, ONNXTensorElementDataType* type)
     return st;
 }
 
+// The element type two inputs share, `a` or `b`; else an error with `message` (naming the inputs and what is allowed).
+OrtStatus* sharedType(OrtValue const* x, OrtValue const* y, ONNXTensorElementDataType a, ONNXTensorElementDataType b,
+    char const* message, ONNXTensorElementDataType* type)
+{
+    ONNXTensorElementDataType other = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    GSM_ORT_TRY(elementType(x, type));
+    GSM_ORT_TRY(elementType(y, &other));
+    return (*type == a || *type == b) && other == *type ? nullptr : invalid(message);
+}
+
 // Checks that input i has exactly the shape `want` (entries < 0: any size, reported back).
 OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> want, char const* meaning)
 {
@@ -147,23 +157,14 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
         GSM_ORT_TRY(inputShape(ctx, i, &v[i], &sh[i]));
     }
     // the indexer keys: FP16, or INT8 codes (decisions "INT8 indexer keys"), the same in both key inputs
-    ONNXTensorElementDataType keyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, newKeyType = keyType;
-    GSM_ORT_TRY(elementType(v[kIndexKeys], &keyType));
-    GSM_ORT_TRY(elementType(v[kNewIndexKeys], &newKeyType));
-    if ((keyType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && keyType != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8)
-        || newKeyType != keyType)
-    {
-        return invalid("inputs index_keys and new_index_keys must both be float16 or both int8 (INT8 key codes)");
-    }
+    ONNXTensorElementDataType keyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    GSM_ORT_TRY(sharedType(v[kIndexKeys], v[kNewIndexKeys], ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+        ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
+        "inputs index_keys and new_index_keys must both be float16 or both int8 (INT8 key codes)", &keyType));
     // U_k and U_v: float32, or float16 when the checkpoint's U lie on the FP16 grid (the builder stores them so)
-    ONNXTensorElementDataType kUpType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, vUpType = kUpType;
-    GSM_ORT_TRY(elementType(v[kKUp], &kUpType));
-    GSM_ORT_TRY(elementType(v[kVUp], &vUpType));
-    if ((kUpType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && kUpType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-        || vUpType != kUpType)
-    {
-        return invalid("inputs k_up and v_up must both be float or both float16");
-    }
+    ONNXTensorElementDataType kUpType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    GSM_ORT_TRY(sharedType(v[kKUp], v[kVUp], ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+        "inputs k_up and v_up must both be float or both float16", &kUpType));
     CachedAttentionDims d;
     d.nH = kn.numHeads;
     d.nKV = kn.numKvHeads;
