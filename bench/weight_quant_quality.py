@@ -2,9 +2,12 @@
 
     OMP_NUM_THREADS=1 python bench/weight_quant_quality.py [--gguf ../shared/data/SmolLM2-135M-Instruct.Q4_1.gguf]
         [--windows 8] [--window 512] [--settings fp32,fp16,int8,rtn4-g128,awq4-g128,...] [--json out.json]
+    ... --settings fp32,tied:int8-g64,tied:rtn4-g32,head:rtn4-g32,embed:rtn4-g32,head:rtn4f-g32
 
 The projections q, k, v, o, gate, up, down are quantised and dequantised (builder/wquant.py, the
-numbers the ONNX graphs compute with); embeddings, norms and the tied head stay float32. AWQ scales
+numbers the ONNX graphs compute with); embeddings, norms and the tied head stay float32. A setting
+prefixed `tied:`, `head:` or `embed:` quantises the embedding matrix instead (the projections float32):
+both its uses, only the LM head's logits, or only the embedding lookup (RTN; no AWQ). AWQ scales
 (calibration/awq.py) are searched on tinystories_calib.txt; perplexity is measured on
 tinystories_eval.txt only: contiguous windows of `--window` tokens, no BOS (SmolLM2's
 add_bos_token is false), exp(mean next-token NLL) over all windows.
@@ -21,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from builder.wquant import WeightQuantConfig
+from builder.wquant import WeightQuantConfig, fake_quantize
 from calibration.awq import GROUP_OF, awq_model_scales, collect_inputs, quantized_dense_weights
 from gsm import names
 from gsm.dense import DenseLlama
@@ -48,6 +51,19 @@ def parse_setting(s: str) -> tuple[WeightQuantConfig | None, bool, str]:
     if kind.endswith("f"):
         return WeightQuantConfig(4, int(g), symmetric=False, float_zero_point=True), awq, s
     return WeightQuantConfig(4, int(g), symmetric=not kind.endswith("a")), awq, s
+
+
+HEAD_USES = {"tied": ("embed", "head"), "head": ("head",), "embed": ("embed",)}
+
+
+def split_use(s: str) -> tuple[tuple[str, ...], str]:
+    """'head:rtn4-g32' -> (("head",), 'rtn4-g32'); a setting without a prefix -> ((), s)."""
+    use, sep, rest = s.partition(":")
+    if not sep:
+        return (), s
+    if use not in HEAD_USES:
+        raise SystemExit(f"error: --settings {s!r}: the prefix must be one of {', '.join(HEAD_USES)}")
+    return HEAD_USES[use], rest
 
 
 def windows(tok, path: Path, n: int, length: int) -> list[torch.Tensor]:
@@ -82,10 +98,25 @@ def main() -> int:
                                                              for i in range(model.config.num_hidden_layers)]}
     stats = None
     rows = []
+    embed = model.w[names.EMBED]
     for s in a.settings.split(","):
-        cfg, awq, name = parse_setting(s)
+        uses, rest = split_use(s)
+        cfg, awq, name = parse_setting(rest)
         t0 = time.perf_counter()
         extra = {}
+        if uses:
+            if not model.config.tie_word_embeddings:
+                raise SystemExit(f"error: --settings {s!r}: {a.gguf.name} has no tied embedding / LM head")
+            if awq or cfg is None:
+                raise SystemExit(f"error: --settings {s!r}: the embedding takes an RTN setting (int8-gN, rtn4-gN, ...)")
+            q = torch.from_numpy(fake_quantize(embed.numpy(), cfg, name=names.EMBED).astype(np.float32))
+            model.w[names.EMBED] = q if "embed" in uses else embed
+            model.lm_head = q if "head" in uses else embed
+            ppl = perplexity(model, evals)
+            model.w[names.EMBED] = model.lm_head = embed
+            rows.append({"setting": s, "perplexity": ppl, "seconds": round(time.perf_counter() - t0, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         if name == "fp32":
             new = original
         elif name == "fp16":
@@ -107,9 +138,9 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     base = next((r["perplexity"] for r in rows if r["setting"] == "fp16"), rows[0]["perplexity"])
     print(f"\n{a.gguf.name}: {a.windows} windows x {a.window} tokens of tinystories_eval.txt, no BOS")
-    print(f"{'setting':<12} {'ppl':>9} {'vs fp16':>9}")
+    print(f"{'setting':<18} {'ppl':>9} {'vs fp16':>9}")
     for r in rows:
-        print(f"{r['setting']:<12} {r['perplexity']:9.4f} {r['perplexity'] / base - 1:+9.2%}")
+        print(f"{r['setting']:<18} {r['perplexity']:9.4f} {r['perplexity'] / base - 1:+9.2%}")
     if a.json:
         a.json.write_text(json.dumps({"windows": a.windows, "window": a.window, "rows": rows}, indent=1))
     return 0
