@@ -216,6 +216,35 @@ def test_matches_reference(name: str, keys: str) -> None:
     check_against_reference(x, geo, sinks, key_type)
 
 
+@pytest.mark.parametrize("keys", ["fp16", "int8"])
+def test_thousands_of_tied_scores_select_by_position(keys: str) -> None:
+    """A decode over ~3,000 positions whose index scores take a few dozen exact values of either sign (small integer
+    keys and queries, head weights 1, -1/2, 1/4: every product and sum exact in float32, so the reference's scores are
+    the op's bit for bit): the selection's cut falls inside a run of hundreds of equal scores, decided by position."""
+    geo = GEOMETRIES["gqa3"]
+    nH, nKV, D, nI, dI, rk, rv = geo
+    rng = np.random.default_rng(41)
+    past, positions = [2950, 1700], 3072
+    x = make_inputs(rng, geo, past, [1, 1], 1, 5, [301, 77], rows=2, positions=positions)
+    small = lambda *shape: rng.integers(-2, 3, shape)  # noqa: E731
+    x["index_q"] = small(2, 1, nI * dI).astype(np.float32)
+    x["index_w"] = np.tile(np.array([1.0, -0.5, 0.25], np.float32), (2, 1, 1))
+    kt = np.int8 if keys == "int8" else np.float16
+    x["index_keys"] = small(2, positions, dI).astype(kt)
+    x["new_index_keys"] = small(2, 1, dI).astype(kt)
+    want = check_against_reference(x, geo, 1, TensorProto.INT8 if keys == "int8" else TensorProto.FLOAT16)
+    # the cut is inside a tie: the last score kept is also the score of a position left out
+    b, t = 0, past[0]
+    iq = x["index_q"][b, 0].reshape(nI, dI).astype(np.float64)
+    keys_f = x["index_keys"][x["cache_rows"][b], :t].astype(np.float64)
+    score = (np.maximum(keys_f @ iq.T, 0) * x["index_w"][b, 0].astype(np.float64)).sum(1)
+    kept = set(want["selected"][b, 0].tolist())
+    cand = range(1, t - 5 + 1)  # neither the sink nor the window
+    last = min(score[p] for p in cand if p in kept)
+    assert any(score[p] == last for p in cand if p not in kept)
+    assert len(np.unique(score[1:])) < 200
+
+
 # A budget that grows with the context (attribute sparse_top_k_divisor d > 0): the query at t selects
 # max(top_k[b], (t + 1) // d) by score. name: geometry, past, new, S, window, sinks, top_k, divisor, and the number
 # of positions each valid query keeps, worked out by hand (sinks + window + that top-k, or t + 1 when dense)

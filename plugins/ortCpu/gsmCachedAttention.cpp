@@ -54,21 +54,77 @@ bool parallelFor(ParallelRunner const& par, int64_t total, F&& f)
     return par.run(par.ctx, &trampoline<Fn>, static_cast<size_t>(total), &f);
 }
 
-// Orders (score descending, position ascending) as one integer, larger first: ONNX TopK's order and tie rule.
-inline uint64_t rankKey(float s, int64_t p)
+// A score as an unsigned integer in the same order (larger first), -0 equal to +0 and NaN below every other score:
+// ONNX TopK's order. Branch-free on the sign, which is a coin toss for an indexer whose head weights differ in sign.
+inline uint32_t scoreKey(float s)
 {
-    if (s == 0.f)
-    {
-        s = 0.f; // -0 ties with +0, as a float comparison has it
-    }
     if (std::isnan(s))
     {
         s = -std::numeric_limits<float>::max(); // unordered: ranked below every other score
     }
+    s += 0.f; // -0 + +0 = +0: ties with +0, as a float comparison has it
     uint32_t u;
     std::memcpy(&u, &s, sizeof u);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    return (static_cast<uint64_t>(u) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(p));
+    return u ^ (static_cast<uint32_t>(-static_cast<int32_t>(u >> 31)) | 0x80000000u);
+}
+
+// (score descending, position ascending) as one integer, larger first: ONNX TopK's order and tie rule
+inline uint64_t rankKey(uint32_t scoreKey, int64_t p)
+{
+    return (static_cast<uint64_t>(scoreKey) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(p));
+}
+
+inline int32_t rankPosition(uint64_t key)
+{
+    return static_cast<int32_t>(~static_cast<uint32_t>(key));
+}
+
+// The positions of the m largest rank keys among n >= m scores of positions p0 .. p0 + n - 1, unordered, into picks.
+// A radix select: one pass counts the score keys' top bits, which fixes every position above the bucket that holds
+// the m-th and every one below it; only that bucket's keys are ordered (nth_element over all n positions mispredicts
+// about half its branches, the bulk of a decode call's selection at 8K positions).
+constexpr int kRadixBits = 11;
+
+void topPositions(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<uint32_t>& sk,
+    std::vector<uint64_t>& boundary, std::vector<int32_t>& picks)
+{
+    static thread_local uint32_t hist[1 << kRadixBits];
+    std::memset(hist, 0, sizeof hist);
+    sk.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+    {
+        uint32_t const u = scoreKey(s[p0 + i]);
+        sk[static_cast<size_t>(i)] = u;
+        ++hist[u >> (32 - kRadixBits)];
+    }
+    int64_t above = 0; // keys in buckets above b
+    uint32_t b = (1u << kRadixBits) - 1;
+    for (; b > 0 && above + hist[b] < m; --b)
+    {
+        above += hist[b];
+    }
+    boundary.clear();
+    for (int64_t i = 0; i < n; ++i)
+    {
+        uint32_t const top = sk[static_cast<size_t>(i)] >> (32 - kRadixBits);
+        if (top > b)
+        {
+            picks.push_back(static_cast<int32_t>(p0 + i));
+        }
+        else if (top == b)
+        {
+            boundary.push_back(rankKey(sk[static_cast<size_t>(i)], p0 + i));
+        }
+    }
+    int64_t const need = m - above; // 1 .. hist[b]
+    if (need < static_cast<int64_t>(boundary.size()))
+    {
+        std::nth_element(boundary.begin(), boundary.begin() + (need - 1), boundary.end(), std::greater<uint64_t>());
+    }
+    for (int64_t i = 0; i < need; ++i)
+    {
+        picks.push_back(rankPosition(boundary[static_cast<size_t>(i)]));
+    }
 }
 
 void rope(float const* x, float const* c, float const* s, int64_t D, float* out)
@@ -268,7 +324,8 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     //       top (score desc, position asc) of the others; positions ascending, -1 padded to k -----------------
     sc.nsel.resize(static_cast<size_t>(Q));
     ok = ok && parallelFor(par, Q, [&](int64_t q) {
-        static thread_local std::vector<uint64_t> keys;
+        static thread_local std::vector<uint32_t> skeys;
+        static thread_local std::vector<uint64_t> boundary;
         static thread_local std::vector<int32_t> picks;
         int64_t const b = qb(q), t = qpos(q);
         int64_t const budget = d.sinks + W + queryTopK(d, in, b, t);
@@ -303,21 +360,11 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             }
             else if (m > 0)
             {
-                keys.resize(static_cast<size_t>(ws - lo));
-                for (int64_t p = lo; p < ws; ++p)
-                {
-                    keys[static_cast<size_t>(p - lo)] = rankKey(s[p], p);
-                }
-                std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.end(), std::greater<uint64_t>());
-                // nth_element leaves the m largest before position m - 1 (unordered) and the m-th at it
-                for (int64_t i = 0; i < m; ++i)
-                {
-                    int32_t const p = static_cast<int32_t>(~static_cast<uint32_t>(keys[static_cast<size_t>(i)]));
-                    if (s[p] > -std::numeric_limits<float>::infinity())
-                    {
-                        picks.push_back(p);
-                    }
-                }
+                topPositions(s, lo, ws - lo, m, skeys, boundary, picks);
+                // a score of -inf or NaN (ranked last) is picked only when too few others are left, and is not kept
+                picks.erase(std::remove_if(picks.begin(), picks.end(),
+                                [&](int32_t p) { return !(s[p] > -std::numeric_limits<float>::infinity()); }),
+                    picks.end());
                 std::sort(picks.begin(), picks.end());
             }
             for (int64_t p = 0; p < lo; ++p)
