@@ -59,6 +59,17 @@ def context_ids(rt, text_file: Path, n: int, offset: int = 0) -> list[int]:
     return ids[:n]
 
 
+def _timed(fn, spent: dict[str, float], part: str):
+    """fn, with its wall time added to spent[part]."""
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[part] += time.perf_counter() - t
+    return run
+
+
 def measure(args: argparse.Namespace) -> dict:
     import numpy as np
 
@@ -94,6 +105,12 @@ def measure(args: argparse.Namespace) -> dict:
         for name, buf in be.buffers.items():
             be.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))
     rt.decode_batch(seqs, [int(np.argmax(lg)) for lg in logits])  # warm-up step (allocations, caches)
+    # the step's network run and its demotion passes, timed apart: the rest of a step is the runtime's own (Python)
+    spent = {"network": 0.0, "demotion": 0.0}
+    for part, sess, name in (("network", rt.backend.session, "run_with_iobinding"),
+                             ("demotion", rt.backend.demote_session, "run")):
+        setattr(sess, name, _timed(getattr(sess, name), spent, part))
+    spent.update(network=0.0, demotion=0.0)
     times = []
     for _ in range(steps):
         tok = [int(np.argmax(lg)) for lg in logits]
@@ -107,6 +124,9 @@ def measure(args: argparse.Namespace) -> dict:
            "threads": args.threads, "prefill_tokens_per_s": B * ctx / prefill_s,
            "decode_ms_per_step": 1e3 * float(np.median(times)),
            "decode_tokens_per_s": B * steps / sum(times),
+           "network_ms_per_step": 1e3 * spent["network"] / steps,
+           "demotion_ms_per_step": 1e3 * spent["demotion"] / steps,
+           "runtime_ms_per_step": 1e3 * (sum(times) - spent["network"] - spent["demotion"]) / steps,
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if args.profile:
         events = json.loads(Path(be.session.end_profiling()).read_text())
@@ -422,7 +442,9 @@ def main() -> int:
         if "error" in r:
             print(f"{label}: error {r['error']}", flush=True)
             return
-        print(f"{label}: decode {r['decode_tokens_per_s']:7.2f} tok/s, {r['decode_ms_per_step']:7.1f} ms/step; "
+        split = (f" (network {r['network_ms_per_step']:.2f}, demotion {r['demotion_ms_per_step']:.2f}, runtime "
+                 f"{r['runtime_ms_per_step']:.2f})" if "network_ms_per_step" in r else "")
+        print(f"{label}: decode {r['decode_tokens_per_s']:7.2f} tok/s, {r['decode_ms_per_step']:7.1f} ms/step{split}; "
               f"prefill {r['prefill_tokens_per_s']:7.1f} tok/s; peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
 
     from gsm.bundle_format import BundleConfig
