@@ -35,6 +35,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +93,9 @@ def measure(args: argparse.Namespace) -> dict:
         be = rt.backend
         so = session_options(tuning)
         so.enable_profiling = True
-        so.profile_file_prefix = str(Path(args.profile_dir) / "ort_profile")
+        # ONNX Runtime writes its profile (tens of MB) there: a temporary folder unless the caller names one
+        profile_dir = args.profile_dir or tempfile.mkdtemp(prefix="gsm-ort-profile-")
+        so.profile_file_prefix = str(Path(profile_dir) / "ort_profile")
     B, ctx, steps = args.batch, args.context, args.steps
     prompts = [context_ids(rt, args.text, ctx, offset=997 * b) for b in range(B)]
     seqs = [rt.new_sequence() for _ in range(B)]
@@ -421,7 +424,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--top-k", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--profile-dir", default=".", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(measure(a)))
