@@ -85,10 +85,11 @@ inline int32_t rankPosition(uint64_t key)
 // about half its branches, the bulk of a decode call's selection at 8K positions).
 constexpr int kRadixBits = 11;
 
-void topPositions(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<uint32_t>& sk,
-    std::vector<uint64_t>& boundary, std::vector<int32_t>& picks)
+void topPositions(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<int32_t>& picks)
 {
     static thread_local uint32_t hist[1 << kRadixBits];
+    static thread_local std::vector<uint32_t> sk;
+    static thread_local std::vector<uint64_t> boundary;
     std::memset(hist, 0, sizeof hist);
     sk.resize(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i)
@@ -324,8 +325,6 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     //       top (score desc, position asc) of the others; positions ascending, -1 padded to k -----------------
     sc.nsel.resize(static_cast<size_t>(Q));
     ok = ok && parallelFor(par, Q, [&](int64_t q) {
-        static thread_local std::vector<uint32_t> skeys;
-        static thread_local std::vector<uint64_t> boundary;
         static thread_local std::vector<int32_t> picks;
         int64_t const b = qb(q), t = qpos(q);
         int64_t const budget = d.sinks + W + queryTopK(d, in, b, t);
@@ -360,7 +359,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             }
             else if (m > 0)
             {
-                topPositions(s, lo, ws - lo, m, skeys, boundary, picks);
+                topPositions(s, lo, ws - lo, m, picks);
                 // a score of -inf or NaN (ranked last) is picked only when too few others are left, and is not kept
                 picks.erase(std::remove_if(picks.begin(), picks.end(),
                                 [&](int32_t p) { return !(s[p] > -std::numeric_limits<float>::infinity()); }),
