@@ -41,12 +41,6 @@ CHUNK = 512  # prefill chunk of the dense pass
 BUCKETS = ((1024, 2048, "1-2K"), (2048, 4096, "2-4K"), (4096, 8192, "4-8K"))
 
 
-def row_budget(q_pos: torch.Tensor, sinks: int, window: int, top_k: int, divisor: int) -> torch.Tensor:
-    """Rows each query reads under a layer's selection: sinks + window + max(top_k, (t + 1) // divisor)."""
-    grow = (q_pos + 1) // divisor if divisor else torch.zeros_like(q_pos)
-    return sinks + window + torch.clamp(grow, min=top_k)
-
-
 def _mass(scores: torch.Tensor, probs: torch.Tensor, q_pos: torch.Tensor, sinks: int, window: int,
           k: torch.Tensor) -> torch.Tensor:
     """selected_mass with a top-k per row: [b]."""
@@ -105,7 +99,7 @@ def window_masses(s: Setup, ids: torch.Tensor, rows: torch.Tensor, layers: list[
         ls = p.selection_of(i)
         kvw = s.gsm.w.layers[i].kv
         scores = index_scores(x_rows[i], kvw.idx_q, kvw.idx_w, keys[i], p.indexer_heads)
-        budget = row_budget(rows, p.sink_tokens, ls.sparse_window, ls.sparse_top_k, ls.sparse_top_k_divisor)
+        budget = torch.tensor([p.sink_tokens + ls.rows_at(int(t)) for t in rows])
         m = selection_masses(scores, probs[i], rows, p.sink_tokens, ls.sparse_window, budget, windows)
         out[i] = {k: v.numpy() for k, v in m.items()} | {"rows": budget.numpy().astype(np.float64)}
     return out

@@ -10,7 +10,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from selection_mass import row_budget, selection_masses, summarise  # noqa: E402
+from selection_mass import selection_masses, summarise  # noqa: E402
+
+from gsm.config import LayerSelection  # noqa: E402
 
 
 def _by_hand(score: np.ndarray, prob: np.ndarray, t: int, sinks: int, window: int, rows: int) -> float:
@@ -30,7 +32,8 @@ def test_each_selection_is_its_rule():
     causal = torch.arange(n)[None, :] <= q_pos[:, None]
     probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
     scores = torch.randn(len(q_pos), n, generator=g)
-    budget = row_budget(q_pos, sinks, window, 16, 5)  # 1 + 8 + max(16, (t + 1) // 5)
+    ls = LayerSelection(window, 16, 5)  # the bench's rows per query: sinks + ls.rows_at(t)
+    budget = torch.tensor([sinks + ls.rows_at(t) for t in q_pos.tolist()])
     assert budget.tolist() == [1 + 8 + max(16, (t + 1) // 5) for t in q_pos.tolist()]
     got = selection_masses(scores, probs, q_pos, sinks, window, budget, windows)
     assert set(got) == {"checkpoint", "recency", "oracle", "indexer+w8", "indexer+w24", "indexer+w64"}
