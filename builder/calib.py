@@ -60,6 +60,21 @@ def has_key_scales(path: Path) -> bool:
     return _holds(path, (".index_key.scale_int8",))
 
 
+def head_input_moment(path: Path, hidden: int) -> np.ndarray | None:
+    """The calibration file's LM-head input moment [H, H] (names.HEAD_INPUT_MOMENT), None when it has none or
+    does not read; a wrong shape is refused by name."""
+    try:
+        f = LazySafetensors(path)
+        if names.HEAD_INPUT_MOMENT not in f.names:
+            return None
+    except (OSError, ValueError):
+        return None
+    if tuple(f.shape(names.HEAD_INPUT_MOMENT)) != (hidden, hidden):
+        raise CalibrationError(f"{path}: {names.HEAD_INPUT_MOMENT} has shape {list(f.shape(names.HEAD_INPUT_MOMENT))}, "
+                               f"expected [{hidden}, {hidden}] (the hidden size, twice)")
+    return np.asarray(f.array(names.HEAD_INPUT_MOMENT), np.float64)
+
+
 def _from_file(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], path: Path) -> tuple[dict[int, np.ndarray], bool]:
     """The tables and whether every latent has fitted INT4 scales."""
     f = LazySafetensors(path)

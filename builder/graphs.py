@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,11 +48,13 @@ class GraphsInfo:
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
                  rows: PoolRows, *, trt_precision: str = "fp16", weights: Mapping[str, WeightQuantConfig] | None = None,
                  input_scales: dict[str, np.ndarray] | None = None, max_top_k: int | None = None,
+                 row_quantizers: Mapping[str, Callable[..., Any]] | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
     path with the portable graph to float32 rounding (runtime backend "reference").
     weights: the quantisation of each tensor in spec.quantised, by name (None or empty: none quantised);
-    input_scales: AWQ scales of some of them (builder/qlinear.py ProjectionStore)."""
+    input_scales: AWQ scales of some of them; row_quantizers: GPTQ in round-to-nearest's place for some of them
+    (builder/qlinear.py ProjectionStore)."""
     if trt_precision not in ("fp16", "fp32"):
         raise ValueError(f"trt_precision must be fp16 or fp32, got {trt_precision!r}")
     if set(spec.quantised) != set(weights or {}):
@@ -59,7 +62,8 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     store = WeightStore(out / FILES.weights)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     projections = None if not weights else ProjectionStore(
-        store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales)
+        store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales,
+        row_quantizers=row_quantizers)
     # any quantised TensorRT form at opset 21: blocked DQ needs it, and per-channel INT8 there too because
     # onnx's reference evaluator (our TensorRT-less check of model.onnx) implements DequantizeLinear from 19 on
     trt_opset = OPSET_INT4 if weights else OPSET

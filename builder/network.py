@@ -258,7 +258,9 @@ class Network:
 
     def embed(self, ids: str) -> str:
         """[B*S, H] rows of the embedding in the activation type: a Gather on the stored float32 tensor, or,
-        quantised, the dequantising gather of this variant over the very codes the tied LM head reads."""
+        quantised, the dequantising gather of this variant over the very codes the tied LM head reads (symmetric
+        or float-zero-point codes: the latter's per-group offsets are gathered from the head's own initializer
+        and added to the rows, qlinear.nbits_gather_nodes / dq_gather_nodes)."""
         if names.EMBED not in self.spec.quantised:
             h = self.g.op("Gather", [self.w(names.EMBED, keep_f32=True), ids], axis=0)  # [B, S, H] f32
             return self.g.op("Reshape", [h if self.act == F32 else cast(self.g, h, self.act),

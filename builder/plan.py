@@ -54,16 +54,19 @@ INT4_GRIDS = ("sym", "asym-f")
 # weight-only quantised projections; GSM latent / indexer / projector weights and norms stay FP16 (small,
 # and the latents' error budget is the KV tiers')
 QUANTISED_KEYS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# --head-weights: the embedding and the LM head (one tensor when tied), symmetric per group of HEAD_GROUP_SIZES[bits]
-# whatever the projections' group and grid (ONNX Runtime's GatherBlockQuantized, the quantised embedding lookup,
-# takes no float zero point). INT8 at group 64: on SmolLM2 (whose Q8_0 source has blocks of 32) it holds the
-# held-out perplexity of group 32 (docs/weights.md) with half the scales a decode step reads; INT4 at group 32
+# --head-weights: the embedding and the LM head (one tensor when tied), per group of HEAD_GROUP_SIZES[bits] whatever
+# the projections' group and grid. INT8 symmetric at group 64: on SmolLM2 (whose Q8_0 source has blocks of 32) it
+# holds the held-out perplexity of group 32 (docs/weights.md) with half the scales a decode step reads. INT4 on the
+# float-zero-point grid at group 32 (Q4_1's), quantised by GPTQ on the head's input moment when the calibration
+# file has one (builder/gptq.py), else round-to-nearest
 HEAD_CHOICES = WEIGHT_CHOICES
 HEAD_GROUP_SIZES = {8: 64, 4: 32}
-# the --head-weights a --weights choice implies. INT4 keeps an INT8 head: on SmolLM2 (tied, 28 M of its 135 M
-# parameters) an INT4 head at group 32 cost +12.1 % held-out perplexity (+9.5 % at group 16), INT8 -0.02 %
-# against the FP16 head (docs/weights.md); the user's Q4_1 GGUF keeps its token embedding at Q8_0 likewise
+# the --head-weights a --weights choice implies. Without calibration an INT4 build keeps an INT8 head: on SmolLM2
+# (tied, 28 M of its 135 M parameters) a round-to-nearest INT4 head cost +6 % held-out perplexity (+12 % symmetric),
+# all of it the logits'; GPTQ on the calibration text's head inputs brings that to +0.2-0.4 % (docs/weights.md), so a
+# calibrated INT4 build's head is INT4 (DEFAULT_HEAD_CALIBRATED)
 DEFAULT_HEAD = {"fp16": "fp16", "int8": "int8", "int4": "int8"}
+DEFAULT_HEAD_CALIBRATED = {**DEFAULT_HEAD, "int4": "int4"}
 # the GSM-side projections of owning layers (latent down-projections Vt and the indexer's key, query and weight
 # projections, one stored tensor in_proj per layer): FP16, or INT8 symmetric per output channel (GSM_SIDE_CONFIG:
 # the TensorRT form always, and the ONNX Runtime forms of an exact build), or, in the ONNX Runtime forms of a fast
@@ -188,19 +191,24 @@ def head_names(cfg: ModelConfig) -> set[str]:
     return {names.EMBED} | (set() if cfg.tie_word_embeddings else {names.LM_HEAD})
 
 
-def head_choice(weights: str, head_weights: str | None) -> str:
-    """The --head-weights a build uses: the one asked for, else DEFAULT_HEAD of the --weights choice."""
-    return DEFAULT_HEAD[weights] if head_weights is None else head_weights
+def head_choice(weights: str, head_weights: str | None, head_moment: bool = False) -> str:
+    """The --head-weights a build uses: the one asked for, else the default of the --weights choice
+    (DEFAULT_HEAD_CALIBRATED when the calibration has the head's input moment, DEFAULT_HEAD otherwise)."""
+    if head_weights is not None:
+        return head_weights
+    return (DEFAULT_HEAD_CALIBRATED if head_moment else DEFAULT_HEAD)[weights]
 
 
 def head_config(head_weights: str) -> WeightQuantConfig | None:
-    """The quantisation --head-weights means: None for fp16, else symmetric at HEAD_GROUP_SIZES of its bits."""
+    """The quantisation --head-weights means: None for fp16, INT8 symmetric, or INT4 on the float-zero-point grid,
+    at HEAD_GROUP_SIZES of its bits."""
     if head_weights not in HEAD_CHOICES:
         raise PlanError(f"--head-weights must be one of {', '.join(HEAD_CHOICES)}, got {head_weights!r}")
     if head_weights == "fp16":
         return None
-    bits = 8 if head_weights == "int8" else 4
-    return WeightQuantConfig(bits, HEAD_GROUP_SIZES[bits])
+    if head_weights == "int8":
+        return WeightQuantConfig(8, HEAD_GROUP_SIZES[8])
+    return WeightQuantConfig(4, HEAD_GROUP_SIZES[4], symmetric=False, float_zero_point=True)
 
 
 def gsm_choice(weights: str, gsm_weights: str | None) -> str:
@@ -341,10 +349,11 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
               max_input: int | None = None, weights: str = "fp16", group_size: int | None = None,
               head_weights: str | None = None, int4_grid: str = "sym", max_top_k: int | None = None,
-              gsm_weights: str | None = None) -> MemoryPlan:
+              gsm_weights: str | None = None, head_moment: bool = False) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
     callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
-    for auto); head_weights None: DEFAULT_HEAD[weights]. max_top_k: the TensorRT graph's largest
+    for auto); head_weights None: head_choice's default (head_moment: the calibration has the head's input
+    moment). max_top_k: the TensorRT graph's largest
     per-sequence budget (None: the model's sparse_top_k)."""
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
     if max_seq > cfg.max_position_embeddings:
@@ -361,7 +370,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
                         f"max-seq={max_seq}], got {max_top_k}")
     params = param_count(cfg, ranks)
     group_size = default_group_size(weights) if group_size is None else group_size
-    head_weights = head_choice(weights, head_weights)
+    head_weights = head_choice(weights, head_weights, head_moment)
     gsm_weights = gsm_choice(weights, gsm_weights)
     tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, head_weights=head_weights,
                            int4_grid=int4_grid, gsm_weights=gsm_weights)

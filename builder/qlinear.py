@@ -20,8 +20,9 @@ bytes) so any graph writer can store them: inline, or streamed to external data.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -199,10 +200,16 @@ def nbits_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout) -> list[on
     """Rows `ids` of a quantised [N, K] weight, dequantised to float32 [M, K] (M = ids' size), read from the
     MatMulNBits initializers themselves (a tied embedding and LM head share one copy): ONNX Runtime's
     GatherBlockQuantized over the codes viewed as [N, n_blocks, blob] (one block per blob along the last
-    axis) with the scales as [N, n_blocks, 1]. Symmetric codes only: the op takes uint8 zero points that
-    must match the data's packing, and no float zero point."""
-    if lay.zero_points or lay.offsets:
-        raise WeightQuantError(f"{prefix}: a quantised gather needs symmetric codes")
+    axis) with the scales as [N, n_blocks, 1], giving scale (u - 2^(bits-1)) per [M, n_blocks, block].
+
+    Symmetric codes or a float zero point; not integer zero points (the op's uint8 zero points would have to
+    match the data's packing). A float zero point's weight is scale (u - 2^(bits-1)) + offset per (row, group)
+    (`_offset_nodes`), and GatherBlockQuantized takes integer zero points only, so its symmetric part is
+    gathered as above and the offsets added after: Gather(offsets [n_blocks, N], ids, axis=1) -> [n_blocks, M]
+    -> [Cast float32 when stored float16] -> Transpose -> Reshape [M, n_blocks, 1] -> Add (broadcast over the
+    block), then the rows as in the symmetric case."""
+    if lay.zero_points:
+        raise WeightQuantError(f"{prefix}: a quantised gather needs symmetric codes or a float zero point")
     nb = -(-lay.k // lay.block)
     shape3, scales3, flat, rows, deq = (prefix + t for t in (".scale_shape", ".scales3", ".flat_ids", ".rows_shape",
                                                              ".gathered"))
@@ -214,8 +221,13 @@ def nbits_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout) -> list[on
         helper.make_node("GatherBlockQuantized", [prefix + ".qweight", flat, scales3], [deq],
                          name=prefix + "/GatherBlockQuantized", domain=MS_DOMAIN, gather_axis=0, quantize_axis=2,
                          block_size=lay.block, bits=lay.bits),  # [M, n_blocks, block]
-        _const_i64(rows, [-1, nb * lay.block]),
     ]
+    if lay.offsets:
+        nodes += _gathered_offset_nodes(flat, prefix, nb, lay.offsets_f16)
+        sym, deq = deq, prefix + ".gathered_asym"
+        nodes.append(helper.make_node("Add", [sym, prefix + ".gathered_offsets3"], [deq],
+                                      name=prefix + "/gather_offset_Add"))  # [M, n_blocks, block]
+    nodes.append(_const_i64(rows, [-1, nb * lay.block]))
     if nb * lay.block == lay.k:
         return nodes + [helper.make_node("Reshape", [deq, rows], [out], name=prefix + "/rows")]
     padded = prefix + ".padded_rows"
@@ -226,20 +238,50 @@ def nbits_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout) -> list[on
                                      name=prefix + "/unpad")]
 
 
+def _gathered_offset_nodes(flat: str, prefix: str, nb: int, f16: bool) -> list[onnx.NodeProto]:
+    """The float zero point's offsets of rows `flat` [M] as float32 `prefix.gathered_offsets3` [M, n_blocks, 1]
+    (the portable form's offsets are [n_blocks, N], float16 when f16)."""
+    t = prefix + ".gathered_offsets_t"  # [n_blocks, M]
+    nodes = [helper.make_node("Gather", [prefix + ".offsets", flat], [t], name=prefix + "/gather_offsets", axis=1)]
+    if f16:
+        nodes.append(helper.make_node("Cast", [t], [t + "_f32"], name=prefix + "/gathered_offsets_f32",
+                                      to=TensorProto.FLOAT))
+        t += "_f32"
+    return nodes + [
+        helper.make_node("Transpose", [t], [prefix + ".gathered_offsets"], name=prefix + "/gathered_offsets",
+                         perm=[1, 0]),  # [M, n_blocks]
+        _const_i64(prefix + ".offsets3_shape", [-1, nb, 1]),
+        helper.make_node("Reshape", [prefix + ".gathered_offsets", prefix + ".offsets3_shape"],
+                         [prefix + ".gathered_offsets3"], name=prefix + "/gathered_offsets3"),
+    ]
+
+
 def dq_gather_nodes(ids: str, out: str, prefix: str, lay: QLayout, *, with_dq: bool = True) -> list[onnx.NodeProto]:
     """TensorRT form of nbits_gather_nodes: Gather(DequantizeLinear(W^T codes), ids, axis=1) -> [K, M] ->
     Transpose -> [M, K] in the scales' dtype, over the same DequantizeLinear output the LM head's MatMul
-    reads (with_dq False: that node is in the graph already)."""
-    if lay.offsets:
-        raise WeightQuantError(f"{prefix}: a quantised gather needs symmetric codes")
+    reads (with_dq False: that node is in the graph already).
+
+    With a float zero point that DequantizeLinear gives the symmetric part only (TensorRT takes no zero
+    points; dq_nodes), so the offsets [n_blocks, N] (in the activation dtype) of the rows are added before the
+    Transpose: Gather(offsets, ids, axis=1) -> [n_blocks, M] -> Gather(., k // block, axis=0) -> [K, M] (the
+    group of each input, a constant; K need not be a multiple of the block) -> Add."""
     nodes = [_dq_node(prefix, lay)] if with_dq else []
     flat, cols = prefix + ".flat_ids", prefix + ".gathered_t"
-    return nodes + [
+    nodes += [
         _const_i64(prefix + ".ids_shape", [-1]),
         helper.make_node("Reshape", [ids, prefix + ".ids_shape"], [flat], name=prefix + "/flat_ids"),
         helper.make_node("Gather", [prefix + ".weight_dq", flat], [cols], name=prefix + "/Gather", axis=1),
-        helper.make_node("Transpose", [cols], [out], name=prefix + "/rows", perm=[1, 0]),
     ]
+    if lay.offsets:
+        g, gk, k_groups = prefix + ".gathered_offsets_t", prefix + ".gathered_offsets_k", prefix + ".k_groups"
+        nodes += [
+            helper.make_node("Gather", [prefix + ".offsets", flat], [g], name=prefix + "/gather_offsets", axis=1),
+            _const_i64(k_groups, (np.arange(lay.k) // lay.block).tolist()),
+            helper.make_node("Gather", [g, k_groups], [gk], name=prefix + "/gathered_offsets_k", axis=0),
+            helper.make_node("Add", [cols, gk], [prefix + ".gathered_asym_t"], name=prefix + "/gather_offset_Add"),
+        ]
+        cols = prefix + ".gathered_asym_t"
+    return nodes + [helper.make_node("Transpose", [cols], [out], name=prefix + "/rows", perm=[1, 0])]
 
 
 def _dq_node(prefix: str, lay: QLayout) -> onnx.NodeProto:
@@ -331,10 +373,13 @@ class ProjectionStore:
     FORMS = ("portable", "tensorrt")
 
     def __init__(self, store, configs: Mapping[str, WeightQuantConfig], *, trt_act_dtype: str = "float16",
-                 input_scales: dict[str, np.ndarray] | None = None) -> None:
-        """input_scales: AWQ scale s [K] per weight name: W diag(s) is quantised and x / s fed to it."""
+                 input_scales: dict[str, np.ndarray] | None = None,
+                 row_quantizers: Mapping[str, Callable[..., Any]] | None = None) -> None:
+        """input_scales: AWQ scale s [K] per weight name: W diag(s) is quantised and x / s fed to it.
+        row_quantizers: per weight name, a row-block quantiser in round-to-nearest's place (builder/gptq.py)."""
         self.store, self.configs, self.trt_act_dtype = store, dict(configs), trt_act_dtype
         self.input_scales = input_scales or {}
+        self.row_quantizers = dict(row_quantizers or {})
         self.layouts: dict[tuple[str, str], QLayout] = {}
         self.init_names: dict[tuple[str, str], list[str]] = {}
         self.trt_act_dtypes: dict[str, str] = {}  # per-tensor override of trt_act_dtype
@@ -371,7 +416,8 @@ class ProjectionStore:
         s = self.input_scales.get(name)
         if s is not None:
             chunks = _scale_columns(chunks, np.asarray(s, np.float32), shape[1])
-        q = quantize_chunks(shape, chunks, self.config(name, form), name=name)
+        q = quantize_chunks(shape, chunks, self.config(name, form), name=name,
+                            quantize_rows=self.row_quantizers.get(name))
         self.store.note_held(q.codes.nbytes)
         trt_act = self.trt_act_dtypes.get(name, self.trt_act_dtype)
         makers = {"portable": lambda p: nbits_inits(p, q), "tensorrt": lambda p: dq_inits(p, q, trt_act)}

@@ -189,10 +189,12 @@ def dequantize(q: QuantizedWeight) -> np.ndarray:
 
 
 def quantize_chunks(shape: tuple[int, ...], chunks, cfg: WeightQuantConfig, *, name: str = "weight",
-                    rows_per_step: int | None = None) -> QuantizedWeight:
+                    rows_per_step: int | None = None, quantize_rows=None) -> QuantizedWeight:
     """`quantize` of W [N, K] given as flat float32 chunks in C order, a block of rows at a time (rows
     quantise independently), so the float tensor is never held whole: only the uint8 codes (1 byte per
-    weight) and one block of rows. Same result as quantize(W) (tests check)."""
+    weight) and one block of rows. Same result as quantize(W) (tests check). quantize_rows: another
+    row-independent quantiser `(rows, cfg, name=) -> QuantizedWeight` in quantize's place (builder/gptq.py)."""
+    quantize_rows = quantize_rows or quantize
     if len(shape) != 2 or 0 in shape:
         raise WeightQuantError(f"{name}: expected a non-empty 2-D weight [N, K], got shape {list(shape)}")
     n, k = shape
@@ -208,7 +210,7 @@ def quantize_chunks(shape: tuple[int, ...], chunks, cfg: WeightQuantConfig, *, n
 
     def flush(rows: np.ndarray) -> None:
         nonlocal row
-        q = quantize(rows, cfg, name=name)
+        q = quantize_rows(rows, cfg, name=name)
         r = rows.shape[0]
         codes[row:row + r], scales[row:row + r], zps[row:row + r] = q.codes, q.scales, q.zero_points
         if mins is not None:

@@ -162,7 +162,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
                                                                    observer=observer)
     observe(exact, cal.ids[0 if search is None else search_seqs.shape[0]:], observer)
     stats = observer.stats
-    calib = sc.calibrate(stats, o.method, percentile=o.percentile)
+    calib = dataclasses.replace(sc.calibrate(stats, o.method, percentile=o.percentile),
+                                head_input_moment=observer.head_input_moment())
     naive = sc.naive_calibration(stats)
     progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")
     key_scales = sc.key_scales(observer.key_absmax) if o.index_keys == "int8" else None

@@ -107,14 +107,29 @@ class LatentObserver:
         # per owning layer: abs-max per channel of the indexer keys (their INT8 scale), sinks left out: a
         # sink is selected whatever its score, so its key never meets the scale's clip
         self.key_absmax = {i: torch.zeros(model.cfg.gsm.indexer_dim) for i in model.cfg.owning_layers}
+        # sum of x x^T (float64) over every position's LM-head input: the Gram matrix GPTQ quantises the head
+        # with (builder/gptq.py); [H, H] whatever the number of tokens
+        self.head_gram = torch.zeros(model.cfg.hidden_size, model.cfg.hidden_size, dtype=torch.float64)
+        self.head_rows = 0
 
     def attach(self, model: GoldenModel) -> None:
         model.latent_hooks.append(self)
         model.key_hooks.append(self.observe_keys)
+        model.head_hooks.append(self.observe_head_input)
 
     def detach(self, model: GoldenModel) -> None:
         model.latent_hooks.remove(self)
         model.key_hooks.remove(self.observe_keys)
+        model.head_hooks.remove(self.observe_head_input)
+
+    def observe_head_input(self, x: torch.Tensor) -> None:
+        x = x.detach().double()
+        self.head_gram += x.T @ x
+        self.head_rows += x.shape[0]
+
+    def head_input_moment(self) -> torch.Tensor | None:
+        """[H, H] float32 mean of x x^T over the head inputs seen (None before any)."""
+        return (self.head_gram / self.head_rows).float() if self.head_rows else None
 
     def observe_keys(self, layer: int, start: int, keys: torch.Tensor) -> None:
         rows = keys[max(0, self.sink_tokens - start):]

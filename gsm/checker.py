@@ -444,27 +444,28 @@ class _Checker:
             self._check_values(f, n, {"F32", "F16", "BF16"})
         if self.cfg is None or not self.marks["svd_factors"]:
             return  # ranks unknown: names and values only
-        expected: dict[str, int] = {}
+        expected: dict[str, tuple[int, ...]] = {names.HEAD_INPUT_MOMENT: (self.cfg.hidden_size,) * 2}
         for i, (rk, rv) in self.ranks.items():
             for x, r in (("k", rk), ("v", rv)):
                 for what in names.CALIB_TENSORS:
-                    expected[names.calib_name(i, x, what)] = r
+                    expected[names.calib_name(i, x, what)] = (r,)
                     if what in names.CALIB_REQUIRED and names.calib_name(i, x, what) not in f:
                         n = names.calib_name(i, x, what)
                         self.error("CALIB_TENSOR_MISSING", path, n, f"{CALIB_FILE}: {n} [{r}] missing")
             n, d_i = names.index_key_scale_name(i), self.cfg.gsm.indexer_dim
-            expected[n] = d_i
+            expected[n] = (d_i,)
             if self.quant is not None and self.quant.int8_keys and n not in f:
                 self.error("CALIB_TENSOR_MISSING", path, n, f"{CALIB_FILE}: {n} [{d_i}] missing "
                            f"({QUANT_FILE} index_key_bits is 8)")
         for n in f.names:
             if n not in expected:
                 self.error("CALIB_UNEXPECTED", path, n, f"{CALIB_FILE}: {n} is not a spec section 5 "
-                           "name of a KV-owning layer")
-            elif f.shape(n) != (expected[n],):
-                what = "the indexer dim" if ".index_key." in n else "the latent rank"
+                           f"name of a KV-owning layer, nor {names.HEAD_INPUT_MOMENT}")
+            elif f.shape(n) != expected[n]:
+                what = ("the hidden size, twice" if n == names.HEAD_INPUT_MOMENT
+                        else "the indexer dim" if ".index_key." in n else "the latent rank")
                 self.error("CALIB_SHAPE_MISMATCH", path, n, f"{CALIB_FILE}: {n} has shape "
-                           f"{list(f.shape(n))}, expected [{expected[n]}] ({what})")
+                           f"{list(f.shape(n))}, expected {list(expected[n])} ({what})")
             elif f.dtype(n) in FLOAT_DTYPES:
                 a = f.array(n)
                 bad = ~(a > 0) | ~(a < math.inf) if "scale" in n else ~(abs(a) < math.inf)

@@ -107,6 +107,11 @@ def calib_name(i: int, kv: str, what: str) -> str:
     return f"layers.{i}.{kv}.{what}"
 
 
+# [H, H] float32, optional: the mean of x x^T over calibration tokens of the LM head's input x (the final normed
+# hidden state), which lets a build quantise the head by GPTQ (builder/gptq.py; decisions "The head's input moment")
+HEAD_INPUT_MOMENT = "head.input_moment"
+
+
 def index_key_scale_name(i: int) -> str:
     """`layers.{i}.index_key.scale_int8` [dI]: per-channel scale of owning layer i's INT8 indexer keys
     (decisions "INT8 indexer keys"; required when kv_quantization.index_key_bits is 8)."""

@@ -40,11 +40,11 @@ def tiny(tiny_fp16, tmp_path_factory):
     return retiering_copy(tiny_fp16, tmp_path_factory.mktemp("ckpt") / "tiny-retier")
 
 
-def golden_with(ckpt, wcfg: WeightQuantConfig | None, head: WeightQuantConfig | None = None,
+def golden_with(ckpt, wcfg: WeightQuantConfig | None, head: WeightQuantConfig | np.ndarray | None = None,
                 gsm: WeightQuantConfig | None = None) -> GoldenModel:
     """The golden model in deployed mode on the checkpoint's weights, projections dequantised (wcfg), the
-    embedding and LM head too (head; a tied model's one tensor serves as both), and the GSM-side projections
-    (gsm: --gsm-weights int8, GSM_SIDE_CONFIG)."""
+    embedding and LM head too (head: a config, or the dequantised tensor itself; a tied model's one tensor serves
+    as both), and the GSM-side projections (gsm: --gsm-weights int8, GSM_SIDE_CONFIG)."""
     cfg = checkpoint.load_config(ckpt)
     sd = dict(checkpoint.load_state_dict(ckpt))
     original = GoldenWeights.from_tensors(cfg, dict(sd))
@@ -52,7 +52,9 @@ def golden_with(ckpt, wcfg: WeightQuantConfig | None, head: WeightQuantConfig | 
         (n, head) for n in ("model.embed_tokens.weight", "lm_head.weight") if n in sd] + [
         (n, gsm) for n in sorted(gsm_side_names(cfg))]
     for name, c in todo:
-        if c is not None:
+        if isinstance(c, np.ndarray):
+            sd[name] = c
+        elif c is not None:
             sd[name] = dequantize(quantize(np.asarray(sd[name], np.float32), c))
     calib_t = checkpoint.load_kv_calibration(ckpt)
     # without a calibration file, the data-free scales of the checkpoint's own latent projections, as the builder
@@ -163,6 +165,55 @@ def tied(tmp_path_factory):
     return synth_checkpoint("small", tmp_path_factory.mktemp("tied") / "small", seed=3)
 
 
+def test_calibrated_int4_build_quantises_the_head_by_gptq(tied, tmp_path):
+    """A calibration file with the head's input moment: `--weights int4` then defaults to an INT4 head, made by
+    GPTQ on that moment (the bundle equals the golden with that head, not with round-to-nearest's), and the plan
+    counts it at INT4; --head-weights int8 still keeps the INT8 head."""
+    import functools
+
+    from builder.gptq import gptq_factor, gptq_quantize
+    from gsm import names
+    from gsm.safetensors_io import StreamingSafetensorsWriter, TensorSpec
+
+    cfg = checkpoint.load_config(tied)
+    exact = GoldenModel.from_checkpoint(tied, mode="exact")
+    xs = []
+    exact.head_hooks.append(lambda x: xs.append(x.double()))
+    with torch.no_grad():
+        exact.forward(exact.new_cache(), np.random.default_rng(8).integers(3, cfg.vocab_size, 80).tolist())
+    x = torch.cat(xs)
+    moment = (x.T @ x / x.shape[0]).numpy()
+    calib = KVCalibration.data_free(GoldenWeights.from_tensors(cfg, dict(checkpoint.load_state_dict(tied))))
+    calib.head_input_moment = torch.from_numpy(moment).float()
+    arrays = calib.to_tensors()
+    path = tmp_path / "calib.safetensors"
+    specs = [TensorSpec(n, tuple(arrays[n].shape), "F32") for n in sorted(arrays)]
+    with StreamingSafetensorsWriter(path, specs, {"format": "pt"}) as w:
+        for s in specs:
+            w.write(s.name, arrays[s.name])
+
+    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+              matmul_accuracy="exact", calibration=path)
+    assert (r.report["weights"]["head_weights"], r.report["weights"]["head_quantiser"]) == ("int4", "gptq")
+    i8 = build(device="orin", checkpoint_dir=tied, output=tmp_path / "i8", max_seq=N_MAX, weights="int4",
+               group_size=32, head_weights="int8", calibration=path)
+    assert i8.report["weights"]["head_weights"] == "int8" and "head_quantiser" not in i8.report["weights"]
+    V, H = cfg.vocab_size, cfg.hidden_size
+    assert i8.plan.weight_bytes - r.plan.weight_bytes == (V * H + V * H // 64 * 2) - (V * H // 2 + V * H // 32 * 4)
+
+    head_cfg = WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)
+    w = np.asarray(checkpoint.load_state_dict(tied)[names.EMBED], np.float32)
+    q = quantize_chunks(w.shape, iter([w.reshape(-1)]), head_cfg,
+                        quantize_rows=functools.partial(gptq_quantize, factor=gptq_factor(np.float32(moment))))
+    prompt = np.random.default_rng(6).integers(3, 1000, PROMPT_LEN).tolist()
+    worst, gt, rt = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32), dequantize(q),
+                                                         GSM_SIDE_CONFIG), prompt)
+    assert gt == rt and worst <= 1, (worst, gt, rt)
+    worst_rtn, _, _ = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32), head_cfg, GSM_SIDE_CONFIG),
+                               prompt[:8])
+    assert worst_rtn > 10  # the bundle's head is GPTQ's, not round-to-nearest's
+
+
 @pytest.mark.parametrize("head_bits", [8, 4])
 def test_tied_head_quantised_once(tied, tmp_path, head_bits):
     """--head-weights int8/int4 on a tied model: one quantised tensor read by both the embedding lookup
@@ -172,16 +223,21 @@ def test_tied_head_quantised_once(tied, tmp_path, head_bits):
     import onnx
 
     head = f"int{head_bits}"
+    head_cfg = {8: WeightQuantConfig(8, 64),
+                4: WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)}[head_bits]
     r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
               head_weights=head, matmul_accuracy="exact")
     float_head = build(device="orin", checkpoint_dir=tied, output=tmp_path / "f", max_seq=N_MAX, weights="int4",
                        group_size=32, head_weights="fp16")
     cfg = checkpoint.load_config(tied)
     V, H = cfg.vocab_size, cfg.hidden_size
-    group = {8: 64, 4: 32}[head_bits]  # INT8 heads at group 64, INT4 at 32
-    saved = 2 * V * H - (V * H * head_bits // 8 + V * (H // group) * 2)  # FP16 tensor -> codes + FP16 group scales
+    group = head_cfg.group_size  # INT8 heads symmetric at group 64, INT4 at 32 with a float zero point
+    per_group = 2 if head_bits == 8 else 4  # FP16 scale (+ FP16 offset)
+    saved = 2 * V * H - (V * H * head_bits // 8 + V * (H // group) * per_group)  # FP16 tensor -> codes + groups
     assert float_head.plan.weight_bytes - r.plan.weight_bytes == saved
     assert (r.report["weights"]["head_weights"], r.report["weights"]["tied_head"]) == (head, True)
+    # no calibration file, so no head input moment: an INT4 head is rounded to nearest
+    assert r.report["weights"].get("head_quantiser") == (None if head_bits == 8 else "round-to-nearest")
     assert float_head.report["weights"]["head_weights"] == "fp16"
     portable = onnx.load(tmp_path / "b" / "model.portable.onnx", load_external_data=False).graph
     gbq = [n for n in portable.node if n.op_type == "GatherBlockQuantized"]
@@ -195,7 +251,7 @@ def test_tied_head_quantised_once(tied, tmp_path, head_bits):
     float_ops = [n for n in onnx.load(tmp_path / "f" / "model.portable.onnx", load_external_data=False).graph.node]
     assert not [n for n in float_ops if n.op_type == "GatherBlockQuantized"]
     prompt = np.random.default_rng(6).integers(3, 1000, PROMPT_LEN).tolist()
-    golden = golden_with(tied, WeightQuantConfig(4, 32), WeightQuantConfig(head_bits, group), GSM_SIDE_CONFIG)
+    golden = golden_with(tied, WeightQuantConfig(4, 32), head_cfg, GSM_SIDE_CONFIG)
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
     worst_float, _, _ = run_both(tmp_path / "b", golden_with(tied, WeightQuantConfig(4, 32), None, GSM_SIDE_CONFIG),
@@ -577,6 +633,110 @@ def test_quantised_gather_rows_equal_the_dequantised_weight(bits, k):
     assert {n.input[0] for n in nodes if n.op_type == "GatherBlockQuantized"} == {
         n.input[1] for n in nodes if n.op_type == "MatMulNBits"}
 
+
+def _q4_1_like(rng, n: int, k: int, group: int = 32) -> np.ndarray:
+    """W [N, K] on a Q4_1-like grid (w = q d + m, float16 d and m, code 0 and 15 in every group, the last one
+    cut to K): its float zero point's offsets m + 8 d are float16 values (stored so by the portable form)."""
+    nb = -(-k // group)
+    q = rng.integers(0, 16, (n, nb, group))
+    q[..., 0], q[..., 1] = 0, 15
+    d = (rng.random((n, nb, 1)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (-d * rng.uniform(7.0, 9.0, (n, nb, 1))).astype(np.float16).astype(np.float32)
+    return (q * d + m).astype(np.float32).reshape(n, nb * group)[:, :k]
+
+
+@pytest.mark.parametrize("offsets", ["float16", "float32"])
+@pytest.mark.parametrize("k", [64, 70])
+def test_quantised_gather_rows_float_zero_point(k, offsets):
+    """asym-f (float zero point) embedding lookup: the portable gather (GatherBlockQuantized's symmetric part plus
+    the gathered offsets, through ONNX Runtime) and the TensorRT form (Gather on the DequantizeLinear output plus
+    the gathered offsets, onnx's reference evaluator) equal (codes - 8) * scale + (min + 8 scale) per group,
+    computed here in float64 from the quantised codes, scales and mins, within float32 rounding (1e-6 of the
+    largest weight: two float32 roundings, 2^-24 each, of terms within 16/15 of it; a Q4_1 source's rows are
+    exact). The offsets are float16 exactly for a Q4_1-like source, float32 for a random one. The tied head in
+    the same graph reads the same initializers (every name unique: the checker and ONNX Runtime refuse the model
+    otherwise)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    from builder.qlinear import (
+        MS_DOMAIN,
+        QLayout,
+        dq_gather_nodes,
+        dq_inits,
+        dq_nodes,
+        group_indicator,
+        nbits_gather_nodes,
+        nbits_inits,
+        nbits_nodes,
+    )
+
+    n = 50
+    rng = np.random.default_rng(k + len(offsets))
+    w = _q4_1_like(rng, n, k) if offsets == "float16" else rng.standard_normal((n, k)).astype(np.float32) + 0.05
+    q = quantize(w, WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True))
+    lay = QLayout.of(q)
+    assert lay.offsets and lay.offsets_f16 == (offsets == "float16")
+    nb = -(-k // 32)
+    u = q.codes.reshape(n, nb, 32).astype(np.float64)
+    s, lo = q.scales.astype(np.float64)[..., None], q.mins.astype(np.float64)[..., None]
+    want_w = ((u - 8) * s + (lo + 8 * s)).reshape(n, nb * 32)[:, :k]
+    if offsets == "float16":
+        assert np.abs(want_w - w).max() <= 1e-6 * np.abs(w).max()  # the source's own values
+    ids = np.array([[0, 7, 49], [3, 3, 12]])
+    want = want_w[ids.reshape(-1)]
+    tol = 1e-6 * np.abs(want_w).max()
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    groups = helper.make_tensor("groups", TensorProto.FLOAT, [k, nb], group_indicator(k, 32).reshape(-1))
+
+    def graph(nodes, inits, rows_type=TensorProto.FLOAT):
+        return helper.make_graph(
+            [helper.make_node("MatMul", ["x", "groups"], ["sums"], name="group_sums"), *nodes], "g",
+            [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+             helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+            [helper.make_tensor_value_info("rows", rows_type, [6, k])] + (
+                [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, n])] if rows_type == TensorProto.FLOAT
+                else []), [groups, *inits])
+
+    # portable: ONNX Runtime
+    nodes = nbits_gather_nodes("ids", "rows", "E", lay) + nbits_nodes("x", "logits", "E", lay, group_sums="sums")
+    inits = [i.proto() for i in nbits_inits("E", q)]
+    assert {i.name: i.data_type for i in inits}["E.offsets"] == (
+        TensorProto.FLOAT16 if offsets == "float16" else TensorProto.FLOAT)
+    m = helper.make_model(graph(nodes, inits), opset_imports=[helper.make_opsetid("", 17),
+                                                              helper.make_opsetid(MS_DOMAIN, 1)])
+    onnx.checker.check_model(m)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rows, logits = sess.run(None, {"ids": ids, "x": x})
+    assert rows.shape == (6, k) and rows.dtype == np.float32
+    assert np.abs(rows - want).max() <= tol
+    assert np.abs(logits - x @ want_w.T).max() <= 1e-5 * np.abs(x @ want_w.T).max()
+    assert {nd.input[0] for nd in nodes if nd.op_type == "Gather"} == {"E.offsets"}
+
+    if offsets == "float16":  # every term and sum a float32 value: nothing rounded
+        assert np.array_equal(rows, want)
+    portable = rows
+
+    # TensorRT form: onnx's reference evaluator
+    lay_t = QLayout.of(q, "tensorrt")
+    nodes = dq_gather_nodes("ids", "rows", "E", lay_t) + dq_nodes("x", "logits", "E", lay_t, with_dq=False,
+                                                                   group_sums="sums")
+    assert [nd.op_type for nd in nodes].count("DequantizeLinear") == 1
+    m = helper.make_model(graph(nodes, [i.proto() for i in dq_inits("E", q, "float32")]),
+                          opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(m)
+    rows, logits = ReferenceEvaluator(m).run(None, {"ids": ids, "x": x})
+    assert rows.shape == (6, k) and rows.dtype == np.float32
+    assert np.abs(rows - want).max() <= tol and np.array_equal(rows, portable)
+    assert np.abs(logits - x @ want_w.T).max() <= 1e-5 * np.abs(x @ want_w.T).max()
+    # float16 activations (the TensorRT graph's): offsets and rows in float16, within three float16 roundings
+    g = graph(dq_gather_nodes("ids", "rows", "E", lay_t), [i.proto() for i in dq_inits("E", q, "float16")],
+              TensorProto.FLOAT16)
+    rows = ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])).run(
+        None, {"ids": ids, "x": x})[0]
+    assert rows.dtype == np.float16 and np.abs(rows - want).max() <= 2e-3 * np.abs(want_w).max()
 
 def test_gsm_side_int8_bytes_by_hand():
     """--gsm-weights int8 (the default with quantised --weights): each owning layer's latent and indexer

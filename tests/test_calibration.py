@@ -286,7 +286,7 @@ def test_scales_are_reproducible_bytes_and_token_ids_match_text(stories_gsm, tmp
 def test_index_key_scales_are_absmax_of_the_calibration_keys(stories_gsm, tmp_path):
     """INT8 indexer keys (the default): scale = abs-max / 127 per channel of every key the calibration sequences
     write at positions past the sinks (recomputed here from the golden's own forward); --index-keys fp16 writes
-    none and leaves index_key_bits at 16."""
+    none and leaves index_key_bits at 16. The file also holds the LM head's input moment."""
     from gsm import names
     from gsm.convert.data import token_sequences
     from gsm.tokenizer import load_tokenizer
@@ -301,10 +301,17 @@ def test_index_key_scales_are_absmax_of_the_calibration_keys(stories_gsm, tmp_pa
     m = GoldenModel.from_checkpoint(stories_gsm)
     seen: dict[int, list[torch.Tensor]] = {}
     m.key_hooks.append(lambda i, start, keys: seen.setdefault(i, []).append(keys[m.p.sink_tokens - start:].clone()))
+    heads: list[torch.Tensor] = []
+    m.head_hooks.append(lambda x: heads.append(x.double()))
     with torch.no_grad():
         for row in ids:
             m.forward(m.new_cache(), row)
     file = ckpt.load_kv_calibration(tmp_path / "int8")
+    # the LM head's input moment (GPTQ's, builder/gptq.py): mean x x^T over every calibration position
+    x = torch.cat(heads)
+    assert x.shape[0] == ids.numel()
+    np.testing.assert_allclose(file[names.HEAD_INPUT_MOMENT], (x.T @ x / x.shape[0]).float().numpy(), rtol=1e-5,
+                               atol=1e-6)
     assert ckpt.load_quant(tmp_path / "int8").index_key_bits == 8
     for i, parts in seen.items():
         absmax = torch.cat(parts).abs().amax(dim=0)

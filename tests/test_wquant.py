@@ -276,7 +276,8 @@ def _llama3_8b():
 def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, head: int | None | str = "same",
                        gsm: int | None | str = "same") -> int:
     """By hand: projections q, o, gate, up, down quantised, the embedding and LM head at `head` bits
-    (symmetric, one FP16 scale per 64 at 8 bits, per 32 at 4; "same": `bits`), the GSM-side projections (latent Vt,
+    (8: symmetric, one FP16 scale per 64; 4: one FP16 scale and one FP16 offset per 32; "same": 8 when `bits` is
+    given), the GSM-side projections (latent Vt,
     indexer key / query / weight) at `gsm` bits (8: one byte a weight and one FP16 scale per row; "same": 8 when
     `bits` is given), every other parameter FP16 (group None: one FP16 scale per row)."""
     H, I, L, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.q_dim, cfg.kv_dim
@@ -288,7 +289,8 @@ def _hand_weight_bytes(cfg, ranks, bits: int | None, group: int | None = 128, he
     n_head = 1 if cfg.tie_word_embeddings else 2
     V = cfg.vocab_size
     head_group = {8: 64, 4: 32}.get(head)
-    head_bytes = n_head * (V * H * 2 if head is None else V * H * head // 8 + V * math.ceil(H / head_group) * 2)
+    per_group = {8: 2, 4: 4}.get(head)  # the scale, and at 4 bits the float zero point's offset
+    head_bytes = n_head * (V * H * 2 if head is None else V * H * head // 8 + V * math.ceil(H / head_group) * per_group)
     other = H + L * 2 * H
     for i in range(L):
         if cfg.is_owning(i):

@@ -79,6 +79,7 @@ class GoldenModel:
         # observers of new latent rows (calibration statistics, as TensorRT-LLM's forward hooks)
         self.latent_hooks: list[LatentHook] = []
         self.key_hooks: list[KeyHook] = []
+        self.head_hooks: list[Callable[[torch.Tensor], None]] = []  # the LM head's input [T, H] (GPTQ's moment)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, mode: Mode = "exact", **kw) -> GoldenModel:
@@ -151,7 +152,10 @@ class GoldenModel:
             h = h + swiglu_mlp(rms_norm(h, lw.post_norm, cfg.rms_norm_eps), lw.gate_proj, lw.up_proj,
                                lw.down_proj)
         cache.update_hotness(mass, self.quant.hotness_decay)
-        logits = rms_norm(h, self.w.final_norm, cfg.rms_norm_eps) @ self.w.lm_head.T  # [T, V]
+        x = rms_norm(h, self.w.final_norm, cfg.rms_norm_eps)
+        for head_hook in self.head_hooks:
+            head_hook(x)
+        logits = x @ self.w.lm_head.T  # [T, V]
         if tr is not None:
             tr.cache_bytes = cache.bytes_used()
             tr.dense_fp16_bytes = float(cfg.num_hidden_layers * 2 * cfg.kv_dim * 2 * n)

@@ -119,6 +119,8 @@ class KVCalibration:
     calibrated: bool  # False for the data-free defaults below
     # owning layer -> [dI] scale of its INT8 indexer keys (optional; fitted on text only)
     index_key_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    # [H, H] mean x x^T of the LM head's input over calibration text (optional; names.HEAD_INPUT_MOMENT)
+    head_input_moment: torch.Tensor | None = None
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: Mapping[str, np.ndarray | torch.Tensor]) -> KVCalibration:
@@ -136,7 +138,9 @@ class KVCalibration:
                     torch.as_tensor(np.asarray(tensors[c4])).float() if c4 in tensors else None)
         keys = {i: torch.as_tensor(np.asarray(tensors[names.index_key_scale_name(i)])).float()
                 for i in cfg.owning_layers if names.index_key_scale_name(i) in tensors}
-        return cls(out, calibrated=True, index_key_scales=keys)
+        moment = (torch.as_tensor(np.asarray(tensors[names.HEAD_INPUT_MOMENT])).float()
+                  if names.HEAD_INPUT_MOMENT in tensors else None)
+        return cls(out, calibrated=True, index_key_scales=keys, head_input_moment=moment)
 
     @classmethod
     def data_free(cls, w: GoldenWeights, sigmas: float = 4.0) -> KVCalibration:
@@ -167,6 +171,8 @@ class KVCalibration:
                 d[names.calib_name(i, kv, "comp_int4")] = s.comp_int4.numpy().astype(np.float32)
         for i, s in sorted(self.index_key_scales.items()):
             d[names.index_key_scale_name(i)] = s.numpy().astype(np.float32)
+        if self.head_input_moment is not None:
+            d[names.HEAD_INPUT_MOMENT] = self.head_input_moment.numpy().astype(np.float32)
         return d
 
     def keys_fitted(self, cfg: ModelConfig) -> bool:
