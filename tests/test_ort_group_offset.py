@@ -34,9 +34,11 @@ def reference(x: np.ndarray, main: np.ndarray, offsets: np.ndarray, block: int,
 
 
 # (M, K, N, block): a decode row at SmolLM2's gate+up and down shapes; 4-row blocks with a remainder row; a last
-# group shorter than the block; column counts that leave a tail after the 16- and 32-column strips; one tile only
+# group shorter than the block; column counts that leave a tail after the 16- and 32-column strips; one tile only;
+# decode rows wide enough to split into column strips on the pool (SmolLM2's LM head; an odd width whose strips
+# end mid-vector)
 SHAPES = [(1, 576, 3072, 32), (1, 1536, 576, 32), (9, 100, 37, 32), (4, 64, 16, 16), (37, 96, 600, 32),
-          (2, 7, 5, 4)]
+          (2, 7, 5, 4), (1, 576, 49152, 32), (2, 576, 30001, 32)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -19,6 +19,12 @@ constexpr int64_t kCols = 256;
 // below this many multiply-adds one thread does it all: a pool hand-off costs more than it saves (SmolLM2's decode
 // calls, up to 48 groups x 1,536 columns, ran 12.6-14.8 ms a step serial against 16.5 ms on a 2-thread pool)
 constexpr int64_t kSerialWork = 1 << 20;
+// a decode row wide enough for the pool (an LM head: 49,152 columns x 18 groups) splits into this many column
+// strips, each streamed as one row is serially. Two: SmolLM2's head term went 134-144 -> 79 us on 2 threads and
+// stayed within noise on 1 (where the strips run one after the other); 4 strips cost 1 thread 10-15 %, 8 strips
+// more (each strip restarts the prefetcher on every offsets row)
+constexpr int64_t kRowSplits = 2;
+constexpr int64_t kRowSplitWork = 1 << 19;
 
 struct Job
 {
@@ -90,11 +96,15 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
         b.y = full.data();
     }
     int64_t const colTiles = (a.N + kCols - 1) / kCols;
-    bool const serial = par.run == nullptr || (a.M <= kRows && colTiles == 1) || a.M * G * a.N < kSerialWork;
-    // serial rows fewer than 4 (a decode step) take every column at once: the kernel then streams each offsets
-    // row start to end, where 256-column strips read the array in 1 KB pieces a row apart
-    bool const whole = serial && a.M < 4;
-    Job j{&b, sums.data(), G, whole ? a.N : kCols, whole ? 1 : colTiles, &k};
+    bool const wideRow = par.run != nullptr && a.M < 4 && a.M * G * a.N >= kRowSplitWork;
+    bool const serial = !wideRow
+        && (par.run == nullptr || (a.M <= kRows && colTiles == 1) || a.M * G * a.N < kSerialWork);
+    // rows fewer than 4 (a decode step) take every column at once, or a few wide strips of them on the pool: the
+    // kernel then streams each offsets row start to end, where 256-column strips read the array in 1 KB pieces
+    // a row apart
+    bool const whole = (serial || wideRow) && a.M < 4;
+    int64_t const strip = wideRow ? ((a.N + kRowSplits - 1) / kRowSplits + 63) / 64 * 64 : a.N;
+    Job j{&b, sums.data(), G, whole ? strip : kCols, whole ? (a.N + strip - 1) / strip : colTiles, &k};
     int64_t const tiles = (a.M + kRows - 1) / kRows * j.colTiles;
     if (serial)
     {
