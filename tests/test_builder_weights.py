@@ -165,6 +165,41 @@ def tied(tmp_path_factory):
     return synth_checkpoint("small", tmp_path_factory.mktemp("tied") / "small", seed=3)
 
 
+def calibration_file(ckpt, path, moment: np.ndarray | None):
+    """A calibration file of the checkpoint's data-free KV scales, with `moment` as its head.input_moment."""
+    from gsm.safetensors_io import StreamingSafetensorsWriter, TensorSpec
+
+    cfg = checkpoint.load_config(ckpt)
+    calib = KVCalibration.data_free(GoldenWeights.from_tensors(cfg, dict(checkpoint.load_state_dict(ckpt))))
+    calib.head_input_moment = None if moment is None else torch.from_numpy(np.asarray(moment, np.float32))
+    arrays = calib.to_tensors()
+    specs = [TensorSpec(n, tuple(arrays[n].shape), "F32") for n in sorted(arrays)]
+    with StreamingSafetensorsWriter(path, specs, {"format": "pt"}) as w:
+        for s in specs:
+            w.write(s.name, arrays[s.name])
+    return path
+
+
+def test_head_without_or_with_a_bad_moment(tied, tmp_path):
+    """--head-weights int4 without the head's input moment: round-to-nearest, and the build says what that costs; a
+    calibration file whose moment has the wrong shape: one error naming the file and the tensor, nothing written."""
+    said: list[str] = []
+    plain = calibration_file(tied, tmp_path / "plain.safetensors", None)
+    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "rtn", max_seq=N_MAX, weights="int4", group_size=32,
+              calibration=plain, say=said.append)
+    assert r.report["weights"]["head_weights"] == "int8"  # the default without a moment
+    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "rtn4", max_seq=N_MAX, weights="int4",
+              group_size=32, head_weights="int4", calibration=plain, say=said.append)
+    assert r.report["weights"]["head_quantiser"] == "round-to-nearest"
+    assert any("head.input_moment" in s and "GPTQ" in s for s in said), said
+    h = checkpoint.load_config(tied).hidden_size
+    bad = calibration_file(tied, tmp_path / "bad.safetensors", np.eye(h + 2))
+    with pytest.raises(BuildError, match=r"bad\.safetensors: head\.input_moment has shape .*expected \[" + str(h)):
+        build(device="orin", checkpoint_dir=tied, output=tmp_path / "bad", max_seq=N_MAX, weights="int4",
+              group_size=32, calibration=bad)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_calibrated_int4_build_quantises_the_head_by_gptq(tied, tmp_path):
     """A calibration file with the head's input moment: `--weights int4` then defaults to an INT4 head, made by
     GPTQ on that moment (the bundle equals the golden with that head, not with round-to-nearest's), and the plan
@@ -173,7 +208,6 @@ def test_calibrated_int4_build_quantises_the_head_by_gptq(tied, tmp_path):
 
     from builder.gptq import gptq_factor, gptq_quantize
     from gsm import names
-    from gsm.safetensors_io import StreamingSafetensorsWriter, TensorSpec
 
     cfg = checkpoint.load_config(tied)
     exact = GoldenModel.from_checkpoint(tied, mode="exact")
@@ -183,14 +217,7 @@ def test_calibrated_int4_build_quantises_the_head_by_gptq(tied, tmp_path):
         exact.forward(exact.new_cache(), np.random.default_rng(8).integers(3, cfg.vocab_size, 80).tolist())
     x = torch.cat(xs)
     moment = (x.T @ x / x.shape[0]).numpy()
-    calib = KVCalibration.data_free(GoldenWeights.from_tensors(cfg, dict(checkpoint.load_state_dict(tied))))
-    calib.head_input_moment = torch.from_numpy(moment).float()
-    arrays = calib.to_tensors()
-    path = tmp_path / "calib.safetensors"
-    specs = [TensorSpec(n, tuple(arrays[n].shape), "F32") for n in sorted(arrays)]
-    with StreamingSafetensorsWriter(path, specs, {"format": "pt"}) as w:
-        for s in specs:
-            w.write(s.name, arrays[s.name])
+    path = calibration_file(tied, tmp_path / "calib.safetensors", moment)
 
     r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
               matmul_accuracy="exact", calibration=path)

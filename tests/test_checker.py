@@ -582,6 +582,23 @@ def test_int8_index_keys_need_their_scales(ctx: Ctx) -> None:
     assert "QUANT_INVALID" in verify(d).codes
 
 
+def test_head_input_moment_is_optional_and_checked(ctx: Ctx) -> None:
+    """head.input_moment (decisions "Quantised embedding and LM head"): allowed at [H, H], finite; another shape or a
+    non-finite value is an error naming it."""
+    d = ctx.copy(manifest=False)
+    h = json.loads((d / "config.json").read_text())["hidden_size"]
+    write_calibration(d, lambda a: a.__setitem__(names.HEAD_INPUT_MOMENT, np.eye(h, dtype=np.float32)))
+    assert verify(d).ok, verify(d).to_json()
+    write_calibration(d, lambda a: a.__setitem__(names.HEAD_INPUT_MOMENT, np.eye(h + 1, dtype=np.float32)))
+    r = verify(d)
+    assert r.codes == ["CALIB_SHAPE_MISMATCH"] and names.HEAD_INPUT_MOMENT in r.errors[0].message
+    assert f"expected [{h}, {h}]" in r.errors[0].message
+    bad = np.eye(h, dtype=np.float32)
+    bad[1, 2] = np.nan
+    write_calibration(d, lambda a: a.__setitem__(names.HEAD_INPUT_MOMENT, bad))
+    assert "CALIB_SCALE_INVALID" in verify(d).codes
+
+
 def test_params_counts_elements(tiny: Path) -> None:
     f = LazySafetensors(tiny / "model.safetensors")
     assert verify(tiny).params == sum(int(np.prod(f.shape(n))) for n in f.names)
