@@ -65,12 +65,20 @@ class CpuOps(PortableOps):
         return {**cache, "new_k": ck, "new_v": cv, "new_keys": key}  # side_split made them in the cache's form
 
     def group_offset(self, x: str, main: str, offsets: str, block: int, out: str, residual: str | None,
-                     swiglu: bool = False) -> str:
+                     swiglu: bool = False, norm: tuple[str, float, str] | None = None) -> str:
         """out = main + group sums of x [M, K] (`block` inputs each) @ offsets [ceil(K / block), N] (+ residual);
-        with swiglu, silu(first half) * second half of that sum ([M, N / 2]: gate and up as one projection)."""
+        with swiglu, silu(first half) * second half of that sum ([M, N / 2]: gate and up as one projection). norm
+        (weight, epsilon, output name): also that output's RMSNorm, out / sqrt(mean(out^2) + eps) * weight, as the
+        node's second output (the norm node that would read `out` next, folded in)."""
         act = {"swiglu": 1} if swiglu else {}  # absent: the plain sum, as graphs before it
-        return self.g.op(OFFSET_OP, [x, main, offsets] + ([residual] if residual else []), outputs=[out],
-                         domain=CPU_DOMAIN, block_size=block, **act)
+        ins = [x, main, offsets] + ([residual] if residual else [])
+        if norm is None:
+            return self.g.op(OFFSET_OP, ins, outputs=[out], domain=CPU_DOMAIN, block_size=block, **act)
+        weight, eps, normed = norm
+        ins = ins + ([] if residual else [""]) + [weight]
+        self.g.op(OFFSET_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, block_size=block,
+                  norm_epsilon=float(eps), **act)
+        return out
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,

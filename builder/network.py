@@ -206,6 +206,27 @@ class Network:
                              {"": lay.dq_opset})
         return out
 
+    def proj_norm(self, x2d: str, name: str, residual: str, norm_weight: str) -> tuple[str, str]:
+        """h = x @ W^T + residual and rms_norm(h, norm_weight) in the activation type: one node with two outputs where
+        the ops fold the offset term (CpuOps: the RMSNorm as the node's epilogue, one ONNX Runtime node fewer a
+        norm), else proj then rms_norm."""
+        if self.folds_norm(name):
+            lay, prefix = self._quantised(name)
+            out, normed, main = self.g.fresh("qlinear"), self.g.fresh("rms_norm"), self.g.fresh("qlinear_main")
+            self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),
+                                         accuracy_level=self.spec.nbits_accuracy), {MS_DOMAIN: 1})
+            self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual,
+                                  norm=(norm_weight, self.cfg.rms_norm_eps, normed))
+            return out, normed
+        h = self.proj(x2d, name, residual=residual)
+        return h, rms_norm(self.g, h, norm_weight, self.cfg.rms_norm_eps, self.act)
+
+    def folds_norm(self, name: str) -> bool:
+        """Whether proj_norm of `name` is one node (a quantised float-zero-point projection of the CPU ops, float32,
+        no AWQ input scale)."""
+        return (name in self.spec.quantised and self.act == F32 and self._folds_offsets(self._quantised(name)[0])
+                and self.projections.input_scale_name(name, self.form) is None)
+
     def _folds_offsets(self, lay) -> bool:
         """Whether a quantised projection's offset term (and residual) is one node of this variant's ops."""
         return self.form == "portable" and lay.offsets and self.ops.fused_offsets
@@ -414,9 +435,11 @@ class Network:
         h = self.embed(ids)
         selected: dict[int, str] = {}
         masses: list[str] = []
+        normed = None  # layer i's input norm, made with the previous layer's down projection where the ops fold it
         for i in range(cfg.num_hidden_layers):
             with g.in_scope(f"L{i}"):
-                x32 = rms_norm(g, h, self.lw("input_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act, F32)
+                x32 = normed if normed is not None else rms_norm(g, h, self.lw("input_norm", i, keep_f32=True),
+                                                                 cfg.rms_norm_eps, self.act, F32)
                 x = x32 if self.act == F32 else cast(g, x32, self.act)
                 if cfg.is_owning(i):
                     # the GSM-side projections (latents, indexer) run in float32 in both variants: they
@@ -442,9 +465,12 @@ class Network:
                 # f32 from the GSM node: [B, S, q_dim], or [B*S, q_dim] already where the ops take q flat
                 a2 = attn if i in self._flat_q else g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])
                 a2 = a2 if self.act == F32 else cast(g, a2, self.act)
-                h = self.proj(a2, names.layer_name("o_proj", i), residual=h)
-                y = rms_norm(g, h, self.lw("post_norm", i, keep_f32=True), cfg.rms_norm_eps, self.act)
-                h = self.proj(self.mlp(i, y), names.layer_name("down_proj", i), residual=h)
+                h, y = self.proj_norm(a2, names.layer_name("o_proj", i), h, self.lw("post_norm", i, keep_f32=True))
+                down = names.layer_name("down_proj", i)
+                if i + 1 < cfg.num_hidden_layers and self.folds_norm(down):
+                    h, normed = self.proj_norm(self.mlp(i, y), down, h, self.lw("input_norm", i + 1, keep_f32=True))
+                else:
+                    h, normed = self.proj(self.mlp(i, y), down, residual=h), None
         self._head(h, shape_bs, new)
         # one variadic Sum (in order, as a chain of Adds would add them) instead of a node per owning layer
         g.op("Sum" if len(masses) > 1 else "Identity", masses, outputs=["attn_mass"])

@@ -143,8 +143,14 @@ def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, 
     assert {n.op_type for n in cpu if any(i.endswith(".offsets") or "groups_" in i for i in n.input)} <= {
         "GsmGroupOffset"}
     if grid == "asym-f":
-        with_residual = [n for n in cpu if n.op_type == "GsmGroupOffset" and len(n.input) == 4]
+        with_residual = [n for n in cpu if n.op_type == "GsmGroupOffset" and len(n.input) >= 4 and n.input[3]]
         assert len(with_residual) == 2 * 4  # o and down add the residual stream in the node
+        # and the RMSNorm that reads it is the node's second output: o's post-attention norm, down's next input
+        # norm (not the last layer's: the final norm follows the last row's gather); no norm node left but that one
+        # and the first layer's input norm
+        normed = [n for n in cpu if n.op_type == "GsmGroupOffset" and len(n.output) == 2]
+        assert len(normed) == 4 + 3 and all(len(n.input) == 5 for n in normed)
+        assert cpu_ops.count("Sqrt") == 2 and ops.count("Sqrt") == 2 * 4 + 1
         # gate+up's node takes the SwiGLU product too: no Split / Sigmoid / product Mul after it
         swiglu = [n for n in cpu if n.op_type == "GsmGroupOffset" and any(a.name == "swiglu" and a.i == 1
                                                                             for a in n.attribute)]

@@ -132,3 +132,55 @@ def test_offsets_of_another_type_are_refused() -> None:
              "offsets": np.ones((2, 8), np.float64)}
     with pytest.raises(Exception, match="input offsets must be float32 or float16"):
         session(32, False, 1, offsets=TensorProto.DOUBLE).run(None, feeds)
+
+
+def norm_session(block: int, residual: bool, threads: int, eps: float | None = 1e-5, outputs: int = 2):
+    """A node with the RMSNorm epilogue: inputs x, main, offsets (float16), residual (empty name when absent),
+    norm_weight; outputs y and normed."""
+    names = ["x", "main", "offsets", "residual" if residual else "", "norm_weight"]
+    attrs = {"block_size": block} | ({} if eps is None else {"norm_epsilon": eps})
+    node = helper.make_node("GsmGroupOffset", names, ["y", "normed"][:outputs], domain=ORT_OPS_DOMAIN, **attrs)
+    types = {n: TensorProto.FLOAT16 if n == "offsets" else TensorProto.FLOAT for n in names if n}
+    return ort_op_session(node, [helper.make_tensor_value_info(n, t, None) for n, t in types.items()],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                           for n in ["y", "normed"][:outputs]], threads)
+
+
+@pytest.mark.parametrize("shape", [(1, 576, 576, 32), (1, 1536, 576, 32), (37, 96, 600, 32), (2, 7, 5, 4)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_epilogue_matches_numpy(shape, residual, threads) -> None:
+    """norm_weight: the second output is y's RMSNorm, y / sqrt(mean(y^2) + eps) * w per row (float64 NumPy over
+    the op's own y, and over the float64 reference), y itself as without it."""
+    M, K, N, block = shape
+    rng = np.random.default_rng(M * 3 + N)
+    G = -(-K // block)
+    x, main = rng.standard_normal((M, K), np.float32), (rng.standard_normal((M, N)) * 3).astype(np.float32)
+    offsets = rng.standard_normal((G, N), np.float32).astype(np.float16)
+    res = rng.standard_normal((M, N), np.float32) if residual else None
+    w = rng.uniform(0.5, 2.0, N).astype(np.float32)
+    feeds = {"x": x, "main": main, "offsets": offsets, "norm_weight": w, **({"residual": res} if residual else {})}
+    y, normed = norm_session(block, residual, threads, eps=1e-5).run(None, feeds)
+    plain = session(block, residual, threads, offsets=TensorProto.FLOAT16).run(
+        None, {k: v for k, v in feeds.items() if k != "norm_weight"})[0]
+    np.testing.assert_array_equal(y, plain)
+
+    def rms_norm(a: np.ndarray) -> np.ndarray:
+        a = a.astype(np.float64)
+        return a / np.sqrt((a * a).mean(axis=1, keepdims=True) + 1e-5) * w
+
+    assert normed.shape == (M, N) and normed.dtype == np.float32
+    assert np.abs(normed - rms_norm(y)).max() <= 2e-6 * np.abs(rms_norm(y)).max()
+    want = rms_norm(reference(x, main, offsets, block, res))
+    assert np.abs(normed - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_norm_epilogue_refusals() -> None:
+    feeds = {"x": np.ones((1, 64), np.float32), "main": np.ones((1, 8), np.float32),
+             "offsets": np.ones((2, 8), np.float16), "norm_weight": np.ones(8, np.float32)}
+    with pytest.raises(Exception, match="norm_weight .* needs shape \\[N\\] = \\[8\\], attribute norm_epsilon"):
+        norm_session(32, False, 1, eps=None).run(None, feeds)
+    with pytest.raises(Exception, match="norm_weight \\[7\\] needs shape \\[N\\] = \\[8\\]"):
+        norm_session(32, False, 1).run(None, {**feeds, "norm_weight": np.ones(7, np.float32)})
+    with pytest.raises(Exception, match="attribute norm_epsilon = -1.* must be >= 0"):
+        norm_session(32, False, 1, eps=-1.0)

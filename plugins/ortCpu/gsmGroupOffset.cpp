@@ -2,6 +2,7 @@
 #include "gsmGroupOffset.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "gsmCachedAttentionKernels.h"
@@ -55,6 +56,39 @@ void tile(void* data, size_t i)
                 a.main + m * a.N, res, a.y + m * a.N);
         }
     }
+}
+
+struct NormJob
+{
+    GroupOffsetArgs const* a;
+};
+
+// normed = y / sqrt(mean(y^2) + eps) * w for rows [r0, r1): the mean of squares summed in float64, then the
+// float32 steps of the graph's own RMSNorm (ReduceMean, Add, Sqrt, Div, Mul)
+void normRows(GroupOffsetArgs const& a, int64_t r0, int64_t r1)
+{
+    for (int64_t m = r0; m < r1; ++m)
+    {
+        float const* y = a.y + m * a.N;
+        double ss = 0.0;
+        for (int64_t n = 0; n < a.N; ++n)
+        {
+            ss += static_cast<double>(y[n]) * y[n];
+        }
+        float const rms = std::sqrt(static_cast<float>(ss / static_cast<double>(a.N)) + a.normEps);
+        float* o = a.normed + m * a.N;
+        for (int64_t n = 0; n < a.N; ++n)
+        {
+            o[n] = y[n] / rms * a.normWeight[n];
+        }
+    }
+}
+
+void normTile(void* data, size_t i)
+{
+    GroupOffsetArgs const& a = *static_cast<NormJob const*>(data)->a;
+    int64_t const r0 = static_cast<int64_t>(i) * kRows;
+    normRows(a, r0, std::min(a.M, r0 + kRows));
 }
 
 struct SwigluJob
@@ -116,6 +150,17 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
     else if (!par.run(par.ctx, tile, static_cast<size_t>(tiles), &j))
     {
         return false;
+    }
+    if (a.normWeight != nullptr)
+    {
+        int64_t const items = (a.M + kRows - 1) / kRows;
+        if (serial || items == 1)
+        {
+            normRows(a, 0, a.M);
+            return true;
+        }
+        NormJob nj{&a};
+        return par.run(par.ctx, normTile, static_cast<size_t>(items), &nj);
     }
     if (!a.swiglu)
     {

@@ -434,13 +434,15 @@ int ORT_API_CALL endVersion(OrtCustomOp const*)
 constexpr char const* kOffsetOpName = "GsmGroupOffset";
 enum OffsetInput : size_t
 {
-    kOffX, kOffMain, kOffOffsets, kOffResidual, kOffNumInputs
+    kOffX, kOffMain, kOffOffsets, kOffResidual, kOffNormWeight, kOffNumInputs
 };
-char const* const kOffsetInputNames[kOffNumInputs] = {"x", "main", "offsets", "residual"};
+char const* const kOffsetInputNames[kOffNumInputs] = {"x", "main", "offsets", "residual", "norm_weight"};
 
 struct OffsetKernel
 {
     int64_t blockSize, swiglu;
+    float normEps;
+    bool hasNormEps;
 };
 
 OrtStatus* offsetInvalid(std::string const& m)
@@ -462,7 +464,7 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
         {
             GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
         }
-        if (v[i] == nullptr && i != kOffResidual)
+        if (v[i] == nullptr && i != kOffResidual && i != kOffNormWeight)
         {
             return offsetInvalid(std::string("input ") + kOffsetInputNames[i] + " is missing");
         }
@@ -500,6 +502,18 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
         return offsetInvalid("input residual has shape " + dimsText(sh[kOffResidual]) + ", expected main's "
             + dimsText(sh[kOffMain]));
     }
+    size_t outputs = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
+    bool const norm = v[kOffNormWeight] != nullptr;
+    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || sh[kOffNormWeight] != std::vector<int64_t>{a.N}))
+    {
+        return offsetInvalid("input norm_weight " + dimsText(sh[kOffNormWeight]) + " needs shape [N] = ["
+            + std::to_string(a.N) + "], attribute norm_epsilon, a second output (normed) and swiglu = 0");
+    }
+    if (!norm && outputs > 1)
+    {
+        return offsetInvalid("output normed needs input norm_weight");
+    }
     void* p[kOffNumInputs] = {};
     for (size_t i = 0; i < kOffNumInputs; ++i)
     {
@@ -520,6 +534,16 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
     void* y = nullptr;
     GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
     a.y = static_cast<float*>(y);
+    if (norm)
+    {
+        OrtValue* nv = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 1, outDims, 2, &nv));
+        void* n = nullptr;
+        GSM_ORT_TRY(gApi->GetTensorMutableData(nv, &n));
+        a.normed = static_cast<float*>(n);
+        a.normWeight = static_cast<float const*>(p[kOffNormWeight]);
+        a.normEps = kn.normEps;
+    }
     gsm::ortcpu::ParallelRunner par;
     par.run = runParallel;
     par.ctx = ctx;
@@ -549,6 +573,16 @@ OrtStatus* ORT_API_CALL offsetCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     if (kn.swiglu != 0 && kn.swiglu != 1)
     {
         return offsetInvalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
+    }
+    st = gApi->KernelInfoGetAttribute_float(info, "norm_epsilon", &kn.normEps);
+    kn.hasNormEps = st == nullptr;
+    if (st != nullptr)
+    {
+        gApi->ReleaseStatus(st);
+    }
+    if (kn.hasNormEps && !(kn.normEps >= 0.f))
+    {
+        return offsetInvalid("attribute norm_epsilon = " + std::to_string(kn.normEps) + " must be >= 0");
     }
     *kernel = new OffsetKernel(kn);
     return nullptr;
@@ -582,12 +616,17 @@ size_t ORT_API_CALL offsetInputCount(OrtCustomOp const*)
 
 size_t ORT_API_CALL offsetOutputCount(OrtCustomOp const*)
 {
-    return 1;
+    return 2;  // y, and normed (optional: with norm_weight)
 }
 
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetInputKind(OrtCustomOp const*, size_t i)
 {
-    return i == kOffResidual ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i == kOffResidual || i == kOffNormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetOutputKind(OrtCustomOp const*, size_t i)
+{
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
 // -- GsmSideSplit -----------------------------------------------------------------------------------------------
@@ -817,8 +856,15 @@ OrtCustomOp makeOp(OpFns const& f)
 }
 
 OrtCustomOp gOp = makeOp();
-OrtCustomOp gOffsetOp = makeOp({offsetOpName, offsetInputType, offsetInputCount, offsetFloat, offsetOutputCount,
-    offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
+OrtCustomOp makeOffsetOp()
+{
+    OrtCustomOp op = makeOp({offsetOpName, offsetInputType, offsetInputCount, offsetFloat, offsetOutputCount,
+        offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
+    op.GetOutputCharacteristic = offsetOutputKind;
+    return op;
+}
+
+OrtCustomOp gOffsetOp = makeOffsetOp();
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
