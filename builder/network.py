@@ -175,11 +175,13 @@ class Network:
             self._selections[key] = (w, k)
         return self._selections[key]
 
-    def proj(self, x2d: str, name: str, residual: str | None = None, *, swiglu: bool = False) -> str:
+    def proj(self, x2d: str, name: str, residual: str | None = None, *, swiglu: bool = False,
+             norm: tuple[str, float, str] | None = None) -> str:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
         stored tensor, the residual as its C input (one node, not Gemm + Add), or the quantised form of
         this variant (+ an Add). swiglu (W = [gate; up], quantised): silu(x gate^T) * (x up^T) instead, inside the
-        offset node where the ops fold one (CpuOps), else as Split + silu_mul."""
+        offset node where the ops fold one (CpuOps), else as Split + silu_mul. norm (weight, epsilon, output name):
+        the offset node also writes the result's RMSNorm (only where folds_norm(name); see proj_norm)."""
         if swiglu and not self._folds_offsets(self._quantised(name)[0]):
             return self.swiglu(self.proj(x2d, name))
         if name not in self.spec.quantised and name not in self._fused:
@@ -196,7 +198,7 @@ class Network:
             main = self.g.fresh("qlinear_main")
             self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),
                                          accuracy_level=self.spec.nbits_accuracy), {MS_DOMAIN: 1})
-            return self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual, swiglu)
+            return self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual, swiglu, norm)
         sums = self.group_sums(x2d, lay.k, lay.block) if lay.offsets else None
         if self.form == "portable":
             self.g.add_nodes(nbits_nodes(x2d, out, prefix, lay, accuracy_level=self.spec.nbits_accuracy,
@@ -211,21 +213,14 @@ class Network:
         the ops fold the offset term (CpuOps: the RMSNorm as the node's epilogue, one ONNX Runtime node fewer a
         norm), else proj then rms_norm."""
         if self.folds_norm(name):
-            lay, prefix = self._quantised(name)
-            out, normed, main = self.g.fresh("qlinear"), self.g.fresh("rms_norm"), self.g.fresh("qlinear_main")
-            self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),
-                                         accuracy_level=self.spec.nbits_accuracy), {MS_DOMAIN: 1})
-            self.ops.group_offset(x2d, main, prefix + ".offsets", lay.block, out, residual,
-                                  norm=(norm_weight, self.cfg.rms_norm_eps, normed))
-            return out, normed
+            normed = self.g.fresh("rms_norm")
+            return self.proj(x2d, name, residual, norm=(norm_weight, self.cfg.rms_norm_eps, normed)), normed
         h = self.proj(x2d, name, residual=residual)
         return h, rms_norm(self.g, h, norm_weight, self.cfg.rms_norm_eps, self.act)
 
     def folds_norm(self, name: str) -> bool:
-        """Whether proj_norm of `name` is one node (a quantised float-zero-point projection of the CPU ops, float32,
-        no AWQ input scale)."""
-        return (name in self.spec.quantised and self.act == F32 and self._folds_offsets(self._quantised(name)[0])
-                and self.projections.input_scale_name(name, self.form) is None)
+        """Whether proj_norm of `name` is one node (a quantised float-zero-point projection of the CPU ops, float32)."""
+        return name in self.spec.quantised and self.act == F32 and self._folds_offsets(self._quantised(name)[0])
 
     def _folds_offsets(self, lay) -> bool:
         """Whether a quantised projection's offset term (and residual) is one node of this variant's ops."""

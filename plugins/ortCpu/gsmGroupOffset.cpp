@@ -58,11 +58,6 @@ void tile(void* data, size_t i)
     }
 }
 
-struct NormJob
-{
-    GroupOffsetArgs const* a;
-};
-
 // normed = y / sqrt(mean(y^2) + eps) * w for rows [r0, r1): the mean of squares summed in float64, then the
 // float32 steps of the graph's own RMSNorm (ReduceMean, Add, Sqrt, Div, Mul)
 void normRows(GroupOffsetArgs const& a, int64_t r0, int64_t r1)
@@ -86,7 +81,7 @@ void normRows(GroupOffsetArgs const& a, int64_t r0, int64_t r1)
 
 void normTile(void* data, size_t i)
 {
-    GroupOffsetArgs const& a = *static_cast<NormJob const*>(data)->a;
+    GroupOffsetArgs const& a = *static_cast<GroupOffsetArgs const*>(data);
     int64_t const r0 = static_cast<int64_t>(i) * kRows;
     normRows(a, r0, std::min(a.M, r0 + kRows));
 }
@@ -159,8 +154,7 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
             normRows(a, 0, a.M);
             return true;
         }
-        NormJob nj{&a};
-        return par.run(par.ctx, normTile, static_cast<size_t>(items), &nj);
+        return par.run(par.ctx, normTile, static_cast<size_t>(items), const_cast<GroupOffsetArgs*>(&a));
     }
     if (!a.swiglu)
     {
