@@ -28,10 +28,11 @@ from builder.graph_portable import PortableOps
 CPU_DOMAIN = "ai.gsm_edge.cpu"
 CPU_OP = "GsmCachedAttention"
 OFFSET_OP = "GsmGroupOffset"
+Q4_OP = "GsmMatMulQ4"
 SIDE_OP = "GsmSideSplit"
 CPU_OP_VERSION = 1
 # what model.cpu.onnx may use of the domain
-CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
+CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, Q4_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
 
 
 class CpuOps(PortableOps):
@@ -39,6 +40,7 @@ class CpuOps(PortableOps):
 
     variant = "cpu"
     fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
+    fused_q4 = True  # ... and a 4-bit one whose tiles are stored (fast matmuls) through matmul_q4, offsets included
     fused_side = True  # Network.gsm_inputs emits the GSM-side tail through side_split
     flat_q = True  # GsmCachedAttention takes q [B*S, q_dim] and returns attn_out so: no Reshape either side
     half_up = True  # GsmCachedAttention reads U_k / U_v as float16 when every value lies on the FP16 grid
@@ -78,6 +80,20 @@ class CpuOps(PortableOps):
         ins = ins + ([] if residual else [""]) + [weight]
         self.g.op(OFFSET_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, block_size=block,
                   norm_epsilon=float(eps), **act)
+        return out
+
+    def matmul_q4(self, x: str, prefix: str, k: int, n: int, out: str, residual: str | None, swiglu: bool = False,
+                  norm: tuple[str, float, str] | None = None) -> str:
+        """out = x [M, K] @ W^T over the 4-bit float-zero-point tiles `<prefix>.q4.*` (qlinear.q4_tiles), offset term
+        included, INT8 activations as MatMulNBits accuracy_level 4 (+ residual); swiglu and norm as group_offset's."""
+        act = {"swiglu": 1} if swiglu else {}
+        ins = [x, *(f"{prefix}.q4.{part}" for part in ("codes", "scales", "offsets"))] + ([residual] if residual else [])
+        if norm is None:
+            return self.g.op(Q4_OP, ins, outputs=[out], domain=CPU_DOMAIN, K=k, N=n, **act)
+        weight, eps, normed = norm
+        ins = ins + ([] if residual else [""]) + [weight]
+        self.g.op(Q4_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, K=k, N=n, norm_epsilon=float(eps),
+                  **act)
         return out
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],

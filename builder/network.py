@@ -194,6 +194,8 @@ class Network:
         inv = self.projections.input_scale_name(name, self.form)
         if inv is not None:  # AWQ: the stored weight is W diag(s), so the input is x / s
             x2d = self.g.op("Mul", [x2d, inv])
+        if fold and lay.q4_tiles and self.ops.fused_q4:  # the whole projection as one node (CpuOps.matmul_q4)
+            return self.ops.matmul_q4(x2d, prefix, lay.k, lay.n, out, residual, swiglu, norm)
         if fold:  # the offset term, and the residual, as one node of the ops (CpuOps.group_offset)
             main = self.g.fresh("qlinear_main")
             self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),

@@ -569,6 +569,51 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     assert worst_sym > 10
 
 
+def test_q4_1_source_fast_cpu_graph_runs_gsm_matmul_q4(q4_1_checkpoint, tmp_path):
+    """A `fast` INT4 build of a Q4_1 source: model.cpu.onnx runs each 4-bit projection as one GsmMatMulQ4 node (offset
+    term, residual, SwiGLU and next norm inside) over tiles holding the checkpoint's weights exactly; the portable graph
+    keeps MatMulNBits + the offset Gemm. Both quantise activations to INT8 per block of 32, so each follows the
+    golden, and the other, to that error, not to the float32 tolerance."""
+    import onnx
+
+    import runtime
+    from builder.qlinear import Q4_TILE
+
+    b = tmp_path / "b"
+    build(device="orin", checkpoint_dir=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4", head_weights="fp16",
+          gsm_weights="fp16")
+    cpu = onnx.load(b / "model.cpu.onnx")
+    ops = [n.op_type for n in cpu.graph.node]
+    assert ops.count("GsmMatMulQ4") == 4 * 4 and "GsmGroupOffset" not in ops and "MatMulNBits" not in ops
+    assert "Sigmoid" not in ops and ops.count("Sqrt") == 2  # SwiGLU and the folded norms inside the node
+    portable = [n.op_type for n in onnx.load(b / "model.portable.onnx", load_external_data=False).graph.node]
+    assert portable.count("MatMulNBits") == 4 * 4 and "GsmMatMulQ4" not in portable
+    # the tiles of layer 1's down_proj unpacked by hand: scale * (u - 8) + offset is the checkpoint's Q4_1 weight
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in cpu.graph.initializer if ".q4." in i.name}
+    prefix = "model.layers.1.mlp.down_proj.weight.nbits.q4"
+    codes, scales, offsets = (inits[f"{prefix}.{k}"].astype(np.float32) for k in ("codes", "scales", "offsets"))
+    nt, g = scales.shape[:2]
+    by = codes.reshape(nt, g, 4, Q4_TILE, 4).astype(np.int64)  # t, b, p, r, j
+    u = np.stack([by & 15, by >> 4], axis=3)  # t, b, p, half, r, j
+    u = u.transpose(0, 4, 1, 2, 3, 5).reshape(nt * Q4_TILE, g * 32)
+    w = (u - 8) * np.repeat(scales.transpose(0, 2, 1).reshape(-1, g), 32, 1) + np.repeat(
+        offsets.transpose(0, 2, 1).reshape(-1, g), 32, 1)
+    want = np.asarray(checkpoint.load_state_dict(q4_1_checkpoint)["model.layers.1.mlp.down_proj.weight"], np.float32)
+    assert np.allclose(w[:want.shape[0], :want.shape[1]], want, rtol=1e-6, atol=1e-7)
+    prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
+    golden = golden_with(q4_1_checkpoint, None)
+    with torch.no_grad():
+        g_logits = golden.prefill(golden.new_cache(), prompt).logits[-1].numpy()
+    got = {graph: runtime.load(b, backend="onnxruntime", threads=1, graph=graph).new_sequence().prefill(prompt)
+           for graph in ("cpu", "portable")}
+    scale = np.abs(g_logits).max()
+    for graph, logits in got.items():  # 0.36 % for both on this draw
+        assert np.abs(logits - g_logits).max() <= 0.01 * scale, graph
+    # the same activation rounding as MLAS's: the two graphs agree to float32 reassociation (7e-8 on this draw),
+    # where the same tiles taken uncentred (scale * u + min) were 2.3x as far from the golden
+    assert np.abs(got["cpu"] - got["portable"]).max() <= 1e-4 * scale
+
+
 def _awq_file(path, scales: dict, group: int):
     from safetensors.numpy import save_file
 

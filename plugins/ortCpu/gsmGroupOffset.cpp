@@ -45,7 +45,18 @@ void tile(void* data, size_t i)
     {
         int64_t const rows = std::min<int64_t>(4, r1 - m);
         float const* res = a.residual != nullptr ? a.residual + m * a.N : nullptr;
-        if (a.halfOffsets)
+        if (a.offsets == nullptr)  // main holds the whole projection (GsmMatMulQ4): the residual only
+        {
+            for (int64_t r = m; r < m + rows; ++r)
+            {
+                for (int64_t n = c0; n < c1; ++n)
+                {
+                    a.y[r * a.N + n] = a.residual != nullptr ? a.main[r * a.N + n] + a.residual[r * a.N + n]
+                                                             : a.main[r * a.N + n];
+                }
+            }
+        }
+        else if (a.halfOffsets)
         {
             j.k->groupOffsetHalf(j.sums + m * j.G, rows, static_cast<uint16_t const*>(a.offsets), j.G, a.N, c0, c1,
                 a.main + m * a.N, res, a.y + m * a.N);
@@ -109,10 +120,10 @@ void swigluRows(void* data, size_t i)
 bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
 {
     Kernels const& k = cpuKernels();
-    int64_t const G = (a.K + a.block - 1) / a.block;
+    int64_t const G = a.offsets != nullptr ? (a.K + a.block - 1) / a.block : 0;
     static thread_local std::vector<float> sums;
     sums.resize(static_cast<size_t>(a.M * G));
-    for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t m = 0; G > 0 && m < a.M; ++m)
     {
         k.groupSums(a.x + m * a.K, a.K, a.block, sums.data() + m * G);
     }

@@ -1,5 +1,6 @@
-// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with three ops,
-// GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h) and GsmSideSplit (gsmSideSplit.h),
+// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with four ops,
+// GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h), GsmMatMulQ4 (gsmMatMulQ4.h) and
+// GsmSideSplit (gsmSideSplit.h),
 // through ONNX Runtime's C API only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
 
@@ -9,6 +10,7 @@
 
 #include "gsmCachedAttention.h"
 #include "gsmGroupOffset.h"
+#include "gsmMatMulQ4.h"
 #include "gsmSideSplit.h"
 
 namespace
@@ -629,6 +631,219 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetOutputKind(OrtCustomOp c
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
+// -- GsmMatMulQ4 ------------------------------------------------------------------------------------------------
+constexpr char const* kQ4OpName = "GsmMatMulQ4";
+enum Q4Input : size_t
+{
+    kQ4X, kQ4Codes, kQ4Scales, kQ4Offsets, kQ4Residual, kQ4NormWeight, kQ4NumInputs
+};
+char const* const kQ4InputNames[kQ4NumInputs] = {"x", "codes", "scales", "offsets", "residual", "norm_weight"};
+
+struct Q4Kernel
+{
+    int64_t K, N, swiglu;
+    float normEps;
+    bool hasNormEps;
+};
+
+OrtStatus* q4Invalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmMatMulQ4: " + m).c_str());
+}
+
+OrtStatus* ORT_API_CALL q4Compute(void* opKernel, OrtKernelContext* ctx)
+{
+    using gsm::ortcpu::kQ4Block;
+    using gsm::ortcpu::kQ4TileRows;
+    Q4Kernel const& kn = *static_cast<Q4Kernel const*>(opKernel);
+    OrtValue const* v[kQ4NumInputs];
+    std::vector<int64_t> sh[kQ4NumInputs];
+    size_t present = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetInputCount(ctx, &present));
+    for (size_t i = 0; i < kQ4NumInputs; ++i)
+    {
+        v[i] = nullptr;
+        if (i < present)
+        {
+            GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
+        }
+        if (v[i] == nullptr && i != kQ4Residual && i != kQ4NormWeight)
+        {
+            return q4Invalid(std::string("input ") + kQ4InputNames[i] + " is missing");
+        }
+    }
+    ONNXTensorElementDataType scType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, mnType = scType;
+    GSM_ORT_TRY(elementType(v[kQ4Scales], &scType));
+    GSM_ORT_TRY(elementType(v[kQ4Offsets], &mnType));
+    for (auto t : {scType, mnType})
+    {
+        if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+        {
+            return q4Invalid("inputs scales and offsets must be float32 or float16");
+        }
+    }
+    int64_t const G = (kn.K + kQ4Block - 1) / kQ4Block, NT = (kn.N + kQ4TileRows - 1) / kQ4TileRows;
+    std::vector<int64_t> const codesWant{NT, G, kQ4TileRows * kQ4Block / 2}, paramWant{NT, G, kQ4TileRows};
+    if (sh[kQ4X].size() != 2 || sh[kQ4X][1] != kn.K || sh[kQ4Codes] != codesWant || sh[kQ4Scales] != paramWant
+        || sh[kQ4Offsets] != paramWant)
+    {
+        return q4Invalid("inputs x " + dimsText(sh[kQ4X]) + ", codes " + dimsText(sh[kQ4Codes]) + ", scales "
+            + dimsText(sh[kQ4Scales]) + ", offsets " + dimsText(sh[kQ4Offsets]) + ": expected [M, " + std::to_string(kn.K)
+            + "], " + dimsText(codesWant) + " and " + dimsText(paramWant) + " twice (K = " + std::to_string(kn.K)
+            + ", N = " + std::to_string(kn.N) + ": tiles of 16 rows, blocks of 32 inputs)");
+    }
+    int64_t const M = sh[kQ4X][0];
+    if (kn.swiglu != 0 && (v[kQ4Residual] != nullptr || kn.N % 2 != 0))
+    {
+        return q4Invalid("with swiglu = 1 N must be even (gate, then up) and there is no residual");
+    }
+    if (v[kQ4Residual] != nullptr && sh[kQ4Residual] != std::vector<int64_t>{M, kn.N})
+    {
+        return q4Invalid("input residual has shape " + dimsText(sh[kQ4Residual]) + ", expected [" + std::to_string(M)
+            + ", " + std::to_string(kn.N) + "]");
+    }
+    size_t outputs = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
+    bool const norm = v[kQ4NormWeight] != nullptr;
+    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || sh[kQ4NormWeight] != std::vector<int64_t>{kn.N}))
+    {
+        return q4Invalid("input norm_weight " + dimsText(sh[kQ4NormWeight]) + " needs shape [N] = ["
+            + std::to_string(kn.N) + "], attribute norm_epsilon, a second output (normed) and swiglu = 0");
+    }
+    if (!norm && outputs > 1)
+    {
+        return q4Invalid("output normed needs input norm_weight");
+    }
+    void* p[kQ4NumInputs] = {};
+    for (size_t i = 0; i < kQ4NumInputs; ++i)
+    {
+        if (v[i] != nullptr)
+        {
+            GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+        }
+    }
+    gsm::ortcpu::GroupOffsetArgs e;  // the epilogue (residual, SwiGLU, norm) over the full product
+    e.M = M;
+    e.K = kn.K;
+    e.N = kn.N;
+    e.block = kQ4Block;
+    e.x = static_cast<float const*>(p[kQ4X]);
+    e.residual = static_cast<float const*>(p[kQ4Residual]);
+    e.swiglu = kn.swiglu != 0;
+    int64_t const outDims[2] = {M, e.swiglu ? kn.N / 2 : kn.N};
+    OrtValue* ov = nullptr;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, outDims, 2, &ov));
+    void* y = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
+    e.y = static_cast<float*>(y);
+    if (norm)
+    {
+        OrtValue* nv = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 1, outDims, 2, &nv));
+        void* n = nullptr;
+        GSM_ORT_TRY(gApi->GetTensorMutableData(nv, &n));
+        e.normed = static_cast<float*>(n);
+        e.normWeight = static_cast<float const*>(p[kQ4NormWeight]);
+        e.normEps = kn.normEps;
+    }
+    bool const plain = e.residual == nullptr && !e.swiglu && !norm;
+    static thread_local std::vector<float> full;
+    gsm::ortcpu::MatMulQ4Args a;
+    a.M = M;
+    a.K = kn.K;
+    a.N = kn.N;
+    a.x = e.x;
+    a.codes = static_cast<uint8_t const*>(p[kQ4Codes]);
+    a.scales = p[kQ4Scales];
+    a.offsets = p[kQ4Offsets];
+    a.halfScales = scType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    a.halfOffsets = mnType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    if (!plain)
+    {
+        full.resize(static_cast<size_t>(M * kn.N));
+    }
+    a.y = plain ? e.y : full.data();
+    gsm::ortcpu::ParallelRunner par;
+    par.run = runParallel;
+    par.ctx = ctx;
+    if (!gsm::ortcpu::runMatMulQ4(a, par))
+    {
+        return gApi->CreateStatus(ORT_FAIL, "GsmMatMulQ4: the intra-op thread pool failed");
+    }
+    e.main = full.data();
+    if (!plain && !gsm::ortcpu::runGroupOffset(e, par))
+    {
+        return gApi->CreateStatus(ORT_FAIL, "GsmMatMulQ4: the intra-op thread pool failed");
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL q4CreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
+{
+    Q4Kernel kn{};
+    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}})
+    {
+        OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, dst);
+        if (st != nullptr)
+        {
+            std::string m = std::string("attribute ") + name + " (int64) is missing or invalid: " + gApi->GetErrorMessage(st);
+            gApi->ReleaseStatus(st);
+            return q4Invalid(m);
+        }
+        if (*dst <= 0)
+        {
+            return q4Invalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
+        }
+    }
+    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &kn.swiglu, q4Invalid));
+    if (kn.swiglu != 0 && kn.swiglu != 1)
+    {
+        return q4Invalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
+    }
+    OrtStatus* st = gApi->KernelInfoGetAttribute_float(info, "norm_epsilon", &kn.normEps);
+    kn.hasNormEps = st == nullptr;
+    if (st != nullptr)
+    {
+        gApi->ReleaseStatus(st);
+    }
+    if (kn.hasNormEps && !(kn.normEps >= 0.f))
+    {
+        return q4Invalid("attribute norm_epsilon = " + std::to_string(kn.normEps) + " must be >= 0");
+    }
+    *kernel = new Q4Kernel(kn);
+    return nullptr;
+}
+
+void ORT_API_CALL q4DestroyKernel(void* kernel)
+{
+    delete static_cast<Q4Kernel*>(kernel);
+}
+
+char const* ORT_API_CALL q4OpName(OrtCustomOp const*)
+{
+    return kQ4OpName;
+}
+
+ONNXTensorElementDataType ORT_API_CALL q4InputType(OrtCustomOp const*, size_t i)
+{
+    if (i == kQ4Codes)
+    {
+        return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    }
+    // scales, offsets: float32 or float16, checked per call
+    return i == kQ4Scales || i == kQ4Offsets ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL q4InputCount(OrtCustomOp const*)
+{
+    return kQ4NumInputs;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL q4InputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kQ4Residual || i == kQ4NormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 // -- GsmSideSplit -----------------------------------------------------------------------------------------------
 constexpr char const* kSideOpName = "GsmSideSplit";
 enum SideInput : size_t
@@ -865,6 +1080,15 @@ OrtCustomOp makeOffsetOp()
 }
 
 OrtCustomOp gOffsetOp = makeOffsetOp();
+OrtCustomOp makeQ4Op()
+{
+    OrtCustomOp op = makeOp({q4OpName, q4InputType, q4InputCount, offsetFloat, offsetOutputCount, q4InputKind,
+        q4CreateKernel, q4Compute, q4DestroyKernel});
+    op.GetOutputCharacteristic = offsetOutputKind;
+    return op;
+}
+
+OrtCustomOp gQ4Op = makeQ4Op();
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
@@ -891,6 +1115,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         GSM_ORT_TRY(api->CreateCustomOpDomain(kDomain, &domain));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOffsetOp));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gQ4Op));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSideOp));
     }
     return api->AddCustomOpDomain(options, domain);

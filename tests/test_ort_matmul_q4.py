@@ -1,0 +1,231 @@
+"""`GsmMatMulQ4` (plugins/ortCpu, model.cpu.onnx of a `fast` INT4 build): a 4-bit float-zero-point projection, offset
+term included, over the tiles `builder.qlinear.q4_tiles` packs, against NumPy from the op's definition
+(plugins/ortCpu/gsmMatMulQ4.h): INT8 activations per block of 32, w = scale * (u - 8) + offset."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import NO_ORT_OPS, ORT_OPS_DOMAIN, ort_op_session
+from gsm_edge_plugins import ort_ops_library
+
+from builder.qlinear import q4_tiles
+from builder.wquant import WeightQuantConfig, WeightQuantError, quantize
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+needs_ops = pytest.mark.skipif(ort_ops_library() is None, reason=NO_ORT_OPS)
+ASYM_F = WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)
+FLOAT_TYPES = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
+
+
+def weight(n: int, k: int, seed: int):
+    return quantize(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32), ASYM_F)
+
+
+def test_tiles_by_hand() -> None:
+    """Every byte, scale and offset (min + 8 scale) at the place the op's header gives it, by explicit loops; padding
+    rows are zero."""
+    q = weight(20, 70, 0)  # 2 tiles (12 padding rows), 3 blocks (26 padding inputs)
+    codes, scales, offsets = q4_tiles(q)
+    assert codes.shape == (2, 3, 256) and scales.shape == offsets.shape == (2, 3, 16)
+    want_offsets = q.mins.astype(np.float64) + 8 * q.scales.astype(np.float64)
+    u = np.zeros((32, 96), np.int64)
+    u[:20] = q.codes
+    for t in range(2):
+        for b in range(3):
+            for p in range(4):
+                for r in range(16):
+                    for j in range(4):
+                        k = 32 * b + 8 * p + j
+                        assert codes[t, b, 64 * p + 4 * r + j] == u[16 * t + r, k] | u[16 * t + r, k + 4] << 4
+                for r in range(16):
+                    n = 16 * t + r
+                    assert scales[t, b, r] == (q.scales[n, b] if n < 20 else 0)
+                    assert offsets[t, b, r] == (np.float32(want_offsets[n, b]) if n < 20 else 0)
+    assert scales.dtype == np.float16  # the scales are float16 values (WeightQuantConfig.scale_dtype)
+    assert offsets.dtype == np.float32  # the offsets of random weights are not
+
+
+def test_tiles_refuse_other_grids() -> None:
+    with pytest.raises(WeightQuantError, match="GsmMatMulQ4"):
+        q4_tiles(quantize(np.ones((16, 64), np.float32), WeightQuantConfig(4, 32)))
+
+
+def model(k: int, n: int, codes, scales, offsets, *, residual: bool = False, swiglu: bool = False,
+          norm: bool = False):
+    names = ["x", "codes", "scales", "offsets"] + (["residual"] if residual else [""] if norm else [])
+    names += ["norm_weight"] if norm else []
+    attrs = {"K": k, "N": n} | ({"swiglu": 1} if swiglu else {}) | ({"norm_epsilon": 1e-5} if norm else {})
+    outs = ["y", "normed"] if norm else ["y"]
+    node = helper.make_node("GsmMatMulQ4", names, outs, domain=ORT_OPS_DOMAIN, **attrs)
+    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales"),
+             numpy_helper.from_array(offsets, "offsets")]
+    ins = [helper.make_tensor_value_info(i, TensorProto.FLOAT, None) for i in ("x", "residual", "norm_weight")
+           if i in names]
+    g = helper.make_graph([node], "q4", ins, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ORT_OPS_DOMAIN, 1)])
+    m.ir_version = 8
+    return m
+
+
+def session(m, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(ort_ops_library()))
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def reference(x: np.ndarray, q) -> np.ndarray:
+    """float64 of the definition: per row and block of 32, dx = max|x| / 127 (float32), xq = round-half-even(x / dx)
+    (x times the float32 1 / dx), S = the block's sum; y = sum_b dot(u - 8, xq) dx scale + (min + 8 scale) S."""
+    m, k = x.shape
+    g = -(-k // 32)
+    xb = np.zeros((m, g * 32), np.float32)
+    xb[:, :k] = x
+    xb = xb.reshape(m, g, 32)
+    dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)
+    u = q.codes.astype(np.int64).reshape(q.n, g, 32) - 8
+    dots = np.einsum("ngk,mgk->mng", u, xq).astype(np.float64)
+    sums = xb.astype(np.float64).sum(-1)
+    offsets = q.mins.astype(np.float64) + 8 * q.scales.astype(np.float64)
+    return (dots * dx[:, None, :] * q.scales[None] + offsets[None] * sums[:, None, :]).sum(-1)
+
+
+def dense(x: np.ndarray, q) -> np.ndarray:
+    w = q.codes[:, :q.k] * np.repeat(q.scales, 32, 1)[:, :q.k] + np.repeat(q.mins, 32, 1)[:, :q.k]
+    return x.astype(np.float64) @ w.T.astype(np.float64)
+
+
+# (M, K, N): decode rows at SmolLM2's q / gate+up / down shapes and its LM head (split into parts on the pool); 4-row
+# groups with a remainder; K not a multiple of 32 and N not of 16; a prefill chunk (tiles of 8 on the pool)
+SHAPES = [(1, 576, 576), (1, 576, 3072), (1, 1536, 576), (1, 576, 49152), (5, 100, 37), (3, 64, 16), (9, 96, 200),
+          (67, 576, 600)]
+
+
+@needs_ops
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_numpy(shape, threads) -> None:
+    M, K, N = shape
+    q = weight(N, K, M * 7 + K)
+    x = np.random.default_rng(N).standard_normal((M, K)).astype(np.float32)
+    x[:, ::37] *= 20  # outlier inputs: the per-block scale matters
+    y = session(model(K, N, *q4_tiles(q)), threads).run(None, {"x": x})[0]
+    want = reference(x, q)
+    assert y.shape == (M, N) and y.dtype == np.float32
+    # float32 fused multiply-adds over G blocks: a few ulp of the output scale
+    assert np.abs(y - want).max() <= 4e-6 * np.abs(want).max(), np.abs(y - want).max()
+    # and it is the layer: INT8 activations in blocks of 32 keep it within a few percent of the float64 product
+    ref = dense(x, q)
+    assert np.abs(y - ref).max() <= 0.03 * np.abs(ref).max()
+
+
+@needs_ops
+@pytest.mark.parametrize("half", [False, True])
+def test_float16_or_float32_parameters(half) -> None:
+    """Scales and offsets as the tiles hold them (float16 where exact, a Q4_1 source's) or both float32: same values."""
+    q = weight(48, 96, 3)
+    q.mins[:] = (q.mins + 8 * q.scales).astype(np.float16) - 8 * q.scales  # float16 offsets, as a Q4_1 source's
+    codes, scales, offsets = q4_tiles(q)
+    assert offsets.dtype == np.float16
+    if not half:
+        scales, offsets = scales.astype(np.float32), offsets.astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 96)).astype(np.float32)
+    y = session(model(96, 48, codes, scales, offsets), 1).run(None, {"x": x})[0]
+    want = reference(x, q)
+    assert np.abs(y - want).max() <= 4e-6 * np.abs(want).max()
+
+
+@needs_ops
+def test_residual_swiglu_norm() -> None:
+    """The epilogues GsmGroupOffset has: + residual; silu(gate) * up; the RMSNorm of (product + residual)."""
+    rng = np.random.default_rng(5)
+    M, K, N = 3, 64, 32
+    q = weight(N, K, 9)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    tiles = q4_tiles(q)
+    base = reference(x, q)
+    res = rng.standard_normal((M, N)).astype(np.float32)
+    y = session(model(K, N, *tiles, residual=True), 1).run(None, {"x": x, "residual": res})[0]
+    assert np.abs(y - (base + res)).max() <= 4e-6 * np.abs(base + res).max()
+    y = session(model(K, N, *tiles, swiglu=True), 1).run(None, {"x": x})[0]
+    h = N // 2
+    want = base[:, :h] / (1 + np.exp(-base[:, :h])) * base[:, h:]
+    assert y.shape == (M, h) and np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    w = rng.standard_normal(N).astype(np.float32)
+    y, normed = session(model(K, N, *tiles, residual=True, norm=True), 1).run(
+        None, {"x": x, "residual": res, "norm_weight": w})
+    s = base + res
+    want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w
+    assert np.abs(y - s).max() <= 4e-6 * np.abs(s).max() and np.abs(normed - want).max() <= 1e-5 * np.abs(want).max()
+
+
+_KERNEL_RUN = """
+import json, sys
+import numpy as np
+sys.path[:0] = {path}
+import test_ort_matmul_q4 as t
+q = t.weight(200, 200, 11)
+x = np.random.default_rng(2).standard_normal((6, 200)).astype(np.float32)
+y = t.session(t.model(200, 200, *t.q4_tiles(q)), 2).run(None, {{"x": x}})[0]
+print(json.dumps(y.view(np.uint32).ravel().tolist()))
+"""
+
+
+@needs_ops
+def test_kernels_give_the_same_bits() -> None:
+    """The generic, AVX2 and AVX-512 VNNI kernels (GSM_ORT_Q4_KERNEL picks a lower one; a CPU without one runs the
+    next) spell the same fused multiply-adds in the same order: identical outputs, not merely close."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = _KERNEL_RUN.format(path=[here, os.path.dirname(here)])
+    outs = {}
+    for kernel in ("", "avx2", "generic"):
+        env = dict(os.environ, GSM_ORT_Q4_KERNEL=kernel)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs[kernel] = json.loads(r.stdout)
+    assert outs[""] == outs["avx2"] == outs["generic"]
+
+
+@needs_ops
+@pytest.mark.parametrize("field,shape,message", [
+    ("codes", (2, 3, 128), "codes [2, 3, 128]"),
+    ("scales", (2, 2, 16), "scales [2, 2, 16]"),
+    ("x", (4, 90), "x [4, 90]"),
+])
+def test_bad_shape_names_input(field, shape, message) -> None:
+    q = weight(20, 70, 0)
+    codes, scales, offsets = q4_tiles(q)
+    arrays = {"codes": codes, "scales": scales, "offsets": offsets}
+    x = np.zeros((4, 70), np.float32)
+    if field == "x":
+        x = np.zeros(shape, np.float32)
+    else:
+        arrays[field] = np.zeros(shape, arrays[field].dtype)
+    with pytest.raises(Exception, match="GsmMatMulQ4") as err:
+        session(model(70, 20, **arrays), 1).run(None, {"x": x})
+    assert message in str(err.value) and "expected [M, 70], [2, 3, 256]" in str(err.value)
+
+
+@needs_ops
+def test_k_and_n_are_required() -> None:
+    node = helper.make_node("GsmMatMulQ4", ["x", "codes", "scales", "offsets"], ["y"], domain=ORT_OPS_DOMAIN, K=64)
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n != "codes" else TensorProto.UINT8, None)
+           for n in ("x", "codes", "scales", "offsets")]
+    with pytest.raises(Exception, match="attribute N"):
+        ort_op_session(node, ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]).run(
+            None, {"x": np.zeros((1, 64), np.float32), "codes": np.zeros((1, 2, 256), np.uint8),
+                   "scales": np.zeros((1, 2, 16), np.float32), "offsets": np.zeros((1, 2, 16), np.float32)})
