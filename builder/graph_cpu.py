@@ -87,7 +87,8 @@ class CpuOps(PortableOps):
         """out = x [M, K] @ W^T over the 4-bit float-zero-point tiles `<prefix>.q4.*` (qlinear.q4_tiles), offset term
         included, INT8 activations as MatMulNBits accuracy_level 4 (+ residual); swiglu and norm as group_offset's."""
         act = {"swiglu": 1} if swiglu else {}
-        ins = [x, *(f"{prefix}.q4.{part}" for part in ("codes", "scales", "offsets"))] + ([residual] if residual else [])
+        tiles = [f"{prefix}.q4.{part}" for part in ("codes", "scales", "offsets")]
+        ins = [x, *tiles] + ([residual] if residual else [])
         if norm is None:
             return self.g.op(Q4_OP, ins, outputs=[out], domain=CPU_DOMAIN, K=k, N=n, **act)
         weight, eps, normed = norm
