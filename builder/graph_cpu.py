@@ -28,11 +28,11 @@ from builder.graph_portable import PortableOps
 CPU_DOMAIN = "ai.gsm_edge.cpu"
 CPU_OP = "GsmCachedAttention"
 OFFSET_OP = "GsmGroupOffset"
-Q4_OP = "GsmMatMulQ4"
+QUANT_OP = "GsmQuantMatMul"
 SIDE_OP = "GsmSideSplit"
 CPU_OP_VERSION = 1
 # what model.cpu.onnx may use of the domain
-CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, Q4_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
+CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, QUANT_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
 
 
 class CpuOps(PortableOps):
@@ -40,7 +40,7 @@ class CpuOps(PortableOps):
 
     variant = "cpu"
     fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
-    fused_q4 = True  # ... and a 4-bit one whose tiles are stored (fast matmuls) through matmul_q4, offsets included
+    fused_quant = True  # Network.proj emits a projection whose tiles are stored (fast matmuls) through quant_matmul
     fused_side = True  # Network.gsm_inputs emits the GSM-side tail through side_split
     flat_q = True  # GsmCachedAttention takes q [B*S, q_dim] and returns attn_out so: no Reshape either side
     half_up = True  # GsmCachedAttention reads U_k / U_v as float16 when every value lies on the FP16 grid
@@ -82,19 +82,19 @@ class CpuOps(PortableOps):
                   norm_epsilon=float(eps), **act)
         return out
 
-    def matmul_q4(self, x: str, prefix: str, k: int, n: int, out: str, residual: str | None, swiglu: bool = False,
-                  norm: tuple[str, float, str] | None = None) -> str:
-        """out = x [M, K] @ W^T over the 4-bit float-zero-point tiles `<prefix>.q4.*` (qlinear.q4_tiles), offset term
-        included, INT8 activations as MatMulNBits accuracy_level 4 (+ residual); swiglu and norm as group_offset's."""
-        act = {"swiglu": 1} if swiglu else {}
-        tiles = [f"{prefix}.q4.{part}" for part in ("codes", "scales", "offsets")]
-        ins = [x, *tiles] + ([residual] if residual else [])
+    def quant_matmul(self, x: str, prefix: str, lay, out: str, residual: str | None, swiglu: bool = False,
+                     norm: tuple[str, float, str] | None = None) -> str:
+        """out = x [M, K] @ W^T over the tiles `<prefix>.qt.*` (qlinear.quant_tiles; lay: the QLayout), a float zero
+        point's offset term included, INT8 activations as MatMulNBits accuracy_level 4 (+ residual); swiglu and norm
+        as group_offset's."""
+        attrs = {"K": lay.k, "N": lay.n, "bits": lay.bits, "block_size": lay.block} | ({"swiglu": 1} if swiglu else {})
+        ins = [x, f"{prefix}.qt.codes", f"{prefix}.qt.scales", f"{prefix}.qt.offsets" if lay.offsets else ""]
+        ins += [residual] if residual else []
         if norm is None:
-            return self.g.op(Q4_OP, ins, outputs=[out], domain=CPU_DOMAIN, K=k, N=n, **act)
+            return self.g.op(QUANT_OP, ins, outputs=[out], domain=CPU_DOMAIN, **attrs)
         weight, eps, normed = norm
         ins = ins + ([] if residual else [""]) + [weight]
-        self.g.op(Q4_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, K=k, N=n, norm_epsilon=float(eps),
-                  **act)
+        self.g.op(QUANT_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, norm_epsilon=float(eps), **attrs)
         return out
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],

@@ -36,7 +36,7 @@ class PluginOps:
 
     variant = "trt"
     fused_offsets = False  # CpuOps: a float zero point's offset term as one custom node
-    fused_q4 = False  # CpuOps: a 4-bit float-zero-point projection with stored tiles as one custom node
+    fused_quant = False  # CpuOps: a quantised projection with stored tiles as one custom node
     fused_side = False  # CpuOps: an owning layer's GSM-side scale, split and cache rounding as one custom node
     flat_q = False  # CpuOps: an owning layer's q enters and attn_out leaves the attention as [B*S, q_dim]
     half_up = False  # CpuOps: U_k / U_v as float16 when they lie on the FP16 grid

@@ -63,7 +63,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
     projections = None if not weights else ProjectionStore(
         store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales,
-        row_quantizers=row_quantizers, q4_tiles=spec.nbits_accuracy == 4)
+        row_quantizers=row_quantizers, tiles=spec.nbits_accuracy == 4)
     # any quantised TensorRT form at opset 21: blocked DQ needs it, and per-channel INT8 there too because
     # onnx's reference evaluator (our TensorRT-less check of model.onnx) implements DequantizeLinear from 19 on
     trt_opset = OPSET_INT4 if weights else OPSET

@@ -182,20 +182,20 @@ class Network:
         this variant (+ an Add). swiglu (W = [gate; up], quantised): silu(x gate^T) * (x up^T) instead, inside the
         offset node where the ops fold one (CpuOps), else as Split + silu_mul. norm (weight, epsilon, output name):
         the offset node also writes the result's RMSNorm (only where folds_norm(name); see proj_norm)."""
-        if swiglu and not self._folds_offsets(self._quantised(name)[0]):
+        if swiglu and not self._folds(self._quantised(name)[0]):
             return self.swiglu(self.proj(x2d, name))
         if name not in self.spec.quantised and name not in self._fused:
             return linear(self.g, x2d, self.w(name), residual)
         lay, prefix = self._quantised(name)
-        fold = self._folds_offsets(lay)
+        fold = self._folds(lay)
         if residual is not None and not fold:
             return self.g.op("Add", [residual, self.proj(x2d, name)])
         out = self.g.fresh("qlinear")
         inv = self.projections.input_scale_name(name, self.form)
         if inv is not None:  # AWQ: the stored weight is W diag(s), so the input is x / s
             x2d = self.g.op("Mul", [x2d, inv])
-        if fold and lay.q4_tiles and self.ops.fused_q4:  # the whole projection as one node (CpuOps.matmul_q4)
-            return self.ops.matmul_q4(x2d, prefix, lay.k, lay.n, out, residual, swiglu, norm)
+        if self._tiled(lay):  # the whole projection, and what follows it, as one node (CpuOps.quant_matmul)
+            return self.ops.quant_matmul(x2d, prefix, lay, out, residual, swiglu, norm)
         if fold:  # the offset term, and the residual, as one node of the ops (CpuOps.group_offset)
             main = self.g.fresh("qlinear_main")
             self.g.add_nodes(nbits_nodes(x2d, main, prefix, replace(lay, offsets=False),
@@ -222,11 +222,16 @@ class Network:
 
     def folds_norm(self, name: str) -> bool:
         """Whether proj_norm of `name` is one node (a quantised float-zero-point projection of the CPU ops, float32)."""
-        return name in self.spec.quantised and self.act == F32 and self._folds_offsets(self._quantised(name)[0])
+        return name in self.spec.quantised and self.act == F32 and self._folds(self._quantised(name)[0])
 
-    def _folds_offsets(self, lay) -> bool:
-        """Whether a quantised projection's offset term (and residual) is one node of this variant's ops."""
-        return self.form == "portable" and lay.offsets and self.ops.fused_offsets
+    def _folds(self, lay) -> bool:
+        """Whether a quantised projection's residual, SwiGLU and next norm fold into one node of this variant's ops:
+        its offset term's (GsmGroupOffset) or the whole projection's (GsmQuantMatMul)."""
+        return self._tiled(lay) or (self.form == "portable" and lay.offsets and self.ops.fused_offsets)
+
+    def _tiled(self, lay) -> bool:
+        """Whether a quantised projection is one GsmQuantMatMul node (its tiles stored: a fast build's CPU graph)."""
+        return self.form == "portable" and lay.tiles and self.ops.fused_quant
 
     def swiglu(self, gate_up: str) -> str:
         """silu(gate) * up of a [M, 2 * intermediate] gate+up projection: Split and silu_mul."""

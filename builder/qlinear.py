@@ -84,7 +84,7 @@ class QLayout:
     offsets: bool  # float zero point: codes taken as symmetric, plus a per-group offset term
     per_channel: bool = False  # one group per row (group_size None): TensorRT form per axis, not blocked
     offsets_f16: bool = False  # the portable form stores the offsets in float16 (each exactly: _portable_offsets)
-    q4_tiles: bool = False  # the portable form also stores GsmMatMulQ4's tiles (`<prefix>.q4.*`, q4_tiles)
+    tiles: bool = False  # the portable form also stores GsmQuantMatMul's tiles (`<prefix>.qt.*`, quant_tiles)
 
     @property
     def blocked(self) -> bool:
@@ -128,51 +128,57 @@ def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
     return inits
 
 
-Q4_BLOCK, Q4_TILE = 32, 16  # GsmMatMulQ4's block of inputs and tile of rows (plugins/ortCpu/gsmMatMulQ4.h)
+TILE_ROWS, SUB_BLOCK = 16, 32  # GsmQuantMatMul's tile of rows and sub-block of inputs (plugins/ortCpu/gsmQuantMatMul.h)
 
 
-def q4_tiles_fit(q: QuantizedWeight) -> bool:
-    """Whether GsmMatMulQ4 runs `q`: 4-bit on the float-zero-point grid in blocks of 32."""
-    return q.cfg.bits == 4 and q.cfg.float_zero_point and q.block == Q4_BLOCK and q.mins is not None
+def tiles_fit(q: QuantizedWeight) -> bool:
+    """Whether GsmQuantMatMul runs `q`: symmetric 4- or 8-bit, or 4-bit on the float-zero-point grid, in groups of a
+    multiple of 32 (integer zero points other than the implicit one are not its form)."""
+    grid = q.cfg.symmetric or (q.cfg.bits == 4 and q.cfg.float_zero_point)
+    return grid and q.block % SUB_BLOCK == 0
 
 
 def _exact_half(a: np.ndarray) -> np.ndarray:
-    """a as float16 when every value is one exactly (a Q4_1 source's scales and minima), else float32."""
+    """a as float16 when every value is one exactly (a Q4_1 source's scales and offsets), else float32."""
     half = a.astype(np.float16)
     return half if np.array_equal(half.astype(np.float32), a) else a
 
 
-def q4_tiles(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GsmMatMulQ4's weight: (codes [NT, G, 256] uint8, scales [NT, G, 16], offsets [NT, G, 16]), NT = ceil(N / 16)
-    tiles of 16 rows (zero rows pad N), G blocks of 32 inputs. Byte (t, b, p, r, j) holds u(16t+r, 32b+8p+j) in its
-    low nibble and u(16t+r, 32b+8p+4+j) in its high one: one 64-byte load is 8 inputs of 16 rows. w = scale * (u - 8)
-    + offset, the offsets the portable form's (QuantizedWeight.group_offsets, min + 8 * scale); scales and offsets
-    float16 where each is one exactly (a Q4_1 source's), else float32."""
-    if not q4_tiles_fit(q):
-        raise WeightQuantError("GsmMatMulQ4 takes 4-bit float-zero-point weights in blocks of 32")
-    n, g = q.n, q.n_blocks
-    nt = -(-n // Q4_TILE)
-    u = np.zeros((nt * Q4_TILE, g * Q4_BLOCK), np.uint8)
+def quant_tiles(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GsmQuantMatMul's weight: (codes [NT, S, 256 | 512] uint8, scales [NT, G, 16], offsets [NT, G, 16] or None),
+    NT = ceil(N / 16) tiles of 16 rows (zero rows pad N), G groups, S = G * block / 32 sub-blocks of 32 inputs. 4-bit:
+    byte (t, s, p, r, j) at 64 p + 4 r + j holds u(16t+r, 32s+8p+j) in its low nibble and u(16t+r, 32s+8p+4+j) in its
+    high one; 8-bit: u(16t+r, 32s+4p+j). One 64-byte load is 8 or 4 inputs of 16 rows. w = scale * (u - 2^(bits-1))
+    [+ offset]: the offsets are a float zero point's, the portable form's (QuantizedWeight.group_offsets,
+    min + 8 * scale). Scales and offsets float16 where each is one exactly, else float32."""
+    if not tiles_fit(q):
+        raise WeightQuantError("GsmQuantMatMul takes symmetric 4-/8-bit or 4-bit float-zero-point weights in groups "
+                               f"of a multiple of {SUB_BLOCK}")
+    n, g, bits = q.n, q.n_blocks, q.cfg.bits
+    nt, s = -(-n // TILE_ROWS), g * q.block // SUB_BLOCK
+    u = np.zeros((nt * TILE_ROWS, s * SUB_BLOCK), np.uint8)
     u[:n] = q.codes
-    u = u.reshape(nt, Q4_TILE, g, 4, 2, 4)  # t, r, b, p, half, j
-    packed = u[:, :, :, :, 0, :] | (u[:, :, :, :, 1, :] << 4)  # t, r, b, p, j
-    codes = np.ascontiguousarray(packed.transpose(0, 2, 3, 1, 4)).reshape(nt, g, 4 * Q4_TILE * 4)
+    if bits == 4:
+        u = u.reshape(nt, TILE_ROWS, s, 4, 2, 4)  # t, r, s, p, half, j
+        packed = (u[:, :, :, :, 0, :] | (u[:, :, :, :, 1, :] << 4)).transpose(0, 2, 3, 1, 4)  # t, s, p, r, j
+    else:
+        packed = u.reshape(nt, TILE_ROWS, s, 8, 4).transpose(0, 2, 3, 1, 4)
+    codes = np.ascontiguousarray(packed).reshape(nt, s, -1)
 
     def per_tile(a: np.ndarray) -> np.ndarray:
-        full = np.zeros((nt * Q4_TILE, g), np.float32)
+        full = np.zeros((nt * TILE_ROWS, g), np.float32)
         full[:n] = a
-        return _exact_half(np.ascontiguousarray(full.reshape(nt, Q4_TILE, g).transpose(0, 2, 1)))
+        return _exact_half(np.ascontiguousarray(full.reshape(nt, TILE_ROWS, g).transpose(0, 2, 1)))
 
-    return codes, per_tile(q.scales), per_tile(q.group_offsets())
+    return codes, per_tile(q.scales), per_tile(q.group_offsets()) if q.cfg.float_zero_point else None
 
 
-def q4_tiles_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
-    """GsmMatMulQ4's initializers `<prefix>.q4.codes|scales|offsets` (q4_tiles)."""
-    codes, scales, offsets = q4_tiles(q)
+def tiles_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
+    """GsmQuantMatMul's initializers `<prefix>.qt.codes|scales[|offsets]` (quant_tiles)."""
+    codes, scales, offsets = quant_tiles(q)
     ft = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
-    return [_init(prefix + ".q4.codes", codes, TensorProto.UINT8),
-            _init(prefix + ".q4.scales", scales, ft[scales.dtype]),
-            _init(prefix + ".q4.offsets", offsets, ft[offsets.dtype])]
+    inits = [_init(prefix + ".qt.codes", codes, TensorProto.UINT8), _init(prefix + ".qt.scales", scales, ft[scales.dtype])]
+    return inits + ([] if offsets is None else [_init(prefix + ".qt.offsets", offsets, ft[offsets.dtype])])
 
 
 def nbits_nodes(x: str, out: str, prefix: str, lay: QLayout, *, accuracy_level: int = 0,
@@ -422,13 +428,13 @@ class ProjectionStore:
 
     def __init__(self, store, configs: Mapping[str, WeightQuantConfig], *, trt_act_dtype: str = "float16",
                  input_scales: dict[str, np.ndarray] | None = None,
-                 row_quantizers: Mapping[str, Callable[..., Any]] | None = None, q4_tiles: bool = False) -> None:
+                 row_quantizers: Mapping[str, Callable[..., Any]] | None = None, tiles: bool = False) -> None:
         """input_scales: AWQ scale s [K] per weight name: W diag(s) is quantised and x / s fed to it.
         row_quantizers: per weight name, a row-block quantiser in round-to-nearest's place (builder/gptq.py).
-        q4_tiles: the portable form of a weight GsmMatMulQ4 runs (q4_tiles_fit) also holds its tiles, for the CPU
-        graph (its INT8 activations are those of MatMulNBits accuracy_level 4: only for `fast` matmuls)."""
+        tiles: the portable form of a weight GsmQuantMatMul runs (tiles_fit) also holds its tiles, for the CPU graph
+        (its INT8 activations are those of MatMulNBits accuracy_level 4: only for `fast` matmuls)."""
         self.store, self.configs, self.trt_act_dtype = store, dict(configs), trt_act_dtype
-        self.q4_tiles = q4_tiles
+        self.tiles = tiles
         self.input_scales = input_scales or {}
         self.row_quantizers = dict(row_quantizers or {})
         self.layouts: dict[tuple[str, str], QLayout] = {}
@@ -471,8 +477,8 @@ class ProjectionStore:
                             quantize_rows=self.row_quantizers.get(name))
         self.store.note_held(q.codes.nbytes)
         trt_act = self.trt_act_dtypes.get(name, self.trt_act_dtype)
-        tiles = self.q4_tiles and q4_tiles_fit(q)
-        makers = {"portable": lambda p: nbits_inits(p, q) + (q4_tiles_inits(p, q) if tiles else []),
+        tiles = self.tiles and tiles_fit(q)
+        makers = {"portable": lambda p: nbits_inits(p, q) + (tiles_inits(p, q) if tiles else []),
                   "tensorrt": lambda p: dq_inits(p, q, trt_act)}
         for f in forms:
             inits = makers[f](self.prefix(name, f))
@@ -484,7 +490,7 @@ class ProjectionStore:
                 self.store.put_raw(i.name, i.data_type, i.dims, i.raw)
             self.init_names[(name, f)] = [i.name for i in inits]
             del inits
-            self.layouts[(name, f)] = dataclasses.replace(QLayout.of(q, f), q4_tiles=tiles and f == "portable")
+            self.layouts[(name, f)] = dataclasses.replace(QLayout.of(q, f), tiles=tiles and f == "portable")
         return self.layouts[(name, form)]
 
 

@@ -569,33 +569,33 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
     assert worst_sym > 10
 
 
-def test_q4_1_source_fast_cpu_graph_runs_gsm_matmul_q4(q4_1_checkpoint, tmp_path):
-    """A `fast` INT4 build of a Q4_1 source: model.cpu.onnx runs each 4-bit projection as one GsmMatMulQ4 node (offset
+def test_q4_1_source_fast_cpu_graph_runs_gsm_quant_matmul(q4_1_checkpoint, tmp_path):
+    """A `fast` INT4 build of a Q4_1 source: model.cpu.onnx runs each 4-bit projection as one GsmQuantMatMul node (offset
     term, residual, SwiGLU and next norm inside) over tiles holding the checkpoint's weights exactly; the portable graph
     keeps MatMulNBits + the offset Gemm. Both quantise activations to INT8 per block of 32, so each follows the
     golden, and the other, to that error, not to the float32 tolerance."""
     import onnx
 
     import runtime
-    from builder.qlinear import Q4_TILE
+    from builder.qlinear import TILE_ROWS
 
     b = tmp_path / "b"
     build(device="orin", checkpoint_dir=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4", head_weights="fp16",
           gsm_weights="fp16")
     cpu = onnx.load(b / "model.cpu.onnx")
     ops = [n.op_type for n in cpu.graph.node]
-    assert ops.count("GsmMatMulQ4") == 4 * 4 and "GsmGroupOffset" not in ops and "MatMulNBits" not in ops
+    assert ops.count("GsmQuantMatMul") == 4 * 4 and "GsmGroupOffset" not in ops and "MatMulNBits" not in ops
     assert "Sigmoid" not in ops and ops.count("Sqrt") == 2  # SwiGLU and the folded norms inside the node
     portable = [n.op_type for n in onnx.load(b / "model.portable.onnx", load_external_data=False).graph.node]
-    assert portable.count("MatMulNBits") == 4 * 4 and "GsmMatMulQ4" not in portable
+    assert portable.count("MatMulNBits") == 4 * 4 and "GsmQuantMatMul" not in portable
     # the tiles of layer 1's down_proj unpacked by hand: scale * (u - 8) + offset is the checkpoint's Q4_1 weight
-    inits = {i.name: onnx.numpy_helper.to_array(i) for i in cpu.graph.initializer if ".q4." in i.name}
-    prefix = "model.layers.1.mlp.down_proj.weight.nbits.q4"
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in cpu.graph.initializer if ".qt." in i.name}
+    prefix = "model.layers.1.mlp.down_proj.weight.nbits.qt"
     codes, scales, offsets = (inits[f"{prefix}.{k}"].astype(np.float32) for k in ("codes", "scales", "offsets"))
     nt, g = scales.shape[:2]
-    by = codes.reshape(nt, g, 4, Q4_TILE, 4).astype(np.int64)  # t, b, p, r, j
+    by = codes.reshape(nt, g, 4, TILE_ROWS, 4).astype(np.int64)  # t, b, p, r, j
     u = np.stack([by & 15, by >> 4], axis=3)  # t, b, p, half, r, j
-    u = u.transpose(0, 4, 1, 2, 3, 5).reshape(nt * Q4_TILE, g * 32)
+    u = u.transpose(0, 4, 1, 2, 3, 5).reshape(nt * TILE_ROWS, g * 32)
     w = (u - 8) * np.repeat(scales.transpose(0, 2, 1).reshape(-1, g), 32, 1) + np.repeat(
         offsets.transpose(0, 2, 1).reshape(-1, g), 32, 1)
     want = np.asarray(checkpoint.load_state_dict(q4_1_checkpoint)["model.layers.1.mlp.down_proj.weight"], np.float32)
@@ -860,9 +860,16 @@ def test_gsm_side_int8_forms_follow_the_matmul_accuracy(tiny, tmp_path):
         assert (r.report["weights"]["gsm_weights"], r.report["weights"]["gsm_group_size"]) == ("int8", block)
         for f in ("model.portable.onnx", "model.cpu.onnx"):
             g = onnx.load(b / f, load_external_data=False).graph
-            nbits = [n for n in g.node if n.op_type == "MatMulNBits" and ".in_proj." in n.input[1]]
+            # a fast build's CPU graph runs it as GsmQuantMatMul over its tiles (8 bits, the same group), with the
+            # INT8 activations of MatMulNBits' level 4 (tests/test_ort_quant_matmul.py)
+            op = "GsmQuantMatMul" if (acc, f) == ("fast", "model.cpu.onnx") else "MatMulNBits"
+            nbits = [n for n in g.node if n.op_type == op and ".in_proj." in n.input[1]]
             assert len(nbits) == len(cfg.owning_layers), (acc, f)
-            attrs = {a.name: a.i for n in nbits for a in n.attribute if a.name in ("block_size", "accuracy_level")}
+            attrs = {a.name: a.i for n in nbits for a in n.attribute if a.name in ("block_size", "accuracy_level",
+                                                                                  "bits")}
+            if op == "GsmQuantMatMul":
+                assert attrs["bits"] == 8 and attrs["block_size"] == block
+                continue
             assert attrs.get("accuracy_level", 0) == level
             if block is not None:
                 assert attrs["block_size"] == block
@@ -873,7 +880,7 @@ def test_gsm_side_int8_forms_follow_the_matmul_accuracy(tiny, tmp_path):
         assert len(dqs) == len(cfg.owning_layers)
         assert all(a.name != "block_size" for n in dqs for a in n.attribute)  # per channel
     # the fast form's dequantised weights: its node at accuracy 0 on the identity gives W^T exactly
-    m = onnx.load(tmp_path / "fast" / "model.cpu.onnx")
+    m = onnx.load(tmp_path / "fast" / "model.portable.onnx")
     layer = cfg.owning_layers[0]
     node = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and f"layers.{layer}.in_proj" in n.input[1])
     keep = {a.name: a.i for a in node.attribute if a.name != "accuracy_level"}

@@ -45,7 +45,7 @@ void tile(void* data, size_t i)
     {
         int64_t const rows = std::min<int64_t>(4, r1 - m);
         float const* res = a.residual != nullptr ? a.residual + m * a.N : nullptr;
-        if (a.offsets == nullptr)  // main holds the whole projection (GsmMatMulQ4): the residual only
+        if (a.offsets == nullptr)  // main holds the whole projection (GsmQuantMatMul): the residual only
         {
             for (int64_t r = m; r < m + rows; ++r)
             {

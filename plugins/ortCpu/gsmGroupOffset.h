@@ -30,7 +30,7 @@ struct GroupOffsetArgs
     float const* x = nullptr;                // [M, K] the projection's input
     float const* main = nullptr;             // [M, N] MatMulNBits' output
     void const* offsets = nullptr;           // [G, N] float32, or float16 bits when halfOffsets; null: main is the
-                                             // whole projection (GsmMatMulQ4's), the rest applies as written
+                                             // whole projection (GsmQuantMatMul's), the rest applies as written
     bool halfOffsets = false;
     float const* residual = nullptr;         // [M, N] or null
     bool swiglu = false;                     // y = silu(first N/2 columns) * last N/2 (no residual), [M, N/2]

@@ -1,5 +1,5 @@
 // ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with four ops,
-// GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h), GsmMatMulQ4 (gsmMatMulQ4.h) and
+// GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h), GsmQuantMatMul (gsmQuantMatMul.h) and
 // GsmSideSplit (gsmSideSplit.h),
 // through ONNX Runtime's C API only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
@@ -10,7 +10,7 @@
 
 #include "gsmCachedAttention.h"
 #include "gsmGroupOffset.h"
-#include "gsmMatMulQ4.h"
+#include "gsmQuantMatMul.h"
 #include "gsmSideSplit.h"
 
 namespace
@@ -631,91 +631,97 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetOutputKind(OrtCustomOp c
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-// -- GsmMatMulQ4 ------------------------------------------------------------------------------------------------
-constexpr char const* kQ4OpName = "GsmMatMulQ4";
-enum Q4Input : size_t
+// -- GsmQuantMatMul ---------------------------------------------------------------------------------------------
+constexpr char const* kQmmOpName = "GsmQuantMatMul";
+enum QmmInput : size_t
 {
-    kQ4X, kQ4Codes, kQ4Scales, kQ4Offsets, kQ4Residual, kQ4NormWeight, kQ4NumInputs
+    kQmmX, kQmmCodes, kQmmScales, kQmmOffsets, kQmmResidual, kQmmNormWeight, kQmmNumInputs
 };
-char const* const kQ4InputNames[kQ4NumInputs] = {"x", "codes", "scales", "offsets", "residual", "norm_weight"};
+char const* const kQmmInputNames[kQmmNumInputs] = {"x", "codes", "scales", "offsets", "residual", "norm_weight"};
 
-struct Q4Kernel
+struct QmmKernel
 {
-    int64_t K, N, swiglu;
+    int64_t K, N, bits, block, swiglu;
     float normEps;
     bool hasNormEps;
 };
 
-OrtStatus* q4Invalid(std::string const& m)
+OrtStatus* qmmInvalid(std::string const& m)
 {
-    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmMatMulQ4: " + m).c_str());
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmQuantMatMul: " + m).c_str());
 }
 
-OrtStatus* ORT_API_CALL q4Compute(void* opKernel, OrtKernelContext* ctx)
+OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
 {
-    using gsm::ortcpu::kQ4Block;
-    using gsm::ortcpu::kQ4TileRows;
-    Q4Kernel const& kn = *static_cast<Q4Kernel const*>(opKernel);
-    OrtValue const* v[kQ4NumInputs];
-    std::vector<int64_t> sh[kQ4NumInputs];
+    using gsm::ortcpu::kQSubBlock;
+    using gsm::ortcpu::kQTileRows;
+    QmmKernel const& kn = *static_cast<QmmKernel const*>(opKernel);
+    OrtValue const* v[kQmmNumInputs];
+    std::vector<int64_t> sh[kQmmNumInputs];
     size_t present = 0;
     GSM_ORT_TRY(gApi->KernelContext_GetInputCount(ctx, &present));
-    for (size_t i = 0; i < kQ4NumInputs; ++i)
+    for (size_t i = 0; i < kQmmNumInputs; ++i)
     {
         v[i] = nullptr;
         if (i < present)
         {
             GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
         }
-        if (v[i] == nullptr && i != kQ4Residual && i != kQ4NormWeight)
+        if (v[i] == nullptr && i != kQmmOffsets && i != kQmmResidual && i != kQmmNormWeight)
         {
-            return q4Invalid(std::string("input ") + kQ4InputNames[i] + " is missing");
+            return qmmInvalid(std::string("input ") + kQmmInputNames[i] + " is missing");
         }
     }
     ONNXTensorElementDataType scType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, mnType = scType;
-    GSM_ORT_TRY(elementType(v[kQ4Scales], &scType));
-    GSM_ORT_TRY(elementType(v[kQ4Offsets], &mnType));
-    for (auto t : {scType, mnType})
+    GSM_ORT_TRY(elementType(v[kQmmScales], &scType));
+    bool const offsets = v[kQmmOffsets] != nullptr;
+    if (offsets)
+    {
+        GSM_ORT_TRY(elementType(v[kQmmOffsets], &mnType));
+    }
+    for (auto t : {scType, offsets ? mnType : scType})
     {
         if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
         {
-            return q4Invalid("inputs scales and offsets must be float32 or float16");
+            return qmmInvalid("inputs scales and offsets must be float32 or float16");
         }
     }
-    int64_t const G = (kn.K + kQ4Block - 1) / kQ4Block, NT = (kn.N + kQ4TileRows - 1) / kQ4TileRows;
-    std::vector<int64_t> const codesWant{NT, G, kQ4TileRows * kQ4Block / 2}, paramWant{NT, G, kQ4TileRows};
-    if (sh[kQ4X].size() != 2 || sh[kQ4X][1] != kn.K || sh[kQ4Codes] != codesWant || sh[kQ4Scales] != paramWant
-        || sh[kQ4Offsets] != paramWant)
+    int64_t const G = (kn.K + kn.block - 1) / kn.block, NT = (kn.N + kQTileRows - 1) / kQTileRows;
+    std::vector<int64_t> const codesWant{NT, G * kn.block / kQSubBlock, gsm::ortcpu::quantSubBlockBytes(kn.bits)};
+    std::vector<int64_t> const paramWant{NT, G, kQTileRows};
+    if (sh[kQmmX].size() != 2 || sh[kQmmX][1] != kn.K || sh[kQmmCodes] != codesWant || sh[kQmmScales] != paramWant
+        || (offsets && sh[kQmmOffsets] != paramWant))
     {
-        return q4Invalid("inputs x " + dimsText(sh[kQ4X]) + ", codes " + dimsText(sh[kQ4Codes]) + ", scales "
-            + dimsText(sh[kQ4Scales]) + ", offsets " + dimsText(sh[kQ4Offsets]) + ": expected [M, " + std::to_string(kn.K)
-            + "], " + dimsText(codesWant) + " and " + dimsText(paramWant) + " twice (K = " + std::to_string(kn.K)
-            + ", N = " + std::to_string(kn.N) + ": tiles of 16 rows, blocks of 32 inputs)");
+        return qmmInvalid("inputs x " + dimsText(sh[kQmmX]) + ", codes " + dimsText(sh[kQmmCodes]) + ", scales "
+            + dimsText(sh[kQmmScales]) + (offsets ? ", offsets " + dimsText(sh[kQmmOffsets]) : std::string())
+            + ": expected [M, " + std::to_string(kn.K) + "], " + dimsText(codesWant) + " and " + dimsText(paramWant)
+            + " (K = " + std::to_string(kn.K) + ", N = " + std::to_string(kn.N) + ", bits = " + std::to_string(kn.bits)
+            + ", block_size = " + std::to_string(kn.block) + ": tiles of 16 rows, sub-blocks of 32 inputs)");
     }
-    int64_t const M = sh[kQ4X][0];
-    if (kn.swiglu != 0 && (v[kQ4Residual] != nullptr || kn.N % 2 != 0))
+    int64_t const M = sh[kQmmX][0];
+    if (kn.swiglu != 0 && (v[kQmmResidual] != nullptr || kn.N % 2 != 0))
     {
-        return q4Invalid("with swiglu = 1 N must be even (gate, then up) and there is no residual");
+        return qmmInvalid("with swiglu = 1 N must be even (gate, then up) and there is no residual");
     }
-    if (v[kQ4Residual] != nullptr && sh[kQ4Residual] != std::vector<int64_t>{M, kn.N})
+    if (v[kQmmResidual] != nullptr && sh[kQmmResidual] != std::vector<int64_t>{M, kn.N})
     {
-        return q4Invalid("input residual has shape " + dimsText(sh[kQ4Residual]) + ", expected [" + std::to_string(M)
+        return qmmInvalid("input residual has shape " + dimsText(sh[kQmmResidual]) + ", expected [" + std::to_string(M)
             + ", " + std::to_string(kn.N) + "]");
     }
     size_t outputs = 0;
     GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
-    bool const norm = v[kQ4NormWeight] != nullptr;
-    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || sh[kQ4NormWeight] != std::vector<int64_t>{kn.N}))
+    bool const norm = v[kQmmNormWeight] != nullptr;
+    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || sh[kQmmNormWeight] != std::vector<int64_t>{kn.N}))
     {
-        return q4Invalid("input norm_weight " + dimsText(sh[kQ4NormWeight]) + " needs shape [N] = ["
+        return qmmInvalid("input norm_weight " + dimsText(sh[kQmmNormWeight]) + " needs shape [N] = ["
             + std::to_string(kn.N) + "], attribute norm_epsilon, a second output (normed) and swiglu = 0");
     }
     if (!norm && outputs > 1)
     {
-        return q4Invalid("output normed needs input norm_weight");
+        return qmmInvalid("output normed needs input norm_weight");
     }
-    void* p[kQ4NumInputs] = {};
-    for (size_t i = 0; i < kQ4NumInputs; ++i)
+    void* p[kQmmNumInputs] = {};
+    for (size_t i = 0; i < kQmmNumInputs; ++i)
     {
         if (v[i] != nullptr)
         {
@@ -726,9 +732,9 @@ OrtStatus* ORT_API_CALL q4Compute(void* opKernel, OrtKernelContext* ctx)
     e.M = M;
     e.K = kn.K;
     e.N = kn.N;
-    e.block = kQ4Block;
-    e.x = static_cast<float const*>(p[kQ4X]);
-    e.residual = static_cast<float const*>(p[kQ4Residual]);
+    e.block = kn.block;
+    e.x = static_cast<float const*>(p[kQmmX]);
+    e.residual = static_cast<float const*>(p[kQmmResidual]);
     e.swiglu = kn.swiglu != 0;
     int64_t const outDims[2] = {M, e.swiglu ? kn.N / 2 : kn.N};
     OrtValue* ov = nullptr;
@@ -743,19 +749,21 @@ OrtStatus* ORT_API_CALL q4Compute(void* opKernel, OrtKernelContext* ctx)
         void* n = nullptr;
         GSM_ORT_TRY(gApi->GetTensorMutableData(nv, &n));
         e.normed = static_cast<float*>(n);
-        e.normWeight = static_cast<float const*>(p[kQ4NormWeight]);
+        e.normWeight = static_cast<float const*>(p[kQmmNormWeight]);
         e.normEps = kn.normEps;
     }
     bool const plain = e.residual == nullptr && !e.swiglu && !norm;
     static thread_local std::vector<float> full;
-    gsm::ortcpu::MatMulQ4Args a;
+    gsm::ortcpu::QuantMatMulArgs a;
     a.M = M;
     a.K = kn.K;
     a.N = kn.N;
+    a.bits = kn.bits;
+    a.block = kn.block;
     a.x = e.x;
-    a.codes = static_cast<uint8_t const*>(p[kQ4Codes]);
-    a.scales = p[kQ4Scales];
-    a.offsets = p[kQ4Offsets];
+    a.codes = static_cast<uint8_t const*>(p[kQmmCodes]);
+    a.scales = p[kQmmScales];
+    a.offsets = p[kQmmOffsets];
     a.halfScales = scType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     a.halfOffsets = mnType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     if (!plain)
@@ -766,39 +774,48 @@ OrtStatus* ORT_API_CALL q4Compute(void* opKernel, OrtKernelContext* ctx)
     gsm::ortcpu::ParallelRunner par;
     par.run = runParallel;
     par.ctx = ctx;
-    if (!gsm::ortcpu::runMatMulQ4(a, par))
+    if (!gsm::ortcpu::runQuantMatMul(a, par))
     {
-        return gApi->CreateStatus(ORT_FAIL, "GsmMatMulQ4: the intra-op thread pool failed");
+        return gApi->CreateStatus(ORT_FAIL, "GsmQuantMatMul: the intra-op thread pool failed");
     }
     e.main = full.data();
     if (!plain && !gsm::ortcpu::runGroupOffset(e, par))
     {
-        return gApi->CreateStatus(ORT_FAIL, "GsmMatMulQ4: the intra-op thread pool failed");
+        return gApi->CreateStatus(ORT_FAIL, "GsmQuantMatMul: the intra-op thread pool failed");
     }
     return nullptr;
 }
 
-OrtStatus* ORT_API_CALL q4CreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
+OrtStatus* ORT_API_CALL qmmCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
 {
-    Q4Kernel kn{};
-    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}})
+    QmmKernel kn{};
+    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}, {"bits", &kn.bits},
+             {"block_size", &kn.block}})
     {
         OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, dst);
         if (st != nullptr)
         {
             std::string m = std::string("attribute ") + name + " (int64) is missing or invalid: " + gApi->GetErrorMessage(st);
             gApi->ReleaseStatus(st);
-            return q4Invalid(m);
+            return qmmInvalid(m);
         }
         if (*dst <= 0)
         {
-            return q4Invalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
+            return qmmInvalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
         }
     }
-    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &kn.swiglu, q4Invalid));
+    if (kn.bits != 4 && kn.bits != 8)
+    {
+        return qmmInvalid("attribute bits = " + std::to_string(kn.bits) + " must be 4 or 8");
+    }
+    if (kn.block % gsm::ortcpu::kQSubBlock != 0)
+    {
+        return qmmInvalid("attribute block_size = " + std::to_string(kn.block) + " must be a multiple of 32");
+    }
+    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &kn.swiglu, qmmInvalid));
     if (kn.swiglu != 0 && kn.swiglu != 1)
     {
-        return q4Invalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
+        return qmmInvalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
     }
     OrtStatus* st = gApi->KernelInfoGetAttribute_float(info, "norm_epsilon", &kn.normEps);
     kn.hasNormEps = st == nullptr;
@@ -808,40 +825,40 @@ OrtStatus* ORT_API_CALL q4CreateKernel(OrtCustomOp const*, OrtApi const*, OrtKer
     }
     if (kn.hasNormEps && !(kn.normEps >= 0.f))
     {
-        return q4Invalid("attribute norm_epsilon = " + std::to_string(kn.normEps) + " must be >= 0");
+        return qmmInvalid("attribute norm_epsilon = " + std::to_string(kn.normEps) + " must be >= 0");
     }
-    *kernel = new Q4Kernel(kn);
+    *kernel = new QmmKernel(kn);
     return nullptr;
 }
 
-void ORT_API_CALL q4DestroyKernel(void* kernel)
+void ORT_API_CALL qmmDestroyKernel(void* kernel)
 {
-    delete static_cast<Q4Kernel*>(kernel);
+    delete static_cast<QmmKernel*>(kernel);
 }
 
-char const* ORT_API_CALL q4OpName(OrtCustomOp const*)
+char const* ORT_API_CALL qmmOpName(OrtCustomOp const*)
 {
-    return kQ4OpName;
+    return kQmmOpName;
 }
 
-ONNXTensorElementDataType ORT_API_CALL q4InputType(OrtCustomOp const*, size_t i)
+ONNXTensorElementDataType ORT_API_CALL qmmInputType(OrtCustomOp const*, size_t i)
 {
-    if (i == kQ4Codes)
+    if (i == kQmmCodes)
     {
         return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
     }
     // scales, offsets: float32 or float16, checked per call
-    return i == kQ4Scales || i == kQ4Offsets ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == kQmmScales || i == kQmmOffsets ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 
-size_t ORT_API_CALL q4InputCount(OrtCustomOp const*)
+size_t ORT_API_CALL qmmInputCount(OrtCustomOp const*)
 {
-    return kQ4NumInputs;
+    return kQmmNumInputs;
 }
 
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL q4InputKind(OrtCustomOp const*, size_t i)
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL qmmInputKind(OrtCustomOp const*, size_t i)
 {
-    return i == kQ4Residual || i == kQ4NormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i == kQmmOffsets || i == kQmmResidual || i == kQmmNormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
 // -- GsmSideSplit -----------------------------------------------------------------------------------------------
@@ -1080,15 +1097,15 @@ OrtCustomOp makeOffsetOp()
 }
 
 OrtCustomOp gOffsetOp = makeOffsetOp();
-OrtCustomOp makeQ4Op()
+OrtCustomOp makeQmmOp()
 {
-    OrtCustomOp op = makeOp({q4OpName, q4InputType, q4InputCount, offsetFloat, offsetOutputCount, q4InputKind,
-        q4CreateKernel, q4Compute, q4DestroyKernel});
+    OrtCustomOp op = makeOp({qmmOpName, qmmInputType, qmmInputCount, offsetFloat, offsetOutputCount, qmmInputKind,
+        qmmCreateKernel, qmmCompute, qmmDestroyKernel});
     op.GetOutputCharacteristic = offsetOutputKind;
     return op;
 }
 
-OrtCustomOp gQ4Op = makeQ4Op();
+OrtCustomOp gQmmOp = makeQmmOp();
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
@@ -1115,7 +1132,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         GSM_ORT_TRY(api->CreateCustomOpDomain(kDomain, &domain));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOffsetOp));
-        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gQ4Op));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gQmmOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSideOp));
     }
     return api->AddCustomOpDomain(options, domain);

@@ -1,6 +1,7 @@
-"""`GsmMatMulQ4` (plugins/ortCpu, model.cpu.onnx of a `fast` INT4 build): a 4-bit float-zero-point projection, offset
-term included, over the tiles `builder.qlinear.q4_tiles` packs, against NumPy from the op's definition
-(plugins/ortCpu/gsmMatMulQ4.h): INT8 activations per block of 32, w = scale * (u - 8) + offset."""
+"""`GsmQuantMatMul` (plugins/ortCpu, model.cpu.onnx of a `fast` build): a quantised projection (symmetric 4-/8-bit,
+or 4-bit on the float-zero-point grid with its offset term) over the tiles `builder.qlinear.quant_tiles` packs, against
+NumPy from the op's definition (plugins/ortCpu/gsmQuantMatMul.h): INT8 activations per group,
+w = scale * (u - 2^(bits-1)) [+ offset]."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from conftest import NO_ORT_OPS, ORT_OPS_DOMAIN, ort_op_session
 from gsm_edge_plugins import ort_ops_library
 
-from builder.qlinear import q4_tiles
+from builder.qlinear import quant_tiles
 from builder.wquant import WeightQuantConfig, WeightQuantError, quantize
 
 pytest.importorskip("onnxruntime")
@@ -23,18 +24,20 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 needs_ops = pytest.mark.skipif(ort_ops_library() is None, reason=NO_ORT_OPS)
 ASYM_F = WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)
+CONFIGS = {"int4 asym-f g32": ASYM_F, "int4 sym g32": WeightQuantConfig(4, 32), "int4 sym g128": WeightQuantConfig(4, 128),
+           "int8 g32": WeightQuantConfig(8, 32), "int8 g64": WeightQuantConfig(8, 64)}
 FLOAT_TYPES = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
 
 
-def weight(n: int, k: int, seed: int):
-    return quantize(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32), ASYM_F)
+def weight(n: int, k: int, seed: int, cfg: WeightQuantConfig = ASYM_F):
+    return quantize(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32), cfg)
 
 
 def test_tiles_by_hand() -> None:
     """Every byte, scale and offset (min + 8 scale) at the place the op's header gives it, by explicit loops; padding
     rows are zero."""
     q = weight(20, 70, 0)  # 2 tiles (12 padding rows), 3 blocks (26 padding inputs)
-    codes, scales, offsets = q4_tiles(q)
+    codes, scales, offsets = quant_tiles(q)
     assert codes.shape == (2, 3, 256) and scales.shape == offsets.shape == (2, 3, 16)
     want_offsets = q.mins.astype(np.float64) + 8 * q.scales.astype(np.float64)
     u = np.zeros((32, 96), np.int64)
@@ -54,20 +57,39 @@ def test_tiles_by_hand() -> None:
     assert offsets.dtype == np.float32  # the offsets of random weights are not
 
 
+def test_8bit_tiles_by_hand() -> None:
+    """8-bit: byte (t, s, p, r, j) = u(16t+r, 32s+4p+j); groups of 64 are two sub-blocks; no offsets."""
+    q = weight(18, 100, 1, WeightQuantConfig(8, 64))  # 2 tiles, 2 groups of 64 = 4 sub-blocks (28 padding inputs)
+    codes, scales, offsets = quant_tiles(q)
+    assert codes.shape == (2, 4, 512) and scales.shape == (2, 2, 16) and offsets is None
+    u = np.full((32, 128), 0, np.int64)
+    u[:18] = q.codes
+    for t in range(2):
+        for s_ in range(4):
+            for p in range(8):
+                for r in range(16):
+                    for j in range(4):
+                        assert codes[t, s_, 64 * p + 4 * r + j] == u[16 * t + r, 32 * s_ + 4 * p + j]
+
+
 def test_tiles_refuse_other_grids() -> None:
-    with pytest.raises(WeightQuantError, match="GsmMatMulQ4"):
-        q4_tiles(quantize(np.ones((16, 64), np.float32), WeightQuantConfig(4, 32)))
+    with pytest.raises(WeightQuantError, match="GsmQuantMatMul"):  # an integer zero point of its own per group
+        quant_tiles(quantize(np.ones((16, 64), np.float32), WeightQuantConfig(4, 32, symmetric=False)))
+    with pytest.raises(WeightQuantError, match="GsmQuantMatMul"):  # groups of 16
+        quant_tiles(quantize(np.ones((16, 64), np.float32), WeightQuantConfig(4, 16)))
 
 
-def model(k: int, n: int, codes, scales, offsets, *, residual: bool = False, swiglu: bool = False,
-          norm: bool = False):
-    names = ["x", "codes", "scales", "offsets"] + (["residual"] if residual else [""] if norm else [])
+def model(k: int, n: int, codes, scales, offsets, *, bits: int = 4, block: int = 32, residual: bool = False,
+          swiglu: bool = False, norm: bool = False):
+    names = ["x", "codes", "scales", "offsets" if offsets is not None else ""]
+    names += ["residual"] if residual else [""] if norm else []
     names += ["norm_weight"] if norm else []
-    attrs = {"K": k, "N": n} | ({"swiglu": 1} if swiglu else {}) | ({"norm_epsilon": 1e-5} if norm else {})
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block} | ({"swiglu": 1} if swiglu else {}) | (
+        {"norm_epsilon": 1e-5} if norm else {})
     outs = ["y", "normed"] if norm else ["y"]
-    node = helper.make_node("GsmMatMulQ4", names, outs, domain=ORT_OPS_DOMAIN, **attrs)
-    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales"),
-             numpy_helper.from_array(offsets, "offsets")]
+    node = helper.make_node("GsmQuantMatMul", names, outs, domain=ORT_OPS_DOMAIN, **attrs)
+    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")]
+    inits += [] if offsets is None else [numpy_helper.from_array(offsets, "offsets")]
     ins = [helper.make_tensor_value_info(i, TensorProto.FLOAT, None) for i in ("x", "residual", "norm_weight")
            if i in names]
     g = helper.make_graph([node], "q4", ins, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
@@ -87,26 +109,30 @@ def session(m, threads: int):
 
 
 def reference(x: np.ndarray, q) -> np.ndarray:
-    """float64 of the definition: per row and block of 32, dx = max|x| / 127 (float32), xq = round-half-even(x / dx)
-    (x times the float32 1 / dx), S = the block's sum; y = sum_b dot(u - 8, xq) dx scale + (min + 8 scale) S."""
+    """float64 of the definition: per row and group, dx = max|x| / 127 (float32), xq = round-half-even(x / dx)
+    (x times the float32 1 / dx), S = the group's sum; y = sum_b dot(u - z, xq) dx scale [+ (min + 8 scale) S]."""
     m, k = x.shape
-    g = -(-k // 32)
-    xb = np.zeros((m, g * 32), np.float32)
+    bl, z = q.block, 1 << (q.cfg.bits - 1)
+    g = -(-k // bl)
+    xb = np.zeros((m, g * bl), np.float32)
     xb[:, :k] = x
-    xb = xb.reshape(m, g, 32)
+    xb = xb.reshape(m, g, bl)
     dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, 1), 0).astype(np.float32)
     xq = np.rint(xb * inv[..., None]).astype(np.int64)
-    u = q.codes.astype(np.int64).reshape(q.n, g, 32) - 8
+    u = q.codes.astype(np.int64).reshape(q.n, g, bl) - z
     dots = np.einsum("ngk,mgk->mng", u, xq).astype(np.float64)
-    sums = xb.astype(np.float64).sum(-1)
-    offsets = q.mins.astype(np.float64) + 8 * q.scales.astype(np.float64)
-    return (dots * dx[:, None, :] * q.scales[None] + offsets[None] * sums[:, None, :]).sum(-1)
+    y = dots * dx[:, None, :] * q.scales[None]
+    if q.cfg.float_zero_point:
+        offsets = q.mins.astype(np.float64) + z * q.scales.astype(np.float64)
+        y = y + offsets[None] * xb.astype(np.float64).sum(-1)[:, None, :]
+    return y.sum(-1)
 
 
 def dense(x: np.ndarray, q) -> np.ndarray:
-    w = q.codes[:, :q.k] * np.repeat(q.scales, 32, 1)[:, :q.k] + np.repeat(q.mins, 32, 1)[:, :q.k]
-    return x.astype(np.float64) @ w.T.astype(np.float64)
+    from builder.wquant import dequantize
+
+    return x.astype(np.float64) @ dequantize(q).T.astype(np.float64)
 
 
 # (M, K, N): decode rows at SmolLM2's q / gate+up / down shapes and its LM head (split into parts on the pool); 4-row
@@ -118,12 +144,16 @@ SHAPES = [(1, 576, 576), (1, 576, 3072), (1, 1536, 576), (1, 576, 49152), (5, 10
 @needs_ops
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_numpy(shape, threads) -> None:
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_numpy(shape, threads, config) -> None:
     M, K, N = shape
-    q = weight(N, K, M * 7 + K)
+    cfg = CONFIGS[config]
+    if N == 49152 and config != "int4 asym-f g32":
+        pytest.skip("the head's shape once")
+    q = weight(N, K, M * 7 + K, cfg)
     x = np.random.default_rng(N).standard_normal((M, K)).astype(np.float32)
     x[:, ::37] *= 20  # outlier inputs: the per-block scale matters
-    y = session(model(K, N, *q4_tiles(q)), threads).run(None, {"x": x})[0]
+    y = session(model(K, N, *quant_tiles(q), bits=cfg.bits, block=q.block), threads).run(None, {"x": x})[0]
     want = reference(x, q)
     assert y.shape == (M, N) and y.dtype == np.float32
     # float32 fused multiply-adds over G blocks: a few ulp of the output scale
@@ -139,7 +169,7 @@ def test_float16_or_float32_parameters(half) -> None:
     """Scales and offsets as the tiles hold them (float16 where exact, a Q4_1 source's) or both float32: same values."""
     q = weight(48, 96, 3)
     q.mins[:] = (q.mins + 8 * q.scales).astype(np.float16) - 8 * q.scales  # float16 offsets, as a Q4_1 source's
-    codes, scales, offsets = q4_tiles(q)
+    codes, scales, offsets = quant_tiles(q)
     assert offsets.dtype == np.float16
     if not half:
         scales, offsets = scales.astype(np.float32), offsets.astype(np.float32)
@@ -156,7 +186,7 @@ def test_residual_swiglu_norm() -> None:
     M, K, N = 3, 64, 32
     q = weight(N, K, 9)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    tiles = q4_tiles(q)
+    tiles = quant_tiles(q)
     base = reference(x, q)
     res = rng.standard_normal((M, N)).astype(np.float32)
     y = session(model(K, N, *tiles, residual=True), 1).run(None, {"x": x, "residual": res})[0]
@@ -177,23 +207,26 @@ _KERNEL_RUN = """
 import json, sys
 import numpy as np
 sys.path[:0] = {path}
-import test_ort_matmul_q4 as t
-q = t.weight(200, 200, 11)
-x = np.random.default_rng(2).standard_normal((6, 200)).astype(np.float32)
-y = t.session(t.model(200, 200, *t.q4_tiles(q)), 2).run(None, {{"x": x}})[0]
-print(json.dumps(y.view(np.uint32).ravel().tolist()))
+import test_ort_quant_matmul as t
+ys = []
+for cfg in t.CONFIGS.values():
+    q = t.weight(200, 200, 11, cfg)
+    x = np.random.default_rng(2).standard_normal((6, 200)).astype(np.float32)
+    y = t.session(t.model(200, 200, *t.quant_tiles(q), bits=cfg.bits, block=q.block), 2).run(None, {{"x": x}})[0]
+    ys += y.view(np.uint32).ravel().tolist()
+print(json.dumps(ys))
 """
 
 
 @needs_ops
 def test_kernels_give_the_same_bits() -> None:
-    """The generic, AVX2 and AVX-512 VNNI kernels (GSM_ORT_Q4_KERNEL picks a lower one; a CPU without one runs the
-    next) spell the same fused multiply-adds in the same order: identical outputs, not merely close."""
+    """The generic, AVX2 and AVX-512 VNNI kernels (GSM_ORT_QMM_KERNEL picks a lower one; a CPU without one runs the
+    next) spell the same fused multiply-adds in the same order: identical outputs, not merely close, for every grid."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = _KERNEL_RUN.format(path=[here, os.path.dirname(here)])
     outs = {}
     for kernel in ("", "avx2", "generic"):
-        env = dict(os.environ, GSM_ORT_Q4_KERNEL=kernel)
+        env = dict(os.environ, GSM_ORT_QMM_KERNEL=kernel)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 0, r.stderr
         outs[kernel] = json.loads(r.stdout)
@@ -208,21 +241,22 @@ def test_kernels_give_the_same_bits() -> None:
 ])
 def test_bad_shape_names_input(field, shape, message) -> None:
     q = weight(20, 70, 0)
-    codes, scales, offsets = q4_tiles(q)
+    codes, scales, offsets = quant_tiles(q)
     arrays = {"codes": codes, "scales": scales, "offsets": offsets}
     x = np.zeros((4, 70), np.float32)
     if field == "x":
         x = np.zeros(shape, np.float32)
     else:
         arrays[field] = np.zeros(shape, arrays[field].dtype)
-    with pytest.raises(Exception, match="GsmMatMulQ4") as err:
+    with pytest.raises(Exception, match="GsmQuantMatMul") as err:
         session(model(70, 20, **arrays), 1).run(None, {"x": x})
     assert message in str(err.value) and "expected [M, 70], [2, 3, 256]" in str(err.value)
 
 
 @needs_ops
 def test_k_and_n_are_required() -> None:
-    node = helper.make_node("GsmMatMulQ4", ["x", "codes", "scales", "offsets"], ["y"], domain=ORT_OPS_DOMAIN, K=64)
+    node = helper.make_node("GsmQuantMatMul", ["x", "codes", "scales", "offsets"], ["y"], domain=ORT_OPS_DOMAIN, K=64,
+                            bits=4, block_size=32)
     ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n != "codes" else TensorProto.UINT8, None)
            for n in ("x", "codes", "scales", "offsets")]
     with pytest.raises(Exception, match="attribute N"):
