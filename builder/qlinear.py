@@ -177,7 +177,8 @@ def tiles_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
     """GsmQuantMatMul's initializers `<prefix>.qt.codes|scales[|offsets]` (quant_tiles)."""
     codes, scales, offsets = quant_tiles(q)
     ft = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
-    inits = [_init(prefix + ".qt.codes", codes, TensorProto.UINT8), _init(prefix + ".qt.scales", scales, ft[scales.dtype])]
+    inits = [_init(prefix + ".qt.codes", codes, TensorProto.UINT8),
+             _init(prefix + ".qt.scales", scales, ft[scales.dtype])]
     return inits + ([] if offsets is None else [_init(prefix + ".qt.offsets", offsets, ft[offsets.dtype])])
 
 

@@ -570,7 +570,7 @@ def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, 
 
 
 def test_q4_1_source_fast_cpu_graph_runs_gsm_quant_matmul(q4_1_checkpoint, tmp_path):
-    """A `fast` INT4 build of a Q4_1 source: model.cpu.onnx runs each 4-bit projection as one GsmQuantMatMul node (offset
+    """A `fast` INT4 build of a Q4_1 source: model.cpu.onnx runs each 4-bit projection as one GsmQuantMatMul (offset
     term, residual, SwiGLU and next norm inside) over tiles holding the checkpoint's weights exactly; the portable graph
     keeps MatMulNBits + the offset Gemm. Both quantise activations to INT8 per block of 32, so each follows the
     golden, and the other, to that error, not to the float32 tolerance."""

@@ -24,8 +24,9 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 needs_ops = pytest.mark.skipif(ort_ops_library() is None, reason=NO_ORT_OPS)
 ASYM_F = WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)
-CONFIGS = {"int4 asym-f g32": ASYM_F, "int4 sym g32": WeightQuantConfig(4, 32), "int4 sym g128": WeightQuantConfig(4, 128),
-           "int8 g32": WeightQuantConfig(8, 32), "int8 g64": WeightQuantConfig(8, 64)}
+CONFIGS = {"int4 asym-f g32": ASYM_F, "int4 sym g32": WeightQuantConfig(4, 32),
+           "int4 sym g128": WeightQuantConfig(4, 128), "int8 g32": WeightQuantConfig(8, 32),
+           "int8 g64": WeightQuantConfig(8, 64)}
 FLOAT_TYPES = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
 
 
