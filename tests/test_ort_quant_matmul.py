@@ -264,3 +264,15 @@ def test_k_and_n_are_required() -> None:
         ort_op_session(node, ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]).run(
             None, {"x": np.zeros((1, 64), np.float32), "codes": np.zeros((1, 2, 256), np.uint8),
                    "scales": np.zeros((1, 2, 16), np.float32), "offsets": np.zeros((1, 2, 16), np.float32)})
+
+
+@needs_ops
+@pytest.mark.parametrize("M", [1, 9])
+def test_threads_do_not_change_bits(M) -> None:
+    """A decode row's tiles split into parts on the pool (SmolLM2's q: 2 parts at 2^17 multiply-adds), a prefill's in
+    parts of 8 tiles: each tile is computed alike whichever thread runs it."""
+    q = weight(576, 576, 4, CONFIGS["int8 g32"])
+    x = np.random.default_rng(3).standard_normal((M, 576)).astype(np.float32)
+    m = model(576, 576, *quant_tiles(q), bits=8, block=32)
+    one, two = (session(m, t).run(None, {"x": x})[0] for t in (1, 2))
+    assert np.array_equal(one, two)
