@@ -180,8 +180,8 @@ class Network:
         """x [M, in] @ W^T (+ residual [M, out]) for checkpoint weight `name` (activation type): Gemm on the
         stored tensor, the residual as its C input (one node, not Gemm + Add), or the quantised form of
         this variant (+ an Add). swiglu (W = [gate; up], quantised): silu(x gate^T) * (x up^T) instead, inside the
-        offset node where the ops fold one (CpuOps), else as Split + silu_mul. norm (weight, epsilon, output name):
-        the offset node also writes the result's RMSNorm (only where folds_norm(name); see proj_norm)."""
+        projection's or offset node where the ops fold one (CpuOps), else as Split + silu_mul. norm (weight, epsilon,
+        output name): that node also writes the result's RMSNorm (only where folds_norm(name); see proj_norm)."""
         if swiglu and not self._folds(self._quantised(name)[0]):
             return self.swiglu(self.proj(x2d, name))
         if name not in self.spec.quantised and name not in self._fused:
@@ -221,7 +221,7 @@ class Network:
         return h, rms_norm(self.g, h, norm_weight, self.cfg.rms_norm_eps, self.act)
 
     def folds_norm(self, name: str) -> bool:
-        """Whether proj_norm of `name` is one node (a quantised float-zero-point projection of the CPU ops, float32)."""
+        """Whether proj_norm of `name` is one node (a quantised projection the CPU ops fold, float32: _folds)."""
         return name in self.spec.quantised and self.act == F32 and self._folds(self._quantised(name)[0])
 
     def _folds(self, lay) -> bool:
