@@ -440,12 +440,89 @@ enum OffsetInput : size_t
 };
 char const* const kOffsetInputNames[kOffNumInputs] = {"x", "main", "offsets", "residual", "norm_weight"};
 
-struct OffsetKernel
+// The attributes of the epilogues GsmGroupOffset and GsmQuantMatMul share: swiglu, and norm_epsilon when a norm is asked
+struct Epilogue
 {
-    int64_t blockSize, swiglu;
-    float normEps;
-    bool hasNormEps;
+    int64_t swiglu = 0;
+    float normEps = 0.f;
+    bool hasNormEps = false;
 };
+
+OrtStatus* epilogueAttributes(OrtKernelInfo const* info, Epilogue* e, OrtStatus* (*fail)(std::string const&))
+{
+    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &e->swiglu, fail));
+    if (e->swiglu != 0 && e->swiglu != 1)
+    {
+        return fail("attribute swiglu = " + std::to_string(e->swiglu) + " must be 0 or 1");
+    }
+    OrtStatus* st = gApi->KernelInfoGetAttribute_float(info, "norm_epsilon", &e->normEps);
+    e->hasNormEps = st == nullptr;
+    if (st != nullptr)
+    {
+        gApi->ReleaseStatus(st);
+    }
+    if (e->hasNormEps && !(e->normEps >= 0.f))
+    {
+        return fail("attribute norm_epsilon = " + std::to_string(e->normEps) + " must be >= 0");
+    }
+    return nullptr;
+}
+
+struct OffsetKernel : Epilogue
+{
+    int64_t blockSize;
+};
+
+// Checks the norm's input (norm_weight [N], shape `normShape`; null: no norm) against the attributes and the node's
+// outputs, then makes the epilogue's outputs into e: y [M, N] ([M, N / 2] with swiglu) and, with a norm, normed.
+OrtStatus* epilogueOutputs(OrtKernelContext* ctx, Epilogue const& kn, float const* normWeight,
+    std::vector<int64_t> const& normShape, gsm::ortcpu::GroupOffsetArgs* e, OrtStatus* (*fail)(std::string const&))
+{
+    size_t outputs = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
+    bool const norm = normWeight != nullptr;
+    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || normShape != std::vector<int64_t>{e->N}))
+    {
+        return fail("input norm_weight " + dimsText(normShape) + " needs shape [N] = [" + std::to_string(e->N)
+            + "], attribute norm_epsilon, a second output (normed) and swiglu = 0");
+    }
+    if (!norm && outputs > 1)
+    {
+        return fail("output normed needs input norm_weight");
+    }
+    e->swiglu = kn.swiglu != 0;
+    int64_t const outDims[2] = {e->M, e->swiglu ? e->N / 2 : e->N};
+    OrtValue* ov = nullptr;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, outDims, 2, &ov));
+    void* y = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
+    e->y = static_cast<float*>(y);
+    if (norm)
+    {
+        OrtValue* nv = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 1, outDims, 2, &nv));
+        void* n = nullptr;
+        GSM_ORT_TRY(gApi->GetTensorMutableData(nv, &n));
+        e->normed = static_cast<float*>(n);
+        e->normWeight = normWeight;
+        e->normEps = kn.normEps;
+    }
+    return nullptr;
+}
+
+// The data of inputs v[0 .. n) (null where an optional input is absent)
+OrtStatus* inputData(OrtValue const* const* v, size_t n, void** p)
+{
+    for (size_t i = 0; i < n; ++i)
+    {
+        p[i] = nullptr;
+        if (v[i] != nullptr)
+        {
+            GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+        }
+    }
+    return nullptr;
+}
 
 OrtStatus* offsetInvalid(std::string const& m)
 {
@@ -504,48 +581,15 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
         return offsetInvalid("input residual has shape " + dimsText(sh[kOffResidual]) + ", expected main's "
             + dimsText(sh[kOffMain]));
     }
-    size_t outputs = 0;
-    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
-    bool const norm = v[kOffNormWeight] != nullptr;
-    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || sh[kOffNormWeight] != std::vector<int64_t>{a.N}))
-    {
-        return offsetInvalid("input norm_weight " + dimsText(sh[kOffNormWeight]) + " needs shape [N] = ["
-            + std::to_string(a.N) + "], attribute norm_epsilon, a second output (normed) and swiglu = 0");
-    }
-    if (!norm && outputs > 1)
-    {
-        return offsetInvalid("output normed needs input norm_weight");
-    }
-    void* p[kOffNumInputs] = {};
-    for (size_t i = 0; i < kOffNumInputs; ++i)
-    {
-        if (v[i] != nullptr)
-        {
-            GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
-        }
-    }
+    void* p[kOffNumInputs];
+    GSM_ORT_TRY(inputData(v, kOffNumInputs, p));
     a.x = static_cast<float const*>(p[kOffX]);
     a.main = static_cast<float const*>(p[kOffMain]);
     a.offsets = p[kOffOffsets];
     a.halfOffsets = offType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     a.residual = static_cast<float const*>(p[kOffResidual]);
-    a.swiglu = kn.swiglu != 0;
-    int64_t const outDims[2] = {a.M, a.swiglu ? a.N / 2 : a.N};
-    OrtValue* ov = nullptr;
-    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, outDims, 2, &ov));
-    void* y = nullptr;
-    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
-    a.y = static_cast<float*>(y);
-    if (norm)
-    {
-        OrtValue* nv = nullptr;
-        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 1, outDims, 2, &nv));
-        void* n = nullptr;
-        GSM_ORT_TRY(gApi->GetTensorMutableData(nv, &n));
-        a.normed = static_cast<float*>(n);
-        a.normWeight = static_cast<float const*>(p[kOffNormWeight]);
-        a.normEps = kn.normEps;
-    }
+    GSM_ORT_TRY(epilogueOutputs(ctx, kn, static_cast<float const*>(p[kOffNormWeight]), sh[kOffNormWeight], &a,
+        offsetInvalid));
     gsm::ortcpu::ParallelRunner par;
     par.run = runParallel;
     par.ctx = ctx;
@@ -571,21 +615,7 @@ OrtStatus* ORT_API_CALL offsetCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     {
         return offsetInvalid("attribute block_size = " + std::to_string(kn.blockSize) + " must be positive");
     }
-    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &kn.swiglu, offsetInvalid));
-    if (kn.swiglu != 0 && kn.swiglu != 1)
-    {
-        return offsetInvalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
-    }
-    st = gApi->KernelInfoGetAttribute_float(info, "norm_epsilon", &kn.normEps);
-    kn.hasNormEps = st == nullptr;
-    if (st != nullptr)
-    {
-        gApi->ReleaseStatus(st);
-    }
-    if (kn.hasNormEps && !(kn.normEps >= 0.f))
-    {
-        return offsetInvalid("attribute norm_epsilon = " + std::to_string(kn.normEps) + " must be >= 0");
-    }
+    GSM_ORT_TRY(epilogueAttributes(info, &kn, offsetInvalid));
     *kernel = new OffsetKernel(kn);
     return nullptr;
 }
@@ -639,11 +669,9 @@ enum QmmInput : size_t
 };
 char const* const kQmmInputNames[kQmmNumInputs] = {"x", "codes", "scales", "offsets", "residual", "norm_weight"};
 
-struct QmmKernel
+struct QmmKernel : Epilogue
 {
-    int64_t K, N, bits, block, swiglu;
-    float normEps;
-    bool hasNormEps;
+    int64_t K, N, bits, block;
 };
 
 OrtStatus* qmmInvalid(std::string const& m)
@@ -708,26 +736,8 @@ OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
         return qmmInvalid("input residual has shape " + dimsText(sh[kQmmResidual]) + ", expected [" + std::to_string(M)
             + ", " + std::to_string(kn.N) + "]");
     }
-    size_t outputs = 0;
-    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
-    bool const norm = v[kQmmNormWeight] != nullptr;
-    if (norm && (kn.swiglu != 0 || !kn.hasNormEps || outputs < 2 || sh[kQmmNormWeight] != std::vector<int64_t>{kn.N}))
-    {
-        return qmmInvalid("input norm_weight " + dimsText(sh[kQmmNormWeight]) + " needs shape [N] = ["
-            + std::to_string(kn.N) + "], attribute norm_epsilon, a second output (normed) and swiglu = 0");
-    }
-    if (!norm && outputs > 1)
-    {
-        return qmmInvalid("output normed needs input norm_weight");
-    }
-    void* p[kQmmNumInputs] = {};
-    for (size_t i = 0; i < kQmmNumInputs; ++i)
-    {
-        if (v[i] != nullptr)
-        {
-            GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
-        }
-    }
+    void* p[kQmmNumInputs];
+    GSM_ORT_TRY(inputData(v, kQmmNumInputs, p));
     gsm::ortcpu::GroupOffsetArgs e;  // the epilogue (residual, SwiGLU, norm) over the full product
     e.M = M;
     e.K = kn.K;
@@ -735,24 +745,9 @@ OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
     e.block = kn.block;
     e.x = static_cast<float const*>(p[kQmmX]);
     e.residual = static_cast<float const*>(p[kQmmResidual]);
-    e.swiglu = kn.swiglu != 0;
-    int64_t const outDims[2] = {M, e.swiglu ? kn.N / 2 : kn.N};
-    OrtValue* ov = nullptr;
-    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, outDims, 2, &ov));
-    void* y = nullptr;
-    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
-    e.y = static_cast<float*>(y);
-    if (norm)
-    {
-        OrtValue* nv = nullptr;
-        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 1, outDims, 2, &nv));
-        void* n = nullptr;
-        GSM_ORT_TRY(gApi->GetTensorMutableData(nv, &n));
-        e.normed = static_cast<float*>(n);
-        e.normWeight = static_cast<float const*>(p[kQmmNormWeight]);
-        e.normEps = kn.normEps;
-    }
-    bool const plain = e.residual == nullptr && !e.swiglu && !norm;
+    GSM_ORT_TRY(epilogueOutputs(ctx, kn, static_cast<float const*>(p[kQmmNormWeight]), sh[kQmmNormWeight], &e,
+        qmmInvalid));
+    bool const plain = e.residual == nullptr && !e.swiglu && e.normed == nullptr;
     static thread_local std::vector<float> full;
     gsm::ortcpu::QuantMatMulArgs a;
     a.M = M;
@@ -812,21 +807,7 @@ OrtStatus* ORT_API_CALL qmmCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKe
     {
         return qmmInvalid("attribute block_size = " + std::to_string(kn.block) + " must be a multiple of 32");
     }
-    GSM_ORT_TRY(optionalAttribute(info, "swiglu", 0, &kn.swiglu, qmmInvalid));
-    if (kn.swiglu != 0 && kn.swiglu != 1)
-    {
-        return qmmInvalid("attribute swiglu = " + std::to_string(kn.swiglu) + " must be 0 or 1");
-    }
-    OrtStatus* st = gApi->KernelInfoGetAttribute_float(info, "norm_epsilon", &kn.normEps);
-    kn.hasNormEps = st == nullptr;
-    if (st != nullptr)
-    {
-        gApi->ReleaseStatus(st);
-    }
-    if (kn.hasNormEps && !(kn.normEps >= 0.f))
-    {
-        return qmmInvalid("attribute norm_epsilon = " + std::to_string(kn.normEps) + " must be >= 0");
-    }
+    GSM_ORT_TRY(epilogueAttributes(info, &kn, qmmInvalid));
     *kernel = new QmmKernel(kn);
     return nullptr;
 }

@@ -253,25 +253,14 @@ GSM_VNNI void tilesVnniR(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
     }
 }
 
-template <int BITS>
-void tilesVnniB(Ctx const& c, int64_t m0, int64_t m1, int64_t t0, int64_t t1)
+struct Vnni
 {
-    for (int64_t m = m0; m < m1; m += 4)
+    template <int BITS, int R>
+    static void run(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
     {
-        switch (std::min<int64_t>(4, m1 - m))
-        {
-        case 1: tilesVnniR<BITS, 1>(c, m, t0, t1); break;
-        case 2: tilesVnniR<BITS, 2>(c, m, t0, t1); break;
-        case 3: tilesVnniR<BITS, 3>(c, m, t0, t1); break;
-        default: tilesVnniR<BITS, 4>(c, m, t0, t1); break;
-        }
+        tilesVnniR<BITS, R>(c, m0, t0, t1);
     }
-}
-
-void tilesVnni(Ctx const& c, int64_t m0, int64_t m1, int64_t t0, int64_t t1)
-{
-    (c.a->bits == 4 ? tilesVnniB<4> : tilesVnniB<8>)(c, m0, m1, t0, t1);
-}
+};
 
 // -- AVX2: a tile as two registers of 8 rows. maddubs multiplies u8 by s8 in saturating pairs: 4-bit codes as they
 // are (at most 2 * 15 * 127), 8-bit ones centred first (|u - 128| by sign(xq, u - 128), at most 2 * 128 * 127) ----
@@ -372,24 +361,35 @@ GSM_AVX2 void tilesAvx2R(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
     }
 }
 
-template <int BITS>
-void tilesAvx2B(Ctx const& c, int64_t m0, int64_t m1, int64_t t0, int64_t t1)
+struct Avx2
+{
+    template <int BITS, int R>
+    static void run(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
+    {
+        tilesAvx2R<BITS, R>(c, m0, t0, t1);
+    }
+};
+
+// rows m0 .. m1 in groups of up to 4 through kernel family Kn (Kn::run<BITS, R>), tiles t0 .. t1
+template <class Kn, int BITS>
+void byRowGroups(Ctx const& c, int64_t m0, int64_t m1, int64_t t0, int64_t t1)
 {
     for (int64_t m = m0; m < m1; m += 4)
     {
         switch (std::min<int64_t>(4, m1 - m))
         {
-        case 1: tilesAvx2R<BITS, 1>(c, m, t0, t1); break;
-        case 2: tilesAvx2R<BITS, 2>(c, m, t0, t1); break;
-        case 3: tilesAvx2R<BITS, 3>(c, m, t0, t1); break;
-        default: tilesAvx2R<BITS, 4>(c, m, t0, t1); break;
+        case 1: Kn::template run<BITS, 1>(c, m, t0, t1); break;
+        case 2: Kn::template run<BITS, 2>(c, m, t0, t1); break;
+        case 3: Kn::template run<BITS, 3>(c, m, t0, t1); break;
+        default: Kn::template run<BITS, 4>(c, m, t0, t1); break;
         }
     }
 }
 
-void tilesAvx2(Ctx const& c, int64_t m0, int64_t m1, int64_t t0, int64_t t1)
+template <class Kn>
+void tilesOf(Ctx const& c, int64_t m0, int64_t m1, int64_t t0, int64_t t1)
 {
-    (c.a->bits == 4 ? tilesAvx2B<4> : tilesAvx2B<8>)(c, m0, m1, t0, t1);
+    (c.a->bits == 4 ? byRowGroups<Kn, 4> : byRowGroups<Kn, 8>)(c, m0, m1, t0, t1);
 }
 #endif
 
@@ -412,11 +412,11 @@ Choice pick()
         && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     if (vnni && w != "generic" && w != "avx2")
     {
-        return {tilesVnni, "avx512vnni"};
+        return {tilesOf<Vnni>, "avx512vnni"};
     }
     if (avx2 && w != "generic")
     {
-        return {tilesAvx2, "avx2"};
+        return {tilesOf<Avx2>, "avx2"};
     }
 #endif
     return {tilesGeneric, "generic"};
