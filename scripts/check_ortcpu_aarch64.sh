@@ -6,7 +6,9 @@
 #   2. runs it three ways: x86 AVX2 kernels, x86 baseline kernels (GSM_ORT_KERNELS=baseline) and aarch64 under
 #      qemu-aarch64,
 #   3. compares the baseline and aarch64 outputs with the AVX2 ones (plugins/ortCpu/test/compare_outputs.py):
-#      `selected` identical, float outputs within 1e-5 of each tensor's max |value|; prints the worst deviations.
+#      `selected` identical, float outputs within 1e-5 of each tensor's max |value|; prints the worst deviations;
+#   4. builds plugins/ortCpu/test/quantMatMulCheck.cpp (GsmQuantMatMul, five grids and shapes) the same two ways and
+#      requires the same output bits from every x86 kernel (GSM_ORT_QMM_KERNEL) and the aarch64 build.
 # Needs: g++ (x86-64 host), aarch64-linux-gnu-g++ with its sysroot (Debian: g++-aarch64-linux-gnu), qemu-aarch64
 # (Debian: qemu-user), python3 with numpy. Exit: 0 agree, 1 a mismatch or a build failure, 2 skipped (a tool
 # missing, not an x86-64 AVX2 host).
@@ -82,3 +84,24 @@ kernels() { sed -n '2s/^kernels //p' "$1"; }
 
 echo "== compare with the AVX2 kernels"
 python3 "$ROOT/plugins/ortCpu/test/compare_outputs.py" "$OUT/avx2.bin" "$OUT/x86_baseline.bin" "$OUT/aarch64.bin"
+
+# GsmQuantMatMul (plugins/ortCpu/test/quantMatMulCheck.cpp): its kernels promise the same bits, not merely close
+# ones, so every x86 kernel and the aarch64 build (the generic kernel) must print the same hashes
+echo "== GsmQuantMatMul: every kernel, the same bits"
+QMM=$ROOT/plugins/ortCpu/test/quantMatMulCheck.cpp
+"$CXX_HOST" "${COMMON[@]}" "${ORCH[@]}" -I"$SRC" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/x86_64/quantMatMulCheck"
+"$CXX_ARM" "${COMMON[@]}" "${ORCH[@]}" -I"$SRC" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/aarch64/quantMatMulCheck"
+env -u GSM_ORT_QMM_KERNEL "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_best.txt"
+GSM_ORT_QMM_KERNEL=avx2 "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_avx2.txt"
+GSM_ORT_QMM_KERNEL=generic "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_generic.txt"
+qemu-aarch64 -L "$SYSROOT" "$OUT/aarch64/quantMatMulCheck" > "$OUT/qmm_aarch64.txt"
+for f in qmm_best qmm_avx2 qmm_generic qmm_aarch64; do echo "$f: $(head -1 "$OUT/$f.txt")"; done
+[ "$(head -1 "$OUT/qmm_generic.txt")" = "kernel generic" ] || { echo "error: GSM_ORT_QMM_KERNEL=generic was ignored" >&2; exit 1; }
+for f in qmm_avx2 qmm_generic qmm_aarch64; do
+  if ! diff <(tail -n +2 "$OUT/qmm_best.txt") <(tail -n +2 "$OUT/$f.txt") > /dev/null; then
+    echo "check_ortcpu_aarch64: error: GsmQuantMatMul $f differs from $(head -1 "$OUT/qmm_best.txt"):" >&2
+    diff <(tail -n +2 "$OUT/qmm_best.txt") <(tail -n +2 "$OUT/$f.txt") >&2 || true
+    exit 1
+  fi
+done
+echo "ok: GsmQuantMatMul's kernels give the same bits ($(tail -n +2 "$OUT/qmm_best.txt" | wc -l) cases)"
