@@ -700,14 +700,14 @@ OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
             return qmmInvalid(std::string("input ") + kQmmInputNames[i] + " is missing");
         }
     }
-    ONNXTensorElementDataType scType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, mnType = scType;
-    GSM_ORT_TRY(elementType(v[kQmmScales], &scType));
+    ONNXTensorElementDataType scaleType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, offType = scaleType;
+    GSM_ORT_TRY(elementType(v[kQmmScales], &scaleType));
     bool const offsets = v[kQmmOffsets] != nullptr;
     if (offsets)
     {
-        GSM_ORT_TRY(elementType(v[kQmmOffsets], &mnType));
+        GSM_ORT_TRY(elementType(v[kQmmOffsets], &offType));
     }
-    for (auto t : {scType, offsets ? mnType : scType})
+    for (auto t : {scaleType, offsets ? offType : scaleType})
     {
         if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
         {
@@ -759,8 +759,8 @@ OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
     a.codes = static_cast<uint8_t const*>(p[kQmmCodes]);
     a.scales = p[kQmmScales];
     a.offsets = p[kQmmOffsets];
-    a.halfScales = scType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    a.halfOffsets = mnType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    a.halfScales = scaleType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    a.halfOffsets = offType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     if (!plain)
     {
         full.resize(static_cast<size_t>(M * kn.N));
