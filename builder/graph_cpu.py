@@ -72,29 +72,29 @@ class CpuOps(PortableOps):
         with swiglu, silu(first half) * second half of that sum ([M, N / 2]: gate and up as one projection). norm
         (weight, epsilon, output name): also that output's RMSNorm, out / sqrt(mean(out^2) + eps) * weight, as the
         node's second output (the norm node that would read `out` next, folded in)."""
-        act = {"swiglu": 1} if swiglu else {}  # absent: the plain sum, as graphs before it
-        ins = [x, main, offsets] + ([residual] if residual else [])
-        if norm is None:
-            return self.g.op(OFFSET_OP, ins, outputs=[out], domain=CPU_DOMAIN, block_size=block, **act)
-        weight, eps, normed = norm
-        ins = ins + ([] if residual else [""]) + [weight]
-        self.g.op(OFFSET_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, block_size=block,
-                  norm_epsilon=float(eps), **act)
-        return out
+        return self._epilogue_node(OFFSET_OP, [x, main, offsets], out, residual, swiglu, norm, block_size=block)
 
     def quant_matmul(self, x: str, prefix: str, lay, out: str, residual: str | None, swiglu: bool = False,
                      norm: tuple[str, float, str] | None = None) -> str:
         """out = x [M, K] @ W^T over the tiles `<prefix>.qt.*` (qlinear.quant_tiles; lay: the QLayout), a float zero
         point's offset term included, INT8 activations as MatMulNBits accuracy_level 4 (+ residual); swiglu and norm
         as group_offset's."""
-        attrs = {"K": lay.k, "N": lay.n, "bits": lay.bits, "block_size": lay.block} | ({"swiglu": 1} if swiglu else {})
         ins = [x, f"{prefix}.qt.codes", f"{prefix}.qt.scales", f"{prefix}.qt.offsets" if lay.offsets else ""]
-        ins += [residual] if residual else []
+        return self._epilogue_node(QUANT_OP, ins, out, residual, swiglu, norm, K=lay.k, N=lay.n, bits=lay.bits,
+                                   block_size=lay.block)
+
+    def _epilogue_node(self, op: str, ins: list[str], out: str, residual: str | None, swiglu: bool,
+                       norm: tuple[str, float, str] | None, **attrs: Any) -> str:
+        """One `op` node over `ins` followed by the epilogue inputs both ops take (residual, then norm_weight; absent
+        ones left out or empty): output `out`, and with norm (weight, epsilon, output name) its RMSNorm as a second
+        output."""
+        attrs |= {"swiglu": 1} if swiglu else {}  # absent: the plain sum, as graphs before it
+        ins = ins + ([residual] if residual else [])
         if norm is None:
-            return self.g.op(QUANT_OP, ins, outputs=[out], domain=CPU_DOMAIN, **attrs)
+            return self.g.op(op, ins, outputs=[out], domain=CPU_DOMAIN, **attrs)
         weight, eps, normed = norm
         ins = ins + ([] if residual else [""]) + [weight]
-        self.g.op(QUANT_OP, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, norm_epsilon=float(eps), **attrs)
+        self.g.op(op, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, norm_epsilon=float(eps), **attrs)
         return out
 
     def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],

@@ -104,12 +104,16 @@ class QLayout:
                    q.cfg.float_zero_point, q.cfg.group_size is None, f16)
 
 
+def _exact_half(a: np.ndarray) -> np.ndarray:
+    """a as float16 when every value is one exactly (a Q4_1 source's scales and offsets), else float32."""
+    half = a.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), a) else a
+
+
 def _portable_offsets(q: QuantizedWeight) -> np.ndarray:
     """[n_blocks, N] group offsets of the portable form: float16 when every one is a float16 exactly (a Q4_1
     source: half the bytes a decode step reads for them, nothing rounded), else float32."""
-    off = np.ascontiguousarray(q.group_offsets().T)
-    half = off.astype(np.float16)
-    return half if np.array_equal(half.astype(np.float32), off) else off
+    return _exact_half(np.ascontiguousarray(q.group_offsets().T))
 
 
 def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
@@ -136,12 +140,6 @@ def tiles_fit(q: QuantizedWeight) -> bool:
     multiple of 32 (integer zero points other than the implicit one are not its form)."""
     grid = q.cfg.symmetric or (q.cfg.bits == 4 and q.cfg.float_zero_point)
     return grid and q.block % SUB_BLOCK == 0
-
-
-def _exact_half(a: np.ndarray) -> np.ndarray:
-    """a as float16 when every value is one exactly (a Q4_1 source's scales and offsets), else float32."""
-    half = a.astype(np.float16)
-    return half if np.array_equal(half.astype(np.float32), a) else a
 
 
 def quant_tiles(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -89,8 +89,10 @@ python3 "$ROOT/plugins/ortCpu/test/compare_outputs.py" "$OUT/avx2.bin" "$OUT/x86
 # ones, so every x86 kernel and the aarch64 build (the generic kernel) must print the same hashes
 echo "== GsmQuantMatMul: every kernel, the same bits"
 QMM=$ROOT/plugins/ortCpu/test/quantMatMulCheck.cpp
-"$CXX_HOST" "${COMMON[@]}" "${ORCH[@]}" -I"$SRC" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/x86_64/quantMatMulCheck"
-"$CXX_ARM" "${COMMON[@]}" "${ORCH[@]}" -I"$SRC" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/aarch64/quantMatMulCheck"
+# (-I plugins/ortCpu after $SRC: its "../common/gsm_math.h" from a scratch copy too)
+QINC=(-I"$SRC" -I"$ROOT/plugins/ortCpu")
+"$CXX_HOST" "${COMMON[@]}" "${ORCH[@]}" "${QINC[@]}" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/x86_64/quantMatMulCheck"
+"$CXX_ARM" "${COMMON[@]}" "${ORCH[@]}" "${QINC[@]}" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/aarch64/quantMatMulCheck"
 env -u GSM_ORT_QMM_KERNEL "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_best.txt"
 GSM_ORT_QMM_KERNEL=avx2 "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_avx2.txt"
 GSM_ORT_QMM_KERNEL=generic "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_generic.txt"

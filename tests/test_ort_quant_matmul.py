@@ -182,23 +182,25 @@ def test_float16_or_float32_parameters(half) -> None:
 
 
 @needs_ops
-def test_residual_swiglu_norm() -> None:
-    """The epilogues GsmGroupOffset has: + residual; silu(gate) * up; the RMSNorm of (product + residual)."""
+@pytest.mark.parametrize("M,threads", [(3, 1), (37, 2)])
+def test_residual_swiglu_norm(M, threads) -> None:
+    """The epilogues GsmGroupOffset has: + residual; silu(gate) * up; the RMSNorm of (product + residual). 37 rows on
+    2 threads: the epilogues' passes on the pool (more than a tile of 16 rows)."""
     rng = np.random.default_rng(5)
-    M, K, N = 3, 64, 32
+    K, N = 64, 32
     q = weight(N, K, 9)
     x = rng.standard_normal((M, K)).astype(np.float32)
     tiles = quant_tiles(q)
     base = reference(x, q)
     res = rng.standard_normal((M, N)).astype(np.float32)
-    y = session(model(K, N, *tiles, residual=True), 1).run(None, {"x": x, "residual": res})[0]
+    y = session(model(K, N, *tiles, residual=True), threads).run(None, {"x": x, "residual": res})[0]
     assert np.abs(y - (base + res)).max() <= 4e-6 * np.abs(base + res).max()
-    y = session(model(K, N, *tiles, swiglu=True), 1).run(None, {"x": x})[0]
+    y = session(model(K, N, *tiles, swiglu=True), threads).run(None, {"x": x})[0]
     h = N // 2
     want = base[:, :h] / (1 + np.exp(-base[:, :h])) * base[:, h:]
     assert y.shape == (M, h) and np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
     w = rng.standard_normal(N).astype(np.float32)
-    y, normed = session(model(K, N, *tiles, residual=True, norm=True), 1).run(
+    y, normed = session(model(K, N, *tiles, residual=True, norm=True), threads).run(
         None, {"x": x, "residual": res, "norm_weight": w})
     s = base + res
     want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w

@@ -127,25 +127,28 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
     {
         k.groupSums(a.x + m * a.K, a.K, a.block, sums.data() + m * G);
     }
-    // with swiglu the projection's [M, N] lands in scratch first, then the product goes to y [M, N/2]
+    // main already the whole sum (GsmQuantMatMul's, no residual): the SwiGLU product reads it as it is
+    bool const ready = a.offsets == nullptr && a.residual == nullptr && a.swiglu;
+    // else, with swiglu, the projection's [M, N] lands in scratch first, then the product goes to y [M, N/2]
     GroupOffsetArgs b = a;
     static thread_local std::vector<float> full;
-    if (a.swiglu)
+    if (a.swiglu && !ready)
     {
         full.resize(static_cast<size_t>(a.M * a.N));
         b.y = full.data();
     }
     int64_t const colTiles = (a.N + kCols - 1) / kCols;
     bool const wideRow = par.run != nullptr && a.M < 4 && a.M * G * a.N >= kRowSplitWork;
-    bool const serial = !wideRow
-        && (par.run == nullptr || (a.M <= kRows && colTiles == 1) || a.M * G * a.N < kSerialWork);
+    // without an offset term (G = 0) only the epilogues' elementwise passes are left: a pool for more than a tile of rows
+    bool const serial = !wideRow && (par.run == nullptr || (a.M <= kRows && colTiles == 1)
+                                        || (G > 0 ? a.M * G * a.N < kSerialWork : a.M <= kRows));
     // rows fewer than 4 (a decode step) take every column at once, or a few wide strips of them on the pool: the
     // kernel then streams each offsets row start to end, where 256-column strips read the array in 1 KB pieces
     // a row apart
     bool const whole = (serial || wideRow) && a.M < 4;
     int64_t const strip = wideRow ? ((a.N + kRowSplits - 1) / kRowSplits + 63) / 64 * 64 : a.N;
     Job j{&b, sums.data(), G, whole ? strip : kCols, whole ? (a.N + strip - 1) / strip : colTiles, &k};
-    int64_t const tiles = (a.M + kRows - 1) / kRows * j.colTiles;
+    int64_t const tiles = ready ? 0 : (a.M + kRows - 1) / kRows * j.colTiles;
     if (serial)
     {
         for (int64_t i = 0; i < tiles; ++i)
@@ -153,7 +156,7 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
             tile(&j, static_cast<size_t>(i));
         }
     }
-    else if (!par.run(par.ctx, tile, static_cast<size_t>(tiles), &j))
+    else if (tiles > 0 && !par.run(par.ctx, tile, static_cast<size_t>(tiles), &j))
     {
         return false;
     }
@@ -171,7 +174,7 @@ bool runGroupOffset(GroupOffsetArgs const& a, ParallelRunner const& par)
     {
         return true;
     }
-    SwigluJob s{b.y, a.y, a.N / 2, a.M, &k};
+    SwigluJob s{ready ? a.main : b.y, a.y, a.N / 2, a.M, &k};
     int64_t const items = (a.M + kRows - 1) / kRows;
     if (serial || items == 1)
     {

@@ -278,14 +278,15 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     return nullptr;
 }
 
-OrtStatus* attribute(OrtKernelInfo const* info, char const* name, int64_t* value)
+OrtStatus* attribute(OrtKernelInfo const* info, char const* name, int64_t* value,
+    OrtStatus* (*fail)(std::string const&) = invalid)
 {
     OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, value);
     if (st != nullptr)
     {
         std::string m = std::string("attribute ") + name + " (int64) is missing or invalid: " + gApi->GetErrorMessage(st);
         gApi->ReleaseStatus(st);
-        return invalid(m);
+        return fail(m);
     }
     return nullptr;
 }
@@ -440,6 +441,11 @@ enum OffsetInput : size_t
 };
 char const* const kOffsetInputNames[kOffNumInputs] = {"x", "main", "offsets", "residual", "norm_weight"};
 
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetInputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kOffResidual || i == kOffNormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 // The attributes of the epilogues GsmGroupOffset and GsmQuantMatMul share: swiglu, and norm_epsilon when a norm is asked
 struct Epilogue
 {
@@ -510,6 +516,30 @@ OrtStatus* epilogueOutputs(OrtKernelContext* ctx, Epilogue const& kn, float cons
     return nullptr;
 }
 
+using InputKind = OrtCustomOpInputOutputCharacteristic (*)(OrtCustomOp const*, size_t);
+
+// Inputs v[0 .. n) and their shapes (null and empty where an optional one is left out); a required one (the op's own
+// `kind` says which) missing is an error naming it
+OrtStatus* readInputs(OrtKernelContext* ctx, size_t n, char const* const* names, InputKind kind, OrtValue const** v,
+    std::vector<int64_t>* sh, OrtStatus* (*fail)(std::string const&))
+{
+    size_t present = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetInputCount(ctx, &present));
+    for (size_t i = 0; i < n; ++i)
+    {
+        v[i] = nullptr;
+        if (i < present)
+        {
+            GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
+        }
+        if (v[i] == nullptr && kind(nullptr, i) != INPUT_OUTPUT_OPTIONAL)
+        {
+            return fail(std::string("input ") + names[i] + " is missing");
+        }
+    }
+    return nullptr;
+}
+
 // The data of inputs v[0 .. n) (null where an optional input is absent)
 OrtStatus* inputData(OrtValue const* const* v, size_t n, void** p)
 {
@@ -534,20 +564,7 @@ OrtStatus* ORT_API_CALL offsetCompute(void* opKernel, OrtKernelContext* ctx)
     OffsetKernel const& kn = *static_cast<OffsetKernel const*>(opKernel);
     OrtValue const* v[kOffNumInputs];
     std::vector<int64_t> sh[kOffNumInputs];
-    size_t present = 0;
-    GSM_ORT_TRY(gApi->KernelContext_GetInputCount(ctx, &present));
-    for (size_t i = 0; i < kOffNumInputs; ++i)
-    {
-        v[i] = nullptr;
-        if (i < present)
-        {
-            GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
-        }
-        if (v[i] == nullptr && i != kOffResidual && i != kOffNormWeight)
-        {
-            return offsetInvalid(std::string("input ") + kOffsetInputNames[i] + " is missing");
-        }
-    }
+    GSM_ORT_TRY(readInputs(ctx, kOffNumInputs, kOffsetInputNames, offsetInputKind, v, sh, offsetInvalid));
     ONNXTensorElementDataType offType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     GSM_ORT_TRY(elementType(v[kOffOffsets], &offType));
     if (offType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && offType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
@@ -604,13 +621,7 @@ OrtStatus* ORT_API_CALL offsetCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     void** kernel)
 {
     OffsetKernel kn{};
-    OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, "block_size", &kn.blockSize);
-    if (st != nullptr)
-    {
-        std::string m = std::string("attribute block_size (int64) is missing or invalid: ") + gApi->GetErrorMessage(st);
-        gApi->ReleaseStatus(st);
-        return offsetInvalid(m);
-    }
+    GSM_ORT_TRY(attribute(info, "block_size", &kn.blockSize, offsetInvalid));
     if (kn.blockSize <= 0)
     {
         return offsetInvalid("attribute block_size = " + std::to_string(kn.blockSize) + " must be positive");
@@ -651,11 +662,6 @@ size_t ORT_API_CALL offsetOutputCount(OrtCustomOp const*)
     return 2;  // y, and normed (optional: with norm_weight)
 }
 
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetInputKind(OrtCustomOp const*, size_t i)
-{
-    return i == kOffResidual || i == kOffNormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
-}
-
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL offsetOutputKind(OrtCustomOp const*, size_t i)
 {
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
@@ -668,6 +674,11 @@ enum QmmInput : size_t
     kQmmX, kQmmCodes, kQmmScales, kQmmOffsets, kQmmResidual, kQmmNormWeight, kQmmNumInputs
 };
 char const* const kQmmInputNames[kQmmNumInputs] = {"x", "codes", "scales", "offsets", "residual", "norm_weight"};
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL qmmInputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kQmmOffsets || i == kQmmResidual || i == kQmmNormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
 
 struct QmmKernel : Epilogue
 {
@@ -686,20 +697,7 @@ OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
     QmmKernel const& kn = *static_cast<QmmKernel const*>(opKernel);
     OrtValue const* v[kQmmNumInputs];
     std::vector<int64_t> sh[kQmmNumInputs];
-    size_t present = 0;
-    GSM_ORT_TRY(gApi->KernelContext_GetInputCount(ctx, &present));
-    for (size_t i = 0; i < kQmmNumInputs; ++i)
-    {
-        v[i] = nullptr;
-        if (i < present)
-        {
-            GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
-        }
-        if (v[i] == nullptr && i != kQmmOffsets && i != kQmmResidual && i != kQmmNormWeight)
-        {
-            return qmmInvalid(std::string("input ") + kQmmInputNames[i] + " is missing");
-        }
-    }
+    GSM_ORT_TRY(readInputs(ctx, kQmmNumInputs, kQmmInputNames, qmmInputKind, v, sh, qmmInvalid));
     ONNXTensorElementDataType scaleType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, offType = scaleType;
     GSM_ORT_TRY(elementType(v[kQmmScales], &scaleType));
     bool const offsets = v[kQmmOffsets] != nullptr;
@@ -787,13 +785,7 @@ OrtStatus* ORT_API_CALL qmmCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKe
     for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}, {"bits", &kn.bits},
              {"block_size", &kn.block}})
     {
-        OrtStatus* st = gApi->KernelInfoGetAttribute_int64(info, name, dst);
-        if (st != nullptr)
-        {
-            std::string m = std::string("attribute ") + name + " (int64) is missing or invalid: " + gApi->GetErrorMessage(st);
-            gApi->ReleaseStatus(st);
-            return qmmInvalid(m);
-        }
+        GSM_ORT_TRY(attribute(info, name, dst, qmmInvalid));
         if (*dst <= 0)
         {
             return qmmInvalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
@@ -835,11 +827,6 @@ ONNXTensorElementDataType ORT_API_CALL qmmInputType(OrtCustomOp const*, size_t i
 size_t ORT_API_CALL qmmInputCount(OrtCustomOp const*)
 {
     return kQmmNumInputs;
-}
-
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL qmmInputKind(OrtCustomOp const*, size_t i)
-{
-    return i == kQmmOffsets || i == kQmmResidual || i == kQmmNormWeight ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
 // -- GsmSideSplit -----------------------------------------------------------------------------------------------
@@ -1069,24 +1056,18 @@ OrtCustomOp makeOp(OpFns const& f)
 }
 
 OrtCustomOp gOp = makeOp();
-OrtCustomOp makeOffsetOp()
+// An op with the epilogue's outputs: y, and normed where a norm weight is given
+OrtCustomOp makeEpilogueOp(OpFns const& f)
 {
-    OrtCustomOp op = makeOp({offsetOpName, offsetInputType, offsetInputCount, offsetFloat, offsetOutputCount,
-        offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
+    OrtCustomOp op = makeOp(f);
     op.GetOutputCharacteristic = offsetOutputKind;
     return op;
 }
 
-OrtCustomOp gOffsetOp = makeOffsetOp();
-OrtCustomOp makeQmmOp()
-{
-    OrtCustomOp op = makeOp({qmmOpName, qmmInputType, qmmInputCount, offsetFloat, offsetOutputCount, qmmInputKind,
-        qmmCreateKernel, qmmCompute, qmmDestroyKernel});
-    op.GetOutputCharacteristic = offsetOutputKind;
-    return op;
-}
-
-OrtCustomOp gQmmOp = makeQmmOp();
+OrtCustomOp gOffsetOp = makeEpilogueOp({offsetOpName, offsetInputType, offsetInputCount, offsetFloat,
+    offsetOutputCount, offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
+OrtCustomOp gQmmOp = makeEpilogueOp({qmmOpName, qmmInputType, qmmInputCount, offsetFloat, offsetOutputCount,
+    qmmInputKind, qmmCreateKernel, qmmCompute, qmmDestroyKernel});
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 

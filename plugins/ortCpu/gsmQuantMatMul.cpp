@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/gsm_math.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 // GCC 12's AVX-512 conversion intrinsics start from _mm512_undefined_*: a false "may be used uninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -40,40 +42,9 @@ struct Ctx
     int32_t const* bias;  // [M, G]: -z * the block's sum of xq (the VNNI kernel's dot starts there: centred codes)
 };
 
-float halfToFloat(uint16_t h)
-{
-    uint32_t const sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-    if (exp == 0x1Fu)
-    {
-        bits = sign | 0x7F800000u | (man << 13);
-    }
-    else if (exp != 0)
-    {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    }
-    else if (man == 0)
-    {
-        bits = sign;
-    }
-    else  // subnormal: normalise
-    {
-        exp = 113u;
-        while ((man & 0x400u) == 0)
-        {
-            man <<= 1;
-            --exp;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 float param(void const* p, bool half, int64_t i)
 {
-    return half ? halfToFloat(static_cast<uint16_t const*>(p)[i]) : static_cast<float const*>(p)[i];
+    return half ? f16BitsToF32(static_cast<uint16_t const*>(p)[i]) : static_cast<float const*>(p)[i];
 }
 
 int32_t zeroPoint(int64_t bits)
