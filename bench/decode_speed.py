@@ -95,6 +95,7 @@ def measure(args: argparse.Namespace) -> dict:
         so.enable_profiling = True
         # ONNX Runtime writes its profile (tens of MB) there: a temporary folder unless the caller names one
         profile_dir = args.profile_dir or tempfile.mkdtemp(prefix="gsm-ort-profile-")
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
         so.profile_file_prefix = str(Path(profile_dir) / "ort_profile")
     B, ctx, steps = args.batch, args.context, args.steps
     prompts = [context_ids(rt, args.text, ctx, offset=997 * b) for b in range(B)]

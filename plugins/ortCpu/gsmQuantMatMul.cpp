@@ -31,6 +31,11 @@ namespace
 // prefill call's parts are kPrefillTiles tiles, every row group of the call through each
 constexpr int64_t kPartWork = 1 << 17;
 constexpr int64_t kPrefillTiles = 8;
+// The x86 kernels ask for the codes this many bytes ahead of the sub-block they read: one row reads a matrix once,
+// as one stream (tiles and sub-blocks lie in reading order), faster than the hardware prefetchers fetch it alone
+// (SmolLM2's 121 decode projections in a chain, 1 thread: INT4 3.7-4.0 -> 2.3-2.9 ms, INT8 5.4-6.1 -> 4.2-4.8;
+// 1 KB and 4 KB gained less, 16 KB no more; prefetching the scales and offsets as well made no difference)
+constexpr int64_t kPrefetchBytes = 8192;
 
 struct Ctx
 {
@@ -209,6 +214,10 @@ GSM_VNNI void tilesVnniR(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
             for (int64_t s = b * subs; s < (b + 1) * subs; ++s)
             {
                 uint8_t const* sb = a.codes + (t * c.S + s) * sbBytes;
+                for (int64_t o = 0; o < sbBytes; o += 64)
+                {
+                    _mm_prefetch(reinterpret_cast<char const*>(sb + kPrefetchBytes + o), _MM_HINT_T0);
+                }
                 __m512i v[8];  // the sub-block's 8 words of 16 rows: inputs 4p .. 4p + 3 in v[p]
                 if constexpr (BITS == 4)
                 {
@@ -311,6 +320,10 @@ GSM_AVX2 void tilesAvx2R(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
                 for (int64_t s = b * subs; s < (b + 1) * subs; ++s)
                 {
                     uint8_t const* sb = a.codes + (t * c.S + s) * sbBytes + 32 * h;
+                    for (int64_t o = 0; h == 0 && o < sbBytes; o += 64)
+                    {
+                        _mm_prefetch(reinterpret_cast<char const*>(sb + kPrefetchBytes + o), _MM_HINT_T0);
+                    }
                     __m256i v[8];
                     if constexpr (BITS == 4)
                     {
