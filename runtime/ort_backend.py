@@ -204,7 +204,8 @@ class OrtBackend:
         widths["logits"] = ((int(logits.shape[-1]),), np.float32)
         self._fixed = widths
         self._decodable = set(widths) | {"attn_mass"}  # a call that wants no more runs through _run_decode
-        self._decode_key: tuple | None = None
+        self._decode_key: tuple | None = None  # (B, outputs) the decode path's arrays are bound for
+        self._want: dict[bool, list[str]] = {}
         self._decode_arrays: dict[str, np.ndarray] = {}
         self._decode_pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (cache buffer, the new rows' array)
         self.pool = RowPool(cfg.max_batch, self.name)
@@ -293,13 +294,10 @@ class OrtBackend:
                  "cache_rows": np.array([c.row for c in caches], np.int32)}
         if self.per_sequence_top_k:
             small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
-        want = [n for n in self.out_names if n not in self.probe_names or probes
-                or (self.debug and n.startswith("selected."))]
+        want = self._wanted(probes)
         with self.lock:
-            for name, a in small.items():
-                self.binding.bind_cpu_input(name, a)
             if S == 1 and self._decodable.issuperset(want):
-                outs = self._run_decode(B, int(past.max()) + 1, want)
+                outs = self._run_decode(B, int(past.max()) + 1, want, small)
                 if commit:
                     for b, c in enumerate(caches):
                         if new[b]:
@@ -307,6 +305,8 @@ class OrtBackend:
                             self._commit_decode_rows(b, c.row, int(past[b]))
             else:
                 # a prefill chunk or a probed call: ORT allocates the outputs (from its arena)
+                for name, a in small.items():
+                    self.binding.bind_cpu_input(name, a)
                 self.binding.clear_binding_outputs()
                 self._decode_key = None
                 for name in want:
@@ -325,12 +325,23 @@ class OrtBackend:
         mass = {l: outs[f"attn_mass.{l}"] for l in self.layers} if probes else None
         return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
 
-    def _run_decode(self, B: int, L: int, want: list[str]) -> dict[str, np.ndarray]:
-        """One S = 1 call without probes: the outputs of fixed shape (new rows, logits) land in arrays bound once
-        for (B, want), attn_mass ([B, L], L = the longest past + 1) in a new array bound for this call; nothing
-        else is bound or wrapped per step. Returns the outputs, logits as a copy (the caller keeps them)."""
+    def _wanted(self, probes: bool) -> list[str]:
+        """The outputs a call binds: the probes only when asked for (or a debug bundle's selections)."""
+        if probes not in self._want:
+            self._want[probes] = [n for n in self.out_names if n not in self.probe_names or probes
+                                  or (self.debug and n.startswith("selected."))]
+        return self._want[probes]
+
+    def _run_decode(self, B: int, L: int, want: list[str], small: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One S = 1 call without probes: the per-call inputs (`small`) are copied into arrays and the outputs of
+        fixed shape (new rows, logits) land in arrays, all bound once for (B, want); attn_mass ([B, L], L = the
+        longest past + 1) in a new array bound for this call; nothing else is bound or wrapped per step. Returns
+        the outputs, logits as a copy (the caller keeps them)."""
         key = (B, tuple(want))
         if self._decode_key != key:
+            self._decode_inputs = {name: a.copy() for name, a in small.items()}
+            for name, a in self._decode_inputs.items():
+                self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(a))
             self.binding.clear_binding_outputs()
             self._decode_arrays = {}
             for name in want:
@@ -341,6 +352,9 @@ class OrtBackend:
                     self.binding.bind_ortvalue_output(name, self.ort.OrtValue.ortvalue_from_numpy(a))
             self._decode_copies = [_RowCopy.of(self.buffers[n], self._decode_arrays["new_" + n]) for n in self.cached]
             self._decode_key = key
+        else:
+            for name, a in small.items():
+                self._decode_inputs[name][...] = a
         mass = np.empty((B, L), np.float32)
         self.binding.bind_ortvalue_output("attn_mass", self.ort.OrtValue.ortvalue_from_numpy(mass))
         self.session.run_with_iobinding(self.binding)
