@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import onnx
+
 from builder.graph_portable import PortableOps
+from gsm.bundle_format import CpuWeightTable, WeightSpan
 
 CPU_DOMAIN = "ai.gsm_edge.cpu"
 CPU_OP = "GsmCachedAttention"
@@ -118,3 +121,26 @@ class CpuOps(PortableOps):
                                      head_dim=cfg.head_dim, index_heads=p.indexer_heads, index_dim=p.indexer_dim,
                                      sink_tokens=p.sink_tokens, **grows)
         return out, sel, mass
+
+
+def cpu_weight_table(model: onnx.ModelProto) -> CpuWeightTable:
+    """The weights.bin spans of the main graph's initializers that nodes of our domain read (any graph level), in
+    file order (bundle_format.CpuWeightTable)."""
+    read: set[str] = set()
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if node.domain == CPU_DOMAIN:
+                read.update(node.input)
+            for a in node.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    walk(sub)
+
+    walk(model.graph)
+    spans = []
+    for t in model.graph.initializer:
+        if t.name in read and t.data_location == onnx.TensorProto.EXTERNAL:
+            ext = {e.key: e.value for e in t.external_data}
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+            spans.append(WeightSpan(t.name, int(ext.get("offset", 0)), int(ext["length"]), dtype.name, tuple(t.dims)))
+    return CpuWeightTable(tuple(sorted(spans, key=lambda w: w.offset)))

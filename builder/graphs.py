@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from builder.graph_cpu import CPU_DOMAIN, CPU_OP_VERSION, CpuOps
+from builder.bundle import write_json
+from builder.graph_cpu import CPU_DOMAIN, CPU_OP_VERSION, CpuOps, cpu_weight_table
 from builder.graph_portable import PortableOps, rope_at
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS, PluginOps
 from builder.network import ROPE_COS, ROPE_SIN, NetSpec, Network, TensorSource, quant_name
@@ -81,9 +82,11 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         Network(g, CpuOps(g, cfg, ranks, n_max, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
                 quant, F32,
                 projections=projections).build()
-        save_model(g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},
-                           doc="GSM network, standard ONNX ops + GsmCachedAttention (ONNX Runtime CPU custom op), "
-                               "fp32 (docs/engine_io.md 5.1)"), out / FILES.model_cpu)
+        cpu_model = g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},
+                            doc="GSM network, standard ONNX ops + GsmCachedAttention (ONNX Runtime CPU custom op), "
+                                "fp32 (docs/engine_io.md 5.1)")
+        save_model(cpu_model, out / FILES.model_cpu)
+        write_json(out / FILES.cpu_weights, cpu_weight_table(cpu_model).to_json())
         progress("TensorRT graph")
         g = GraphBuilder(store, opset=trt_opset)
         trt_spec = replace(spec, debug=False)
@@ -99,8 +102,8 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
         store.close()
     return GraphsInfo(opset=trt_opset, plugins=dict.fromkeys(PLUGINS, PLUGIN_VERSION),
                       plugin_namespace=PLUGIN_NAMESPACE, plugin_domain=DOMAIN,
-                      files=[FILES.weights, FILES.model_trt, FILES.model_portable, FILES.model_cpu, FILES.demote_trt,
-                             FILES.demote_portable],
+                      files=[FILES.weights, FILES.model_trt, FILES.model_portable, FILES.model_cpu, FILES.cpu_weights,
+                             FILES.demote_trt, FILES.demote_portable],
                       largest_tensor_bytes=store.peak_tensor_bytes,
                       weight_file_bytes=(out / FILES.weights).stat().st_size)
 

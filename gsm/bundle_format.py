@@ -47,6 +47,7 @@ class BundleFiles:
     model_trt: str = "model.onnx"  # GSM plugin nodes, for TensorRT (engine_io 2-4)
     model_portable: str = "model.portable.onnx"  # standard ops, ONNX Runtime anywhere (engine_io 5)
     model_cpu: str = "model.cpu.onnx"  # portable + the fused CPU attention op (engine_io 5.1)
+    cpu_weights: str = "model.cpu.weights.json"  # CpuWeightTable: model.cpu.onnx's custom-op weights in weights.bin
     demote_trt: str = "gsm_demote.onnx"  # GsmKVDemote nodes (engine_io 4.3)
     demote_portable: str = "gsm_demote.portable.onnx"  # re-encodes changed rows (engine_io 5)
     engine: str = "engine.plan"  # only where TensorRT built it
@@ -58,6 +59,42 @@ class BundleFiles:
 
 
 FILES = BundleFiles()
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """One initializer's bytes in weights.bin: ONNX external data (offset, length) with its numpy dtype and shape."""
+
+    name: str
+    offset: int
+    length: int
+    dtype: str  # numpy dtype name: "uint8", "float16", "float32", ...
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CpuWeightTable:
+    """The initializers model.cpu.onnx's custom ops (domain ai.gsm_edge.cpu) read, where weights.bin holds them:
+    the runtime reads them into memory of its own (large pages where the OS offers them) and hands them to the
+    session in place of ONNX Runtime's file mappings (runtime/ort_backend.py). The ops read them as they are
+    (nothing prepacks them), so nothing is held twice."""
+
+    spans: tuple[WeightSpan, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": FILES.weights, "spans": [[w.name, w.offset, w.length, w.dtype, list(w.shape)]
+                                                 for w in self.spans]}
+
+    @classmethod
+    def from_json(cls, d: Any, origin: str) -> CpuWeightTable:
+        try:
+            if d["file"] != FILES.weights:
+                raise ValueError(f"file {d['file']!r}, expected {FILES.weights!r}")
+            spans = tuple(WeightSpan(str(n), int(o), int(ln), str(dt), tuple(int(x) for x in shp))
+                          for n, o, ln, dt, shp in d["spans"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{origin}: not a CPU weight table ({e}); rebuild the bundle with `{REBUILD}`") from e
+        return cls(spans)
 
 
 def check_identity(root: Path, manifest: Mapping[str, Any]) -> None:

@@ -896,3 +896,40 @@ def test_gsm_side_int8_forms_follow_the_matmul_accuracy(tiny, tmp_path):
     want = dequantize(quantize(rows, WeightQuantConfig(8, 32)))
     assert got.shape == want.shape and np.array_equal(got, want)
     assert not np.array_equal(want, dequantize(quantize(rows, GSM_SIDE_CONFIG)))  # not the per-channel grid
+
+
+def test_cpu_graph_weights_are_read_into_memory_the_session_uses(q4_1_checkpoint, tmp_path, monkeypatch):
+    """model.cpu.weights.json names every initializer the custom ops read, where weights.bin holds it (against onnx's
+    own external-data loader); the backend reads them into arrays of its own, and the session computes with those very
+    arrays (changing one changes the logits), giving the logits of ONNX Runtime's own file mappings bit for bit."""
+    import onnx
+
+    import runtime
+    from builder.graph_cpu import CPU_DOMAIN
+    from gsm.bundle_format import FILES, CpuWeightTable
+    from runtime.ort_backend import OrtBackend, read_weight_spans
+
+    b = tmp_path / "b"
+    build(device="orin", checkpoint_dir=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4", head_weights="fp16",
+          gsm_weights="fp16")
+    table = CpuWeightTable.from_json(json.loads((b / FILES.cpu_weights).read_text()), "test")
+    cpu = onnx.load(b / FILES.model_cpu)
+    read = {i for n in cpu.graph.node if n.domain == CPU_DOMAIN for i in n.input}
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in cpu.graph.initializer if t.name in read}
+    assert {w.name for w in table.spans} == set(inits) and any(".qt.codes" in n for n in inits)
+    arrays = read_weight_spans(b / FILES.weights, table)
+    for name, want in inits.items():
+        assert arrays[name].dtype == want.dtype and np.array_equal(arrays[name], want), name
+    assert all(a.ctypes.data % 64 == 0 for a in arrays.values())
+
+    prompt = np.random.default_rng(5).integers(3, 259, PROMPT_LEN).tolist()
+    rt = runtime.load(b, backend="onnxruntime", threads=1, graph="cpu")
+    ours = rt.new_sequence().prefill(prompt)
+    held = rt.backend._weight_arrays
+    assert set(held) == set(inits)
+    with monkeypatch.context() as m:
+        m.setattr(OrtBackend, "cpu_weights", lambda self: {})  # ONNX Runtime's file mappings
+        mapped = runtime.load(b, backend="onnxruntime", threads=1, graph="cpu").new_sequence().prefill(prompt)
+    assert np.array_equal(ours, mapped)
+    held["model.layers.0.mlp.down_proj.weight.nbits.qt.scales"][...] = 0  # the session reads these very bytes
+    assert not np.array_equal(rt.new_sequence().prefill(prompt), ours)
