@@ -4,6 +4,7 @@ back from the kernel (mincore), not from the class's own bookkeeping."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import numpy as np
@@ -14,13 +15,15 @@ from runtime.page_reserve import PAGE, PageReserve
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore: Linux")
 
 
-def small_pages(a: np.ndarray) -> np.ndarray:
-    """a without transparent huge pages (numpy asks for them for large arrays: a first write would then make 2 MB
-    resident at once), so that residency shows the span a reserve asked for."""
+def fresh_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros on pages of their own that nothing has touched (an anonymous mapping: malloc may hand back pages an
+    earlier test made resident), without transparent huge pages (a first write would then make 2 MB resident at
+    once), so that residency shows the span a reserve asked for."""
+    m = mmap.mmap(-1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    a = np.frombuffer(m, dtype).reshape(shape)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    lo = a.ctypes.data & ~(PAGE - 1)
-    assert libc.madvise(lo, a.ctypes.data + a.nbytes - lo, 15) == 0, ctypes.get_errno()  # MADV_NOHUGEPAGE
+    assert libc.madvise(a.ctypes.data, a.nbytes, 15) == 0, ctypes.get_errno()  # MADV_NOHUGEPAGE
     return a
 
 
@@ -38,7 +41,7 @@ def resident(a: np.ndarray, start: int, stop: int) -> np.ndarray:
 @linux
 def test_rows_are_prefaulted_ahead_and_nothing_else():
     rows, n_max, width = 3, 4096, 256  # a position is 1 KB: 4 a page
-    buf = small_pages(np.zeros((rows, n_max, width), np.float32))  # fresh zeroed pages: none resident yet
+    buf = fresh_zeros((rows, n_max, width), np.float32)  # none resident yet
     pages = PageReserve([buf], rows, n_max, ahead=64)
     if not pages.active:
         pytest.skip("madvise(MADV_POPULATE_WRITE) needs Linux 5.14+")
