@@ -21,6 +21,10 @@ neither copies nor transfers anything that grows with N_max. `np.zeros` takes ze
 OS lazily: resident memory grows with the positions written, not with N_max x R; a row's pages are faulted in
 ahead of its writes, a span of positions at a time (runtime/page_reserve.py), not one fault inside each step.
 
+The custom ops' weights (the quantised projections' tiles, the U matrices) are read once into an array of the
+backend's own and handed to the session in place of ONNX Runtime's 4 KB file mappings (`cpu_weights`,
+model.cpu.weights.json): large pages where the kernel offers them, fewer TLB misses a step.
+
 The buffers have the memory plan's max_batch rows (bundle.json), allocated once: a sequence past them gets a
 CacheFullError, never a larger buffer (the engine admits no more sequences than `capabilities.max_resident`).
 One lock serialises calls on a backend: batch sequences (Runtime.decode_batch) to use the cores
