@@ -205,6 +205,7 @@ class OrtBackend:
                 raise RuntimeError(f"graph cpu: {bundle / FILES.model_cpu} does not load with {self.ops_library}: "
                                    f"{detail}") from None
             self.graph, self.ops_library = "portable", None
+            self._cpu_weights, self._weight_arrays = None, {}  # the portable graph maps its own
             self.graph_note = f"{FILES.model_cpu} did not load ({detail})"
             log.warning("%s: running %s instead", self.graph_note, FILES.model_portable)
             self.session = self.open_session(session_options(self.tuning))
