@@ -26,10 +26,11 @@ namespace
 {
 
 // a decode call's tiles split into parts of at least this many multiply-adds (smaller ones cost the pool more
-// than they save: SmolLM2 INT4 at 256 tokens on 2 threads, 3 alternating runs each, took 6.1-7.5 ms a step at 2^17
-// (q, o and in_proj in 2-4 parts), 6.9-7.1 at 2^18 (those on one thread), 6.2-6.4 at 2^16; 1 thread the same); a
-// prefill call's parts are kPrefillTiles tiles, every row group of the call through each
-constexpr int64_t kPartWork = 1 << 17;
+// than they save: SmolLM2 INT4 at 256 tokens on 2 threads, 6 alternating runs each with the weights prefetched and
+// on large pages, 167.6-183.7 tok/s at 2^16, 163.2-174.7 at 2^17, 170.3-171.1 at 2^18 (3 runs), 163.0-169.6 at
+// 2^15 (3); 1 thread the same); a prefill call's parts are kPrefillTiles tiles, every row group of the call through
+// each
+constexpr int64_t kPartWork = 1 << 16;
 constexpr int64_t kPrefillTiles = 8;
 // The x86 kernels ask for the codes this many bytes ahead of the sub-block they read: one row reads a matrix once,
 // as one stream (tiles and sub-blocks lie in reading order), faster than the hardware prefetchers fetch it alone
