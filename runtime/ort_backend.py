@@ -55,8 +55,6 @@ log = logging.getLogger("runtime.ort_backend")
 
 GRAPHS = ("auto", "cpu", "portable")
 
-
-
 _memmove = ctypes.memmove
 _WEIGHT_ALIGN = 64  # each span of read_weight_spans starts on a cache line
 
@@ -101,6 +99,7 @@ class _RowCopy:
                              f"{buf.dtype}{list(buf.shape)}")
         return cls(buf.ctypes.data, buf.strides[0], buf.strides[1], rows.ctypes.data, rows.strides[0],
                    rows[0, 0].nbytes)
+
 
 @dataclass(frozen=True)
 class SessionTuning:
@@ -263,7 +262,7 @@ class OrtBackend:
         """model.cpu.onnx's custom-op weights read once into memory of the backend's own (gsm.bundle_format
         CpuWeightTable), which the sessions use in place of ONNX Runtime's 4 KB file mappings: numpy backs a large
         array with transparent huge pages where the kernel offers them, and a decode step streams ~100 MB of these
-        weights, one TLB miss a page otherwise (SmolLM2 INT4 at 256 tokens, 1 thread: 7.6-7.8 -> 7.1-7.5 ms a
+        weights, one TLB miss a page otherwise (SmolLM2 INT4 at 256 tokens, 1 thread: 7.0-7.7 -> 6.1-7.3 ms a
         step, 3 alternating runs). A bundle without the table keeps the file mappings."""
         if self._cpu_weights is None:
             path = self.bundle / FILES.cpu_weights
