@@ -188,6 +188,15 @@ inline void prefetchStart(Ctx const& c, int64_t t0, int64_t sbBytes)
     }
 }
 
+// the sub-block kPrefetchBytes past the one at sb (sbBytes long), asked for as sb is read
+inline void prefetchAhead(uint8_t const* sb, int64_t sbBytes)
+{
+    for (int64_t o = 0; o < sbBytes; o += 64)
+    {
+        _mm_prefetch(reinterpret_cast<char const*>(sb + kPrefetchBytes + o), _MM_HINT_T0);
+    }
+}
+
 // -- AVX-512 VNNI: one tile's 16 rows in one register, up to 4 activation rows sharing each code load -----------
 #define GSM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
@@ -227,10 +236,7 @@ GSM_VNNI void tilesVnniR(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
             for (int64_t s = b * subs; s < (b + 1) * subs; ++s)
             {
                 uint8_t const* sb = a.codes + (t * c.S + s) * sbBytes;
-                for (int64_t o = 0; o < sbBytes; o += 64)
-                {
-                    _mm_prefetch(reinterpret_cast<char const*>(sb + kPrefetchBytes + o), _MM_HINT_T0);
-                }
+                prefetchAhead(sb, sbBytes);
                 __m512i v[8];  // the sub-block's 8 words of 16 rows: inputs 4p .. 4p + 3 in v[p]
                 if constexpr (BITS == 4)
                 {
@@ -334,9 +340,9 @@ GSM_AVX2 void tilesAvx2R(Ctx const& c, int64_t m0, int64_t t0, int64_t t1)
                 for (int64_t s = b * subs; s < (b + 1) * subs; ++s)
                 {
                     uint8_t const* sb = a.codes + (t * c.S + s) * sbBytes + 32 * h;
-                    for (int64_t o = 0; h == 0 && o < sbBytes; o += 64)
+                    if (h == 0)  // the second half row group reads the same lines
                     {
-                        _mm_prefetch(reinterpret_cast<char const*>(sb + kPrefetchBytes + o), _MM_HINT_T0);
+                        prefetchAhead(sb, sbBytes);
                     }
                     __m256i v[8];
                     if constexpr (BITS == 4)

@@ -5,9 +5,10 @@
  *   y[m, n] = sum_b ( float(sum_{k in b} (u[n, k] - z) * xq[m, k]) * dx[m, b] * scale[n, b] [+ offset[n, b] * S[m, b]] )
  * where, per row m and block b, dx = max|x| / 127 (float32), xq = round-half-even(x * (1 / dx)) in int8 (MatMulNBits
  * accuracy_level 4 quantises its activations so, per block of the weight's group) and S = the float32 sum of the
- * block's x (summed in 8 lanes, then pairwise: quantizeRow). The offset term is a float-zero-point (Q4_1) weight's: the portable graph splits such a weight as
- * scale * (u - 8) + offset, offset = min + 8 * scale (builder/qlinear.py), and so does this op. Codes are centred
- * (u - z) because the activations' rounding error is multiplied by them: uncentred 4-bit codes doubled the error.
+ * block's x (summed in 8 lanes, then pairwise: quantizeRow). The offset term is a float-zero-point (Q4_1) weight's:
+ * the portable graph splits such a weight as scale * (u - 8) + offset, offset = min + 8 * scale (builder/qlinear.py),
+ * and so does this op. Codes are centred (u - z) because the activations' rounding error is multiplied by them:
+ * uncentred 4-bit codes doubled the error.
  * Each output accumulates over b in that order with one or two fused multiply-adds per block, so every kernel
  * (generic, AVX2, AVX-512 VNNI) gives the same bits.
  *
