@@ -1,11 +1,12 @@
 """Wall time of one `GsmCachedAttention` decode call (the ONNX Runtime CPU op of model.cpu.onnx) in isolation.
 
 One node, SmolLM2-135M's geometry by default (9 heads over 3 key heads of 64, 3 indexer heads of 32, ranks 187 /
-192, INT8 index keys), inputs bound once, the best mean of --repeats runs of --calls calls. `--cold` gives every
-call another sequence row of a cache far larger than the CPU's caches and another copy of U_k / U_v, so its K rows,
-V latents and U come from memory, as they do in a model step after the layer's weights went through.
+192, INT8 index keys, V from cached V rows as model.cpu.onnx has it; `--latent-v`: from the latents, the op's
+form without attribute v_rows), inputs bound once, the best mean of --repeats runs of --calls calls. `--cold` gives
+every call another sequence row of a cache far larger than the CPU's caches and another copy of U_k / U_v, so its K rows,
+V rows (or latents) and U come from memory, as they do in a model step after the layer's weights went through.
 
-    python bench/attention_op_cpu.py [--past 8,256,512] [--top-k 294] [--threads 1] [--cold] [--half-up]
+    python bench/attention_op_cpu.py [--past 8,256,512] [--top-k 294] [--threads 1] [--cold] [--half-up] [--latent-v]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", action="store_true", help="a different cache row each call (rows from memory)")
     ap.add_argument("--cache-mib", type=int, default=256, help="size of the --cold cache (well above the CPU's caches)")
     ap.add_argument("--half-up", action="store_true", help="U_k / U_v as float16 (U on the FP16 grid)")
+    ap.add_argument("--latent-v", action="store_true", help="V from the latents (the op without v_rows)")
     a = ap.parse_args(argv)
 
     import onnxruntime as ort
@@ -46,14 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     _, nKV, D, _, _, _, rv = geo
     pasts = [int(v) for v in a.past.split(",")]
     N = max(pasts) + 1
-    R = max(1, (a.cache_mib << 20) // (N * (nKV * D + rv) * 4)) if a.cold else 1
+    R = max(1, (a.cache_mib << 20) // (N * (nKV * D + (rv if a.latent_v else nKV * D)) * 4)) if a.cold else 1
     rng = np.random.default_rng(0)
     x = T.int8_keys(T.make_inputs(rng, geo, [pasts[0]], [1], 1, a.window, [a.top_k], rows=R, positions=N), rng)
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(T.LIB))
     so.intra_op_num_threads = a.threads
     so.log_severity_level = 3
-    model = T.model_bytes(geo, 1, TensorProto.INT8)
+    model = T.model_bytes(geo, 1, TensorProto.INT8, v_rows=None if a.latent_v else 1)
+    if not a.latent_v:
+        x = T.with_v_rows(x, rng)
     if a.half_up:
         x.update({n: x[n].astype(np.float16) for n in T.UP_INPUTS})
         model = T.retyped(model, dict.fromkeys(T.UP_INPUTS, TensorProto.FLOAT16))
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ups = [{n: ort.OrtValue.ortvalue_from_numpy(x[n] + np.zeros_like(x[n])) for n in T.UP_INPUTS} for _ in range(n_up)]
     print(f"GsmCachedAttention decode, geometry {a.geometry}, top-k {a.top_k}, window {a.window}, "
           f"{a.threads} thread(s), {'cold' if a.cold else 'hot'} rows ({R} cache rows), "
-          f"{'float16' if a.half_up else 'float32'} U")
+          f"{'float16' if a.half_up else 'float32'} U, V from {'the latents' if a.latent_v else 'V rows'}")
     for past in pasts:
         b.bind_ortvalue_input("past_lengths", ort.OrtValue.ortvalue_from_numpy(np.array([past], np.int32)))
         b.clear_binding_outputs()  # the outputs' shapes follow the context

@@ -26,6 +26,7 @@ from typing import Any
 import onnx
 
 from builder.graph_portable import PortableOps
+from builder.nodes import F32
 from gsm.bundle_format import CpuWeightTable, WeightSpan
 
 CPU_DOMAIN = "ai.gsm_edge.cpu"
@@ -36,6 +37,7 @@ SIDE_OP = "GsmSideSplit"
 CPU_OP_VERSION = 1
 # what model.cpu.onnx may use of the domain
 CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, QUANT_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
+
 
 
 class CpuOps(PortableOps):
@@ -51,6 +53,21 @@ class CpuOps(PortableOps):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._side: set[int] = set()  # owning layers whose new rows side_split made in the cache's form
+        self.v_rows: dict[int, str] = {}  # owning layer -> its `v_rows.{l}` input
+
+    def declare_cache(self) -> dict[int, dict[str, str]]:
+        state = super().declare_cache()
+        # every owning layer's V rows U_v c, made once per row like the K rows: a decode step's weighted sum then
+        # takes nH*K*D float32 multiply-adds in place of nH*K*r_v float64 ones and a U_v per head (decisions
+        # "CPU V rows")
+        self.v_rows = {l: self.g.input(f"v_rows.{l}", F32, ["R", self.n_max, self.cfg.kv_dim])
+                       for l in self.cfg.owning_layers}
+        return state
+
+    def declare_cache_outputs(self) -> None:
+        super().declare_cache_outputs()
+        for l in self.v_rows:
+            self.g.output(f"new_v_rows.{l}", F32, ["B", "S", self.cfg.kv_dim])
 
     def side_split(self, l: int, y: str, scale: str, widths: list[int], batch_shape: str) -> list[str]:
         """Owning layer l's in_proj output y [B*S, sum(widths)] as [B, S, w] blocks (batch_shape: [B, S] int64):
@@ -106,20 +123,26 @@ class CpuOps(PortableOps):
                   source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
         if selected is not None or index_q is None or index_w is None or sparse_window is None or top_k is None:
             assert selected is not None, f"owning layer {l}: the standard-op attention needs q as [B, S, q_dim]"
+            assert l not in self.v_rows, f"owning layer {l}: its V rows are made by {CPU_OP}"
             return super().attention(l, q, cache, past, new, rope=rope, up=up, index_q=index_q, index_w=index_w,
                                      sparse_window=sparse_window, top_k=top_k, selected=selected, source=source,
                                      quant=quant)
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
-        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["v"], cache["keys"],
+        rows = l in self.v_rows  # input 6 the V rows, a fifth output the call's new ones
+        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"],
+               self.v_rows[l] if rows else cache["v"], cache["keys"],
                self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, top_k]
         outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor
-        grows = {"sparse_top_k_divisor": d} if d else {}  # absent: a fixed top-k, as graphs before it
+        attrs = {"sparse_top_k_divisor": d} if d else {}  # absent: a fixed top-k, as graphs before it
+        if rows:
+            outs.append(f"new_v_rows.{l}")
+            attrs["v_rows"] = 1  # absent: V from the latents, as graphs before it
         with g.in_scope(f"L{l}.GsmSparseAttention"):
-            out, _, sel, mass = g.op(CPU_OP, ins, n_out=4, outputs=outs, domain=CPU_DOMAIN,
-                                     num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                                     head_dim=cfg.head_dim, index_heads=p.indexer_heads, index_dim=p.indexer_dim,
-                                     sink_tokens=p.sink_tokens, **grows)
+            out, _, sel, mass, *_ = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN,
+                                         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                         head_dim=cfg.head_dim, index_heads=p.indexer_heads,
+                                         index_dim=p.indexer_dim, sink_tokens=p.sink_tokens, **attrs)
         return out, sel, mass
 
 

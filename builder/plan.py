@@ -296,12 +296,13 @@ def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: Poo
 
 def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], max_seq: int, max_batch: int,
                     quant: KVQuantConfig) -> int:
-    """What the onnxruntime backend holds for the plan's rows (engine_io 5, revision 5): per position float32
-    latents and the indexer keys (FP16, or int8 codes) of every owning layer and float32 K rows of every layer.
-    Larger than the TensorRT pools (which hold the tiers' bytes): the CPU graphs read latents as float32."""
+    """What the onnxruntime backend holds for the plan's rows running model.cpu.onnx (engine_io 5, revision 11): per
+    position float32 latents and the indexer keys (FP16, or int8 codes) of every owning layer, float32 K rows of every
+    layer and float32 V rows of every owning layer (the portable graph, a fallback, holds no V rows). Larger than the
+    TensorRT pools (which hold the tiers' bytes): the CPU graphs read latents and rows as float32."""
     key = cfg.gsm.indexer_dim * (1 if quant.int8_keys else 2)
     per_position = sum(4 * (rk + rv) + key for rk, rv in ranks.values())
-    per_position += 4 * cfg.num_hidden_layers * cfg.kv_dim
+    per_position += 4 * (cfg.num_hidden_layers + len(ranks)) * cfg.kv_dim
     return per_position * max_seq * max_batch
 
 

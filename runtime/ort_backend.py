@@ -13,7 +13,8 @@ The cache is what the portable graph reads: per owning layer float32 latents `la
 the K rows `k_rows.{l}` [R, N_max, kvD] made from the held latents, one row per live sequence. The K rows trade
 memory (kvD float32 per layer and position, about as much as the latents again) for not rebuilding
 K_sel rows per layer on every step, the largest cost of a CPU step at a large top-k; a re-tier pass
-rewrites them from the re-encoded latents (the demotion graph returns both).
+rewrites them from the re-encoded latents (the demotion graph returns both). model.cpu.onnx (revision 11) caches
+the owning layers' V rows `v_rows.{l}` [R, N_max, kvD] (U_v c) the same way, where its inputs name them.
 They are numpy arrays wrapped as OrtValues (same memory) and bound to the session's I/O binding at
 creation; a call binds only the small per-call inputs (ids, lengths, `cache_rows`), the graph
 returns only the new rows, and the backend writes those into the buffers in place. So a step
@@ -220,6 +221,9 @@ class OrtBackend:
         # revision 5 caches every layer's K rows beside the latents (engine_io 5), and its demotion graph takes
         # the rows' positions to remake them; older graphs rebuild K per step
         self.k_rows = self._k_row_widths() if cfg.graph_revision >= 5 else {}
+        # model.cpu.onnx (revision 11) may cache an owning layer's V rows too; the graph's inputs say which
+        inputs = {i.name: i.shape for i in self.session.get_inputs()}
+        self.v_rows = {l: int(inputs[f"v_rows.{l}"][-1]) for l in cfg.owning_layers if f"v_rows.{l}" in inputs}
         self.demote_positions = cfg.graph_revision >= 5
         shapes = self._shapes()
         self.cached = list(shapes)  # the buffers a call writes new rows into (graph outputs `new_<name>`)
@@ -297,6 +301,8 @@ class OrtBackend:
             shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.int8 if self.cfg.index_keys.bits == 8 else np.float16)
         for l, kvd in self.k_rows.items():
             shapes[f"k_rows.{l}"] = ((self.n_max, kvd), np.float32)
+        for l, kvd in self.v_rows.items():
+            shapes[f"v_rows.{l}"] = ((self.n_max, kvd), np.float32)
         return shapes
 
     def cache_bytes_per_position(self) -> int:
@@ -434,6 +440,8 @@ class OrtBackend:
                     feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
             for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
                 buf = name.replace("_out.", ".")
+                if buf not in self.buffers:  # V rows of a graph that does not cache them (the portable one)
+                    continue
                 if buf in feeds:  # a latent: the noise is measured on what the tiers change (spec 4.3)
                     sums.append(kv_noise_sums(feeds[buf], arr))
                 self.buffers[buf][cache.row, where] = arr  # latents, and (rev 5) the K rows made from them

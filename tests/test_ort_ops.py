@@ -39,29 +39,42 @@ R, N = 4, 64
 KEY_INPUTS = ("new_index_keys", "index_keys")
 
 
+# attribute v_rows = 1: input 6 holds the cached V rows (named v_rows here) and a fifth output the call's new ones
+V_ROWS_INPUTS = [(("v_rows", t) if n == "latent_v" else (n, t)) for n, t in INPUTS]
+V_ROWS_OUTPUTS = OUTPUTS + [("new_v_rows", TensorProto.FLOAT)]
+
+
 def model_bytes(geo: tuple[int, ...], sinks: int, key_type: int = TensorProto.FLOAT16,
-                divisor: int | float | None = None) -> bytes:
-    """divisor: the node's sparse_top_k_divisor attribute (None: a node without it, as graphs before it had)."""
+                divisor: int | float | None = None, v_rows: int | None = None, outputs: int | None = None) -> bytes:
+    """divisor: the node's sparse_top_k_divisor attribute (None: a node without it, as graphs before it had);
+    v_rows: its v_rows attribute (None: absent; 1: V_ROWS_INPUTS and V_ROWS_OUTPUTS); outputs: that many of the
+    node's outputs (default: all the form has)."""
     nH, nKV, D, nI, dI, _, _ = geo
     extra = {} if divisor is None else {"sparse_top_k_divisor": divisor}
-    node = helper.make_node("GsmCachedAttention", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS], domain=DOMAIN,
+    ins, outs = (V_ROWS_INPUTS, V_ROWS_OUTPUTS) if v_rows else (INPUTS, OUTPUTS)
+    if v_rows is not None:
+        extra["v_rows"] = v_rows
+    if outputs is not None:
+        outs = V_ROWS_OUTPUTS[:outputs]
+    node = helper.make_node("GsmCachedAttention", [n for n, _ in ins], [n for n, _ in outs], domain=DOMAIN,
                             num_heads=nH, num_kv_heads=nKV, head_dim=D, index_heads=nI, index_dim=dI,
                             sink_tokens=sinks, **extra)
     graph = helper.make_graph([node], "gsm_cached_attention",
                               [helper.make_tensor_value_info(n, key_type if n in KEY_INPUTS else t, None)
-                               for n, t in INPUTS],
-                              [helper.make_tensor_value_info(n, t, None) for n, t in OUTPUTS])
+                               for n, t in ins],
+                              [helper.make_tensor_value_info(n, t, None) for n, t in outs])
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
     m.ir_version = 8
     return m.SerializeToString()
 
 
 def session(geo: tuple[int, ...], sinks: int, threads: int, key_type: int = TensorProto.FLOAT16,
-            divisor: int | float | None = None) -> ort.InferenceSession:
+            divisor: int | float | None = None, **form: int | None) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(LIB))
     so.intra_op_num_threads = threads
-    return ort.InferenceSession(model_bytes(geo, sinks, key_type, divisor), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model_bytes(geo, sinks, key_type, divisor, **form), so,
+                                providers=["CPUExecutionProvider"])
 
 
 def int8_keys(x: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -95,7 +108,9 @@ def make_inputs(rng: np.random.Generator, geo: tuple[int, ...], past: list[int],
 
 def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, divisor: int = 0) -> dict[str, np.ndarray]:
     """The specification in plain loops (float32 NumPy; the decode V sum in float64). divisor > 0: the query at
-    position t selects max(top_k[b], (t + 1) // divisor) by score."""
+    position t selects max(top_k[b], (t + 1) // divisor) by score. With x["v_rows"] (the op's v_rows = 1 form) V
+    is those rows for cached positions and U_v c for the call's new ones (also returned, as new_v_rows), the
+    weighted sum over them in float32."""
     nH, nKV, D, nI, dI, rk, rv = geo
     f32 = np.float32
     B, S = x["q"].shape[:2]
@@ -115,6 +130,7 @@ def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, diviso
         return np.concatenate([v[:half] * c[:half] - v[half:] * s[:half], v[half:] * c[half:] + v[:half] * s[half:]])
 
     new_k = np.zeros((B, S, kvD), f32)
+    new_v = x["new_latent_v"] @ x["v_up"].T  # [B, S, kvD]
     for b in range(B):
         for j in range(S):
             kv = x["k_up"] @ x["new_latent_k"][b, j]
@@ -146,8 +162,8 @@ def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, diviso
             kept = sorted(cols[c][0] for r, c in enumerate(order) if vals[c] > -math.inf and r < budget(b, t))
             sel[b, j, :len(kept)] = kept
             K = np.stack([x["k_rows"][row, p] if p < past[b] else new_k[b, p - past[b]] for p in kept])
-            lat = np.stack([x["latent_v"][row, p] if p < past[b] else x["new_latent_v"][b, p - past[b]]
-                            for p in kept])
+            lat = None if "v_rows" in x else np.stack(
+                [x["latent_v"][row, p] if p < past[b] else x["new_latent_v"][b, p - past[b]] for p in kept])
             probs = np.zeros((nH, len(kept)), f32)
             for h in range(nH):
                 g = h // grp
@@ -156,7 +172,10 @@ def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, diviso
                 e = np.exp(logit - logit.max())
                 probs[h] = e / e.sum()
                 vg = x["v_up"][g * D:(g + 1) * D]
-                if S == 1:
+                if "v_rows" in x:
+                    V = np.stack([x["v_rows"][row, p] if p < past[b] else new_v[b, p - past[b]] for p in kept])
+                    out[b, j, h * D:(h + 1) * D] = probs[h] @ V[:, g * D:(g + 1) * D]
+                elif S == 1:
                     ctx = (probs[h].astype(np.float64) @ lat.astype(np.float64)).astype(f32)
                     out[b, j, h * D:(h + 1) * D] = vg @ ctx
                 else:
@@ -164,7 +183,8 @@ def reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, diviso
             if j < new[b]:
                 for s, p in enumerate(kept):
                     mass[b, p] += probs[:, s].sum()
-    return {"attn_out": out, "new_k_rows": new_k, "selected": sel, "attn_mass": mass}
+    res = {"attn_out": out, "new_k_rows": new_k, "selected": sel, "attn_mass": mass}
+    return {**res, "new_v_rows": new_v} if "v_rows" in x else res
 
 
 # name: geometry, past, new, S, window, sinks, top_k, zero index weights
@@ -187,20 +207,32 @@ CASES = {
 def check_against_reference(x: dict[str, np.ndarray], geo: tuple[int, ...], sinks: int, key_type: int,
                             divisor: int | None = None) -> dict[str, np.ndarray]:
     """The op on 1 and 2 threads equals the reference (selection exactly, values to float32 rounding) and itself;
-    returns the reference's outputs."""
+    returns the reference's outputs. x with "v_rows" in place of "latent_v": the op's v_rows = 1 form."""
     want = reference(x, geo, sinks, divisor or 0)
+    rows = "v_rows" in x
+    names = [n for n, _ in (V_ROWS_OUTPUTS if rows else OUTPUTS)]
+    values = [n for n in names if n != "selected"]
     got = {}
     for threads in (1, 2):
-        res = session(geo, sinks, threads, key_type, divisor).run(None, x)
-        got[threads] = dict(zip([n for n, _ in OUTPUTS], res))
+        res = session(geo, sinks, threads, key_type, divisor, v_rows=1 if rows else None).run(None, x)
+        got[threads] = dict(zip(names, res))
         np.testing.assert_array_equal(got[threads]["selected"], want["selected"])
-        for n in ("attn_out", "new_k_rows", "attn_mass"):
+        for n in values:
             assert got[threads][n].shape == want[n].shape, n
             np.testing.assert_allclose(got[threads][n], want[n], rtol=1e-5, atol=1e-5, err_msg=n)
     np.testing.assert_array_equal(got[1]["selected"], got[2]["selected"])
-    for n in ("attn_out", "new_k_rows", "attn_mass"):
+    for n in values:
         np.testing.assert_allclose(got[1][n], got[2][n], rtol=1e-6, atol=1e-7, err_msg=n)
     return want
+
+
+def with_v_rows(x: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The v_rows = 1 form's inputs: cached V rows [R, N, kvD] in place of the latents, drawn independently of them
+    (the op must read the rows, not rebuild them from anything else)."""
+    R_, N_ = x["latent_v"].shape[:2]
+    kvd = x["v_up"].shape[0]
+    return {**{n: a for n, a in x.items() if n != "latent_v"},
+            "v_rows": rng.standard_normal((R_, N_, kvd)).astype(np.float32)}
 
 
 @pytest.mark.parametrize("keys", ["fp16", "int8"])
@@ -214,6 +246,59 @@ def test_matches_reference(name: str, keys: str) -> None:
     if keys == "int8":
         x, key_type = int8_keys(x, rng), TensorProto.INT8
     check_against_reference(x, geo, sinks, key_type)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_v_rows_form_matches_reference(name: str) -> None:
+    """Attribute v_rows = 1: V read from the cached V rows (and U_v c of the call's new latents, returned as
+    new_v_rows), decode and prefill alike; the rest as the latent form."""
+    geo_name, past, new, S, window, sinks, top_k, zero_w = CASES[name]
+    geo = GEOMETRIES[geo_name]
+    rng = np.random.default_rng(200 + sorted(CASES).index(name))
+    x = with_v_rows(make_inputs(rng, geo, past, new, S, window, top_k, zero_w), rng)
+    check_against_reference(x, geo, sinks, TensorProto.FLOAT16)
+
+
+@pytest.mark.parametrize("name", ["decode_gqa3", "prefill_gqa3", "decode_b3_unequal"])
+def test_v_rows_of_the_latents_give_the_latent_forms_outputs(name: str) -> None:
+    """V rows that are U_v c of the cached latents give the latent form's outputs (to float32 rounding: the two sum
+    in different orders), and the same selection, K rows and mass."""
+    geo_name, past, new, S, window, sinks, top_k, zero_w = CASES[name]
+    geo = GEOMETRIES[geo_name]
+    x = make_inputs(np.random.default_rng(31), geo, past, new, S, window, top_k, zero_w)
+    rows = {**{n: a for n, a in x.items() if n != "latent_v"}, "v_rows": x["latent_v"] @ x["v_up"].T}
+    a = dict(zip([n for n, _ in OUTPUTS], session(geo, sinks, 1).run(None, x)))
+    b = dict(zip([n for n, _ in V_ROWS_OUTPUTS], session(geo, sinks, 1, v_rows=1).run(None, rows)))
+    for n in ("selected", "new_k_rows", "attn_mass"):
+        assert np.array_equal(a[n], b[n]), n
+    np.testing.assert_allclose(b["attn_out"], a["attn_out"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b["new_v_rows"], x["new_latent_v"] @ x["v_up"].T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form,message", [
+    ({"v_rows": 2}, "attribute v_rows = 2 must be 0 or 1"),
+    ({"v_rows": 1, "outputs": 4}, "the node has 4 outputs; attribute v_rows = 1 needs 5 (the fifth: new_v_rows)"),
+    ({"v_rows": 0, "outputs": 5}, "the node has 5 outputs; attribute v_rows = 0 needs 4"),
+])
+def test_v_rows_form_must_be_whole(form: dict[str, int], message: str) -> None:
+    geo = GEOMETRIES["odd"]
+    rng = np.random.default_rng(14)
+    x = make_inputs(rng, geo, [4], [1], 1, 1, [2])
+    if form["v_rows"] == 1:
+        x = with_v_rows(x, rng)
+    with pytest.raises(Exception, match="GsmCachedAttention") as err:
+        session(geo, 1, 1, **form).run(None, x)
+    assert message in str(err.value)
+
+
+def test_v_rows_of_the_wrong_width_are_named() -> None:
+    geo = GEOMETRIES["vec"]
+    rng = np.random.default_rng(15)
+    x = with_v_rows(make_inputs(rng, geo, [4], [1], 1, 1, [2]), rng)
+    x["v_rows"] = x["v_rows"][..., :-1].copy()
+    with pytest.raises(Exception, match=r"input latent_v \(the V rows, v_rows = 1\) has shape \[4, 64, 31\], "
+                                        r"expected \[\*, \*, 32\]"):
+        session(geo, 1, 1, v_rows=1).run(None, x)
 
 
 @pytest.mark.parametrize("keys", ["fp16", "int8"])
@@ -448,7 +533,7 @@ def test_op_benchmark_runs(capsys) -> None:
     spec = importlib.util.spec_from_file_location("attention_op_cpu", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for extra in ([], ["--cold"]):
+    for extra in ([], ["--cold"], ["--cold", "--latent-v"]):
         assert mod.main(["--geometry", ",".join(map(str, GEOMETRIES["gqa3"])), "--past", "3,40", "--top-k", "5",
                          "--window", "2", "--calls", "2", "--repeats", "1", "--cache-mib", "8", *extra]) == 0
         lines = [ln for ln in capsys.readouterr().out.splitlines() if "us per call" in ln]

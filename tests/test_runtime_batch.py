@@ -145,7 +145,7 @@ def test_decode_step_reads_no_max_seq_sized_tensor(bundle, tmp_path):
     import runtime
     from runtime.ort_backend import SessionTuning, session_options
 
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph="portable")  # its buffers, the graph's own
     be = rt.backend
     so = session_options(SessionTuning(threads=1))
     so.enable_profiling = True

@@ -81,9 +81,13 @@ def test_model_cpu_onnx_has_one_node_per_owning_layer_attention(bundle):
     fused = [n for n in cpu.graph.node if n.op_type == "GsmCachedAttention"]
     assert len(fused) == len(cfg["owning_layers"])
     assert {n.domain for n in fused} == {"ai.gsm_edge.cpu"}
-    # same interface: the runtime binds either graph the same way
-    assert [i.name for i in cpu.graph.input] == [i.name for i in portable.graph.input]
-    assert sorted(o.name for o in cpu.graph.output) == sorted(o.name for o in portable.graph.output)
+    # the portable graph's interface, plus the owning layers' V-row cache (revision 11): the runtime binds every
+    # buffer the graph declares
+    v_rows = [f"v_rows.{l}" for l in cfg["owning_layers"]]
+    assert [i.name for i in cpu.graph.input] == [i.name for i in portable.graph.input] + v_rows
+    assert sorted(o.name for o in cpu.graph.output) == sorted([o.name for o in portable.graph.output]
+                                                              + [f"new_{n}" for n in v_rows])
+    assert all(next(a.i for a in n.attribute if a.name == "v_rows") == 1 for n in fused)
     # the point of the graph: an owning layer's ~90 standard operators become one
     per_layer_saved = (len(portable.graph.node) - len(cpu.graph.node)) / len(cfg["owning_layers"])
     assert per_layer_saved > 40, per_layer_saved

@@ -1,5 +1,6 @@
 """Revision 5 of the portable graph (docs/engine_io.md 5): every layer's K rows are cached beside the
-latents (and the V sum takes a prefill and a decode form, last test). What must hold is what the golden
+latents (and the V sum takes a prefill and a decode form, last test); revision 11's model.cpu.onnx also caches the
+owning layers' V rows. What must hold is what the golden
 computes on every step: K_s = RoPE(U_k c_s, s) from the
 latent row as the cache holds it now (spec 4.1; 4.2 for a sharing layer, from the source's [c_k; c_v]
 through the kv_projector), also after a re-tier pass re-encoded c_s to INT12/INT8. The expected rows
@@ -90,15 +91,47 @@ def test_cached_k_rows_are_the_rope_of_the_held_latents_after_retiering(built):
     assert changed == cfg.num_hidden_layers
 
 
-def test_cache_bytes_per_position_counts_the_k_rows(built):
+def test_cached_v_rows_are_the_up_projection_of_the_held_latents_after_retiering(built):
+    """model.cpu.onnx (revision 11) also caches every owning layer's V rows, U_v c_s of the latent as held: written
+    with the new rows and rewritten by the demotion graph when a re-tier pass re-encodes c_s."""
     import runtime
 
     ck, bundle = built
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph="cpu")
+    cfg, sd = checkpoint.load_config(ck), checkpoint.load_state_dict(ck)
+    assert set(rt.backend.v_rows) == set(cfg.owning_layers)
+    seq = rt.new_sequence()
+    logits = seq.prefill(np.random.default_rng(2).integers(3, 259, 30).tolist())
+    for step in range(26):
+        logits = seq.decode(int(np.argmax(logits)))
+        if step == 6:
+            before = {l: rt.backend.buffers[f"v_rows.{l}"][seq.cache.row, :seq.length].copy()
+                      for l in cfg.owning_layers}
+    n, row = seq.length, seq.cache.row
+    tiers = seq.state.tier[:n]
+    assert seq.retier_passes >= 3 and (tiers > 0).sum() >= 10, "the run should have demoted rows"
+    for l in cfg.owning_layers:
+        lat = rt.backend.buffers[f"latent_v.{l}"][row, :n].astype(np.float64)
+        want = lat @ sd[names.layer_name("v_U", l)].astype(np.float64).T
+        got = rt.backend.buffers[f"v_rows.{l}"][row, :n]
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"layer {l}")
+        demoted = np.nonzero(tiers[: before[l].shape[0]] > 0)[0]
+        assert np.any(np.abs(got[demoted] - before[l][demoted]) > 1e-4 * scale), f"layer {l}: rows not rewritten"
+
+
+@pytest.mark.parametrize("graph", ["portable", "cpu"])
+def test_cache_bytes_per_position_counts_the_k_rows(built, graph):
+    import runtime
+
+    ck, bundle = built
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph=graph)
     cfg = checkpoint.load_config(ck)
     ranks = rt.backend.cfg.ranks
     want = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
     want += 4 * cfg.kv_dim * cfg.num_hidden_layers
+    if graph == "cpu":  # and the owning layers' V rows
+        want += 4 * cfg.kv_dim * len(cfg.owning_layers)
     assert rt.backend.cache_bytes_per_position() == want
 
 

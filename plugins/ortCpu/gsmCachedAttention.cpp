@@ -240,6 +240,9 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     float const sqrtD = static_cast<float>(std::sqrt(static_cast<double>(D)));
     float const sqrtDI = static_cast<float>(std::sqrt(static_cast<double>(dI)));
     bool ok = true;
+    // V from cached rows (U_v c made once per row, new ones in section A) instead of the latents: a decode step's
+    // weighted sum is then nH*K*D float32 multiply-adds instead of nH*K*rv float64 ones and nH*D*rv for U_v
+    bool const vRows = in.vRows != nullptr;
 
     std::memset(out.attnMass, 0, sizeof(float) * static_cast<size_t>(B * L));
     if (Q == 0)
@@ -265,6 +268,10 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         }
         upMatvec(K, in, in.kUp, g * D, in.newLatentK + q * rk, D, rk, t);
         rope(t, c, s, D, out.newKRows + q * kvD + g * D);
+        if (vRows)
+        {
+            upMatvec(K, in, in.vUp, g * D, in.newLatentV + q * rv, D, rv, out.newVRows + q * kvD + g * D);
+        }
         for (int64_t h = g * grp; h < (g + 1) * grp; ++h)
         {
             rope(in.q + (q * nH + h) * D, c, s, D, sc.qr.data() + (q * nH + h) * D);
@@ -405,16 +412,22 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             int64_t const p = sel[s];
             bool const cached = p < past;
             sc.krow[q * k + s] = cached ? in.kRows + (row * N + p) * kvD : out.newKRows + (b * S + p - past) * kvD;
-            if (decode)
+            if (vRows)
+            {
+                sc.vrow[q * k + s] = cached ? in.vRows + (row * N + p) * kvD : out.newVRows + (b * S + p - past) * kvD;
+            }
+            else if (decode)
             {
                 sc.vrow[q * k + s] = cached ? in.latentV + (row * N + p) * rv : in.newLatentV + (b * S + p - past) * rv;
             }
         }
     }
-    if (decode)
+    bool const latentSum = decode && !vRows;
+    if (latentSum)
     {
         sc.pd.resize(static_cast<size_t>(Q * k * nH));
     }
+    // per (query, head): logits, softmax and, over V rows, the weighted sum (one hand-off to the pool)
     ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
         int64_t const q = i / nH, h = i % nH, g = h / grp, n = sc.nsel[q];
         float* pr = sc.probs.data() + (q * nH + h) * k;
@@ -433,14 +446,18 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         for (int64_t s = 0; s < n; ++s)
         {
             pr[s] /= sum;
-            if (decode)
+            if (latentSum)
             {
                 sc.pd[(q * k + s) * nH + h] = static_cast<double>(pr[s]);
             }
         }
+        if (vRows)
+        {
+            K.weightedRows(pr, sc.vrow.data() + q * k, g * D, n, D, out.attnOut + (q * nH + h) * D);
+        }
     });
 
-    if (decode)
+    if (latentSum)
     {
         // ctx = sum_s p_s c_s in float64 over the latents, split over latent columns; then U_v per head
         sc.ctx.resize(static_cast<size_t>(Q * nH * rv));
@@ -455,7 +472,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             upMatvec(K, in, in.vUp, g * D, sc.ctx.data() + (q * nH + h) * rv, D, rv, out.attnOut + (q * nH + h) * D);
         });
     }
-    else
+    else if (!vRows)
     {
         // V = U_v c once per distinct kept row of each sequence (a chunk's queries share most of them)
         int64_t const lmax = L;

@@ -2,9 +2,10 @@
  * gsmCachedAttention.h: the math of the ONNX Runtime CPU op GsmCachedAttention (op_spec: README.md here),
  * on raw pointers, with no ONNX Runtime types. One call is one owning GSM layer's attention for a batch:
  * index scores, sink + window + top-k selection, RoPE, softmax attention over the selected K rows, the V
- * sum (decode: float64 latent sum, then U_v; prefill: V rebuilt once per distinct row), attention mass,
- * and the call's new K rows. It replaces the standard-op subgraph of builder/graph_portable.py
- * (PortableOps.attention), which is the normative definition.
+ * sum, attention mass, and the call's new K rows. The V sum reads cached V rows (U_v c, made once per row: the
+ * call's new ones are an output) where the caller keeps them; else the held latents (decode: float64 latent sum,
+ * then U_v; prefill: V rebuilt once per distinct row). It replaces the standard-op subgraph of
+ * builder/graph_portable.py (PortableOps.attention), which is the normative definition.
  *
  * Not the plugins' bit-exact numerics contract: sums are blocked and FMA-contracted (like ONNX Runtime's
  * MLAS), so values agree with the portable graph to float32 rounding; the selection is the same.
@@ -39,7 +40,8 @@ struct CachedAttentionInputs
     float const* newLatentK = nullptr;     // [B,S,rk]
     float const* newLatentV = nullptr;     // [B,S,rv]
     void const* newIndexKeys = nullptr;    // [B,S,dI] float16 bits, or int8 codes when int8Keys
-    float const* latentV = nullptr;        // [R,N,rv]
+    float const* latentV = nullptr;        // [R,N,rv]; unused when vRows is given
+    float const* vRows = nullptr;          // [R,N,nKV*D]: the V rows U_v c of the held latents, or null (V from latentV)
     void const* indexKeys = nullptr;       // [R,N,dI] as newIndexKeys
     bool int8Keys = false;                 // INT8 key codes (index_q scaled by their scale already)
     float const* kRows = nullptr;          // [R,N,nKV*D]
@@ -59,6 +61,7 @@ struct CachedAttentionOutputs
 {
     float* attnOut = nullptr;   // [B,S,nH*D]
     float* newKRows = nullptr;  // [B,S,nKV*D]
+    float* newVRows = nullptr;  // [B,S,nKV*D], written when in.vRows is given
     int32_t* selected = nullptr;// [B,S,k]
     float* attnMass = nullptr;  // [B,L]
 };

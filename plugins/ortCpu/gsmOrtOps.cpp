@@ -32,11 +32,14 @@ enum Input : size_t
 char const* const kInputNames[kNumInputs] = {"q", "index_q", "index_w", "new_latent_k", "new_latent_v",
     "new_index_keys", "latent_v", "index_keys", "k_rows", "k_up", "v_up", "rope_cos", "rope_sin", "cache_rows",
     "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"};
-constexpr size_t kNumOutputs = 4;
+// with attribute v_rows = 1 input kLatentV holds the cached V rows [R, N_max, kvD] and the node has the fifth output
+char const* const kVRowsName = "latent_v (the V rows, v_rows = 1)";
+constexpr size_t kNumOutputs = 5; // attn_out, new_k_rows, selected, attn_mass, and new_v_rows (v_rows = 1 only)
+constexpr size_t kNewVRows = 4;
 
 struct Kernel
 {
-    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor;
+    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor, vRows;
 };
 
 OrtStatus* invalid(std::string const& m)
@@ -116,8 +119,10 @@ OrtStatus* sharedType(OrtValue const* x, OrtValue const* y, ONNXTensorElementDat
     return (*type == a || *type == b) && other == *type ? nullptr : invalid(message);
 }
 
-// Checks that input i has exactly the shape `want` (entries < 0: any size, reported back).
-OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> want, char const* meaning)
+// Checks that input i has exactly the shape `want` (entries < 0: any size, reported back); `name` in place of the
+// input's own where it holds something else (the V rows)
+OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> want, char const* meaning,
+    char const* name = nullptr)
 {
     bool ok = got.size() == want.size();
     for (size_t a = 0; ok && a < want.size(); ++a)
@@ -131,7 +136,8 @@ OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<in
         {
             w += (a ? ", " : "") + (want[a] < 0 ? std::string("*") : std::to_string(want[a]));
         }
-        return invalid(std::string("input ") + kInputNames[i] + " has shape " + dimsText(got) + ", expected " + w
+        return invalid(std::string("input ") + (name ? name : kInputNames[i]) + " has shape " + dimsText(got)
+            + ", expected " + w
             + "]" + " (" + meaning + ")");
     }
     return nullptr;
@@ -183,16 +189,30 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     d.B = sh[kIndexQ][0];
     d.S = sh[kIndexQ][1];
     bool const flatQ = sh[kQ].size() == 2;
-    if (sh[kLatentV].size() != 3 || sh[kKUp].size() != 2)
+    bool const vRows = kn.vRows != 0;
+    if (sh[kLatentV].size() != 3 || sh[kKUp].size() != 2 || sh[kVUp].size() != 2)
     {
-        return invalid("input latent_v has shape " + dimsText(sh[kLatentV]) + " and k_up " + dimsText(sh[kKUp])
-            + ", expected [R, N_max, rv] and [kvD, rk]");
+        return invalid(std::string("input ") + (vRows ? kVRowsName : "latent_v") + " has shape "
+            + dimsText(sh[kLatentV]) + ", k_up " + dimsText(sh[kKUp]) + " and v_up " + dimsText(sh[kVUp])
+            + ", expected [R, N_max, " + (vRows ? "kvD" : "rv") + "], [kvD, rk] and [kvD, rv]");
     }
     d.R = sh[kLatentV][0];
     d.N = sh[kLatentV][1];
-    d.rv = sh[kLatentV][2];
+    d.rv = vRows ? sh[kVUp][1] : sh[kLatentV][2];
     d.rk = sh[kKUp][1];
     int64_t const B = d.B, S = d.S, kvD = d.nKV * d.D;
+    size_t outputs = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
+    if (outputs != (vRows ? kNumOutputs : kNumOutputs - 1))
+    {
+        return invalid("the node has " + std::to_string(outputs) + " outputs; attribute v_rows = "
+            + std::to_string(kn.vRows) + " needs " + std::to_string(vRows ? kNumOutputs : kNumOutputs - 1)
+            + (vRows ? " (the fifth: new_v_rows)" : ""));
+    }
+    if (vRows)
+    {
+        GSM_ORT_TRY(expectShape(kLatentV, sh[kLatentV], {-1, -1, kvD}, "[R, N_max, num_kv_heads*head_dim]", kVRowsName));
+    }
     if (flatQ)
     {
         GSM_ORT_TRY(expectShape(kQ, sh[kQ], {B * S, d.nH * d.D}, "[B*S, num_heads*head_dim], or [B, S, ...]"));
@@ -204,7 +224,8 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     GSM_ORT_TRY(expectShape(kIndexQ, sh[kIndexQ], {B, S, d.nI * d.dI}, "[B, S, index_heads*index_dim]"));
     GSM_ORT_TRY(expectShape(kIndexW, sh[kIndexW], {B, S, d.nI}, "[B, S, index_heads]"));
     GSM_ORT_TRY(expectShape(kNewLatentK, sh[kNewLatentK], {B, S, d.rk}, "[B, S, rk], rk from k_up"));
-    GSM_ORT_TRY(expectShape(kNewLatentV, sh[kNewLatentV], {B, S, d.rv}, "[B, S, rv], rv from latent_v"));
+    GSM_ORT_TRY(expectShape(kNewLatentV, sh[kNewLatentV], {B, S, d.rv},
+        vRows ? "[B, S, rv], rv from v_up" : "[B, S, rv], rv from latent_v"));
     GSM_ORT_TRY(expectShape(kNewIndexKeys, sh[kNewIndexKeys], {B, S, d.dI}, "[B, S, index_dim]"));
     GSM_ORT_TRY(expectShape(kIndexKeys, sh[kIndexKeys], {d.R, d.N, d.dI}, "[R, N_max, index_dim] as latent_v"));
     GSM_ORT_TRY(expectShape(kKRows, sh[kKRows], {d.R, d.N, kvD}, "[R, N_max, num_kv_heads*head_dim]"));
@@ -232,7 +253,7 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     in.newLatentK = static_cast<float const*>(p[kNewLatentK]);
     in.newLatentV = static_cast<float const*>(p[kNewLatentV]);
     in.newIndexKeys = p[kNewIndexKeys];
-    in.latentV = static_cast<float const*>(p[kLatentV]);
+    (vRows ? in.vRows : in.latentV) = static_cast<float const*>(p[kLatentV]);
     in.indexKeys = p[kIndexKeys];
     in.int8Keys = keyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
     in.kRows = static_cast<float const*>(p[kKRows]);
@@ -253,11 +274,11 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     {
         return gApi->CreateStatus(ORT_INVALID_ARGUMENT, err.c_str());
     }
-    int64_t const outDims[kNumOutputs][3] = {{B, S, d.nH * d.D}, {B, S, kvD}, {B, S, k}, {B, L, 0}};
+    int64_t const outDims[kNumOutputs][3] = {{B, S, d.nH * d.D}, {B, S, kvD}, {B, S, k}, {B, L, 0}, {B, S, kvD}};
     int64_t const flatOut[2] = {B * S, d.nH * d.D};
-    size_t const outRank[kNumOutputs] = {flatQ ? size_t{2} : size_t{3}, 3, 3, 2};
-    void* o[kNumOutputs];
-    for (size_t i = 0; i < kNumOutputs; ++i)
+    size_t const outRank[kNumOutputs] = {flatQ ? size_t{2} : size_t{3}, 3, 3, 2, 3};
+    void* o[kNumOutputs] = {};
+    for (size_t i = 0; i < outputs; ++i)
     {
         OrtValue* ov = nullptr;
         GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, i, i == 0 && flatQ ? flatOut : outDims[i], outRank[i], &ov));
@@ -268,6 +289,7 @@ OrtStatus* ORT_API_CALL computeV2(void* opKernel, OrtKernelContext* ctx)
     out.newKRows = static_cast<float*>(o[1]);
     out.selected = static_cast<int32_t*>(o[2]);
     out.attnMass = static_cast<float*>(o[3]);
+    out.newVRows = static_cast<float*>(o[kNewVRows]);
     gsm::ortcpu::ParallelRunner par;
     par.run = runParallel;
     par.ctx = ctx;
@@ -341,6 +363,12 @@ OrtStatus* ORT_API_CALL createKernelV2(OrtCustomOp const*, OrtApi const*, OrtKer
     GSM_ORT_TRY(attribute(info, "index_dim", &kn.indexDim));
     GSM_ORT_TRY(attribute(info, "sink_tokens", &kn.sinkTokens));
     GSM_ORT_TRY(optionalAttribute(info, "sparse_top_k_divisor", 0, &kn.topKDivisor));
+    GSM_ORT_TRY(optionalAttribute(info, "v_rows", 0, &kn.vRows));
+    if (kn.vRows != 0 && kn.vRows != 1)
+    {
+        return invalid("attribute v_rows = " + std::to_string(kn.vRows) + " must be 0 or 1 (1: input latent_v holds "
+            "the cached V rows [R, N_max, kvD] and the node has a fifth output, new_v_rows)");
+    }
     if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0)
     {
         return invalid("attributes num_heads = " + std::to_string(kn.numHeads) + ", num_kv_heads = "
@@ -411,6 +439,11 @@ size_t ORT_API_CALL outputCount(OrtCustomOp const*)
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(OrtCustomOp const*, size_t)
 {
     return INPUT_OUTPUT_REQUIRED;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL attentionOutputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kNewVRows ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
 OrtMemType ORT_API_CALL memDefault(OrtCustomOp const*, size_t)
@@ -1055,7 +1088,14 @@ OrtCustomOp makeOp(OpFns const& f)
     return op;
 }
 
-OrtCustomOp gOp = makeOp();
+OrtCustomOp makeAttentionOp()
+{
+    OrtCustomOp op = makeOp();
+    op.GetOutputCharacteristic = attentionOutputKind;
+    return op;
+}
+
+OrtCustomOp gOp = makeAttentionOp();
 // An op with the epilogue's outputs: y, and normed where a norm weight is given
 OrtCustomOp makeEpilogueOp(OpFns const& f)
 {
