@@ -3,8 +3,9 @@
 One node, SmolLM2-135M's geometry by default (9 heads over 3 key heads of 64, 3 indexer heads of 32, ranks 187 /
 192, INT8 index keys, V from cached V rows as model.cpu.onnx has it; `--latent-v`: from the latents, the op's
 form without attribute v_rows), inputs bound once, the best mean of --repeats runs of --calls calls. `--cold` gives
-every call another sequence row of a cache far larger than the CPU's caches and another copy of U_k / U_v, so its K rows,
-V rows (or latents) and U come from memory, as they do in a model step after the layer's weights went through.
+every call another sequence row of a cache far larger than the CPU's caches and another copy of U_k / U_v, so its
+K rows, V rows (or latents) and U come from memory, as they do in a model step after the layer's weights went
+through.
 
     python bench/attention_op_cpu.py [--past 8,256,512] [--top-k 294] [--threads 1] [--cold] [--half-up] [--latent-v]
 """
