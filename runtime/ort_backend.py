@@ -39,6 +39,7 @@ intermediate tensor ONNX Runtime frees, never copied to the caller.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import threading
@@ -194,7 +195,12 @@ class OrtBackend:
         self._weight_arrays: dict[str, np.ndarray] = {}
         self.graph, self.ops_library = resolve_graph(bundle, self.tuning.graph, prov)
         self.graph_note = ""  # why `auto` fell back to the portable graph, if it did
-        self.demote_session = ort.InferenceSession(str(bundle / FILES.demote_portable), so, providers=prov)
+        # the demotion graph runs once per re-tier pass (a prefill's end, every few decode steps): its workers never
+        # spin, since a pool spinning after it would take the cores from the next steps of the main session (SmolLM2,
+        # 2 threads: the 5-8 decode steps after each prefill ran 9-17 ms instead of 5)
+        self.demote_session = ort.InferenceSession(
+            str(bundle / FILES.demote_portable), session_options(dataclasses.replace(self.tuning, spinning=False)),
+            providers=prov)
         try:
             self.session = self.open_session(so)
         except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...

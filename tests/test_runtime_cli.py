@@ -217,6 +217,10 @@ def test_spinning_is_a_session_option_that_changes_no_output(bundles):
         opts = rt.backend.session.get_session_options()
         assert opts.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spin else "0")
         assert opts.intra_op_num_threads == 2
+        # the demotion graph's workers never spin: after a re-tier pass they would take the main session's cores
+        demote = rt.backend.demote_session.get_session_options()
+        assert demote.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert demote.intra_op_num_threads == 2
         runs[spin] = rt.generate([1, 5, 9, 17], 12).ids
     assert runs[True] == runs[False] and len(runs[True]) == 12
     code, out, err = generate(bundles["demo"], "--ids", "1,5,9,17", "--max-new-tokens", "4", "--threads", "2",
