@@ -39,7 +39,6 @@ CPU_OP_VERSION = 1
 CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, QUANT_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
 
 
-
 class CpuOps(PortableOps):
     """PortableOps with the owning layers' attention as one `GsmCachedAttention` node."""
 
@@ -128,21 +127,18 @@ class CpuOps(PortableOps):
                                      sparse_window=sparse_window, top_k=top_k, selected=selected, source=source,
                                      quant=quant)
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
-        rows = l in self.v_rows  # input 6 the V rows, a fifth output the call's new ones
-        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"],
-               self.v_rows[l] if rows else cache["v"], cache["keys"],
+        # v_rows = 1: input 6 the layer's V rows, a fifth output the call's new ones (absent: V from the latents, as
+        # graphs before it)
+        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], self.v_rows[l], cache["keys"],
                self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, top_k]
-        outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}"]
+        outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}", f"new_v_rows.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor
-        attrs = {"sparse_top_k_divisor": d} if d else {}  # absent: a fixed top-k, as graphs before it
-        if rows:
-            outs.append(f"new_v_rows.{l}")
-            attrs["v_rows"] = 1  # absent: V from the latents, as graphs before it
+        grows = {"sparse_top_k_divisor": d} if d else {}  # absent: a fixed top-k, as graphs before it
         with g.in_scope(f"L{l}.GsmSparseAttention"):
-            out, _, sel, mass, *_ = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN,
-                                         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                                         head_dim=cfg.head_dim, index_heads=p.indexer_heads,
-                                         index_dim=p.indexer_dim, sink_tokens=p.sink_tokens, **attrs)
+            out, _, sel, mass, _ = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN,
+                                        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                        head_dim=cfg.head_dim, index_heads=p.indexer_heads, index_dim=p.indexer_dim,
+                                        sink_tokens=p.sink_tokens, v_rows=1, **grows)
         return out, sel, mass
 
 

@@ -226,9 +226,9 @@ class OrtBackend:
         self.demote_out = [o.name for o in self.demote_session.get_outputs()]
         # revision 5 caches every layer's K rows beside the latents (engine_io 5), and its demotion graph takes
         # the rows' positions to remake them; older graphs rebuild K per step
-        self.k_rows = self._k_row_widths() if cfg.graph_revision >= 5 else {}
-        # model.cpu.onnx (revision 11) may cache an owning layer's V rows too; the graph's inputs say which
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
+        self.k_rows = self._k_row_widths(inputs) if cfg.graph_revision >= 5 else {}
+        # model.cpu.onnx (revision 11) caches the owning layers' V rows too; the graph's inputs say which
         self.v_rows = {l: int(inputs[f"v_rows.{l}"][-1]) for l in cfg.owning_layers if f"v_rows.{l}" in inputs}
         self.demote_positions = cfg.graph_revision >= 5
         shapes = self._shapes()
@@ -284,9 +284,9 @@ class OrtBackend:
             self._weight_arrays = arrays
         return self._cpu_weights
 
-    def _k_row_widths(self) -> dict[int, int]:
-        """layer -> kvD of the `k_rows.{i}` buffers, as the graph declares them (bundle.json has no kvD)."""
-        inputs = {i.name: i.shape for i in self.session.get_inputs()}
+    def _k_row_widths(self, inputs: dict[str, list[Any]]) -> dict[int, int]:
+        """layer -> kvD of the `k_rows.{i}` buffers, as the graph declares them (`inputs`: name -> shape; bundle.json
+        has no kvD)."""
         layer, widths = 0, {}
         while f"k_rows.{layer}" in inputs:
             widths[layer] = int(inputs[f"k_rows.{layer}"][-1])

@@ -137,8 +137,7 @@ OrtStatus* expectShape(size_t i, std::vector<int64_t> const& got, std::vector<in
             w += (a ? ", " : "") + (want[a] < 0 ? std::string("*") : std::to_string(want[a]));
         }
         return invalid(std::string("input ") + (name ? name : kInputNames[i]) + " has shape " + dimsText(got)
-            + ", expected " + w
-            + "]" + " (" + meaning + ")");
+            + ", expected " + w + "] (" + meaning + ")");
     }
     return nullptr;
 }
@@ -1088,20 +1087,18 @@ OrtCustomOp makeOp(OpFns const& f)
     return op;
 }
 
-OrtCustomOp makeAttentionOp()
+// `op` whose outputs are required or optional as `kind` says
+OrtCustomOp withOutputKinds(OrtCustomOp op, decltype(OrtCustomOp::GetOutputCharacteristic) kind)
 {
-    OrtCustomOp op = makeOp();
-    op.GetOutputCharacteristic = attentionOutputKind;
+    op.GetOutputCharacteristic = kind;
     return op;
 }
 
-OrtCustomOp gOp = makeAttentionOp();
+OrtCustomOp gOp = withOutputKinds(makeOp(), attentionOutputKind);
 // An op with the epilogue's outputs: y, and normed where a norm weight is given
 OrtCustomOp makeEpilogueOp(OpFns const& f)
 {
-    OrtCustomOp op = makeOp(f);
-    op.GetOutputCharacteristic = offsetOutputKind;
-    return op;
+    return withOutputKinds(makeOp(f), offsetOutputKind);
 }
 
 OrtCustomOp gOffsetOp = makeEpilogueOp({offsetOpName, offsetInputType, offsetInputCount, offsetFloat,
