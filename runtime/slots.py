@@ -101,6 +101,13 @@ class SlotTable:
                 raise CacheOverflowError(f"the FP16 region of the latent pool is full ({self.sizes[0]} rows)")
             self.entries[p] = entry(FP16, self._take(0))
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a rollback): their rows go back to the free lists, and the next
+        call writes those positions anew."""
+        for p in np.nonzero(self.entries[length:] >= 0)[0] + length:
+            self._give(int(self.entries[p]) & ROW_MASK)
+            self.entries[p] = -1
+
     def demote(self, new_tier: np.ndarray) -> list[tuple[int, int]]:
         """Entries (old, new) for every position with new_tier >= 0; updates the table."""
         moves: list[tuple[int, int]] = []

@@ -164,9 +164,329 @@ struct Scratch
     std::vector<int32_t> nsel, slot;
     std::vector<float const*> krow, vrow;
     std::vector<int64_t> uniq; // (b * Lmax + p) of the distinct rows of a prefill call
+    std::vector<float const*> uniqLatent; // their V latents
+    PoolCall pool;             // GsmPoolAttention: the rows of the cached positions the call selects
+    std::vector<int32_t> needIdx; // position -> index into pool.need of the sequence at hand (-1 elsewhere)
+    std::vector<int32_t> slotOf;  // position -> row-cache slot of the sequence at hand (-1 elsewhere)
 };
 
+// A K row reconstructed from a pool row: U_k c_k, then RoPE at its position, per key head (as section A makes
+// the call's new rows, so a row made from the same FP16 latent has the same bits).
+struct RowJob
+{
+    int64_t b;
+    int32_t position, entry;
+    float* dst;
+    int64_t overflow; // >= 0: dst is overflow row `overflow` (set once the overflow buffer has its size)
+};
+
+// The row cache of sequence b's pool row for this call: every selected cached position gets a K row (a hit, or a
+// job that makes it in a slot or, the cache being full of rows this call reads, in the overflow); returns the
+// jobs appended. positions [i0, i1) of pc.need are b's.
+void rowCacheLookup(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t b, int64_t i0, int64_t i1,
+    Scratch& sc, std::vector<RowJob>& jobs, int64_t* overflowRows)
+{
+    PoolSource const& ps = *in.pool;
+    PoolCall& pc = sc.pool;
+    int64_t const C = ps.capacity, kvD = d.nKV * d.D, row = in.cacheRows[b];
+    int32_t const past = in.pastLengths[b], now = past + static_cast<int32_t>(d.S);
+    int32_t* pos = ps.cacheTags + row * kTagRows * C;
+    int32_t* ent = pos + C;
+    int32_t* used = pos + 2 * C;
+    float* rows = ps.cacheRows + row * C * kvD;
+    int32_t const* slots = ps.slots + b * d.N;
+    static thread_local std::vector<int32_t> victims, candidates, misses;
+    victims.clear();
+    candidates.clear();
+    misses.clear();
+    for (int64_t c = 0; c < C; ++c)
+    {
+        if (pos[c] >= past) // written again since (a rollback, or another sequence in this row): not a row of ours
+        {
+            pos[c] = -1;
+        }
+        if (pos[c] >= 0)
+        {
+            sc.slotOf[static_cast<size_t>(pos[c])] = static_cast<int32_t>(c);
+        }
+    }
+    size_t const first = jobs.size();
+    for (int64_t i = i0; i < i1; ++i)
+    {
+        int32_t const p = pc.need[static_cast<size_t>(i)], e = slots[p];
+        int32_t const c = sc.slotOf[static_cast<size_t>(p)];
+        if (c >= 0)
+        {
+            pc.kRow[static_cast<size_t>(i)] = rows + c * kvD;
+            if (ent[c] != e) // re-encoded by a re-tier pass, or moved: made again from the row held now
+            {
+                ent[c] = e;
+                jobs.push_back({b, p, e, rows + c * kvD, -1});
+            }
+            used[c] = now;
+        }
+        else
+        {
+            misses.push_back(static_cast<int32_t>(i));
+        }
+    }
+    for (int64_t c = 0; c < C; ++c)
+    {
+        if (pos[c] < 0)
+        {
+            victims.push_back(static_cast<int32_t>(c));
+        }
+        else if (used[c] != now)
+        {
+            candidates.push_back(static_cast<int32_t>(c));
+        }
+        else
+        {
+            sc.slotOf[static_cast<size_t>(pos[c])] = -1;
+        }
+    }
+    size_t const want = misses.size() > victims.size() ? misses.size() - victims.size() : 0;
+    if (want > 0)
+    {
+        // least recently read first (ties to the lower slot, so a run is reproducible)
+        auto older = [&](int32_t a, int32_t c) { return used[a] != used[c] ? used[a] < used[c] : a < c; };
+        size_t const take = std::min(want, candidates.size());
+        std::partial_sort(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(take), candidates.end(),
+            older);
+        victims.insert(victims.end(), candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(take));
+    }
+    for (int32_t c : candidates)
+    {
+        sc.slotOf[static_cast<size_t>(pos[c])] = -1;
+    }
+    for (size_t m = 0; m < misses.size(); ++m)
+    {
+        int64_t const i = misses[m];
+        int32_t const p = pc.need[static_cast<size_t>(i)], e = slots[p];
+        if (m < victims.size())
+        {
+            int32_t const c = victims[m];
+            pos[c] = p;
+            ent[c] = e;
+            used[c] = now;
+            pc.kRow[static_cast<size_t>(i)] = rows + c * kvD;
+            jobs.push_back({b, p, e, rows + c * kvD, -1});
+        }
+        else
+        {
+            jobs.push_back({b, p, e, nullptr, (*overflowRows)++});
+            pc.kRow[static_cast<size_t>(i)] = nullptr; // set once the overflow buffer has its size
+        }
+    }
+    if (ps.misses != nullptr)
+    {
+        ps.misses[b] = static_cast<int32_t>(jobs.size() - first);
+    }
+}
+
+// The call's new K rows (section A) into the row cache of each sequence, newest first, in slots this call did not
+// read: the next step's window reads them.
+void rowCacheInsertNew(CachedAttentionDims const& d, CachedAttentionInputs const& in, float const* newKRows)
+{
+    PoolSource const& ps = *in.pool;
+    int64_t const C = ps.capacity, kvD = d.nKV * d.D;
+    static thread_local std::vector<int32_t> free;
+    for (int64_t b = 0; b < d.B; ++b)
+    {
+        int64_t const row = in.cacheRows[b];
+        int32_t const past = in.pastLengths[b], now = past + static_cast<int32_t>(d.S);
+        int32_t* pos = ps.cacheTags + row * kTagRows * C;
+        int32_t* ent = pos + C;
+        int32_t* used = pos + 2 * C;
+        free.clear();
+        for (int64_t c = 0; c < C; ++c)
+        {
+            if (pos[c] < 0 || used[c] != now)
+            {
+                free.push_back(static_cast<int32_t>(c));
+            }
+        }
+        auto older = [&](int32_t a, int32_t c) {
+            bool const fa = pos[a] < 0, fc = pos[c] < 0;
+            return fa != fc ? fa : (used[a] != used[c] ? used[a] < used[c] : a < c);
+        };
+        int64_t const n = std::min<int64_t>(in.newLengths[b], static_cast<int64_t>(free.size()));
+        std::partial_sort(free.begin(), free.begin() + n, free.end(), older);
+        for (int64_t m = 0; m < n; ++m)
+        {
+            int64_t const j = in.newLengths[b] - 1 - m;
+            int32_t const c = free[static_cast<size_t>(m)];
+            pos[c] = past + static_cast<int32_t>(j);
+            ent[c] = ps.slots[b * d.N + past + j];
+            used[c] = now;
+            std::memcpy(ps.cacheRows + (row * C + c) * kvD, newKRows + (b * d.S + j) * kvD,
+                sizeof(float) * static_cast<size_t>(kvD));
+        }
+    }
+}
+
+// The call's new latent rows (FP16, the values GsmSideSplit rounded) and indexer keys into the pools, as
+// GsmKVCacheUpdate writes them; prepareCachedAttention checked every entry.
+void poolWriteNew(CachedAttentionDims const& d, CachedAttentionInputs const& in)
+{
+    PoolSource const& ps = *in.pool;
+    int64_t const keyBytes = in.int8Keys ? 1 : 2;
+    for (int64_t b = 0; b < d.B; ++b)
+    {
+        int64_t const row = in.cacheRows[b], past = in.pastLengths[b];
+        for (int64_t j = 0; j < in.newLengths[b]; ++j)
+        {
+            int64_t const q = b * d.S + j, p = past + j;
+            uint8_t* dst = ps.pool + row * ps.poolBytes + rowOffset(ps.dims, slotRow(ps.slots[b * d.N + p]));
+            for (int64_t c = 0; c < d.rk; ++c)
+            {
+                storeFP16(dst, static_cast<int32_t>(c), in.newLatentK[q * d.rk + c]);
+            }
+            for (int64_t c = 0; c < d.rv; ++c)
+            {
+                storeFP16(dst, static_cast<int32_t>(d.rk + c), in.newLatentV[q * d.rv + c]);
+            }
+            std::memcpy(static_cast<uint8_t*>(ps.indexKeys) + (row * d.N + p) * in.keyStride * keyBytes,
+                static_cast<uint8_t const*>(in.newIndexKeys) + q * d.dI * keyBytes,
+                static_cast<size_t>(d.dI * keyBytes));
+        }
+    }
+}
+
+// GsmPoolAttention, before the attention: the cached positions each sequence's queries select (need), their K rows
+// from the row cache or made from the pool (U_k c_k, RoPE), and their V latents dequantised from the pool.
+bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k, int64_t L,
+    CachedAttentionOutputs const& out, Scratch& sc, ParallelRunner const& par, std::string* error)
+{
+    PoolSource const& ps = *in.pool;
+    PoolCall& pc = sc.pool;
+    int64_t const B = d.B, S = d.S, N = d.N, D = d.D, nKV = d.nKV, kvD = nKV * D, rk = d.rk, rv = d.rv;
+    if (sc.needIdx.size() < static_cast<size_t>(N))
+    {
+        sc.needIdx.assign(static_cast<size_t>(N), -1);
+        sc.slotOf.assign(static_cast<size_t>(N), -1);
+    }
+    pc.need.clear();
+    pc.needOff.assign(static_cast<size_t>(B + 1), 0);
+    static thread_local std::vector<uint8_t> mark;
+    for (int64_t b = 0; b < B; ++b)
+    {
+        int64_t const past = in.pastLengths[b];
+        size_t const start = pc.need.size();
+        if (S == 1) // one query: its selection is ascending
+        {
+            int32_t const* sel = out.selected + b * k;
+            for (int64_t s = 0; s < sc.nsel[b] && sel[s] < past; ++s)
+            {
+                pc.need.push_back(sel[s]);
+            }
+        }
+        else
+        {
+            mark.assign(static_cast<size_t>(past), 0);
+            for (int64_t q = b * S; q < (b + 1) * S; ++q)
+            {
+                int32_t const* sel = out.selected + q * k;
+                for (int64_t s = 0; s < sc.nsel[q] && sel[s] < past; ++s)
+                {
+                    mark[static_cast<size_t>(sel[s])] = 1;
+                }
+            }
+            for (int64_t p = 0; p < past; ++p)
+            {
+                if (mark[static_cast<size_t>(p)])
+                {
+                    pc.need.push_back(static_cast<int32_t>(p));
+                }
+            }
+        }
+        for (size_t i = start; i < pc.need.size(); ++i)
+        {
+            int32_t const e = ps.slots[b * N + pc.need[i]];
+            if (!slotValid(ps.dims, e))
+            {
+                *error = "GsmPoolAttention: kv_slots[" + std::to_string(b) + ", " + std::to_string(pc.need[i])
+                    + "] = " + std::to_string(e) + " is not a row of the pool (a cached position needs one)";
+                return false;
+            }
+        }
+        pc.needOff[static_cast<size_t>(b + 1)] = static_cast<int64_t>(pc.need.size());
+    }
+    pc.kRow.assign(pc.need.size(), nullptr);
+    // the calling thread's list, named through a reference: in the workers' lambda a thread_local name would be
+    // the worker's own (empty) instance
+    static thread_local std::vector<RowJob> callerJobs;
+    std::vector<RowJob>& jobs = callerJobs;
+    jobs.clear();
+    int64_t overflowRows = 0;
+    for (int64_t b = 0; b < B; ++b)
+    {
+        rowCacheLookup(d, in, b, pc.needOff[b], pc.needOff[b + 1], sc, jobs, &overflowRows);
+    }
+    pc.overflow.resize(static_cast<size_t>(overflowRows * kvD));
+    for (RowJob& j : jobs)
+    {
+        if (j.overflow >= 0)
+        {
+            j.dst = pc.overflow.data() + j.overflow * kvD;
+        }
+    }
+    // the overflow rows' pointers, in need order (rowCacheLookup left them null)
+    for (size_t i = 0, o = 0; i < pc.kRow.size(); ++i)
+    {
+        if (pc.kRow[i] == nullptr)
+        {
+            pc.kRow[i] = pc.overflow.data() + static_cast<int64_t>(o++) * kvD;
+        }
+    }
+    Kernels const& K = cpuKernels();
+    bool ok = parallelFor(par, static_cast<int64_t>(jobs.size()), [&](int64_t i) {
+        RowJob const& j = jobs[static_cast<size_t>(i)];
+        static thread_local std::vector<float> ck, t;
+        ck.resize(static_cast<size_t>(rk));
+        t.resize(static_cast<size_t>(D));
+        loadLatents(ps.dims, ps.pool + in.cacheRows[j.b] * ps.poolBytes, j.entry, ps.quant, 0,
+            static_cast<int32_t>(rk), ck.data());
+        for (int64_t g = 0; g < nKV; ++g)
+        {
+            upMatvec(K, in, in.kUp, g * D, ck.data(), D, rk, t.data());
+            rope(t.data(), in.ropeCos + j.position * D, in.ropeSin + j.position * D, D, j.dst + g * D);
+        }
+    });
+    int64_t const n = static_cast<int64_t>(pc.need.size());
+    pc.vLatent.resize(static_cast<size_t>(n * rv));
+    constexpr int64_t kBlock = 64;
+    ok = ok && parallelFor(par, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
+        int64_t const i1 = std::min(n, (blk + 1) * kBlock);
+        for (int64_t i = blk * kBlock; i < i1; ++i)
+        {
+            int64_t const b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i) - pc.needOff.begin() - 1;
+            int32_t const e = ps.slots[b * N + pc.need[static_cast<size_t>(i)]];
+            loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, e, ps.quant, static_cast<int32_t>(rk),
+                static_cast<int32_t>(rv), pc.vLatent.data() + i * rv);
+        }
+    });
+    (void) L;
+    if (!ok)
+    {
+        *error = "GsmPoolAttention: the intra-op thread pool failed";
+    }
+    return ok;
+}
+
 } // namespace
+
+void loadLatents(GsmDims const& d, uint8_t const* poolRow, int32_t entry, float const* quant, int32_t c0, int32_t n,
+    float* out)
+{
+    QuantView const qv{quant, latentRank(d)};
+    uint8_t const* row = poolRow + rowOffset(d, slotRow(entry));
+    int32_t const tier = slotTier(entry);
+    for (int32_t i = 0; i < n; ++i)
+    {
+        out[i] = loadLatent(d, row, tier, qv, c0 + i);
+    }
+}
 
 int64_t queryTopK(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t b, int64_t t)
 {
@@ -178,7 +498,7 @@ bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs 
     std::string* error)
 {
     auto fail = [&](std::string const& m) {
-        *error = "GsmCachedAttention: " + m;
+        *error = (in.pool != nullptr ? "GsmPoolAttention: " : "GsmCachedAttention: ") + m;
         return false;
     };
     if (in.window < 0)
@@ -217,6 +537,19 @@ bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs 
         {
             return fail("sparse_top_k" + at + std::to_string(in.topK[b]) + " is negative");
         }
+        if (in.pool != nullptr)
+        {
+            // the call's new rows go to FP16 rows the runtime allocated (engine_io 4.1: tier 0)
+            for (int64_t j = 0; j < in.newLengths[b]; ++j)
+            {
+                int32_t const e = in.pool->slots[b * d.N + past + j];
+                if (!slotValid(in.pool->dims, e) || slotTier(e) != kTierFP16)
+                {
+                    return fail("kv_slots" + std::string("[") + std::to_string(b) + ", " + std::to_string(past + j)
+                        + "] = " + std::to_string(e) + " is not an FP16 row of the pool (a new position needs one)");
+                }
+            }
+        }
         tc = std::max(tc, past);
         int64_t const last = past + std::max<int64_t>(d.S - 1, 0);
         maxBudget = std::max(maxBudget, d.sinks + static_cast<int64_t>(in.window) + queryTopK(d, in, b, last));
@@ -242,7 +575,8 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     bool ok = true;
     // V from cached rows (U_v c made once per row, new ones in section A) instead of the latents: a decode step's
     // weighted sum is then nH*K*D float32 multiply-adds instead of nH*K*rv float64 ones and nH*D*rv for U_v
-    bool const vRows = in.vRows != nullptr;
+    bool const vRows = in.vRows != nullptr && in.pool == nullptr;
+    int64_t const keyStride = in.keyStride > 0 ? in.keyStride : dI;
 
     std::memset(out.attnMass, 0, sizeof(float) * static_cast<size_t>(B * L));
     if (Q == 0)
@@ -306,25 +640,33 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         float* o = sc.scores.data() + sc.scoreOff[q];
         int64_t const c1 = std::min(p1, past);
         // keys of positions p..p+n-1 from `keys` (elements offset `at`), FP16 bits or INT8 codes
-        auto score = [&](void const* keys, int64_t at, int64_t n, float* dst)
+        // keys of positions p..p+n-1 from `keys` (elements offset `at`, rows `stride` apart); the scoring kernels
+        // read rows dI apart, so rows of another stride (the pools' INT8 keys, padded to words) go one by one
+        auto score = [&](void const* keys, int64_t at, int64_t stride, int64_t n, float* dst)
         {
-            if (in.int8Keys)
+            int64_t const per = stride == dI ? n : 1;
+            for (int64_t i = 0; i < n; i += per)
             {
-                K.scoresInt8(iq, w, nI, dI, sqrtDI, static_cast<int8_t const*>(keys) + at * dI, n, dst);
-            }
-            else
-            {
-                K.scores(iq, w, nI, dI, sqrtDI, static_cast<uint16_t const*>(keys) + at * dI, n, dst);
+                if (in.int8Keys)
+                {
+                    K.scoresInt8(iq, w, nI, dI, sqrtDI, static_cast<int8_t const*>(keys) + (at + i) * stride, per,
+                        dst + i);
+                }
+                else
+                {
+                    K.scores(iq, w, nI, dI, sqrtDI, static_cast<uint16_t const*>(keys) + (at + i) * stride, per,
+                        dst + i);
+                }
             }
         };
         if (p0 < c1)
         {
-            score(in.indexKeys, row * N + p0, c1 - p0, o + p0);
+            score(in.indexKeys, row * N + p0, keyStride, c1 - p0, o + p0);
         }
         int64_t const n0 = std::max(p0, past);
         if (n0 < p1)
         {
-            score(in.newIndexKeys, b * S + (n0 - past), p1 - n0, o + n0);
+            score(in.newIndexKeys, b * S + (n0 - past), dI, p1 - n0, o + n0);
         }
     });
 
@@ -403,22 +745,48 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     sc.vrow.resize(static_cast<size_t>(Q * k));
     sc.probs.resize(static_cast<size_t>(Q * nH * k));
     bool const decode = S == 1;
+    if (in.pool != nullptr && !resolvePoolRows(d, in, k, L, out, sc, par, error))
+    {
+        return false;
+    }
     for (int64_t q = 0; q < Q; ++q)
     {
         int64_t const b = qb(q), past = in.pastLengths[b], row = in.cacheRows[b];
         int32_t const* sel = out.selected + q * k;
+        if (in.pool != nullptr) // positions -> their rows in sc.pool.need
+        {
+            for (int64_t i = sc.pool.needOff[b]; i < sc.pool.needOff[b + 1]; ++i)
+            {
+                sc.needIdx[static_cast<size_t>(sc.pool.need[static_cast<size_t>(i)])] = static_cast<int32_t>(i);
+            }
+        }
         for (int64_t s = 0; s < sc.nsel[q]; ++s)
         {
             int64_t const p = sel[s];
             bool const cached = p < past;
+            if (in.pool != nullptr)
+            {
+                int64_t const i = cached ? sc.needIdx[static_cast<size_t>(p)] : -1;
+                sc.krow[q * k + s] = cached ? sc.pool.kRow[static_cast<size_t>(i)]
+                                            : out.newKRows + (b * S + p - past) * kvD;
+                sc.vrow[q * k + s] = cached ? sc.pool.vLatent.data() + i * rv : in.newLatentV + (b * S + p - past) * rv;
+                continue;
+            }
             sc.krow[q * k + s] = cached ? in.kRows + (row * N + p) * kvD : out.newKRows + (b * S + p - past) * kvD;
             if (vRows)
             {
                 sc.vrow[q * k + s] = cached ? in.vRows + (row * N + p) * kvD : out.newVRows + (b * S + p - past) * kvD;
             }
-            else if (decode)
+            else
             {
                 sc.vrow[q * k + s] = cached ? in.latentV + (row * N + p) * rv : in.newLatentV + (b * S + p - past) * rv;
+            }
+        }
+        if (in.pool != nullptr)
+        {
+            for (int64_t i = sc.pool.needOff[b]; i < sc.pool.needOff[b + 1]; ++i)
+            {
+                sc.needIdx[static_cast<size_t>(sc.pool.need[static_cast<size_t>(i)])] = -1;
             }
         }
     }
@@ -478,6 +846,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         int64_t const lmax = L;
         sc.slot.assign(static_cast<size_t>(B * lmax), -1);
         sc.uniq.clear();
+        sc.uniqLatent.clear();
         for (int64_t q = 0; q < Q; ++q)
         {
             int64_t const b = qb(q);
@@ -489,16 +858,14 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
                 {
                     sl = static_cast<int32_t>(sc.uniq.size());
                     sc.uniq.push_back(b * lmax + sel[s]);
+                    sc.uniqLatent.push_back(sc.vrow[q * k + s]); // the row's V latent (section D's pointers)
                 }
             }
         }
         int64_t const U = static_cast<int64_t>(sc.uniq.size());
         sc.vrows.resize(static_cast<size_t>(U * kvD));
         ok = ok && parallelFor(par, U, [&](int64_t u) {
-            int64_t const b = sc.uniq[u] / lmax, p = sc.uniq[u] % lmax, past = in.pastLengths[b];
-            float const* c = p < past ? in.latentV + (in.cacheRows[b] * N + p) * rv
-                                      : in.newLatentV + (b * S + p - past) * rv;
-            upMatvec(K, in, in.vUp, 0, c, kvD, rv, sc.vrows.data() + u * kvD);
+            upMatvec(K, in, in.vUp, 0, sc.uniqLatent[static_cast<size_t>(u)], kvD, rv, sc.vrows.data() + u * kvD);
         });
         for (int64_t q = 0; q < Q; ++q)
         {
@@ -538,6 +905,11 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     {
         *error = "GsmCachedAttention: the intra-op thread pool failed";
         return false;
+    }
+    if (in.pool != nullptr)
+    {
+        rowCacheInsertNew(d, in, out.newKRows);
+        poolWriteNew(d, in);
     }
     return true;
 }

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <string>
 
+#include "gsmPoolRows.h"
+
 namespace gsm
 {
 namespace ortcpu
@@ -55,6 +57,9 @@ struct CachedAttentionInputs
     int32_t const* newLengths = nullptr;   // [B]
     int32_t window = 0;                    // sparse_window[0]
     int32_t const* topK = nullptr;         // [B]
+    int64_t keyStride = 0;                 // elements from one position's key to the next in indexKeys (0: dI)
+    PoolSource const* pool = nullptr;      // GsmPoolAttention: the cache is the plugins' pools (gsmPoolRows.h);
+                                           // latentV, vRows and kRows are then unused and newKRows is scratch
 };
 
 struct CachedAttentionOutputs

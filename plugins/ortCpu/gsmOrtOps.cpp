@@ -1,6 +1,6 @@
 // ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with four ops,
 // GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h), GsmQuantMatMul (gsmQuantMatMul.h) and
-// GsmSideSplit (gsmSideSplit.h),
+// GsmSideSplit (gsmSideSplit.h), and GsmPoolAttention (GsmCachedAttention over the plugins' pools, gsmPoolRows.h),
 // through ONNX Runtime's C API only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
 
@@ -1058,6 +1058,292 @@ OrtCustomOp makeOp()
     return op;
 }
 
+// -- GsmPoolAttention -------------------------------------------------------------------------------------------
+// GsmCachedAttention's math over the plugins' pools (gsmPoolRows.h): the cache the reference and TensorRT backends
+// hold, read and written in place (kv_pool, index_keys, the row cache and its tags are the runtime's buffers, bound
+// without a copy; ONNX Runtime 1.17's custom ops cannot declare an output aliasing an input, so the op writes its
+// inputs, as the TensorRT plugins write their aliased pools).
+constexpr char const* kPoolOpName = "GsmPoolAttention";
+enum PoolInput : size_t
+{
+    kPQ, kPIndexQ, kPIndexW, kPNewLatentK, kPNewLatentV, kPNewIndexKeys, kPPool, kPIndexKeys, kPSlots, kPQuant,
+    kPRowCache, kPRowTags, kPKUp, kPVUp, kPRopeCos, kPRopeSin, kPCacheRows, kPPastLengths, kPNewLengths,
+    kPSparseWindow, kPSparseTopK, kPNumInputs
+};
+char const* const kPoolInputNames[kPNumInputs] = {"q", "index_q", "index_w", "new_latent_k", "new_latent_v",
+    "new_index_keys", "kv_pool", "index_keys", "kv_slots", "quant", "row_cache", "row_cache_tags", "k_up", "v_up",
+    "rope_cos", "rope_sin", "cache_rows", "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"};
+constexpr size_t kPoolOutputs = 4; // attn_out, selected, attn_mass, row_cache_misses (optional)
+
+struct PoolKernel
+{
+    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor;
+    int64_t rows[4]; // rows_fp16, rows_int12, rows_int8, rows_int4
+};
+
+OrtStatus* poolInvalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmPoolAttention: " + m).c_str());
+}
+
+OrtStatus* poolShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> const& want, char const* meaning)
+{
+    bool ok = got.size() == want.size();
+    for (size_t a = 0; ok && a < want.size(); ++a)
+    {
+        ok = want[a] == got[a];
+    }
+    return ok ? nullptr
+              : poolInvalid(std::string("input ") + kPoolInputNames[i] + " has shape " + dimsText(got) + ", expected "
+                  + dimsText(want) + " (" + meaning + ")");
+}
+
+OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
+{
+    PoolKernel const& kn = *static_cast<PoolKernel const*>(opKernel);
+    OrtValue const* v[kPNumInputs];
+    std::vector<int64_t> sh[kPNumInputs];
+    for (size_t i = 0; i < kPNumInputs; ++i)
+    {
+        GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
+        if (v[i] == nullptr)
+        {
+            return poolInvalid(std::string("input ") + kPoolInputNames[i] + " is missing");
+        }
+    }
+    ONNXTensorElementDataType newKeyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, keyType = newKeyType;
+    ONNXTensorElementDataType kUpType = newKeyType, vUpType = newKeyType;
+    GSM_ORT_TRY(elementType(v[kPNewIndexKeys], &newKeyType));
+    GSM_ORT_TRY(elementType(v[kPIndexKeys], &keyType));
+    GSM_ORT_TRY(elementType(v[kPKUp], &kUpType));
+    GSM_ORT_TRY(elementType(v[kPVUp], &vUpType));
+    bool const int8Keys = newKeyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    if (!(int8Keys && keyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
+        && !(newKeyType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && keyType == newKeyType))
+    {
+        return poolInvalid("new_index_keys and index_keys must be int8 codes and int32 words of them, or both float16");
+    }
+    if (kUpType != vUpType
+        || (kUpType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && kUpType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
+    {
+        return poolInvalid("inputs k_up and v_up must both be float or both float16");
+    }
+    if (sh[kPIndexQ].size() != 3 || sh[kPKUp].size() != 2 || sh[kPVUp].size() != 2 || sh[kPSlots].size() != 2
+        || sh[kPPool].size() != 2 || sh[kPRowCache].size() != 3)
+    {
+        return poolInvalid("inputs index_q " + dimsText(sh[kPIndexQ]) + ", k_up " + dimsText(sh[kPKUp]) + ", v_up "
+            + dimsText(sh[kPVUp]) + ", kv_slots " + dimsText(sh[kPSlots]) + ", kv_pool " + dimsText(sh[kPPool])
+            + ", row_cache " + dimsText(sh[kPRowCache]) + ": expected [B, S, nI*dI], [kvD, rk], [kvD, rv], "
+            "[B, N_max], [R, P32], [R, C, kvD]");
+    }
+    gsm::ortcpu::CachedAttentionDims d;
+    d.nH = kn.numHeads;
+    d.nKV = kn.numKvHeads;
+    d.D = kn.headDim;
+    d.nI = kn.indexHeads;
+    d.dI = kn.indexDim;
+    d.sinks = kn.sinkTokens;
+    d.topKDivisor = kn.topKDivisor;
+    d.B = sh[kPIndexQ][0];
+    d.S = sh[kPIndexQ][1];
+    d.N = sh[kPSlots][1];
+    d.R = sh[kPPool][0];
+    d.rk = sh[kPKUp][1];
+    d.rv = sh[kPVUp][1];
+    int64_t const B = d.B, S = d.S, kvD = d.nKV * d.D, C = sh[kPRowCache][1];
+    gsm::GsmDims g{};
+    g.rankK = static_cast<int32_t>(d.rk);
+    g.rankV = static_cast<int32_t>(d.rv);
+    g.nMax = static_cast<int32_t>(d.N);
+    g.rowsFP16 = static_cast<int32_t>(kn.rows[0]);
+    g.rowsINT12 = static_cast<int32_t>(kn.rows[1]);
+    g.rowsINT8 = static_cast<int32_t>(kn.rows[2]);
+    g.rowsINT4 = static_cast<int32_t>(kn.rows[3]);
+    g.indexDim = static_cast<int32_t>(d.dI);
+    g.indexKeyBits = int8Keys ? 8 : 16;
+    int64_t const keyWidth = int8Keys ? (d.dI + 3) / 4 : d.dI;
+    bool const flatQ = sh[kPQ].size() == 2;
+    GSM_ORT_TRY(poolShape(kPQ, sh[kPQ], flatQ ? std::vector<int64_t>{B * S, d.nH * d.D}
+                                               : std::vector<int64_t>{B, S, d.nH * d.D},
+        "[B, S, num_heads*head_dim] or [B*S, ...]"));
+    GSM_ORT_TRY(poolShape(kPIndexQ, sh[kPIndexQ], {B, S, d.nI * d.dI}, "[B, S, index_heads*index_dim]"));
+    GSM_ORT_TRY(poolShape(kPIndexW, sh[kPIndexW], {B, S, d.nI}, "[B, S, index_heads]"));
+    GSM_ORT_TRY(poolShape(kPNewLatentK, sh[kPNewLatentK], {B, S, d.rk}, "[B, S, rk], rk from k_up"));
+    GSM_ORT_TRY(poolShape(kPNewLatentV, sh[kPNewLatentV], {B, S, d.rv}, "[B, S, rv], rv from v_up"));
+    GSM_ORT_TRY(poolShape(kPNewIndexKeys, sh[kPNewIndexKeys], {B, S, d.dI}, "[B, S, index_dim]"));
+    GSM_ORT_TRY(poolShape(kPPool, sh[kPPool], {d.R, gsm::poolWords(g)}, "[R, P32] of the rows_* attributes"));
+    GSM_ORT_TRY(poolShape(kPIndexKeys, sh[kPIndexKeys], {d.R, d.N, keyWidth},
+        "[R, N_max, index_dim] float16, or [R, N_max, ceil(index_dim / 4)] int32 words of INT8 codes"));
+    GSM_ORT_TRY(poolShape(kPSlots, sh[kPSlots], {B, d.N}, "[B, N_max]"));
+    GSM_ORT_TRY(poolShape(kPQuant, sh[kPQuant], {5, d.rk + d.rv}, "[5, rk + rv]: s12, s8, comp8, s4, comp4"));
+    GSM_ORT_TRY(poolShape(kPRowCache, sh[kPRowCache], {d.R, C, kvD}, "[R, C, num_kv_heads*head_dim]"));
+    GSM_ORT_TRY(poolShape(kPRowTags, sh[kPRowTags], {d.R, gsm::ortcpu::kTagRows, C}, "[R, 3, C]"));
+    GSM_ORT_TRY(poolShape(kPKUp, sh[kPKUp], {kvD, d.rk}, "[num_kv_heads*head_dim, rk]"));
+    GSM_ORT_TRY(poolShape(kPVUp, sh[kPVUp], {kvD, d.rv}, "[num_kv_heads*head_dim, rv]"));
+    GSM_ORT_TRY(poolShape(kPRopeCos, sh[kPRopeCos], {d.N, d.D}, "[N_max, head_dim]"));
+    GSM_ORT_TRY(poolShape(kPRopeSin, sh[kPRopeSin], {d.N, d.D}, "[N_max, head_dim]"));
+    for (size_t i : {kPCacheRows, kPPastLengths, kPNewLengths, kPSparseTopK})
+    {
+        GSM_ORT_TRY(poolShape(i, sh[i], {B}, "[B]"));
+    }
+    GSM_ORT_TRY(poolShape(kPSparseWindow, sh[kPSparseWindow], {1}, "[1]"));
+    if (g.rowsFP16 + static_cast<int64_t>(g.rowsINT12) + g.rowsINT8 + g.rowsINT4 < d.N)
+    {
+        return poolInvalid("attributes rows_fp16 + rows_int12 + rows_int8 + rows_int4 are below N_max = "
+            + std::to_string(d.N) + " (one row per position)");
+    }
+
+    void* p[kPNumInputs];
+    for (size_t i = 0; i < kPNumInputs; ++i)
+    {
+        GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+    }
+    gsm::ortcpu::PoolSource ps;
+    ps.dims = g;
+    ps.pool = static_cast<uint8_t*>(p[kPPool]);
+    ps.poolBytes = 4 * gsm::poolWords(g);
+    ps.slots = static_cast<int32_t const*>(p[kPSlots]);
+    ps.quant = static_cast<float const*>(p[kPQuant]);
+    ps.indexKeys = p[kPIndexKeys];
+    ps.cacheRows = static_cast<float*>(p[kPRowCache]);
+    ps.cacheTags = static_cast<int32_t*>(p[kPRowTags]);
+    ps.capacity = C;
+    gsm::ortcpu::CachedAttentionInputs in;
+    in.q = static_cast<float const*>(p[kPQ]);
+    in.indexQ = static_cast<float const*>(p[kPIndexQ]);
+    in.indexW = static_cast<float const*>(p[kPIndexW]);
+    in.newLatentK = static_cast<float const*>(p[kPNewLatentK]);
+    in.newLatentV = static_cast<float const*>(p[kPNewLatentV]);
+    in.newIndexKeys = p[kPNewIndexKeys];
+    in.indexKeys = p[kPIndexKeys];
+    in.int8Keys = int8Keys;
+    in.keyStride = int8Keys ? 4 * keyWidth : d.dI;
+    in.kUp = p[kPKUp];
+    in.vUp = p[kPVUp];
+    in.halfUp = kUpType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    in.ropeCos = static_cast<float const*>(p[kPRopeCos]);
+    in.ropeSin = static_cast<float const*>(p[kPRopeSin]);
+    in.cacheRows = static_cast<int32_t const*>(p[kPCacheRows]);
+    in.pastLengths = static_cast<int32_t const*>(p[kPPastLengths]);
+    in.newLengths = static_cast<int32_t const*>(p[kPNewLengths]);
+    in.window = *static_cast<int32_t const*>(p[kPSparseWindow]);
+    in.topK = static_cast<int32_t const*>(p[kPSparseTopK]);
+    in.pool = &ps;
+
+    std::string err;
+    int64_t k = 0, L = 0;
+    if (!gsm::ortcpu::prepareCachedAttention(d, in, &k, &L, &err))
+    {
+        return gApi->CreateStatus(ORT_INVALID_ARGUMENT, err.c_str());
+    }
+    size_t outputs = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
+    int64_t const outDims[kPoolOutputs][3] = {{B, S, d.nH * d.D}, {B, S, k}, {B, L, 0}, {B, 0, 0}};
+    int64_t const flatOut[2] = {B * S, d.nH * d.D};
+    size_t const outRank[kPoolOutputs] = {flatQ ? size_t{2} : size_t{3}, 3, 2, 1};
+    void* o[kPoolOutputs] = {};
+    for (size_t i = 0; i < outputs && i < kPoolOutputs; ++i)
+    {
+        OrtValue* ov = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, i, i == 0 && flatQ ? flatOut : outDims[i], outRank[i], &ov));
+        if (ov != nullptr)
+        {
+            GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &o[i]));
+        }
+    }
+    ps.misses = static_cast<int32_t*>(o[3]);
+    static thread_local std::vector<float> newKRows; // the call's K rows: scratch (the row cache keeps them)
+    newKRows.resize(static_cast<size_t>(B * S * kvD));
+    gsm::ortcpu::CachedAttentionOutputs out;
+    out.attnOut = static_cast<float*>(o[0]);
+    out.newKRows = newKRows.data();
+    out.selected = static_cast<int32_t*>(o[1]);
+    out.attnMass = static_cast<float*>(o[2]);
+    gsm::ortcpu::ParallelRunner par;
+    par.run = runParallel;
+    par.ctx = ctx;
+    if (!gsm::ortcpu::runCachedAttention(d, in, k, L, out, par, &err))
+    {
+        return gApi->CreateStatus(ORT_FAIL, err.c_str());
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL poolCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
+{
+    PoolKernel kn{};
+    GSM_ORT_TRY(attribute(info, "num_heads", &kn.numHeads, poolInvalid));
+    GSM_ORT_TRY(attribute(info, "num_kv_heads", &kn.numKvHeads, poolInvalid));
+    GSM_ORT_TRY(attribute(info, "head_dim", &kn.headDim, poolInvalid));
+    GSM_ORT_TRY(attribute(info, "index_heads", &kn.indexHeads, poolInvalid));
+    GSM_ORT_TRY(attribute(info, "index_dim", &kn.indexDim, poolInvalid));
+    GSM_ORT_TRY(attribute(info, "sink_tokens", &kn.sinkTokens, poolInvalid));
+    GSM_ORT_TRY(optionalAttribute(info, "sparse_top_k_divisor", 0, &kn.topKDivisor, poolInvalid));
+    char const* const rowNames[4] = {"rows_fp16", "rows_int12", "rows_int8", "rows_int4"};
+    for (int i = 0; i < 4; ++i)
+    {
+        GSM_ORT_TRY(attribute(info, rowNames[i], &kn.rows[i], poolInvalid));
+        if (kn.rows[i] < 0 || kn.rows[i] > gsm::kSlotRowMask)
+        {
+            return poolInvalid(std::string("attribute ") + rowNames[i] + " = " + std::to_string(kn.rows[i])
+                + " is outside [0, 2^24)");
+        }
+    }
+    if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0 || kn.headDim <= 0
+        || kn.headDim % 2 != 0 || kn.indexHeads <= 0 || kn.indexDim <= 0 || kn.sinkTokens < 0 || kn.topKDivisor < 0)
+    {
+        return poolInvalid("attributes num_heads, num_kv_heads (a divisor of num_heads), head_dim (even), index_heads "
+            "and index_dim must be positive, sink_tokens and sparse_top_k_divisor >= 0");
+    }
+    *kernel = new PoolKernel(kn);
+    return nullptr;
+}
+
+void ORT_API_CALL poolDestroyKernel(void* kernel)
+{
+    delete static_cast<PoolKernel*>(kernel);
+}
+
+char const* ORT_API_CALL poolOpName(OrtCustomOp const*)
+{
+    return kPoolOpName;
+}
+
+ONNXTensorElementDataType ORT_API_CALL poolInputType(OrtCustomOp const*, size_t i)
+{
+    switch (i)
+    {
+    case kPNewIndexKeys:
+    case kPIndexKeys:
+    case kPKUp:
+    case kPVUp: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; // checked per call
+    case kPPool:
+    case kPSlots:
+    case kPRowTags: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    default: return i >= kPCacheRows ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
+}
+
+size_t ORT_API_CALL poolInputCount(OrtCustomOp const*)
+{
+    return kPNumInputs;
+}
+
+ONNXTensorElementDataType ORT_API_CALL poolOutputType(OrtCustomOp const*, size_t i)
+{
+    return i == 1 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL poolOutputCount(OrtCustomOp const*)
+{
+    return kPoolOutputs;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL poolOutputKind(OrtCustomOp const*, size_t i)
+{
+    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 // What makes each further op of the domain; the other fields are GsmCachedAttention's (makeOp)
 struct OpFns
 {
@@ -1105,6 +1391,8 @@ OrtCustomOp gOffsetOp = makeEpilogueOp({offsetOpName, offsetInputType, offsetInp
     offsetOutputCount, offsetInputKind, offsetCreateKernel, offsetCompute, offsetDestroyKernel});
 OrtCustomOp gQmmOp = makeEpilogueOp({qmmOpName, qmmInputType, qmmInputCount, offsetFloat, offsetOutputCount,
     qmmInputKind, qmmCreateKernel, qmmCompute, qmmDestroyKernel});
+OrtCustomOp gPoolOp = withOutputKinds(makeOp({poolOpName, poolInputType, poolInputCount, poolOutputType,
+    poolOutputCount, required, poolCreateKernel, poolCompute, poolDestroyKernel}), poolOutputKind);
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
@@ -1133,6 +1421,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gOffsetOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gQmmOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSideOp));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gPoolOp));
     }
     return api->AddCustomOpDomain(options, domain);
 }

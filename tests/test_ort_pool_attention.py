@@ -1,0 +1,230 @@
+"""`GsmPoolAttention` (plugins/ortCpu): GsmCachedAttention's math over the plugins' own pools (engine_io section 3),
+against the plugins' C++ CPU reference (`gsm_edge_plugins.ref`: GsmKVCacheUpdate then GsmSparseAttention) on the
+same pools, call after call: prefill chunks, decode steps, a re-tier pass (rows re-encoded to INT12 / INT8 / INT4
+and moved), a rollback, several sequences in one call, and a row cache too small for a selection (evictions and
+overflow). The op writes the call's new rows and keys into the pools exactly as the reference's update does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gsm_edge_plugins import ort_ops_library, reference_available
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+ref = pytest.importorskip("gsm_edge_plugins.ref")
+from onnx import TensorProto, helper  # noqa: E402
+
+from runtime.slots import SlotTable  # noqa: E402
+
+LIB = ort_ops_library()
+pytestmark = pytest.mark.skipif(LIB is None or not reference_available(),
+                                reason="libgsm_ort_ops.so or the plugins' CPU reference is not built")
+
+DOMAIN = "ai.gsm_edge.cpu"
+INPUTS = ["q", "index_q", "index_w", "new_latent_k", "new_latent_v", "new_index_keys", "kv_pool", "index_keys",
+          "kv_slots", "quant", "row_cache", "row_cache_tags", "k_up", "v_up", "rope_cos", "rope_sin", "cache_rows",
+          "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"]
+OUTPUTS = ["attn_out", "selected", "attn_mass", "row_cache_misses"]
+# (nH, nKV, D, nI, dI, rk, rv): odd ranks (INT12 / INT4 padding), SmolLM2's heads with an index dim that is not a
+# multiple of 4 (INT8 keys padded to words)
+GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 9), "gqa3": (9, 3, 64, 3, 30, 23, 52)}
+N_MAX, ROWS, SINKS, WINDOW, TOP_K = 96, 3, 2, 4, 9
+TIERS = (70, 24, 24, 40)  # C16, C12, C8, C4
+
+
+class Case:
+    """Pools of ROWS sequences, the op's session and row cache, and the reference's copy of the same pools."""
+
+    def __init__(self, geo: tuple[int, ...], key_bits: int, capacity: int, seed: int = 0, threads: int = 1) -> None:
+        nH, nKV, D, nI, dI, rk, rv = geo
+        self.geo, self.rng = geo, np.random.default_rng(seed)
+        self.d = ref.Dims(num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, n_max=N_MAX,
+                          rows_fp16=TIERS[0], rows_int12=TIERS[1], rows_int8=TIERS[2], rows_int4=TIERS[3],
+                          index_heads=nI, index_dim=dI, sink_tokens=SINKS, max_top_k=N_MAX,
+                          max_sparse_window=WINDOW, index_key_bits=key_bits)
+        r = rk + rv
+        f = lambda *s: self.rng.standard_normal(s).astype(np.float32)  # noqa: E731
+        s8 = (np.abs(f(r)) * 0.02 + 0.01).astype(np.float32)
+        self.quant = np.stack([s8 * np.float32(127 / 2047), s8, f(r) * np.float32(0.003),
+                               s8 * np.float32(127 / 7), f(r) * np.float32(0.01)]).astype(np.float32)
+        self.k_up, self.v_up = f(nKV * D, rk) * np.float32(0.3), f(nKV * D, rv) * np.float32(0.3)
+        inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+        ang = np.arange(N_MAX)[:, None] * inv[None, :]
+        ang = np.concatenate([ang, ang], axis=1)
+        self.cos, self.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        self.pool = ref.empty_pool(self.d, ROWS)
+        self.keys = self.d.empty_index_keys(ROWS)
+        self.ref_pool, self.ref_keys = self.pool.copy(), self.keys.copy()
+        self.row_cache = np.zeros((ROWS, capacity, nKV * D), np.float32)
+        self.tags = np.full((ROWS, 3, capacity), -1, np.int32)
+        self.tables = [SlotTable(N_MAX, TIERS) for _ in range(ROWS)]
+        node = helper.make_node("GsmPoolAttention", INPUTS, OUTPUTS, domain=DOMAIN, num_heads=nH, num_kv_heads=nKV,
+                                head_dim=D, index_heads=nI, index_dim=dI, sink_tokens=SINKS, rows_fp16=TIERS[0],
+                                rows_int12=TIERS[1], rows_int8=TIERS[2], rows_int4=TIERS[3])
+        i32 = {"kv_pool", "kv_slots", "row_cache_tags", "cache_rows", "past_lengths", "new_lengths", "sparse_window",
+               "sparse_top_k", "selected", "row_cache_misses"}
+        types = {n: TensorProto.INT32 if n in i32 else TensorProto.FLOAT for n in INPUTS + OUTPUTS}
+        int8 = key_bits == 8
+        types["new_index_keys"] = TensorProto.INT8 if int8 else TensorProto.FLOAT16
+        types["index_keys"] = TensorProto.INT32 if int8 else TensorProto.FLOAT16
+        graph = helper.make_graph([node], "pool_attention",
+                                  [helper.make_tensor_value_info(n, types[n], None) for n in INPUTS],
+                                  [helper.make_tensor_value_info(n, types[n], None) for n in OUTPUTS])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+        m.ir_version = 8
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(LIB))
+        so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    def call(self, rows: list[int], past: list[int], new: list[int], S: int, top_k: int = TOP_K,
+             entry: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+        """One call over sequences in pool rows `rows`, through the op and through the reference; checks that they
+        agree (selection, outputs, pools, keys) and returns the op's outputs. entry: (position, slot entry) put into
+        the first sequence's kv_slots after the allocation (a runtime bug)."""
+        nH, nKV, D, nI, dI, rk, rv = self.geo
+        B = len(rows)
+        f = lambda *s: self.rng.standard_normal(s).astype(np.float32)  # noqa: E731
+        for row, p0, n in zip(rows, past, new):
+            t = self.tables[row]
+            moves = t.compaction(n)
+            if moves:  # rows moved to free FP16 rows: the same moves on both copies (the demotion graph's job)
+                entries = np.array([(row, a, b) for a, b in moves], np.int32)
+                ref.kv_demote(self.d, entries, self.pool, self.quant)
+                ref.kv_demote(self.d, entries, self.ref_pool, self.quant)
+            t.allocate(range(p0, p0 + n))
+        slots = np.stack([self.tables[r].entries for r in rows]).astype(np.int32)
+        if entry is not None:
+            slots[0, entry[0]] = entry[1]
+        ck = f(B, S, rk).astype(np.float16).astype(np.float32)
+        cv = f(B, S, rv).astype(np.float16).astype(np.float32)
+        if self.d.index_key_bits == 8:
+            key = self.rng.integers(-127, 128, (B, S, dI)).astype(np.float32)
+            new_keys = key.astype(np.int8)
+        else:
+            new_keys = f(B, S, dI).astype(np.float16)
+            key = new_keys.astype(np.float32)
+        x = {"q": f(B, S, nH * D), "index_q": f(B, S, nI * dI), "index_w": f(B, S, nI), "new_latent_k": ck,
+             "new_latent_v": cv, "new_index_keys": new_keys, "kv_pool": self.pool, "index_keys": self.keys,
+             "kv_slots": slots, "quant": self.quant, "row_cache": self.row_cache, "row_cache_tags": self.tags,
+             "k_up": self.k_up, "v_up": self.v_up, "rope_cos": self.cos, "rope_sin": self.sin,
+             "cache_rows": np.array(rows, np.int32), "past_lengths": np.array(past, np.int32),
+             "new_lengths": np.array(new, np.int32), "sparse_window": np.array([WINDOW], np.int32),
+             "sparse_top_k": np.full(B, top_k, np.int32)}
+        binding = self.session.io_binding()
+        for name, a in x.items():  # in place: the pools, keys and row cache are the buffers the op writes
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(a))
+        for name in OUTPUTS:
+            binding.bind_output(name)
+        self.session.run_with_iobinding(binding)
+        out = dict(zip(OUTPUTS, binding.copy_outputs_to_cpu()))
+
+        rrows = np.array(rows, np.int32)
+        ref.kv_update(self.d, ck, cv, key, self.ref_pool, self.ref_keys, slots, x["past_lengths"], x["new_lengths"],
+                      cache_rows=rrows)
+        r = ref.sparse_attention(self.d, x["q"], self.ref_pool, slots, x["past_lengths"], x["new_lengths"],
+                                 self.quant, self.cos, self.sin, self.k_up, self.v_up, index_q=x["index_q"],
+                                 index_w=x["index_w"], index_keys=self.ref_keys, sparse_window=WINDOW,
+                                 sparse_top_k=x["sparse_top_k"], cache_rows=rrows)
+        np.testing.assert_array_equal(self.pool, self.ref_pool, err_msg="pools after the call")
+        np.testing.assert_array_equal(self.keys, self.ref_keys, err_msg="indexer keys after the call")
+        k = out["selected"].shape[-1]
+        for b, n in enumerate(new):
+            np.testing.assert_array_equal(out["selected"][b, :n], r.selected[b, :n, :k], err_msg=f"selection of {b}")
+            assert (r.selected[b, :n, k:] == -1).all()
+            scale = float(np.abs(r.out[b, :n]).max())
+            np.testing.assert_allclose(out["attn_out"][b, :n], r.out[b, :n], rtol=0, atol=1e-5 * scale,
+                                       err_msg=f"attention output of sequence {b}")
+        L = out["attn_mass"].shape[1]
+        np.testing.assert_allclose(out["attn_mass"], r.mass[:, :L], rtol=0, atol=2e-5 * max(new) * nH)
+        for row, p0, n in zip(rows, past, new):
+            self.check_row_cache(row, p0 + n)
+        return out
+
+    def check_row_cache(self, row: int, length: int) -> None:
+        """What the row cache of `row` holds after a call: each position once, and every row whose entry is still
+        the slot table's is RoPE(U_k c_k) of the latent the reference reads from the pool now."""
+        nH, nKV, D, nI, dI, rk, rv = self.geo
+        pos, ent = self.tags[row, 0], self.tags[row, 1]
+        valid = pos >= 0
+        assert len(set(pos[valid].tolist())) == int(valid.sum()), f"row cache of row {row} holds a position twice"
+        assert (pos[valid] < length).all()
+        entries = self.tables[row].entries
+        ck, _ = ref.read_latents(self.d, self.pool[row:row + 1], entries[None], self.quant)
+        for c in np.nonzero(valid)[0]:
+            p = int(pos[c])
+            if ent[c] != entries[p]:
+                continue  # made from a row re-encoded since: the next read makes it again
+            k = (self.k_up @ ck[0, p]).reshape(nKV, D)
+            h = D // 2
+            rot = np.concatenate([-k[:, h:], k[:, :h]], axis=1)
+            want = (k * self.cos[p] + rot * self.sin[p]).reshape(-1)
+            np.testing.assert_allclose(self.row_cache[row, c], want, rtol=0, atol=1e-5 * float(np.abs(want).max()),
+                                       err_msg=f"row cache of row {row}, slot {c} (position {p})")
+
+    def demote(self, row: int, length: int) -> int:
+        """A re-tier pass of sequence `row`: positions past the sinks re-encoded to random lower tiers (moves
+        included), on both copies; returns how many positions changed."""
+        new_tier = np.full(N_MAX, -1, np.int32)
+        cand = np.arange(SINKS, length - 2)
+        pick = self.rng.choice(cand, size=len(cand) * 2 // 3, replace=False)
+        new_tier[pick] = self.rng.integers(1, 4, pick.size)
+        old = ref.slot_tier(self.tables[row].entries)
+        new_tier[pick] = np.maximum(new_tier[pick], old[pick])
+        moves = self.tables[row].demote(new_tier)
+        entries = np.array([(row, a, b) for a, b in moves], np.int32).reshape(-1, 3)
+        ref.kv_demote(self.d, entries, self.pool, self.quant)
+        ref.kv_demote(self.d, entries, self.ref_pool, self.quant)
+        return len(moves)
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES)
+@pytest.mark.parametrize("key_bits", [16, 8])
+def test_decode_after_prefill_and_retier_matches_the_reference(geo: str, key_bits: int) -> None:
+    c = Case(GEOMETRIES[geo], key_bits, capacity=64)
+    c.call([1], [0], [40], 40)  # a prefill: every cached row is new, nothing read from the pool
+    for t in range(40, 46):
+        out = c.call([1], [t], [1], 1)
+    assert out["row_cache_misses"][0] <= 2, "steady decode: the rows it read last step are in the row cache"
+    assert c.demote(1, 46) > 10
+    out = c.call([1], [46], [1], 1)
+    assert out["row_cache_misses"][0] > 0, "re-encoded rows are made again from the pool"
+    c.call([1], [47], [5], 5)  # a prefill chunk over a re-tiered cache
+    for t in range(52, 60):
+        c.call([1], [t], [1], 1)
+
+
+def test_batch_of_sequences_with_padding_and_a_small_row_cache() -> None:
+    c = Case(GEOMETRIES["gqa3"], 8, capacity=6, seed=1, threads=2)
+    c.call([2, 0], [0, 0], [30, 22], 30)
+    c.call([0, 2], [22, 30], [4, 4], 4)
+    c.demote(2, 34)
+    for t in range(6):
+        out = c.call([2, 0], [34 + t, 26 + t], [1, 1], 1)
+        assert (out["row_cache_misses"] > 0).all(), "6 slots cannot hold a selection of ~15 rows"
+    c.call([0], [32], [1], 1)
+
+
+def test_rollback_rewrites_positions_without_reading_stale_rows() -> None:
+    """A speculative step's rejected positions are written again: the row cache must not serve their old rows."""
+    c = Case(GEOMETRIES["odd"], 16, capacity=64, seed=2)
+    c.call([0], [0], [30], 30)
+    for t in range(30, 36):
+        c.call([0], [t], [1], 1)
+    # back to 31 positions (the runtime's rollback): positions 31.. get new latents in the same FP16 rows
+    c.tables[0].truncate(31)
+    for t in range(31, 40):
+        out = c.call([0], [t], [1], 1)
+    assert out["row_cache_misses"][0] <= 2
+
+
+def test_refuses_a_new_position_without_an_fp16_row() -> None:
+    c = Case(GEOMETRIES["odd"], 16, capacity=8)
+    c.call([0], [0], [12], 12)
+    before = c.pool.copy()
+    with pytest.raises(Exception, match=r"GsmPoolAttention: kv_slots\[0, 12\] = .* is not an FP16 row"):
+        c.call([0], [12], [1], 1, entry=(12, ref.make_slot(ref.INT8, TIERS[0] + TIERS[1])))  # a new row in INT8
+    np.testing.assert_array_equal(c.pool, before, err_msg="a refused call writes nothing")
+    with pytest.raises(Exception, match=r"GsmPoolAttention: kv_slots\[0, 3\] = -1 is not a row of the pool"):
+        c.call([0], [13], [1], 1, top_k=20, entry=(3, -1))  # a cached position the selection reads has no row
