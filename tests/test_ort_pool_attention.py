@@ -26,6 +26,11 @@ INPUTS = ["q", "index_q", "index_w", "new_latent_k", "new_latent_v", "new_index_
           "kv_slots", "quant", "row_cache", "row_cache_tags", "k_up", "v_up", "rope_cos", "rope_sin", "cache_rows",
           "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"]
 OUTPUTS = ["attn_out", "selected", "attn_mass", "row_cache_misses"]
+SHARED_INPUTS = ["q", "kv_pool", "kv_slots", "quant", "row_cache", "row_cache_tags", "kv_proj_weight", "kv_proj_bias",
+                 "rope_cos", "rope_sin", "selected", "cache_rows", "past_lengths", "new_lengths"]
+SHARED_OUTPUTS = ["attn_out", "row_cache_misses"]
+I32 = {"kv_pool", "kv_slots", "row_cache_tags", "cache_rows", "past_lengths", "new_lengths", "sparse_window",
+       "sparse_top_k", "selected", "row_cache_misses"}
 # (nH, nKV, D, nI, dI, rk, rv): odd ranks (INT12 / INT4 padding), SmolLM2's heads with an index dim that is not a
 # multiple of 4 (INT8 keys padded to words)
 GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 9), "gqa3": (9, 3, 64, 3, 30, 23, 52)}
@@ -62,21 +67,44 @@ class Case:
         node = helper.make_node("GsmPoolAttention", INPUTS, OUTPUTS, domain=DOMAIN, num_heads=nH, num_kv_heads=nKV,
                                 head_dim=D, index_heads=nI, index_dim=dI, sink_tokens=SINKS, rows_fp16=TIERS[0],
                                 rows_int12=TIERS[1], rows_int8=TIERS[2], rows_int4=TIERS[3])
-        i32 = {"kv_pool", "kv_slots", "row_cache_tags", "cache_rows", "past_lengths", "new_lengths", "sparse_window",
-               "sparse_top_k", "selected", "row_cache_misses"}
-        types = {n: TensorProto.INT32 if n in i32 else TensorProto.FLOAT for n in INPUTS + OUTPUTS}
+        types = {n: TensorProto.INT32 if n in I32 else TensorProto.FLOAT for n in INPUTS + OUTPUTS + SHARED_INPUTS}
         int8 = key_bits == 8
         types["new_index_keys"] = TensorProto.INT8 if int8 else TensorProto.FLOAT16
         types["index_keys"] = TensorProto.INT32 if int8 else TensorProto.FLOAT16
         graph = helper.make_graph([node], "pool_attention",
                                   [helper.make_tensor_value_info(n, types[n], None) for n in INPUTS],
                                   [helper.make_tensor_value_info(n, types[n], None) for n in OUTPUTS])
+        self.session = self._session(graph, threads)
+        # a KV-sharing layer over this pool, with its own row cache and kv_projector
+        self.shared_d = ref.Dims(**{**self.d.__dict__, "layer_kind": 1})
+        self.proj_w, self.proj_b = f(2 * nKV * D, r) * np.float32(0.2), f(2 * nKV * D) * np.float32(0.1)
+        self.shared_cache = np.zeros_like(self.row_cache)
+        self.shared_tags = np.full_like(self.tags, -1)
+        shared = helper.make_node("GsmPoolSharedAttention", SHARED_INPUTS, SHARED_OUTPUTS, domain=DOMAIN, num_heads=nH,
+                                  num_kv_heads=nKV, head_dim=D, rank_k=rk, rows_fp16=TIERS[0], rows_int12=TIERS[1],
+                                  rows_int8=TIERS[2], rows_int4=TIERS[3])
+        graph = helper.make_graph([shared], "pool_shared_attention",
+                                  [helper.make_tensor_value_info(n, types[n], None) for n in SHARED_INPUTS],
+                                  [helper.make_tensor_value_info(n, types[n], None) for n in SHARED_OUTPUTS])
+        self.shared_session = self._session(graph, threads)
+
+    @staticmethod
+    def _session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
         m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
         m.ir_version = 8
         so = ort.SessionOptions()
         so.register_custom_ops_library(str(LIB))
         so.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    def run(self, session: ort.InferenceSession, x: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        binding = session.io_binding()
+        for name, a in x.items():  # in place: the pools, keys and row cache are the buffers the op writes
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(a))
+        for name in outputs:
+            binding.bind_output(name)
+        session.run_with_iobinding(binding)
+        return dict(zip(outputs, binding.copy_outputs_to_cpu()))
 
     def call(self, rows: list[int], past: list[int], new: list[int], S: int, top_k: int = TOP_K,
              entry: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
@@ -112,13 +140,7 @@ class Case:
              "cache_rows": np.array(rows, np.int32), "past_lengths": np.array(past, np.int32),
              "new_lengths": np.array(new, np.int32), "sparse_window": np.array([WINDOW], np.int32),
              "sparse_top_k": np.full(B, top_k, np.int32)}
-        binding = self.session.io_binding()
-        for name, a in x.items():  # in place: the pools, keys and row cache are the buffers the op writes
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(a))
-        for name in OUTPUTS:
-            binding.bind_output(name)
-        self.session.run_with_iobinding(binding)
-        out = dict(zip(OUTPUTS, binding.copy_outputs_to_cpu()))
+        out = self.run(self.session, x, OUTPUTS)
 
         rrows = np.array(rows, np.int32)
         ref.kv_update(self.d, ck, cv, key, self.ref_pool, self.ref_keys, slots, x["past_lengths"], x["new_lengths"],
@@ -140,6 +162,21 @@ class Case:
         np.testing.assert_allclose(out["attn_mass"], r.mass[:, :L], rtol=0, atol=2e-5 * max(new) * nH)
         for row, p0, n in zip(rows, past, new):
             self.check_row_cache(row, p0 + n)
+        # the sharing layer, after its source: the source's selection, the pool as the source left it
+        xs = {"q": f(B, S, nH * D), "kv_pool": self.pool, "kv_slots": slots, "quant": self.quant,
+              "row_cache": self.shared_cache, "row_cache_tags": self.shared_tags, "kv_proj_weight": self.proj_w,
+              "kv_proj_bias": self.proj_b, "rope_cos": self.cos, "rope_sin": self.sin, "selected": out["selected"],
+              "cache_rows": x["cache_rows"], "past_lengths": x["past_lengths"], "new_lengths": x["new_lengths"]}
+        shared = self.run(self.shared_session, xs, SHARED_OUTPUTS)
+        rs = ref.sparse_attention(self.shared_d, xs["q"], self.ref_pool, slots, x["past_lengths"], x["new_lengths"],
+                                  self.quant, self.cos, self.sin, self.proj_w, self.proj_b, selected=r.selected,
+                                  cache_rows=rrows)
+        for b, n in enumerate(new):
+            scale = float(np.abs(rs.out[b, :n]).max())
+            np.testing.assert_allclose(shared["attn_out"][b, :n], rs.out[b, :n], rtol=0, atol=1e-5 * scale,
+                                       err_msg=f"sharing layer's output of sequence {b}")
+            assert not shared["attn_out"][b, n:].any(), "padding rows are zero"
+        out["shared_misses"] = shared["row_cache_misses"]
         return out
 
     def check_row_cache(self, row: int, length: int) -> None:
@@ -187,6 +224,7 @@ def test_decode_after_prefill_and_retier_matches_the_reference(geo: str, key_bit
     for t in range(40, 46):
         out = c.call([1], [t], [1], 1)
     assert out["row_cache_misses"][0] <= 2, "steady decode: the rows it read last step are in the row cache"
+    assert out["shared_misses"][0] <= 2, "the sharing layer's own row cache, likewise"
     assert c.demote(1, 46) > 10
     out = c.call([1], [46], [1], 1)
     assert out["row_cache_misses"][0] > 0, "re-encoded rows are made again from the pool"

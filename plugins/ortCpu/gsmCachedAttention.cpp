@@ -914,5 +914,206 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     return true;
 }
 
+bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs const& sin, float* attnOut,
+    ParallelRunner const& par, std::string* error)
+{
+    Kernels const& K = cpuKernels();
+    static thread_local Scratch callerScratch;
+    Scratch& sc = callerScratch;
+    PoolSource const& ps = *sin.pool;
+    int64_t const B = d.B, S = d.S, N = d.N, nH = d.nH, nKV = d.nKV, D = d.D, grp = nH / nKV, kvD = nKV * D;
+    int64_t const rk = d.rk, r = d.rk + d.rv, k = sin.k;
+    float const sqrtD = static_cast<float>(std::sqrt(static_cast<double>(D)));
+    auto fail = [&](std::string const& m) {
+        *error = "GsmPoolSharedAttention: " + m;
+        return false;
+    };
+    // the shared row-cache code reads these of a CachedAttentionInputs
+    CachedAttentionInputs in;
+    in.pool = sin.pool;
+    in.cacheRows = sin.cacheRows;
+    in.pastLengths = sin.pastLengths;
+    in.newLengths = sin.newLengths;
+    in.kUp = sin.projW;
+    PoolCall& pc = sc.pool;
+    if (sc.needIdx.size() < static_cast<size_t>(N))
+    {
+        sc.needIdx.assign(static_cast<size_t>(N), -1);
+        sc.slotOf.assign(static_cast<size_t>(N), -1);
+    }
+    pc.need.clear();
+    pc.needOff.assign(static_cast<size_t>(B + 1), 0);
+    static thread_local std::vector<uint8_t> mark;
+    for (int64_t b = 0; b < B; ++b)
+    {
+        int64_t const past = sin.pastLengths[b], n = sin.newLengths[b], row = sin.cacheRows[b];
+        std::string const at = "[" + std::to_string(b) + "] = ";
+        if (past < 0 || past + S > N || n < 0 || n > S)
+        {
+            return fail("past_lengths" + at + std::to_string(past) + ", new_lengths" + at + std::to_string(n)
+                + ": need 0 <= past, past + S <= N_max = " + std::to_string(N) + ", 0 <= new <= S = " + std::to_string(S));
+        }
+        if (row < 0 || row >= d.R)
+        {
+            return fail("cache_rows" + at + std::to_string(row) + " is outside [0, R = " + std::to_string(d.R) + ")");
+        }
+        mark.assign(static_cast<size_t>(past + n), 0);
+        for (int64_t j = 0; j < n; ++j)
+        {
+            int32_t const* sel = sin.selected + (b * S + j) * k;
+            for (int64_t s = 0; s < k && sel[s] >= 0; ++s)
+            {
+                if (sel[s] > past + j)
+                {
+                    return fail("selected[" + std::to_string(b) + ", " + std::to_string(j) + "] holds position "
+                        + std::to_string(sel[s]) + ", past the query's own " + std::to_string(past + j));
+                }
+                mark[static_cast<size_t>(sel[s])] = 1;
+            }
+        }
+        for (int64_t p = 0; p < past + n; ++p)
+        {
+            if (mark[static_cast<size_t>(p)])
+            {
+                int32_t const e = ps.slots[b * N + p];
+                if (!slotValid(ps.dims, e))
+                {
+                    return fail("kv_slots[" + std::to_string(b) + ", " + std::to_string(p) + "] = " + std::to_string(e)
+                        + " is not a row of the pool (a selected position needs one)");
+                }
+                pc.need.push_back(static_cast<int32_t>(p));
+            }
+        }
+        pc.needOff[static_cast<size_t>(b + 1)] = static_cast<int64_t>(pc.need.size());
+    }
+    // K rows (a selected position at or past `past` is the call's own, written by the source: a miss, then kept)
+    pc.kRow.assign(pc.need.size(), nullptr);
+    static thread_local std::vector<RowJob> callerJobs;
+    std::vector<RowJob>& jobs = callerJobs;
+    jobs.clear();
+    int64_t overflowRows = 0;
+    for (int64_t b = 0; b < B; ++b)
+    {
+        rowCacheLookup(d, in, b, pc.needOff[b], pc.needOff[b + 1], sc, jobs, &overflowRows);
+    }
+    pc.overflow.resize(static_cast<size_t>(overflowRows * kvD));
+    for (RowJob& j : jobs)
+    {
+        if (j.overflow >= 0)
+        {
+            j.dst = pc.overflow.data() + j.overflow * kvD;
+        }
+    }
+    for (size_t i = 0, o = 0; i < pc.kRow.size(); ++i)
+    {
+        if (pc.kRow[i] == nullptr)
+        {
+            pc.kRow[i] = pc.overflow.data() + static_cast<int64_t>(o++) * kvD;
+        }
+    }
+    // [K; V] = W c + bias, K rotated at its position; V rows of every needed position (this call's only)
+    int64_t const n = static_cast<int64_t>(pc.need.size());
+    sc.vrows.resize(static_cast<size_t>(n * kvD));
+    auto project = [&](int64_t b, int32_t e, int64_t half, float* dst) {
+        static thread_local std::vector<float> c;
+        c.resize(static_cast<size_t>(r));
+        loadLatents(ps.dims, ps.pool + sin.cacheRows[b] * ps.poolBytes, e, ps.quant, 0, static_cast<int32_t>(r),
+            c.data());
+        K.matvec(sin.projW + half * kvD * r, c.data(), kvD, r, dst);
+        for (int64_t i = 0; i < kvD; ++i)
+        {
+            dst[i] += sin.projB[half * kvD + i];
+        }
+    };
+    bool ok = parallelFor(par, static_cast<int64_t>(jobs.size()), [&](int64_t i) {
+        RowJob const& j = jobs[static_cast<size_t>(i)];
+        static thread_local std::vector<float> t;
+        t.resize(static_cast<size_t>(kvD));
+        project(j.b, j.entry, 0, t.data());
+        for (int64_t g = 0; g < nKV; ++g)
+        {
+            rope(t.data() + g * D, sin.ropeCos + j.position * D, sin.ropeSin + j.position * D, D, j.dst + g * D);
+        }
+    });
+    ok = ok && parallelFor(par, n, [&](int64_t i) {
+        int64_t const b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i) - pc.needOff.begin() - 1;
+        int32_t const p = pc.need[static_cast<size_t>(i)];
+        project(b, ps.slots[b * N + p], 1, sc.vrows.data() + i * kvD);
+    });
+    // per (query, head): RoPE of q, logits over the selection, softmax, weighted V rows
+    int64_t const Q = B * S;
+    sc.krow.resize(static_cast<size_t>(Q * k));
+    sc.vrow.resize(static_cast<size_t>(Q * k));
+    sc.nsel.assign(static_cast<size_t>(Q), 0);
+    for (int64_t b = 0; b < B; ++b)
+    {
+        for (int64_t i = pc.needOff[b]; i < pc.needOff[b + 1]; ++i)
+        {
+            sc.needIdx[static_cast<size_t>(pc.need[static_cast<size_t>(i)])] = static_cast<int32_t>(i);
+        }
+        for (int64_t j = 0; j < sin.newLengths[b]; ++j)
+        {
+            int64_t const q = b * S + j;
+            int32_t const* sel = sin.selected + q * k;
+            int64_t s = 0;
+            for (; s < k && sel[s] >= 0; ++s)
+            {
+                int32_t const i = sc.needIdx[static_cast<size_t>(sel[s])];
+                sc.krow[q * k + s] = pc.kRow[static_cast<size_t>(i)];
+                sc.vrow[q * k + s] = sc.vrows.data() + i * kvD;
+            }
+            sc.nsel[static_cast<size_t>(q)] = static_cast<int32_t>(s);
+        }
+        for (int64_t i = pc.needOff[b]; i < pc.needOff[b + 1]; ++i)
+        {
+            sc.needIdx[static_cast<size_t>(pc.need[static_cast<size_t>(i)])] = -1;
+        }
+    }
+    sc.probs.resize(static_cast<size_t>(Q * nH * k));
+    ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
+        int64_t const q = i / nH, h = i % nH, g = h / grp, nsel = sc.nsel[static_cast<size_t>(q)];
+        float* o = attnOut + (q * nH + h) * D;
+        if (nsel == 0) // a padding row
+        {
+            std::fill(o, o + D, 0.f);
+            return;
+        }
+        int64_t const t = sin.pastLengths[q / S] + q % S;
+        float qr[512];
+        std::vector<float> big;
+        float* qh = qr;
+        if (D > 512)
+        {
+            big.resize(static_cast<size_t>(D));
+            qh = big.data();
+        }
+        rope(sin.q + (q * nH + h) * D, sin.ropeCos + t * D, sin.ropeSin + t * D, D, qh);
+        float* pr = sc.probs.data() + (q * nH + h) * k;
+        K.logits(qh, sc.krow.data() + q * k, g * D, nsel, D, sqrtD, pr);
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < nsel; ++s)
+        {
+            mx = std::max(mx, pr[s]);
+        }
+        float sum = 0.f;
+        for (int64_t s = 0; s < nsel; ++s)
+        {
+            pr[s] = std::exp(pr[s] - mx);
+            sum += pr[s];
+        }
+        for (int64_t s = 0; s < nsel; ++s)
+        {
+            pr[s] /= sum;
+        }
+        K.weightedRows(pr, sc.vrow.data() + q * k, g * D, nsel, D, o);
+    });
+    (void) rk;
+    if (!ok)
+    {
+        return fail("the intra-op thread pool failed");
+    }
+    return true;
+}
+
 } // namespace ortcpu
 } // namespace gsm

@@ -1,6 +1,7 @@
 // ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with four ops,
 // GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h), GsmQuantMatMul (gsmQuantMatMul.h) and
-// GsmSideSplit (gsmSideSplit.h), and GsmPoolAttention (GsmCachedAttention over the plugins' pools, gsmPoolRows.h),
+// GsmSideSplit (gsmSideSplit.h), GsmPoolAttention (GsmCachedAttention over the plugins' pools, gsmPoolRows.h) and GsmPoolSharedAttention (a sharing
+// layer over its source's pool),
 // through ONNX Runtime's C API only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
 
@@ -1344,6 +1345,224 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL poolOutputKind(OrtCustomOp con
     return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
+// -- GsmPoolSharedAttention -------------------------------------------------------------------------------------
+constexpr char const* kSharedOpName = "GsmPoolSharedAttention";
+enum SharedInput : size_t
+{
+    kSQ, kSPool, kSSlots, kSQuant, kSRowCache, kSRowTags, kSProjW, kSProjB, kSRopeCos, kSRopeSin, kSSelected,
+    kSCacheRows, kSPastLengths, kSNewLengths, kSNumInputs
+};
+char const* const kSharedInputNames[kSNumInputs] = {"q", "kv_pool", "kv_slots", "quant", "row_cache",
+    "row_cache_tags", "kv_proj_weight", "kv_proj_bias", "rope_cos", "rope_sin", "selected", "cache_rows",
+    "past_lengths", "new_lengths"};
+
+struct SharedKernel
+{
+    int64_t numHeads, numKvHeads, headDim, rankK;
+    int64_t rows[4];
+};
+
+OrtStatus* sharedInvalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmPoolSharedAttention: " + m).c_str());
+}
+
+OrtStatus* sharedShape(size_t i, std::vector<int64_t> const& got, std::vector<int64_t> const& want, char const* meaning)
+{
+    return got == want ? nullptr
+                       : sharedInvalid(std::string("input ") + kSharedInputNames[i] + " has shape " + dimsText(got)
+                           + ", expected " + dimsText(want) + " (" + meaning + ")");
+}
+
+OrtStatus* ORT_API_CALL sharedCompute(void* opKernel, OrtKernelContext* ctx)
+{
+    SharedKernel const& kn = *static_cast<SharedKernel const*>(opKernel);
+    OrtValue const* v[kSNumInputs];
+    std::vector<int64_t> sh[kSNumInputs];
+    for (size_t i = 0; i < kSNumInputs; ++i)
+    {
+        GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
+        if (v[i] == nullptr)
+        {
+            return sharedInvalid(std::string("input ") + kSharedInputNames[i] + " is missing");
+        }
+    }
+    if (sh[kSSelected].size() != 3 || sh[kSProjW].size() != 2 || sh[kSSlots].size() != 2 || sh[kSPool].size() != 2
+        || sh[kSRowCache].size() != 3)
+    {
+        return sharedInvalid("inputs selected " + dimsText(sh[kSSelected]) + ", kv_proj_weight " + dimsText(sh[kSProjW])
+            + ", kv_slots " + dimsText(sh[kSSlots]) + ", kv_pool " + dimsText(sh[kSPool]) + ", row_cache "
+            + dimsText(sh[kSRowCache]) + ": expected [B, S, k], [2*kvD, r], [B, N_max], [R, P32], [R, C, kvD]");
+    }
+    gsm::ortcpu::CachedAttentionDims d;
+    d.nH = kn.numHeads;
+    d.nKV = kn.numKvHeads;
+    d.D = kn.headDim;
+    d.B = sh[kSSelected][0];
+    d.S = sh[kSSelected][1];
+    d.N = sh[kSSlots][1];
+    d.R = sh[kSPool][0];
+    d.rk = kn.rankK;
+    d.rv = sh[kSProjW][1] - kn.rankK;
+    int64_t const B = d.B, S = d.S, kvD = d.nKV * d.D, C = sh[kSRowCache][1];
+    if (d.rv <= 0)
+    {
+        return sharedInvalid("kv_proj_weight has " + std::to_string(sh[kSProjW][1]) + " columns, not more than "
+            "attribute rank_k = " + std::to_string(kn.rankK));
+    }
+    gsm::GsmDims g{};
+    g.rankK = static_cast<int32_t>(d.rk);
+    g.rankV = static_cast<int32_t>(d.rv);
+    g.nMax = static_cast<int32_t>(d.N);
+    g.rowsFP16 = static_cast<int32_t>(kn.rows[0]);
+    g.rowsINT12 = static_cast<int32_t>(kn.rows[1]);
+    g.rowsINT8 = static_cast<int32_t>(kn.rows[2]);
+    g.rowsINT4 = static_cast<int32_t>(kn.rows[3]);
+    bool const flatQ = sh[kSQ].size() == 2;
+    GSM_ORT_TRY(sharedShape(kSQ, sh[kSQ], flatQ ? std::vector<int64_t>{B * S, d.nH * d.D}
+                                                 : std::vector<int64_t>{B, S, d.nH * d.D},
+        "[B, S, num_heads*head_dim] or [B*S, ...]"));
+    GSM_ORT_TRY(sharedShape(kSPool, sh[kSPool], {d.R, gsm::poolWords(g)}, "[R, P32] of the rows_* attributes"));
+    GSM_ORT_TRY(sharedShape(kSSlots, sh[kSSlots], {B, d.N}, "[B, N_max]"));
+    GSM_ORT_TRY(sharedShape(kSQuant, sh[kSQuant], {5, d.rk + d.rv}, "[5, r] of the source layer"));
+    GSM_ORT_TRY(sharedShape(kSRowCache, sh[kSRowCache], {d.R, C, kvD}, "[R, C, num_kv_heads*head_dim]"));
+    GSM_ORT_TRY(sharedShape(kSRowTags, sh[kSRowTags], {d.R, gsm::ortcpu::kTagRows, C}, "[R, 3, C]"));
+    GSM_ORT_TRY(sharedShape(kSProjW, sh[kSProjW], {2 * kvD, d.rk + d.rv}, "[2*num_kv_heads*head_dim, r]"));
+    GSM_ORT_TRY(sharedShape(kSProjB, sh[kSProjB], {2 * kvD}, "[2*num_kv_heads*head_dim]"));
+    GSM_ORT_TRY(sharedShape(kSRopeCos, sh[kSRopeCos], {d.N, d.D}, "[N_max, head_dim]"));
+    GSM_ORT_TRY(sharedShape(kSRopeSin, sh[kSRopeSin], {d.N, d.D}, "[N_max, head_dim]"));
+    for (size_t i : {kSCacheRows, kSPastLengths, kSNewLengths})
+    {
+        GSM_ORT_TRY(sharedShape(i, sh[i], {B}, "[B]"));
+    }
+    void* p[kSNumInputs];
+    for (size_t i = 0; i < kSNumInputs; ++i)
+    {
+        GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+    }
+    gsm::ortcpu::PoolSource ps;
+    ps.dims = g;
+    ps.pool = static_cast<uint8_t*>(p[kSPool]);
+    ps.poolBytes = 4 * gsm::poolWords(g);
+    ps.slots = static_cast<int32_t const*>(p[kSSlots]);
+    ps.quant = static_cast<float const*>(p[kSQuant]);
+    ps.cacheRows = static_cast<float*>(p[kSRowCache]);
+    ps.cacheTags = static_cast<int32_t*>(p[kSRowTags]);
+    ps.capacity = C;
+    gsm::ortcpu::SharedAttentionInputs in;
+    in.q = static_cast<float const*>(p[kSQ]);
+    in.selected = static_cast<int32_t const*>(p[kSSelected]);
+    in.k = sh[kSSelected][2];
+    in.projW = static_cast<float const*>(p[kSProjW]);
+    in.projB = static_cast<float const*>(p[kSProjB]);
+    in.ropeCos = static_cast<float const*>(p[kSRopeCos]);
+    in.ropeSin = static_cast<float const*>(p[kSRopeSin]);
+    in.cacheRows = static_cast<int32_t const*>(p[kSCacheRows]);
+    in.pastLengths = static_cast<int32_t const*>(p[kSPastLengths]);
+    in.newLengths = static_cast<int32_t const*>(p[kSNewLengths]);
+    in.pool = &ps;
+    size_t outputs = 0;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
+    int64_t const outDims[3] = {B, S, d.nH * d.D};
+    int64_t const flatOut[2] = {B * S, d.nH * d.D};
+    OrtValue* ov = nullptr;
+    void* out = nullptr;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, flatQ ? flatOut : outDims, flatQ ? 2 : 3, &ov));
+    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &out));
+    if (outputs > 1)
+    {
+        int64_t const bDims[1] = {B};
+        void* m = nullptr;
+        GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 1, bDims, 1, &ov));
+        if (ov != nullptr)
+        {
+            GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &m));
+            ps.misses = static_cast<int32_t*>(m);
+        }
+    }
+    gsm::ortcpu::ParallelRunner par;
+    par.run = runParallel;
+    par.ctx = ctx;
+    std::string err;
+    if (!gsm::ortcpu::runPoolSharedAttention(d, in, static_cast<float*>(out), par, &err))
+    {
+        return gApi->CreateStatus(ORT_INVALID_ARGUMENT, err.c_str());
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL sharedCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
+{
+    SharedKernel kn{};
+    GSM_ORT_TRY(attribute(info, "num_heads", &kn.numHeads, sharedInvalid));
+    GSM_ORT_TRY(attribute(info, "num_kv_heads", &kn.numKvHeads, sharedInvalid));
+    GSM_ORT_TRY(attribute(info, "head_dim", &kn.headDim, sharedInvalid));
+    GSM_ORT_TRY(attribute(info, "rank_k", &kn.rankK, sharedInvalid));
+    char const* const rowNames[4] = {"rows_fp16", "rows_int12", "rows_int8", "rows_int4"};
+    for (int i = 0; i < 4; ++i)
+    {
+        GSM_ORT_TRY(attribute(info, rowNames[i], &kn.rows[i], sharedInvalid));
+        if (kn.rows[i] < 0 || kn.rows[i] > gsm::kSlotRowMask)
+        {
+            return sharedInvalid(std::string("attribute ") + rowNames[i] + " = " + std::to_string(kn.rows[i])
+                + " is outside [0, 2^24)");
+        }
+    }
+    if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0 || kn.headDim <= 0
+        || kn.headDim % 2 != 0 || kn.rankK <= 0)
+    {
+        return sharedInvalid("attributes num_heads, num_kv_heads (a divisor of num_heads), head_dim (even) and rank_k "
+            "must be positive");
+    }
+    *kernel = new SharedKernel(kn);
+    return nullptr;
+}
+
+void ORT_API_CALL sharedDestroyKernel(void* kernel)
+{
+    delete static_cast<SharedKernel*>(kernel);
+}
+
+char const* ORT_API_CALL sharedOpName(OrtCustomOp const*)
+{
+    return kSharedOpName;
+}
+
+ONNXTensorElementDataType ORT_API_CALL sharedInputType(OrtCustomOp const*, size_t i)
+{
+    switch (i)
+    {
+    case kSPool:
+    case kSSlots:
+    case kSRowTags:
+    case kSSelected:
+    case kSCacheRows:
+    case kSPastLengths:
+    case kSNewLengths: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
+}
+
+size_t ORT_API_CALL sharedInputCount(OrtCustomOp const*)
+{
+    return kSNumInputs;
+}
+
+ONNXTensorElementDataType ORT_API_CALL sharedOutputType(OrtCustomOp const*, size_t i)
+{
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+size_t ORT_API_CALL sharedOutputCount(OrtCustomOp const*)
+{
+    return 2;
+}
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL sharedOutputKind(OrtCustomOp const*, size_t i)
+{
+    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 // What makes each further op of the domain; the other fields are GsmCachedAttention's (makeOp)
 struct OpFns
 {
@@ -1393,6 +1612,8 @@ OrtCustomOp gQmmOp = makeEpilogueOp({qmmOpName, qmmInputType, qmmInputCount, off
     qmmInputKind, qmmCreateKernel, qmmCompute, qmmDestroyKernel});
 OrtCustomOp gPoolOp = withOutputKinds(makeOp({poolOpName, poolInputType, poolInputCount, poolOutputType,
     poolOutputCount, required, poolCreateKernel, poolCompute, poolDestroyKernel}), poolOutputKind);
+OrtCustomOp gSharedOp = withOutputKinds(makeOp({sharedOpName, sharedInputType, sharedInputCount, sharedOutputType,
+    sharedOutputCount, required, sharedCreateKernel, sharedCompute, sharedDestroyKernel}), sharedOutputKind);
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
@@ -1422,6 +1643,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gQmmOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSideOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gPoolOp));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSharedOp));
     }
     return api->AddCustomOpDomain(options, domain);
 }
