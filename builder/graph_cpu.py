@@ -23,50 +23,75 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx
 
 from builder.graph_portable import PortableOps
-from builder.nodes import F32
-from gsm.bundle_format import CpuWeightTable, WeightSpan
+from builder.nodes import F16, F32, I32
+from builder.plan import PoolRows, pool_words, row_cache_capacity
+from gsm.bundle_format import ROW_CACHE_TAGS, CpuWeightTable, IndexKeyLayout, WeightSpan
 
 CPU_DOMAIN = "ai.gsm_edge.cpu"
-CPU_OP = "GsmCachedAttention"
+CPU_OP = "GsmPoolAttention"
+SHARED_OP = "GsmPoolSharedAttention"
 OFFSET_OP = "GsmGroupOffset"
 QUANT_OP = "GsmQuantMatMul"
 SIDE_OP = "GsmSideSplit"
 CPU_OP_VERSION = 1
 # what model.cpu.onnx may use of the domain
-CPU_OPS = {CPU_OP: CPU_OP_VERSION, OFFSET_OP: CPU_OP_VERSION, QUANT_OP: CPU_OP_VERSION, SIDE_OP: CPU_OP_VERSION}
+CPU_OPS = {op: CPU_OP_VERSION for op in (CPU_OP, SHARED_OP, OFFSET_OP, QUANT_OP, SIDE_OP)}
 
 
 class CpuOps(PortableOps):
-    """PortableOps with the owning layers' attention as one `GsmCachedAttention` node."""
+    """PortableOps with each layer's attention as one node over the plugins' pools: `GsmPoolAttention` (owning),
+    `GsmPoolSharedAttention` (sharing). The cache is the TensorRT graph's (engine_io section 3: `kv_pool.{l}`,
+    `index_keys.{l}`, the slot table `kv_slots`), read and written in place by the nodes, plus a bounded row cache of
+    reconstructed K rows per layer (`row_cache.{i}` [R, C_i, kvD], `row_cache_tags.{i}` [R, 3, C_i];
+    builder/plan.py row_cache_capacity)."""
 
     variant = "cpu"
     fused_offsets = True  # Network.proj emits a float zero point's offset term through group_offset
     fused_quant = True  # Network.proj emits a projection whose tiles are stored (fast matmuls) through quant_matmul
     fused_side = True  # Network.gsm_inputs emits the GSM-side tail through side_split
-    flat_q = True  # GsmCachedAttention takes q [B*S, q_dim] and returns attn_out so: no Reshape either side
-    half_up = True  # GsmCachedAttention reads U_k / U_v as float16 when every value lies on the FP16 grid
+    flat_q = True  # GsmPoolAttention takes q [B*S, q_dim] and returns attn_out so: no Reshape either side
+    half_up = True  # GsmPoolAttention reads U_k / U_v as float16 when every value lies on the FP16 grid
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    def __init__(self, g: Any, cfg: Any, ranks: dict[int, tuple[int, int]], n_max: int, rows: PoolRows, *,
+                 int8_keys: bool = False) -> None:
+        super().__init__(g, cfg, ranks, n_max, int8_keys=int8_keys)
+        self.pool_rows = rows
+        self.keys = IndexKeyLayout(cfg.gsm.indexer_dim, 8 if int8_keys else 16)
+        self.pool_key_type = F16 if self.keys.bits == 16 else I32
         self._side: set[int] = set()  # owning layers whose new rows side_split made in the cache's form
-        self.v_rows: dict[int, str] = {}  # owning layer -> its `v_rows.{l}` input
+
+    def _pool_attrs(self) -> dict[str, int]:
+        r = self.pool_rows
+        return {"rows_fp16": r.fp16, "rows_int12": r.int12, "rows_int8": r.int8, "rows_int4": r.int4}
 
     def declare_cache(self) -> dict[int, dict[str, str]]:
-        state = super().declare_cache()
-        # every owning layer's V rows U_v c, made once per row like the K rows: a decode step's weighted sum then
-        # takes nH*K*D float32 multiply-adds in place of nH*K*r_v float64 ones and a U_v per head (decisions
-        # "CPU V rows")
-        self.v_rows = {l: self.g.input(f"v_rows.{l}", F32, ["R", self.n_max, self.cfg.kv_dim])
-                       for l in self.cfg.owning_layers}
+        g, cfg = self.g, self.cfg
+        self.slots = g.input("kv_slots", I32, ["B", self.n_max])
+        self.top_k = g.input("sparse_top_k", I32, ["B"])
+        self.rows = g.input("cache_rows", I32, ["B"])
+        state = {}
+        for l in cfg.owning_layers:
+            state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["R", pool_words(*self.ranks[l], self.pool_rows)]),
+                        "keys": g.input(f"index_keys.{l}", self.pool_key_type,
+                                        ["R", self.n_max, self.keys.plugin_width])}
+        self.row_cache = {}
+        for i in range(cfg.num_hidden_layers):
+            c = row_cache_capacity(cfg, i, self.n_max)
+            self.row_cache[i] = (g.input(f"row_cache.{i}", F32, ["R", c, cfg.kv_dim]),
+                                 g.input(f"row_cache_tags.{i}", I32, ["R", ROW_CACHE_TAGS, c]))
+        # GsmSideSplit makes the call's key in the type the op takes (FP16, or INT8 codes): it reads only that
+        dt = np.int8 if self.keys.bits == 8 else np.float16
+        self._keys_like = g.const(np.zeros((1, 1, cfg.gsm.indexer_dim), dt), dt, "keys_like")
         return state
 
     def declare_cache_outputs(self) -> None:
-        super().declare_cache_outputs()
-        for l in self.v_rows:
-            self.g.output(f"new_v_rows.{l}", F32, ["B", "S", self.cfg.kv_dim])
+        for l in self.cfg.owning_layers:  # per-layer probes; the runtime binds them when asked
+            self.g.output(f"selected.{l}", *self.selected_type(l))
+            self.g.output(f"attn_mass.{l}", F32, self.mass_shape())
 
     def side_split(self, l: int, y: str, scale: str, widths: list[int], batch_shape: str) -> list[str]:
         """Owning layer l's in_proj output y [B*S, sum(widths)] as [B, S, w] blocks (batch_shape: [B, S] int64):
@@ -76,14 +101,17 @@ class CpuOps(PortableOps):
         self._side.add(l)
         outs = [f"new_latent_k.{l}", f"new_latent_v.{l}", f"new_index_keys.{l}", f"L{l}.index_q", f"L{l}.index_w"]
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
-            return g.op(SIDE_OP, [y, scale, batch_shape, f"index_keys.{l}"], n_out=len(outs), outputs=outs,
+            return g.op(SIDE_OP, [y, scale, batch_shape, self._keys_like], n_out=len(outs), outputs=outs,
                         domain=CPU_DOMAIN, widths=[int(w) for w in widths])
 
     def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
                   new: str) -> dict[str, str]:
+        # GsmPoolAttention writes the call's rows into the pool, in the cache's form: side_split's, or the standard
+        # ops' (a float GSM side)
         if l not in self._side:
-            return super().kv_update(l, cache, ck, cv, key, past, new)
-        return {**cache, "new_k": ck, "new_v": cv, "new_keys": key}  # side_split made them in the cache's form
+            return {**cache, **{k: v for k, v in super().kv_update(l, cache, ck, cv, key, past, new).items()
+                                if k.startswith("new_")}}
+        return {**cache, "new_k": ck, "new_v": cv, "new_keys": key}
 
     def group_offset(self, x: str, main: str, offsets: str, block: int, out: str, residual: str | None,
                      swiglu: bool = False, norm: tuple[str, float, str] | None = None) -> str:
@@ -120,25 +148,29 @@ class CpuOps(PortableOps):
                   up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
                   sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
                   source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
-        if selected is not None or index_q is None or index_w is None or sparse_window is None or top_k is None:
-            assert selected is not None, f"owning layer {l}: the standard-op attention needs q as [B, S, q_dim]"
-            assert l not in self.v_rows, f"owning layer {l}: its V rows are made by {CPU_OP}"
-            return super().attention(l, q, cache, past, new, rope=rope, up=up, index_q=index_q, index_w=index_w,
-                                     sparse_window=sparse_window, top_k=top_k, selected=selected, source=source,
-                                     quant=quant)
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
-        # v_rows = 1: input 6 the layer's V rows, a fifth output the call's new ones (absent: V from the latents, as
-        # graphs before it)
-        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], self.v_rows[l], cache["keys"],
-               self.k_rows[l], up[0], up[1], rope[0], rope[1], self.rows, past, new, sparse_window, top_k]
-        outs = [f"L{l}.attn_out", f"new_k_rows.{l}", f"selected.{l}", f"attn_mass.{l}", f"new_v_rows.{l}"]
+        assert quant is not None
+        heads = {"num_heads": cfg.num_attention_heads, "num_kv_heads": cfg.num_key_value_heads,
+                 "head_dim": cfg.head_dim}
+        row_cache, tags = self.row_cache[l]
+        if selected is not None:  # sharing: the source's selection over the source's pool, as the source left it
+            ins = [q, cache["pool"], self.slots, g.weight(quant), row_cache, tags, up[0], up[1], rope[0], rope[1],
+                   selected, self.rows, past, new]
+            with g.in_scope(f"L{l}.GsmSparseAttention"):
+                out = g.op(SHARED_OP, ins, outputs=[f"L{l}.attn_out"], domain=CPU_DOMAIN, **heads,
+                           rank_k=self.ranks[source][0], **self._pool_attrs())
+            return out, None, None
+        assert index_q is not None and index_w is not None and sparse_window is not None and top_k is not None
+        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["pool"], cache["keys"],
+               self.slots, g.weight(quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows, past, new,
+               sparse_window, top_k]
+        outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor
-        grows = {"sparse_top_k_divisor": d} if d else {}  # absent: a fixed top-k, as graphs before it
+        grows = {"sparse_top_k_divisor": d} if d else {}
         with g.in_scope(f"L{l}.GsmSparseAttention"):
-            out, _, sel, mass, _ = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN,
-                                        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                                        head_dim=cfg.head_dim, index_heads=p.indexer_heads, index_dim=p.indexer_dim,
-                                        sink_tokens=p.sink_tokens, v_rows=1, **grows)
+            out, sel, mass = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN, **heads,
+                                  index_heads=p.indexer_heads, index_dim=p.indexer_dim, sink_tokens=p.sink_tokens,
+                                  **grows, **self._pool_attrs())
         return out, sel, mass
 
 

@@ -79,12 +79,12 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
                    out / FILES.model_portable)
         progress("ONNX Runtime CPU graph")
         g = GraphBuilder(store)
-        Network(g, CpuOps(g, cfg, ranks, n_max, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
+        Network(g, CpuOps(g, cfg, ranks, n_max, rows, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
                 quant, F32,
                 projections=projections).build()
         cpu_model = g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},
-                            doc="GSM network, standard ONNX ops + GsmCachedAttention (ONNX Runtime CPU custom op), "
-                                "fp32 (docs/engine_io.md 5.1)")
+                            doc="GSM network, standard ONNX ops + GsmPoolAttention over the plugins' pools (ONNX "
+                                "Runtime CPU custom ops), fp32 (docs/engine_io.md 5.1)")
         save_model(cpu_model, out / FILES.model_cpu)
         write_json(out / FILES.cpu_weights, cpu_weight_table(cpu_model).to_json())
         progress("TensorRT graph")

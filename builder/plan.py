@@ -31,7 +31,7 @@ from typing import Any
 
 from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
-from gsm.bundle_format import IndexKeyLayout, PoolRows
+from gsm.bundle_format import ROW_CACHE_TAGS, IndexKeyLayout, PoolRows
 from gsm.config import KVQuantConfig, ModelConfig
 from gsm.tiers import avg_bytes, row_bytes, tier_counts
 from jetson.profiles import PROFILES, DeviceProfile
@@ -104,6 +104,16 @@ def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConf
     return PoolRows(c16, c12, c8, max_seq - c16 - c12 - c8)
 
 
+def row_cache_capacity(cfg: ModelConfig, layer: int, max_seq: int) -> int:
+    """C of layer `layer`'s row cache of K rows on the CPU graph: the most positions one query selects with the
+    default budgets within max_seq (a sharing layer: its source's), so a decode step's selection always fits and
+    only what changes from one step to the next is made again; a larger run-time budget or a prefill chunk's union
+    makes its surplus rows per call."""
+    g = cfg.gsm
+    owner = g.kv_sharing.get(layer, layer)
+    return min(max_seq, g.k_sel(owner, g.max_top_k_to(max_seq)))
+
+
 def pool_words(r_k: int, r_v: int, rows: PoolRows) -> int:
     """P32 of `kv_pool.{l}`: ceil((C16 W16 + C12 W12 + C8 W8 + C4 W4) / 4) int32 words (engine_io section 2)."""
     return math.ceil(sum(c * w for c, w in zip(rows.by_tier, row_bytes(r_k, r_v))) / 4)
@@ -133,7 +143,8 @@ class MemoryPlan:
     int4_grid: str = "sym"  # INT4_GRIDS
     gsm_weights: str = "fp16"  # GSM_CHOICES: the GSM-side projections (in_proj)
     max_top_k: int = 0  # largest per-sequence selection budget the TensorRT graph takes (0: not given)
-    cpu_kv_bytes: int = 0  # the onnxruntime backend's cache, all rows (cpu_cache_bytes; 0: a plan from before it)
+    cpu_kv_bytes: int = 0  # the onnxruntime backend's cache, all rows: pools, keys, row caches (cpu_cache_bytes)
+    row_cache_bytes: int = 0  # of that, one sequence's row caches of K rows (constant in the context)
 
     @property
     def total_bytes(self) -> int:
@@ -294,16 +305,21 @@ def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: Poo
     return per_seq * max_batch
 
 
-def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], max_seq: int, max_batch: int,
-                    quant: KVQuantConfig) -> int:
-    """What the onnxruntime backend holds for the plan's rows running model.cpu.onnx (engine_io 5, revision 11): per
-    position float32 latents and the indexer keys (FP16, or int8 codes) of every owning layer, float32 K rows of every
-    layer and float32 V rows of every owning layer (the portable graph, a fallback, holds no V rows). Larger than the
-    TensorRT pools (which hold the tiers' bytes): the CPU graphs read latents and rows as float32."""
-    key = cfg.gsm.indexer_dim * (1 if quant.int8_keys else 2)
-    per_position = sum(4 * (rk + rv) + key for rk, rv in ranks.values())
-    per_position += 4 * (cfg.num_hidden_layers + len(ranks)) * cfg.kv_dim
-    return per_position * max_seq * max_batch
+def row_cache_bytes(cfg: ModelConfig, max_seq: int) -> int:
+    """One sequence's row caches on the CPU graph (every layer: row_cache_capacity K rows of kvD float32 and their three
+    int32 tags each): a constant of the plan, independent of the context."""
+    return sum(row_cache_capacity(cfg, i, max_seq) * (4 * cfg.kv_dim + 4 * ROW_CACHE_TAGS)
+               for i in range(cfg.num_hidden_layers))
+
+
+def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: PoolRows, max_seq: int,
+                    max_batch: int, quant: KVQuantConfig) -> int:
+    """What the onnxruntime backend holds for the plan's rows running model.cpu.onnx: the TensorRT graph's pools and
+    indexer keys (kv_pool_bytes without the slot tables, which the runtime keeps as host tables per sequence) and
+    each row's row cache of K rows (row_cache_bytes)."""
+    slots = max_seq * SLOT_ENTRY_BYTES * max_batch
+    pools = kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch, quant)
+    return pools - slots + row_cache_bytes(cfg, max_seq) * max_batch
 
 
 def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int,
@@ -397,7 +413,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
         weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
         gsm_weights=gsm_weights, max_top_k=cfg.gsm.max_top_k_to(max_seq) if max_top_k is None else max_top_k,
-        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, max_seq, max_batch, quant))
+        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, rows, max_seq, max_batch, quant),
+        row_cache_bytes=row_cache_bytes(cfg, max_seq))
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,

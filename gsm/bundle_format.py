@@ -25,7 +25,7 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 11
+GRAPH_REVISION = 12
 OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 
@@ -124,6 +124,13 @@ class PoolRows:
     @property
     def by_tier(self) -> tuple[int, int, int, int]:
         return self.fp16, self.int12, self.int8, self.int4
+
+
+# The CPU graph's row cache of reconstructed K rows (plugins/ortCpu/gsmPoolRows.h): per layer `row_cache.{i}`
+# [R, C, kvD] float32 and `row_cache_tags.{i}` [R, ROW_CACHE_TAGS, C] int32, tag rows position, slot entry, last
+# call read; a new row starts with every tag -1 (free).
+ROW_CACHE_TAGS = 3
+ROW_CACHE_FREE = -1
 
 
 @dataclass(frozen=True)

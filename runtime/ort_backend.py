@@ -51,7 +51,9 @@ import numpy as np
 
 from gsm.bundle_format import FILES, REBUILD, BundleConfig, BundleError, CpuWeightTable
 from runtime.backend import Capabilities, RowPool, StepOutput, kv_noise_sums, relative_noise
+from runtime.ort_pools import OrtPools
 from runtime.page_reserve import PageReserve
+from runtime.slots import SlotTable
 
 log = logging.getLogger("runtime.ort_backend")
 
@@ -164,15 +166,19 @@ def session_options(t: SessionTuning) -> Any:
 
 @dataclass
 class OrtCache:
-    """One sequence's place in the backend's buffers (its row); see OrtBackend.new_cache."""
+    """One sequence's place in the backend's buffers (its row, and on model.cpu.onnx its slot table of the pools);
+    see OrtBackend.new_cache."""
 
     backend: OrtBackend
     row: int
+    slots: SlotTable | None = None
     released: bool = False
 
     def latents(self, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views of the first n positions of this sequence's latents (tests, debugging)."""
+        """The first n positions of this sequence's dequantised latents (tests, debugging)."""
         b = self.backend
+        if b.pools is not None:
+            return b.pools.latents(self, layer, n)  # type: ignore[arg-type]
         return b.buffers[f"latent_k.{layer}"][self.row, :n], b.buffers[f"latent_v.{layer}"][self.row, :n]
 
     def release(self) -> None:
@@ -198,9 +204,6 @@ class OrtBackend:
         # the demotion graph runs once per re-tier pass (a prefill's end, every few decode steps): its workers never
         # spin, since a pool spinning after it would take the cores from the next steps of the main session (SmolLM2,
         # 2 threads: the 5-8 decode steps after each prefill ran 9-17 ms instead of 5)
-        self.demote_session = ort.InferenceSession(
-            str(bundle / FILES.demote_portable), session_options(dataclasses.replace(self.tuning, spinning=False)),
-            providers=prov)
         try:
             self.session = self.open_session(so)
         except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...
@@ -215,6 +218,10 @@ class OrtBackend:
             self.graph_note = f"{FILES.model_cpu} did not load ({detail})"
             log.warning("%s: running %s instead", self.graph_note, FILES.model_portable)
             self.session = self.open_session(session_options(self.tuning))
+        # the portable graph's demotion graph (model.cpu.onnx's pools are re-encoded by the plugins' reference)
+        self.demote_session = None if self.graph == "cpu" else ort.InferenceSession(
+            str(bundle / FILES.demote_portable), session_options(dataclasses.replace(self.tuning, spinning=False)),
+            providers=prov)
         self.cfg = cfg
         self.n_max = cfg.n_max
         self.layers = list(cfg.owning_layers)
@@ -223,13 +230,15 @@ class OrtBackend:
         self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
         # revision 4 takes the budget per sequence; older graphs select with their build-time top_k only
         self.per_sequence_top_k = cfg.graph_revision >= 4
-        self.demote_out = [o.name for o in self.demote_session.get_outputs()]
+        self.demote_out = [] if self.demote_session is None else [o.name for o in self.demote_session.get_outputs()]
         # revision 5 caches every layer's K rows beside the latents (engine_io 5), and its demotion graph takes
         # the rows' positions to remake them; older graphs rebuild K per step
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
-        self.k_rows = self._k_row_widths(inputs) if cfg.graph_revision >= 5 else {}
-        # model.cpu.onnx (revision 11) caches the owning layers' V rows too; the graph's inputs say which
-        self.v_rows = {l: int(inputs[f"v_rows.{l}"][-1]) for l in cfg.owning_layers if f"v_rows.{l}" in inputs}
+        # model.cpu.onnx reads and writes the plugins' pools in place (runtime/ort_pools.py); the portable graph
+        # reads float32 latents and K rows and returns the call's new rows
+        self.pools = OrtPools(cfg, inputs, self._weight_arrays, self.name) if self.graph == "cpu" else None
+        self.k_rows = self._k_row_widths(inputs) if self.pools is None else {}
+        self.v_rows: dict[int, int] = {}
         self.demote_positions = cfg.graph_revision >= 5
         shapes = self._shapes()
         self.cached = list(shapes)  # the buffers a call writes new rows into (graph outputs `new_<name>`)
@@ -246,14 +255,18 @@ class OrtBackend:
         self._want: dict[bool, list[str]] = {}
         self._decode_arrays: dict[str, np.ndarray] = {}
         self._decode_copies: list[_RowCopy] = []  # where each new row goes
-        self.pool = RowPool(cfg.max_batch, self.name)
+        # the rows of the memory plan: on model.cpu.onnx the plugin backends' rows and slot tables (PluginRows)
+        self.plugin_rows = self.pools.rows if self.pools is not None else None
+        self.pool = self.plugin_rows.pool if self.plugin_rows is not None else RowPool(cfg.max_batch, self.name)
         self.buffers: dict[str, np.ndarray] = {}
         self._allocate(cfg.max_batch)
+        per_sequence = (self.pools.bytes().per_sequence if self.pools is not None
+                        else self.cache_bytes_per_position() * self.n_max)
         # forward(commit=False) leaves the buffers as they were: the dense shadow call of a probe is possible;
         # demote() measures the noise on the latents it re-encodes
         self.capabilities = Capabilities(
             max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
-            kv_bytes_per_sequence=self.cache_bytes_per_position() * self.n_max,
+            kv_bytes_per_sequence=per_sequence,
             per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, graph=self.graph,
             graph_note=self.graph_note)
 
@@ -298,7 +311,10 @@ class OrtBackend:
 
     # -- cache rows --------------------------------------------------------------------------------
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The portable graph's cache buffers by name: (shape of one row, dtype); none on model.cpu.onnx."""
         dI, shapes = self.cfg.index_dim, {}
+        if self.pools is not None:
+            return shapes
         for l in self.layers:
             rk, rv = self.cfg.ranks[l]
             shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
@@ -312,11 +328,20 @@ class OrtBackend:
         return shapes
 
     def cache_bytes_per_position(self) -> int:
-        """Bytes this backend holds per cached position of one sequence (all layers)."""
+        """Bytes this backend holds per cached position of one sequence (all layers; on model.cpu.onnx the pools and
+        keys, beside which each sequence holds a row cache of constant size)."""
+        if self.pools is not None:
+            return self.pools.bytes().per_position
         return sum(int(np.prod(shape)) // self.n_max * np.dtype(dt).itemsize for shape, dt in self._shapes().values())
 
     def _allocate(self, rows: int) -> None:
         """Buffers of `rows` sequences, bound once to the session (zeroed pages: resident as they are written)."""
+        if self.pools is not None:
+            self.buffers = self.pools.buffers
+            for name, buf in self.buffers.items():
+                self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buf))
+            self.pages = PageReserve([], rows, self.n_max)
+            return
         for name, (shape, dtype) in self._shapes().items():
             buf = np.zeros((rows, *shape), dtype)
             self.buffers[name] = buf
@@ -326,6 +351,9 @@ class OrtBackend:
 
     def new_cache(self) -> OrtCache:
         with self.lock:
+            if self.pools is not None:
+                c = self.pools.new_cache()
+                return OrtCache(self, c.row, c.slots)
             return OrtCache(self, self.pool.take())
 
     def release(self, cache: OrtCache) -> None:
@@ -355,6 +383,10 @@ class OrtBackend:
             small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
         want = self._wanted(probes)
         with self.lock:
+            plan = None
+            if self.pools is not None:  # rows for the new positions, and the slot tables the nodes read
+                plan = self.pools.plan(caches, past, new)  # type: ignore[arg-type]
+                small["kv_slots"] = plan.kv_slots
             if S == 1 and self._decodable.issuperset(want):
                 outs = self._run_decode(B, int(past.max()) + 1, want, small)
                 if commit:
@@ -380,6 +412,8 @@ class OrtBackend:
                         for b, c in enumerate(caches):
                             p0, n = int(past[b]), int(new[b])
                             buf[c.row, p0:p0 + n] = rows[b, :n]
+            if plan is not None and not commit:  # a shadow call: the tables as before, its rows free again
+                self.pools.undo(caches, plan)  # type: ignore[union-attr, arg-type]
         sel = {l: outs[f"selected.{l}"] for l in self.layers} if f"selected.{self.layers[0]}" in outs else None
         mass = {l: outs[f"attn_mass.{l}"] for l in self.layers} if probes else None
         return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
@@ -433,6 +467,9 @@ class OrtBackend:
         """Re-encode the positions whose new_tier (int32 by position, -1 = unchanged) is >= 0: only
         those rows go through the demotion graph and come back into the buffers. Returns the pass's
         relative KV noise ||new - old||_F / ||old||_F over those rows (all layers, K and V), None if none."""
+        if self.pools is not None:
+            with self.lock:
+                return self.pools.demote(cache, new_tier)  # type: ignore[arg-type]
         where = np.nonzero(np.asarray(new_tier) >= 0)[0]
         if where.size == 0:
             return None

@@ -108,16 +108,25 @@ class PluginRows:
         return relative_noise([kv_noise_sums(old[where], now[where]) for old, now in zip(before, latents(cache))])
 
 
+def pool_dims(cfg: BundleConfig, layer: int) -> Any:
+    """The plugins' reference Dims of owning layer `layer`'s pool (ranks, regions, keys; no heads: the pool's
+    reader and the demotion read nothing else)."""
+    from gsm_edge_plugins import ref
+
+    rk, rv = cfg.ranks[layer]
+    t = cfg.pool_rows.by_tier
+    return ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=cfg.n_max, rows_fp16=t[0],
+                    rows_int12=t[1], rows_int8=t[2], rows_int4=t[3], index_dim=cfg.index_dim,
+                    index_key_bits=cfg.index_keys.bits)
+
+
 def read_latents(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: np.ndarray,
                  quant: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Dequantised latents of one layer's pool row [P32] by position ([N_max, r_k], [N_max, r_v]; NaN where a
     position has no row), through the plugins' CPU reference reader (the layout exists once, in C++)."""
     from gsm_edge_plugins import ref
 
-    rk, rv = cfg.ranks[layer]
-    t = cfg.pool_rows.by_tier
-    d = ref.Dims(num_heads=0, num_kv_heads=0, head_dim=0, rank_k=rk, rank_v=rv, n_max=cfg.n_max, rows_fp16=t[0],
-                 rows_int12=t[1], rows_int8=t[2], rows_int4=t[3], index_dim=cfg.index_dim)
+    d = pool_dims(cfg, layer)
     ck, cv = ref.read_latents(d, np.asarray(pool_row).reshape(1, -1), np.asarray(entries)[None], quant)
     return ck[0], cv[0]
 

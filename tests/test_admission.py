@@ -67,9 +67,11 @@ def test_capabilities_state_the_plan(bundle, rt):
     # the bytes the buffers really hold, counted from the arrays
     assert caps.kv_budget_bytes == sum(b.nbytes for b in rt.backend.buffers.values())
     assert {b.shape[0] for b in rt.backend.buffers.values()} == {MAX_BATCH}
-    # the plan states what this backend holds (builder.plan.cpu_cache_bytes, from the model's shapes) beside
-    # the TensorRT pools (kv_pool_bytes, from the tier layout)
-    assert plan["cpu_kv_bytes"] == caps.kv_budget_bytes > plan["kv_pool_bytes"]
+    # the plan states what this backend holds (builder.plan.cpu_cache_bytes): the TensorRT pools (kv_pool_bytes, from
+    # the tier layout) less the slot tables (host tables here), plus each row's row cache of K rows
+    assert plan["cpu_kv_bytes"] == caps.kv_budget_bytes == \
+        plan["kv_pool_bytes"] - MAX_BATCH * MAX_SEQ * 4 + MAX_BATCH * plan["row_cache_bytes"]
+    assert 0 < plan["row_cache_bytes"] < plan["kv_pool_bytes"] // MAX_BATCH
 
 
 def test_plugin_backend_memory_is_the_plans_pools(bundle):

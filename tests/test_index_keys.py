@@ -51,7 +51,7 @@ def test_plan_counts_one_byte_per_key_channel():
     rows = pool_rows(N_MAX, 16, cfg, q8)
     assert kv_pool_bytes(cfg, ranks, rows, N_MAX, 2, q16) - kv_pool_bytes(cfg, ranks, rows, N_MAX, 2, q8) == \
         2 * N_MAX * 3 * 16
-    assert cpu_cache_bytes(cfg, ranks, N_MAX, 2, q16) - cpu_cache_bytes(cfg, ranks, N_MAX, 2, q8) == \
+    assert cpu_cache_bytes(cfg, ranks, rows, N_MAX, 2, q16) - cpu_cache_bytes(cfg, ranks, rows, N_MAX, 2, q8) == \
         2 * N_MAX * 3 * 16
 
 
@@ -76,8 +76,8 @@ def test_bundle_holds_codes_in_every_graph(keys8_checkpoint, tmp_path):
     cfg = BundleConfig.load(tmp_path / "b")
     assert cfg.index_keys == IndexKeyLayout(16, 8) and cfg.graph_revision >= 9
     assert "INT8 indexer keys" in r.report["kv_tiers"]["note"]
-    want = {"model.portable.onnx": (onnx.TensorProto.INT8, 16), "model.cpu.onnx": (onnx.TensorProto.INT8, 16),
-            "model.onnx": (onnx.TensorProto.INT32, 4)}
+    want = {"model.portable.onnx": (onnx.TensorProto.INT8, 16), "model.cpu.onnx": (onnx.TensorProto.INT32, 4),
+            "model.onnx": (onnx.TensorProto.INT32, 4)}  # the pools' graphs: codes four to an int32 word
     for f, (elem, width) in want.items():
         g = onnx.load(str(tmp_path / "b" / f), load_external_data=False).graph
         v = next(i for i in g.input if i.name == "index_keys.0")

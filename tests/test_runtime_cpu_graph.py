@@ -1,5 +1,6 @@
-"""The fused-attention network `model.cpu.onnx` (docs/engine_io.md 5.1: one `GsmCachedAttention` custom op per
-owning layer, plugins/ortCpu) against the standard-op network `model.portable.onnx` of the same bundle.
+"""The fused-attention network `model.cpu.onnx` (docs/engine_io.md 5.1: one `GsmPoolAttention` custom op per
+owning layer and one `GsmPoolSharedAttention` per sharing layer over the plugins' pools, plugins/ortCpu) against the
+standard-op network `model.portable.onnx` of the same bundle.
 
 The portable graph is the reference here (it is the one the golden tests pin down, tests/test_runtime_golden.py
 also runs the cpu graph against the golden model): several sequences of different lengths, chunked prefill,
@@ -78,16 +79,22 @@ def test_model_cpu_onnx_has_one_node_per_owning_layer_attention(bundle):
     assert manifest["graphs"]["cpu"] == "model.cpu.onnx"
     cpu = onnx.load(str(bundle / "model.cpu.onnx"), load_external_data=False)
     portable = onnx.load(str(bundle / "model.portable.onnx"), load_external_data=False)
-    fused = [n for n in cpu.graph.node if n.op_type == "GsmCachedAttention"]
+    fused = [n for n in cpu.graph.node if n.op_type == "GsmPoolAttention"]
+    shared = [n for n in cpu.graph.node if n.op_type == "GsmPoolSharedAttention"]
     assert len(fused) == len(cfg["owning_layers"])
-    assert {n.domain for n in fused} == {"ai.gsm_edge.cpu"}
-    # the portable graph's interface, plus the owning layers' V-row cache (revision 11): the runtime binds every
-    # buffer the graph declares
-    v_rows = [f"v_rows.{l}" for l in cfg["owning_layers"]]
-    assert [i.name for i in cpu.graph.input] == [i.name for i in portable.graph.input] + v_rows
-    assert sorted(o.name for o in cpu.graph.output) == sorted([o.name for o in portable.graph.output]
-                                                              + [f"new_{n}" for n in v_rows])
-    assert all(next(a.i for a in n.attribute if a.name == "v_rows") == 1 for n in fused)
+    assert len(fused) + len(shared) == json.loads((bundle / "config.json").read_text())["num_hidden_layers"]
+    assert {n.domain for n in fused + shared} == {"ai.gsm_edge.cpu"}
+    # the plugin graph's cache (pools, slot table, keys) and a row cache per layer; no float32 buffers by position,
+    # and nothing returned of the cache
+    names = [i.name for i in cpu.graph.input]
+    trt = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    pools = [i.name for i in trt.graph.input if i.name.startswith(("kv_pool.", "index_keys.")) or i.name == "kv_slots"]
+    assert set(pools) <= set(names)
+    assert not any(n.startswith(("latent_", "k_rows.", "v_rows.")) for n in names)
+    layers = len(fused) + len(shared)
+    assert {n for n in names if n.startswith("row_cache")} == {f"row_cache{t}.{i}" for i in range(layers)
+                                                                for t in ("", "_tags")}
+    assert not any(o.name.startswith("new_") for o in cpu.graph.output)
     # the point of the graph: an owning layer's ~90 standard operators become one
     per_layer_saved = (len(portable.graph.node) - len(cpu.graph.node)) / len(cfg["owning_layers"])
     assert per_layer_saved > 40, per_layer_saved
@@ -103,17 +110,17 @@ def test_quantised_gsm_side_is_one_node_per_owning_layer(quantised_bundles):
         assert len(side) == len(cfg["owning_layers"]), name
         assert not any(n.op_type in ("Round", "Clip", "Cast") and ".GsmKVCacheUpdate" in n.name for n in cpu.node)
         keys = next(i for i in cpu.input if i.name == f"index_keys.{cfg['owning_layers'][0]}")
-        want = onnx.TensorProto.INT8 if name.endswith("keys8") else onnx.TensorProto.FLOAT16
+        want = onnx.TensorProto.INT32 if name.endswith("keys8") else onnx.TensorProto.FLOAT16  # codes in words
         assert keys.type.tensor_type.elem_type == want, name
 
 
 def up_types(b) -> set[int]:
-    """Element types of the U_k / U_v initializers the GsmCachedAttention nodes of b's model.cpu.onnx read."""
+    """Element types of the U_k / U_v initializers the GsmPoolAttention nodes of b's model.cpu.onnx read."""
     import onnx
 
     g = onnx.load(str(b / "model.cpu.onnx"), load_external_data=False).graph
     types = {t.name: t.data_type for t in g.initializer}
-    return {types[n.input[i]] for n in g.node if n.op_type == "GsmCachedAttention" for i in (9, 10)}
+    return {types[n.input[i]] for n in g.node if n.op_type == "GsmPoolAttention" for i in (12, 13)}
 
 
 def test_u_on_the_fp16_grid_is_read_as_float16(bundle, quantised_bundles):

@@ -143,11 +143,12 @@ def check_selection(seq, trace, n):
 
 
 def test_demotion_graph_is_bit_exact(retiering_checkpoint, debug_bundle):
-    """Same held latents in, same demoted latents out, bit for bit (decisions "Rounding")."""
+    """Same held latents in, same demoted latents out, bit for bit (decisions "Rounding"): the portable graph's
+    demotion graph (model.cpu.onnx's pools are demoted by the plugins' reference, tests/test_runtime_plugin_ref.py)."""
     import runtime
     from runtime.policy import SequenceState, TierPolicy, retier
 
-    rt = runtime.load(debug_bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(debug_bundle, backend="onnxruntime", threads=1, graph="portable")
     golden = GoldenModel.from_checkpoint(retiering_checkpoint, mode="deployed")
     gcache = golden.new_cache()
     prompt = np.random.default_rng(11).integers(3, 259, 100).tolist()

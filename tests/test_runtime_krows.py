@@ -1,6 +1,6 @@
-"""Revision 5 of the portable graph (docs/engine_io.md 5): every layer's K rows are cached beside the
-latents (and the V sum takes a prefill and a decode form, last test); revision 11's model.cpu.onnx also caches the
-owning layers' V rows. What must hold is what the golden
+"""Cached K rows. The portable graph (docs/engine_io.md 5) caches every layer's K rows beside the float32 latents
+(and its V sum takes a prefill and a decode form, last test); model.cpu.onnx reads the plugins' pools and keeps the
+K rows of recently selected positions in a bounded row cache per layer. What must hold is what the golden
 computes on every step: K_s = RoPE(U_k c_s, s) from the
 latent row as the cache holds it now (spec 4.1; 4.2 for a sharing layer, from the source's [c_k; c_v]
 through the kv_projector), also after a re-tier pass re-encoded c_s to INT12/INT8. The expected rows
@@ -43,13 +43,14 @@ def rope(x: np.ndarray, pos: np.ndarray, theta: float, n_kv: int) -> np.ndarray:
     return out.reshape(n, kvd)
 
 
-def expected_k_rows(ck, backend, row: int, n: int) -> dict[int, np.ndarray]:
+def expected_k_rows(ck, cache, n: int) -> dict[int, np.ndarray]:
+    """K rows of positions 0..n-1 of every layer, from the latents `cache` (a sequence's cache) holds now."""
     cfg, sd = checkpoint.load_config(ck), checkpoint.load_state_dict(ck)
     kvd, pos = cfg.kv_dim, np.arange(n)
     out = {}
     for i in range(cfg.num_hidden_layers):
         src = i if cfg.is_owning(i) else cfg.gsm.kv_sharing[i]
-        ck_, cv_ = (backend.buffers[f"latent_{k}.{src}"][row, :n].astype(np.float64) for k in ("k", "v"))
+        ck_, cv_ = (np.asarray(a, np.float64) for a in cache.latents(src, n))
         if cfg.is_owning(i):
             k = ck_ @ sd[names.layer_name("k_U", i)].astype(np.float64).T
         else:
@@ -63,7 +64,7 @@ def test_cached_k_rows_are_the_rope_of_the_held_latents_after_retiering(built):
     import runtime
 
     ck, bundle = built
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph="portable")
     cfg = checkpoint.load_config(ck)
     assert set(rt.backend.k_rows) == set(range(cfg.num_hidden_layers))  # owning and sharing layers alike
     assert cfg.gsm.kv_sharing, "the tiny model should have a sharing layer"
@@ -79,7 +80,7 @@ def test_cached_k_rows_are_the_rope_of_the_held_latents_after_retiering(built):
     n, row = seq.length, seq.cache.row
     tiers = seq.state.tier[:n]
     assert seq.retier_passes >= 3 and (tiers > 0).sum() >= 10, "the run should have demoted rows"
-    want = expected_k_rows(ck, rt.backend, row, n)
+    want = expected_k_rows(ck, seq.cache, n)
     changed = 0
     for i, w in want.items():
         got = rt.backend.buffers[f"k_rows.{i}"][row, :n]
@@ -91,47 +92,49 @@ def test_cached_k_rows_are_the_rope_of_the_held_latents_after_retiering(built):
     assert changed == cfg.num_hidden_layers
 
 
-def test_cached_v_rows_are_the_up_projection_of_the_held_latents_after_retiering(built):
-    """model.cpu.onnx (revision 11) also caches every owning layer's V rows, U_v c_s of the latent as held: written
-    with the new rows and rewritten by the demotion graph when a re-tier pass re-encodes c_s."""
+def test_row_cache_holds_the_rope_of_the_pools_latents_after_retiering(built):
+    """model.cpu.onnx: after re-tier passes re-encoded rows (to INT12 / INT8) and moved them, every row of every
+    layer's row cache whose tag still names the slot table's entry is K of the latent the pool holds now (owning:
+    RoPE(U_k c_k); sharing: RoPE(W_k [c_k; c_v] + b_k) of the source's), each position at most once; a re-encoded
+    row's tag no longer matches until a step reads it again."""
     import runtime
 
     ck, bundle = built
     rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph="cpu")
-    cfg, sd = checkpoint.load_config(ck), checkpoint.load_state_dict(ck)
-    assert set(rt.backend.v_rows) == set(cfg.owning_layers)
+    cfg = checkpoint.load_config(ck)
     seq = rt.new_sequence()
     logits = seq.prefill(np.random.default_rng(2).integers(3, 259, 30).tolist())
-    for step in range(26):
+    for _ in range(26):
         logits = seq.decode(int(np.argmax(logits)))
-        if step == 6:
-            before = {l: rt.backend.buffers[f"v_rows.{l}"][seq.cache.row, :seq.length].copy()
-                      for l in cfg.owning_layers}
     n, row = seq.length, seq.cache.row
-    tiers = seq.state.tier[:n]
-    assert seq.retier_passes >= 3 and (tiers > 0).sum() >= 10, "the run should have demoted rows"
-    for l in cfg.owning_layers:
-        lat = rt.backend.buffers[f"latent_v.{l}"][row, :n].astype(np.float64)
-        want = lat @ sd[names.layer_name("v_U", l)].astype(np.float64).T
-        got = rt.backend.buffers[f"v_rows.{l}"][row, :n]
-        scale = np.abs(want).max()
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale, err_msg=f"layer {l}")
-        demoted = np.nonzero(tiers[: before[l].shape[0]] > 0)[0]
-        assert np.any(np.abs(got[demoted] - before[l][demoted]) > 1e-4 * scale), f"layer {l}: rows not rewritten"
+    assert seq.retier_passes >= 3 and (seq.state.tier[:n] > 0).sum() >= 10, "the run should have demoted rows"
+    want = expected_k_rows(ck, seq.cache, n)
+    entries = seq.cache.slots.entries
+    checked = 0
+    for i, w in want.items():
+        tags, rows = rt.backend.buffers[f"row_cache_tags.{i}"][row], rt.backend.buffers[f"row_cache.{i}"][row]
+        pos, ent = tags[0], tags[1]
+        held = np.nonzero(pos >= 0)[0]
+        assert len(set(pos[held].tolist())) == held.size, f"layer {i}: a position held twice"
+        assert held.size > 0 and (pos[held] < n).all()
+        scale = np.abs(w).max()
+        for c in held:
+            if ent[c] == entries[pos[c]]:
+                np.testing.assert_allclose(rows[c], w[pos[c]], rtol=0, atol=2e-6 * scale, err_msg=f"layer {i}")
+                checked += 1
+    assert checked > 10 * cfg.num_hidden_layers
 
 
-@pytest.mark.parametrize("graph", ["portable", "cpu"])
-def test_cache_bytes_per_position_counts_the_k_rows(built, graph):
+def test_cache_bytes_per_position_counts_the_k_rows(built):
+    """The portable graph holds float32 latents, keys and every layer's K rows per position."""
     import runtime
 
     ck, bundle = built
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph=graph)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph="portable")
     cfg = checkpoint.load_config(ck)
     ranks = rt.backend.cfg.ranks
     want = sum(4 * (rk + rv) + 2 * cfg.gsm.indexer_dim for rk, rv in ranks.values())
     want += 4 * cfg.kv_dim * cfg.num_hidden_layers
-    if graph == "cpu":  # and the owning layers' V rows
-        want += 4 * cfg.kv_dim * len(cfg.owning_layers)
     assert rt.backend.cache_bytes_per_position() == want
 
 
@@ -155,7 +158,7 @@ def test_prefill_and_decode_forms_of_the_v_sum_agree(built):
         casts = {k: {a.i for node in b.node for a in node.attribute if a.name == "to"} for k, b in branches.items()}
         assert onnx.TensorProto.DOUBLE in casts["then_branch"]  # the float64 latent sum
         assert onnx.TensorProto.DOUBLE not in casts["else_branch"]
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph="portable")
     ids = np.random.default_rng(9).integers(3, 259, 24).tolist()
     whole, single = rt.new_sequence(), rt.new_sequence()
     for seq in (whole, single):
