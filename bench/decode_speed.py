@@ -115,9 +115,10 @@ def measure(args: argparse.Namespace) -> dict:
     rt.decode_batch(seqs, [int(np.argmax(lg)) for lg in logits])  # warm-up step (allocations, caches)
     # the step's network run and its demotion passes, timed apart: the rest of a step is the runtime's own (Python)
     spent = {"network": 0.0, "demotion": 0.0}
-    for part, sess, name in (("network", rt.backend.session, "run_with_iobinding"),
-                             ("demotion", rt.backend.demote_session, "run")):
-        setattr(sess, name, _timed(getattr(sess, name), spent, part))
+    # the demotion: the portable graph's demotion session, or model.cpu.onnx's pools (the plugins' reference)
+    demoter = (rt.backend.demote_session, "run") if rt.backend.pools is None else (rt.backend.pools, "demote")
+    for part, obj, name in (("network", rt.backend.session, "run_with_iobinding"), ("demotion", *demoter)):
+        setattr(obj, name, _timed(getattr(obj, name), spent, part))
     spent.update(network=0.0, demotion=0.0)
     times = []
     for _ in range(steps):
@@ -249,6 +250,20 @@ def transformers_anchor(a: argparse.Namespace, bundle: Path) -> dict:
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------
+# a command's own peak RSS: run it from a child Python that waits for it alone and reports RUSAGE_CHILDREN (this
+# process's would be the largest of every child so far)
+_PEAK_WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+              "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+              "sys.exit(r.returncode)")
+
+
+def run_peak(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, float | None]:
+    """subprocess.run(cmd) with its output captured; returns it and the command's peak RSS in MiB."""
+    r = subprocess.run([sys.executable, "-c", _PEAK_WRAP, *cmd], capture_output=True, text=True, **kw)
+    m = re.search(r"PEAK_RSS_KIB (\d+)", r.stderr)
+    return r, (int(m.group(1)) / 1024 if m else None)
+
+
 def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     d = a.llama_dir
     bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
@@ -276,13 +291,14 @@ def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
         ids = context_ids(rt, a.text, ctx)
         prompt = a.work / f"prompt-{ctx}.txt"
         prompt.write_text(rt.decode(ids[1:]), encoding="utf-8")  # llama.cpp adds its own BOS
-        r = subprocess.run([str(compl), "-m", str(gguf), "-c", str(max(a.contexts) + 2 * a.steps + 64), "-n",
-                            str(a.steps), "-t", str(a.threads), "-f", str(prompt), "--temp", "0", "-no-cnv",
-                            "--no-warmup"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        # -c: this context and the steps (as a user sizes it), so the F16 KV cache llama.cpp allocates is this run's
+        r, peak = run_peak([str(compl), "-m", str(gguf), "-c", str(ctx + 2 * a.steps + 64), "-n", str(a.steps), "-t",
+                            str(a.threads), "-f", str(prompt), "--temp", "0", "-no-cnv", "--no-warmup"],
+                           stdin=subprocess.DEVNULL)
         text = r.stdout + r.stderr
         pe = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", text)
         ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", text)
-        row: dict = {"context": ctx}
+        row: dict = {"context": ctx, "peak_rss_mib": peak}
         if pe:
             row["prompt_tokens"] = int(pe.group(2))
             row["prefill_tokens_per_s"] = 1e3 * int(pe.group(2)) / float(pe.group(1))
@@ -303,14 +319,17 @@ def genai_anchor(a: argparse.Namespace) -> dict:
     # the script times its contexts in one process, in order: the first carries ONNX Runtime's first-run costs
     # (measured here: 45 tok/s at 256 then 61 at 1K), so a warm-up context runs first and is dropped, as our
     # runs warm up before timing
-    ctxs = [min(a.contexts), *a.contexts]
-    r = subprocess.run(["bash", str(GENAI_SCRIPT), str(a.genai_dir), ",".join(map(str, ctxs)), str(a.threads)],
-                       capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or len(rows) < 2:
-        return {"error": (r.stderr or r.stdout).strip()[-300:]}
-    return {"model": str(a.genai_dir / "smollm2-int4"), "threads": a.threads, "warm_up": rows[0],
-            "by_context": rows[1:]}
+    # one process per context (a warm-up one first), so each context's peak RSS is its own
+    rows, warm = [], None
+    for ctx in a.contexts:
+        r, peak = run_peak(["bash", str(GENAI_SCRIPT), str(a.genai_dir), f"{min(a.contexts)},{ctx}", str(a.threads)],
+                           stdin=subprocess.DEVNULL)
+        got = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode or len(got) < 2:
+            return {"error": (r.stderr or r.stdout).strip()[-300:]}
+        warm = warm or got[0]
+        rows.append({**got[1], "peak_rss_mib": peak})
+    return {"model": str(a.genai_dir / "smollm2-int4"), "threads": a.threads, "warm_up": warm, "by_context": rows}
 
 
 def genai_profile(a: argparse.Namespace, context: int) -> dict:
@@ -364,23 +383,30 @@ def genai_profile(a: argparse.Namespace, context: int) -> dict:
 
 
 def comparison(results: dict) -> list[str]:
-    """Lines of the closing table: decode tok/s by context, ours and each anchor's, and ours / anchor."""
-    ours = {r["context"]: r["decode_tokens_per_s"] for r in results["by_context"]
+    """Lines of the closing table: decode tok/s and peak RSS (MiB) by context, ours and each anchor's, and ours /
+    anchor for both."""
+    def rss(r: dict) -> float:
+        return r.get("peak_rss_mib") or float("nan")
+
+    ours = {r["context"]: (r["decode_tokens_per_s"], rss(r)) for r in results["by_context"]
             if r.get("batch", 1) == 1 and "decode_tokens_per_s" in r}
-    anchors = {name: {r["context"]: r["decode_tokens_per_s"] for r in results[key].get("by_context", [])
+    anchors = {name: {r["context"]: (r["decode_tokens_per_s"], rss(r)) for r in results[key].get("by_context", [])
                       if "decode_tokens_per_s" in r}
                for key, name in (("llama_cpp", "llama.cpp"), ("genai", "GenAI")) if key in results}
-    head = f"{'context':>8} {'ours':>8}" + "".join(f" {n:>10} {'ratio':>6}" for n in anchors)
+    head = f"{'context':>8} {'ours tok/s':>10} {'MiB':>6}" + "".join(
+        f" {n + ' tok/s':>16} {'MiB':>6} {'speed':>6} {'memory':>6}" for n in anchors)
     lines = [head]
     for ctx in sorted(ours):
-        row = f"{ctx:8d} {ours[ctx]:8.1f}"
+        (tps, mib) = ours[ctx]
+        row = f"{ctx:8d} {tps:10.1f} {mib:6.0f}"
         for table in anchors.values():
             # an anchor's context may differ by the few tokens its tokenizer adds: take the nearest
             near = min(table, key=lambda c: abs(c - ctx), default=None)
             if near is None or abs(near - ctx) > max(8, ctx // 50):
-                row += f" {'-':>10} {'-':>6}"
+                row += f" {'-':>16} {'-':>6} {'-':>6} {'-':>6}"
             else:
-                row += f" {table[near]:10.1f} {ours[ctx] / table[near]:6.2f}"
+                t2, m2 = table[near]
+                row += f" {t2:16.1f} {m2:6.0f} {tps / t2:6.2f} {mib / m2:6.2f}"
         lines.append(row)
     return lines
 

@@ -104,14 +104,20 @@ def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConf
     return PoolRows(c16, c12, c8, max_seq - c16 - c12 - c8)
 
 
+ROW_CACHE_TOP_K_FACTOR = 3  # the row cache keeps this many times a query's top-k picks (decisions "CPU cache")
+
+
 def row_cache_capacity(cfg: ModelConfig, layer: int, max_seq: int) -> int:
-    """C of layer `layer`'s row cache of K rows on the CPU graph: the most positions one query selects with the
-    default budgets within max_seq (a sharing layer: its source's), so a decode step's selection always fits and
-    only what changes from one step to the next is made again; a larger run-time budget or a prefill chunk's union
-    makes its surplus rows per call."""
+    """C of layer `layer`'s row cache of K rows on the CPU graph (a sharing layer: its source's selection): the sinks
+    and window one query selects with the default budgets at max_seq, and ROW_CACHE_TOP_K_FACTOR times its top-k. The
+    indexer's picks change from step to step (SmolLM2 at 8K: ~150 of ~500 per layer), and a pick that drops out
+    often comes back a few steps later: with room for three times the picks, least-recently-read eviction keeps those
+    (bench/row_cache_churn.py; a streaming layer, top-k 0, keeps exactly its window). A larger run-time budget or a
+    prefill chunk's union makes its surplus rows per call."""
     g = cfg.gsm
     owner = g.kv_sharing.get(layer, layer)
-    return min(max_seq, g.k_sel(owner, g.max_top_k_to(max_seq)))
+    top_k = g.selection_of(owner).top_k_at(max_seq - 1)
+    return min(max_seq, g.sink_tokens + g.layer_max_window(owner) + ROW_CACHE_TOP_K_FACTOR * top_k)
 
 
 def pool_words(r_k: int, r_v: int, rows: PoolRows) -> int:

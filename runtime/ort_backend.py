@@ -236,7 +236,7 @@ class OrtBackend:
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
         # model.cpu.onnx reads and writes the plugins' pools in place (runtime/ort_pools.py); the portable graph
         # reads float32 latents and K rows and returns the call's new rows
-        self.pools = OrtPools(cfg, inputs, self._weight_arrays, self.name) if self.graph == "cpu" else None
+        self.pools = OrtPools(cfg, inputs, self._quant_tables(), self.name) if self.graph == "cpu" else None
         self.k_rows = self._k_row_widths(inputs) if self.pools is None else {}
         self.v_rows: dict[int, int] = {}
         self.demote_positions = cfg.graph_revision >= 5
@@ -296,6 +296,16 @@ class OrtBackend:
             self._cpu_weights = {name: self.ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
             self._weight_arrays = arrays
         return self._cpu_weights
+
+    def _quant_tables(self) -> dict[str, np.ndarray]:
+        """The owning layers' quantisation tables as model.cpu.onnx's nodes read them (model.cpu.weights.json), for the
+        demotions the backend runs itself."""
+        path = self.bundle / FILES.cpu_weights
+        if not path.is_file():
+            raise BundleError(f"{self.bundle} has no {FILES.cpu_weights}: rebuild the bundle with `{REBUILD}`")
+        table = CpuWeightTable.from_json(json.loads(path.read_text()), str(path))
+        quant = dataclasses.replace(table, spans=tuple(w for w in table.spans if w.name.endswith(".quant")))
+        return read_weight_spans(self.bundle / FILES.weights, quant)
 
     def _k_row_widths(self, inputs: dict[str, list[Any]]) -> dict[int, int]:
         """layer -> kvD of the `k_rows.{i}` buffers, as the graph declares them (`inputs`: name -> shape; bundle.json

@@ -71,7 +71,7 @@ def test_capabilities_state_the_plan(bundle, rt):
     # the tier layout) less the slot tables (host tables here), plus each row's row cache of K rows
     assert plan["cpu_kv_bytes"] == caps.kv_budget_bytes == \
         plan["kv_pool_bytes"] - MAX_BATCH * MAX_SEQ * 4 + MAX_BATCH * plan["row_cache_bytes"]
-    assert 0 < plan["row_cache_bytes"] < plan["kv_pool_bytes"] // MAX_BATCH
+    assert plan["row_cache_bytes"] > 0
 
 
 def test_plugin_backend_memory_is_the_plans_pools(bundle):

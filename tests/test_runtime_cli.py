@@ -217,8 +217,11 @@ def test_spinning_is_a_session_option_that_changes_no_output(bundles):
         opts = rt.backend.session.get_session_options()
         assert opts.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spin else "0")
         assert opts.intra_op_num_threads == 2
-        # the demotion graph's workers never spin: after a re-tier pass they would take the main session's cores
-        demote = rt.backend.demote_session.get_session_options()
+        # the portable graph's demotion session never spins: after a re-tier pass its workers would take the main
+        # session's cores (model.cpu.onnx demotes its pools in the calling thread)
+        assert rt.backend.graph == "cpu" and rt.backend.demote_session is None
+        portable = runtime.load(bundles["demo"], "onnxruntime", threads=2, spinning=spin, graph="portable")
+        demote = portable.backend.demote_session.get_session_options()
         assert demote.get_session_config_entry("session.intra_op.allow_spinning") == "0"
         assert demote.intra_op_num_threads == 2
         runs[spin] = rt.generate([1, 5, 9, 17], 12).ids

@@ -440,17 +440,42 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         }
     }
     Kernels const& K = cpuKernels();
-    bool ok = parallelFor(par, static_cast<int64_t>(jobs.size()), [&](int64_t i) {
-        RowJob const& j = jobs[static_cast<size_t>(i)];
+    // float16 U_k widened once for the call's rows (matvecHalf widens it per row; the sums are the same, bit for bit)
+    static thread_local std::vector<float> callerUk;
+    std::vector<float>& uk = callerUk;
+    float const* ukf = static_cast<float const*>(in.kUp);
+    if (in.halfUp && !jobs.empty())
+    {
+        uk.resize(static_cast<size_t>(kvD * rk));
+        K.halfToFloat(static_cast<uint16_t const*>(in.kUp), kvD * rk, uk.data());
+        ukf = uk.data();
+    }
+    // in blocks of rows: their latents dequantised, U_k times four of them at a time, then RoPE
+    constexpr int64_t kJobBlock = 16;
+    int64_t const nJobs = static_cast<int64_t>(jobs.size());
+    bool ok = parallelFor(par, (nJobs + kJobBlock - 1) / kJobBlock, [&](int64_t blk) {
+        int64_t const j0 = blk * kJobBlock, m = std::min(kJobBlock, nJobs - j0);
         static thread_local std::vector<float> ck, t;
-        ck.resize(static_cast<size_t>(rk));
-        t.resize(static_cast<size_t>(D));
-        loadLatents(ps.dims, ps.pool + in.cacheRows[j.b] * ps.poolBytes, j.entry, ps.quant, 0,
-            static_cast<int32_t>(rk), ck.data());
-        for (int64_t g = 0; g < nKV; ++g)
+        ck.resize(static_cast<size_t>(kJobBlock * rk));
+        t.resize(static_cast<size_t>(kJobBlock * kvD));
+        float const* xs[kJobBlock];
+        float* ys[kJobBlock];
+        for (int64_t i = 0; i < m; ++i)
         {
-            upMatvec(K, in, in.kUp, g * D, ck.data(), D, rk, t.data());
-            rope(t.data(), in.ropeCos + j.position * D, in.ropeSin + j.position * D, D, j.dst + g * D);
+            RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
+            loadLatents(ps.dims, ps.pool + in.cacheRows[j.b] * ps.poolBytes, j.entry, ps.quant, 0,
+                static_cast<int32_t>(rk), ck.data() + i * rk);
+            xs[i] = ck.data() + i * rk;
+            ys[i] = t.data() + i * kvD;
+        }
+        K.matvecs(ukf, kvD, rk, xs, m, ys);
+        for (int64_t i = 0; i < m; ++i)
+        {
+            RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
+            for (int64_t g = 0; g < nKV; ++g)
+            {
+                rope(ys[i] + g * D, in.ropeCos + j.position * D, in.ropeSin + j.position * D, D, j.dst + g * D);
+            }
         }
     });
     int64_t const n = static_cast<int64_t>(pc.need.size());
@@ -482,6 +507,37 @@ void loadLatents(GsmDims const& d, uint8_t const* poolRow, int32_t entry, float 
     QuantView const qv{quant, latentRank(d)};
     uint8_t const* row = poolRow + rowOffset(d, slotRow(entry));
     int32_t const tier = slotTier(entry);
+    // one loop per tier (loadLatent's per-value branches, hoisted): the same values, bit for bit
+    if (tier == kTierFP16)
+    {
+        uint16_t h[256];
+        for (int32_t i0 = 0; i0 < n; i0 += 256)
+        {
+            int32_t const m = n - i0 < 256 ? n - i0 : 256;
+            std::memcpy(h, row + 2 * static_cast<size_t>(c0 + i0), 2 * static_cast<size_t>(m)); // little-endian
+            cpuKernels().halfToFloat(h, m, out + i0);
+        }
+        return;
+    }
+    if (tier == kTierINT8)
+    {
+        for (int32_t i = 0; i < n; ++i)
+        {
+            int32_t const c = c0 + i;
+            out[i] = dequantINT8(static_cast<int8_t>(row[c]), qv.s8(c), qv.comp8(c));
+        }
+        return;
+    }
+    if (tier == kTierINT4)
+    {
+        for (int32_t i = 0; i < n; ++i)
+        {
+            int32_t const c = c0 + i;
+            int32_t const q = c < d.rankK ? unpackINT4(row, c) : unpackINT4(row + packedINT4Bytes(d.rankK), c - d.rankK);
+            out[i] = dequantINT4(q, qv.s4(c), qv.comp4(c));
+        }
+        return;
+    }
     for (int32_t i = 0; i < n; ++i)
     {
         out[i] = loadLatent(d, row, tier, qv, c0 + i);

@@ -52,6 +52,10 @@ struct Kernels
     int64_t (*halfStore)(float const* y, float const* s, int64_t n, uint16_t* out);
     // GsmGroupOffset with swiglu: out[i] = silu(y[i]) * y[I + i] for i < I (silu(a) = a / (1 + exp(-a)))
     void (*swiglu)(float const* y, int64_t I, float* out);
+    // out[i] = the float16 bits h[i] widened (exact), i < n
+    void (*halfToFloat)(uint16_t const* h, int64_t n, float* out);
+    // ys[j] = W xs[j] over W [m, r], j < nx: matvec(W, xs[j], m, r, ys[j]) bit for bit, four vectors per pass
+    void (*matvecs)(float const* W, int64_t m, int64_t r, float const* const* xs, int64_t nx, float* const* ys);
 };
 
 Kernels const& genericKernels();
