@@ -521,20 +521,26 @@ void loadLatents(GsmDims const& d, uint8_t const* poolRow, int32_t entry, float 
     }
     if (tier == kTierINT8)
     {
+        int8_t const* q = reinterpret_cast<int8_t const*>(row) + c0;
+        float const* s8 = quant + latentRank(d) + c0;
+        float const* comp8 = quant + 2 * static_cast<int64_t>(latentRank(d)) + c0;
         for (int32_t i = 0; i < n; ++i)
         {
-            int32_t const c = c0 + i;
-            out[i] = dequantINT8(static_cast<int8_t>(row[c]), qv.s8(c), qv.comp8(c));
+            out[i] = dequantINT8(q[i], s8[i], comp8[i]);
         }
         return;
     }
-    if (tier == kTierINT4)
+    if (tier == kTierINT4 && (c0 == 0 || c0 == d.rankK) && n <= (c0 == 0 ? d.rankK : d.rankV))
     {
+        // one part (k or v) from its first code: the nibbles of each byte, low first, sign-extended
+        uint8_t const* packed = row + (c0 == 0 ? 0 : packedINT4Bytes(d.rankK));
+        float const* s4 = quant + 3 * static_cast<int64_t>(latentRank(d)) + c0;
+        float const* comp4 = quant + 4 * static_cast<int64_t>(latentRank(d)) + c0;
         for (int32_t i = 0; i < n; ++i)
         {
-            int32_t const c = c0 + i;
-            int32_t const q = c < d.rankK ? unpackINT4(row, c) : unpackINT4(row + packedINT4Bytes(d.rankK), c - d.rankK);
-            out[i] = dequantINT4(q, qv.s4(c), qv.comp4(c));
+            uint8_t const b = packed[i >> 1];
+            int32_t const q = static_cast<int8_t>(static_cast<uint8_t>((i & 1) ? (b & 0xF0) : (b << 4))) >> 4;
+            out[i] = dequantINT4(q, s4[i], comp4[i]);
         }
         return;
     }
