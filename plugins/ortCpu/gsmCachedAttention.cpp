@@ -128,6 +128,26 @@ void topPositions(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<
     }
 }
 
+// p = softmax(p) over n logits in place: max, exp of the differences, divided by their float32 sum in order
+void softmax(float* p, int64_t n)
+{
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < n; ++s)
+    {
+        mx = std::max(mx, p[s]);
+    }
+    float sum = 0.f;
+    for (int64_t s = 0; s < n; ++s)
+    {
+        p[s] = std::exp(p[s] - mx);
+        sum += p[s];
+    }
+    for (int64_t s = 0; s < n; ++s)
+    {
+        p[s] /= sum;
+    }
+}
+
 void rope(float const* x, float const* c, float const* s, int64_t D, float* out)
 {
     int64_t const h = D / 2;
@@ -284,6 +304,53 @@ void rowCacheLookup(CachedAttentionDims const& d, CachedAttentionInputs const& i
     }
 }
 
+// An empty list of needed positions for B sequences, and position maps for N positions (all -1 between calls).
+void startNeed(Scratch& sc, int64_t N, int64_t B)
+{
+    if (sc.needIdx.size() < static_cast<size_t>(N))
+    {
+        sc.needIdx.assign(static_cast<size_t>(N), -1);
+        sc.slotOf.assign(static_cast<size_t>(N), -1);
+    }
+    sc.pool.need.clear();
+    sc.pool.needOff.assign(static_cast<size_t>(B + 1), 0);
+}
+
+// Every sequence's lookup (sc.pool.need, grouped by sequence): sc.pool.kRow points at each needed row's K row (a slot of
+// the row cache, or the overflow) and the returned jobs say which of them to make. The list is the calling thread's,
+// returned by reference: in the workers' lambdas a thread_local name would be the worker's own (empty) instance.
+std::vector<RowJob>& rowCacheJobs(CachedAttentionDims const& d, CachedAttentionInputs const& in, Scratch& sc)
+{
+    PoolCall& pc = sc.pool;
+    int64_t const kvD = d.nKV * d.D;
+    static thread_local std::vector<RowJob> callerJobs;
+    std::vector<RowJob>& jobs = callerJobs;
+    jobs.clear();
+    pc.kRow.assign(pc.need.size(), nullptr);
+    int64_t overflowRows = 0;
+    for (int64_t b = 0; b < d.B; ++b)
+    {
+        rowCacheLookup(d, in, b, pc.needOff[b], pc.needOff[b + 1], sc, jobs, &overflowRows);
+    }
+    pc.overflow.resize(static_cast<size_t>(overflowRows * kvD));
+    for (RowJob& j : jobs)
+    {
+        if (j.overflow >= 0)
+        {
+            j.dst = pc.overflow.data() + j.overflow * kvD;
+        }
+    }
+    // the overflow rows' pointers, in need order (rowCacheLookup left them null)
+    for (size_t i = 0, o = 0; i < pc.kRow.size(); ++i)
+    {
+        if (pc.kRow[i] == nullptr)
+        {
+            pc.kRow[i] = pc.overflow.data() + static_cast<int64_t>(o++) * kvD;
+        }
+    }
+    return jobs;
+}
+
 // The call's new K rows (section A) into the row cache of each sequence, newest first, in slots this call did not
 // read: the next step's window reads them.
 void rowCacheInsertNew(CachedAttentionDims const& d, CachedAttentionInputs const& in, float const* newKRows)
@@ -361,13 +428,7 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
     PoolSource const& ps = *in.pool;
     PoolCall& pc = sc.pool;
     int64_t const B = d.B, S = d.S, N = d.N, D = d.D, nKV = d.nKV, kvD = nKV * D, rk = d.rk, rv = d.rv;
-    if (sc.needIdx.size() < static_cast<size_t>(N))
-    {
-        sc.needIdx.assign(static_cast<size_t>(N), -1);
-        sc.slotOf.assign(static_cast<size_t>(N), -1);
-    }
-    pc.need.clear();
-    pc.needOff.assign(static_cast<size_t>(B + 1), 0);
+    startNeed(sc, N, B);
     static thread_local std::vector<uint8_t> mark;
     for (int64_t b = 0; b < B; ++b)
     {
@@ -412,33 +473,7 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         }
         pc.needOff[static_cast<size_t>(b + 1)] = static_cast<int64_t>(pc.need.size());
     }
-    pc.kRow.assign(pc.need.size(), nullptr);
-    // the calling thread's list, named through a reference: in the workers' lambda a thread_local name would be
-    // the worker's own (empty) instance
-    static thread_local std::vector<RowJob> callerJobs;
-    std::vector<RowJob>& jobs = callerJobs;
-    jobs.clear();
-    int64_t overflowRows = 0;
-    for (int64_t b = 0; b < B; ++b)
-    {
-        rowCacheLookup(d, in, b, pc.needOff[b], pc.needOff[b + 1], sc, jobs, &overflowRows);
-    }
-    pc.overflow.resize(static_cast<size_t>(overflowRows * kvD));
-    for (RowJob& j : jobs)
-    {
-        if (j.overflow >= 0)
-        {
-            j.dst = pc.overflow.data() + j.overflow * kvD;
-        }
-    }
-    // the overflow rows' pointers, in need order (rowCacheLookup left them null)
-    for (size_t i = 0, o = 0; i < pc.kRow.size(); ++i)
-    {
-        if (pc.kRow[i] == nullptr)
-        {
-            pc.kRow[i] = pc.overflow.data() + static_cast<int64_t>(o++) * kvD;
-        }
-    }
+    std::vector<RowJob>& jobs = rowCacheJobs(d, in, sc);
     Kernels const& K = cpuKernels();
     // float16 U_k widened once for the call's rows (matvecHalf widens it per row; the sums are the same, bit for bit)
     static thread_local std::vector<float> callerUk;
@@ -450,14 +485,31 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         K.halfToFloat(static_cast<uint16_t const*>(in.kUp), kvD * rk, uk.data());
         ukf = uk.data();
     }
-    // in blocks of rows: their latents dequantised, U_k times four of them at a time, then RoPE
+    // one pass over the intra-op threads (each hand-off costs a wake-up per thread): blocks of K rows to make (their
+    // latents dequantised, U_k times four of them at a time, then RoPE) and blocks of V latents to dequantise
     constexpr int64_t kJobBlock = 16;
+    constexpr int64_t kVBlock = 64;
     int64_t const nJobs = static_cast<int64_t>(jobs.size());
-    bool ok = parallelFor(par, (nJobs + kJobBlock - 1) / kJobBlock, [&](int64_t blk) {
-        int64_t const j0 = blk * kJobBlock, m = std::min(kJobBlock, nJobs - j0);
-        static thread_local std::vector<float> ck, t;
+    int64_t const n = static_cast<int64_t>(pc.need.size());
+    pc.vLatent.resize(static_cast<size_t>(n * rv));
+    int64_t const kTasks = (nJobs + kJobBlock - 1) / kJobBlock, vTasks = (n + kVBlock - 1) / kVBlock;
+    auto task = [&](int64_t t) {
+        if (t >= kTasks)
+        {
+            int64_t const i0 = (t - kTasks) * kVBlock, i1 = std::min(n, i0 + kVBlock);
+            for (int64_t i = i0; i < i1; ++i)
+            {
+                int64_t const b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i) - pc.needOff.begin() - 1;
+                int32_t const e = ps.slots[b * N + pc.need[static_cast<size_t>(i)]];
+                loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, e, ps.quant, static_cast<int32_t>(rk),
+                    static_cast<int32_t>(rv), pc.vLatent.data() + i * rv);
+            }
+            return;
+        }
+        int64_t const j0 = t * kJobBlock, m = std::min(kJobBlock, nJobs - j0);
+        static thread_local std::vector<float> ck, kr;
         ck.resize(static_cast<size_t>(kJobBlock * rk));
-        t.resize(static_cast<size_t>(kJobBlock * kvD));
+        kr.resize(static_cast<size_t>(kJobBlock * kvD));
         float const* xs[kJobBlock];
         float* ys[kJobBlock];
         for (int64_t i = 0; i < m; ++i)
@@ -466,7 +518,7 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
             loadLatents(ps.dims, ps.pool + in.cacheRows[j.b] * ps.poolBytes, j.entry, ps.quant, 0,
                 static_cast<int32_t>(rk), ck.data() + i * rk);
             xs[i] = ck.data() + i * rk;
-            ys[i] = t.data() + i * kvD;
+            ys[i] = kr.data() + i * kvD;
         }
         K.matvecs(ukf, kvD, rk, xs, m, ys);
         for (int64_t i = 0; i < m; ++i)
@@ -477,20 +529,8 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
                 rope(ys[i] + g * D, in.ropeCos + j.position * D, in.ropeSin + j.position * D, D, j.dst + g * D);
             }
         }
-    });
-    int64_t const n = static_cast<int64_t>(pc.need.size());
-    pc.vLatent.resize(static_cast<size_t>(n * rv));
-    constexpr int64_t kBlock = 64;
-    ok = ok && parallelFor(par, (n + kBlock - 1) / kBlock, [&](int64_t blk) {
-        int64_t const i1 = std::min(n, (blk + 1) * kBlock);
-        for (int64_t i = blk * kBlock; i < i1; ++i)
-        {
-            int64_t const b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i) - pc.needOff.begin() - 1;
-            int32_t const e = ps.slots[b * N + pc.need[static_cast<size_t>(i)]];
-            loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, e, ps.quant, static_cast<int32_t>(rk),
-                static_cast<int32_t>(rv), pc.vLatent.data() + i * rv);
-        }
-    });
+    };
+    bool ok = parallelFor(par, kTasks + vTasks, task);
     (void) L;
     if (!ok)
     {
@@ -862,24 +902,10 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         int64_t const q = i / nH, h = i % nH, g = h / grp, n = sc.nsel[q];
         float* pr = sc.probs.data() + (q * nH + h) * k;
         K.logits(sc.qr.data() + (q * nH + h) * D, sc.krow.data() + q * k, g * D, n, D, sqrtD, pr);
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < n; ++s)
+        softmax(pr, n);
+        for (int64_t s = 0; latentSum && s < n; ++s)
         {
-            mx = std::max(mx, pr[s]);
-        }
-        float sum = 0.f;
-        for (int64_t s = 0; s < n; ++s)
-        {
-            pr[s] = std::exp(pr[s] - mx);
-            sum += pr[s];
-        }
-        for (int64_t s = 0; s < n; ++s)
-        {
-            pr[s] /= sum;
-            if (latentSum)
-            {
-                sc.pd[(q * k + s) * nH + h] = static_cast<double>(pr[s]);
-            }
+            sc.pd[(q * k + s) * nH + h] = static_cast<double>(pr[s]);
         }
         if (vRows)
         {
@@ -998,13 +1024,7 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
     in.newLengths = sin.newLengths;
     in.kUp = sin.projW;
     PoolCall& pc = sc.pool;
-    if (sc.needIdx.size() < static_cast<size_t>(N))
-    {
-        sc.needIdx.assign(static_cast<size_t>(N), -1);
-        sc.slotOf.assign(static_cast<size_t>(N), -1);
-    }
-    pc.need.clear();
-    pc.needOff.assign(static_cast<size_t>(B + 1), 0);
+    startNeed(sc, N, B);
     static thread_local std::vector<uint8_t> mark;
     for (int64_t b = 0; b < B; ++b)
     {
@@ -1049,30 +1069,7 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
         pc.needOff[static_cast<size_t>(b + 1)] = static_cast<int64_t>(pc.need.size());
     }
     // K rows (a selected position at or past `past` is the call's own, written by the source: a miss, then kept)
-    pc.kRow.assign(pc.need.size(), nullptr);
-    static thread_local std::vector<RowJob> callerJobs;
-    std::vector<RowJob>& jobs = callerJobs;
-    jobs.clear();
-    int64_t overflowRows = 0;
-    for (int64_t b = 0; b < B; ++b)
-    {
-        rowCacheLookup(d, in, b, pc.needOff[b], pc.needOff[b + 1], sc, jobs, &overflowRows);
-    }
-    pc.overflow.resize(static_cast<size_t>(overflowRows * kvD));
-    for (RowJob& j : jobs)
-    {
-        if (j.overflow >= 0)
-        {
-            j.dst = pc.overflow.data() + j.overflow * kvD;
-        }
-    }
-    for (size_t i = 0, o = 0; i < pc.kRow.size(); ++i)
-    {
-        if (pc.kRow[i] == nullptr)
-        {
-            pc.kRow[i] = pc.overflow.data() + static_cast<int64_t>(o++) * kvD;
-        }
-    }
+    std::vector<RowJob>& jobs = rowCacheJobs(d, in, sc);
     // [K; V] = W c + bias, K rotated at its position; V rows of every needed position (this call's only)
     int64_t const n = static_cast<int64_t>(pc.need.size());
     sc.vrows.resize(static_cast<size_t>(n * kvD));
@@ -1152,21 +1149,7 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
         rope(sin.q + (q * nH + h) * D, sin.ropeCos + t * D, sin.ropeSin + t * D, D, qh);
         float* pr = sc.probs.data() + (q * nH + h) * k;
         K.logits(qh, sc.krow.data() + q * k, g * D, nsel, D, sqrtD, pr);
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < nsel; ++s)
-        {
-            mx = std::max(mx, pr[s]);
-        }
-        float sum = 0.f;
-        for (int64_t s = 0; s < nsel; ++s)
-        {
-            pr[s] = std::exp(pr[s] - mx);
-            sum += pr[s];
-        }
-        for (int64_t s = 0; s < nsel; ++s)
-        {
-            pr[s] /= sum;
-        }
+        softmax(pr, nsel);
         K.weightedRows(pr, sc.vrow.data() + q * k, g * D, nsel, D, o);
     });
     (void) rk;

@@ -1059,6 +1059,58 @@ OrtCustomOp makeOp()
     return op;
 }
 
+// -- the pool ops' shared glue -----------------------------------------------------------------------------------
+// The pool's region sizes: attributes rows_fp16, rows_int12, rows_int8, rows_int4 (engine_io section 3).
+OrtStatus* poolRowsAttributes(OrtKernelInfo const* info, int64_t rows[4], OrtStatus* (*fail)(std::string const&))
+{
+    char const* const names[4] = {"rows_fp16", "rows_int12", "rows_int8", "rows_int4"};
+    for (int i = 0; i < 4; ++i)
+    {
+        GSM_ORT_TRY(attribute(info, names[i], &rows[i], fail));
+        if (rows[i] < 0 || rows[i] > gsm::kSlotRowMask)
+        {
+            return fail(std::string("attribute ") + names[i] + " = " + std::to_string(rows[i]) + " is outside [0, 2^24)");
+        }
+    }
+    return nullptr;
+}
+
+// The layout of a pool of latent ranks rk, rv over N positions with the attributes' regions.
+gsm::GsmDims poolLayout(int64_t rk, int64_t rv, int64_t N, int64_t const rows[4])
+{
+    gsm::GsmDims g{};
+    g.rankK = static_cast<int32_t>(rk);
+    g.rankV = static_cast<int32_t>(rv);
+    g.nMax = static_cast<int32_t>(N);
+    g.rowsFP16 = static_cast<int32_t>(rows[0]);
+    g.rowsINT12 = static_cast<int32_t>(rows[1]);
+    g.rowsINT8 = static_cast<int32_t>(rows[2]);
+    g.rowsINT4 = static_cast<int32_t>(rows[3]);
+    return g;
+}
+
+// A pool, its slot table, quant table and a row cache of capacity C, from the node's input buffers.
+gsm::ortcpu::PoolSource poolSource(gsm::GsmDims const& g, void* pool, void* slots, void* quant, void* rowCache,
+    void* rowTags, int64_t C)
+{
+    gsm::ortcpu::PoolSource ps;
+    ps.dims = g;
+    ps.pool = static_cast<uint8_t*>(pool);
+    ps.poolBytes = 4 * gsm::poolWords(g);
+    ps.slots = static_cast<int32_t const*>(slots);
+    ps.quant = static_cast<float const*>(quant);
+    ps.cacheRows = static_cast<float*>(rowCache);
+    ps.cacheTags = static_cast<int32_t*>(rowTags);
+    ps.capacity = C;
+    return ps;
+}
+
+template <class T>
+void ORT_API_CALL destroyAs(void* kernel)
+{
+    delete static_cast<T*>(kernel);
+}
+
 // -- GsmPoolAttention -------------------------------------------------------------------------------------------
 // GsmCachedAttention's math over the plugins' pools (gsmPoolRows.h): the cache the reference and TensorRT backends
 // hold, read and written in place (kv_pool, index_keys, the row cache and its tags are the runtime's buffers, bound
@@ -1152,14 +1204,7 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
     d.rk = sh[kPKUp][1];
     d.rv = sh[kPVUp][1];
     int64_t const B = d.B, S = d.S, kvD = d.nKV * d.D, C = sh[kPRowCache][1];
-    gsm::GsmDims g{};
-    g.rankK = static_cast<int32_t>(d.rk);
-    g.rankV = static_cast<int32_t>(d.rv);
-    g.nMax = static_cast<int32_t>(d.N);
-    g.rowsFP16 = static_cast<int32_t>(kn.rows[0]);
-    g.rowsINT12 = static_cast<int32_t>(kn.rows[1]);
-    g.rowsINT8 = static_cast<int32_t>(kn.rows[2]);
-    g.rowsINT4 = static_cast<int32_t>(kn.rows[3]);
+    gsm::GsmDims g = poolLayout(d.rk, d.rv, d.N, kn.rows);
     g.indexDim = static_cast<int32_t>(d.dI);
     g.indexKeyBits = int8Keys ? 8 : 16;
     int64_t const keyWidth = int8Keys ? (d.dI + 3) / 4 : d.dI;
@@ -1199,16 +1244,8 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
     {
         GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
     }
-    gsm::ortcpu::PoolSource ps;
-    ps.dims = g;
-    ps.pool = static_cast<uint8_t*>(p[kPPool]);
-    ps.poolBytes = 4 * gsm::poolWords(g);
-    ps.slots = static_cast<int32_t const*>(p[kPSlots]);
-    ps.quant = static_cast<float const*>(p[kPQuant]);
+    gsm::ortcpu::PoolSource ps = poolSource(g, p[kPPool], p[kPSlots], p[kPQuant], p[kPRowCache], p[kPRowTags], C);
     ps.indexKeys = p[kPIndexKeys];
-    ps.cacheRows = static_cast<float*>(p[kPRowCache]);
-    ps.cacheTags = static_cast<int32_t*>(p[kPRowTags]);
-    ps.capacity = C;
     gsm::ortcpu::CachedAttentionInputs in;
     in.q = static_cast<float const*>(p[kPQ]);
     in.indexQ = static_cast<float const*>(p[kPIndexQ]);
@@ -1280,16 +1317,7 @@ OrtStatus* ORT_API_CALL poolCreateKernel(OrtCustomOp const*, OrtApi const*, OrtK
     GSM_ORT_TRY(attribute(info, "index_dim", &kn.indexDim, poolInvalid));
     GSM_ORT_TRY(attribute(info, "sink_tokens", &kn.sinkTokens, poolInvalid));
     GSM_ORT_TRY(optionalAttribute(info, "sparse_top_k_divisor", 0, &kn.topKDivisor, poolInvalid));
-    char const* const rowNames[4] = {"rows_fp16", "rows_int12", "rows_int8", "rows_int4"};
-    for (int i = 0; i < 4; ++i)
-    {
-        GSM_ORT_TRY(attribute(info, rowNames[i], &kn.rows[i], poolInvalid));
-        if (kn.rows[i] < 0 || kn.rows[i] > gsm::kSlotRowMask)
-        {
-            return poolInvalid(std::string("attribute ") + rowNames[i] + " = " + std::to_string(kn.rows[i])
-                + " is outside [0, 2^24)");
-        }
-    }
+    GSM_ORT_TRY(poolRowsAttributes(info, kn.rows, poolInvalid));
     if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0 || kn.headDim <= 0
         || kn.headDim % 2 != 0 || kn.indexHeads <= 0 || kn.indexDim <= 0 || kn.sinkTokens < 0 || kn.topKDivisor < 0)
     {
@@ -1298,11 +1326,6 @@ OrtStatus* ORT_API_CALL poolCreateKernel(OrtCustomOp const*, OrtApi const*, OrtK
     }
     *kernel = new PoolKernel(kn);
     return nullptr;
-}
-
-void ORT_API_CALL poolDestroyKernel(void* kernel)
-{
-    delete static_cast<PoolKernel*>(kernel);
 }
 
 char const* ORT_API_CALL poolOpName(OrtCustomOp const*)
@@ -1410,14 +1433,7 @@ OrtStatus* ORT_API_CALL sharedCompute(void* opKernel, OrtKernelContext* ctx)
         return sharedInvalid("kv_proj_weight has " + std::to_string(sh[kSProjW][1]) + " columns, not more than "
             "attribute rank_k = " + std::to_string(kn.rankK));
     }
-    gsm::GsmDims g{};
-    g.rankK = static_cast<int32_t>(d.rk);
-    g.rankV = static_cast<int32_t>(d.rv);
-    g.nMax = static_cast<int32_t>(d.N);
-    g.rowsFP16 = static_cast<int32_t>(kn.rows[0]);
-    g.rowsINT12 = static_cast<int32_t>(kn.rows[1]);
-    g.rowsINT8 = static_cast<int32_t>(kn.rows[2]);
-    g.rowsINT4 = static_cast<int32_t>(kn.rows[3]);
+    gsm::GsmDims const g = poolLayout(d.rk, d.rv, d.N, kn.rows);
     bool const flatQ = sh[kSQ].size() == 2;
     GSM_ORT_TRY(sharedShape(kSQ, sh[kSQ], flatQ ? std::vector<int64_t>{B * S, d.nH * d.D}
                                                  : std::vector<int64_t>{B, S, d.nH * d.D},
@@ -1440,15 +1456,7 @@ OrtStatus* ORT_API_CALL sharedCompute(void* opKernel, OrtKernelContext* ctx)
     {
         GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
     }
-    gsm::ortcpu::PoolSource ps;
-    ps.dims = g;
-    ps.pool = static_cast<uint8_t*>(p[kSPool]);
-    ps.poolBytes = 4 * gsm::poolWords(g);
-    ps.slots = static_cast<int32_t const*>(p[kSSlots]);
-    ps.quant = static_cast<float const*>(p[kSQuant]);
-    ps.cacheRows = static_cast<float*>(p[kSRowCache]);
-    ps.cacheTags = static_cast<int32_t*>(p[kSRowTags]);
-    ps.capacity = C;
+    gsm::ortcpu::PoolSource ps = poolSource(g, p[kSPool], p[kSSlots], p[kSQuant], p[kSRowCache], p[kSRowTags], C);
     gsm::ortcpu::SharedAttentionInputs in;
     in.q = static_cast<float const*>(p[kSQ]);
     in.selected = static_cast<int32_t const*>(p[kSSelected]);
@@ -1498,16 +1506,7 @@ OrtStatus* ORT_API_CALL sharedCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     GSM_ORT_TRY(attribute(info, "num_kv_heads", &kn.numKvHeads, sharedInvalid));
     GSM_ORT_TRY(attribute(info, "head_dim", &kn.headDim, sharedInvalid));
     GSM_ORT_TRY(attribute(info, "rank_k", &kn.rankK, sharedInvalid));
-    char const* const rowNames[4] = {"rows_fp16", "rows_int12", "rows_int8", "rows_int4"};
-    for (int i = 0; i < 4; ++i)
-    {
-        GSM_ORT_TRY(attribute(info, rowNames[i], &kn.rows[i], sharedInvalid));
-        if (kn.rows[i] < 0 || kn.rows[i] > gsm::kSlotRowMask)
-        {
-            return sharedInvalid(std::string("attribute ") + rowNames[i] + " = " + std::to_string(kn.rows[i])
-                + " is outside [0, 2^24)");
-        }
-    }
+    GSM_ORT_TRY(poolRowsAttributes(info, kn.rows, sharedInvalid));
     if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0 || kn.headDim <= 0
         || kn.headDim % 2 != 0 || kn.rankK <= 0)
     {
@@ -1516,11 +1515,6 @@ OrtStatus* ORT_API_CALL sharedCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     }
     *kernel = new SharedKernel(kn);
     return nullptr;
-}
-
-void ORT_API_CALL sharedDestroyKernel(void* kernel)
-{
-    delete static_cast<SharedKernel*>(kernel);
 }
 
 char const* ORT_API_CALL sharedOpName(OrtCustomOp const*)
@@ -1611,9 +1605,9 @@ OrtCustomOp gOffsetOp = makeEpilogueOp({offsetOpName, offsetInputType, offsetInp
 OrtCustomOp gQmmOp = makeEpilogueOp({qmmOpName, qmmInputType, qmmInputCount, offsetFloat, offsetOutputCount,
     qmmInputKind, qmmCreateKernel, qmmCompute, qmmDestroyKernel});
 OrtCustomOp gPoolOp = withOutputKinds(makeOp({poolOpName, poolInputType, poolInputCount, poolOutputType,
-    poolOutputCount, required, poolCreateKernel, poolCompute, poolDestroyKernel}), poolOutputKind);
+    poolOutputCount, required, poolCreateKernel, poolCompute, destroyAs<PoolKernel>}), poolOutputKind);
 OrtCustomOp gSharedOp = withOutputKinds(makeOp({sharedOpName, sharedInputType, sharedInputCount, sharedOutputType,
-    sharedOutputCount, required, sharedCreateKernel, sharedCompute, sharedDestroyKernel}), sharedOutputKind);
+    sharedOutputCount, required, sharedCreateKernel, sharedCompute, destroyAs<SharedKernel>}), sharedOutputKind);
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
