@@ -688,9 +688,14 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     auto qb = [&](int64_t q) { return q / S; };
     auto qpos = [&](int64_t q) { return static_cast<int64_t>(in.pastLengths[q / S]) + q % S; };
 
+    // a decode step's smallest sections (a few mat-vecs) run on the calling thread: a hand-off to parked intra-op
+    // threads costs more than they do
+    ParallelRunner const serial;
+    ParallelRunner const& small = Q == 1 ? serial : par;
+
     // -- A: the call's K rows (U_k c, RoPE) and the queries' RoPE, per (row, key head) -------------------------
     sc.qr.resize(static_cast<size_t>(Q * nH * D));
-    ok = ok && parallelFor(par, Q * nKV, [&](int64_t i) {
+    ok = ok && parallelFor(small, Q * nKV, [&](int64_t i) {
         int64_t const q = i / nKV, g = i % nKV, pos = qpos(q);
         float const* c = in.ropeCos + pos * D;
         float const* s = in.ropeSin + pos * D;
@@ -923,7 +928,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
             K.ctxDecode(sc.pd.data() + q * k * nH, nH, sc.vrow.data() + q * k, sc.nsel[q], i0, i1,
                 sc.ctx.data() + q * nH * rv, rv);
         });
-        ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
+        ok = ok && parallelFor(small, Q * nH, [&](int64_t i) {
             int64_t const q = i / nH, h = i % nH, g = h / grp;
             upMatvec(K, in, in.vUp, g * D, sc.ctx.data() + (q * nH + h) * rv, D, rv, out.attnOut + (q * nH + h) * D);
         });
