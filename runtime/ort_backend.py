@@ -1,26 +1,21 @@
-"""ONNX Runtime backend: runs model.cpu.onnx (or model.portable.onnx) and gsm_demote.portable.onnx on the
-CPU (or any ORT execution provider) over cache buffers allocated once and bound once (docs/engine_io.md 5).
-What the graphs take follows the engine_io revision bundle.json states (`BundleConfig.graph_revision`):
-revision 3 and later bind cache rows, 4 adds the per-sequence budget, 5 the K-row cache.
+"""ONNX Runtime backend: runs model.cpu.onnx (or model.portable.onnx) on the CPU (or any ORT execution provider)
+over cache buffers allocated once and bound once (docs/engine_io.md 5, 5.1).
 
-Which network (`SessionTuning.graph`): `model.cpu.onnx` has each owning layer's attention as one custom op
-(`GsmCachedAttention`, libgsm_ort_ops.so from plugins/ortCpu, registered with the session); where that
-library is not built, or the bundle predates the graph, `model.portable.onnx` (standard ops only) runs.
-Both take and return the same tensors, so everything below serves either.
+Which network (`SessionTuning.graph`): `model.cpu.onnx` has each layer's attention as one custom op over the plugins'
+pools (`GsmPoolAttention` / `GsmPoolSharedAttention`, libgsm_ort_ops.so from plugins/ortCpu, registered with the
+session); where that library is not built, `model.portable.onnx` (standard ops only) runs.
 
-The cache is what the portable graph reads: per owning layer float32 latents `latent_k/v.{l}`
-[R, N_max, r] and the indexer keys `index_keys.{l}` [R, N_max, dI] (FP16, or INT8 codes), and (rev 5) per layer
-the K rows `k_rows.{l}` [R, N_max, kvD] made from the held latents, one row per live sequence. The K rows trade
-memory (kvD float32 per layer and position, about as much as the latents again) for not rebuilding
-K_sel rows per layer on every step, the largest cost of a CPU step at a large top-k; a re-tier pass
-rewrites them from the re-encoded latents (the demotion graph returns both). model.cpu.onnx (revision 11) caches
-the owning layers' V rows `v_rows.{l}` [R, N_max, kvD] (U_v c) the same way, where its inputs name them.
-They are numpy arrays wrapped as OrtValues (same memory) and bound to the session's I/O binding at
-creation; a call binds only the small per-call inputs (ids, lengths, `cache_rows`), the graph
-returns only the new rows, and the backend writes those into the buffers in place. So a step
-neither copies nor transfers anything that grows with N_max. `np.zeros` takes zeroed pages from the
-OS lazily: resident memory grows with the positions written, not with N_max x R; a row's pages are faulted in
-ahead of its writes, a span of positions at a time (runtime/page_reserve.py), not one fault inside each step.
+model.cpu.onnx's cache is the TensorRT graph's (runtime/ort_pools.py): per owning layer the latent pool
+`kv_pool.{l}` and indexer keys `index_keys.{l}`, per layer a row cache of K rows, and each sequence's slot table
+(`kv_slots`, sent with every call); the nodes write the call's rows into them in place, and a re-tier pass re-encodes
+rows through the plugins' C++ reference. The portable graph's cache is float32 latents `latent_k/v.{l}` [R, N_max, r],
+the indexer keys and every layer's K rows `k_rows.{l}` [R, N_max, kvD] by position; it returns the call's new rows,
+which the backend writes into the buffers (a decode call's by one memmove each), and its demotion graph
+(gsm_demote.portable.onnx) re-encodes rows. Either way the buffers are numpy arrays wrapped as OrtValues (same
+memory) bound to the session's I/O binding at creation; a call binds only the small per-call inputs, so a step
+neither copies nor transfers anything that grows with N_max, and `np.zeros` takes zeroed pages from the OS lazily:
+resident memory grows with the rows written (the portable buffers' pages are faulted in ahead of their writes, a span
+of positions at a time: runtime/page_reserve.py).
 
 The custom ops' weights (the quantised projections' tiles, the U matrices) are read once into an array of the
 backend's own and handed to the session in place of ONNX Runtime's 4 KB file mappings (`cpu_weights`,
