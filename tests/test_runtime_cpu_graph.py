@@ -222,6 +222,24 @@ def test_a_bundle_without_the_cpu_graph_runs_portable_and_refuses_graph_cpu(bund
     assert len(lines) == 1 and "model.cpu.onnx" in lines[0] and "error" in lines[0], r.stderr
 
 
+def test_a_cpu_graph_without_the_pools_is_refused_with_the_rebuild_command(bundle, tmp_path):
+    """A model.cpu.onnx of an older revision (its cache float32 buffers by position, here the portable graph's, which
+    has the same inputs) is refused with one error naming the missing pool and the rebuild command, not run."""
+    need_ort_ops_library()
+    import runtime
+    from gsm.atomic import MANIFEST_NAME, write_manifest
+    from gsm.bundle_format import REBUILD, BundleError
+
+    old = tmp_path / "old"
+    shutil.copytree(bundle, old)
+    shutil.copyfile(old / "model.portable.onnx", old / "model.cpu.onnx")
+    meta = json.loads((old / MANIFEST_NAME).read_text())
+    write_manifest(old, {k: v for k, v in meta.items() if k not in ("format", "version", "files")})
+    with pytest.raises(BundleError, match=r"model.cpu.onnx has no input kv_pool\.0: rebuild the bundle with") as e:
+        runtime.load(old, "onnxruntime", threads=1, graph="cpu")
+    assert REBUILD in str(e.value)
+
+
 def test_auto_falls_back_to_portable_when_the_library_does_not_load(bundle, tmp_path, monkeypatch):
     """A library ONNX Runtime refuses (here a shared library without RegisterCustomOps, as an ONNX Runtime older
     than the op's C API 17 would refuse the real one): `auto` runs the portable graph and says why, `cpu` fails."""
