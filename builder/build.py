@@ -511,8 +511,7 @@ def summary(r: BuildResult) -> str:
         f"  KV cache {p.kv_bytes_per_position:,.1f} B/position vs dense FP16 {p.dense_fp16_bytes_per_position:,} B "
         f"({rep['kv_ratio_vs_dense_fp16']:.1%})",
         f"  decode estimate {p.decode_tokens_per_s_estimate:,.0f} tokens/s (bandwidth roofline, batch 1, an estimate)",
-        f"  CPU backend (model.cpu.onnx) holds {fmt_bytes(p.cpu_kv_bytes // p.max_batch)} per sequence at max-seq: the "
-        f"pools and keys, and a row cache of K rows of {fmt_bytes(p.row_cache_bytes)} whatever the context",
+        f"  {p.cpu_fit_line()}",
     ]
     if "kv_tiers" in rep:
         lines.insert(4, f"  KV tiers: {rep['kv_tiers']['mode']} ({rep['kv_tiers']['note']})")

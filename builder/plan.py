@@ -160,10 +160,31 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.total_bytes <= self.usable_bytes
 
+    @property
+    def cpu_total_bytes(self) -> int:
+        """The same plan on the onnxruntime backend: its cache (`cpu_kv_bytes`) in place of the TensorRT pools."""
+        return self.weight_bytes + self.cpu_kv_bytes + self.activation_bytes + self.workspace_bytes
+
+    @property
+    def cpu_fits(self) -> bool:
+        return self.cpu_total_bytes <= self.usable_bytes
+
+    def cpu_fit_line(self) -> str:
+        """What the build summary says of the CPU backend's memory on this device."""
+        head = (f"CPU backend (model.cpu.onnx) holds {fmt_bytes(self.cpu_kv_bytes // self.max_batch)} per sequence "
+                f"at max-seq (a row cache of {fmt_bytes(self.row_cache_bytes)} of it, whatever the context); plan "
+                f"{fmt_bytes(self.cpu_total_bytes)} of {fmt_bytes(self.usable_bytes)} usable")
+        if self.cpu_fits:
+            return head
+        return (f"{head}: does not fit {self.device}, short by {fmt_bytes(self.cpu_total_bytes - self.usable_bytes)} "
+                "(lower --max-seq or --max-batch)")
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["total_bytes"] = self.total_bytes
         d["fits"] = self.fits
+        d["cpu_total_bytes"] = self.cpu_total_bytes
+        d["cpu_fits"] = self.cpu_fits
         d["decode_tokens_per_s_estimate_note"] = (
             "estimate: memory-bandwidth roofline (bytes read per decode step / data-sheet bandwidth), "
             "batch 1 at max_seq; real kernels reach a fraction of it")

@@ -78,6 +78,27 @@ def test_plan_fits_and_roofline():
     assert "estimate" in plan.to_json()["decode_tokens_per_s_estimate_note"]
 
 
+def test_cpu_backend_memory_is_planned_and_its_fit_said():
+    """The CPU backend's cache (the pools without the host slot tables, plus each row's row cache of K rows, counted
+    here from the layout by hand) and whether that plan fits the device, in the plan and the build summary's words."""
+    from dataclasses import replace
+
+    from builder.plan import SLOT_ENTRY_BYTES, kv_pool_bytes, row_cache_capacity
+
+    cfg, ranks, q = preset("tiny")
+    plan = make_plan(cfg, ranks, q, get_profile("orin"), max_seq=256, max_batch=2)
+    rows = pool_rows(256, plan.max_input, cfg, q)
+    row_cache = sum(row_cache_capacity(cfg, i, 256) * (4 * cfg.kv_dim + 3 * 4) for i in range(cfg.num_hidden_layers))
+    assert plan.row_cache_bytes == row_cache
+    assert plan.cpu_kv_bytes == kv_pool_bytes(cfg, ranks, rows, 256, 2, q) - 2 * 256 * SLOT_ENTRY_BYTES + 2 * row_cache
+    assert plan.cpu_fits and "does not fit" not in plan.cpu_fit_line()
+    tight = replace(plan, usable_bytes=plan.total_bytes)  # TensorRT's pools fit; the CPU cache (row caches) does not
+    assert tight.fits and not tight.cpu_fits
+    assert tight.to_json()["cpu_fits"] is False
+    line = tight.cpu_fit_line()
+    assert "does not fit orin" in line and "--max-seq or --max-batch" in line
+
+
 def test_max_seq_beyond_model():
     cfg, ranks, q = preset("tiny")
     with pytest.raises(PlanError, match="max_position_embeddings"):
