@@ -71,7 +71,7 @@ class CpuOps(PortableOps):
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, cfg = self.g, self.cfg
         self.slots = g.input("kv_slots", I32, ["B", self.n_max])
-        self.top_k = g.input("sparse_top_k", I32, ["B"])
+        g.input("sparse_top_k", I32, ["B"])  # the per-sequence budget: the layer stack reads it by name
         self.rows = g.input("cache_rows", I32, ["B"])
         state = {}
         for l in cfg.owning_layers:

@@ -111,8 +111,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
 def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
     """Over the M rows a re-tier pass changes (gathered by the runtime), not the whole cache: the re-encoded
     latents, and (revision 5) the K rows of every layer that reads them, made from the re-encoded latents at
-    the rows' `positions` [M] as the golden reconstructs them; (revision 11) the owning layers' V rows U_v c, which
-    model.cpu.onnx caches."""
+    the rows' `positions` [M] as the golden reconstructs them."""
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PortableOps(g, cfg, ranks, n)
     tier = g.input("new_tier", I32, ["M"])
@@ -136,12 +135,6 @@ def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
         with g.in_scope(f"L{i}.GsmKVDemote"):
             ops.k_rows_from(lat, up, owning, cos, sin, out=f"k_rows_out.{i}", lead_dims=1)
         g.output(f"k_rows_out.{i}", F32, ["M", cfg.kv_dim])
-        if cfg.is_owning(i):
-            # model.cpu.onnx's V rows of the re-encoded latents (a backend without those buffers skips them)
-            u_v = g.weight(names.layer_name("v_U", i))
-            with g.in_scope(f"L{i}.GsmKVDemote"):
-                g.op("MatMul", [out[i]["v"], g.op("Transpose", [u_v], perm=[1, 0])], outputs=[f"v_rows_out.{i}"])
-            g.output(f"v_rows_out.{i}", F32, ["M", cfg.kv_dim])
     save_model(g.model("gsm_demote_portable", doc="re-encode changed latent rows to their new tier, and their K "
                                                   "rows (docs/engine_io.md 5)"), path)
 

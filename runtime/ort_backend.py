@@ -233,7 +233,6 @@ class OrtBackend:
         # reads float32 latents and K rows and returns the call's new rows
         self.pools = OrtPools(cfg, inputs, self._quant_tables(), self.name) if self.graph == "cpu" else None
         self.k_rows = self._k_row_widths(inputs) if self.pools is None else {}
-        self.v_rows: dict[int, int] = {}
         self.demote_positions = cfg.graph_revision >= 5
         shapes = self._shapes()
         self.cached = list(shapes)  # the buffers a call writes new rows into (graph outputs `new_<name>`)
@@ -294,7 +293,11 @@ class OrtBackend:
 
     def _quant_tables(self) -> dict[str, np.ndarray]:
         """The owning layers' quantisation tables as model.cpu.onnx's nodes read them (model.cpu.weights.json), for the
-        demotions the backend runs itself."""
+        demotions the backend runs itself: the arrays `cpu_weights` holds, or read from weights.bin where the session
+        maps the file instead."""
+        held = {name: a for name, a in self._weight_arrays.items() if name.endswith(".quant")}
+        if held:
+            return held
         path = self.bundle / FILES.cpu_weights
         if not path.is_file():
             raise BundleError(f"{self.bundle} has no {FILES.cpu_weights}: rebuild the bundle with `{REBUILD}`")
@@ -328,8 +331,6 @@ class OrtBackend:
             shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.int8 if self.cfg.index_keys.bits == 8 else np.float16)
         for l, kvd in self.k_rows.items():
             shapes[f"k_rows.{l}"] = ((self.n_max, kvd), np.float32)
-        for l, kvd in self.v_rows.items():
-            shapes[f"v_rows.{l}"] = ((self.n_max, kvd), np.float32)
         return shapes
 
     def cache_bytes_per_position(self) -> int:
@@ -343,16 +344,13 @@ class OrtBackend:
         """Buffers of `rows` sequences, bound once to the session (zeroed pages: resident as they are written)."""
         if self.pools is not None:
             self.buffers = self.pools.buffers
-            for name, buf in self.buffers.items():
-                self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buf))
-            self.pages = PageReserve([], rows, self.n_max)
-            return
-        for name, (shape, dtype) in self._shapes().items():
-            buf = np.zeros((rows, *shape), dtype)
-            self.buffers[name] = buf
+        else:
+            self.buffers = {name: np.zeros((rows, *shape), dtype) for name, (shape, dtype) in self._shapes().items()}
+        for name, buf in self.buffers.items():
             # an OrtValue over the numpy memory (CPU: no copy); the graph reads it in place
             self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buf))
-        self.pages = PageReserve(list(self.buffers.values()), rows, self.n_max)
+        # the portable buffers' pages are faulted in ahead of their writes; a pool row fills a row at a time
+        self.pages = PageReserve([] if self.pools is not None else list(self.buffers.values()), rows, self.n_max)
 
     def new_cache(self) -> OrtCache:
         with self.lock:
@@ -488,7 +486,7 @@ class OrtBackend:
                     feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
             for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
                 buf = name.replace("_out.", ".")
-                if buf not in self.buffers:  # V rows of a graph that does not cache them (the portable one)
+                if buf not in self.buffers:  # V rows, returned by the demotion graph of a bundle before revision 12
                     continue
                 if buf in feeds:  # a latent: the noise is measured on what the tiers change (spec 4.3)
                     sums.append(kv_noise_sums(feeds[buf], arr))

@@ -194,6 +194,7 @@ struct Scratch
 // the call's new rows, so a row made from the same FP16 latent has the same bits).
 struct RowJob
 {
+    int64_t need; // its index into PoolCall::need
     int64_t b;
     int32_t position, entry;
     float* dst;
@@ -241,7 +242,7 @@ void rowCacheLookup(CachedAttentionDims const& d, CachedAttentionInputs const& i
             if (ent[c] != e) // re-encoded by a re-tier pass, or moved: made again from the row held now
             {
                 ent[c] = e;
-                jobs.push_back({b, p, e, rows + c * kvD, -1});
+                jobs.push_back({i, b, p, e, rows + c * kvD, -1});
             }
             used[c] = now;
         }
@@ -290,11 +291,11 @@ void rowCacheLookup(CachedAttentionDims const& d, CachedAttentionInputs const& i
             ent[c] = e;
             used[c] = now;
             pc.kRow[static_cast<size_t>(i)] = rows + c * kvD;
-            jobs.push_back({b, p, e, rows + c * kvD, -1});
+            jobs.push_back({i, b, p, e, rows + c * kvD, -1});
         }
         else
         {
-            jobs.push_back({b, p, e, nullptr, (*overflowRows)++});
+            jobs.push_back({i, b, p, e, nullptr, (*overflowRows)++});
             pc.kRow[static_cast<size_t>(i)] = nullptr; // set once the overflow buffer has its size
         }
     }
@@ -316,8 +317,19 @@ void startNeed(Scratch& sc, int64_t N, int64_t B)
     sc.pool.needOff.assign(static_cast<size_t>(B + 1), 0);
 }
 
-// Every sequence's lookup (sc.pool.need, grouped by sequence): sc.pool.kRow points at each needed row's K row (a slot of
-// the row cache, or the overflow) and the returned jobs say which of them to make. The list is the calling thread's,
+// sc.needIdx over sequence b's needed positions: each one's index into sc.pool.need (`on`), or -1 again (the map's
+// state between calls).
+void mapNeed(Scratch& sc, int64_t b, bool on)
+{
+    PoolCall const& pc = sc.pool;
+    for (int64_t i = pc.needOff[b]; i < pc.needOff[b + 1]; ++i)
+    {
+        sc.needIdx[static_cast<size_t>(pc.need[static_cast<size_t>(i)])] = on ? static_cast<int32_t>(i) : -1;
+    }
+}
+
+// Every sequence's lookup (sc.pool.need, grouped by sequence): sc.pool.kRow points at each needed row's K row (a
+// slot of the row cache, or the overflow) and the returned jobs say which of them to make. The list is the calling thread's,
 // returned by reference: in the workers' lambdas a thread_local name would be the worker's own (empty) instance.
 std::vector<RowJob>& rowCacheJobs(CachedAttentionDims const& d, CachedAttentionInputs const& in, Scratch& sc)
 {
@@ -357,7 +369,7 @@ void rowCacheInsertNew(CachedAttentionDims const& d, CachedAttentionInputs const
 {
     PoolSource const& ps = *in.pool;
     int64_t const C = ps.capacity, kvD = d.nKV * d.D;
-    static thread_local std::vector<int32_t> free;
+    static thread_local std::vector<int32_t> vacant;
     for (int64_t b = 0; b < d.B; ++b)
     {
         int64_t const row = in.cacheRows[b];
@@ -365,24 +377,24 @@ void rowCacheInsertNew(CachedAttentionDims const& d, CachedAttentionInputs const
         int32_t* pos = ps.cacheTags + row * kTagRows * C;
         int32_t* ent = pos + C;
         int32_t* used = pos + 2 * C;
-        free.clear();
+        vacant.clear();
         for (int64_t c = 0; c < C; ++c)
         {
             if (pos[c] < 0 || used[c] != now)
             {
-                free.push_back(static_cast<int32_t>(c));
+                vacant.push_back(static_cast<int32_t>(c));
             }
         }
         auto older = [&](int32_t a, int32_t c) {
             bool const fa = pos[a] < 0, fc = pos[c] < 0;
             return fa != fc ? fa : (used[a] != used[c] ? used[a] < used[c] : a < c);
         };
-        int64_t const n = std::min<int64_t>(in.newLengths[b], static_cast<int64_t>(free.size()));
-        std::partial_sort(free.begin(), free.begin() + n, free.end(), older);
+        int64_t const n = std::min<int64_t>(in.newLengths[b], static_cast<int64_t>(vacant.size()));
+        std::partial_sort(vacant.begin(), vacant.begin() + n, vacant.end(), older);
         for (int64_t m = 0; m < n; ++m)
         {
             int64_t const j = in.newLengths[b] - 1 - m;
-            int32_t const c = free[static_cast<size_t>(m)];
+            int32_t const c = vacant[static_cast<size_t>(m)];
             pos[c] = past + static_cast<int32_t>(j);
             ent[c] = ps.slots[b * d.N + past + j];
             used[c] = now;
@@ -422,7 +434,7 @@ void poolWriteNew(CachedAttentionDims const& d, CachedAttentionInputs const& in)
 
 // GsmPoolAttention, before the attention: the cached positions each sequence's queries select (need), their K rows
 // from the row cache or made from the pool (U_k c_k, RoPE), and their V latents dequantised from the pool.
-bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k, int64_t L,
+bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k,
     CachedAttentionOutputs const& out, Scratch& sc, ParallelRunner const& par, std::string* error)
 {
     PoolSource const& ps = *in.pool;
@@ -531,7 +543,6 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         }
     };
     bool ok = parallelFor(par, kTasks + vTasks, task);
-    (void) L;
     if (!ok)
     {
         *error = "GsmPoolAttention: the intra-op thread pool failed";
@@ -746,7 +757,6 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         float const* w = in.indexW + q * nI;
         float* o = sc.scores.data() + sc.scoreOff[q];
         int64_t const c1 = std::min(p1, past);
-        // keys of positions p..p+n-1 from `keys` (elements offset `at`), FP16 bits or INT8 codes
         // keys of positions p..p+n-1 from `keys` (elements offset `at`, rows `stride` apart); the scoring kernels
         // read rows dI apart, so rows of another stride (the pools' INT8 keys, padded to words) go one by one
         auto score = [&](void const* keys, int64_t at, int64_t stride, int64_t n, float* dst)
@@ -852,7 +862,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     sc.vrow.resize(static_cast<size_t>(Q * k));
     sc.probs.resize(static_cast<size_t>(Q * nH * k));
     bool const decode = S == 1;
-    if (in.pool != nullptr && !resolvePoolRows(d, in, k, L, out, sc, par, error))
+    if (in.pool != nullptr && !resolvePoolRows(d, in, k, out, sc, par, error))
     {
         return false;
     }
@@ -862,10 +872,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         int32_t const* sel = out.selected + q * k;
         if (in.pool != nullptr) // positions -> their rows in sc.pool.need
         {
-            for (int64_t i = sc.pool.needOff[b]; i < sc.pool.needOff[b + 1]; ++i)
-            {
-                sc.needIdx[static_cast<size_t>(sc.pool.need[static_cast<size_t>(i)])] = static_cast<int32_t>(i);
-            }
+            mapNeed(sc, b, true);
         }
         for (int64_t s = 0; s < sc.nsel[q]; ++s)
         {
@@ -891,10 +898,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         }
         if (in.pool != nullptr)
         {
-            for (int64_t i = sc.pool.needOff[b]; i < sc.pool.needOff[b + 1]; ++i)
-            {
-                sc.needIdx[static_cast<size_t>(sc.pool.need[static_cast<size_t>(i)])] = -1;
-            }
+            mapNeed(sc, b, false);
         }
     }
     bool const latentSum = decode && !vRows;
@@ -1015,19 +1019,17 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
     Scratch& sc = callerScratch;
     PoolSource const& ps = *sin.pool;
     int64_t const B = d.B, S = d.S, N = d.N, nH = d.nH, nKV = d.nKV, D = d.D, grp = nH / nKV, kvD = nKV * D;
-    int64_t const rk = d.rk, r = d.rk + d.rv, k = sin.k;
+    int64_t const r = d.rk + d.rv, k = sin.k;
     float const sqrtD = static_cast<float>(std::sqrt(static_cast<double>(D)));
     auto fail = [&](std::string const& m) {
         *error = "GsmPoolSharedAttention: " + m;
         return false;
     };
-    // the shared row-cache code reads these of a CachedAttentionInputs
+    // the row-cache lookup reads these of a CachedAttentionInputs
     CachedAttentionInputs in;
     in.pool = sin.pool;
     in.cacheRows = sin.cacheRows;
     in.pastLengths = sin.pastLengths;
-    in.newLengths = sin.newLengths;
-    in.kUp = sin.projW;
     PoolCall& pc = sc.pool;
     startNeed(sc, N, B);
     static thread_local std::vector<uint8_t> mark;
@@ -1038,7 +1040,8 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
         if (past < 0 || past + S > N || n < 0 || n > S)
         {
             return fail("past_lengths" + at + std::to_string(past) + ", new_lengths" + at + std::to_string(n)
-                + ": need 0 <= past, past + S <= N_max = " + std::to_string(N) + ", 0 <= new <= S = " + std::to_string(S));
+                + ": need 0 <= past, past + S <= N_max = " + std::to_string(N) + ", 0 <= new <= S = "
+                + std::to_string(S));
         }
         if (row < 0 || row >= d.R)
         {
@@ -1075,34 +1078,43 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
     }
     // K rows (a selected position at or past `past` is the call's own, written by the source: a miss, then kept)
     std::vector<RowJob>& jobs = rowCacheJobs(d, in, sc);
-    // [K; V] = W c + bias, K rotated at its position; V rows of every needed position (this call's only)
+    // per needed position, its latent dequantised once: V = W_v c + b_v (this call's rows only), and where the row
+    // cache lacks its K row, K = RoPE(W_k c + b_k) into the slot the lookup chose
     int64_t const n = static_cast<int64_t>(pc.need.size());
     sc.vrows.resize(static_cast<size_t>(n * kvD));
-    auto project = [&](int64_t b, int32_t e, int64_t half, float* dst) {
-        static thread_local std::vector<float> c;
-        c.resize(static_cast<size_t>(r));
-        loadLatents(ps.dims, ps.pool + sin.cacheRows[b] * ps.poolBytes, e, ps.quant, 0, static_cast<int32_t>(r),
-            c.data());
-        K.matvec(sin.projW + half * kvD * r, c.data(), kvD, r, dst);
+    static thread_local std::vector<int64_t> callerJobOf;
+    std::vector<int64_t>& jobOf = callerJobOf;
+    jobOf.assign(static_cast<size_t>(n), -1);
+    for (size_t j = 0; j < jobs.size(); ++j)
+    {
+        jobOf[static_cast<size_t>(jobs[j].need)] = static_cast<int64_t>(j);
+    }
+    auto project = [&](float const* c, int64_t half, float* dst) {
+        K.matvec(sin.projW + half * kvD * r, c, kvD, r, dst);
         for (int64_t i = 0; i < kvD; ++i)
         {
             dst[i] += sin.projB[half * kvD + i];
         }
     };
-    bool ok = parallelFor(par, static_cast<int64_t>(jobs.size()), [&](int64_t i) {
-        RowJob const& j = jobs[static_cast<size_t>(i)];
-        static thread_local std::vector<float> t;
-        t.resize(static_cast<size_t>(kvD));
-        project(j.b, j.entry, 0, t.data());
-        for (int64_t g = 0; g < nKV; ++g)
-        {
-            rope(t.data() + g * D, sin.ropeCos + j.position * D, sin.ropeSin + j.position * D, D, j.dst + g * D);
-        }
-    });
-    ok = ok && parallelFor(par, n, [&](int64_t i) {
+    bool ok = parallelFor(par, n, [&](int64_t i) {
         int64_t const b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i) - pc.needOff.begin() - 1;
         int32_t const p = pc.need[static_cast<size_t>(i)];
-        project(b, ps.slots[b * N + p], 1, sc.vrows.data() + i * kvD);
+        static thread_local std::vector<float> c, t;
+        c.resize(static_cast<size_t>(r));
+        loadLatents(ps.dims, ps.pool + sin.cacheRows[b] * ps.poolBytes, ps.slots[b * N + p], ps.quant, 0,
+            static_cast<int32_t>(r), c.data());
+        project(c.data(), 1, sc.vrows.data() + i * kvD);
+        int64_t const j = jobOf[static_cast<size_t>(i)];
+        if (j >= 0)
+        {
+            t.resize(static_cast<size_t>(kvD));
+            project(c.data(), 0, t.data());
+            float* dst = jobs[static_cast<size_t>(j)].dst;
+            for (int64_t g = 0; g < nKV; ++g)
+            {
+                rope(t.data() + g * D, sin.ropeCos + p * D, sin.ropeSin + p * D, D, dst + g * D);
+            }
+        }
     });
     // per (query, head): RoPE of q, logits over the selection, softmax, weighted V rows
     int64_t const Q = B * S;
@@ -1111,10 +1123,7 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
     sc.nsel.assign(static_cast<size_t>(Q), 0);
     for (int64_t b = 0; b < B; ++b)
     {
-        for (int64_t i = pc.needOff[b]; i < pc.needOff[b + 1]; ++i)
-        {
-            sc.needIdx[static_cast<size_t>(pc.need[static_cast<size_t>(i)])] = static_cast<int32_t>(i);
-        }
+        mapNeed(sc, b, true);
         for (int64_t j = 0; j < sin.newLengths[b]; ++j)
         {
             int64_t const q = b * S + j;
@@ -1128,10 +1137,7 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
             }
             sc.nsel[static_cast<size_t>(q)] = static_cast<int32_t>(s);
         }
-        for (int64_t i = pc.needOff[b]; i < pc.needOff[b + 1]; ++i)
-        {
-            sc.needIdx[static_cast<size_t>(pc.need[static_cast<size_t>(i)])] = -1;
-        }
+        mapNeed(sc, b, false);
     }
     sc.probs.resize(static_cast<size_t>(Q * nH * k));
     ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
@@ -1157,7 +1163,6 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
         softmax(pr, nsel);
         K.weightedRows(pr, sc.vrow.data() + q * k, g * D, nsel, D, o);
     });
-    (void) rk;
     if (!ok)
     {
         return fail("the intra-op thread pool failed");

@@ -1,8 +1,8 @@
-// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with four ops,
-// GsmCachedAttention (gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h), GsmQuantMatMul (gsmQuantMatMul.h) and
-// GsmSideSplit (gsmSideSplit.h), GsmPoolAttention (GsmCachedAttention over the plugins' pools, gsmPoolRows.h) and GsmPoolSharedAttention (a sharing
-// layer over its source's pool),
-// through ONNX Runtime's C API only. Load it with SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
+// ONNX Runtime glue of libgsm_ort_ops.so: the custom-op domain "ai.gsm_edge.cpu" (version 1) with six ops,
+// GsmPoolAttention and GsmPoolSharedAttention (the attention over the plugins' pools, gsmPoolRows.h),
+// GsmCachedAttention (the same core over float32 buffers, gsmCachedAttention.h), GsmGroupOffset (gsmGroupOffset.h),
+// GsmQuantMatMul (gsmQuantMatMul.h) and GsmSideSplit (gsmSideSplit.h), through ONNX Runtime's C API only. Load it with
+// SessionOptions.register_custom_ops_library(path) (which calls RegisterCustomOps below).
 #include <onnxruntime_c_api.h>
 
 #include <cstring>
@@ -1069,7 +1069,8 @@ OrtStatus* poolRowsAttributes(OrtKernelInfo const* info, int64_t rows[4], OrtSta
         GSM_ORT_TRY(attribute(info, names[i], &rows[i], fail));
         if (rows[i] < 0 || rows[i] > gsm::kSlotRowMask)
         {
-            return fail(std::string("attribute ") + names[i] + " = " + std::to_string(rows[i]) + " is outside [0, 2^24)");
+            return fail(std::string("attribute ") + names[i] + " = " + std::to_string(rows[i])
+                + " is outside [0, 2^24)");
         }
     }
     return nullptr;
