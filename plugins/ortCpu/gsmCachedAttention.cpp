@@ -1149,17 +1149,11 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
             return;
         }
         int64_t const t = sin.pastLengths[q / S] + q % S;
-        float qr[512];
-        std::vector<float> big;
-        float* qh = qr;
-        if (D > 512)
-        {
-            big.resize(static_cast<size_t>(D));
-            qh = big.data();
-        }
-        rope(sin.q + (q * nH + h) * D, sin.ropeCos + t * D, sin.ropeSin + t * D, D, qh);
+        static thread_local std::vector<float> qh;
+        qh.resize(static_cast<size_t>(D));
+        rope(sin.q + (q * nH + h) * D, sin.ropeCos + t * D, sin.ropeSin + t * D, D, qh.data());
         float* pr = sc.probs.data() + (q * nH + h) * k;
-        K.logits(qh, sc.krow.data() + q * k, g * D, nsel, D, sqrtD, pr);
+        K.logits(qh.data(), sc.krow.data() + q * k, g * D, nsel, D, sqrtD, pr);
         softmax(pr, nsel);
         K.weightedRows(pr, sc.vrow.data() + q * k, g * D, nsel, D, o);
     });
