@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace) -> dict:
     rt = runtime.load(args.bundle, backend="onnxruntime", threads=args.threads, sparse_top_k=args.top_k,
                       spinning=args.spinning, graph=args.graph)
     tuning = SessionTuning(threads=args.threads, spinning=args.spinning, optimization=args.optimization,
-                           arena=not args.no_arena, graph=args.graph)
+                           arena=args.arena, graph=args.graph)
     if tuning != rt.backend.tuning:  # a session tuned otherwise than the runtime's default
         from runtime.ort_backend import OrtBackend
 
@@ -172,7 +172,7 @@ def _run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, prof
     if profile:
         cmd += ["--profile", "--profile-dir", str(a.work)]
     cmd += ["--graph", a.graph, "--optimization", a.optimization]
-    cmd += (["--spinning"] if a.spinning else []) + (["--no-arena"] if a.no_arena else [])
+    cmd += ["--spinning" if a.spinning else "--no-spinning", "--arena" if a.arena else "--no-arena"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -427,11 +427,13 @@ def main() -> int:
                          "default: the checkpoint's")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--spinning", action="store_true", help="ONNX Runtime intra-op threads spin (default off)")
+    ap.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=True,
+                    help="ONNX Runtime intra-op threads spin between operators (the runtime's default: on)")
     ap.add_argument("--optimization", default="all", choices=["all", "extended", "basic", "none"])
     ap.add_argument("--graph", default="auto", choices=["auto", "cpu", "portable"],
                     help="which network the onnxruntime backend runs (runtime.load(graph=...))")
-    ap.add_argument("--no-arena", action="store_true", help="ONNX Runtime without its CPU memory arena")
+    ap.add_argument("--arena", action=argparse.BooleanOptionalAction, default=False,
+                    help="ONNX Runtime's CPU memory arena (the runtime's default: off)")
     ap.add_argument("--repeat", type=int, default=2, help="fresh-process runs per configuration; the best is kept")
     ap.add_argument("--text", type=Path, default=DATA / "tinystories_eval.txt", help="context text")
     ap.add_argument("--profile", action="store_true", help="ONNX Runtime profile per op type (with --one: here)")

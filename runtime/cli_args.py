@@ -19,9 +19,10 @@ def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
     """--backend, --threads, --spinning, --graph (passed on to runtime.load)."""
     p.add_argument("--backend", choices=list(BACKENDS), default="auto")
     p.add_argument("--threads", type=int_at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
-    p.add_argument("--spinning", action="store_true",
-                   help="ONNX Runtime's threads busy-wait between operators (faster on a device that runs "
-                        "nothing else)")
+    p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=True,
+                   help="ONNX Runtime's threads busy-wait between operators (default on, as ONNX Runtime's and "
+                        "llama.cpp's; --no-spinning gives the cores back between operators, for a board that "
+                        "shares them with other work)")
     p.add_argument("--graph", choices=list(GRAPHS), default="auto",
                    help="onnxruntime backend: cpu = the fused-attention graph (custom op library), portable = "
                         "standard ops only, auto = cpu where its library is built")

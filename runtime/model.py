@@ -413,14 +413,16 @@ class Runtime:
 
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
-         sparse_top_k: int | None = None, spinning: bool = False, graph: str = "auto") -> Runtime:
+         sparse_top_k: int | None = None, spinning: bool = True, graph: str = "auto") -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
     sparse_top_k: the default selection budget (spec 4.1) of every sequence, 0..max-seq (a value
     >= the context is dense attention); None: the checkpoint's. Not the sampling top_k of `generate`.
     spinning: ONNX Runtime's intra-op threads busy-wait between operators (onnxruntime backend, threads
-    != 1): faster on a device that runs nothing else, cycles taken from anything that shares the cores
-    (docs/runtime.md, "ONNX Runtime session").
+    != 1), as ONNX Runtime, llama.cpp and GenAI do by default: a decode step hands work to the threads
+    hundreds of times, and a parked thread takes tens of microseconds to wake each time. False gives the
+    cores back between operators, for a board that shares them with other work (docs/runtime.md, "ONNX
+    Runtime session").
     graph (onnxruntime backend): "cpu" runs model.cpu.onnx, the attention as one custom op per owning layer
     (libgsm_ort_ops.so; RuntimeError where it is not built); "portable" the standard-op graph; "auto" the
     first where it is usable. `Runtime.backend.graph` says which one runs.

@@ -105,9 +105,9 @@ class SessionTuning:
     """How the ONNX Runtime sessions are set up (the reasons are in docs/runtime.md, "Speed")."""
 
     threads: int = 0  # intra-op threads; 0 = ONNX Runtime's default (one per physical core)
-    spinning: bool = False  # intra-op workers spin between ops (faster alone, burns shared cores)
+    spinning: bool = True  # intra-op workers spin between ops (ONNX Runtime's and both anchors' default)
     optimization: str = "all"  # "all" | "extended" | "basic" | "none"
-    arena: bool = True  # CPU memory arena: allocations reused from step to step
+    arena: bool = False  # CPU memory arena: ONNX Runtime keeps its peak of freed blocks (docs/runtime.md)
     graph: str = "auto"  # "cpu" (fused attention op), "portable" (standard ops) or "auto" (cpu where usable)
 
 

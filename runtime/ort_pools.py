@@ -20,7 +20,7 @@ import numpy as np
 
 from gsm.bundle_format import REBUILD, ROW_CACHE_FREE, ROW_CACHE_TAGS, BundleConfig, BundleError
 from runtime.backend import kv_noise_sums, relative_noise
-from runtime.plugin_cache import CallPlan, PluginCache, PluginRows, demotion_list, pool_dims, read_latents
+from runtime.plugin_cache import CallPlan, PluginCache, PluginRows, demotion_list, pool_dims, read_latents, read_rows
 
 QUANT = "gsm.layers.{l}.quant"  # builder/network.py quant_name: each owning layer's [5, r] table
 
@@ -110,19 +110,17 @@ class OrtPools:
         where = np.nonzero(np.asarray(new_tier) >= 0)[0]
         if where.size == 0:
             return None
-        old = np.full(self.cfg.n_max, -1, np.int32)
-        old[where] = cache.slots.entries[where]
+        old = cache.slots.entries[where].copy()
         moves = cache.slots.demote(np.asarray(new_tier))
         if not moves:
             return None
-        now = np.full(self.cfg.n_max, -1, np.int32)
-        now[where] = cache.slots.entries[where]
+        now = cache.slots.entries[where]
         entries = demotion_list(cache.row, moves)
         sums = []
         for l in self.cfg.owning_layers:
             pool = self.buffers[f"kv_pool.{l}"]
-            before = read_latents(self.cfg, l, pool[cache.row], old, self.quant[l])
+            before = read_rows(self.cfg, l, pool[cache.row], old, self.quant[l])
             ref.kv_demote(self.dims[l], entries, pool, self.quant[l])
-            after = read_latents(self.cfg, l, pool[cache.row], now, self.quant[l])
-            sums += [kv_noise_sums(b[where], a[where]) for b, a in zip(before, after)]
+            after = read_rows(self.cfg, l, pool[cache.row], now, self.quant[l])
+            sums += [kv_noise_sums(b, a) for b, a in zip(before, after)]
         return relative_noise(sums)

@@ -131,6 +131,21 @@ def read_latents(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: n
     return ck[0], cv[0]
 
 
+def read_rows(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: np.ndarray,
+              quant: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dequantised latents of the slot entries `entries` [m] of one layer's pool row ([m, r_k], [m, r_v]): what
+    read_latents returns at those entries' positions, in memory that follows m rather than N_max (a re-tier pass
+    moves a few hundred rows of a context of thousands)."""
+    import dataclasses
+
+    from gsm_edge_plugins import ref
+
+    entries = np.asarray(entries, np.int32).reshape(1, -1)
+    d = dataclasses.replace(pool_dims(cfg, layer), n_max=entries.shape[1])  # the pool's size does not depend on it
+    ck, cv = ref.read_latents(d, np.asarray(pool_row).reshape(1, -1), entries, quant)
+    return ck[0], cv[0]
+
+
 def quant_tables(demote_graph: Any) -> dict[int, np.ndarray]:
     """owning layer -> its [5, r] quantisation table (s12, s8, comp8, s4, comp4), from the demotion graph's
     initializers `gsm.layers.{l}.quant` (an onnx ModelProto with its external data loaded), as gsm.quant_table's

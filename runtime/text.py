@@ -19,6 +19,7 @@ tokens as variables) and the result is encoded with special tokens recognised an
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -136,7 +137,8 @@ class TextCodec:
 
     Two tokenizer instances because `encode_special_tokens` is a property of the instance and requests
     may run on several threads: plain prompts encode "<s>" as text (SentencePiece behaviour), rendered
-    chat templates must turn their control tokens into ids.
+    chat templates must turn their control tokens into ids. The chat one is made on first use: a tokenizer of
+    SmolLM2's 49K pieces holds ~11 MiB, which a process that never renders a chat does not need.
     """
 
     def __init__(self, bundle: Path, bos_token_id: int, eos_token_id: int) -> None:
@@ -144,10 +146,11 @@ class TextCodec:
 
         try:
             self.tokenizer = load_tokenizer(bundle)  # encode_special_tokens = True
-            self._chat_tokenizer = load_tokenizer(bundle)
         except TokenizerError as e:
             raise BundleError(str(e)) from None
-        self._chat_tokenizer.encode_special_tokens = False
+        self._bundle = bundle
+        self._chat: Any = None
+        self._chat_lock = threading.Lock()
         self.config = TokenizerConfig.load(bundle)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -159,6 +162,18 @@ class TextCodec:
         if not (bundle / TOKENIZER_FILE).is_file():
             return None
         return cls(bundle, bos_token_id, eos_token_id)
+
+    @property
+    def _chat_tokenizer(self) -> Any:
+        """The tokenizer of rendered chat templates (control tokens become ids), made on first use."""
+        with self._chat_lock:
+            if self._chat is None:
+                from gsm.tokenizer import load_tokenizer
+
+                chat = load_tokenizer(self._bundle)  # the file was read once already: it loads
+                chat.encode_special_tokens = False
+                self._chat = chat
+            return self._chat
 
     def encode(self, text: str) -> list[int]:
         """The text's pieces, after BOS unless tokenizer_config.json says add_bos_token: false."""
