@@ -45,10 +45,18 @@ class OrtPools:
         self.quant: dict[int, np.ndarray] = {}
         int8 = cfg.index_keys.bits == 8
         for l in cfg.owning_layers:
-            name = f"kv_pool.{l}"
-            if name not in inputs:
-                raise BundleError(f"model.cpu.onnx has no input {name}: rebuild the bundle with `{REBUILD}`")
-            self.buffers[name] = np.zeros((R, int(inputs[name][-1])), np.int32)
+            if f"kv_pool.{l}" not in inputs:
+                raise BundleError(f"model.cpu.onnx has no input kv_pool.{l}: rebuild the bundle with `{REBUILD}`")
+        # every layer's pool in one allocation: numpy backs an array of 4 MiB or more with transparent huge pages
+        # where the kernel offers them, and a decode step reads thousands of rows scattered over all the pools
+        # (4 KB pages: a TLB miss a row)
+        words = [int(inputs[f"kv_pool.{l}"][-1]) for l in cfg.owning_layers]
+        block = np.zeros(R * sum(words), np.int32)
+        at = 0
+        for l, w in zip(cfg.owning_layers, words):
+            self.buffers[f"kv_pool.{l}"] = block[at:at + R * w].reshape(R, w)
+            at += R * w
+        for l in cfg.owning_layers:
             self.buffers[f"index_keys.{l}"] = np.zeros((R, N, int(inputs[f"index_keys.{l}"][-1])),
                                                        np.int32 if int8 else np.float16)
             q = np.ascontiguousarray(weights[QUANT.format(l=l)], np.float32)

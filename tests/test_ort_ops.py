@@ -330,6 +330,30 @@ def test_thousands_of_tied_scores_select_by_position(keys: str) -> None:
     assert len(np.unique(score[1:])) < 200
 
 
+@pytest.mark.parametrize("keys", ["fp16", "int8"])
+def test_scores_in_one_binade_select_as_the_reference(keys: str) -> None:
+    """A decode over ~3,000 positions whose index scores all share their sign, exponent and first mantissa bits
+    (keys near 100, queries near 1: every score within a few percent of 3,200), the case of a real layer: the op's
+    radix select counts the next bits of the bucket that holds the cut, again and again, and must pick the
+    reference's positions exactly."""
+    geo = GEOMETRIES["gqa3"]
+    nH, nKV, D, nI, dI, rk, rv = geo
+    rng = np.random.default_rng(43)
+    past, positions = [2950, 2100], 3072
+    x = make_inputs(rng, geo, past, [1, 1], 1, 5, [301, 977], rows=2, positions=positions)
+    x["index_q"] = (1 + 0.01 * rng.standard_normal((2, 1, nI * dI))).astype(np.float32)
+    x["index_w"] = np.ones((2, 1, nI), np.float32)
+    kt = np.int8 if keys == "int8" else np.float16
+    x["index_keys"] = rng.integers(95, 106, (2, positions, dI)).astype(kt)
+    x["new_index_keys"] = rng.integers(95, 106, (2, 1, dI)).astype(kt)
+    want = check_against_reference(x, geo, 1, TensorProto.INT8 if keys == "int8" else TensorProto.FLOAT16)
+    b = 0
+    iq = x["index_q"][b, 0].reshape(nI, dI).astype(np.float64)
+    score = (x["index_keys"][x["cache_rows"][b], :past[b]].astype(np.float64) @ iq.T).sum(1) / np.sqrt(dI)
+    top = np.frexp(score[1:])  # one binade, and the first bucket of 11 bits holds most of the positions
+    assert len(np.unique(top[1])) == 1 and (want["selected"][b, 0] >= 0).sum() > 300
+
+
 # A budget that grows with the context (attribute sparse_top_k_divisor d > 0): the query at t selects
 # max(top_k[b], (t + 1) // d) by score. name: geometry, past, new, S, window, sinks, top_k, divisor, and the number
 # of positions each valid query keeps, worked out by hand (sinks + window + that top-k, or t + 1 when dense)

@@ -266,3 +266,58 @@ def test_refuses_a_new_position_without_an_fp16_row() -> None:
     np.testing.assert_array_equal(c.pool, before, err_msg="a refused call writes nothing")
     with pytest.raises(Exception, match=r"GsmPoolAttention: kv_slots\[0, 3\] = -1 is not a row of the pool"):
         c.call([0], [13], [1], 1, top_k=20, entry=(3, -1))  # a cached position the selection reads has no row
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES)
+def test_a_row_made_from_the_pool_is_the_row_the_call_made(geo: str) -> None:
+    """A K row made again from the pool (a row-cache miss: several rows through one multi-vector kernel) is the row
+    the call that wrote its position made from the new latent (one vector at a time), bit for bit, when the pool holds
+    that latent exactly (FP16 values, FP16 rows): which rows the cache kept must not change any value."""
+    c = Case(GEOMETRIES[geo], 16, capacity=64, seed=3)
+    c.call([0], [0], [40], 40)
+    made = {int(p): c.row_cache[0, s].copy() for s, p in enumerate(c.tags[0, 0]) if p >= 0}
+    assert len(made) > 30
+    c.tags[0] = -1  # forget every row: the next call makes the rows it selects from the pool
+    out = c.call([0], [40], [1], 1, top_k=30)
+    assert out["row_cache_misses"][0] > 20
+    again = {int(p): c.row_cache[0, s] for s, p in enumerate(c.tags[0, 0]) if 0 <= p < 40}
+    assert len(again) > 20
+    for p, row in again.items():
+        np.testing.assert_array_equal(row.view(np.int32), made[p].view(np.int32), err_msg=f"position {p}")
+
+
+def test_rows_made_from_int8_and_int4_rows_use_the_references_latents_bit_for_bit() -> None:
+    """A K row the op makes from an INT8 or INT4 row of the pool is U_k times the latent the plugins' reference
+    dequantises (one rounded product, one rounded sum per value: no fused multiply-add), bit for bit: the row equals
+    the one the op makes from that same float32 latent given as a call's new latent, at the same position."""
+    c = Case(GEOMETRIES["gqa3"], 16, capacity=64, seed=4)
+    nH, nKV, D, nI, dI, rk, rv = c.geo
+    c.call([0], [0], [40], 40)
+    assert c.demote(0, 40) > 10
+    entries = c.tables[0].entries
+    tiers = ref.slot_tier(entries[:40])
+    low = [p for p in range(SINKS, 40) if tiers[p] in (ref.INT8, ref.INT4)]
+    assert {int(tiers[p]) for p in low} == {ref.INT8, ref.INT4}
+    ck, cv = ref.read_latents(c.d, c.pool[0:1], entries[None], c.quant)
+    # sequence 2: a prefill whose new latents are those dequantised values (float32, not FP16 values)
+    c.tables[2].allocate(range(40))
+    f = lambda *s: c.rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    x = {"q": f(1, 40, nH * D), "index_q": f(1, 40, nI * dI), "index_w": f(1, 40, nI),
+         "new_latent_k": ck[:, :40].copy(), "new_latent_v": cv[:, :40].copy(),
+         "new_index_keys": f(1, 40, dI).astype(np.float16), "kv_pool": c.pool, "index_keys": c.keys,
+         "kv_slots": c.tables[2].entries[None].astype(np.int32), "quant": c.quant, "row_cache": c.row_cache,
+         "row_cache_tags": c.tags, "k_up": c.k_up, "v_up": c.v_up, "rope_cos": c.cos, "rope_sin": c.sin,
+         "cache_rows": np.array([2], np.int32), "past_lengths": np.array([0], np.int32),
+         "new_lengths": np.array([40], np.int32), "sparse_window": np.array([WINDOW], np.int32),
+         "sparse_top_k": np.array([N_MAX], np.int32)}
+    c.run(c.session, x, OUTPUTS)
+    c.ref_pool[2], c.ref_keys[2] = c.pool[2], c.keys[2]  # (the reference's copy: only row 0 is compared below)
+    fresh = {int(p): c.row_cache[2, s].copy() for s, p in enumerate(c.tags[2, 0]) if p >= 0}
+    # sequence 0: every row forgotten, then a step that selects them all makes them from the pool
+    c.tags[0] = -1
+    out = c.call([0], [40], [1], 1, top_k=N_MAX)
+    assert out["row_cache_misses"][0] >= 40
+    made = {int(p): c.row_cache[0, s] for s, p in enumerate(c.tags[0, 0]) if 0 <= p < 40}
+    for p in low:
+        np.testing.assert_array_equal(made[p].view(np.int32), fresh[p].view(np.int32),
+                                      err_msg=f"position {p} (tier {int(tiers[p])})")

@@ -80,10 +80,12 @@ inline int32_t rankPosition(uint64_t key)
 }
 
 // The positions of the m largest rank keys among n >= m scores of positions p0 .. p0 + n - 1, unordered, into picks.
-// A radix select: one pass counts the score keys' top bits, which fixes every position above the bucket that holds
-// the m-th and every one below it; only that bucket's keys are ordered (nth_element over all n positions mispredicts
-// about half its branches, the bulk of a decode call's selection at 8K positions).
+// A radix select: a pass counts the score keys' top bits, which fixes every position above the bucket that holds the
+// m-th and every one below it; that bucket is refined on the next bits the same way while it is large (scores of one
+// layer share their sign, exponent and first mantissa bits: the first bucket alone held a quarter of 8K positions),
+// and only the last one's keys are ordered (nth_element over all n positions mispredicts about half its branches).
 constexpr int kRadixBits = 11;
+constexpr size_t kSmallBucket = 64; // below this, nth_element on the bucket beats another counting pass
 
 void topPositions(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<int32_t>& picks)
 {
@@ -117,7 +119,41 @@ void topPositions(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<
             boundary.push_back(rankKey(sk[static_cast<size_t>(i)], p0 + i));
         }
     }
-    int64_t const need = m - above; // 1 .. hist[b]
+    int64_t need = m - above; // 1 .. boundary.size()
+    // the boundary's keys agree on the score key's bits above `shift`: count the next digit among them
+    for (int shift = 32 - kRadixBits; shift > 0 && need < static_cast<int64_t>(boundary.size())
+         && boundary.size() > kSmallBucket;)
+    {
+        int const bits = std::min(kRadixBits, shift);
+        shift -= bits;
+        uint32_t const mask = (1u << bits) - 1;
+        std::memset(hist, 0, sizeof(uint32_t) << bits);
+        for (uint64_t const key : boundary)
+        {
+            ++hist[(key >> (32 + shift)) & mask];
+        }
+        int64_t over = 0;
+        uint32_t d = mask;
+        for (; d > 0 && over + hist[d] < need; --d)
+        {
+            over += hist[d];
+        }
+        size_t kept = 0;
+        for (uint64_t const key : boundary)
+        {
+            uint32_t const digit = (key >> (32 + shift)) & mask;
+            if (digit > d)
+            {
+                picks.push_back(rankPosition(key));
+            }
+            else if (digit == d)
+            {
+                boundary[kept++] = key;
+            }
+        }
+        boundary.resize(kept);
+        need -= over;
+    }
     if (need < static_cast<int64_t>(boundary.size()))
     {
         std::nth_element(boundary.begin(), boundary.begin() + (need - 1), boundary.end(), std::greater<uint64_t>());
@@ -432,6 +468,21 @@ void poolWriteNew(CachedAttentionDims const& d, CachedAttentionInputs const& in)
     }
 }
 
+// Ask for the bytes of the pool row behind slot entry `entry` (every cache line of it) ahead of its decoding.
+void prefetchLatentRow(GsmDims const& d, uint8_t const* poolRow, int32_t entry)
+{
+    int32_t const tier = slotTier(entry);
+    int64_t const bytes = tier == kTierFP16 ? rowBytesFP16(d)
+        : tier == kTierINT8                 ? rowBytesINT8(d)
+        : tier == kTierINT4                 ? rowBytesINT4(d)
+                                            : rowBytesINT12(d);
+    uint8_t const* row = poolRow + rowOffset(d, slotRow(entry));
+    for (int64_t o = 0; o < bytes; o += 64)
+    {
+        __builtin_prefetch(row + o);
+    }
+}
+
 // GsmPoolAttention, before the attention: the cached positions each sequence's queries select (need), their K rows
 // from the row cache or made from the pool (U_k c_k, RoPE), and their V latents dequantised from the pool.
 bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k,
@@ -509,10 +560,30 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         if (t >= kTasks)
         {
             int64_t const i0 = (t - kTasks) * kVBlock, i1 = std::min(n, i0 + kVBlock);
+            // the rows lie scattered over the pools and come cold from memory: ask for row i + kRowsAhead's bytes
+            // while row i is decoded (SmolLM2 at 8K: ~15,000 rows a step; without, the decoding waited on them)
+            constexpr int64_t kRowsAhead = 6;
+            int64_t b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i0) - pc.needOff.begin() - 1;
+            auto rowOf = [&](int64_t i, int64_t& seq) {
+                while (pc.needOff[static_cast<size_t>(seq) + 1] <= i)
+                {
+                    ++seq;
+                }
+                return ps.slots[seq * N + pc.need[static_cast<size_t>(i)]];
+            };
+            int64_t pb = b;
+            for (int64_t i = i0; i < std::min(i1, i0 + kRowsAhead); ++i)
+            {
+                prefetchLatentRow(ps.dims, ps.pool + in.cacheRows[pb] * ps.poolBytes, rowOf(i, pb));
+            }
             for (int64_t i = i0; i < i1; ++i)
             {
-                int64_t const b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i) - pc.needOff.begin() - 1;
-                int32_t const e = ps.slots[b * N + pc.need[static_cast<size_t>(i)]];
+                if (i + kRowsAhead < i1)
+                {
+                    int32_t const ahead = rowOf(i + kRowsAhead, pb);
+                    prefetchLatentRow(ps.dims, ps.pool + in.cacheRows[pb] * ps.poolBytes, ahead);
+                }
+                int32_t const e = rowOf(i, b);
                 loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, e, ps.quant, static_cast<int32_t>(rk),
                     static_cast<int32_t>(rv), pc.vLatent.data() + i * rv);
             }
@@ -524,6 +595,11 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         kr.resize(static_cast<size_t>(kJobBlock * kvD));
         float const* xs[kJobBlock];
         float* ys[kJobBlock];
+        for (int64_t i = 0; i < m; ++i) // the block's rows asked for at once: their loads overlap
+        {
+            RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
+            prefetchLatentRow(ps.dims, ps.pool + in.cacheRows[j.b] * ps.poolBytes, j.entry);
+        }
         for (int64_t i = 0; i < m; ++i)
         {
             RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
@@ -532,7 +608,22 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
             xs[i] = ck.data() + i * rk;
             ys[i] = kr.data() + i * kvD;
         }
-        K.matvecs(ukf, kvD, rk, xs, m, ys);
+        if (D % 4 == 0)
+        {
+            K.matvecs(ukf, kvD, rk, xs, m, ys);
+        }
+        else // section A makes a head's rows in blocks of four from its first row: the same blocks here
+        {
+            float* yg[kJobBlock];
+            for (int64_t g = 0; g < nKV; ++g)
+            {
+                for (int64_t i = 0; i < m; ++i)
+                {
+                    yg[i] = ys[i] + g * D;
+                }
+                K.matvecs(ukf + g * D * rk, D, rk, xs, m, yg);
+            }
+        }
         for (int64_t i = 0; i < m; ++i)
         {
             RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
@@ -575,10 +666,7 @@ void loadLatents(GsmDims const& d, uint8_t const* poolRow, int32_t entry, float 
         int8_t const* q = reinterpret_cast<int8_t const*>(row) + c0;
         float const* s8 = quant + latentRank(d) + c0;
         float const* comp8 = quant + 2 * static_cast<int64_t>(latentRank(d)) + c0;
-        for (int32_t i = 0; i < n; ++i)
-        {
-            out[i] = dequantINT8(q[i], s8[i], comp8[i]);
-        }
+        cpuKernels().dequantInt8(q, s8, comp8, n, out); // dequantINT8 per value
         return;
     }
     if (tier == kTierINT4 && (c0 == 0 || c0 == d.rankK) && n <= (c0 == 0 ? d.rankK : d.rankV))
@@ -587,12 +675,7 @@ void loadLatents(GsmDims const& d, uint8_t const* poolRow, int32_t entry, float 
         uint8_t const* packed = row + (c0 == 0 ? 0 : packedINT4Bytes(d.rankK));
         float const* s4 = quant + 3 * static_cast<int64_t>(latentRank(d)) + c0;
         float const* comp4 = quant + 4 * static_cast<int64_t>(latentRank(d)) + c0;
-        for (int32_t i = 0; i < n; ++i)
-        {
-            uint8_t const b = packed[i >> 1];
-            int32_t const q = static_cast<int8_t>(static_cast<uint8_t>((i & 1) ? (b & 0xF0) : (b << 4))) >> 4;
-            out[i] = dequantINT4(q, s4[i], comp4[i]);
-        }
+        cpuKernels().dequantInt4(packed, s4, comp4, n, out); // dequantINT4 per value
         return;
     }
     for (int32_t i = 0; i < n; ++i)

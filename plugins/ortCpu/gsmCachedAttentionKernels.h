@@ -56,6 +56,10 @@ struct Kernels
     void (*halfToFloat)(uint16_t const* h, int64_t n, float* out);
     // ys[j] = W xs[j] over W [m, r], j < nx: matvec(W, xs[j], m, r, ys[j]) bit for bit, four vectors per pass
     void (*matvecs)(float const* W, int64_t m, int64_t r, float const* const* xs, int64_t nx, float* const* ys);
+    // out[i] = float(q[i]) * s[i] + c[i] with two roundings (gsm_math.h dequantINT8: no fused multiply-add), i < n
+    void (*dequantInt8)(int8_t const* q, float const* s, float const* c, int64_t n, float* out);
+    // the same over INT4 codes, two to a byte, low nibble first, sign-extended (dequantINT4)
+    void (*dequantInt4)(uint8_t const* packed, float const* s, float const* c, int64_t n, float* out);
 };
 
 Kernels const& genericKernels();
