@@ -20,6 +20,7 @@ import numpy as np
 from gsm.bundle_format import REBUILD, BundleConfig
 from runtime.backend import Backend, Capabilities, StepOutput
 from runtime.bundle import open_bundle
+from runtime.host_memory import trim_heap
 from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning
 from runtime.policy import SequenceState, TierPolicy, retier
 from runtime.request_state import Generation, RequestState, Token
@@ -33,6 +34,18 @@ __all__ = ["BACKENDS", "ContextFullError", "Generation", "RequestState", "Runtim
            "load"]
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "reference")
+PREFILL_ALIGN = 64  # a bounded prefill call's tokens: a multiple of this (Runtime.chunk_tokens)
+
+
+
+def prefill_chunk(max_input: int, past: int, call_positions: int) -> int:
+    """Tokens of a prefill call after `past` positions: max-input, or where a backend bounds a call's tokens x
+    positions (call_positions > 0) the largest multiple of PREFILL_ALIGN whose tokens x (past + max-input) fits,
+    never fewer than PREFILL_ALIGN (nor more than max-input)."""
+    if call_positions <= 0:
+        return max_input
+    fit = call_positions // (past + max_input) // PREFILL_ALIGN * PREFILL_ALIGN
+    return max(min(PREFILL_ALIGN, max_input), min(max_input, fit))
 
 
 class ContextFullError(RuntimeError):
@@ -246,8 +259,9 @@ class Runtime:
 
     def prefill_batch(self, seqs: Sequence[Sequence_], prompts: Sequence[Sequence[int]],
                       scorers: Sequence[Callable[[int, np.ndarray], None] | None] | None = None) -> np.ndarray:
-        """Each sequence's prompt, in rounds of at most max-input tokens per sequence (the chunks a
-        sequence alone would get), each call followed by a re-tier pass of every sequence in it.
+        """Each sequence's prompt, in rounds of at most max-input tokens per sequence (fewer late in a long
+        prompt where the backend bounds a call's working memory: chunk_tokens), each call followed by a re-tier
+        pass of every sequence in it.
         Returns each sequence's last-position logits [B, V]. scorers[b] (a bundle built with --logits all):
         called with (first position, logits [n, V]) of every chunk of sequence b (prompt log-probabilities)."""
         prompts = [[int(t) for t in p] for p in prompts]
@@ -260,20 +274,28 @@ class Runtime:
                 raise ContextFullError(f"{s.length} positions + a prompt of {len(p)} tokens exceed the "
                                        f"bundle's max-seq {self.n_max} (rebuild with a larger --max-seq)")
         out = np.zeros((len(seqs), self.vocab_size), np.float32)
-        step = self.max_input
-        for i in range(0, max(len(p) for p in prompts), step):
-            part = [b for b, p in enumerate(prompts) if len(p) > i]
-            res = self.forward_batch([seqs[b] for b in part], [prompts[b][i:i + step] for b in part])
+        done = [0] * len(prompts)
+        while True:
+            part = [b for b, p in enumerate(prompts) if done[b] < len(p)]
+            if not part:
+                break
+            step = self.chunk_tokens(max(seqs[b].length for b in part))
+            res = self.forward_batch([seqs[b] for b in part], [prompts[b][done[b]:done[b] + step] for b in part])
             last = res.logits.shape[1] > 1  # logits=all: [B, S, V]; pick each sequence's last new row
             for k, b in enumerate(part):
-                n = len(prompts[b][i:i + step])
+                n = len(prompts[b][done[b]:done[b] + step])
                 out[b] = res.logits[k, n - 1 if last else -1]
                 if scorers is not None and scorers[b] is not None:
                     if not last:
                         raise ValueError("prompt scoring needs a bundle built with --logits all")
-                    scorers[b](i, res.logits[k, :n])
+                    scorers[b](done[b], res.logits[k, :n])
+                done[b] += n
                 seqs[b]._retier()
         return out
+
+    def chunk_tokens(self, past: int) -> int:
+        """Tokens of a prefill call after `past` positions (prefill_chunk with this backend's bound)."""
+        return prefill_chunk(self.max_input, past, self.backend.capabilities.call_positions)
 
     def decode_batch(self, seqs: Sequence[Sequence_], tokens: Sequence[int],
                      probe: Sequence[bool] | None = None) -> np.ndarray:
@@ -455,4 +477,6 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning), graph=graph))
-    return Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k)
+    rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k)
+    trim_heap()  # what loading parsed and dropped (the tokenizer's JSON: ~16 MiB on SmolLM2) goes back
+    return rt

@@ -46,6 +46,7 @@ import numpy as np
 
 from gsm.bundle_format import FILES, REBUILD, BundleConfig, BundleError, CpuWeightTable
 from runtime.backend import Capabilities, RowPool, StepOutput, kv_noise_sums, relative_noise
+from runtime.host_memory import bound_heap, trim_heap
 from runtime.ort_pools import OrtPools
 from runtime.page_reserve import PageReserve
 from runtime.slots import SlotTable
@@ -99,6 +100,13 @@ class _RowCopy:
         return cls(buf.ctypes.data, buf.strides[0], buf.strides[1], rows.ctypes.data, rows.strides[0],
                    rows[0, 0].nbytes)
 
+
+# A prefill call's tokens x positions at most: its working memory (each query's index scores over every position, the
+# selections ONNX Runtime keeps as outputs until the call ends, attention weights) follows this product, ~160 KB a
+# token at 8K on SmolLM2 before the op held its weights in query blocks. 2^20 keeps max-input 512 up to ~1.5K
+# positions and gives 128-token calls near 8K (SmolLM2, 8K prompt: peak RSS 381 -> 342 MiB with the query blocks,
+# prefill ~300 tok/s either way, this VM's noise).
+CALL_POSITIONS = 1 << 20
 
 @dataclass(frozen=True)
 class SessionTuning:
@@ -188,6 +196,7 @@ class OrtBackend:
         import onnxruntime as ort
 
         self.ort = ort
+        bound_heap()  # a prefill's freed working memory goes back to the system (runtime/host_memory.py)
         self.tuning = tuning or SessionTuning(threads=threads)
         so = session_options(self.tuning)
         prov = providers or ["CPUExecutionProvider"]
@@ -262,7 +271,7 @@ class OrtBackend:
             max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
             kv_bytes_per_sequence=per_sequence,
             per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, graph=self.graph,
-            graph_note=self.graph_note)
+            graph_note=self.graph_note, call_positions=CALL_POSITIONS)
 
     def open_session(self, so: Any) -> Any:
         """A session of the network this backend runs, with options `so` (the custom-op library registered
@@ -407,6 +416,8 @@ class OrtBackend:
                     self.binding.bind_output(name)
                 self.session.run_with_iobinding(self.binding)
                 outs = dict(zip(want, self.binding.copy_outputs_to_cpu()))
+                self.binding.clear_binding_outputs()  # ONNX Runtime's copies of the outputs go now
+                trim_heap()
                 if commit:
                     for b, c in enumerate(caches):
                         self.pages.reserve(c.row, int(past[b]) + int(new[b]))

@@ -47,15 +47,11 @@ class OrtPools:
         for l in cfg.owning_layers:
             if f"kv_pool.{l}" not in inputs:
                 raise BundleError(f"model.cpu.onnx has no input kv_pool.{l}: rebuild the bundle with `{REBUILD}`")
-        # every layer's pool in one allocation: numpy backs an array of 4 MiB or more with transparent huge pages
-        # where the kernel offers them, and a decode step reads thousands of rows scattered over all the pools
-        # (4 KB pages: a TLB miss a row)
-        words = [int(inputs[f"kv_pool.{l}"][-1]) for l in cfg.owning_layers]
-        block = np.zeros(R * sum(words), np.int32)
-        at = 0
-        for l, w in zip(cfg.owning_layers, words):
-            self.buffers[f"kv_pool.{l}"] = block[at:at + R * w].reshape(R, w)
-            at += R * w
+        # one allocation per layer, under the 4 MiB from which numpy asks for transparent huge pages: a short context
+        # touches the start of every layer's pool (its FP16 region), which 2 MiB pages would make resident whole
+        # (SmolLM2 at 8K: 83 MB of pools, +45 MiB at a 512-token context; decode 5 % faster at 8K)
+        for l in cfg.owning_layers:
+            self.buffers[f"kv_pool.{l}"] = np.zeros((R, int(inputs[f"kv_pool.{l}"][-1])), np.int32)
         for l in cfg.owning_layers:
             self.buffers[f"index_keys.{l}"] = np.zeros((R, N, int(inputs[f"index_keys.{l}"][-1])),
                                                        np.int32 if int8 else np.float16)

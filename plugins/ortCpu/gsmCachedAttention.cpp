@@ -84,6 +84,7 @@ inline int32_t rankPosition(uint64_t key)
 // m-th and every one below it; that bucket is refined on the next bits the same way while it is large (scores of one
 // layer share their sign, exponent and first mantissa bits: the first bucket alone held a quarter of 8K positions),
 // and only the last one's keys are ordered (nth_element over all n positions mispredicts about half its branches).
+constexpr int64_t kQueryBlock = 64; // queries whose attention weights are held at once (section D)
 constexpr int kRadixBits = 11;
 constexpr size_t kSmallBucket = 64; // below this, nth_element on the bucket beats another counting pass
 
@@ -225,6 +226,20 @@ struct Scratch
     std::vector<int32_t> needIdx; // position -> index into pool.need of the sequence at hand (-1 elsewhere)
     std::vector<int32_t> slotOf;  // position -> row-cache slot of the sequence at hand (-1 elsewhere)
 };
+
+// A prefill call's scratch (index scores, weights and row pointers of every query, the rows its selections need: tens
+// of MB late in a long prompt) is kept from call to call while calls of many tokens follow each other (every layer
+// of every chunk: giving it back after each call made an 8K prefill 20 % slower) and given back by the first call of
+// one token (a decode step needs a few hundred KB): without this the process kept the largest chunk's scratch for
+// as long as it decoded (SmolLM2 after an 8K prompt: ~30 MiB).
+void releasePrefillScratch(Scratch& sc, int64_t S)
+{
+    constexpr size_t kDecodeFloats = size_t{1} << 18; // more than a decode step's scores (1 MB)
+    if (S == 1 && sc.scores.capacity() + sc.probs.capacity() > kDecodeFloats)
+    {
+        sc = Scratch{};
+    }
+}
 
 // A K row reconstructed from a pool row: U_k c_k, then RoPE at its position, per key head (as section A makes
 // the call's new rows, so a row made from the same FP16 latent has the same bits).
@@ -763,6 +778,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     // lambdas would otherwise resolve a thread_local name to their own thread's instance
     static thread_local Scratch callerScratch;
     Scratch& sc = callerScratch;
+    releasePrefillScratch(sc, d.S);
     int64_t const B = d.B, S = d.S, Q = B * S, nH = d.nH, nKV = d.nKV, D = d.D, grp = nH / nKV, kvD = nKV * D;
     int64_t const nI = d.nI, dI = d.dI, rk = d.rk, rv = d.rv, N = d.N, W = in.window;
     // the graph's constants: np.float32(math.sqrt(n)), divided by last
@@ -940,142 +956,148 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
         return false;
     }
 
-    // -- D: attention over the kept positions --------------------------------------------------------------
-    sc.krow.resize(static_cast<size_t>(Q * k));
-    sc.vrow.resize(static_cast<size_t>(Q * k));
-    sc.probs.resize(static_cast<size_t>(Q * nH * k));
+    // -- D: attention over the kept positions, and E: attention mass of the valid rows, per position ------------
+    //       The weights and row pointers are made for kQueryBlock queries at a time: a prefill chunk's, all at
+    //       once, were its largest buffers (512 queries x 9 heads x the 1,057 kept rows of SmolLM2's first layer:
+    //       19 MB of weights); per query and head the same sums in the same order, the masses added in query order.
     bool const decode = S == 1;
     if (in.pool != nullptr && !resolvePoolRows(d, in, k, out, sc, par, error))
     {
         return false;
     }
-    for (int64_t q = 0; q < Q; ++q)
-    {
-        int64_t const b = qb(q), past = in.pastLengths[b], row = in.cacheRows[b];
-        int32_t const* sel = out.selected + q * k;
-        if (in.pool != nullptr) // positions -> their rows in sc.pool.need
-        {
-            mapNeed(sc, b, true);
-        }
-        for (int64_t s = 0; s < sc.nsel[q]; ++s)
-        {
-            int64_t const p = sel[s];
-            bool const cached = p < past;
-            if (in.pool != nullptr)
-            {
-                int64_t const i = cached ? sc.needIdx[static_cast<size_t>(p)] : -1;
-                sc.krow[q * k + s] = cached ? sc.pool.kRow[static_cast<size_t>(i)]
-                                            : out.newKRows + (b * S + p - past) * kvD;
-                sc.vrow[q * k + s] = cached ? sc.pool.vLatent.data() + i * rv : in.newLatentV + (b * S + p - past) * rv;
-                continue;
-            }
-            sc.krow[q * k + s] = cached ? in.kRows + (row * N + p) * kvD : out.newKRows + (b * S + p - past) * kvD;
-            if (vRows)
-            {
-                sc.vrow[q * k + s] = cached ? in.vRows + (row * N + p) * kvD : out.newVRows + (b * S + p - past) * kvD;
-            }
-            else
-            {
-                sc.vrow[q * k + s] = cached ? in.latentV + (row * N + p) * rv : in.newLatentV + (b * S + p - past) * rv;
-            }
-        }
+    bool const latentSum = decode && !vRows;
+    bool const uniqueV = !latentSum && !vRows; // a prefill over latents: V = U_v c once per distinct kept row
+    // where a kept position p of sequence b reads its K row and its V (latent, or row); on the pools through
+    // sc.needIdx, which mapNeed sets for one sequence at a time
+    auto rowsOf = [&](int64_t b, int64_t p, float const** kr, float const** vr) {
+        int64_t const past = in.pastLengths[b], row = in.cacheRows[b], at = b * S + p - past;
+        bool const cached = p < past;
         if (in.pool != nullptr)
         {
-            mapNeed(sc, b, false);
+            int64_t const i = cached ? sc.needIdx[static_cast<size_t>(p)] : -1;
+            *kr = cached ? sc.pool.kRow[static_cast<size_t>(i)] : out.newKRows + at * kvD;
+            *vr = cached ? sc.pool.vLatent.data() + i * rv : in.newLatentV + at * rv;
+            return;
         }
-    }
-    bool const latentSum = decode && !vRows;
-    if (latentSum)
-    {
-        sc.pd.resize(static_cast<size_t>(Q * k * nH));
-    }
-    // per (query, head): logits, softmax and, over V rows, the weighted sum (one hand-off to the pool)
-    ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
-        int64_t const q = i / nH, h = i % nH, g = h / grp, n = sc.nsel[q];
-        float* pr = sc.probs.data() + (q * nH + h) * k;
-        K.logits(sc.qr.data() + (q * nH + h) * D, sc.krow.data() + q * k, g * D, n, D, sqrtD, pr);
-        softmax(pr, n);
-        for (int64_t s = 0; latentSum && s < n; ++s)
+        *kr = cached ? in.kRows + (row * N + p) * kvD : out.newKRows + at * kvD;
+        *vr = vRows ? (cached ? in.vRows + (row * N + p) * kvD : out.newVRows + at * kvD)
+                    : (cached ? in.latentV + (row * N + p) * rv : in.newLatentV + at * rv);
+    };
+    // fn(q, b) for the queries q0 .. q1 - 1, each sequence's positions mapped while its queries run
+    auto forQueries = [&](int64_t q0, int64_t q1, auto&& fn) {
+        for (int64_t q = q0; q < q1;)
         {
-            sc.pd[(q * k + s) * nH + h] = static_cast<double>(pr[s]);
+            int64_t const b = qb(q), qe = std::min(q1, (b + 1) * S);
+            if (in.pool != nullptr)
+            {
+                mapNeed(sc, b, true);
+            }
+            for (; q < qe; ++q)
+            {
+                fn(q, b);
+            }
+            if (in.pool != nullptr)
+            {
+                mapNeed(sc, b, false);
+            }
         }
-        if (vRows)
-        {
-            K.weightedRows(pr, sc.vrow.data() + q * k, g * D, n, D, out.attnOut + (q * nH + h) * D);
-        }
-    });
-
-    if (latentSum)
+    };
+    int64_t const lmax = L;
+    if (uniqueV) // the distinct kept rows of each sequence (a chunk's queries share most of them), U_v c each
     {
-        // ctx = sum_s p_s c_s in float64 over the latents, split over latent columns; then U_v per head
-        sc.ctx.resize(static_cast<size_t>(Q * nH * rv));
-        int64_t const chunks = (rv + kCtxChunk - 1) / kCtxChunk;
-        ok = ok && parallelFor(par, Q * chunks, [&](int64_t i) {
-            int64_t const q = i / chunks, i0 = (i % chunks) * kCtxChunk, i1 = std::min(i0 + kCtxChunk, rv);
-            K.ctxDecode(sc.pd.data() + q * k * nH, nH, sc.vrow.data() + q * k, sc.nsel[q], i0, i1,
-                sc.ctx.data() + q * nH * rv, rv);
-        });
-        ok = ok && parallelFor(small, Q * nH, [&](int64_t i) {
-            int64_t const q = i / nH, h = i % nH, g = h / grp;
-            upMatvec(K, in, in.vUp, g * D, sc.ctx.data() + (q * nH + h) * rv, D, rv, out.attnOut + (q * nH + h) * D);
-        });
-    }
-    else if (!vRows)
-    {
-        // V = U_v c once per distinct kept row of each sequence (a chunk's queries share most of them)
-        int64_t const lmax = L;
         sc.slot.assign(static_cast<size_t>(B * lmax), -1);
         sc.uniq.clear();
         sc.uniqLatent.clear();
-        for (int64_t q = 0; q < Q; ++q)
-        {
-            int64_t const b = qb(q);
+        forQueries(0, Q, [&](int64_t q, int64_t b) {
             int32_t const* sel = out.selected + q * k;
             for (int64_t s = 0; s < sc.nsel[q]; ++s)
             {
                 int32_t& sl = sc.slot[static_cast<size_t>(b * lmax + sel[s])];
                 if (sl < 0)
                 {
+                    float const* kr = nullptr;
+                    float const* vr = nullptr;
+                    rowsOf(b, sel[s], &kr, &vr);
                     sl = static_cast<int32_t>(sc.uniq.size());
                     sc.uniq.push_back(b * lmax + sel[s]);
-                    sc.uniqLatent.push_back(sc.vrow[q * k + s]); // the row's V latent (section D's pointers)
+                    sc.uniqLatent.push_back(vr);
                 }
             }
-        }
+        });
         int64_t const U = static_cast<int64_t>(sc.uniq.size());
         sc.vrows.resize(static_cast<size_t>(U * kvD));
         ok = ok && parallelFor(par, U, [&](int64_t u) {
             upMatvec(K, in, in.vUp, 0, sc.uniqLatent[static_cast<size_t>(u)], kvD, rv, sc.vrows.data() + u * kvD);
         });
-        for (int64_t q = 0; q < Q; ++q)
-        {
-            int64_t const b = qb(q);
+    }
+    int64_t const QB = std::min<int64_t>(Q, kQueryBlock);
+    sc.krow.resize(static_cast<size_t>(QB * k));
+    sc.vrow.resize(static_cast<size_t>(QB * k));
+    sc.probs.resize(static_cast<size_t>(QB * nH * k));
+    if (latentSum)
+    {
+        sc.pd.resize(static_cast<size_t>(QB * k * nH));
+        sc.ctx.resize(static_cast<size_t>(QB * nH * rv));
+    }
+    for (int64_t q0 = 0; q0 < Q && ok; q0 += QB)
+    {
+        int64_t const q1 = std::min(Q, q0 + QB), nq = q1 - q0;
+        forQueries(q0, q1, [&](int64_t q, int64_t b) {
             int32_t const* sel = out.selected + q * k;
             for (int64_t s = 0; s < sc.nsel[q]; ++s)
             {
-                sc.vrow[q * k + s] = sc.vrows.data() + sc.slot[static_cast<size_t>(b * lmax + sel[s])] * kvD;
+                float const* kr = nullptr;
+                float const* vr = nullptr;
+                rowsOf(b, sel[s], &kr, &vr);
+                sc.krow[(q - q0) * k + s] = kr;
+                sc.vrow[(q - q0) * k + s] =
+                    uniqueV ? sc.vrows.data() + sc.slot[static_cast<size_t>(b * lmax + sel[s])] * kvD : vr;
             }
-        }
-        ok = ok && parallelFor(par, Q * nH, [&](int64_t i) {
-            int64_t const q = i / nH, h = i % nH, g = h / grp;
-            K.weightedRows(sc.probs.data() + (q * nH + h) * k, sc.vrow.data() + q * k, g * D, sc.nsel[q], D,
-                out.attnOut + (q * nH + h) * D);
         });
-    }
-
-    // -- E: attention mass of the valid rows, per position -------------------------------------------------
-    for (int64_t b = 0; b < B; ++b)
-    {
-        for (int64_t j = 0; j < in.newLengths[b]; ++j)
+        // per (query, head): logits, softmax and, over V rows, the weighted sum (one hand-off to the pool)
+        ok = ok && parallelFor(par, nq * nH, [&](int64_t i) {
+            int64_t const ql = i / nH, q = q0 + ql, h = i % nH, g = h / grp, n = sc.nsel[q];
+            float* pr = sc.probs.data() + (ql * nH + h) * k;
+            K.logits(sc.qr.data() + (q * nH + h) * D, sc.krow.data() + ql * k, g * D, n, D, sqrtD, pr);
+            softmax(pr, n);
+            for (int64_t s = 0; latentSum && s < n; ++s)
+            {
+                sc.pd[(ql * k + s) * nH + h] = static_cast<double>(pr[s]);
+            }
+            if (!latentSum)
+            {
+                K.weightedRows(pr, sc.vrow.data() + ql * k, g * D, n, D, out.attnOut + (q * nH + h) * D);
+            }
+        });
+        if (latentSum)
         {
-            int64_t const q = b * S + j;
+            // ctx = sum_s p_s c_s in float64 over the latents, split over latent columns; then U_v per head
+            int64_t const chunks = (rv + kCtxChunk - 1) / kCtxChunk;
+            ok = ok && parallelFor(par, nq * chunks, [&](int64_t i) {
+                int64_t const ql = i / chunks, i0 = (i % chunks) * kCtxChunk, i1 = std::min(i0 + kCtxChunk, rv);
+                K.ctxDecode(sc.pd.data() + ql * k * nH, nH, sc.vrow.data() + ql * k, sc.nsel[q0 + ql], i0, i1,
+                    sc.ctx.data() + ql * nH * rv, rv);
+            });
+            ok = ok && parallelFor(small, nq * nH, [&](int64_t i) {
+                int64_t const ql = i / nH, q = q0 + ql, h = i % nH, g = h / grp;
+                upMatvec(K, in, in.vUp, g * D, sc.ctx.data() + (ql * nH + h) * rv, D, rv,
+                    out.attnOut + (q * nH + h) * D);
+            });
+        }
+        for (int64_t q = q0; q < q1; ++q) // E, for the valid rows (j < newLengths[b]) in query order
+        {
+            int64_t const b = qb(q);
+            if (q - b * S >= in.newLengths[b])
+            {
+                continue;
+            }
             int32_t const* sel = out.selected + q * k;
             for (int64_t s = 0; s < sc.nsel[q]; ++s)
             {
                 float m = 0.f;
                 for (int64_t h = 0; h < nH; ++h)
                 {
-                    m += sc.probs[(q * nH + h) * k + s];
+                    m += sc.probs[((q - q0) * nH + h) * k + s];
                 }
                 out.attnMass[b * L + sel[s]] += m;
             }
@@ -1100,6 +1122,7 @@ bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs 
     Kernels const& K = cpuKernels();
     static thread_local Scratch callerScratch;
     Scratch& sc = callerScratch;
+    releasePrefillScratch(sc, d.S);
     PoolSource const& ps = *sin.pool;
     int64_t const B = d.B, S = d.S, N = d.N, nH = d.nH, nKV = d.nKV, D = d.D, grp = nH / nKV, kvD = nKV * D;
     int64_t const r = d.rk + d.rv, k = sin.k;

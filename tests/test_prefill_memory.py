@@ -1,0 +1,103 @@
+"""A prefill's working memory on the onnxruntime backend: calls late in a long prompt carry fewer tokens
+(Capabilities.call_positions, Runtime.chunk_tokens), and the process heap gives freed blocks back
+(runtime/host_memory.py). The figures these bound are in docs/runtime.md ("Where it stands")."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+import pytest
+
+from runtime import host_memory
+from runtime.model import PREFILL_ALIGN, prefill_chunk
+from runtime.ort_backend import CALL_POSITIONS
+
+
+@pytest.mark.parametrize(("max_input", "past", "cap", "want"), [
+    (512, 0, 0, 512),  # no bound: max-input whatever the context
+    (512, 7000, 0, 512),
+    (512, 0, 1 << 20, 512),  # 2^20 // 512 = 2048 tokens would fit: max-input
+    (512, 1536, 1 << 20, 512),  # 2^20 // 2048 = 512 exactly
+    (512, 1537, 1 << 20, 448),  # 2^20 // 2049 = 511 -> 448, a multiple of 64
+    (512, 7680, 1 << 20, 128),  # 2^20 // 8192 = 128
+    (512, 100_000, 1 << 20, 64),  # never below PREFILL_ALIGN
+    (16, 100_000, 1 << 20, 16),  # nor above max-input
+])
+def test_prefill_chunk(max_input: int, past: int, cap: int, want: int) -> None:
+    assert prefill_chunk(max_input, past, cap) == want
+    if cap and want > PREFILL_ALIGN:
+        assert want * (past + max_input) <= cap
+
+
+@pytest.fixture(scope="module")
+def long_input(tmp_path_factory):
+    """A bundle whose max-input (192) leaves room below it for PREFILL_ALIGN-token calls."""
+    import runtime
+    from builder.build import build
+    from gsm.synth import synth_checkpoint
+
+    root = tmp_path_factory.mktemp("prefill_memory")
+    build(device="orin", checkpoint_dir=synth_checkpoint("tiny", root / "tiny", seed=3), output=root / "b",
+          max_seq=512, max_input=192)
+    return runtime.load(root / "b", "onnxruntime", threads=1)
+
+
+def test_prefill_calls_shrink_as_the_context_grows(long_input) -> None:
+    """A bound that bites: every call carries prefill_chunk(its context) tokens (worked out by hand: 57,600 // (past
+    + 192) rounded down to a multiple of 64, at most 192), and the prompt goes in whole."""
+    rt = long_input
+    be = rt.backend
+    cap = 192 * 300
+    caps = be.capabilities
+    be.capabilities = dataclasses.replace(caps, call_positions=cap)
+    calls = []
+    forward = be.forward
+
+    def spy(caches, ids, past, new, *a, **k):
+        calls.append((int(past.max()), int(new.max())))
+        return forward(caches, ids, past, new, *a, **k)
+
+    be.forward = spy
+    try:
+        s = rt.new_sequence()
+        n = 480
+        rt.prefill_batch([s], [list(np.arange(n) % 50 + 3)])
+        assert s.length == n
+    finally:
+        be.forward, be.capabilities = forward, caps
+    assert sum(t for _, t in calls) == n
+    # past 0: 300 -> 192; 192: 150 -> 128; 320: 112 -> 64; 384: 100 -> 64; 448: the last 32
+    assert [t for _, t in calls] == [192, 128, 64, 64, 32]
+    for past, tokens in calls[:-1]:
+        assert tokens == prefill_chunk(rt.max_input, past, cap)
+
+
+def test_the_onnxruntime_backend_bounds_its_calls(rts) -> None:
+    assert rts["demo"].backend.capabilities.call_positions == CALL_POSITIONS > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_heap_gives_freed_blocks_back() -> None:
+    """After bound_heap a freed block of HEAP_MMAP_THRESHOLD or more leaves the process's resident memory at once."""
+    if host_memory._glibc() is None:
+        pytest.skip("not glibc")
+    assert host_memory.bound_heap()
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    import ctypes
+
+    libc = host_memory._glibc()
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = rss()
+    for _ in range(8):  # blocks just above the threshold, freed: each one's pages go back
+        p = libc.malloc(host_memory.HEAP_MMAP_THRESHOLD + 4096)
+        ctypes.memset(p, 1, host_memory.HEAP_MMAP_THRESHOLD + 4096)
+        libc.free(p)
+    assert rss() - before < host_memory.HEAP_MMAP_THRESHOLD
+    host_memory.trim_heap()
