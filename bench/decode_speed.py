@@ -52,9 +52,15 @@ def ints(s: str) -> list[int]:
 
 # -- one measurement, in its own process ---------------------------------------------------------
 def context_ids(rt, text_file: Path, n: int, offset: int = 0) -> list[int]:
-    """n tokens of the text (BOS first), starting `offset` characters in; repeated if too short."""
+    """n tokens of the text (BOS first), starting `offset` characters in; repeated if too short. Only a prefix of
+    the text is encoded (8 characters a token, more where that falls short): the whole file's tokens would count in
+    the measured process's peak RSS, which is the engine's."""
     text = text_file.read_text(encoding="utf-8")[offset:]
-    ids = rt.encode(text)
+    chars = 8 * n
+    ids = rt.encode(text[:chars])
+    while len(ids) < n + 16 and chars < len(text):  # the cut's last tokens may merge otherwise: keep a margin
+        chars *= 2
+        ids = rt.encode(text[:chars])
     while len(ids) < n:
         ids += ids[1:]
     return ids[:n]

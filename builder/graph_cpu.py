@@ -37,9 +37,10 @@ SHARED_OP = "GsmPoolSharedAttention"
 OFFSET_OP = "GsmGroupOffset"
 QUANT_OP = "GsmQuantMatMul"
 SIDE_OP = "GsmSideSplit"
+GATHER_OP = "GsmTileGather"
 CPU_OP_VERSION = 1
 # what model.cpu.onnx may use of the domain
-CPU_OPS = {op: CPU_OP_VERSION for op in (CPU_OP, SHARED_OP, OFFSET_OP, QUANT_OP, SIDE_OP)}
+CPU_OPS = {op: CPU_OP_VERSION for op in (CPU_OP, SHARED_OP, OFFSET_OP, QUANT_OP, SIDE_OP, GATHER_OP)}
 
 
 class CpuOps(PortableOps):
@@ -129,6 +130,14 @@ class CpuOps(PortableOps):
         ins = [x, f"{prefix}.qt.codes", f"{prefix}.qt.scales", f"{prefix}.qt.offsets" if lay.offsets else ""]
         return self._epilogue_node(QUANT_OP, ins, out, residual, swiglu, norm, K=lay.k, N=lay.n, bits=lay.bits,
                                    block_size=lay.block)
+
+    def tile_gather(self, ids: str, prefix: str, lay, out: str) -> str:
+        """Rows `ids` of the weight stored as the tiles `<prefix>.qt.*` (an embedding tied to the LM head), [M, K]
+        float32, dequantised as the portable graph's GatherBlockQuantized (+ offsets) gives them: the process holds
+        the head's tiles only, not also the codes' plain copy (SmolLM2 at 8K: 13 MiB of weights.bin pages)."""
+        ins = [ids, f"{prefix}.qt.codes", f"{prefix}.qt.scales", f"{prefix}.qt.offsets" if lay.offsets else ""]
+        return self.g.op(GATHER_OP, ins if lay.offsets else ins[:3], outputs=[out], domain=CPU_DOMAIN, K=lay.k,
+                         N=lay.n, bits=lay.bits, block_size=lay.block)
 
     def _epilogue_node(self, op: str, ins: list[str], out: str, residual: str | None, swiglu: bool,
                        norm: tuple[str, float, str] | None, **attrs: Any) -> str:

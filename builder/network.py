@@ -290,6 +290,8 @@ class Network:
                                          self.g.const([-1, self.cfg.hidden_size], np.int64, "flat_h")])
         lay, prefix = self._quantised(names.EMBED)
         out = self.g.fresh("embed")
+        if self._tiled(lay) and self.cfg.tie_word_embeddings:  # the head's tiles, the one copy the CPU graph reads
+            return self.ops.tile_gather(ids, prefix, lay, out)
         if self.form == "portable":  # float32 rows
             self.g.add_nodes(nbits_gather_nodes(ids, out, prefix, lay), {MS_DOMAIN: 1})
             return out if self.act == F32 else cast(self.g, out, self.act)

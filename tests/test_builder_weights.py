@@ -936,3 +936,26 @@ def test_cpu_graph_weights_are_read_into_memory_the_session_uses(q4_1_checkpoint
     assert np.array_equal(ours, mapped)
     held["model.layers.0.mlp.down_proj.weight.nbits.qt.scales"][...] = 0  # the session reads these very bytes
     assert not np.array_equal(rt.new_sequence().prefill(prompt), ours)
+
+
+def test_tied_head_tiles_serve_the_cpu_graphs_embedding(tied, tmp_path):
+    """A fast build of a tied model: model.cpu.onnx looks the embedding up in the LM head's own tiles (one
+    GsmTileGather over the codes the head's GsmQuantMatMul reads; no GatherBlockQuantized over the plain codes, which
+    the process would hold as a second copy), and its logits follow the portable graph's, within what the fast
+    matmuls' summation order moves them (the op's rows themselves: bit for bit, tests/test_ort_quant_matmul.py)."""
+    import onnx
+
+    import runtime
+    from builder.graph_cpu import GATHER_OP, QUANT_OP
+
+    build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
+          head_weights="int4", matmul_accuracy="fast")
+    cpu = onnx.load(tmp_path / "b" / "model.cpu.onnx", load_external_data=False).graph
+    gathers = [n for n in cpu.node if n.op_type == GATHER_OP]
+    heads = [n for n in cpu.node if n.op_type == QUANT_OP and n.input[1].startswith("model.embed_tokens")]
+    assert len(gathers) == 1 and len(heads) == 1 and gathers[0].input[1:4] == heads[0].input[1:4]
+    assert not [n for n in cpu.node if n.op_type == "GatherBlockQuantized"]
+    prompt = np.random.default_rng(7).integers(3, 1000, 12).tolist()
+    a = runtime.load(tmp_path / "b", backend="onnxruntime", threads=1, graph="cpu").new_sequence().prefill(prompt)
+    b = runtime.load(tmp_path / "b", backend="onnxruntime", threads=1, graph="portable").new_sequence().prefill(prompt)
+    assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max() and int(np.argmax(a)) == int(np.argmax(b))

@@ -279,3 +279,44 @@ def test_threads_do_not_change_bits(M) -> None:
     m = model(576, 576, *quant_tiles(q), bits=8, block=32)
     one, two = (session(m, t).run(None, {"x": x})[0] for t in (1, 2))
     assert np.array_equal(one, two)
+
+
+def gather_model(k: int, n: int, codes, scales, offsets, *, bits: int, block: int):
+    names = ["ids", "codes", "scales"] + (["offsets"] if offsets is not None else [])
+    node = helper.make_node("GsmTileGather", names, ["y"], domain=ORT_OPS_DOMAIN, K=k, N=n, bits=bits,
+                            block_size=block)
+    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")]
+    inits += [] if offsets is None else [numpy_helper.from_array(offsets, "offsets")]
+    g = helper.make_graph([node], "gather", [helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ORT_OPS_DOMAIN, 1)])
+    m.ir_version = 8
+    return m
+
+
+@needs_ops
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_tile_gather_rows_are_the_dequantised_weight(config: str) -> None:
+    """GsmTileGather (an embedding tied to a tiled LM head) returns rows ids of the weight as the portable graph's
+    GatherBlockQuantized (+ the float zero point's offsets) dequantises them: float32(u - z) * scale, rounded, then +
+    offset, rounded; bit for bit, rows of a last partial tile and ids repeated or in any order included."""
+    cfg = CONFIGS[config]
+    n, k = 37, 160 if cfg.group_size <= 32 else 256  # 37 rows: the last tile is partial
+    q = weight(n, k, 11, cfg)
+    ids = np.array([[0, 36, 5], [5, 17, 31]], np.int64)
+    y = session(gather_model(k, n, *quant_tiles(q), bits=cfg.bits, block=q.block), 1).run(None, {"ids": ids})[0]
+    u = q.codes[:, :k].astype(np.int32) - (1 << (cfg.bits - 1))
+    scale = np.repeat(q.scales, q.block, axis=1)[:, :k].astype(np.float32)
+    want = u.astype(np.float32) * scale  # float32: one rounding
+    if cfg.float_zero_point:
+        want = want + np.repeat(q.group_offsets(), q.block, axis=1)[:, :k].astype(np.float32)
+    assert y.shape == (ids.size, k)
+    np.testing.assert_array_equal(y.view(np.int32), want[ids.reshape(-1)].view(np.int32))
+
+
+@needs_ops
+def test_tile_gather_names_an_id_out_of_range() -> None:
+    q = weight(20, 64, 12)
+    s = session(gather_model(64, 20, *quant_tiles(q), bits=4, block=32), 1)
+    with pytest.raises(Exception, match=r"GsmTileGather: ids\[1\] = 20 is outside \[0, 20\)"):
+        s.run(None, {"ids": np.array([3, 20], np.int64)})

@@ -862,6 +862,137 @@ size_t ORT_API_CALL qmmInputCount(OrtCustomOp const*)
     return kQmmNumInputs;
 }
 
+// -- GsmTileGather ----------------------------------------------------------------------------------------------
+// Rows of GsmQuantMatMul's tiled weight (an embedding tied to the LM head: the head's bytes, read once)
+constexpr char const* kGatherOpName = "GsmTileGather";
+enum GatherInput : size_t
+{
+    kGatherIds, kGatherCodes, kGatherScales, kGatherOffsets, kGatherNumInputs
+};
+char const* const kGatherInputNames[kGatherNumInputs] = {"ids", "codes", "scales", "offsets"};
+
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL gatherInputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kGatherOffsets ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+OrtStatus* gatherInvalid(std::string const& m)
+{
+    return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmTileGather: " + m).c_str());
+}
+
+OrtStatus* ORT_API_CALL gatherCompute(void* opKernel, OrtKernelContext* ctx)
+{
+    using gsm::ortcpu::kQSubBlock;
+    using gsm::ortcpu::kQTileRows;
+    QmmKernel const& kn = *static_cast<QmmKernel const*>(opKernel);  // K, N, bits, block_size
+    OrtValue const* v[kGatherNumInputs];
+    std::vector<int64_t> sh[kGatherNumInputs];
+    GSM_ORT_TRY(readInputs(ctx, kGatherNumInputs, kGatherInputNames, gatherInputKind, v, sh, gatherInvalid));
+    ONNXTensorElementDataType scaleType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, offType = scaleType;
+    GSM_ORT_TRY(elementType(v[kGatherScales], &scaleType));
+    bool const offsets = v[kGatherOffsets] != nullptr;
+    if (offsets)
+    {
+        GSM_ORT_TRY(elementType(v[kGatherOffsets], &offType));
+    }
+    for (auto t : {scaleType, offsets ? offType : scaleType})
+    {
+        if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+        {
+            return gatherInvalid("inputs scales and offsets must be float32 or float16");
+        }
+    }
+    int64_t const G = (kn.K + kn.block - 1) / kn.block, NT = (kn.N + kQTileRows - 1) / kQTileRows;
+    std::vector<int64_t> const codesWant{NT, G * kn.block / kQSubBlock, gsm::ortcpu::quantSubBlockBytes(kn.bits)};
+    std::vector<int64_t> const paramWant{NT, G, kQTileRows};
+    if (sh[kGatherCodes] != codesWant || sh[kGatherScales] != paramWant || (offsets && sh[kGatherOffsets] != paramWant))
+    {
+        return gatherInvalid("inputs codes " + dimsText(sh[kGatherCodes]) + ", scales " + dimsText(sh[kGatherScales])
+            + (offsets ? ", offsets " + dimsText(sh[kGatherOffsets]) : std::string()) + ": expected "
+            + dimsText(codesWant) + " and " + dimsText(paramWant) + " (GsmQuantMatMul's tiles of K = "
+            + std::to_string(kn.K) + ", N = " + std::to_string(kn.N) + ")");
+    }
+    int64_t M = 1;
+    for (int64_t d : sh[kGatherIds])
+    {
+        M *= d;
+    }
+    void* p[kGatherNumInputs];
+    GSM_ORT_TRY(inputData(v, kGatherNumInputs, p));
+    int64_t const outDims[2] = {M, kn.K};
+    OrtValue* ov = nullptr;
+    GSM_ORT_TRY(gApi->KernelContext_GetOutput(ctx, 0, outDims, 2, &ov));
+    void* y = nullptr;
+    GSM_ORT_TRY(gApi->GetTensorMutableData(ov, &y));
+    gsm::ortcpu::QuantGatherArgs a;
+    a.M = M;
+    a.K = kn.K;
+    a.N = kn.N;
+    a.bits = kn.bits;
+    a.block = kn.block;
+    a.ids = static_cast<int64_t const*>(p[kGatherIds]);
+    a.codes = static_cast<uint8_t const*>(p[kGatherCodes]);
+    a.scales = p[kGatherScales];
+    a.offsets = p[kGatherOffsets];
+    a.halfScales = scaleType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    a.halfOffsets = offType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    a.y = static_cast<float*>(y);
+    int64_t const bad = gsm::ortcpu::gatherQuantRows(a);
+    if (bad >= 0)
+    {
+        return gatherInvalid("ids[" + std::to_string(bad) + "] = " + std::to_string(a.ids[bad]) + " is outside [0, "
+            + std::to_string(kn.N) + ")");
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL gatherCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info,
+    void** kernel)
+{
+    QmmKernel kn{};
+    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}, {"bits", &kn.bits},
+             {"block_size", &kn.block}})
+    {
+        GSM_ORT_TRY(attribute(info, name, dst, gatherInvalid));
+        if (*dst <= 0)
+        {
+            return gatherInvalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
+        }
+    }
+    if ((kn.bits != 4 && kn.bits != 8) || kn.block % gsm::ortcpu::kQSubBlock != 0)
+    {
+        return gatherInvalid("attributes bits = " + std::to_string(kn.bits) + ", block_size = "
+            + std::to_string(kn.block) + ": bits must be 4 or 8, block_size a multiple of 32");
+    }
+    *kernel = new QmmKernel(kn);
+    return nullptr;
+}
+
+char const* ORT_API_CALL gatherOpName(OrtCustomOp const*)
+{
+    return kGatherOpName;
+}
+
+ONNXTensorElementDataType ORT_API_CALL gatherInputType(OrtCustomOp const*, size_t i)
+{
+    if (i == kGatherIds)
+    {
+        return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    }
+    return i == kGatherCodes ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+
+size_t ORT_API_CALL gatherInputCount(OrtCustomOp const*)
+{
+    return kGatherNumInputs;
+}
+
+size_t ORT_API_CALL gatherOutputCount(OrtCustomOp const*)
+{
+    return 1;
+}
+
 // -- GsmSideSplit -----------------------------------------------------------------------------------------------
 constexpr char const* kSideOpName = "GsmSideSplit";
 enum SideInput : size_t
@@ -1609,6 +1740,8 @@ OrtCustomOp gPoolOp = withOutputKinds(makeOp({poolOpName, poolInputType, poolInp
     poolOutputCount, required, poolCreateKernel, poolCompute, destroyAs<PoolKernel>}), poolOutputKind);
 OrtCustomOp gSharedOp = withOutputKinds(makeOp({sharedOpName, sharedInputType, sharedInputCount, sharedOutputType,
     sharedOutputCount, required, sharedCreateKernel, sharedCompute, destroyAs<SharedKernel>}), sharedOutputKind);
+OrtCustomOp gGatherOp = makeOp({gatherOpName, gatherInputType, gatherInputCount, offsetFloat, gatherOutputCount,
+    gatherInputKind, gatherCreateKernel, gatherCompute, qmmDestroyKernel});
 OrtCustomOp gSideOp = makeOp({sideOpName, sideInputType, sideInputCount, sideOutputType, sideOutputCount, required,
     sideCreateKernel, sideCompute, sideDestroyKernel});
 
@@ -1639,6 +1772,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSideOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gPoolOp));
         GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gSharedOp));
+        GSM_ORT_TRY(api->CustomOpDomain_Add(domain, &gGatherOp));
     }
     return api->AddCustomOpDomain(options, domain);
 }

@@ -477,6 +477,31 @@ void part(void* data, size_t i)
 
 } // namespace
 
+int64_t gatherQuantRows(QuantGatherArgs const& a)
+{
+    int64_t const G = (a.K + a.block - 1) / a.block, S = G * a.block / kQSubBlock;
+    int64_t const sbBytes = quantSubBlockBytes(a.bits);
+    int32_t const z = zeroPoint(a.bits);
+    for (int64_t m = 0; m < a.M; ++m)
+    {
+        int64_t const id = a.ids[m];
+        if (id < 0 || id >= a.N)
+        {
+            return m;
+        }
+        int64_t const t = id / kQTileRows, r = id % kQTileRows;
+        float* y = a.y + m * a.K;
+        for (int64_t k = 0; k < a.K; ++k)
+        {
+            int64_t const s = k / kQSubBlock, i = (t * G + k / a.block) * kQTileRows + r;
+            float const w = static_cast<float>(codeAt(a.codes + (t * S + s) * sbBytes, a.bits, r, k % kQSubBlock) - z)
+                * param(a.scales, a.halfScales, i);
+            y[k] = a.offsets != nullptr ? w + param(a.offsets, a.halfOffsets, i) : w;
+        }
+    }
+    return -1;
+}
+
 char const* quantMatMulKernel()
 {
     return choice().name;

@@ -50,6 +50,22 @@ constexpr int64_t quantSubBlockBytes(int64_t bits)
     return kQTileRows * kQSubBlock * bits / 8;
 }
 
+// Rows ids[m] of the tiled weight, dequantised: y[m, k] = float(u - z) * scale [+ offset] (one rounded product, one
+// rounded sum: the portable graph's GatherBlockQuantized and Add give the same bits), so an embedding tied to an LM
+// head stored as tiles is read from the head's own bytes. Returns -1, or the first m whose id is outside [0, N).
+struct QuantGatherArgs
+{
+    int64_t M = 0, K = 0, N = 0, bits = 4, block = 32;
+    int64_t const* ids = nullptr;      // [M]
+    uint8_t const* codes = nullptr;    // tiles
+    void const* scales = nullptr;      // as QuantMatMulArgs
+    void const* offsets = nullptr;
+    bool halfScales = false, halfOffsets = false;
+    float* y = nullptr;                // [M, K]
+};
+
+int64_t gatherQuantRows(QuantGatherArgs const& a);
+
 // y = x @ W^T (shapes, bits in {4, 8} and block a multiple of 32 are the caller's to check); false if the intra-op
 // pool failed.
 bool runQuantMatMul(QuantMatMulArgs const& a, ParallelRunner const& par);
