@@ -34,8 +34,8 @@ class Capabilities:
     kv_noise: bool  # demote() measures the KV noise a re-tier pass adds (None from a backend that cannot)
     graph: str | None = None  # which of the bundle's networks runs where there is a choice (onnxruntime: cpu, portable)
     graph_note: str = ""  # why the first choice of network was not taken, if it was not
-    # a prefill call's new tokens x the positions each sees, at most (0: max-input tokens whatever the context): the
-    # working memory of a call that scores every position for every query follows this product
+    # a prefill call's new tokens x the positions each sees, over all its sequences, at most (0: max-input tokens
+    # whatever the context): the working memory of a call that scores every position for every query follows it
     call_positions: int = 0
 
     def __post_init__(self) -> None:

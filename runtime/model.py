@@ -279,7 +279,7 @@ class Runtime:
             part = [b for b, p in enumerate(prompts) if done[b] < len(p)]
             if not part:
                 break
-            step = self.chunk_tokens(max(seqs[b].length for b in part))
+            step = self.chunk_tokens(max(seqs[b].length for b in part), len(part))
             res = self.forward_batch([seqs[b] for b in part], [prompts[b][done[b]:done[b] + step] for b in part])
             last = res.logits.shape[1] > 1  # logits=all: [B, S, V]; pick each sequence's last new row
             for k, b in enumerate(part):
@@ -293,9 +293,10 @@ class Runtime:
                 seqs[b]._retier()
         return out
 
-    def chunk_tokens(self, past: int) -> int:
-        """Tokens of a prefill call after `past` positions (prefill_chunk with this backend's bound)."""
-        return prefill_chunk(self.max_input, past, self.backend.capabilities.call_positions)
+    def chunk_tokens(self, past: int, sequences: int = 1) -> int:
+        """Tokens per sequence of a prefill call of `sequences` sequences after at most `past` positions
+        (prefill_chunk with this backend's bound, shared among the call's sequences)."""
+        return prefill_chunk(self.max_input, past, self.backend.capabilities.call_positions // max(1, sequences))
 
     def decode_batch(self, seqs: Sequence[Sequence_], tokens: Sequence[int],
                      probe: Sequence[bool] | None = None) -> np.ndarray:

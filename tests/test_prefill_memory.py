@@ -74,30 +74,57 @@ def test_prefill_calls_shrink_as_the_context_grows(long_input) -> None:
         assert tokens == prefill_chunk(rt.max_input, past, cap)
 
 
+def test_a_call_of_several_sequences_shares_the_bound(long_input) -> None:
+    rt = long_input
+    caps = rt.backend.capabilities
+    rt.backend.capabilities = dataclasses.replace(caps, call_positions=192 * 300)
+    try:  # 57,600 // 4 // (64 + 192) = 56 -> PREFILL_ALIGN; one sequence: 57,600 // 256 = 225 -> 192
+        assert (rt.chunk_tokens(64, 4), rt.chunk_tokens(64, 1), rt.chunk_tokens(64, 2)) == (64, 192, 64)
+    finally:
+        rt.backend.capabilities = caps
+
+
 def test_the_onnxruntime_backend_bounds_its_calls(rts) -> None:
     assert rts["demo"].backend.capabilities.call_positions == CALL_POSITIONS > 0
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_the_heap_gives_freed_blocks_back() -> None:
-    """After bound_heap a freed block of HEAP_MMAP_THRESHOLD or more leaves the process's resident memory at once."""
-    if host_memory._glibc() is None:
-        pytest.skip("not glibc")
+HEAP_CHECK = """
+import ctypes, sys
+from runtime import host_memory
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+libc = host_memory._glibc()
+if libc is None:
+    print("not glibc"); sys.exit(0)
+if sys.argv[1] == "bound":
     assert host_memory.bound_heap()
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+n = host_memory.HEAP_MMAP_THRESHOLD + 4096
+before = rss()
+for size in (8 << 20, n, 2 * n):  # a large block freed raises glibc's own threshold past the next ones
+    p = libc.malloc(size)
+    ctypes.memset(p, 1, size)
+    libc.free(p)
+print(rss() - before)
+"""
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
 
-    import ctypes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("mode", ["bound", "glibc default"])
+def test_the_heap_gives_freed_blocks_back(mode: str) -> None:
+    """In a fresh process (its heap as a process starts): after bound_heap, blocks of HEAP_MMAP_THRESHOLD or more,
+    freed, leave nothing resident; with glibc's adaptive threshold (the control) the large block freed first raises
+    the threshold, the next ones come from the heap, and their pages stay."""
+    import subprocess
 
-    libc = host_memory._glibc()
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    before = rss()
-    for _ in range(8):  # blocks just above the threshold, freed: each one's pages go back
-        p = libc.malloc(host_memory.HEAP_MMAP_THRESHOLD + 4096)
-        ctypes.memset(p, 1, host_memory.HEAP_MMAP_THRESHOLD + 4096)
-        libc.free(p)
-    assert rss() - before < host_memory.HEAP_MMAP_THRESHOLD
-    host_memory.trim_heap()
+    r = subprocess.run([sys.executable, "-c", HEAP_CHECK, mode.split()[0]], capture_output=True, text=True,
+                       check=True)
+    if r.stdout.strip() == "not glibc":
+        pytest.skip("not glibc")
+    kept = int(r.stdout.strip())
+    if mode == "bound":
+        assert kept < host_memory.HEAP_MMAP_THRESHOLD, kept
+    else:
+        assert kept >= host_memory.HEAP_MMAP_THRESHOLD, kept
