@@ -723,39 +723,76 @@ OrtStatus* qmmInvalid(std::string const& m)
     return gApi->CreateStatus(ORT_INVALID_ARGUMENT, ("GsmQuantMatMul: " + m).c_str());
 }
 
-OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
+// The tiles of a GsmQuantMatMul weight among an op's inputs (codes, scales, optional offsets at the given indices):
+// their element types (float32 or float16 parameters) and shapes for the kernel's K, N, bits and block_size
+OrtStatus* tileInputs(QmmKernel const& kn, OrtValue const* const* v, std::vector<int64_t> const* sh, size_t codes,
+    size_t scales, size_t offs, OrtStatus* (*fail)(std::string const&), ONNXTensorElementDataType* scaleType,
+    ONNXTensorElementDataType* offType)
 {
     using gsm::ortcpu::kQSubBlock;
     using gsm::ortcpu::kQTileRows;
-    QmmKernel const& kn = *static_cast<QmmKernel const*>(opKernel);
-    OrtValue const* v[kQmmNumInputs];
-    std::vector<int64_t> sh[kQmmNumInputs];
-    GSM_ORT_TRY(readInputs(ctx, kQmmNumInputs, kQmmInputNames, qmmInputKind, v, sh, qmmInvalid));
-    ONNXTensorElementDataType scaleType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, offType = scaleType;
-    GSM_ORT_TRY(elementType(v[kQmmScales], &scaleType));
-    bool const offsets = v[kQmmOffsets] != nullptr;
+    *scaleType = *offType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    GSM_ORT_TRY(elementType(v[scales], scaleType));
+    bool const offsets = v[offs] != nullptr;
     if (offsets)
     {
-        GSM_ORT_TRY(elementType(v[kQmmOffsets], &offType));
+        GSM_ORT_TRY(elementType(v[offs], offType));
     }
-    for (auto t : {scaleType, offsets ? offType : scaleType})
+    for (auto t : {*scaleType, offsets ? *offType : *scaleType})
     {
         if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
         {
-            return qmmInvalid("inputs scales and offsets must be float32 or float16");
+            return fail("inputs scales and offsets must be float32 or float16");
         }
     }
     int64_t const G = (kn.K + kn.block - 1) / kn.block, NT = (kn.N + kQTileRows - 1) / kQTileRows;
     std::vector<int64_t> const codesWant{NT, G * kn.block / kQSubBlock, gsm::ortcpu::quantSubBlockBytes(kn.bits)};
     std::vector<int64_t> const paramWant{NT, G, kQTileRows};
-    if (sh[kQmmX].size() != 2 || sh[kQmmX][1] != kn.K || sh[kQmmCodes] != codesWant || sh[kQmmScales] != paramWant
-        || (offsets && sh[kQmmOffsets] != paramWant))
+    if (sh[codes] != codesWant || sh[scales] != paramWant || (offsets && sh[offs] != paramWant))
     {
-        return qmmInvalid("inputs x " + dimsText(sh[kQmmX]) + ", codes " + dimsText(sh[kQmmCodes]) + ", scales "
-            + dimsText(sh[kQmmScales]) + (offsets ? ", offsets " + dimsText(sh[kQmmOffsets]) : std::string())
-            + ": expected [M, " + std::to_string(kn.K) + "], " + dimsText(codesWant) + " and " + dimsText(paramWant)
-            + " (K = " + std::to_string(kn.K) + ", N = " + std::to_string(kn.N) + ", bits = " + std::to_string(kn.bits)
-            + ", block_size = " + std::to_string(kn.block) + ": tiles of 16 rows, sub-blocks of 32 inputs)");
+        return fail("inputs codes " + dimsText(sh[codes]) + ", scales " + dimsText(sh[scales])
+            + (offsets ? ", offsets " + dimsText(sh[offs]) : std::string()) + ": expected " + dimsText(codesWant)
+            + " and " + dimsText(paramWant) + " (K = " + std::to_string(kn.K) + ", N = " + std::to_string(kn.N)
+            + ", bits = " + std::to_string(kn.bits) + ", block_size = " + std::to_string(kn.block)
+            + ": tiles of 16 rows, sub-blocks of 32 inputs)");
+    }
+    return nullptr;
+}
+
+// Attributes K, N, bits (4 or 8) and block_size (a multiple of 32) of an op over tiles
+OrtStatus* tileAttributes(OrtKernelInfo const* info, QmmKernel* kn, OrtStatus* (*fail)(std::string const&))
+{
+    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn->K}, {"N", &kn->N}, {"bits", &kn->bits},
+             {"block_size", &kn->block}})
+    {
+        GSM_ORT_TRY(attribute(info, name, dst, fail));
+        if (*dst <= 0)
+        {
+            return fail(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
+        }
+    }
+    if (kn->bits != 4 && kn->bits != 8)
+    {
+        return fail("attribute bits = " + std::to_string(kn->bits) + " must be 4 or 8");
+    }
+    if (kn->block % gsm::ortcpu::kQSubBlock != 0)
+    {
+        return fail("attribute block_size = " + std::to_string(kn->block) + " must be a multiple of 32");
+    }
+    return nullptr;
+}
+
+OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
+{
+    QmmKernel const& kn = *static_cast<QmmKernel const*>(opKernel);
+    OrtValue const* v[kQmmNumInputs];
+    std::vector<int64_t> sh[kQmmNumInputs];
+    GSM_ORT_TRY(readInputs(ctx, kQmmNumInputs, kQmmInputNames, qmmInputKind, v, sh, qmmInvalid));
+    ONNXTensorElementDataType scaleType, offType;
+    GSM_ORT_TRY(tileInputs(kn, v, sh, kQmmCodes, kQmmScales, kQmmOffsets, qmmInvalid, &scaleType, &offType));
+    if (sh[kQmmX].size() != 2 || sh[kQmmX][1] != kn.K)
+    {
+        return qmmInvalid("input x has shape " + dimsText(sh[kQmmX]) + ", expected [M, " + std::to_string(kn.K) + "]");
     }
     int64_t const M = sh[kQmmX][0];
     if (kn.swiglu != 0 && (v[kQmmResidual] != nullptr || kn.N % 2 != 0))
@@ -815,23 +852,7 @@ OrtStatus* ORT_API_CALL qmmCompute(void* opKernel, OrtKernelContext* ctx)
 OrtStatus* ORT_API_CALL qmmCreateKernel(OrtCustomOp const*, OrtApi const*, OrtKernelInfo const* info, void** kernel)
 {
     QmmKernel kn{};
-    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}, {"bits", &kn.bits},
-             {"block_size", &kn.block}})
-    {
-        GSM_ORT_TRY(attribute(info, name, dst, qmmInvalid));
-        if (*dst <= 0)
-        {
-            return qmmInvalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
-        }
-    }
-    if (kn.bits != 4 && kn.bits != 8)
-    {
-        return qmmInvalid("attribute bits = " + std::to_string(kn.bits) + " must be 4 or 8");
-    }
-    if (kn.block % gsm::ortcpu::kQSubBlock != 0)
-    {
-        return qmmInvalid("attribute block_size = " + std::to_string(kn.block) + " must be a multiple of 32");
-    }
+    GSM_ORT_TRY(tileAttributes(info, &kn, qmmInvalid));
     GSM_ORT_TRY(epilogueAttributes(info, &kn, qmmInvalid));
     *kernel = new QmmKernel(kn);
     return nullptr;
@@ -883,36 +904,13 @@ OrtStatus* gatherInvalid(std::string const& m)
 
 OrtStatus* ORT_API_CALL gatherCompute(void* opKernel, OrtKernelContext* ctx)
 {
-    using gsm::ortcpu::kQSubBlock;
-    using gsm::ortcpu::kQTileRows;
     QmmKernel const& kn = *static_cast<QmmKernel const*>(opKernel);  // K, N, bits, block_size
     OrtValue const* v[kGatherNumInputs];
     std::vector<int64_t> sh[kGatherNumInputs];
     GSM_ORT_TRY(readInputs(ctx, kGatherNumInputs, kGatherInputNames, gatherInputKind, v, sh, gatherInvalid));
-    ONNXTensorElementDataType scaleType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, offType = scaleType;
-    GSM_ORT_TRY(elementType(v[kGatherScales], &scaleType));
-    bool const offsets = v[kGatherOffsets] != nullptr;
-    if (offsets)
-    {
-        GSM_ORT_TRY(elementType(v[kGatherOffsets], &offType));
-    }
-    for (auto t : {scaleType, offsets ? offType : scaleType})
-    {
-        if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-        {
-            return gatherInvalid("inputs scales and offsets must be float32 or float16");
-        }
-    }
-    int64_t const G = (kn.K + kn.block - 1) / kn.block, NT = (kn.N + kQTileRows - 1) / kQTileRows;
-    std::vector<int64_t> const codesWant{NT, G * kn.block / kQSubBlock, gsm::ortcpu::quantSubBlockBytes(kn.bits)};
-    std::vector<int64_t> const paramWant{NT, G, kQTileRows};
-    if (sh[kGatherCodes] != codesWant || sh[kGatherScales] != paramWant || (offsets && sh[kGatherOffsets] != paramWant))
-    {
-        return gatherInvalid("inputs codes " + dimsText(sh[kGatherCodes]) + ", scales " + dimsText(sh[kGatherScales])
-            + (offsets ? ", offsets " + dimsText(sh[kGatherOffsets]) : std::string()) + ": expected "
-            + dimsText(codesWant) + " and " + dimsText(paramWant) + " (GsmQuantMatMul's tiles of K = "
-            + std::to_string(kn.K) + ", N = " + std::to_string(kn.N) + ")");
-    }
+    ONNXTensorElementDataType scaleType, offType;
+    GSM_ORT_TRY(tileInputs(kn, v, sh, kGatherCodes, kGatherScales, kGatherOffsets, gatherInvalid, &scaleType,
+        &offType));
     int64_t M = 1;
     for (int64_t d : sh[kGatherIds])
     {
@@ -951,20 +949,7 @@ OrtStatus* ORT_API_CALL gatherCreateKernel(OrtCustomOp const*, OrtApi const*, Or
     void** kernel)
 {
     QmmKernel kn{};
-    for (auto [name, dst] : {std::pair<char const*, int64_t*>{"K", &kn.K}, {"N", &kn.N}, {"bits", &kn.bits},
-             {"block_size", &kn.block}})
-    {
-        GSM_ORT_TRY(attribute(info, name, dst, gatherInvalid));
-        if (*dst <= 0)
-        {
-            return gatherInvalid(std::string("attribute ") + name + " = " + std::to_string(*dst) + " must be positive");
-        }
-    }
-    if ((kn.bits != 4 && kn.bits != 8) || kn.block % gsm::ortcpu::kQSubBlock != 0)
-    {
-        return gatherInvalid("attributes bits = " + std::to_string(kn.bits) + ", block_size = "
-            + std::to_string(kn.block) + ": bits must be 4 or 8, block_size a multiple of 32");
-    }
+    GSM_ORT_TRY(tileAttributes(info, &kn, gatherInvalid));
     *kernel = new QmmKernel(kn);
     return nullptr;
 }
