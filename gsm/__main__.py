@@ -1,4 +1,4 @@
-"""`python -m gsm verify|synth|convert` — thin CLI over gsm.checker, gsm.synth and gsm.convert.
+"""`python -m gsm verify|synth|patch|convert` — thin CLI over gsm.checker, gsm.synth, gsm.patch and gsm.convert.
 
 Exit codes follow gsm.cli_support: 0 ok, 2 bad usage or bad input (an invalid checkpoint too),
 1 a failure while working, 130 interrupted.
@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true",
                    help="replace --out if it is a directory gsm-edge wrote before")
 
+    pa = sub.add_parser("patch", help="change a checkpoint's run-time knobs by a JSON Patch (RFC 6902)")
+    pa.add_argument("dir")
+    pa.add_argument("--patch", required=True, help="JSON file: an RFC 6902 array over {\"gsm_config\": ..., "
+                    "\"kv_quantization\": ...}")
+    pa.add_argument("--out", help="write the patched checkpoint here (default: DIR, rewritten atomically)")
+    pa.add_argument("--overwrite", action="store_true", help="replace --out if it is a directory gsm-edge wrote")
+
     c = sub.add_parser("convert", help="dense LLaMA-family model -> GSM checkpoint")
     from gsm.convert.cli import add_arguments
 
@@ -47,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_main("python -m gsm synth", lambda: synth_command(args.preset, args.out, seed=args.seed,
                                                                      overwrite=args.overwrite))
+    if args.command == "patch":
+        from gsm.patch import patch_command
+
+        return run_main("python -m gsm patch", lambda: patch_command(args.dir, args.patch, args.out, args.overwrite))
     from gsm.convert.cli import convert_command
 
     return run_main("python -m gsm convert", lambda: convert_command(args), extra="convert")
