@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from gsm.atomic import (
     ManifestError,
     OutputExistsError,
     atomic_output_dir,
+    place_file,
     sha256_file,
     verify_manifest,
 )
@@ -79,17 +79,6 @@ def write_calibration_file(path: Path, calib: KVCalibration, metadata: dict[str,
             w.write(s.name, arrays[s.name])
 
 
-def _place(src: Path, dst: Path, link: bool) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if link:
-        try:
-            os.link(src, dst)
-            return
-        except OSError:  # another filesystem, or links not supported: copy instead
-            pass
-    shutil.copy2(src, dst)
-
-
 def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfig, report: dict[str, Any], *,
                      out: Path | None = None, overwrite: bool = False, metadata: dict[str, str] | None = None,
                      expected: dict[str, str] | None = None) -> Path:
@@ -106,7 +95,7 @@ def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfi
                 rel = src.relative_to(checkpoint)
                 if rel.as_posix() in REPLACED or not src.is_file():
                     continue
-                _place(src, tmp / rel, link=in_place and not src.is_symlink())
+                place_file(src, tmp / rel, link=in_place and not src.is_symlink())
                 want = (expected or {}).get(rel.as_posix())
                 if want is not None and "sha256:" + sha256_file(tmp / rel) != want:
                     raise CheckpointStateError(f"--checkpoint {checkpoint}: {rel} changed while calibrating")

@@ -156,6 +156,19 @@ def _swap_into_place(tmp: Path, final: Path, *, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def place_file(src: Path, dst: Path, link: bool) -> None:
+    """`src` at `dst` in a directory being filled: hard-linked where `link` (a rewrite in place, whose old directory
+    goes afterwards), else copied (two directories never share an inode); a link that fails is a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another filesystem, or links not supported
+            pass
+    shutil.copy2(src, dst)
+
+
 def is_inside(base: Path, p: Path) -> bool:
     """Whether p, with every symlink resolved, lies inside the already-resolved directory base."""
     try:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gsm.atomic import MANIFEST_NAME, ManifestError, atomic_output_dir, verify_manifest
+from gsm.atomic import MANIFEST_NAME, ManifestError, atomic_output_dir, place_file, verify_manifest
 from gsm.checkpoint import CONFIG_FILE, QUANT_FILE
 from gsm.config import ConfigError, KVQuantConfig, ModelConfig, gsm_checksum
 
@@ -141,17 +140,6 @@ def apply_patch(config: dict[str, Any], quant: dict[str, Any], ops: list[dict[st
     return config, quant
 
 
-def _place(src: Path, dst: Path, link: bool) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if link:
-        try:
-            os.link(src, dst)
-            return
-        except OSError:  # another filesystem: copy instead
-            pass
-    shutil.copy2(src, dst)
-
-
 def patch_checkpoint(src: Path, ops: list[dict[str, Any]], out: Path | None = None, *,
                      overwrite: bool = False) -> PatchResult:
     """Apply `ops` to checkpoint `src`, written to `out` (a copy) or over `src` (its other files hard-linked into
@@ -184,7 +172,7 @@ def patch_checkpoint(src: Path, ops: list[dict[str, Any]], out: Path | None = No
                 rel = f.relative_to(src)
                 if rel.as_posix() in (CONFIG_FILE, QUANT_FILE, MANIFEST_NAME) or not f.is_file():
                     continue
-                _place(f, tmp / rel, link=in_place and not f.is_symlink())
+                place_file(f, tmp / rel, link=in_place and not f.is_symlink())
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         (tmp / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n", encoding="utf-8")
         report = verify(tmp)
