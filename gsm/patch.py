@@ -1,13 +1,13 @@
 """`python -m gsm patch DIR --patch PATCH.json [--out DIR2]`: change a checkpoint's run-time knobs in place.
 
-The published GSM description lets a deployment change `gsm_config` by a JSON Patch (RFC 6902) and re-verify the
-checksum afterwards. A patch here addresses one document,
-`{"gsm_config": <config.json's gsm_config>, "kv_quantization": <quant_config.json's kv_quantization>}`, so its paths
-read `/gsm_config/sparse_window` or `/kv_quantization/tier_fractions`. Only the knobs in KNOBS may change: the
-others are tied to tensor shapes or to the conversion and calibration that made them (NEEDS_REBUILD says why, and
-which command makes them anew). After the patch the checksum is recomputed, both configs are parsed (their ranges),
-the checker runs over the new directory, and only then is it renamed into place (gsm.atomic): a refusal at any
-step writes nothing.
+Needs the `builder` extra (jsonpatch; the checker's safetensors). The published GSM description lets a deployment
+change `gsm_config` by a JSON Patch (RFC 6902) and re-verify the checksum afterwards. A patch here addresses one
+document, `{"gsm_config": <config.json's gsm_config>, "kv_quantization": <quant_config.json's kv_quantization>}`, so
+its paths read `/gsm_config/sparse_window` or `/kv_quantization/tier_fractions`. Only the knobs in KNOBS may change:
+the others are tied to tensor shapes or to the conversion and calibration that made them (NEEDS_REBUILD says why,
+and which command makes them anew). After the patch the checksum is recomputed, both configs are parsed (their
+ranges), the checker runs over the new directory, and only then is it renamed into place (gsm.atomic): a refusal at
+any step writes nothing.
 """
 
 from __future__ import annotations
