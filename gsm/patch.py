@@ -77,8 +77,8 @@ class PatchResult:
     changed: tuple[str, ...]  # the paths the patch touched
 
 
-def _field(path: str, op: int, key: str) -> tuple[str, str]:
-    """(section, field) of a patch path, refused unless it addresses a knob (or inside one)."""
+def _check_field(path: str, op: int, key: str) -> None:
+    """Refuse a patch path unless it addresses a knob (or inside one)."""
     if not isinstance(path, str) or not path.startswith("/"):
         raise PatchError(f"operation {op}: {key} {path!r} is not a JSON pointer (expected '/gsm_config/<field>' or "
                          "'/kv_quantization/<field>')")
@@ -92,11 +92,10 @@ def _field(path: str, op: int, key: str) -> tuple[str, str]:
     if name not in KNOBS[section]:
         raise PatchError(f"{path}: {section}.{name} is not a knob a patch may change (knobs: "
                          f"{', '.join(sorted(KNOBS[section]))})")
-    return section, name
 
 
-def check_operations(ops: Any) -> list[str]:
-    """The paths of a well-formed RFC 6902 patch whose every operation addresses a knob; PatchError otherwise."""
+def check_operations(ops: Any) -> None:
+    """Refuse (PatchError) anything but a well-formed RFC 6902 patch whose every operation addresses a knob."""
     import jsonpatch
 
     if not isinstance(ops, list) or not ops:
@@ -105,13 +104,10 @@ def check_operations(ops: Any) -> list[str]:
         jsonpatch.JsonPatch(ops)._ops  # noqa: B018 - parses every operation (op names, required members)
     except (jsonpatch.InvalidJsonPatch, jsonpatch.JsonPointerException, TypeError, KeyError) as e:
         raise PatchError(f"the patch is not a valid JSON Patch: {e}") from None
-    paths = []
     for i, o in enumerate(ops):
-        _field(o.get("path"), i, "path")
+        _check_field(o.get("path"), i, "path")
         if o.get("op") in ("move", "copy"):
-            _field(o.get("from"), i, "from")
-        paths.append(o["path"])
-    return paths
+            _check_field(o.get("from"), i, "from")
 
 
 def apply_patch(config: dict[str, Any], quant: dict[str, Any], ops: list[dict[str, Any]]) -> tuple[dict, dict]:

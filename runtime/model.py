@@ -37,7 +37,6 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "reference")
 PREFILL_ALIGN = 64  # a bounded prefill call's tokens: a multiple of this (Runtime.chunk_tokens)
 
 
-
 def prefill_chunk(max_input: int, past: int, call_positions: int) -> int:
     """Tokens of a prefill call after `past` positions: max-input, or where a backend bounds a call's tokens x
     positions (call_positions > 0) the largest multiple of PREFILL_ALIGN whose tokens x (past + max-input) fits,
@@ -280,10 +279,11 @@ class Runtime:
             if not part:
                 break
             step = self.chunk_tokens(max(seqs[b].length for b in part), len(part))
-            res = self.forward_batch([seqs[b] for b in part], [prompts[b][done[b]:done[b] + step] for b in part])
+            chunks = [prompts[b][done[b]:done[b] + step] for b in part]
+            res = self.forward_batch([seqs[b] for b in part], chunks)
             last = res.logits.shape[1] > 1  # logits=all: [B, S, V]; pick each sequence's last new row
             for k, b in enumerate(part):
-                n = len(prompts[b][done[b]:done[b] + step])
+                n = len(chunks[k])
                 out[b] = res.logits[k, n - 1 if last else -1]
                 if scorers is not None and scorers[b] is not None:
                     if not last:

@@ -102,11 +102,11 @@ class _RowCopy:
 
 
 # A prefill call's tokens x positions at most: its working memory (each query's index scores over every position, the
-# selections ONNX Runtime keeps as outputs until the call ends, attention weights) follows this product, ~160 KB a
-# token at 8K on SmolLM2 before the op held its weights in query blocks. 2^20 keeps max-input 512 up to ~1.5K
-# positions and gives 128-token calls near 8K (SmolLM2, 8K prompt: peak RSS 381 -> 342 MiB with the query blocks,
-# prefill ~300 tok/s either way, this VM's noise).
+# selections ONNX Runtime keeps as outputs until the call ends) follows this product. 2^20 keeps max-input 512 up to
+# ~1.5K positions and gives 128-token calls near 8K, where a smaller bound saved little memory and cost prefill speed
+# (docs/decisions.md "CPU process memory").
 CALL_POSITIONS = 1 << 20
+
 
 @dataclass(frozen=True)
 class SessionTuning:
@@ -417,7 +417,8 @@ class OrtBackend:
                 self.session.run_with_iobinding(self.binding)
                 outs = dict(zip(want, self.binding.copy_outputs_to_cpu()))
                 self.binding.clear_binding_outputs()  # ONNX Runtime's copies of the outputs go now
-                trim_heap()
+                if S > 1:  # a prefill call's working memory (a probed decode step's is small)
+                    trim_heap()
                 if commit:
                     for b, c in enumerate(caches):
                         self.pages.reserve(c.row, int(past[b]) + int(new[b]))

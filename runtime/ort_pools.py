@@ -114,7 +114,7 @@ class OrtPools:
         where = np.nonzero(np.asarray(new_tier) >= 0)[0]
         if where.size == 0:
             return None
-        old = cache.slots.entries[where].copy()
+        old = cache.slots.entries[where]  # a copy (indexed by an array), taken before the moves
         moves = cache.slots.demote(np.asarray(new_tier))
         if not moves:
             return None

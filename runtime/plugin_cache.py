@@ -19,6 +19,7 @@ position past the length, and the real call that follows writes the same positio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,11 +125,7 @@ def read_latents(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: n
                  quant: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Dequantised latents of one layer's pool row [P32] by position ([N_max, r_k], [N_max, r_v]; NaN where a
     position has no row), through the plugins' CPU reference reader (the layout exists once, in C++)."""
-    from gsm_edge_plugins import ref
-
-    d = pool_dims(cfg, layer)
-    ck, cv = ref.read_latents(d, np.asarray(pool_row).reshape(1, -1), np.asarray(entries)[None], quant)
-    return ck[0], cv[0]
+    return read_rows(cfg, layer, pool_row, entries, quant)  # entries by position: the rows of every position
 
 
 def read_rows(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: np.ndarray,
@@ -136,8 +133,6 @@ def read_rows(cfg: BundleConfig, layer: int, pool_row: np.ndarray, entries: np.n
     """Dequantised latents of the slot entries `entries` [m] of one layer's pool row ([m, r_k], [m, r_v]): what
     read_latents returns at those entries' positions, in memory that follows m rather than N_max (a re-tier pass
     moves a few hundred rows of a context of thousands)."""
-    import dataclasses
-
     from gsm_edge_plugins import ref
 
     entries = np.asarray(entries, np.int32).reshape(1, -1)

@@ -170,7 +170,7 @@ class TextCodec:
             if self._chat is None:
                 from gsm.tokenizer import load_tokenizer
 
-                chat = load_tokenizer(self._bundle)  # the file was read once already: it loads
+                chat = load_tokenizer(self._bundle)
                 chat.encode_special_tokens = False
                 self._chat = chat
             return self._chat

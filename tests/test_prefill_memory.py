@@ -103,7 +103,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 n = host_memory.HEAP_MMAP_THRESHOLD + 4096
 before = rss()
-for size in (8 << 20, n, 2 * n):  # a large block freed raises glibc's own threshold past the next ones
+for size in (8 << 20, n, 8 * n):  # a large block freed raises glibc's own threshold past the next ones
     p = libc.malloc(size)
     ctypes.memset(p, 1, size)
     libc.free(p)

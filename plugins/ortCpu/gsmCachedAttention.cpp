@@ -483,21 +483,6 @@ void poolWriteNew(CachedAttentionDims const& d, CachedAttentionInputs const& in)
     }
 }
 
-// Ask for the bytes of the pool row behind slot entry `entry` (every cache line of it) ahead of its decoding.
-void prefetchLatentRow(GsmDims const& d, uint8_t const* poolRow, int32_t entry)
-{
-    int32_t const tier = slotTier(entry);
-    int64_t const bytes = tier == kTierFP16 ? rowBytesFP16(d)
-        : tier == kTierINT8                 ? rowBytesINT8(d)
-        : tier == kTierINT4                 ? rowBytesINT4(d)
-                                            : rowBytesINT12(d);
-    uint8_t const* row = poolRow + rowOffset(d, slotRow(entry));
-    for (int64_t o = 0; o < bytes; o += 64)
-    {
-        __builtin_prefetch(row + o);
-    }
-}
-
 // GsmPoolAttention, before the attention: the cached positions each sequence's queries select (need), their K rows
 // from the row cache or made from the pool (U_k c_k, RoPE), and their V latents dequantised from the pool.
 bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k,
@@ -575,30 +560,14 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         if (t >= kTasks)
         {
             int64_t const i0 = (t - kTasks) * kVBlock, i1 = std::min(n, i0 + kVBlock);
-            // the rows lie scattered over the pools and come cold from memory: ask for row i + kRowsAhead's bytes
-            // while row i is decoded (SmolLM2 at 8K: ~15,000 rows a step; without, the decoding waited on them)
-            constexpr int64_t kRowsAhead = 6;
             int64_t b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i0) - pc.needOff.begin() - 1;
-            auto rowOf = [&](int64_t i, int64_t& seq) {
-                while (pc.needOff[static_cast<size_t>(seq) + 1] <= i)
-                {
-                    ++seq;
-                }
-                return ps.slots[seq * N + pc.need[static_cast<size_t>(i)]];
-            };
-            int64_t pb = b;
-            for (int64_t i = i0; i < std::min(i1, i0 + kRowsAhead); ++i)
-            {
-                prefetchLatentRow(ps.dims, ps.pool + in.cacheRows[pb] * ps.poolBytes, rowOf(i, pb));
-            }
             for (int64_t i = i0; i < i1; ++i)
             {
-                if (i + kRowsAhead < i1)
+                while (pc.needOff[static_cast<size_t>(b) + 1] <= i) // the sequence of need entry i
                 {
-                    int32_t const ahead = rowOf(i + kRowsAhead, pb);
-                    prefetchLatentRow(ps.dims, ps.pool + in.cacheRows[pb] * ps.poolBytes, ahead);
+                    ++b;
                 }
-                int32_t const e = rowOf(i, b);
+                int32_t const e = ps.slots[b * N + pc.need[static_cast<size_t>(i)]];
                 loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, e, ps.quant, static_cast<int32_t>(rk),
                     static_cast<int32_t>(rv), pc.vLatent.data() + i * rv);
             }
@@ -610,11 +579,6 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
         kr.resize(static_cast<size_t>(kJobBlock * kvD));
         float const* xs[kJobBlock];
         float* ys[kJobBlock];
-        for (int64_t i = 0; i < m; ++i) // the block's rows asked for at once: their loads overlap
-        {
-            RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
-            prefetchLatentRow(ps.dims, ps.pool + in.cacheRows[j.b] * ps.poolBytes, j.entry);
-        }
         for (int64_t i = 0; i < m; ++i)
         {
             RowJob const& j = jobs[static_cast<size_t>(j0 + i)];
