@@ -172,14 +172,16 @@ class CpuOps(PortableOps):
         assert index_q is not None and index_w is not None and sparse_window is not None and top_k is not None
         ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["pool"], cache["keys"],
                self.slots, g.weight(quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows, past, new,
-               sparse_window, top_k]
-        outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
+               sparse_window, top_k, self.logit_rows]
+        # output 3 (row_cache_misses, tests) left out; 4: the attention mass of each logit row's query
+        outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}", "", f"query_mass.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor
         grows = {"sparse_top_k_divisor": d} if d else {}
         with g.in_scope(f"L{l}.GsmSparseAttention"):
-            out, sel, mass = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN, **heads,
-                                  index_heads=p.indexer_heads, index_dim=p.indexer_dim, sink_tokens=p.sink_tokens,
-                                  **grows, **self._pool_attrs())
+            out, sel, mass, _, qmass = g.op(CPU_OP, ins, n_out=len(outs), outputs=outs, domain=CPU_DOMAIN, **heads,
+                                            index_heads=p.indexer_heads, index_dim=p.indexer_dim,
+                                            sink_tokens=p.sink_tokens, **grows, **self._pool_attrs())
+        self.query_masses.append(qmass)
         return out, sel, mass
 
 

@@ -32,6 +32,7 @@ from onnx import TensorProto
 
 from builder.nodes import F16, F32, I8, I32, I64, cast, key_codes, positions, valid_rows
 from builder.onnx_util import GraphBuilder
+from gsm.bundle_format import VERIFY_ROWS
 from gsm.config import ModelConfig
 from gsm.tiers import INT4, INT8, INT12, QMAX
 
@@ -57,6 +58,8 @@ class PortableOps:
         self.key_type = I8 if int8_keys else F16
         self._geo: dict[str, str] = {}
         self._sel: dict[tuple[str, str], dict[str, str]] = {}
+        self.logit_rows = ""  # Network.build sets the graph input
+        self.query_masses: list[str] = []  # owning layers' attention mass of each logit row's query [B, J, L]
 
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
@@ -260,20 +263,36 @@ class PortableOps:
                 mass = g.op("ScatterElements", [geo["mass0"], g.op("Reshape", [cast(g, p, I64), flat]),
                                                 g.op("Reshape", [per_pos, flat])], axis=1, reduction="add",
                             outputs=[f"attn_mass.{l}"])  # [B, L]
+                self.query_masses.append(self._query_mass(l, geo, per_pos, p))
         return out, (selected if owning else None), mass
+
+    def _query_mass(self, l: int, geo: dict[str, str], per_pos: str, picks: str) -> str:
+        """The attention mass of each logit row's query alone, [B, J, L]: per_pos [B, S, K] (summed over heads,
+        padding rows zero) and the picks' positions [B, S, K] gathered at `logit_rows`, then scattered by position."""
+        g = self.g
+        rows = g.op("Unsqueeze", [cast(g, self.logit_rows, I64), g.const([2], np.int64, "ax2")])  # [B, J, 1]
+        k = g.op("Shape", [per_pos], start=2, end=3)
+        idx = g.op("Expand", [rows, g.op("Concat", [g.op("Shape", [self.logit_rows]), k], axis=0)])  # [B, J, K]
+        zero = g.op("ConstantOfShape", [g.op("Concat", [g.op("Shape", [self.logit_rows]),
+                                                        g.op("Shape", [geo["mass0"]], start=1, end=2)], axis=0)],
+                    value=_zero_f32())
+        return g.op("ScatterElements", [zero, g.op("GatherElements", [cast(g, picks, I64), idx], axis=1),
+                                        g.op("GatherElements", [per_pos, idx], axis=1)], axis=2, reduction="add",
+                    outputs=[f"query_mass.{l}"])
 
     def _attend_v(self, l: int, probs: str, lat_u: str, inv: str, up: tuple[str, str], owning: bool, rk: int,
                   rv: int) -> str:
         """sum_s p_s V_s [B, S, nKV, grp, D] over the picks (`inv` [B, S, K] into the distinct latent rows lat_u
         [U, w]; sharing: the source's [c_k; c_v]). Two forms, chosen per call by an `If` on S:
-        - decode (S = 1), `_attend_latents`: V is never rebuilt; the weights attend over the latents and one
-          up-projection per head follows (K_sel * r_v instead of K_sel * r_v * kvD per query);
-        - prefill chunk (S > 1), `_attend_rebuilt`: V rebuilt once per distinct row, then the golden's own
+        - a decode step or a verification (S <= VERIFY_ROWS), `_attend_latents`: V is never rebuilt; the weights
+          attend over the latents and one up-projection per head follows (K_sel * r_v instead of K_sel * r_v * kvD
+          per query), each query's sums its own, so a verified token's output is the one-token step's;
+        - a longer prefill chunk, `_attend_rebuilt`: V rebuilt once per distinct row, then the golden's own
           order (rebuild, then the weighted sum) in float32: a chunk's queries share their rows, and the
           float64 per-pick sum the latent form needs was most of a prefill chunk's time at a large top-k."""
         g = self.g
         s_len = g.op("Gather", [g.op("Shape", [probs]), g.const(1, np.int64, "i1")], axis=0)
-        decode = g.op("Equal", [s_len, g.const(1, np.int64, "i1")])
+        decode = g.op("LessOrEqual", [s_len, g.const(VERIFY_ROWS, np.int64, "verify_rows")])
         then = g.branch(f"L{l}_attend_latents", lambda: [(self._attend_latents(probs, lat_u, inv, up, owning, rk,
                                                                                 rv), F32)])
         other = g.branch(f"L{l}_attend_rebuilt", lambda: [(self._attend_rebuilt(probs, lat_u, inv, up, owning), F32)])

@@ -48,6 +48,8 @@ class PluginOps:
         self.keys = IndexKeyLayout(cfg.gsm.indexer_dim, 8 if int8_keys else 16)
         self.key_type = F16 if self.keys.bits == 16 else I32
         self.max_top_k = n_max if max_top_k is None else max_top_k
+        self.logit_rows = ""  # Network.build sets the graph input
+        self.query_masses: list[str] = []  # GsmSparseAttention returns no per-query mass: none here
         low = cfg.gsm.max_top_k_to(n_max)
         if not low <= self.max_top_k <= n_max:  # every layer's default budget must fit, at its last position too
             raise ValueError(f"max_top_k must be in [the layers' largest top-k within max-seq {low}, "

@@ -37,6 +37,7 @@ from builder.qlinear import (
     nbits_nodes,
 )
 from gsm import names
+from gsm.bundle_format import LOGIT_ROWS, QUERY_MASS
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
 
@@ -421,6 +422,9 @@ class Network:
         past = g.input("past_lengths", I32, ["B"])
         new = g.input("new_lengths", I32, ["B"])
         g.input("sparse_window", I32, [1])
+        # the rows of each sequence whose logits come back (and, where the attention nodes measure it, whose
+        # attention mass comes back per query): a one-token step's row 0, a prefill's last, a verification's all
+        ops.logit_rows = self.logit_rows = g.input(LOGIT_ROWS, I32, ["B", "J"])
         cache = ops.declare_cache()
         tables = rope_tables(spec.n_max, cfg.head_dim, cfg.rope_theta)
         rope = (g.weight(ROPE_COS, lambda: tables[0]), g.weight(ROPE_SIN, lambda: tables[1]))
@@ -479,6 +483,9 @@ class Network:
         # one variadic Sum (in order, as a chain of Adds would add them) instead of a node per owning layer
         g.op("Sum" if len(masses) > 1 else "Identity", masses, outputs=["attn_mass"])
         g.output("attn_mass", F32, ops.mass_shape())
+        if ops.query_masses:  # the variants whose attention measures each logit row's query
+            g.op("Sum" if len(ops.query_masses) > 1 else "Identity", ops.query_masses, outputs=[QUERY_MASS])
+            g.output(QUERY_MASS, F32, ["B", "J", ops.mass_shape()[-1]])
         ops.declare_cache_outputs()
         if spec.debug:
             for l in cfg.owning_layers:
@@ -486,25 +493,24 @@ class Network:
                 g.output(f"selected.{l}", *ops.selected_type(l))
 
     def _head(self, h: str, shape_bs: str, new: str) -> None:
-        """Final norm and LM head, on the last valid row of each sequence (`last`) or every row (`all`)."""
+        """Final norm and LM head, on the rows `logit_rows` of each sequence (`last`) or every row (`all`)."""
         g, cfg = self.g, self.cfg
         H, V = cfg.hidden_size, cfg.vocab_size
         head = names.EMBED if cfg.tie_word_embeddings else names.LM_HEAD
         if self.spec.logits == "last":
             h3 = g.op("Reshape", [h, g.op("Concat", [shape_bs, g.const([H], np.int64, "w_h")], axis=0)])
-            last = g.op("Sub", [cast(g, new, I64), g.const(1, np.int64, "one")])  # [B]
-            idx = g.op("Expand", [g.op("Unsqueeze", [last, g.const([1, 2], np.int64, "ax12")]),
-                                  g.op("Concat", [g.op("Slice", [shape_bs, g.const([0], np.int64, "zero1"),
-                                                                 g.const([1], np.int64, "one1")]),
-                                                  g.const([1, H], np.int64, "one_h")], axis=0)])  # [B, 1, H]
+            rows = cast(g, self.logit_rows, I64)  # [B, J]
+            idx = g.op("Expand", [g.op("Unsqueeze", [rows, g.const([2], np.int64, "ax2")]),
+                                  g.op("Concat", [g.op("Shape", [rows]), g.const([H], np.int64, "w_h1")], axis=0)])
             h = g.op("Reshape", [g.op("GatherElements", [h3, idx], axis=1), g.const([-1, H], np.int64, "flat_h")])
         x = rms_norm(g, h, self.w(names.FINAL_NORM, keep_f32=True), cfg.rms_norm_eps, self.act)
         logits = self.proj(x, head)  # [B or B*S, V]
         if self.act != F32:
             logits = cast(g, logits, F32)
         if self.spec.logits == "last":
-            g.op("Unsqueeze", [logits, g.const([1], np.int64, "ax1")], outputs=["logits"])
-            g.output("logits", F32, ["B", 1, V])
+            g.op("Reshape", [logits, g.op("Concat", [g.op("Shape", [self.logit_rows]), g.const([V], np.int64, "w_v")],
+                                          axis=0)], outputs=["logits"])
+            g.output("logits", F32, ["B", "J", V])
         else:
             g.op("Reshape", [logits, g.op("Concat", [shape_bs, g.const([V], np.int64, "w_v")], axis=0)],
                  outputs=["logits"])

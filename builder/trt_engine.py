@@ -20,7 +20,7 @@ from typing import Any
 
 from builder.bundle import add_file_to_bundle, read_bundle_manifest
 from builder.plan import WORKSPACE_BYTES, MemoryPlan
-from gsm.bundle_format import FILES, BundleConfig
+from gsm.bundle_format import FILES, LOGIT_ROWS, VERIFY_ROWS, BundleConfig
 
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
 PLUGIN_LIB_NAMES = ("libgsm_trt_plugins.so", "gsm_trt_plugins.dll")
@@ -69,7 +69,9 @@ def _input_shapes(cfg: BundleConfig, s: tuple[int, int, int], b: tuple[int, int,
     shapes: dict[str, Any] = {"input_ids": [(bb, ss) for bb, ss in zip(b, s)],
                               "past_lengths": [(bb,) for bb in b], "new_lengths": [(bb,) for bb in b],
                               "sparse_top_k": [(bb,) for bb in b], "cache_rows": [(bb,) for bb in b],
-                              "sparse_window": [(1,)] * 3, "kv_slots": [(bb, cfg.n_max) for bb in b]}
+                              "sparse_window": [(1,)] * 3, "kv_slots": [(bb, cfg.n_max) for bb in b],
+                              # a prefill's one row, a verification's up to VERIFY_ROWS (speculative decoding)
+                              LOGIT_ROWS: [(bb, j) for bb, j in zip(b, (1, 1, min(VERIFY_ROWS, max(s))))]}
     return shapes
 
 

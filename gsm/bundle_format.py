@@ -5,8 +5,10 @@
 - `BundleConfig`: bundle.json, the numbers the runtime drives the graphs with, parsed once and checked
   field by field (one BundleError naming the file and the field);
 - `GRAPH_REVISION`: the engine interface revision (docs/engine_io.md changelog) of the graphs the builder
-  writes. bundle.json states it, so a backend knows which inputs its graphs take instead of probing them;
-  a bundle.json written before the field existed gets the revision its portable graph's inputs imply.
+  writes. bundle.json states it; the runtime runs this revision only and refuses another with the rebuild
+  command (a bundle rebuilds in seconds);
+- `VERIFY_ROWS`: the most new tokens per sequence a call may carry and still give each query the bits a one-token
+  step gives it (a speculative verification, docs/engine_io.md "logit_rows").
 
 Standard library only (plus gsm.config and gsm.atomic, likewise): the runtime imports this, never torch.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,11 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 12
-OLDEST_GRAPH_REVISION = 3  # revision 3 made the portable cache buffers what the runtime binds today
+GRAPH_REVISION = 13
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
+VERIFY_ROWS = 16
+LOGIT_ROWS = "logit_rows"  # graph input [B, J] int32: the rows of each sequence whose logits come back
+QUERY_MASS = "query_mass"  # graph output [B, J, L] float32: the attention mass of those rows' queries
 
 
 class BundleError(ValueError):
@@ -224,7 +228,7 @@ def _record(v: Any) -> dict[str, Any]:
 
 
 def _revision(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not OLDEST_GRAPH_REVISION <= v <= GRAPH_REVISION:
+    if isinstance(v, bool) or not isinstance(v, int) or v != GRAPH_REVISION:
         raise ValueError
     return v
 
@@ -260,7 +264,8 @@ class BundleConfig:
     sparse_top_k: int = _int_spec(0)  # the checkpoint's default selection budget
     quantization_adaptation_rate: int = _int_spec(1)
     kv_quantization: KVQuantConfig = _spec(_kv_quantization, "a kv_quantization object (quant_config.json's)")
-    graph_revision: int = _spec(_revision, f"an engine_io revision {OLDEST_GRAPH_REVISION}..{GRAPH_REVISION}")
+    graph_revision: int = _spec(_revision, f"engine_io revision {GRAPH_REVISION}, the one this runtime runs (rebuild "
+                                           f"the bundle with `{REBUILD}`)")
     # written since --max-top-k existed: the TensorRT graph's largest per-sequence budget (None: not stated)
     max_top_k: int | None = _spec(_optional(_int(0)), "an integer >= 0", default=None)
     # written since --weights existed; older bundles have FP16 weights
@@ -321,8 +326,7 @@ class BundleConfig:
 
     @classmethod
     def load(cls, root: Path) -> BundleConfig:
-        """bundle.json of the bundle directory `root`. One written before `graph_revision` was stated gets
-        the revision its portable graph's inputs imply (`revision_of_graph`)."""
+        """bundle.json of the bundle directory `root`."""
         path = Path(root) / FILES.config
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
@@ -330,8 +334,9 @@ class BundleConfig:
             raise BundleError(f"{path}: missing; rebuild the bundle with `{REBUILD}`") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise BundleError(f"{path}: not readable JSON ({e})") from None
-        if isinstance(d, dict) and "graph_revision" not in d:
-            d = {**d, "graph_revision": revision_of_graph(Path(root) / FILES.model_portable)}
+        if isinstance(d, dict) and "graph_revision" not in d:  # written before the field: an old graph
+            raise BundleError(f"{path}: states no graph_revision (built by an older builder, whose graphs this "
+                              f"runtime does not run); rebuild the bundle with `{REBUILD}`")
         return cls.from_json(d, str(path))
 
     def to_json(self) -> dict[str, Any]:
@@ -343,25 +348,3 @@ class BundleConfig:
         d["layer_selection"] = {str(l): list(v) for l, v in sorted(self.layer_selection.items())}
         d["kv_quantization"] = self.kv_quantization.to_json()["kv_quantization"]
         return d
-
-
-def revision_from_inputs(names: Collection[str], origin: str) -> int:
-    """The engine_io revision of a portable graph from its inputs, for bundles that do not state it:
-    `cache_rows` came with revision 3, `sparse_top_k` with 4, every layer's `k_rows.{i}` with 5."""
-    if "cache_rows" not in names:
-        raise BundleError(f"{origin}: a graph from before engine_io revision 3 (no cache_rows input), which this "
-                          f"runtime does not run; rebuild the bundle with `{REBUILD}`")
-    if "sparse_top_k" not in names:
-        return 3
-    return 5 if "k_rows.0" in names else 4
-
-
-def revision_of_graph(path: Path) -> int:
-    from gsm.onnx_names import OnnxFormatError, onnx_input_names
-
-    try:
-        names = onnx_input_names(path)
-    except (OSError, OnnxFormatError) as e:
-        raise BundleError(f"{path}: cannot read the graph's inputs to tell its engine_io revision ({e}); rebuild "
-                          f"the bundle with `{REBUILD}`") from None
-    return revision_from_inputs(names, str(path))

@@ -21,6 +21,7 @@ from gsm.atomic import OutputExistsError
 from gsm.cli_support import CommandFailed, int_at_least, run_main
 from runtime.cli_args import PROG, add_backend_arguments, backend_label, flag_of, load_runtime, one_line
 from runtime.model import BACKENDS
+from runtime.speculative import SPECULATIVE_MODES
 
 
 def _int(text: str) -> int:
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kind", choices=["cpu", "gpu"], default="cpu", help="instance_group kind")
     t.add_argument("--backend", choices=list(BACKENDS), default="auto", help="the gsm-edge backend each instance "
                                                                              "loads")
+    t.add_argument("--speculative", choices=list(SPECULATIVE_MODES), default="auto",
+                   help="each instance's drafting (a request's `speculative` input overrides it)")
     t.add_argument("--copy", action="store_true", help="carry the bundles inside the repository (default: "
                                                        "name their paths)")
     t.add_argument("--python-env", type=Path, help="a virtual environment with the runtime's dependencies for the "
@@ -130,7 +133,8 @@ def triton(args: argparse.Namespace) -> int:
     if names and len(names) != len(args.bundles):
         raise ValueError(f"argument --model-name: give one per bundle ({len(args.bundles)}), got {len(names)}")
     specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend,
-                             python_env=args.python_env) for i, b in enumerate(args.bundles)]
+                             python_env=args.python_env, speculative=args.speculative)
+             for i, b in enumerate(args.bundles)]
     try:
         write_repository(specs, args.out, overwrite=args.overwrite)
     except OutputExistsError as e:

@@ -37,6 +37,9 @@ class Capabilities:
     # a prefill call's new tokens x the positions each sees, over all its sequences, at most (0: max-input tokens
     # whatever the context): the working memory of a call that scores every position for every query follows it
     call_positions: int = 0
+    # new tokens per sequence a call may carry whose logits and per-query attention mass (`rows`, StepOutput
+    # query_mass) equal one-token steps' bit for bit: a speculative verification's most (0: none, no speculation)
+    verify_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_resident", "max_per_call", "positions"):
@@ -51,10 +54,11 @@ class Capabilities:
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray  # [B, 1 or S, V] float32
+    logits: np.ndarray  # [B, J, V] float32 (J: the call's logit rows), or [B, S, V] (a bundle built --logits all)
     attn_mass: np.ndarray  # [B, L] float32, L >= every sequence's length after the call (positions 0..L-1)
     selected: dict[int, np.ndarray] | None = None  # owning layer -> [B, S, k] int32 positions, -1 padded
     layer_mass: dict[int, np.ndarray] | None = None  # owning layer -> [B, L] float32: that layer's attn_mass
+    query_mass: np.ndarray | None = None  # [B, J, L] float32: the attention mass of each logit row's query alone
 
 
 class Backend(Protocol):
@@ -73,8 +77,15 @@ class Backend(Protocol):
         ...
 
     def forward(self, caches: list[Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray, sparse_window: int,
-                top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
-        """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. of caches[b]."""
+                top_k: np.ndarray, *, probes: bool = False, commit: bool = True,
+                rows: np.ndarray | None = None) -> StepOutput:
+        """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. of caches[b]. rows
+        [B, J] (0..S-1): the rows whose logits come back, and their queries' own attention mass where
+        `capabilities.verify_rows` > 0; None: each sequence's last new row."""
+        ...
+
+    def truncate(self, cache: Any, length: int) -> None:
+        """Forget the positions from `length` on (the drafts a verification rejected): the next call writes them."""
         ...
 
     def demote(self, cache: Any, new_tier: np.ndarray) -> float | None:
@@ -135,3 +146,10 @@ def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
                                            f"{backend} (the plugin graph's selection width: rebuild with "
                                            f"`builder build --max-top-k {worst}` or more, or use the onnxruntime "
                                            "backend)")
+
+
+def logit_rows(new: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """The `logit_rows` input [B, J] int32 of a call: `rows`, or each sequence's last new row."""
+    if rows is None:
+        return (np.asarray(new, np.int32) - 1).reshape(-1, 1)
+    return np.ascontiguousarray(rows, np.int32)

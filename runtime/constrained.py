@@ -161,6 +161,11 @@ class GrammarConstraint:
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (a JSON key, its quotes and colon): drafts that cost no
+        guess (runtime.speculative); the matcher's state is unchanged."""
+        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]] if limit > 0 else []
+
 
 def unpack_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:
     """llguidance's bitmask (int32 words, bit j of word w = token 32 w + j) -> bool [vocab_size]."""

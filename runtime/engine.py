@@ -101,13 +101,15 @@ class Work:
     prefill: bool
     probe: bool = False  # decode only: also measure the sparse mask hit rate of this step (seq.last_hit_rate)
     scorer: Any = None  # prefill only: gets each chunk's logits (RequestState.score_prompt: echo with logprobs)
+    drafts: list[int] = field(default_factory=list)  # decode only: tokens to verify after ids[0] (speculative)
 
 
 class Stepper(Protocol):
     def new_sequence(self) -> Any: ...
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
-        """Last-position logits [V] per work item, or the exception that item raised."""
+        """Last-position logits [V] per work item (a verification's: [1 + len(drafts), V], row j after token j), or
+        the exception that item raised."""
         ...
 
 
@@ -125,6 +127,7 @@ class SequentialStepper:
         for w in work:
             try:
                 out.append(w.seq.prefill(w.ids, scorer=w.scorer) if w.prefill
+                           else w.seq.verify([w.ids[0], *w.drafts]) if w.drafts
                            else w.seq.decode(w.ids[0], probe=w.probe))
             except Exception as e:  # one sequence's failure must not stop the others
                 out.append(e)
@@ -145,16 +148,28 @@ class BatchedStepper:
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = [ValueError("not run")] * len(work)
-        for prefill in (True, False):
-            every = [i for i, w in enumerate(work) if w.prefill is prefill]
+        # one call of the verifications and, with them, the plain decode steps (a one-token verification each); a
+        # probed step runs as a decode call of its own (its dense shadow call comes first)
+        verify = any(w.drafts for w in work)
+        kinds = {"prefill": [i for i, w in enumerate(work) if w.prefill],
+                 "verify": [i for i, w in enumerate(work) if not w.prefill and verify and not w.probe],
+                 "decode": [i for i, w in enumerate(work) if not w.prefill and (w.probe or not verify)]}
+        for kind, every in kinds.items():
             for g in range(0, len(every), self.per_call):
                 idx = every[g:g + self.per_call]
                 seqs = [work[i].seq for i in idx]
                 try:
-                    res = (self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx])
-                           if prefill
-                           else self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
-                                                     probe=[work[i].probe for i in idx]))
+                    if kind == "prefill":
+                        res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx])
+                    elif kind == "verify":
+                        rows = self.rt.verify_batch(seqs, [[work[i].ids[0], *work[i].drafts] for i in idx])
+                        for i, s in zip(idx, seqs):
+                            if not work[i].drafts:  # a plain step: its one token stays, as decode_batch keeps it
+                                s.keep(1)
+                        res = [r if work[i].drafts else r[0] for i, r in zip(idx, rows)]
+                    else:
+                        res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
+                                                   probe=[work[i].probe for i in idx])
                     for k, i in enumerate(idx):
                         out[i] = res[k]
                 except Exception as e:
@@ -204,6 +219,9 @@ class Observer:
     def on_fallback(self, req: EngineRequest, policy: str, value: float) -> None:
         """A fallback policy was taken for the request: "hit_rate" (dense from here) or "kv_noise" (refreshed)."""
 
+    def on_drafts(self, req: EngineRequest, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` tokens kept `accepted` of them (speculative decoding)."""
+
 
 _ids = itertools.count(1)
 
@@ -223,6 +241,7 @@ class EngineRequest(RequestFields):
     # scheduler-side state
     seq: Any = None
     decode_steps: int = 0
+    next_probe: int = 0  # the decode step at or after which the next hit-rate probe runs
     hit_rate: float | None = None  # the last probed sparse mask hit rate
     dense: bool = False  # switched to dense attention by the hit-rate fallback
     kv_noise: float | None = None  # the KV noise of the last re-tier pass that re-encoded rows
@@ -494,7 +513,7 @@ class Engine:
             else:
                 live.append(req)
         work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.prompt_scorer) if not r.ids  # nothing accepted yet
-                else Work(r.seq, [r.state.next_token], False, probe=self._probe_now(r)) for r in live]
+                else self._decode_work(r) for r in live]
         constrained = [r.state.constraint for r in live if r.state.constraint is not None]
         masks = None
         if constrained:  # structured output: the masks are computed while the model runs
@@ -511,12 +530,14 @@ class Engine:
                 log.error("request %d failed: %s", req.id, res)
                 self._finish(req, "error", res)
                 continue
-            if not w.prefill:
+            if w.drafts:
+                self._accept_verified(req, w, res)
+            elif not w.prefill:
                 req.decode_steps += 1
             noise, req.retier_passes = new_kv_noise(req.seq, req.retier_passes)
             if w.probe:
                 self._judge_hit_rate(req)
-            if self._advance(req, res):
+            if self._still_running(req) if w.drafts else self._advance(req, res):
                 still.append(req)
                 if noise is not None and self._noisy(req, noise):
                     refresh.append(req)
@@ -526,9 +547,29 @@ class Engine:
             self._running = still
         self._notify("on_step", self, still)
 
+    def _decode_work(self, req: EngineRequest) -> Work:
+        """A decode step, or a verification of the request's drafts where it has some (a probed step has none)."""
+        probe = self._probe_now(req)
+        drafts = [] if probe else req.state.propose(req.seq.draft_room)
+        if probe:
+            req.next_probe = req.decode_steps + self.config.hit_rate_every
+        return Work(req.seq, [req.state.next_token], False, probe=probe, drafts=drafts)
+
+    def _accept_verified(self, req: EngineRequest, w: Work, rows: np.ndarray) -> None:
+        """A verification's logits rows to the request's state (runtime.speculative's rule), the sequence keeping
+        the tokens it accepted (and running the re-tier pass they reach), the tokens pushed."""
+        toks, used = req.state.accept_verified(rows, w.drafts, req.seq.length)
+        req.seq.keep(used)
+        req.decode_steps += used
+        self._notify("on_drafts", req, len(w.drafts), used - 1)
+        for tok in toks:
+            self._push(req, tok)
+
     # -- fallback policies (docs/serving.md) --
     def _probe_now(self, req: EngineRequest) -> bool:
-        return self.probes and not req.dense and req.decode_steps % self.config.hit_rate_every == 0
+        """Decode steps 0, n, 2n, ... of a request are probed (n = hit_rate_every; a verification advances several
+        steps at once, so the next probed step is the first at or past the mark)."""
+        return self.probes and not req.dense and req.decode_steps >= req.next_probe
 
     def _judge_hit_rate(self, req: EngineRequest) -> None:
         hr = req.seq.last_hit_rate
@@ -588,10 +629,17 @@ class Engine:
         """Hand the logits to the request's state (its sampler and finish checks); False when it ends here."""
         tok = req.state.accept(logits, req.seq.length)
         if tok is not None:
-            if req.t_first is None:
-                req.t_first = time.monotonic()
-                self._notify("on_first_token", req)
-            req._push(tok)
+            self._push(req, tok)
+        return self._still_running(req)
+
+    def _push(self, req: EngineRequest, tok: Token) -> None:
+        if req.t_first is None:
+            req.t_first = time.monotonic()
+            self._notify("on_first_token", req)
+        req._push(tok)
+
+    def _still_running(self, req: EngineRequest) -> bool:
+        """False (and the request finished) when its state has ended."""
         if req.state.done:
             self._finish(req, req.state.finish_reason)
             return False

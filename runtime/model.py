@@ -9,9 +9,11 @@ applies through the backend's demotion graph. The call order equals gsm.golden's
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning
 from runtime.policy import SequenceState, TierPolicy, retier
 from runtime.request_state import Generation, RequestState, Token
 from runtime.sampling import RequestError, Sampler, SamplingParams
+from runtime.speculative import SpeculativeConfig, check_speculative
 from runtime.text import TextCodec
 
 if TYPE_CHECKING:
@@ -71,6 +74,7 @@ class Sequence_:
         self.last_kv_noise: float | None = None  # from the last re-tier pass (None: it demoted nothing)
         self.retier_passes = 0  # re-tier passes run so far (tells a new last_kv_noise from an old one)
         self._fp16_only = False  # keep_fp16(): no re-tier passes (nothing demoted)
+        self._verified: _Verified | None = None  # the last verify call's tokens and masses, until keep()
         self._finalizer = weakref.finalize(self, rt.backend.release, self.cache)
 
     @property
@@ -119,6 +123,46 @@ class Sequence_:
         """One decode step; re-tier after every `rate`-th step. Returns logits [V]."""
         return self.rt.decode_batch([self], [token], probe=[probe])[0]
 
+    @property
+    def draft_room(self) -> int:
+        """Drafted tokens the next call may verify after the next token: within the backend's verification rows, the
+        sequence's max-seq, and the decode steps left before the next re-tier pass (a pass falls between calls, as
+        after one-token steps: the tokens after it read the re-encoded rows). 0: verification not possible."""
+        cap = self.rt.capabilities.verify_rows
+        if cap < 2:
+            return 0
+        to_retier = self.rt.policy.rate - self.state.decode_steps % self.rt.policy.rate
+        return max(0, min(cap, to_retier, self.rt.n_max - self.length) - 1)
+
+    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed the next token and drafts as one call; returns logits [n, V], row j what a one-token step after
+        tokens[j] returns. Nothing is kept until `keep`."""
+        return self.rt.verify_batch([self], [tokens])[0]
+
+    def keep(self, n: int) -> None:
+        """Keep the first n tokens of the last verify call (1..its length), as n one-token steps would have: positions,
+        hotness from each token's own attention mass in order, decode steps and the re-tier pass they reach; the cache
+        forgets the rest (rows, slots, row-cache entries: written again by the next call)."""
+        v = self._verified
+        if v is None or not 1 <= n <= len(v.tokens):
+            raise ValueError(f"keep({n}): needs 1..{0 if v is None else len(v.tokens)} after a verify call")
+        self._verified = None
+        self.rt.backend.truncate(self.cache, self.length + n)
+        for j in range(n):
+            self.state.add_positions([v.tokens[j]])
+            self.state.update_hotness(v.mass[j], self.rt.policy.hotness_decay)
+            self.state.decode_steps += 1
+            if self.state.decode_steps % self.rt.policy.rate == 0:
+                self._retier()
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """What a verify call fed one sequence, until `Sequence_.keep` says how much of it stays."""
+
+    tokens: list[int]
+    mass: np.ndarray  # [n, L]: each token's query's own attention mass
+
 
 def check_sparse_top_k(k: int, n_max: int) -> int:
     """A selection budget 0..n_max (n_max or anything >= the context: dense attention)."""
@@ -151,7 +195,8 @@ class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Backend, *,
-                 sparse_window: int | None, sparse_top_k: int | None = None) -> None:
+                 sparse_window: int | None, sparse_top_k: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.bundle = bundle
         self.manifest = manifest
         self.cfg = cfg
@@ -179,6 +224,9 @@ class Runtime:
         self.codec = TextCodec.load(bundle, self.bos_token_id, self.eos_token_id)  # None: ids only
         self._grammars: Any = None  # runtime.constrained.GrammarCache, made by the first structured request
         self._grammars_lock = threading.Lock()
+        # requests draft unless told not to (load(speculative=...), a request's own speculative=), where the backend
+        # can verify drafts (Capabilities.verify_rows)
+        self.speculative = speculative or SpeculativeConfig()
 
     @property
     def can_probe(self) -> bool:
@@ -293,6 +341,28 @@ class Runtime:
                 seqs[b]._retier()
         return out
 
+    def verify_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """One call: sequence b feeds chunks[b] (its next token, then 0..draft_room drafts); returns its logits
+        [len(chunks[b]), V], row j bit for bit what a one-token step after chunks[b][j] returns. Each sequence then
+        needs `keep(n)`: until then its state is as before the call."""
+        cap = self.capabilities.verify_rows
+        if cap < 1:
+            raise RuntimeError(f"backend {self.backend.name} cannot verify drafts (its graph returns no query_mass)")
+        for s, c in zip(seqs, chunks):
+            if not 1 <= len(c) <= s.draft_room + 1:
+                raise ValueError(f"a verification of {len(c)} tokens: this sequence takes 1..{s.draft_room + 1} now")
+        ids, past, new = self._call_inputs(seqs, chunks)
+        J = int(new.max())
+        rows = np.minimum(np.arange(J, dtype=np.int32)[None, :], (new - 1)[:, None]).astype(np.int32)
+        out = self.backend.forward([s.cache for s in seqs], ids, past, new, self._window_input, self._budgets(seqs),
+                                   rows=rows)
+        res = []
+        for b, (s, c) in enumerate(zip(seqs, chunks)):
+            n = len(c)
+            s._verified = _Verified([int(t) for t in c], out.query_mass[b, :n])
+            res.append(out.logits[b, :n])
+        return res
+
     def chunk_tokens(self, past: int, sequences: int = 1) -> int:
         """Tokens per sequence of a prefill call of `sequences` sequences after at most `past` positions
         (prefill_chunk with this backend's bound, shared among the call's sequences)."""
@@ -344,17 +414,24 @@ class Runtime:
         seqs = {id(r): self.new_sequence() for r in live}
         logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live],
                                     [r.prompt_scorer for r in live]) if live else []
-        while live:
-            going = []
-            for r, lg in zip(live, logits):
-                r.accept(lg, seqs[id(r)].length)
-                if r.done:
-                    seqs.pop(id(r)).close()
-                else:
-                    going.append(r)
-            live = going
-            if live:
-                logits = self.decode_batch([seqs[id(r)] for r in live], [r.next_token for r in live])
+        for r, lg in zip(live, logits):
+            r.accept(lg, seqs[id(r)].length)
+        while True:
+            for r in [r for r in live if r.done]:
+                seqs.pop(id(r)).close()
+            live = [r for r in live if not r.done]
+            if not live:
+                return
+            run = [seqs[id(r)] for r in live]
+            drafts = [r.propose(s.draft_room) for r, s in zip(live, run)]
+            if not any(drafts):
+                for r, s, lg in zip(live, run, self.decode_batch(run, [r.next_token for r in live])):
+                    r.accept(lg, s.length)
+                continue
+            lengths = [s.length for s in run]  # one call: each sequence its next token and its drafts, if any
+            rows = self.verify_batch(run, [[r.next_token, *d] for r, d in zip(live, drafts)])
+            for r, s, d, lg, n in zip(live, run, drafts, rows, lengths):
+                s.keep(r.accept_verified(lg, d, n)[1])
 
     def encode(self, text: str) -> list[int]:
         """BOS + the text's pieces; no BOS when tokenizer_config.json has add_bos_token: false."""
@@ -371,7 +448,8 @@ class Runtime:
                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 stop_ids: Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
                 logprobs: int | None = None, response_format: Mapping[str, Any] | None = None,
-                fit_context: bool = False, prompt_logprobs: bool = False) -> RequestState:
+                fit_context: bool = False, prompt_logprobs: bool = False,
+                speculative: str | None = None) -> RequestState:
         """A checked request, not yet run (`stream`, `generate_batch` and the Engine drive it). Inputs are
         checked here, before any model work: a RequestError (ValueError) names the parameter. top_k is
         sampling's top-k (0: off), not the selection budget (`Sequence_.sparse_top_k`). stop: up to 4 strings
@@ -379,12 +457,19 @@ class Runtime:
         chosen token's log-probability only); response_format: structured output (runtime.constrained);
         fit_context: refuse a prompt + max_new_tokens beyond max-seq (the server, for an explicit max_tokens)
         instead of ending at the context ("context"); prompt_logprobs: score the prompt's tokens too
-        (`RequestState.prompt_tokens`; echo with logprobs, a bundle built with --logits all)."""
+        (`RequestState.prompt_tokens`; echo with logprobs, a bundle built with --logits all); speculative: "auto" |
+        "off" for this request (None: the runtime's, `load(speculative=...)`)."""
         params = SamplingParams(temperature, top_k, top_p, seed, presence_penalty, frequency_penalty,
                                 repetition_penalty)
         return RequestState(self, self._prompt_ids(prompt), max_new_tokens, params, stop_ids, stop=stop,
                             logprobs=logprobs, constraint=self._constraint(response_format), fit_context=fit_context,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, speculative=self._speculation(speculative))
+
+    def _speculation(self, mode: str | None) -> SpeculativeConfig | None:
+        """A request's drafting: the runtime's config in the request's mode; None where it is off or the backend
+        cannot verify."""
+        cfg = self.speculative if check_speculative(mode) is None else dataclasses.replace(self.speculative, mode=mode)
+        return cfg if cfg.on and self.capabilities.verify_rows > 1 else None
 
     def _constraint(self, fmt: Mapping[str, Any] | None) -> Any:
         if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
@@ -436,7 +521,8 @@ class Runtime:
 
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
-         sparse_top_k: int | None = None, spinning: bool = True, graph: str = "auto") -> Runtime:
+         sparse_top_k: int | None = None, spinning: bool = True, graph: str = "auto",
+         speculative: str = "auto") -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
     sparse_top_k: the default selection budget (spec 4.1) of every sequence, 0..max-seq (a value
@@ -450,6 +536,10 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     (libgsm_ort_ops.so; RuntimeError where it is not built); "portable" the standard-op graph; "auto" the
     first where it is usable. `Runtime.backend.graph` says which one runs.
 
+    speculative: "auto" drafts tokens from each request's own prompt and output and verifies them several per call
+    (runtime.speculative; same tokens as without, greedy or seeded), where the backend can ("off": one token a call);
+    a request's own `speculative=` overrides it.
+
     auto: TensorRT when the bundle has an engine.plan and TensorRT imports, else ONNX Runtime.
     reference: the TensorRT graph (model.onnx) with the plugins' C++ CPU reference; slow, for checks.
     """
@@ -462,6 +552,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     check_sparse_window(sparse_window, cfg)  # before any graph is opened
     if sparse_top_k is not None:
         check_sparse_top_k(sparse_top_k, cfg.n_max)
+    spec = SpeculativeConfig(check_speculative(speculative, "speculative") or "auto")
     if isinstance(threads, bool) or int(threads) != threads or threads < 0:
         raise RequestError("threads", f"must be an integer >= 0 (0: ONNX Runtime's default), got {threads}")
     if backend == "auto":
@@ -478,6 +569,6 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning), graph=graph))
-    rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k)
+    rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k, speculative=spec)
     trim_heap()  # what loading parsed and dropped (the tokenizer's JSON: ~16 MiB on SmolLM2) goes back
     return rt

@@ -44,8 +44,17 @@ from typing import Any
 
 import numpy as np
 
-from gsm.bundle_format import FILES, REBUILD, BundleConfig, BundleError, CpuWeightTable
-from runtime.backend import Capabilities, RowPool, StepOutput, kv_noise_sums, relative_noise
+from gsm.bundle_format import (
+    FILES,
+    LOGIT_ROWS,
+    QUERY_MASS,
+    REBUILD,
+    VERIFY_ROWS,
+    BundleConfig,
+    BundleError,
+    CpuWeightTable,
+)
+from runtime.backend import Capabilities, RowPool, StepOutput, kv_noise_sums, logit_rows, relative_noise
 from runtime.host_memory import bound_heap, trim_heap
 from runtime.ort_pools import OrtPools
 from runtime.page_reserve import PageReserve
@@ -255,7 +264,7 @@ class OrtBackend:
         self._fixed = widths
         self._decodable = set(widths) | {"attn_mass"}  # a call that wants no more runs through _run_decode
         self._decode_key: tuple | None = None  # (B, outputs) the decode path's arrays are bound for
-        self._want: dict[bool, list[str]] = {}
+        self._want: dict[tuple[bool, bool], list[str]] = {}
         self._decode_arrays: dict[str, np.ndarray] = {}
         self._decode_copies: list[_RowCopy] = []  # where each new row goes
         # the rows of the memory plan: on model.cpu.onnx the plugin backends' rows and slot tables (PluginRows)
@@ -271,7 +280,8 @@ class OrtBackend:
             max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
             kv_bytes_per_sequence=per_sequence,
             per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, graph=self.graph,
-            graph_note=self.graph_note, call_positions=CALL_POSITIONS)
+            graph_note=self.graph_note, call_positions=CALL_POSITIONS,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input) if QUERY_MASS in self.out_names else 0)
 
     def open_session(self, so: Any) -> Any:
         """A session of the network this backend runs, with options `so` (the custom-op library registered
@@ -379,21 +389,24 @@ class OrtBackend:
 
     # -- calls -------------------------------------------------------------------------------------
     def forward(self, caches: list[OrtCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
-                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
+                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True,
+                rows: np.ndarray | None = None) -> StepOutput:
         """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. to the row of
         caches[b], selecting with budget top_k[b] (int [B]). Writes the new rows into the buffers unless
         `commit` is False (a shadow step: the buffers are left as they were); returns logits and attention
-        mass, and with `probes` each owning layer's selection and attention mass."""
+        mass, and with `probes` each owning layer's selection and attention mass. rows [B, J]: the rows whose logits
+        come back and whose queries' own attention mass (query_mass) comes back with them (None: the last new row
+        of each sequence, and no query_mass)."""
         B, S = ids.shape
         past, new = past.astype(np.int32), new.astype(np.int32)
         if int(past.max()) + S > self.n_max:
             raise ValueError(f"positions up to {int(past.max()) + S} exceed max-seq {self.n_max}")
         small = {"input_ids": np.ascontiguousarray(ids, np.int64), "past_lengths": past, "new_lengths": new,
                  "sparse_window": np.array([sparse_window], np.int32),
-                 "cache_rows": np.array([c.row for c in caches], np.int32)}
+                 "cache_rows": np.array([c.row for c in caches], np.int32), LOGIT_ROWS: logit_rows(new, rows)}
         if self.per_sequence_top_k:
             small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
-        want = self._wanted(probes)
+        want = self._wanted(probes, rows is not None and QUERY_MASS in self.out_names)
         with self.lock:
             plan = None
             if self.pools is not None:  # rows for the new positions, and the slot tables the nodes read
@@ -431,14 +444,17 @@ class OrtBackend:
                 self.pools.undo(caches, plan)  # type: ignore[union-attr, arg-type]
         sel = {l: outs[f"selected.{l}"] for l in self.layers} if f"selected.{self.layers[0]}" in outs else None
         mass = {l: outs[f"attn_mass.{l}"] for l in self.layers} if probes else None
-        return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
+        return StepOutput(outs["logits"], outs["attn_mass"], sel, mass, outs.get(QUERY_MASS))
 
-    def _wanted(self, probes: bool) -> list[str]:
-        """The outputs a call binds: the probes only when asked for (or a debug bundle's selections)."""
-        if probes not in self._want:
-            self._want[probes] = [n for n in self.out_names if n not in self.probe_names or probes
-                                  or (self.debug and n.startswith("selected."))]
-        return self._want[probes]
+    def _wanted(self, probes: bool, query_mass: bool) -> list[str]:
+        """The outputs a call binds: the probes only when asked for (or a debug bundle's selections), the queries'
+        own masses only for the rows a caller named."""
+        key = (probes, query_mass)
+        if key not in self._want:
+            self._want[key] = [n for n in self.out_names if (n not in self.probe_names or probes
+                                                               or (self.debug and n.startswith("selected.")))
+                               and (n != QUERY_MASS or query_mass)]
+        return self._want[key]
 
     def _run_decode(self, B: int, L: int, want: list[str], small: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One S = 1 call without probes: the per-call inputs (`small`) are copied into arrays and the outputs of
@@ -477,6 +493,13 @@ class OrtBackend:
         assignment costs 2 µs a buffer, 0.27 of 0.6 ms of Python a SmolLM2 step with 120 buffers)."""
         for cp in self._decode_copies:
             _memmove(cp.dst + row * cp.dst_row + p * cp.dst_pos, cp.src + b * cp.src_seq, cp.nbytes)
+
+    def truncate(self, cache: OrtCache, length: int) -> None:
+        """The pools' slot table gives the rows from `length` on back; the portable buffers are by position, and a
+        position past the length is read by nothing until a call writes it again."""
+        if cache.slots is not None:
+            with self.lock:
+                cache.slots.truncate(length)
 
     def demote(self, cache: OrtCache, new_tier: np.ndarray) -> float | None:
         """Re-encode the positions whose new_tier (int32 by position, -1 = unchanged) is >= 0: only

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from gsm.bundle_format import FILES, BundleConfig
+from gsm.bundle_format import FILES, LOGIT_ROWS, BundleConfig
 from gsm.quant_table import full_table
-from runtime.backend import Capabilities, StepOutput, check_max_top_k
+from runtime.backend import Capabilities, StepOutput, check_max_top_k, logit_rows
 from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
 
 
@@ -141,7 +141,8 @@ class RefBackend:
         """Nothing outside Python's memory."""
 
     def forward(self, caches: list[PluginCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
-                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
+                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True,
+                rows: np.ndarray | None = None) -> StepOutput:
         """One call of the plugin graph over the call's sequences, each in its own row of the pools (updated in
         place). commit False (a shadow step): the slot tables are put back afterwards, so the rows the call
         wrote are free again (runtime.plugin_cache). top_k: each sequence's budget, at most the nodes'
@@ -153,7 +154,7 @@ class RefBackend:
         feeds = dict(self.buffers)
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
-                     kv_slots=plan.kv_slots)
+                     kv_slots=plan.kv_slots, **{LOGIT_ROWS: logit_rows(new, rows)})
         if self.per_sequence_top_k:
             feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
         if "cache_rows" in self.inputs:
@@ -168,6 +169,9 @@ class RefBackend:
         if probes:
             mass = {l: outs[f"attn_mass.{l}"] for l in self.layers}
         return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
+
+    def truncate(self, cache: PluginCache, length: int) -> None:
+        cache.slots.truncate(length)
 
     def demote(self, cache: PluginCache, new_tier: np.ndarray) -> float | None:
         """new_tier: int32 by position (-1 = unchanged). Returns the pass's relative KV noise over the

@@ -11,13 +11,26 @@ from typing import Any, Protocol
 
 from runtime.request_state import Generation, RequestFields, RequestState, Token
 
-__all__ = ["TokenStream"]
+__all__ = ["TokenStream", "advance"]
 
 
 class SequenceSource(Protocol):
     """Where a stream gets its sequence (a `Runtime`); typed here so this module needs nothing of model.py."""
 
     def new_sequence(self) -> Any: ...
+
+
+def advance(seq: Any, st: RequestState) -> list[Token]:
+    """One call for one request after its first token: a verification of the request's drafts where it has some
+    (runtime.speculative), else a one-token step. Returns the tokens to emit (stop ids are not)."""
+    drafts = st.propose(seq.draft_room)
+    if drafts:
+        length = seq.length
+        toks, used = st.accept_verified(seq.verify([st.next_token, *drafts]), drafts, length)
+        seq.keep(used)
+        return toks
+    tok = st.accept(seq.decode(st.next_token), seq.length)
+    return [] if tok is None else [tok]
 
 
 class TokenStream(RequestFields):
@@ -42,14 +55,11 @@ class TokenStream(RequestFields):
         if not st.start():
             return
         seq = self._rt.new_sequence()
-        logits = seq.prefill(st.prompt_ids, scorer=st.prompt_scorer)
-        while True:
-            tok = st.accept(logits, seq.length)
-            if tok is not None:
-                yield tok
-            if st.done:
-                return
-            logits = seq.decode(st.next_token)
+        tok = st.accept(seq.prefill(st.prompt_ids, scorer=st.prompt_scorer), seq.length)
+        if tok is not None:
+            yield tok
+        while not st.done:
+            yield from advance(seq, st)
 
     def collect(self) -> Generation:
         """Run to the end; the whole result."""

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.sampling import RequestError, Sampler, SamplingParams, apply_penalties
+from runtime.speculative import DraftLength, NgramDrafts, SpeculativeConfig
 from runtime.stop_strings import check_stop, find_stop, held_back
 from runtime.text import Detokenizer, TextCodec
 
@@ -62,6 +63,10 @@ class TokenConstraint(Protocol):
     @property
     def finished(self) -> bool:
         """The grammar has ended: nothing may follow."""
+        ...
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (no state change)."""
         ...
 
 
@@ -114,7 +119,8 @@ class RequestState:
     def __init__(self, model: ModelLimits, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids: Sequence[int] | None, *, stop: str | Sequence[str] | None = None,
                  logprobs: int | None = None, constraint: TokenConstraint | None = None,
-                 fit_context: bool = False, prompt_logprobs: bool = False) -> None:
+                 fit_context: bool = False, prompt_logprobs: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.prompt_ids = check_ids(prompt_ids, model.vocab_size, "prompt")
         if not self.prompt_ids:
             raise RequestError("prompt", "the prompt is empty: need at least one token")
@@ -149,6 +155,11 @@ class RequestState:
         self.finish_reason: str | None = None
         self.detok = None if model.codec is None else Detokenizer(model.codec.decode, self.prompt_ids)
         self.sampler = Sampler.from_params(params)
+        # prompt lookup over this request's tokens and its adaptive draft length (runtime.speculative); None: off
+        on = speculative is not None and speculative.on
+        self.drafts = NgramDrafts(self.prompt_ids, speculative) if on else None
+        self.draft_length = DraftLength(speculative) if on else None
+        self._forced = False  # the last proposal was the grammar's forced tokens
         self._emitted = 0  # characters of the detokenised text released in Token.text so far
         self._cut: int | None = None  # where a stop string began: the text ends there
         if params.penalised:
@@ -201,6 +212,8 @@ class RequestState:
             return None
         token = self._scored(tok, logits)
         self.ids.append(tok)
+        if self.drafts is not None:
+            self.drafts.extend((tok,))
         if self.params.penalised:
             self._counts[tok] += 1
             self._seen[tok] = True
@@ -220,6 +233,38 @@ class RequestState:
         if self.tokens is not None:
             self.tokens.append(token)
         return token
+
+    def propose(self, room: int) -> list[int]:
+        """Drafts to verify after `next_token` (at most `room`; none when drafting is off or would not pay): the
+        tokens a structured output's grammar forces where it forces some (grammar fast-forward), else prompt
+        lookup's, as many as the adaptive rule finds worth a call."""
+        self._forced = False
+        if self.drafts is None or self.draft_length is None or room < 1:
+            return []
+        if self.constraint is not None:
+            forced = self.constraint.forced(room)
+            if forced:
+                self._forced = True  # kept unless a stop ends the request: not evidence for the lookup's rate
+                return forced
+        return self.drafts.propose(self.draft_length.length(room))
+
+    def accept_verified(self, logits: np.ndarray, drafts: Sequence[int], length: int) -> tuple[list[Token], int]:
+        """A verification's logits [n, V] (n = 1 + len(drafts)) after `length` positions: row j is sampled as a
+        one-token step's logits, and the next row only while each sample equals its draft (runtime.speculative: the
+        speculative-sampling rule for a drafter certain of its token). Returns the tokens to emit and the rows used
+        (the sequence keeps that many of the fed tokens)."""
+        out: list[Token] = []
+        used = 0
+        for j in range(len(logits)):
+            tok = self.accept(logits[j], length + j + 1)
+            used = j + 1
+            if tok is not None:
+                out.append(tok)
+            if self.done or j == len(drafts) or self.ids[-1] != drafts[j]:
+                break
+        if self.draft_length is not None and not self._forced:
+            self.draft_length.record(len(drafts), used - 1)
+        return out, used
 
     @property
     def scores_prompt(self) -> bool:

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from gsm.bundle_format import FILES, BundleConfig
-from runtime.backend import Capabilities, StepOutput, check_max_top_k
+from gsm.bundle_format import FILES, LOGIT_ROWS, VERIFY_ROWS, BundleConfig
+from runtime.backend import Capabilities, StepOutput, check_max_top_k, logit_rows
 from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
 
 log = logging.getLogger("runtime.trt_backend")
@@ -175,7 +175,8 @@ class TrtBackend:
     def _max_shape(self, name: str) -> tuple[int, ...]:
         T, V = self.cfg.max_input, self.cfg.vocab_size
         fixed = {"input_ids": (self.B, T), "past_lengths": (self.B,), "new_lengths": (self.B,), "sparse_window": (1,),
-                 "logits": (self.B, T if self.cfg.logits == "all" else 1, V), "attn_mass": (self.B, self.n_max)}
+                 "logits": (self.B, T if self.cfg.logits == "all" else VERIFY_ROWS, V),
+                 LOGIT_ROWS: (self.B, VERIFY_ROWS), "attn_mass": (self.B, self.n_max)}
         if name in fixed:
             return fixed[name]
         if name.startswith("selected."):  # [B, S, K_sel] (engine_io revision 4 per-layer probe output)
@@ -201,7 +202,8 @@ class TrtBackend:
         self.plugin_rows.release(cache)
 
     def forward(self, caches: list[PluginCache], ids: np.ndarray, past: np.ndarray, new: np.ndarray,
-                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True) -> StepOutput:
+                sparse_window: int, top_k: np.ndarray, *, probes: bool = False, commit: bool = True,
+                rows: np.ndarray | None = None) -> StepOutput:
         """One execution over the call's sequences, each in its own row of the pools. top_k: each sequence's
         budget, bound as `sparse_top_k` [B] (at most max_top_k: RequestError otherwise, before anything
         changes). The per-layer outputs are bound to device buffers on every call (TensorRT needs every I/O
@@ -216,7 +218,7 @@ class TrtBackend:
         host = {"input_ids": ids.astype(np.int64), "past_lengths": past.astype(np.int32),
                 "new_lengths": new.astype(np.int32), "sparse_window": np.array([sparse_window], np.int32),
                 "kv_slots": plan.kv_slots, "sparse_top_k": np.asarray(top_k, np.int32).reshape(B),
-                "cache_rows": plan.cache_rows}
+                "cache_rows": plan.cache_rows, LOGIT_ROWS: logit_rows(new, rows)}
         ctx = self.contexts[DECODE_PROFILE if S == 1 else PREFILL_PROFILE]
         for name in self._io_names(self.engine):
             buf = self.bufs[self._alias(name)]
@@ -230,7 +232,7 @@ class TrtBackend:
             raise RuntimeError("TensorRT execute_async_v3 failed")
         V = self.cfg.vocab_size
         logits = self.bufs["logits"].download(
-            np.empty((B, S if self.cfg.logits == "all" else 1, V), np.float32), self.stream)
+            np.empty((B, S if self.cfg.logits == "all" else host[LOGIT_ROWS].shape[1], V), np.float32), self.stream)
         mass = self.bufs["attn_mass"].download(np.empty((B, self.n_max), np.float32), self.stream)
         sel = layer_mass = None
         if probes:
@@ -242,6 +244,9 @@ class TrtBackend:
         if not commit:
             self.plugin_rows.undo(caches, plan)
         return StepOutput(logits, mass, sel, layer_mass)
+
+    def truncate(self, cache: PluginCache, length: int) -> None:
+        cache.slots.truncate(length)
 
     def demote(self, cache: PluginCache, new_tier: np.ndarray) -> float | None:
         """new_tier: int32 by position (-1 = unchanged). Returns the pass's relative KV noise over the

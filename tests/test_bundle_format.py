@@ -1,6 +1,6 @@
 """The bundle format declared once (gsm/bundle_format.py): what `builder build` writes is what the runtime
-reads, bundle.json is parsed once and checked field by field, and a bundle.json from before
-`graph_revision` was stated still loads, with the revision its portable graph's inputs imply."""
+reads, bundle.json is parsed once and checked field by field, and a bundle of another engine_io revision (or one
+from before bundle.json stated it) is refused with the rebuild command."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ from gsm.bundle_format import (
     GRAPH_REVISION,
     BundleConfig,
     BundleError,
-    revision_from_inputs,
-    revision_of_graph,
 )
 from gsm.onnx_names import onnx_input_names
 from gsm.synth import synth_checkpoint
@@ -89,8 +87,14 @@ def test_runtime_reads_bundle_json_once_and_hands_the_backend_that_object(bundle
     (lambda d: {**d, "logits": "every"}, "field 'logits' must be 'last' or 'all', got 'every'"),
     (lambda d: {**d, "ranks": {"0": [12]}}, "field 'ranks' must be an object layer -> [rank_k, rank_v]"),
     (lambda d: {**d, "pool_rows": {"fp16": 64}}, "field 'pool_rows' must be an object with integers fp16, int12"),
-    (lambda d: {**d, "graph_revision": 13}, "field 'graph_revision' must be an engine_io revision 3..12, got 13"),
-    (lambda d: {**d, "graph_revision": None}, "field 'graph_revision' must be an engine_io revision 3..12"),
+    (lambda d: {**d, "graph_revision": GRAPH_REVISION - 1}, f"field 'graph_revision' must be engine_io revision "
+                                                           f"{GRAPH_REVISION}, the one this runtime runs (rebuild "
+                                                           "the bundle with `python -m builder build"),
+    (lambda d: {**d, "graph_revision": GRAPH_REVISION + 1}, "field 'graph_revision' must be engine_io revision"),
+    (lambda d: {**d, "graph_revision": None}, "field 'graph_revision' must be engine_io revision"),
+    (lambda d: {k: v for k, v in d.items() if k != "graph_revision"}, "states no graph_revision (built by an older "
+                                                                      "builder, whose graphs this runtime does not "
+                                                                      "run); rebuild the bundle with `python -m"),
     (lambda d: {**d, "kv_quantization": {**d["kv_quantization"], "tier_fractions": [1, 1, 1]}},
      "field 'kv_quantization': kv_quantization.tier_fractions must be three (FP16/INT12/INT8) or four"),
     (lambda d: {**d, "owning_layers": [0, 1]}, "ranks has layers [0, 1, 2], owning_layers [0, 1]"),
@@ -112,34 +116,6 @@ def test_a_bad_field_through_the_cli_is_exit_2_and_one_line(bundle, tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"python -m runtime generate: error: bundle {bad / FILES.config}: no field 'sink_tokens' (an integer >= 0); "
         "rebuild the bundle with `python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE`"]
-
-
-def test_a_bundle_json_without_the_revision_still_loads_and_runs_the_same(bundle, tmp_path):
-    """Bundles built before bundle.json stated graph_revision: the portable graph's inputs say 5."""
-    import runtime
-
-    old = rewritten(bundle, tmp_path / "old", lambda d: {k: v for k, v in d.items() if k != "graph_revision"})
-    assert "graph_revision" not in json.loads((old / FILES.config).read_text())
-    rt = runtime.load(old, "onnxruntime", threads=1)
-    assert rt.cfg.graph_revision == 5 and rt.backend.per_sequence_top_k and rt.backend.demote_positions
-    new = runtime.load(bundle, "onnxruntime", threads=1)
-    assert rt.generate([1, 5, 9, 17], 12, stop_ids=[]).ids == new.generate([1, 5, 9, 17], 12, stop_ids=[]).ids
-
-
-def test_the_revision_of_a_graph_that_does_not_state_it(bundle, tmp_path):
-    """What each revision added to the portable graph's inputs (docs/engine_io.md changelog), read from the
-    built graph and with the inputs a revision 4 / 3 graph lacked taken away."""
-    names = set(onnx_input_names(bundle / FILES.model_portable))
-    assert revision_of_graph(bundle / FILES.model_portable) == revision_from_inputs(names, "g") == 5
-    rev4 = {n for n in names if not n.startswith("k_rows.")}
-    assert revision_from_inputs(rev4, "g") == 4
-    assert revision_from_inputs(rev4 - {"sparse_top_k"}, "g") == 3
-    with pytest.raises(BundleError, match="g: a graph from before engine_io revision 3 .*`python -m builder build "):
-        revision_from_inputs(rev4 - {"sparse_top_k", "cache_rows"}, "g")
-    junk = tmp_path / "junk.onnx"
-    junk.write_bytes(b"\xff" * 64)
-    with pytest.raises(BundleError, match="junk.onnx: cannot read the graph's inputs"):
-        revision_of_graph(junk)
 
 
 def test_onnx_input_names_equal_the_onnx_packages(bundle):

@@ -185,64 +185,6 @@ def test_reference_refuses_budget_above_max_top_k_before_any_change(budget_bundl
     assert seq.length == 5
 
 
-def test_reference_runs_a_graph_from_before_revision_4(ckpt, tmp_path, budget_bundle):
-    """A plugin graph built before engine_io rev 4 (owning nodes with 14 inputs and attribute `top_k`, no graph
-    input sparse_top_k) in a bundle whose bundle.json says revision 3 still runs: every sequence selects with
-    that top_k (= the golden at the checkpoint's budget), and the runtime refuses any other budget since such
-    a graph cannot honour it."""
-    import json
-    import shutil
-
-    import onnx
-    from onnx import helper
-
-    import runtime
-    from gsm.atomic import MANIFEST_NAME, write_manifest
-
-    old = tmp_path / "old"
-    shutil.copytree(budget_bundle, old)
-    m = onnx.load(str(old / "model.onnx"), load_external_data=False)
-    default = GoldenModel.from_checkpoint(ckpt, mode="deployed").p.sparse_top_k
-    # nor the per-layer selection (revision 7): the window input read as it comes
-    resolve = [n for n in m.graph.node if n.name.startswith("call/selection_")]
-    for n in resolve:
-        m.graph.node.remove(n)
-    for n in m.graph.node:  # nor cache_rows (revision 6): owning input 15, sharing 11, update 8
-        if n.op_type == "GsmSparseAttention":  # sharing nodes carry the attribute too (it fixes K_sel)
-            if len(n.input) == 16:
-                n.input[13] = "sparse_window"
-            del n.input[14 if len(n.input) == 16 else 11:]
-            keep = [a for a in n.attribute if a.name != "max_top_k"]
-            del n.attribute[:]
-            n.attribute.extend(keep + [helper.make_attribute("top_k", default)])
-        elif n.op_type == "GsmKVCacheUpdate":
-            del n.input[8:]
-    for name in ("sparse_top_k", "cache_rows"):
-        (x,) = [i for i in m.graph.input if i.name == name]
-        m.graph.input.remove(x)
-    onnx.save(m, str(old / "model.onnx"))  # weights stay in the copied external file
-    cfg = json.loads((old / "bundle.json").read_text())
-    (old / "bundle.json").write_text(json.dumps({**cfg, "graph_revision": 3}))
-    manifest = json.loads((old / MANIFEST_NAME).read_text())
-    write_manifest(old, {k: v for k, v in manifest.items() if k not in ("format", "version", "files")})
-    rt = runtime.load(old, backend="reference")
-    assert not rt.backend.per_sequence_top_k and rt.backend.max_top_k == default
-    assert rt.capabilities.max_resident == rt.capabilities.max_per_call == 1  # one-row pools before revision 6
-    golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
-    prompt = np.random.default_rng(6).integers(3, 259, PROMPT_LEN).tolist()
-    gcache, seq = golden.new_cache(), rt.new_sequence()
-    with torch.no_grad():
-        g = golden.prefill(gcache, prompt).logits[-1].numpy()
-    assert float(np.abs(seq.prefill(prompt) - g).max()) <= 1e-3
-    sel = seq.last.selected[rt.cfg.owning_layers[0]][0, -1]
-    assert int((sel >= 0).sum()) == rt.cfg.sink_tokens + rt.sparse_window + default
-    with pytest.raises(runtime.RequestError, match="build-time budget"):
-        seq.use_dense()
-        seq.decode(3)
-    with pytest.raises(runtime.RequestError, match="build-time budget"):
-        runtime.load(old, backend="reference", sparse_top_k=3)
-
-
 def _one_attention_node(sc, divisor: int | None):
     """A graph of one owning GsmSparseAttention node (16 inputs) over a plugin scenario; divisor None: a node without
     the attribute sparse_top_k_divisor, as graphs written before it have."""

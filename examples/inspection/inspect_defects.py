@@ -153,14 +153,22 @@ def plain_prompt(d: Detection, examples: int = len(EXAMPLES)) -> str:
 
 
 def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
-                   examples: int = len(EXAMPLES)) -> tuple[str, list[Item], dict]:
+                   examples: int = len(EXAMPLES), speculative: str = "auto") -> tuple[str, list[Item], dict]:
     """All detections submitted at once to an in-process engine; answers collected in order. Also
-    returns the engine's fallback counts (docs/serving.md, "Fallback policies")."""
+    returns the engine's fallback counts (docs/serving.md, "Fallback policies") and its drafted and kept tokens."""
     import runtime
-    from runtime.engine import Engine
+    from runtime.engine import Engine, Observer
 
-    rt = runtime.load(bundle)
-    with Engine(rt) as eng:
+    class Drafts(Observer):
+        counts = {"drafted": 0, "accepted": 0}
+
+        def on_drafts(self, req: Any, drafted: int, accepted: int) -> None:
+            self.counts["drafted"] += drafted
+            self.counts["accepted"] += accepted
+
+    rt = runtime.load(bundle, speculative=speculative)
+    drafts = Drafts()
+    with Engine(rt, observer=drafts) as eng:
         eng.ready.wait()
         t0 = time.monotonic()
         kw = dict(temperature=0.0, response_format=RESPONSE_FORMAT)
@@ -171,11 +179,12 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
             r.result()
             items.append(to_item(d, r.text or "", r.finish_reason or "", len(r.ids), (r.t_end or t0) - r.t_submit))
         fallbacks = dict(eng.fallbacks)
-    return bundle.resolve().name, items, {"fallbacks": fallbacks}
+    return bundle.resolve().name, items, {"fallbacks": fallbacks, "speculative": {"mode": speculative,
+                                                                                  **drafts.counts}}
 
 
 def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int = len(EXAMPLES),
-             workers: int = 8) -> tuple[str, list[Item], dict]:
+             workers: int = 8, speculative: str = "auto") -> tuple[str, list[Item], dict]:
     """The same through the HTTP server with the plain OpenAI client (chat, else completions)."""
     import openai
 
@@ -188,7 +197,8 @@ def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int
         if use_chat[0]:
             try:
                 r = client.chat.completions.create(model=model, messages=messages(d, examples), max_tokens=max_tokens,
-                                                   temperature=0, response_format=RESPONSE_FORMAT)
+                                                   temperature=0, response_format=RESPONSE_FORMAT,
+                                                   extra_body={"speculative": speculative})
                 c = r.choices[0]
                 return to_item(d, c.message.content or "", c.finish_reason, r.usage.completion_tokens,
                                time.monotonic() - t0)
@@ -197,7 +207,8 @@ def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int
                     raise
                 use_chat[0] = False
         r = client.completions.create(model=model, prompt=plain_prompt(d, examples), max_tokens=max_tokens,
-                                      temperature=0, extra_body={"response_format": RESPONSE_FORMAT})
+                                      temperature=0, extra_body={"response_format": RESPONSE_FORMAT,
+                                                                 "speculative": speculative})
         c = r.choices[0]
         return to_item(d, c.text, c.finish_reason, r.usage.completion_tokens, time.monotonic() - t0)
 
@@ -233,6 +244,9 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
     p.add_argument("--examples", type=int, choices=range(len(EXAMPLES) + 1), default=len(EXAMPLES),
                    help="worked examples before each detection (what a small model should put in the fields; "
                         "fewer: a shorter prompt)")
+    p.add_argument("--speculative", choices=["auto", "off"], default="auto",
+                   help="auto: tokens drafted from the prompt and the answer so far, verified several per call (the "
+                        "same reports as off); off: one token per call")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -262,9 +276,10 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
     t0 = time.monotonic()
     try:
         if args.bundle is not None:
-            model, items, extra = run_in_process(args.bundle, dets, args.max_tokens, args.examples)
+            model, items, extra = run_in_process(args.bundle, dets, args.max_tokens, args.examples, args.speculative)
         else:
-            model, items, extra = run_http(args.server, dets, args.max_tokens, args.examples)
+            model, items, extra = run_http(args.server, dets, args.max_tokens, args.examples,
+                                           speculative=args.speculative)
     except Exception as e:  # a bundle that does not load, a server that does not answer
         err(f"{type(e).__name__}: {e}")
         return 1

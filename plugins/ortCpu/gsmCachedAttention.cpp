@@ -23,6 +23,10 @@ constexpr int64_t kScoreBlock = 512;
 // A decode step's float64 V-latent sum is split over the latent columns in chunks of this many (a multiple of
 // the kernel's 12).
 constexpr int64_t kCtxChunk = 48;
+// Calls of at most this many queries per sequence (a decode step, a speculative verification) attend over the V
+// latents as a decode step does, so each query's output is the bits of the same query decoded alone: a verified
+// draft then continues exactly as one-token steps would have. Larger prefill chunks rebuild V once per kept row.
+constexpr int64_t kLatentSumQueries = 16;
 
 template <class F>
 void trampoline(void* data, size_t i)
@@ -755,6 +759,10 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     int64_t const keyStride = in.keyStride > 0 ? in.keyStride : dI;
 
     std::memset(out.attnMass, 0, sizeof(float) * static_cast<size_t>(B * L));
+    if (out.queryMass != nullptr)
+    {
+        std::memset(out.queryMass, 0, sizeof(float) * static_cast<size_t>(B * in.J * L));
+    }
     if (Q == 0)
     {
         return true;
@@ -924,12 +932,11 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     //       The weights and row pointers are made for kQueryBlock queries at a time: a prefill chunk's, all at
     //       once, were its largest buffers (512 queries x 9 heads x the 1,057 kept rows of SmolLM2's first layer:
     //       19 MB of weights); per query and head the same sums in the same order, the masses added in query order.
-    bool const decode = S == 1;
     if (in.pool != nullptr && !resolvePoolRows(d, in, k, out, sc, par, error))
     {
         return false;
     }
-    bool const latentSum = decode && !vRows;
+    bool const latentSum = S <= kLatentSumQueries && !vRows;
     bool const uniqueV = !latentSum && !vRows; // a prefill over latents: V = U_v c once per distinct kept row
     // where a kept position p of sequence b reads its K row and its V (latent, or row); on the pools through
     // sc.needIdx, which mapNeed sets for one sequence at a time
@@ -1064,6 +1071,13 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
                     m += sc.probs[((q - q0) * nH + h) * k + s];
                 }
                 out.attnMass[b * L + sel[s]] += m;
+                for (int64_t i = 0; out.queryMass != nullptr && i < in.J; ++i)
+                {
+                    if (in.massRows[b * in.J + i] == q - b * S)
+                    {
+                        out.queryMass[(b * in.J + i) * L + sel[s]] = m;
+                    }
+                }
             }
         }
     }

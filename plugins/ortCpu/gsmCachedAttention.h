@@ -60,6 +60,8 @@ struct CachedAttentionInputs
     int64_t keyStride = 0;                 // elements from one position's key to the next in indexKeys (0: dI)
     PoolSource const* pool = nullptr;      // GsmPoolAttention: the cache is the plugins' pools (gsmPoolRows.h);
                                            // latentV, vRows and kRows are then unused and newKRows is scratch
+    int32_t const* massRows = nullptr;     // [B,J]: rows (0..S-1) whose query's own mass queryMass gets, or null
+    int64_t J = 0;
 };
 
 struct CachedAttentionOutputs
@@ -69,6 +71,7 @@ struct CachedAttentionOutputs
     float* newVRows = nullptr;  // [B,S,nKV*D], written when in.vRows is given
     int32_t* selected = nullptr;// [B,S,k]
     float* attnMass = nullptr;  // [B,L]
+    float* queryMass = nullptr; // [B,J,L]: the attention mass of query massRows[b,i] alone (0 for a padding row)
 };
 
 // A parallel-for the caller provides (ONNX Runtime's KernelContext_ParallelFor): calls fn(data, i) for

@@ -1238,12 +1238,14 @@ enum PoolInput : size_t
 {
     kPQ, kPIndexQ, kPIndexW, kPNewLatentK, kPNewLatentV, kPNewIndexKeys, kPPool, kPIndexKeys, kPSlots, kPQuant,
     kPRowCache, kPRowTags, kPKUp, kPVUp, kPRopeCos, kPRopeSin, kPCacheRows, kPPastLengths, kPNewLengths,
-    kPSparseWindow, kPSparseTopK, kPNumInputs
+    kPSparseWindow, kPSparseTopK, kPLogitRows, kPNumInputs
 };
 char const* const kPoolInputNames[kPNumInputs] = {"q", "index_q", "index_w", "new_latent_k", "new_latent_v",
     "new_index_keys", "kv_pool", "index_keys", "kv_slots", "quant", "row_cache", "row_cache_tags", "k_up", "v_up",
-    "rope_cos", "rope_sin", "cache_rows", "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"};
-constexpr size_t kPoolOutputs = 4; // attn_out, selected, attn_mass, row_cache_misses (optional)
+    "rope_cos", "rope_sin", "cache_rows", "past_lengths", "new_lengths", "sparse_window", "sparse_top_k",
+    "logit_rows"};
+// attn_out, selected, attn_mass, then optional: row_cache_misses, query_mass (needs input logit_rows)
+constexpr size_t kPoolOutputs = 5;
 
 struct PoolKernel
 {
@@ -1276,7 +1278,7 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
     for (size_t i = 0; i < kPNumInputs; ++i)
     {
         GSM_ORT_TRY(optionalInputShape(ctx, i, &v[i], &sh[i]));
-        if (v[i] == nullptr)
+        if (v[i] == nullptr && i != kPLogitRows)
         {
             return poolInvalid(std::string("input ") + kPoolInputNames[i] + " is missing");
         }
@@ -1350,16 +1352,33 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
         GSM_ORT_TRY(poolShape(i, sh[i], {B}, "[B]"));
     }
     GSM_ORT_TRY(poolShape(kPSparseWindow, sh[kPSparseWindow], {1}, "[1]"));
+    int64_t const J = v[kPLogitRows] == nullptr ? 0 : (sh[kPLogitRows].size() == 2 ? sh[kPLogitRows][1] : -1);
+    if (v[kPLogitRows] != nullptr)
+    {
+        GSM_ORT_TRY(poolShape(kPLogitRows, sh[kPLogitRows], {B, J}, "[B, J]"));
+    }
     if (g.rowsFP16 + static_cast<int64_t>(g.rowsINT12) + g.rowsINT8 + g.rowsINT4 < d.N)
     {
         return poolInvalid("attributes rows_fp16 + rows_int12 + rows_int8 + rows_int4 are below N_max = "
             + std::to_string(d.N) + " (one row per position)");
     }
 
-    void* p[kPNumInputs];
+    void* p[kPNumInputs] = {};
     for (size_t i = 0; i < kPNumInputs; ++i)
     {
-        GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+        if (v[i] != nullptr)
+        {
+            GSM_ORT_TRY(gApi->GetTensorMutableData(const_cast<OrtValue*>(v[i]), &p[i]));
+        }
+    }
+    int32_t const* logitRows = static_cast<int32_t const*>(p[kPLogitRows]);
+    for (int64_t i = 0; i < B * J; ++i)
+    {
+        if (logitRows[i] < 0 || logitRows[i] >= S)
+        {
+            return poolInvalid("logit_rows[" + std::to_string(i / J) + ", " + std::to_string(i % J) + "] = "
+                + std::to_string(logitRows[i]) + " is outside [0, S = " + std::to_string(S) + ")");
+        }
     }
     gsm::ortcpu::PoolSource ps = poolSource(g, p[kPPool], p[kPSlots], p[kPQuant], p[kPRowCache], p[kPRowTags], C);
     ps.indexKeys = p[kPIndexKeys];
@@ -1384,6 +1403,8 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
     in.window = *static_cast<int32_t const*>(p[kPSparseWindow]);
     in.topK = static_cast<int32_t const*>(p[kPSparseTopK]);
     in.pool = &ps;
+    in.massRows = logitRows;
+    in.J = J;
 
     std::string err;
     int64_t k = 0, L = 0;
@@ -1393,9 +1414,13 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
     }
     size_t outputs = 0;
     GSM_ORT_TRY(gApi->KernelContext_GetOutputCount(ctx, &outputs));
-    int64_t const outDims[kPoolOutputs][3] = {{B, S, d.nH * d.D}, {B, S, k}, {B, L, 0}, {B, 0, 0}};
+    if (outputs > 4 && logitRows == nullptr)
+    {
+        return poolInvalid("output query_mass needs input logit_rows (the rows whose queries it measures)");
+    }
+    int64_t const outDims[kPoolOutputs][3] = {{B, S, d.nH * d.D}, {B, S, k}, {B, L, 0}, {B, 0, 0}, {B, J, L}};
     int64_t const flatOut[2] = {B * S, d.nH * d.D};
-    size_t const outRank[kPoolOutputs] = {flatQ ? size_t{2} : size_t{3}, 3, 2, 1};
+    size_t const outRank[kPoolOutputs] = {flatQ ? size_t{2} : size_t{3}, 3, 2, 1, 3};
     void* o[kPoolOutputs] = {};
     for (size_t i = 0; i < outputs && i < kPoolOutputs; ++i)
     {
@@ -1414,6 +1439,7 @@ OrtStatus* ORT_API_CALL poolCompute(void* opKernel, OrtKernelContext* ctx)
     out.newKRows = newKRows.data();
     out.selected = static_cast<int32_t*>(o[1]);
     out.attnMass = static_cast<float*>(o[2]);
+    out.queryMass = static_cast<float*>(o[4]);
     gsm::ortcpu::ParallelRunner par;
     par.run = runParallel;
     par.ctx = ctx;
@@ -1480,9 +1506,14 @@ size_t ORT_API_CALL poolOutputCount(OrtCustomOp const*)
     return kPoolOutputs;
 }
 
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL poolInputKind(OrtCustomOp const*, size_t i)
+{
+    return i == kPLogitRows ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
 OrtCustomOpInputOutputCharacteristic ORT_API_CALL poolOutputKind(OrtCustomOp const*, size_t i)
 {
-    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
 // -- GsmPoolSharedAttention -------------------------------------------------------------------------------------
@@ -1722,7 +1753,7 @@ OrtCustomOp gOffsetOp = makeEpilogueOp({offsetOpName, offsetInputType, offsetInp
 OrtCustomOp gQmmOp = makeEpilogueOp({qmmOpName, qmmInputType, qmmInputCount, offsetFloat, offsetOutputCount,
     qmmInputKind, qmmCreateKernel, qmmCompute, qmmDestroyKernel});
 OrtCustomOp gPoolOp = withOutputKinds(makeOp({poolOpName, poolInputType, poolInputCount, poolOutputType,
-    poolOutputCount, required, poolCreateKernel, poolCompute, destroyAs<PoolKernel>}), poolOutputKind);
+    poolOutputCount, poolInputKind, poolCreateKernel, poolCompute, destroyAs<PoolKernel>}), poolOutputKind);
 OrtCustomOp gSharedOp = withOutputKinds(makeOp({sharedOpName, sharedInputType, sharedInputCount, sharedOutputType,
     sharedOutputCount, required, sharedCreateKernel, sharedCompute, destroyAs<SharedKernel>}), sharedOutputKind);
 OrtCustomOp gGatherOp = makeOp({gatherOpName, gatherInputType, gatherInputCount, offsetFloat, gatherOutputCount,

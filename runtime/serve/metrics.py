@@ -72,6 +72,9 @@ class ServeMetrics(Observer):
         self.kv_noise_passes = Counter("gsm_kv_noise_measurements", "Re-tier passes that re-encoded rows",
                                        registry=r)
         self.steps = Counter("gsm_scheduler_steps", "Scheduler iterations", registry=r)
+        self.drafted = Counter("gsm_spec_draft_tokens", "Drafted tokens verified (speculative decoding)", registry=r)
+        self.accepted = Counter("gsm_spec_accepted_tokens", "Drafted tokens the model's own tokens matched and kept",
+                                registry=r)
         self.last_ratio: float | None = None
 
     def on_reject(self, reason: str) -> None:
@@ -106,6 +109,10 @@ class ServeMetrics(Observer):
 
     def on_fallback(self, req: EngineRequest, policy: str, value: float) -> None:
         self.fallbacks.labels(policy).inc()
+
+    def on_drafts(self, req: EngineRequest, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def on_first_token(self, req: EngineRequest) -> None:
         assert req.t_first is not None

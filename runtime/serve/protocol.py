@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.speculative import SPECULATIVE_MODES
+
 # engine finish reason -> the OpenAI value (the engine's own goes in `gsm_finish_reason`)
 OPENAI_FINISH = {"stop": "stop", "length": "length", "context": "length", "deadline": "length",
                  "cancelled": "stop", "error": "stop"}
@@ -59,6 +61,7 @@ class GenerationArgs:
     logprobs: int | None = None  # completions: `logprobs` N; chat: `top_logprobs` N when `logprobs` is true
     response_format: dict[str, Any] | None = None
     echo: bool = False  # completions: the prompt before the answer (its tokens scored, with logprobs)
+    speculative: str | None = None  # an extension: "auto" | "off" for this request (None: the server's --speculative)
 
     def options(self) -> dict[str, Any]:
         """Runtime.request's keywords for what this request asks beyond the prompt and max_tokens."""
@@ -66,7 +69,8 @@ class GenerationArgs:
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, stop=self.stop, logprobs=self.logprobs,
                                   response_format=self.response_format,
-                                  prompt_logprobs=self.echo and self.logprobs is not None)
+                                  prompt_logprobs=self.echo and self.logprobs is not None,
+                                  speculative=self.speculative)
         if self.stop_ids is not None:
             kw["stop_ids"] = self.stop_ids
         return kw
@@ -174,6 +178,9 @@ def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationA
     fmt = body.get("response_format")
     if fmt is not None and not isinstance(fmt, dict):
         raise bad("response_format", f"expected an object with a 'type', got {fmt!r}")
+    speculative = body.get("speculative")
+    if speculative is not None and speculative not in SPECULATIVE_MODES:
+        raise bad("speculative", f"expected one of {', '.join(SPECULATIVE_MODES)}, got {speculative!r}")
     return GenerationArgs(
         prompt=prompt, messages=messages,
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None and not chat else max_tokens,
@@ -186,7 +193,7 @@ def parse(body: Any, *, chat: bool, model_names: tuple[str, ...]) -> GenerationA
         presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True, hi=100.0),
-        logprobs=_logprobs(body, chat), response_format=fmt, echo=bool(echo))
+        logprobs=_logprobs(body, chat), response_format=fmt, echo=bool(echo), speculative=speculative)
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:

@@ -42,12 +42,14 @@ class GsmMetrics:
             ("gsm_queue_depth", "Requests waiting", G),
             ("gsm_sparse_mask_hit_rate", "Sparse mask hit rate of the last probed decode step", G),
             ("gsm_shared_kv_noise_level", "Relative error the last re-tier pass added to the rows it re-encoded", G),
+            ("gsm_spec_draft_tokens_total", "Drafted tokens verified (speculative decoding)", C),
+            ("gsm_spec_accepted_tokens_total", "Drafted tokens the model's own tokens matched and kept", C),
         )}
         self.fam, self.labels, self.m = fam, {"model": model, "instance": instance}, {}
         # series whose label values are known exist from the start at 0 (Prometheus practice); the hit rate and
         # the KV noise appear once measured, never with a made-up value
         for name in ("gsm_generation_tokens_total", "gsm_prompt_tokens_total", "gsm_running_sequences",
-                     "gsm_queue_depth"):
+                     "gsm_queue_depth", "gsm_spec_draft_tokens_total", "gsm_spec_accepted_tokens_total"):
             self.metric(name)
         for policy in ("hit_rate", "kv_noise"):
             self.metric("gsm_fallbacks_total", policy=policy)
@@ -82,6 +84,10 @@ class GsmMetrics:
             def on_fallback(self, req: Any, policy: str, value: float) -> None:
                 outer.metric("gsm_fallbacks_total", policy=policy).increment(1)
 
+            def on_drafts(self, req: Any, drafted: int, accepted: int) -> None:
+                outer.metric("gsm_spec_draft_tokens_total").increment(drafted)
+                outer.metric("gsm_spec_accepted_tokens_total").increment(accepted)
+
         return Obs()
 
 
@@ -114,6 +120,9 @@ def parse_request(request: Any, n_max: int) -> tuple[str, int, bool, dict[str, A
     stop = _input(request, "stop")
     if stop is not None and stop.size:
         kw["stop"] = [_text(s) for s in stop.reshape(-1)]
+    spec = _input(request, "speculative")
+    if spec is not None and spec.size:
+        kw["speculative"] = _text(spec.reshape(-1)[0])  # "auto" | "off": Runtime.request names a bad one
     return prompt, max_tokens, stream, kw
 
 
@@ -135,7 +144,8 @@ class TritonPythonModel:
         bundle = Path(params["bundle"])
         if not bundle.is_absolute():  # carried in the repository: relative to the model directory
             bundle = Path(args["model_repository"]) / bundle
-        self.rt = runtime.load(bundle, params.get("backend", "auto"))  # verifies every file's hash
+        # verifies every file's hash
+        self.rt = runtime.load(bundle, params.get("backend", "auto"), speculative=params.get("speculative", "auto"))
         self.name = config["name"]
         self.engine = Engine(self.rt, EngineConfig(max_running=int(params.get("max_running", 0)),
                                                     max_queue=int(params.get("max_queue", 64))))

@@ -33,6 +33,7 @@ INPUTS = (
     ("seed", "TYPE_INT64", "[ 1 ]"),
     ("stream", "TYPE_BOOL", "[ 1 ]"),
     ("stop", "TYPE_STRING", "[ -1 ]"),
+    ("speculative", "TYPE_STRING", "[ 1 ]"),
 )
 OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"),
            ("completion_tokens", "TYPE_INT32", "[ 1 ]"))
@@ -69,6 +70,7 @@ class TritonModelSpec:
     copy: bool = False  # carry the bundle inside the repository instead of naming its path
     backend: str = "auto"  # runtime.load's backend
     max_queue: int = 64  # requests waiting in the engine before Triton gets an error back
+    speculative: str = "auto"  # runtime.load's: drafting on ("auto") or off; a request's `speculative` input overrides
     python_env: Path | None = None  # the virtual environment the model imports from (default: the writer's)
 
     def __post_init__(self) -> None:
@@ -92,6 +94,7 @@ def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> s
     inputs = ",\n".join(tensor(n, t, d, n != "text_input") for n, t, d in INPUTS)
     outputs = ",\n".join(tensor(n, t, d, False) for n, t, d in OUTPUTS)
     params = {"bundle": bundle_ref, "backend": spec.backend, "max_queue": str(spec.max_queue),
+              "speculative": spec.speculative,
               "max_running": str(cfg.max_batch)}
     parameters = "\n".join(f"parameters {{\n  key: \"{k}\"\n  value: {{ string_value: {json.dumps(v)} }}\n}}"
                            for k, v in params.items())

@@ -1,0 +1,280 @@
+"""Speculative decoding (runtime/speculative.py, Runtime.verify_batch, Sequence_.keep):
+
+- a verification's logits row j is bit for bit the one-token step's after token j (both networks of the onnxruntime
+  backend), and keeping n of its tokens
+  leaves the sequence as n one-token steps would (hotness from each query's own mass, tiers after the re-tier pass
+  the steps reach, the cache's rows), with the rejected drafts forgotten; on a model that re-tiers every 8 steps;
+- greedy and seeded sampled generation give the same tokens with drafting on and off (alone and batched);
+- prompt lookup proposes what a brute-force search of the history finds; the adaptive rule drafts nothing when
+  drafts do not pay and never more than the room;
+- the acceptance rule for a drafter with a distribution of its own samples the target distribution (chi-square on
+  a small vocabulary), and a wrong rule fails the same test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import retiering_copy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builder.build import build
+from gsm.synth import synth_checkpoint
+from runtime.speculative import DraftLength, NgramDrafts, SpeculativeConfig, accept_draft, expected_tokens
+
+N_MAX, MAX_INPUT = 448, 16
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    ckpt = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=4), root / "retier")
+    out = root / "bundle"
+    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, max_input=MAX_INPUT, max_batch=4)
+    return out
+
+
+@pytest.fixture(scope="module", params=["cpu", "portable"])
+def rt(bundle, request):
+    """Both networks of the onnxruntime backend verify drafts (model.cpu.onnx's custom op, the standard-op graph)."""
+    import runtime
+
+    r = runtime.load(bundle, "onnxruntime", threads=1, graph=request.param)
+    assert r.backend.graph == request.param and r.capabilities.verify_rows == MAX_INPUT
+    return r
+
+
+def _prompt(n: int, seed: int = 3) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 300, n).tolist()
+
+
+def _steps(rt, prompt, tokens):
+    """One-token steps of `tokens` after the prompt: each step's logits, then the sequence's state."""
+    seq = rt.new_sequence()
+    seq.prefill(prompt)
+    rows = [seq.decode(t) for t in tokens]
+    state = (seq.state.hotness.copy(), seq.state.tier.copy(), seq.state.decode_steps, seq.retier_passes)
+    return np.stack(rows), seq, state
+
+
+@pytest.mark.parametrize("past,fed,kept", [(40, 6, 6), (40, 6, 2), (150, 8, 1), (150, 5, 5), (300, 8, 4)])
+def test_a_verification_is_the_one_token_steps_bit_for_bit(rt, past, fed, kept):
+    prompt = _prompt(past)
+    seq = rt.new_sequence()
+    seq.prefill(prompt)
+    true = [int(t) for t in np.random.default_rng(past).integers(3, 300, 12)]
+    want, ref, ref_state = _steps(rt, prompt, true[:kept])
+    ref.close()
+    drafts = true[1:fed]
+    if kept < fed:  # a wrong draft right after the kept ones: the call still reads and writes it
+        drafts[kept - 1] = (drafts[kept - 1] + 1) % 300
+    room = seq.draft_room
+    rows = seq.verify([true[0], *drafts][:room + 1])
+    n = min(kept, len(rows))
+    assert np.array_equal(rows[:n], want[:n]), "a verified row differs from the one-token step's logits"
+    seq.keep(n)
+    if n == kept:
+        hot, tier, steps, passes = ref_state
+        assert np.array_equal(seq.state.hotness, hot) and np.array_equal(seq.state.tier, tier)
+        assert seq.state.decode_steps == steps and seq.retier_passes == passes
+    # after the rollback the sequence goes on as the one-token path does (rows written again, nothing stale)
+    more = [int(t) for t in np.random.default_rng(past + 1).integers(3, 300, 10)]
+    want2, ref2, _ = _steps(rt, prompt, true[:n] + more)
+    ref2.close()
+    got2 = np.stack([seq.decode(t) for t in more])
+    assert np.array_equal(got2, want2[n:])
+    seq.close()
+
+
+def test_a_verification_stops_at_the_re_tier_pass(rt):
+    """A call never carries tokens past the next re-tier pass: the tokens after it read the re-encoded rows."""
+    seq = rt.new_sequence()
+    seq.prefill(_prompt(100))
+    rate = rt.policy.rate
+    for _ in range(rate - 3 - seq.state.decode_steps % rate):
+        seq.decode(7)
+    assert seq.draft_room == 2  # 3 steps to the pass: the next token and 2 drafts
+    with pytest.raises(ValueError, match="takes 1..3 now"):
+        seq.verify([7, 8, 9, 10])
+    seq.verify([7, 8, 9])
+    passes = seq.retier_passes
+    seq.keep(3)
+    assert seq.retier_passes == passes + 1 and seq.draft_room == min(rt.capabilities.verify_rows, rate) - 1
+    seq.close()
+
+
+def _looping_prompt() -> list[int]:
+    return [5, 17, 42, 9, 77, 13] * 6 + [5, 17]
+
+
+def test_greedy_generation_is_the_same_with_drafting_on_and_off(rt):
+    from runtime.request import TokenStream
+
+    drafted = accepted = 0
+    for p in (_looping_prompt(), _prompt(60, 8) * 2, _prompt(9, 1)):
+        off = rt.generate(p, 40, stop_ids=[], speculative="off")
+        req = rt.request(p, 40, stop_ids=[], speculative="auto")
+        on = TokenStream(rt, req).collect()
+        assert on.ids == off.ids and on.finish_reason == off.finish_reason
+        drafted += req.draft_length.drafted
+        accepted += req.draft_length.accepted
+    assert drafted > 0 and accepted > 0, "the prompts were chosen so that lookup drafts and some are kept"
+
+
+class _Oracle:
+    """Drafts that are the tokens a run without drafting produced, every `wrong`-th one changed: the tiny random
+    model's sampled text has no repeats for lookup to find, so this is how sampled requests get drafts kept."""
+
+    def __init__(self, target: list[int], wrong: int) -> None:
+        self.target, self.wrong, self.seen = target, wrong, 0
+
+    def extend(self, tokens) -> None:
+        self.seen += len(tokens)
+
+    def propose(self, limit: int) -> list[int]:
+        out = self.target[self.seen:self.seen + limit]
+        return [(t + 1) % 300 if (self.seen + i) % self.wrong == 0 else t for i, t in enumerate(out)]
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0.9, "seed": 11},
+                                {"temperature": 0.7, "top_p": 0.9, "seed": 2, "repetition_penalty": 1.1}])
+def test_seeded_sampling_is_the_same_with_drafting_on_and_off(rt, kw):
+    """Row j is sampled only after rows 0..j-1 matched their drafts, from the request's own sampler: the draws are
+    the ones one-token steps make, so a seeded request gives the same tokens."""
+    from runtime.request import TokenStream
+
+    p = _prompt(30, 5)
+    off = rt.generate(p, 48, stop_ids=[], speculative="off", **kw)
+    req = rt.request(p, 48, stop_ids=[], speculative="auto", **kw)
+    req.drafts = _Oracle(off.ids, wrong=7)
+    on = TokenStream(rt, req).collect()
+    assert on.ids == off.ids
+    assert req.draft_length.accepted > 10 and req.draft_length.drafted > req.draft_length.accepted
+
+
+def test_batched_generation_with_drafting_equals_each_alone(rt):
+    prompts = [_looping_prompt(), _prompt(30, 4) * 3, _prompt(5, 9), _prompt(70, 2)]
+    alone = [rt.generate(p, 30, stop_ids=[], speculative="off").ids for p in prompts]
+    together = rt.generate_batch(prompts, 30, stop_ids=[], speculative="auto")
+    assert [g.ids for g in together] == alone
+
+
+def test_a_request_override_and_the_load_option(bundle, rt):
+    import runtime
+    from runtime.sampling import RequestError
+
+    assert rt.request([1, 2], 4).drafts is not None and rt.request([1, 2], 4, speculative="off").drafts is None
+    off = runtime.load(bundle, "onnxruntime", threads=1, speculative="off")
+    assert off.request([1, 2], 4).drafts is None and off.request([1, 2], 4, speculative="auto").drafts is not None
+    with pytest.raises(RequestError, match="speculative: must be one of auto, off, got 'on'"):
+        rt.request([1, 2], 4, speculative="on")
+    with pytest.raises(RequestError, match="speculative"):
+        runtime.load(bundle, "onnxruntime", speculative="yes")
+
+
+def _brute_lookup(history: list[int], limit: int, cfg: SpeculativeConfig) -> list[int]:
+    for n in range(cfg.ngram_max, cfg.ngram_min - 1, -1):
+        if len(history) <= n - 1 or len(history) < n:
+            continue
+        suffix = history[-n:]
+        for end in range(len(history) - 2, n - 2, -1):  # the latest earlier occurrence ending at `end`
+            if history[end - n + 1:end + 1] == suffix:
+                return history[end + 1:end + 1 + limit]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=60), st.integers(0, 6), st.integers(1, 3), st.integers(0, 3))
+def test_prompt_lookup_proposes_what_a_search_of_the_history_finds(history, limit, lo, extra):
+    cfg = SpeculativeConfig(ngram_min=lo, ngram_max=lo + extra)
+    cut = len(history) // 2
+    d = NgramDrafts(history[:cut], cfg)
+    d.extend(history[cut:])  # indexed in two parts, as a prompt then the output
+    assert d.propose(limit) == _brute_lookup(history, limit, cfg)
+
+
+def test_the_adaptive_rule_drafts_only_where_it_pays():
+    cfg = SpeculativeConfig(row_cost=0.12, max_draft=8)
+    rule = DraftLength(cfg)
+    assert 1 <= rule.length(room=8) <= 8 and rule.length(room=2) <= 2 and rule.length(room=0) == 0
+    for _ in range(20):
+        rule.record(4, 0)  # every draft rejected
+    assert rule.length(room=8) == 0, "drafts that are never kept cost a row each: draft nothing"
+    for _ in range(30):
+        rule.record(8, 8)
+    assert rule.length(room=8) == 8
+    # the rule's own arithmetic: a draft of k pays when its expected tokens beat the call's cost
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's chi-square test's p-value; for an even number of degrees of freedom 2m the survival function is
+    exp(-x/2) * sum_{i<m} (x/2)^i / i! (no scipy needed)."""
+    expected = probs * counts.sum()
+    x = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(counts) - 1
+    assert dof % 2 == 0
+    return math.exp(-x / 2) * sum((x / 2) ** i / math.factorial(i) for i in range(dof // 2))
+
+
+def test_the_acceptance_rule_samples_the_target_distribution():
+    rng = np.random.default_rng(0)
+    p = np.array([0.05, 0.4, 0.1, 0.25, 0.2])
+    q = np.array([0.3, 0.1, 0.3, 0.1, 0.2])  # a draft distribution far from p
+    n = 40_000
+
+    def run(rule) -> np.ndarray:
+        counts = np.zeros(len(p))
+        for _ in range(n):
+            draft = int(rng.choice(len(q), p=q))
+            counts[rule(p, q, draft, rng)[1]] += 1
+        return counts
+
+    assert _chi_square_p(run(accept_draft), p) > 1e-3
+
+    def wrong(p, q, draft, rng):  # a rejection resampled from p instead of the residual: biased towards q's picks
+        if rng.random() < min(1.0, p[draft] / q[draft]):
+            return True, draft
+        return False, int(rng.choice(len(p), p=p))
+
+    assert _chi_square_p(run(wrong), p) < 1e-6
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_engine_with_drafting_gives_each_request_its_tokens_alone(rt, batched):
+    """Continuous batching with verifications of different lengths (and plain steps) in one call, requests joining
+    and leaving: each request's tokens are its tokens alone without drafting; the observer sees the drafts."""
+    from runtime.engine import BatchedStepper, Engine, EngineConfig, Observer, SequentialStepper
+
+    prompts = [_looping_prompt(), _prompt(30, 4) * 3, _prompt(5, 9), _prompt(70, 2), [9, 8, 7] * 10, _prompt(12, 3)]
+    alone = [rt.generate(p, 24 + 4 * i, stop_ids=[], speculative="off").ids for i, p in enumerate(prompts)]
+
+    class Drafts(Observer):
+        drafted = accepted = 0
+
+        def on_drafts(self, req, drafted, accepted):
+            Drafts.drafted += drafted
+            Drafts.accepted += accepted
+
+    stepper = BatchedStepper(rt) if batched else SequentialStepper(rt)
+    with Engine(rt, EngineConfig(max_running=4, min_hit_rate=0, max_kv_noise=None), stepper=stepper,
+                observer=Drafts()) as eng:
+        hs = [eng.submit(p, 24 + 4 * i, stop_ids=[], speculative="auto") for i, p in enumerate(prompts)]
+        got = [h.result(60).ids for h in hs]
+    assert got == alone
+    assert Drafts.accepted > 0 and Drafts.drafted > Drafts.accepted
+
+
+def test_a_backend_that_cannot_verify_decodes_one_token_a_call(bundle):
+    """The plugin graph's attention returns no per-query mass: the reference (and TensorRT) backend says so and a
+    request there drafts nothing, with the same tokens."""
+    import runtime
+
+    ref = runtime.load(bundle, "reference")
+    assert ref.capabilities.verify_rows == 0 and ref.request([1, 2], 4).drafts is None
+    p = _looping_prompt()
+    assert ref.generate(p, 6, stop_ids=[]).ids == runtime.load(bundle, "onnxruntime", threads=1).generate(
+        p, 6, stop_ids=[], speculative="off").ids
