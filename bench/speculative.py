@@ -1,10 +1,12 @@
-"""Speculative decoding on a real bundle: drafting off vs auto on four workloads, each mode in a fresh process (its
-peak RSS beside its speed), and llama.cpp's prompt-lookup decoding (`llama-lookup`) on the same prompts where that
-tool is built.
+"""Speculative decoding and prefix reuse on a real bundle, three modes on four workloads, each mode in a fresh process
+(its peak RSS beside its speed), and llama.cpp's server with and without its n-gram speculation on the same prompts
+where it is built. Modes: off (no drafting, no prefix cache: every prompt prefilled whole), prefix (the prefix cache
+alone), auto (both, the default).
 
-Workloads (greedy; the same tokens with drafting on and off is checked and printed):
+Workloads (greedy; the same tokens in every mode is checked and printed):
 - inspection: the inspection app's detections (examples/inspection), its chat prompt with worked examples and the
-  report schema as structured output; time to report = the request's whole time, one request at a time;
+  report schema as structured output; time to report = the request's whole time, one request at a time (the first
+  of a process finds no prefix: the figure is the mean over all five);
 - chat: eight questions through the chat template, answers up to 128 tokens;
 - story: eight held-out TinyStories openings (tinystories_eval.txt, ~200 tokens each), continued 128 tokens;
 - engine8: the inspection detections, 8 at once through the Engine (continuous batching): aggregate tokens/s.
@@ -39,30 +41,34 @@ QUESTIONS = (
     "List the steps to replace a worn drill bit.",
 )
 N_STORIES, STORY_PROMPT, NEW_TOKENS = 8, 200, 128
+MODES = ("off", "prefix", "auto")
 
 
 def story_prompts(rt) -> list[list[int]]:
-    """The first ~STORY_PROMPT tokens of the first N_STORIES held-out stories long enough to hold them."""
+    """N_STORIES held-out openings of STORY_PROMPT tokens: consecutive paragraphs of tinystories_eval.txt from every
+    20th paragraph on, joined until they hold that many tokens."""
     paras = [p for p in (DATA / "tinystories_eval.txt").read_text(encoding="utf-8").split("\n\n") if p.strip()]
     out = []
-    for p in paras:
-        ids = rt.encode(p)
-        if len(ids) >= STORY_PROMPT + 20:
-            out.append(ids[:STORY_PROMPT])
-        if len(out) == N_STORIES:
-            break
+    for start in range(0, 20 * N_STORIES, 20):
+        ids, i = [], start
+        while len(ids) < STORY_PROMPT:
+            ids = rt.encode("\n\n".join(paras[start:i + 1]))
+            i += 1
+        out.append(ids[:STORY_PROMPT])
     return out
 
 
-def child(bundle: Path, mode: str, threads: int) -> dict:
-    """Every workload in one mode; the figures and the token ids (for the identity check)."""
+def child(bundle: Path, mode: str, threads: int, part: str) -> dict:
+    """One mode's single-request workloads (part "single") or its engine workload ("engine"); the figures and the
+    token ids (for the identity check)."""
     sys.path.insert(0, str(ROOT))
     import runtime
     from examples.inspection.inspect_defects import RESPONSE_FORMAT, messages, read_detections
-    from runtime.engine import Engine, EngineConfig, Observer
+    from runtime.prefix_cache import DEFAULT_PREFIX_CACHE_MIB
     from runtime.request import TokenStream
 
-    rt = runtime.load(bundle, threads=threads, speculative=mode)
+    rt = runtime.load(bundle, threads=threads, speculative="off" if mode in ("off", "prefix") else "auto",
+                      prefix_cache_mib=0 if mode == "off" else DEFAULT_PREFIX_CACHE_MIB)
     dets = read_detections(ROOT / "examples" / "inspection" / "detections.jsonl")
     res: dict = {"mode": mode}
 
@@ -89,11 +95,23 @@ def child(bundle: Path, mode: str, threads: int) -> dict:
                      "decode_tokens": sum(max(0, len(i) - 1) for i in ids)}
 
     chat_kw = dict(temperature=0.0)
+    if part == "engine":
+        engine8(rt, dets, res)
+        res["peak_rss_mib"] = peak_rss_mib()
+        return res
     timed("inspection", [lambda d=d: rt.chat_request(messages(d), 80, response_format=RESPONSE_FORMAT, **chat_kw)
                          for d in dets])
     timed("chat", [lambda q=q: rt.chat_request([{"role": "user", "content": q}], NEW_TOKENS, **chat_kw)
                    for q in QUESTIONS])
     timed("story", [lambda p=p: rt.request(p, NEW_TOKENS, stop_ids=[], **chat_kw) for p in story_prompts(rt)])
+    res["peak_rss_mib"] = peak_rss_mib()
+    return res
+
+
+def engine8(rt, dets, res: dict) -> None:
+    """The inspection detections, 8 requests at once through the Engine."""
+    from examples.inspection.inspect_defects import RESPONSE_FORMAT, messages
+    from runtime.engine import Engine, EngineConfig, Observer
 
     class Count(Observer):
         drafted = accepted = 0
@@ -102,7 +120,9 @@ def child(bundle: Path, mode: str, threads: int) -> dict:
             Count.drafted += d
             Count.accepted += a
 
-    with Engine(rt, EngineConfig(max_running=8), observer=Count()) as eng:
+    # the KV-noise fallback refreshes an INT4-mix cache at FP16 (its noise is ~0.1 > 0.05): off here, as the
+    # inspection bundle's deployment would set it
+    with Engine(rt, EngineConfig(max_running=8, max_kv_noise=None, min_hit_rate=0), observer=Count()) as eng:
         eng.ready.wait()
         t0 = time.perf_counter()
         hs = [eng.submit_chat(messages(dets[i % len(dets)]), 80, response_format=RESPONSE_FORMAT, temperature=0.0)
@@ -111,8 +131,6 @@ def child(bundle: Path, mode: str, threads: int) -> dict:
         wall = time.perf_counter() - t0
     res["engine8"] = {"wall_s": wall, "tokens": sum(map(len, ids)), "ids": ids, "drafted": Count.drafted,
                       "accepted": Count.accepted}
-    res["peak_rss_mib"] = peak_rss_mib()
-    return res
 
 
 def peak_rss_mib() -> float:
@@ -122,42 +140,82 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def run_child(bundle: Path, mode: str, threads: int) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--bundle", str(bundle), "--threads", str(threads), "--child", mode],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def run_child(bundle: Path, mode: str, threads: int, part: str) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--bundle", str(bundle), "--threads", str(threads), "--child", mode,
+                        "--part", part], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if r.returncode != 0:
         raise RuntimeError(f"child {mode} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def llama_lookup(d: Path, bundle: Path, threads: int) -> dict | None:
-    """llama.cpp's prompt-lookup decoding (`llama-lookup`, draft 8) and plain decoding (`llama-completion`) on the
-    story prompts (raw text: the tool takes no chat messages): decode tokens/s from each tool's own timing lines."""
-    lookup, plain = d / "bin" / "llama-lookup", d / "bin" / "llama-completion"
-    gguf = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not lookup.is_file():
+def llama_server(d: Path, bundle: Path, threads: int) -> dict | None:
+    """llama.cpp's server on the user's Q4_1 file, plain and with its n-gram speculation (`--spec-type ngram-simple`,
+    prompt lookup), on the same workloads: the inspection prompts with the report schema (its `response_format`),
+    the chat questions, the story openings as raw text; decode tokens/s and time to report from the server's own
+    timings (its default prompt cache on, as a user gets it), its peak RSS. None when llama-server is not built."""
+    import socket
+    import urllib.request
+
+    server = d / "bin" / "llama-server"
+    if not server.is_file():
         return None
     sys.path.insert(0, str(ROOT))
     import runtime
+    from examples.inspection.inspect_defects import RESPONSE_FORMAT, messages, read_detections
 
     rt = runtime.load(bundle, threads=threads, speculative="off")
-    prompts = [rt.decode(p) for p in story_prompts(rt)]
+    stories = [rt.decode(p) for p in story_prompts(rt)]
+    dets = read_detections(ROOT / "examples" / "inspection" / "detections.jsonl")
+    gguf = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = {}
-    for name, tool, extra in (("llama.cpp", plain, ["-no-cnv"]), ("llama.cpp lookup", lookup, ["--draft", "8"])):
-        total_t = total_n = 0.0
-        for text in prompts:
-            cmd = [str(tool), "-m", str(gguf), "-p", text, "-n", str(NEW_TOKENS), "-t", str(threads), "--temp", "0",
-                   "-c", "1024", "--ignore-eos", *extra]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            m = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) (runs|tokens)", r.stderr.split("prompt eval")[-1])
-            dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", r.stderr)
-            if dec:  # llama-lookup's own summary
-                total_n += int(dec.group(1))
-                total_t += float(dec.group(2))
-            elif m:
-                total_t += float(m.group(1)) / 1000
-                total_n += int(m.group(2))
-        out[name] = {"tok_s": total_n / total_t if total_t else float("nan")}
+    for name, extra in (("llama.cpp", []), ("llama.cpp ngram-simple", ["--spec-type", "ngram-simple"])):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        proc = subprocess.Popen([str(server), "-m", str(gguf), "-t", str(threads), "-c", "4096", "--port", str(port),
+                                 "-np", "1", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}"
+
+        def post(path: str, body: dict, url: str = url) -> dict:
+            req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return json.loads(r.read())
+
+        try:
+            for _ in range(600):
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.1)
+            res = {}
+            for work, bodies in (
+                    ("inspection", [("/v1/chat/completions", {"messages": messages(x), "max_tokens": 80,
+                                                              "temperature": 0, "response_format": RESPONSE_FORMAT})
+                                    for x in dets]),
+                    ("chat", [("/v1/chat/completions", {"messages": [{"role": "user", "content": q}],
+                                                        "max_tokens": NEW_TOKENS, "temperature": 0})
+                              for q in QUESTIONS]),
+                    ("story", [("/completion", {"prompt": t, "n_predict": NEW_TOKENS, "temperature": 0,
+                                                "ignore_eos": True}) for t in stories])):
+                n = ms = total_ms = drafted = kept = 0.0
+                for path, body in bodies:
+                    t = post(path, body)["timings"]
+                    n += t["predicted_n"]
+                    ms += t["predicted_ms"]
+                    total_ms += t["predicted_ms"] + t["prompt_ms"]
+                    drafted += t.get("draft_n", 0)
+                    kept += t.get("draft_n_accepted", 0)
+                res[work] = {"tok_s": n / ms * 1000, "request_s": total_ms / 1000 / len(bodies), "drafted": drafted,
+                             "kept": kept / drafted if drafted else float("nan")}
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            res["peak_rss_mib"] = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+            out[name] = res
+        finally:
+            proc.terminate()
+            proc.wait(30)
     return out
 
 
@@ -168,50 +226,61 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--json", type=Path)
     p.add_argument("--llama", type=Path, default=Path.home() / ".cache" / "gsm-edge" / "llama.cpp")
-    p.add_argument("--child", choices=["off", "auto"], help=argparse.SUPPRESS)
+    p.add_argument("--engine-bundle", type=Path, help="the bundle of the engine workload (built with --max-batch 8; "
+                                                           "default --bundle)")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--part", choices=["single", "engine"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.bundle, a.child, a.threads)))
+        print(json.dumps(child(a.bundle, a.child, a.threads, a.part)))
         return 0
-    runs: dict[str, list[dict]] = {"off": [], "auto": []}
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for _ in range(a.repeat):
-        for mode in ("off", "auto"):
-            runs[mode].append(run_child(a.bundle, mode, a.threads))
+        for mode in MODES:
+            one = run_child(a.bundle, mode, a.threads, "single")
+            eng = run_child(a.engine_bundle or a.bundle, mode, a.threads, "engine")
+            runs[mode].append({**one, "engine8": eng["engine8"], "engine_rss_mib": eng["peak_rss_mib"]})
             print(f"  {mode}: " + ", ".join(f"{w} {runs[mode][-1][w]['wall_s']:.2f} s"
                                            for w in ("inspection", "chat", "story", "engine8")), file=sys.stderr)
-    best = {m: {w: min(r[w]["wall_s"] for r in rs) for w in ("inspection", "chat", "story", "engine8")}
-            for m, rs in runs.items()}
-    rows = []
-    for w in ("inspection", "chat", "story", "engine8"):
-        off, on = runs["off"][0][w], runs["auto"][0][w]
-        same = all(r[w]["ids"] == off["ids"] for r in runs["off"] + runs["auto"])
-        rate = on["accepted"] / on["drafted"] if on["drafted"] else float("nan")
-        rows.append((w, off["tokens"], off["tokens"] / best["off"][w], on["tokens"] / best["auto"][w],
-                     best["off"][w] / best["auto"][w], on["drafted"], rate, same))
-    print(f"bundle {a.bundle.name}, {a.threads} threads, best of {a.repeat}; peak RSS off "
-          f"{max(r['peak_rss_mib'] for r in runs['off']):.0f} MiB, auto "
-          f"{max(r['peak_rss_mib'] for r in runs['auto']):.0f} MiB")
-    print("| workload | tokens | off tok/s | auto tok/s | speed-up | drafted | kept | same tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for w, n, t_off, t_on, up, dr, rate, same in rows:
-        print(f"| {w} | {n} | {t_off:.1f} | {t_on:.1f} | {up:.2f}x | {dr} | {rate:.2f} | {'yes' if same else 'NO'} |")
-    insp = [min(r["inspection"]["per_request_s"][i] for r in runs[m]) for m in ("off", "auto")
-            for i in range(len(runs[m][0]["inspection"]["per_request_s"]))]
-    k = len(insp) // 2
-    print(f"inspection time to report (mean of {k}): off {sum(insp[:k]) / k:.3f} s, auto {sum(insp[k:]) / k:.3f} s")
-    for m in ("off", "auto"):
-        st = min((r["story"] for r in runs[m]), key=lambda x: x["decode_s"])
-        print(f"gsm-edge {m} on the story prompts: {st['decode_tokens'] / st['decode_s']:.1f} tok/s decode")
-    anchors = llama_lookup(a.llama, a.bundle, a.threads)
+    works = ("inspection", "chat", "story")
+    same = {w: all(r[w]["ids"] == runs["off"][0][w]["ids"] for m in MODES for r in runs[m])
+            for w in (*works, "engine8")}
+    print(f"bundle {a.bundle.name}, {a.threads} threads, best of {a.repeat} fresh processes per mode; the same tokens "
+          "in every mode: " + ", ".join(f"{w} {'yes' if ok else 'NO'}" for w, ok in same.items()))
+    print("| engine | inspection s/report | inspection tok/s | chat tok/s | story tok/s | drafts kept | peak RSS MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for m in MODES:
+        def best(w: str, key: str, rs=runs[m]) -> dict:
+            return min((r[w] for r in rs), key=lambda x: x[key])
+        insp = best("inspection", "wall_s")
+        cells = [f"{insp['wall_s'] / len(insp['per_request_s']):.3f}"]
+        for w in works:
+            b = best(w, "decode_s")
+            cells.append(f"{b['decode_tokens'] / b['decode_s']:.1f}")
+        kept = "/".join(f"{r[w]['accepted'] / r[w]['drafted']:.2f}" if r[w]["drafted"] else "-"
+                        for r in runs[m][:1] for w in works)
+        print(f"| gsm-edge {m} | " + " | ".join(cells) + f" | {kept} | {max(r['peak_rss_mib'] for r in runs[m]):.0f} |")
+    warm = {m: min(sum(r["inspection"]["per_request_s"][1:]) / (len(r["inspection"]["per_request_s"]) - 1)
+                   for r in runs[m]) for m in MODES}
+    print("inspection s/report after the first (its prefix found): " + ", ".join(f"{m} {warm[m]:.3f}" for m in MODES))
+    anchors = llama_server(a.llama, a.bundle, a.threads)
     if anchors is None:
-        print(f"llama.cpp lookup: {a.llama / 'bin' / 'llama-lookup'} not built (target llama-lookup of the source "
-              "../shared/tools/llama_cpp.sh builds)")
+        print(f"| llama.cpp | not run: {a.llama / 'bin' / 'llama-server'} not built (the llama.cpp source "
+              "../shared/tools/llama_cpp.sh builds, target llama-server, -DLLAMA_BUILD_SERVER=ON) |")
     else:
         for name, v in anchors.items():
-            print(f"{name} on the story prompts: {v['tok_s']:.1f} tok/s decode")
+            print(f"| {name} | {v['inspection']['request_s']:.3f} | {v['inspection']['tok_s']:.1f} | "
+                  f"{v['chat']['tok_s']:.1f} | {v['story']['tok_s']:.1f} | "
+                  + "/".join(f"{v[w]['kept']:.2f}" for w in works) + f" | {v['peak_rss_mib']:.0f} |")
+    e = {m: min((r["engine8"] for r in runs[m]), key=lambda x: x["wall_s"]) for m in MODES}
+    print(f"engine8 ({(a.engine_bundle or a.bundle).name}, 8 inspection requests at once, fallbacks off): "
+          + ", ".join(f"{m} {e[m]['tokens'] / e[m]['wall_s']:.1f} tok/s" for m in MODES)
+          + f" ({e['off']['wall_s'] / e['auto']['wall_s']:.2f}x auto/off), drafts kept "
+          f"{e['auto']['accepted']}/{e['auto']['drafted']}; peak RSS "
+          + " / ".join(f"{max(r['engine_rss_mib'] for r in runs[m]):.0f}" for m in MODES) + " MiB")
     if a.json:
         a.json.write_text(json.dumps({"runs": runs, "anchors": anchors}, indent=1))
-    return 0 if all(r[-1] for r in rows) else 1
+    return 0 if all(same.values()) else 1
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class Capabilities:
     # new tokens per sequence a call may carry whose logits and per-query attention mass (`rows`, StepOutput
     # query_mass) equal one-token steps' bit for bit: a speculative verification's most (0: none, no speculation)
     verify_rows: int = 0
+    # what each verified row beyond the first adds to a call, in one-token steps (the adaptive draft length's price)
+    verify_row_cost: float = 1.0
+    prefix_reuse: bool = False  # take_prefix / put_prefix copy a sequence's first positions (runtime.prefix_cache)
 
     def __post_init__(self) -> None:
         for name in ("max_resident", "max_per_call", "positions"):
@@ -82,6 +85,14 @@ class Backend(Protocol):
         """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. of caches[b]. rows
         [B, J] (0..S-1): the rows whose logits come back, and their queries' own attention mass where
         `capabilities.verify_rows` > 0; None: each sequence's last new row."""
+        ...
+
+    def take_prefix(self, cache: Any, length: int) -> Any:
+        """A copy of the cache of the sequence's first `length` positions (an object with nbytes)."""
+        ...
+
+    def put_prefix(self, cache: Any, prefix: Any) -> None:
+        """A fresh sequence's cache made a take_prefix copy's."""
         ...
 
     def truncate(self, cache: Any, length: int) -> None:
@@ -153,3 +164,15 @@ def logit_rows(new: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     if rows is None:
         return (np.asarray(new, np.int32) - 1).reshape(-1, 1)
     return np.ascontiguousarray(rows, np.int32)
+
+
+@dataclass(frozen=True)
+class PositionRows:
+    """The first positions of a sequence in cache buffers laid out by position (the portable graph's): each
+    buffer's rows, by name."""
+
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())

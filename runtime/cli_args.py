@@ -11,13 +11,14 @@ from typing import Any
 from gsm.cli_support import CommandFailed, int_at_least
 from runtime.model import BACKENDS, Runtime
 from runtime.ort_backend import GRAPHS
+from runtime.prefix_cache import DEFAULT_PREFIX_CACHE_MIB
 from runtime.speculative import SPECULATIVE_MODES
 
 PROG = "python -m runtime"
 
 
 def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
-    """--backend, --threads, --spinning, --graph, --speculative (passed on to runtime.load)."""
+    """--backend, --threads, --spinning, --graph, --prefix-cache-mib, --speculative (passed on to runtime.load)."""
     p.add_argument("--backend", choices=list(BACKENDS), default="auto")
     p.add_argument("--threads", type=int_at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=True,
@@ -27,6 +28,9 @@ def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--graph", choices=list(GRAPHS), default="auto",
                    help="onnxruntime backend: cpu = the fused-attention graph (custom op library), portable = "
                         "standard ops only, auto = cpu where its library is built")
+    p.add_argument("--prefix-cache-mib", type=float, default=DEFAULT_PREFIX_CACHE_MIB,
+                   help="memory kept for chat prompts' prefixes (the messages before the last one), so a prompt "
+                        "starting with a kept one prefills its last message only (0: none kept)")
     p.add_argument("--speculative", choices=list(SPECULATIVE_MODES), default="auto",
                    help="auto: draft tokens from each request's prompt and output and verify several per call (the "
                         "same tokens as off, greedy or seeded; where the backend can verify); off: one token a call")
@@ -56,7 +60,7 @@ def load_runtime(args: argparse.Namespace, **kw: Any) -> Runtime:
 
     try:
         return runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning, graph=args.graph,
-                            speculative=args.speculative, **kw)
+                            speculative=args.speculative, prefix_cache_mib=args.prefix_cache_mib, **kw)
     except runtime.RequestError as e:
         raise ValueError(f"argument {flag_of(e.field)}: {e.detail}") from None
     except runtime.BundleError as e:

@@ -139,6 +139,7 @@ class GrammarConstraint:
         import llguidance.numpy as lnp
 
         self.matcher = llguidance.LLMatcher(tokenizer.ll, grammar)
+        self._ll = tokenizer.ll
         if self.matcher.is_error():
             raise _bad(f"does not compile: {' '.join(self.matcher.get_error().split())}")
         self.vocab_size = tokenizer.vocab_size
@@ -162,9 +163,17 @@ class GrammarConstraint:
         return bool(self.matcher.is_stopped())
 
     def forced(self, limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar forces next (a JSON key, its quotes and colon): drafts that cost no
-        guess (runtime.speculative); the matcher's state is unchanged."""
-        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]] if limit > 0 else []
+        """Up to `limit` drafts for what the grammar forces next (a JSON key, its quotes and colon; the matcher's
+        state is unchanged): the tokens it forces, else its forced bytes as the tokenizer splits them (after a key
+        the bytes `":"` may be one token or several: the model's pick under the mask decides, the verification
+        checks)."""
+        if limit <= 0:
+            return []
+        toks = self.matcher.compute_ff_tokens()
+        if not toks:
+            forced = self.matcher.compute_ff_bytes()
+            toks = self._ll.tokenize_bytes(forced) if forced else []
+        return [int(t) for t in toks[:limit]]
 
 
 def unpack_mask(words: np.ndarray, vocab_size: int) -> np.ndarray:

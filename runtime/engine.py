@@ -39,6 +39,7 @@ from runtime.backend import CacheFullError
 from runtime.model import Runtime
 from runtime.request_state import RequestFields, RequestState, Token
 from runtime.sampling import RequestError
+from runtime.speculative import expected_tokens
 
 log = logging.getLogger("runtime.engine")
 
@@ -102,6 +103,8 @@ class Work:
     probe: bool = False  # decode only: also measure the sparse mask hit rate of this step (seq.last_hit_rate)
     scorer: Any = None  # prefill only: gets each chunk's logits (RequestState.score_prompt: echo with logprobs)
     drafts: list[int] = field(default_factory=list)  # decode only: tokens to verify after ids[0] (speculative)
+    acceptance: float = 0.0  # the chance each draft is kept (RequestState.draft_acceptance)
+    break_at: int | None = None  # prefill only: where the prompt's last message starts (RequestState.prompt_break)
 
 
 class Stepper(Protocol):
@@ -126,7 +129,7 @@ class SequentialStepper:
         out: list[np.ndarray | Exception] = []
         for w in work:
             try:
-                out.append(w.seq.prefill(w.ids, scorer=w.scorer) if w.prefill
+                out.append(w.seq.prefill(w.ids, scorer=w.scorer, break_at=w.break_at) if w.prefill
                            else w.seq.verify([w.ids[0], *w.drafts]) if w.drafts
                            else w.seq.decode(w.ids[0], probe=w.probe))
             except Exception as e:  # one sequence's failure must not stop the others
@@ -160,7 +163,8 @@ class BatchedStepper:
                 seqs = [work[i].seq for i in idx]
                 try:
                     if kind == "prefill":
-                        res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx])
+                        res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx],
+                                                    [work[i].break_at for i in idx])
                     elif kind == "verify":
                         rows = self.rt.verify_batch(seqs, [[work[i].ids[0], *work[i].drafts] for i in idx])
                         for i, s in zip(idx, seqs):
@@ -512,8 +516,10 @@ class Engine:
                 self._finish(req, "deadline")
             else:
                 live.append(req)
-        work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.prompt_scorer) if not r.ids  # nothing accepted yet
+        work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.prompt_scorer, break_at=r.state.prompt_break)
+                if not r.ids  # nothing accepted yet
                 else self._decode_work(r) for r in live]
+        self._fit_drafts(work)
         constrained = [r.state.constraint for r in live if r.state.constraint is not None]
         masks = None
         if constrained:  # structured output: the masks are computed while the model runs
@@ -553,7 +559,25 @@ class Engine:
         drafts = [] if probe else req.state.propose(req.seq.draft_room)
         if probe:
             req.next_probe = req.decode_steps + self.config.hit_rate_every
-        return Work(req.seq, [req.state.next_token], False, probe=probe, drafts=drafts)
+        return Work(req.seq, [req.state.next_token], False, probe=probe, drafts=drafts,
+                    acceptance=req.state.draft_acceptance if drafts else 0.0)
+
+    def _fit_drafts(self, work: Sequence[Work]) -> None:
+        """One call pads every sequence to its longest verification, so the call's draft length is chosen for the
+        batch: the k (each item's drafts cut to it) whose expected tokens over all its sequences per cost (1 +
+        verify_row_cost * k) is best; 0 makes it a plain decode call."""
+        items = [w for w in work if not w.prefill and not w.probe]
+        longest = max((len(w.drafts) for w in items), default=0)
+        if longest == 0 or len(items) == 1:  # one sequence: its own rule chose already
+            return
+        cost = self.rt.capabilities.verify_row_cost
+        best_k, best = 0, float(len(items))
+        for k in range(1, longest + 1):
+            rate = sum(expected_tokens(w.acceptance, min(k, len(w.drafts))) for w in items) / (1 + cost * k)
+            if rate > best * 1.0001:
+                best_k, best = k, rate
+        for w in items:
+            w.drafts = w.drafts[:best_k]
 
     def _accept_verified(self, req: EngineRequest, w: Work, rows: np.ndarray) -> None:
         """A verification's logits rows to the request's state (runtime.speculative's rule), the sequence keeping

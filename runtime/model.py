@@ -9,6 +9,7 @@ applies through the backend's demotion graph. The call order equals gsm.golden's
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import weakref
@@ -25,6 +26,7 @@ from runtime.bundle import open_bundle
 from runtime.host_memory import trim_heap
 from runtime.ort_backend import GRAPHS, OrtBackend, SessionTuning
 from runtime.policy import SequenceState, TierPolicy, retier
+from runtime.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, Prefix, PrefixCache
 from runtime.request_state import Generation, RequestState, Token
 from runtime.sampling import RequestError, Sampler, SamplingParams
 from runtime.speculative import SpeculativeConfig, check_speculative
@@ -114,14 +116,34 @@ class Sequence_:
         self.retier_passes += 1
         self.last_kv_noise = None if new_tier is None else self.rt.backend.demote(self.cache, new_tier)
 
-    def prefill(self, ids: Sequence[int], scorer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+    def prefill(self, ids: Sequence[int], scorer: Callable[[int, np.ndarray], None] | None = None,
+                break_at: int | None = None) -> np.ndarray:
         """Prompt (or more of it), in chunks of at most max-input tokens, each followed by a re-tier
-        pass as golden `prefill` does; returns the last position's logits [V]. scorer: prefill_batch's."""
-        return self.rt.prefill_batch([self], [ids], [scorer])[0]
+        pass as golden `prefill` does; returns the last position's logits [V]. scorer, break_at: prefill_batch's."""
+        return self.rt.prefill_batch([self], [ids], [scorer], [break_at])[0]
 
     def decode(self, token: int, *, probe: bool = False) -> np.ndarray:
         """One decode step; re-tier after every `rate`-th step. Returns logits [V]."""
         return self.rt.decode_batch([self], [token], probe=[probe])[0]
+
+    def snapshot(self) -> Prefix:
+        """This sequence's state and cache so far, copied (runtime.prefix_cache)."""
+        return Prefix(tuple(self.state.tokens), copy.deepcopy(self.state), self.rt.backend.take_prefix(self.cache,
+                                                                                                       self.length))
+
+    def restore(self, prefix: Prefix) -> None:
+        """A fresh sequence made the one `prefix` was taken from."""
+        if self.length:
+            raise ValueError("restore() needs a fresh sequence")
+        self.rt.backend.put_prefix(self.cache, prefix.rows)
+        self.state = prefix.state_copy()
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether this sequence's prefill may use and fill the runtime's prefix cache: the runtime's selection
+        budget, a cache that re-tiers (not a refreshed FP16 one), a backend that copies prefixes."""
+        return (self._sparse_top_k is None and not self._fp16_only and self.rt.prefixes.capacity > 0
+                and self.rt.capabilities.prefix_reuse)
 
     @property
     def draft_room(self) -> int:
@@ -196,7 +218,8 @@ class Runtime:
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Backend, *,
                  sparse_window: int | None, sparse_top_k: int | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MIB << 20) -> None:
         self.bundle = bundle
         self.manifest = manifest
         self.cfg = cfg
@@ -227,6 +250,8 @@ class Runtime:
         # requests draft unless told not to (load(speculative=...), a request's own speculative=), where the backend
         # can verify drafts (Capabilities.verify_rows)
         self.speculative = speculative or SpeculativeConfig()
+        # chat prompts' prefixes (runtime.prefix_cache); 0 bytes: none kept (the breaks stay: the same tokens)
+        self.prefixes = PrefixCache(prefix_cache_bytes)
 
     @property
     def can_probe(self) -> bool:
@@ -305,12 +330,16 @@ class Runtime:
         return ids, past, np.array([len(c) for c in chunks], np.int32)
 
     def prefill_batch(self, seqs: Sequence[Sequence_], prompts: Sequence[Sequence[int]],
-                      scorers: Sequence[Callable[[int, np.ndarray], None] | None] | None = None) -> np.ndarray:
+                      scorers: Sequence[Callable[[int, np.ndarray], None] | None] | None = None,
+                      breaks: Sequence[int | None] | None = None) -> np.ndarray:
         """Each sequence's prompt, in rounds of at most max-input tokens per sequence (fewer late in a long
         prompt where the backend bounds a call's working memory: chunk_tokens), each call followed by a re-tier
         pass of every sequence in it.
         Returns each sequence's last-position logits [B, V]. scorers[b] (a bundle built with --logits all):
-        called with (first position, logits [n, V]) of every chunk of sequence b (prompt log-probabilities)."""
+        called with (first position, logits [n, V]) of every chunk of sequence b (prompt log-probabilities).
+        breaks[b]: a call of a fresh sequence b ends there (RequestState.prompt_break: where a chat prompt's last
+        message starts), and the state those tokens leave is found in, or kept in, the prefix cache
+        (runtime.prefix_cache)."""
         prompts = [[int(t) for t in p] for p in prompts]
         if len(prompts) != len(seqs):
             raise ValueError("prefill_batch needs one prompt per sequence")
@@ -322,12 +351,25 @@ class Runtime:
                                        f"bundle's max-seq {self.n_max} (rebuild with a larger --max-seq)")
         out = np.zeros((len(seqs), self.vocab_size), np.float32)
         done = [0] * len(prompts)
+        cut = [None] * len(prompts) if breaks is None else [
+            k if k is not None and seqs[b].length == 0 and 0 < k < len(prompts[b]) else None
+            for b, k in enumerate(breaks)]
+        keep = [False] * len(prompts)  # the prefix to put into the cache once its calls are done
+        for b, k in enumerate(cut):
+            if k is not None and seqs[b].reuses_prefixes and (scorers is None or scorers[b] is None):
+                hit = self.prefixes.get(tuple(prompts[b][:k]))
+                if hit is not None:
+                    seqs[b].restore(hit)
+                    done[b] = k
+                else:
+                    keep[b] = True
         while True:
             part = [b for b, p in enumerate(prompts) if done[b] < len(p)]
             if not part:
                 break
             step = self.chunk_tokens(max(seqs[b].length for b in part), len(part))
-            chunks = [prompts[b][done[b]:done[b] + step] for b in part]
+            ends = [len(prompts[b]) if cut[b] is None or done[b] >= cut[b] else cut[b] for b in part]
+            chunks = [prompts[b][done[b]:min(done[b] + step, end)] for b, end in zip(part, ends)]
             res = self.forward_batch([seqs[b] for b in part], chunks)
             last = res.logits.shape[1] > 1  # logits=all: [B, S, V]; pick each sequence's last new row
             for k, b in enumerate(part):
@@ -339,6 +381,8 @@ class Runtime:
                     scorers[b](done[b], res.logits[k, :n])
                 done[b] += n
                 seqs[b]._retier()
+                if keep[b] and done[b] == cut[b]:
+                    self.prefixes.put(seqs[b].snapshot())
         return out
 
     def verify_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -413,7 +457,7 @@ class Runtime:
         live = [r for r in reqs if r.start()]
         seqs = {id(r): self.new_sequence() for r in live}
         logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live],
-                                    [r.prompt_scorer for r in live]) if live else []
+                                    [r.prompt_scorer for r in live], [r.prompt_break for r in live]) if live else []
         for r, lg in zip(live, logits):
             r.accept(lg, seqs[id(r)].length)
         while True:
@@ -469,7 +513,9 @@ class Runtime:
         """A request's drafting: the runtime's config in the request's mode; None where it is off or the backend
         cannot verify."""
         cfg = self.speculative if check_speculative(mode) is None else dataclasses.replace(self.speculative, mode=mode)
-        return cfg if cfg.on and self.capabilities.verify_rows > 1 else None
+        if not cfg.on or self.capabilities.verify_rows < 2:
+            return None
+        return dataclasses.replace(cfg, row_cost=self.capabilities.verify_row_cost)
 
     def _constraint(self, fmt: Mapping[str, Any] | None) -> Any:
         if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
@@ -505,9 +551,15 @@ class Runtime:
         return self._need_codec().encode_chat(messages)
 
     def chat_request(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> RequestState:
-        """`request` on the rendered messages, stopping at EOS and the template's end-of-turn token."""
-        kw.setdefault("stop_ids", self._need_codec().chat_stop_ids())
-        return self.request(self.chat_ids(messages), max_new_tokens, **kw)
+        """`request` on the rendered messages, stopping at EOS and the template's end-of-turn token; its prefill
+        breaks where the last message starts (the earlier messages' state is kept for the next prompt that starts
+        with them: runtime.prefix_cache)."""
+        codec = self._need_codec()
+        kw.setdefault("stop_ids", codec.chat_stop_ids())
+        ids = self.chat_ids(messages)
+        req = self.request(ids, max_new_tokens, **kw)
+        req.prompt_break = codec.last_message_start(messages, ids)
+        return req
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, **kw: Any) -> TokenStream:
         """`stream` on the rendered messages, stopping at EOS and the template's end-of-turn token."""
@@ -522,7 +574,7 @@ class Runtime:
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
          sparse_top_k: int | None = None, spinning: bool = True, graph: str = "auto",
-         speculative: str = "auto") -> Runtime:
+         speculative: str = "auto", prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
     sparse_top_k: the default selection budget (spec 4.1) of every sequence, 0..max-seq (a value
@@ -539,6 +591,9 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     speculative: "auto" drafts tokens from each request's own prompt and output and verifies them several per call
     (runtime.speculative; same tokens as without, greedy or seeded), where the backend can ("off": one token a call);
     a request's own `speculative=` overrides it.
+    prefix_cache_mib: the memory kept for chat prompts' prefixes (the messages before the last one: a system prompt,
+    worked examples, the history), so that the next prompt starting with them prefills its last message only
+    (runtime.prefix_cache; 0: none kept, the same tokens either way).
 
     auto: TensorRT when the bundle has an engine.plan and TensorRT imports, else ONNX Runtime.
     reference: the TensorRT graph (model.onnx) with the plugins' C++ CPU reference; slow, for checks.
@@ -553,6 +608,9 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     if sparse_top_k is not None:
         check_sparse_top_k(sparse_top_k, cfg.n_max)
     spec = SpeculativeConfig(check_speculative(speculative, "speculative") or "auto")
+    if isinstance(prefix_cache_mib, bool) or not isinstance(prefix_cache_mib, (int, float)) or not (
+            0 <= prefix_cache_mib < float("inf")):
+        raise RequestError("prefix_cache_mib", f"must be a number >= 0 (MiB), got {prefix_cache_mib!r}")
     if isinstance(threads, bool) or int(threads) != threads or threads < 0:
         raise RequestError("threads", f"must be an integer >= 0 (0: ONNX Runtime's default), got {threads}")
     if backend == "auto":
@@ -569,6 +627,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         be = RefBackend(root, cfg)
     else:
         be = OrtBackend(root, cfg, tuning=SessionTuning(threads=threads, spinning=bool(spinning), graph=graph))
-    rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k, speculative=spec)
+    rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k, speculative=spec,
+                 prefix_cache_bytes=int(prefix_cache_mib * (1 << 20)))
     trim_heap()  # what loading parsed and dropped (the tokenizer's JSON: ~16 MiB on SmolLM2) goes back
     return rt

@@ -54,10 +54,19 @@ from gsm.bundle_format import (
     BundleError,
     CpuWeightTable,
 )
-from runtime.backend import Capabilities, RowPool, StepOutput, kv_noise_sums, logit_rows, relative_noise
+from runtime.backend import (
+    Capabilities,
+    PositionRows,
+    RowPool,
+    StepOutput,
+    kv_noise_sums,
+    logit_rows,
+    relative_noise,
+)
 from runtime.host_memory import bound_heap, trim_heap
 from runtime.ort_pools import OrtPools
 from runtime.page_reserve import PageReserve
+from runtime.plugin_cache import put_prefix, take_prefix
 from runtime.slots import SlotTable
 
 log = logging.getLogger("runtime.ort_backend")
@@ -115,6 +124,10 @@ class _RowCopy:
 # ~1.5K positions and gives 128-token calls near 8K, where a smaller bound saved little memory and cost prefill speed
 # (docs/decisions.md "CPU process memory").
 CALL_POSITIONS = 1 << 20
+# A verification's extra rows cost the CPU graph compute, not weight reads: SmolLM2 INT4 on 2 threads, a call of n
+# tokens took 1.87 / 2.72 / 4.29x a one-token step at n = 2 / 4 / 8 after 256 positions, 1.49 / 2.09 / 3.39x after
+# 1K, 1.52 / 2.33 / 4.04x after 4K (the projections' INT8 dot products and each query's attention grow with n)
+VERIFY_ROW_COST = 0.45
 
 
 @dataclass(frozen=True)
@@ -267,6 +280,10 @@ class OrtBackend:
         self._want: dict[tuple[bool, bool], list[str]] = {}
         self._decode_arrays: dict[str, np.ndarray] = {}
         self._decode_copies: list[_RowCopy] = []  # where each new row goes
+        # a short call on model.cpu.onnx (a verification, a short prompt): its logits land in one buffer kept for
+        # every such call (max_batch x VERIFY_ROWS rows, resident as far as used), not in new pages each call
+        self._verifiable = {"logits", "attn_mass", QUERY_MASS}
+        self._logit_buf: np.ndarray | None = None
         # the rows of the memory plan: on model.cpu.onnx the plugin backends' rows and slot tables (PluginRows)
         self.plugin_rows = self.pools.rows if self.pools is not None else None
         self.pool = self.plugin_rows.pool if self.plugin_rows is not None else RowPool(cfg.max_batch, self.name)
@@ -281,7 +298,8 @@ class OrtBackend:
             kv_bytes_per_sequence=per_sequence,
             per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, graph=self.graph,
             graph_note=self.graph_note, call_positions=CALL_POSITIONS,
-            verify_rows=min(VERIFY_ROWS, cfg.max_input) if QUERY_MASS in self.out_names else 0)
+            verify_rows=min(VERIFY_ROWS, cfg.max_input) if QUERY_MASS in self.out_names else 0,
+            verify_row_cost=VERIFY_ROW_COST, prefix_reuse=True)
 
     def open_session(self, so: Any) -> Any:
         """A session of the network this backend runs, with options `so` (the custom-op library registered
@@ -419,6 +437,8 @@ class OrtBackend:
                         if new[b]:
                             self.pages.reserve(c.row, int(past[b]) + 1)
                             self._commit_decode_rows(b, c.row, int(past[b]))
+            elif self.pools is not None and S <= VERIFY_ROWS and self._verifiable.issuperset(want):
+                outs = self._run_verify(B, small[LOGIT_ROWS].shape[1], int(past.max()) + S, want, small)
             else:
                 # a prefill chunk or a probed call: ORT allocates the outputs (from its arena)
                 for name, a in small.items():
@@ -487,12 +507,50 @@ class OrtBackend:
         outs["attn_mass"] = mass
         return outs
 
+    def _run_verify(self, B: int, J: int, L: int, want: list[str],
+                    small: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A call of up to VERIFY_ROWS tokens a sequence on model.cpu.onnx, without probes: inputs bound as they are,
+        logits [B, J, V] into the kept buffer (returned as a copy), the masses into arrays of this call."""
+        for name, a in small.items():
+            self.binding.bind_cpu_input(name, a)
+        self.binding.clear_binding_outputs()
+        self._decode_key = None
+        V = self._fixed["logits"][0][0]
+        if self._logit_buf is None:
+            self._logit_buf = np.empty(self.cfg.max_batch * VERIFY_ROWS * V, np.float32)
+        outs = {"logits": self._logit_buf[:B * J * V].reshape(B, J, V), "attn_mass": np.empty((B, L), np.float32),
+                QUERY_MASS: np.empty((B, J, L), np.float32)}
+        outs = {name: a for name, a in outs.items() if name in want}
+        for name, a in outs.items():
+            self.binding.bind_ortvalue_output(name, self.ort.OrtValue.ortvalue_from_numpy(a))
+        self.session.run_with_iobinding(self.binding)
+        self.binding.clear_binding_outputs()
+        outs["logits"] = outs["logits"].copy()
+        return outs
+
     def _commit_decode_rows(self, b: int, row: int, p: int) -> None:
         """A decode call's new rows of sequence b into every cache buffer at (row, p), both checked by the caller
         (a pool row, p < n_max): one memmove each, on addresses fixed when the arrays were bound (numpy's item
         assignment costs 2 µs a buffer, 0.27 of 0.6 ms of Python a SmolLM2 step with 120 buffers)."""
         for cp in self._decode_copies:
             _memmove(cp.dst + row * cp.dst_row + p * cp.dst_pos, cp.src + b * cp.src_seq, cp.nbytes)
+
+    def take_prefix(self, cache: OrtCache, length: int) -> Any:
+        """The first `length` positions of a sequence's cache, copied (runtime.prefix_cache)."""
+        with self.lock:
+            if self.pools is not None:
+                return take_prefix(self.cfg, self.buffers, cache, length)  # type: ignore[arg-type]
+            return PositionRows({name: buf[cache.row, :length].copy() for name, buf in self.buffers.items()})
+
+    def put_prefix(self, cache: OrtCache, prefix: Any) -> None:
+        with self.lock:
+            if self.pools is not None:
+                put_prefix(self.buffers, cache, prefix)  # type: ignore[arg-type]
+                return
+            n = len(next(iter(prefix.arrays.values())))
+            self.pages.reserve(cache.row, n)
+            for name, rows in prefix.arrays.items():
+                self.buffers[name][cache.row, :n] = rows
 
     def truncate(self, cache: OrtCache, length: int) -> None:
         """The pools' slot table gives the rows from `length` on back; the portable buffers are by position, and a

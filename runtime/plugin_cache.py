@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from gsm.bundle_format import BundleConfig
+from gsm.bundle_format import ROW_CACHE_FREE, BundleConfig
 from gsm.quant_table import full_table
 from runtime.backend import RowPool, kv_noise_sums, relative_noise
-from runtime.slots import SlotTable
+from runtime.slots import ROW_MASK, SlotTable
 
 CACHE_ROWS_REVISION = 6  # the engine_io revision whose plugin graph takes cache_rows
 
@@ -154,3 +154,68 @@ def quant_tables(demote_graph: Any) -> dict[int, np.ndarray]:
             out[int(parts[2])] = full_table(numpy_helper.to_array(t))
     return out
 
+
+
+@dataclass(frozen=True)
+class PrefixRows:
+    """What one sequence's first `length` positions hold of the pools (the plugins' layout): its slot table, each
+    layer's rows those positions name (their bytes, where they lie in the sequence's pool) and its indexer keys.
+    Put back into another sequence's row, that sequence holds the same cache: the same rows at the same places."""
+
+    length: int
+    entries: np.ndarray  # slot entries of positions 0..length-1
+    free: tuple[tuple[int, ...], ...]  # the slot table's free rows per region
+    rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]  # owning layer -> (byte starts, sizes, the bytes)
+    keys: dict[int, np.ndarray]  # owning layer -> index_keys of positions 0..length-1
+
+    @property
+    def nbytes(self) -> int:
+        return self.entries.nbytes + sum(a.nbytes + b.nbytes + c.nbytes for a, b, c in self.rows.values()) + sum(
+            k.nbytes for k in self.keys.values())
+
+
+def row_spans(cfg: BundleConfig, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte start and size of each global row of `rows` in one sequence's pool of owning layer `layer`: each region's
+    rows equally wide and back to back, where the plugins' layout (gsm_layout.h rowOffset) places them."""
+    from gsm_edge_plugins import ref
+
+    d = pool_dims(cfg, layer)
+    counts = cfg.pool_rows.by_tier
+    firsts = np.cumsum((0, *counts[:-1]))
+    bases = np.array([ref.row_offset(d, int(f)) for f in firsts], np.int64)
+    widths = np.array([ref.row_offset(d, int(f) + 1) - ref.row_offset(d, int(f)) if c else 0
+                       for f, c in zip(firsts, counts)], np.int64)
+    region = np.searchsorted(firsts, rows, side="right") - 1  # the last region starting at or before each row
+    return bases[region] + (rows - firsts[region]) * widths[region], widths[region]
+
+
+def _byte_index(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    return np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+
+
+def take_prefix(cfg: BundleConfig, buffers: dict[str, np.ndarray], cache: PluginCache, length: int) -> PrefixRows:
+    """A copy of the first `length` positions of a sequence's cache (runtime.prefix_cache)."""
+    entries = cache.slots.entries[:length].copy()
+    rows = np.unique(entries & ROW_MASK).astype(np.int64)
+    kept, keys = {}, {}
+    for l in cfg.owning_layers:
+        starts, sizes = row_spans(cfg, l, rows)
+        data = buffers[f"kv_pool.{l}"][cache.row].view(np.uint8)[_byte_index(starts, sizes)]
+        kept[l] = (starts, sizes, data)
+        keys[l] = buffers[f"index_keys.{l}"][cache.row, :length].copy()
+    return PrefixRows(length, entries, tuple(tuple(f) for f in cache.slots.free), kept, keys)
+
+
+def put_prefix(buffers: dict[str, np.ndarray], cache: PluginCache, prefix: PrefixRows) -> None:
+    """A fresh sequence's cache made the prefix's: slot table, rows, keys; its row of any row cache emptied (a slot of
+    the row's last sequence could name a position and entry the prefix reuses)."""
+    if np.any(cache.slots.entries >= 0):
+        raise ValueError("a prefix goes into a fresh sequence only")
+    cache.slots.entries[:prefix.length] = prefix.entries
+    cache.slots.free = [list(f) for f in prefix.free]
+    for l, (starts, sizes, data) in prefix.rows.items():
+        buffers[f"kv_pool.{l}"][cache.row].view(np.uint8)[_byte_index(starts, sizes)] = data
+        buffers[f"index_keys.{l}"][cache.row, :prefix.length] = prefix.keys[l]
+    for name, tags in buffers.items():
+        if name.startswith("row_cache_tags."):
+            tags[cache.row] = ROW_CACHE_FREE

@@ -17,7 +17,15 @@ import numpy as np
 from gsm.bundle_format import FILES, LOGIT_ROWS, BundleConfig
 from gsm.quant_table import full_table
 from runtime.backend import Capabilities, StepOutput, check_max_top_k, logit_rows
-from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
+from runtime.plugin_cache import (
+    PluginCache,
+    PluginRows,
+    PrefixRows,
+    put_prefix,
+    quant_tables,
+    read_latents,
+    take_prefix,
+)
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -129,7 +137,7 @@ class RefBackend:
         # demote() reads the re-encoded latents back for the KV noise
         self.capabilities = Capabilities(
             max_resident=R, max_per_call=R, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
-            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True)
+            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, prefix_reuse=True)
 
     def new_cache(self) -> PluginCache:
         return self.plugin_rows.new_cache()
@@ -169,6 +177,12 @@ class RefBackend:
         if probes:
             mass = {l: outs[f"attn_mass.{l}"] for l in self.layers}
         return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
+
+    def take_prefix(self, cache: PluginCache, length: int) -> PrefixRows:
+        return take_prefix(self.cfg, self.buffers, cache, length)
+
+    def put_prefix(self, cache: PluginCache, prefix: PrefixRows) -> None:
+        put_prefix(self.buffers, cache, prefix)
 
     def truncate(self, cache: PluginCache, length: int) -> None:
         cache.slots.truncate(length)

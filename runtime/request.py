@@ -55,7 +55,7 @@ class TokenStream(RequestFields):
         if not st.start():
             return
         seq = self._rt.new_sequence()
-        tok = st.accept(seq.prefill(st.prompt_ids, scorer=st.prompt_scorer), seq.length)
+        tok = st.accept(seq.prefill(st.prompt_ids, scorer=st.prompt_scorer, break_at=st.prompt_break), seq.length)
         if tok is not None:
             yield tok
         while not st.done:

@@ -120,7 +120,7 @@ class RequestState:
                  stop_ids: Sequence[int] | None, *, stop: str | Sequence[str] | None = None,
                  logprobs: int | None = None, constraint: TokenConstraint | None = None,
                  fit_context: bool = False, prompt_logprobs: bool = False,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, prompt_break: int | None = None) -> None:
         self.prompt_ids = check_ids(prompt_ids, model.vocab_size, "prompt")
         if not self.prompt_ids:
             raise RequestError("prompt", "the prompt is empty: need at least one token")
@@ -160,6 +160,8 @@ class RequestState:
         self.drafts = NgramDrafts(self.prompt_ids, speculative) if on else None
         self.draft_length = DraftLength(speculative) if on else None
         self._forced = False  # the last proposal was the grammar's forced tokens
+        # where a chat prompt's last message starts: its prefill ends a call there (runtime.prefix_cache)
+        self.prompt_break = prompt_break
         self._emitted = 0  # characters of the detokenised text released in Token.text so far
         self._cut: int | None = None  # where a stop string began: the text ends there
         if params.penalised:
@@ -247,6 +249,13 @@ class RequestState:
                 self._forced = True  # kept unless a stop ends the request: not evidence for the lookup's rate
                 return forced
         return self.drafts.propose(self.draft_length.length(room))
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The chance each token of the last proposal is kept, as the adaptive rule estimates it (forced tokens: 1)."""
+        if self._forced or self.draft_length is None:
+            return 1.0 if self._forced else 0.0
+        return self.draft_length.acceptance
 
     def accept_verified(self, logits: np.ndarray, drafts: Sequence[int], length: int) -> tuple[list[Token], int]:
         """A verification's logits [n, V] (n = 1 + len(drafts)) after `length` positions: row j is sampled as a

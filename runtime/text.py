@@ -187,17 +187,27 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return self.config.chat_template is not None
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         if self.config.chat_template is None:
             raise ChatTemplateError(f"the bundle has no chat template ({TOKENIZER_CONFIG_FILE} without "
                                     "chat_template); use a prompt instead")
         if self._template is None:  # two threads may both compile it: harmless, same result
             self._template = compile_chat_template(self.config.chat_template)
-        return render_chat(self._template, messages, self.config.special_tokens or {})
+        return render_chat(self._template, messages, self.config.special_tokens or {},
+                           add_generation_prompt=add_generation_prompt)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """The rendered template's ids; the template writes any BOS itself, none is added."""
-        return [int(t) for t in self._chat_tokenizer.encode(self.render_chat(messages)).ids]
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return [int(t) for t in self._chat_tokenizer.encode(text).ids]
+
+    def last_message_start(self, messages: Sequence[Mapping[str, Any]], ids: Sequence[int]) -> int | None:
+        """Where the last message starts in `ids` (encode_chat of `messages`): the length of the earlier messages'
+        rendering where that is a prefix of `ids` (None where the template or the tokenizer join them otherwise)."""
+        if len(messages) < 2:
+            return None
+        head = self.encode_chat(messages[:-1], add_generation_prompt=False)
+        return len(head) if 0 < len(head) < len(ids) and list(ids[:len(head)]) == head else None
 
     def chat_stop_ids(self) -> list[int]:
         """EOS (the bundle's and tokenizer_config's) and the end-of-turn tokens the template writes."""

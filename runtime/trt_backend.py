@@ -245,6 +245,14 @@ class TrtBackend:
             self.plugin_rows.undo(caches, plan)
         return StepOutput(logits, mass, sel, layer_mass)
 
+    def take_prefix(self, cache: PluginCache, length: int) -> Any:
+        raise RuntimeError("backend tensorrt: copying a prefix of the device pools is not implemented "
+                           "(capabilities.prefix_reuse is False)")
+
+    def put_prefix(self, cache: PluginCache, prefix: Any) -> None:
+        raise RuntimeError("backend tensorrt: copying a prefix of the device pools is not implemented "
+                           "(capabilities.prefix_reuse is False)")
+
     def truncate(self, cache: PluginCache, length: int) -> None:
         cache.slots.truncate(length)
 

@@ -278,3 +278,75 @@ def test_a_backend_that_cannot_verify_decodes_one_token_a_call(bundle):
     p = _looping_prompt()
     assert ref.generate(p, 6, stop_ids=[]).ids == runtime.load(bundle, "onnxruntime", threads=1).generate(
         p, 6, stop_ids=[], speculative="off").ids
+
+
+SCHEMA = {"type": "object", "properties": {"part": {"type": "string", "maxLength": 12},
+                                           "severity": {"enum": ["low", "medium", "high"]}},
+          "required": ["part", "severity"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo bundle (a byte-level tokenizer, so structured output runs), built for 4 sequences."""
+    pytest.importorskip("llguidance")
+    import runtime
+    from runtime_bundles import build_demo
+
+    return runtime.load(build_demo(tmp_path_factory.mktemp("spec_demo") / "demo", max_seq=128, max_input=16,
+                                   max_batch=4), "onnxruntime", threads=1)
+
+
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.8, "seed": 3}])
+def test_structured_output_drafts_the_grammars_forced_tokens(demo, kw):
+    """A JSON schema forces its keys, quotes and separators: they are drafted (and kept: the mask allows nothing
+    else), and the answer is the one without drafting."""
+    from runtime.request import TokenStream
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    off = demo.generate("Report:", 60, response_format=fmt, speculative="off", **kw)
+    req = demo.request("Report:", 60, response_format=fmt, speculative="auto", **kw)
+    forced = []
+    propose = req.propose
+
+    def counting(room: int) -> list[int]:
+        d = propose(room)
+        if req._forced:
+            forced.append(len(d))
+        return d
+
+    req.propose = counting
+    on = TokenStream(demo, req).collect()
+    assert (on.ids, on.text, on.finish_reason) == (off.ids, off.text, off.finish_reason)
+    assert sum(forced) >= 4, "the keys and separators of the schema are forced: drafted without a guess"
+
+
+def test_the_engine_batch_with_structured_drafts_equals_alone(demo):
+    from runtime.engine import Engine, EngineConfig
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    reqs = [dict(response_format=fmt), dict(), dict(response_format={"type": "json_object"}, temperature=0.9, seed=4),
+            dict(response_format=fmt, temperature=1.1, seed=9), dict(stop=["e"])]
+    alone = [demo.generate("Report:", 40, speculative="off", **kw) for kw in reqs]
+    with Engine(demo, EngineConfig(min_hit_rate=0.0, max_kv_noise=None)) as eng:
+        got = [r.result(60) for r in [eng.submit("Report:", 40, speculative="auto", **kw) for kw in reqs]]
+    assert [(g.ids, g.text, g.finish_reason) for g in got] == [(a.ids, a.text, a.finish_reason) for a in alone]
+
+
+def test_a_batched_call_drafts_what_pays_for_the_whole_batch(rt):
+    """One call pads every sequence to its longest verification, so the engine picks the call's draft length by the
+    batch's expected tokens per cost: one sure draft among eight plain steps is not worth eight padded rows, eight
+    sure drafts are."""
+    from runtime.engine import Engine, EngineConfig, Work
+
+    eng = Engine(rt, EngineConfig(warmup=False))
+    cost = rt.capabilities.verify_row_cost
+    lone = [Work(None, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0)] + [Work(None, [1], False) for _ in range(7)]
+    eng._fit_drafts(lone)
+    assert lone[0].drafts == []
+    sure = [Work(None, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0) for _ in range(8)]
+    eng._fit_drafts(sure)
+    assert all(w.drafts == [5, 6, 7, 8] for w in sure) and 5 / (1 + 4 * cost) > 1
+    mixed = [Work(None, [1], False, drafts=[5, 6, 7, 8, 9, 10], acceptance=a) for a in (1.0, 0.3, 0.3, 0.3)]
+    eng._fit_drafts(mixed)
+    k = len(mixed[0].drafts)
+    assert 0 < k < 6 and all(len(w.drafts) == k for w in mixed)
