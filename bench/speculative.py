@@ -11,7 +11,8 @@ Workloads (greedy; the same tokens in every mode is checked and printed):
 - story: eight held-out TinyStories openings (tinystories_eval.txt, ~200 tokens each), continued 128 tokens;
 - engine8: the inspection detections, 8 at once through the Engine (continuous batching): aggregate tokens/s.
 
-    python bench/speculative.py --bundle B [--threads 2] [--repeat 2] [--json out.json] [--llama DIR]
+    python bench/speculative.py --bundle B --engine-bundle B8 [--threads 2] [--repeat 2] [--json out.json] \
+        [--llama DIR]      (DIR: scripts/llama_server.sh's; B8: B's build with --max-seq 4352 --max-batch 8)
 
 Each mode runs `--repeat` times, alternating; a workload's figure is its fastest run (this machine's timing noise
 is one-sided). Run it alone: another busy process makes every figure meaningless.
@@ -225,7 +226,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--json", type=Path)
-    p.add_argument("--llama", type=Path, default=Path.home() / ".cache" / "gsm-edge" / "llama.cpp")
+    p.add_argument("--llama", type=Path, default=Path.home() / ".cache" / "gsm-edge" / "llama-server",
+                   help="where scripts/llama_server.sh put bin/llama-server")
     p.add_argument("--engine-bundle", type=Path, help="the bundle of the engine workload (built with --max-batch 8; "
                                                            "default --bundle)")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -265,8 +267,7 @@ def main() -> int:
     print("inspection s/report after the first (its prefix found): " + ", ".join(f"{m} {warm[m]:.3f}" for m in MODES))
     anchors = llama_server(a.llama, a.bundle, a.threads)
     if anchors is None:
-        print(f"| llama.cpp | not run: {a.llama / 'bin' / 'llama-server'} not built (the llama.cpp source "
-              "../shared/tools/llama_cpp.sh builds, target llama-server, -DLLAMA_BUILD_SERVER=ON) |")
+        print(f"| llama.cpp | not run: {a.llama / 'bin' / 'llama-server'} not built (scripts/llama_server.sh) |")
     else:
         for name, v in anchors.items():
             print(f"| {name} | {v['inspection']['request_s']:.3f} | {v['inspection']['tok_s']:.1f} | "

@@ -312,6 +312,8 @@ class Runtime:
             raise ValueError("forward_batch needs one chunk of tokens per sequence, at least one sequence")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
+        if any(s._verified is not None for s in seqs):
+            raise ValueError("a sequence's last verification is not settled: call keep(n) first")
         if len(seqs) > self.capabilities.max_per_call:
             raise ValueError(f"{len(seqs)} sequences in one call: backend {self.backend.name} takes at most "
                              f"{self.capabilities.max_per_call} (capabilities.max_per_call)")

@@ -125,9 +125,9 @@ class _RowCopy:
 # (docs/decisions.md "CPU process memory").
 CALL_POSITIONS = 1 << 20
 # A verification's extra rows cost the CPU graph compute, not weight reads: SmolLM2 INT4 on 2 threads, a call of n
-# tokens took 1.87 / 2.72 / 4.29x a one-token step at n = 2 / 4 / 8 after 256 positions, 1.49 / 2.09 / 3.39x after
-# 1K, 1.52 / 2.33 / 4.04x after 4K (the projections' INT8 dot products and each query's attention grow with n)
-VERIFY_ROW_COST = 0.45
+# tokens took 1.21 / 1.72 / 2.80x a one-token step at n = 2 / 4 / 8 after 256 positions, 1.22 / 1.68 / 2.75x after
+# 1K, 1.34 / 2.09 / 3.55x after 4K (the projections' INT8 dot products and each query's attention grow with n)
+VERIFY_ROW_COST = 0.25
 
 
 @dataclass(frozen=True)
@@ -438,7 +438,8 @@ class OrtBackend:
                             self.pages.reserve(c.row, int(past[b]) + 1)
                             self._commit_decode_rows(b, c.row, int(past[b]))
             elif self.pools is not None and S <= VERIFY_ROWS and self._verifiable.issuperset(want):
-                outs = self._run_verify(B, small[LOGIT_ROWS].shape[1], int(past.max()) + S, want, small)
+                J = S if self.cfg.logits == "all" else small[LOGIT_ROWS].shape[1]  # the rows logits come for
+                outs = self._run_verify(B, J, int(past.max()) + S, want, small)
             else:
                 # a prefill chunk or a probed call: ORT allocates the outputs (from its arena)
                 for name, a in small.items():
@@ -510,7 +511,8 @@ class OrtBackend:
     def _run_verify(self, B: int, J: int, L: int, want: list[str],
                     small: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A call of up to VERIFY_ROWS tokens a sequence on model.cpu.onnx, without probes: inputs bound as they are,
-        logits [B, J, V] into the kept buffer (returned as a copy), the masses into arrays of this call."""
+        logits [B, J, V] into the kept buffer (returned as a copy), the masses into arrays of this call. J: the logit
+        rows (a bundle built with --logits all returns every row of the call)."""
         for name, a in small.items():
             self.binding.bind_cpu_input(name, a)
         self.binding.clear_binding_outputs()
@@ -518,8 +520,9 @@ class OrtBackend:
         V = self._fixed["logits"][0][0]
         if self._logit_buf is None:
             self._logit_buf = np.empty(self.cfg.max_batch * VERIFY_ROWS * V, np.float32)
+        rows = small[LOGIT_ROWS].shape[1]
         outs = {"logits": self._logit_buf[:B * J * V].reshape(B, J, V), "attn_mass": np.empty((B, L), np.float32),
-                QUERY_MASS: np.empty((B, J, L), np.float32)}
+                QUERY_MASS: np.empty((B, rows, L), np.float32)}
         outs = {name: a for name, a in outs.items() if name in want}
         for name, a in outs.items():
             self.binding.bind_ortvalue_output(name, self.ort.OrtValue.ortvalue_from_numpy(a))

@@ -38,7 +38,7 @@ class SpeculativeConfig:
     ngram_min: int = 2  # shortest (a one-token match proposes too often to pay)
     # the cost of each verified row beyond the first, in one-token steps: the backend's (Capabilities.verify_row_cost,
     # set by Runtime.request); the rule drafts k tokens only where the expected tokens beat 1 + row_cost * k
-    row_cost: float = 0.45
+    row_cost: float = 0.25
     prior_acceptance: float = 0.6  # a request's acceptance estimate before its first verification
     memory: float = 0.7  # weight of the previous estimate at each verification (an exponential average)
 

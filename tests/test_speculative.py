@@ -289,8 +289,9 @@ SCHEMA = {"type": "object", "properties": {"part": {"type": "string", "maxLength
 def demo(tmp_path_factory):
     """The demo bundle (a byte-level tokenizer, so structured output runs), built for 4 sequences."""
     pytest.importorskip("llguidance")
-    import runtime
     from runtime_bundles import build_demo
+
+    import runtime
 
     return runtime.load(build_demo(tmp_path_factory.mktemp("spec_demo") / "demo", max_seq=128, max_input=16,
                                    max_batch=4), "onnxruntime", threads=1)
@@ -350,3 +351,18 @@ def test_a_batched_call_drafts_what_pays_for_the_whole_batch(rt):
     eng._fit_drafts(mixed)
     k = len(mixed[0].drafts)
     assert 0 < k < 6 and all(len(w.drafts) == k for w in mixed)
+
+
+def test_a_verification_must_be_settled_before_the_next_call(rt):
+    seq = rt.new_sequence()
+    seq.prefill(_prompt(20))
+    seq.verify([5, 6, 7])
+    with pytest.raises(ValueError, match="keep"):
+        seq.decode(5)
+    with pytest.raises(ValueError, match=r"keep\(4\): needs 1..3"):
+        seq.keep(4)
+    seq.keep(2)
+    assert seq.length == 22
+    with pytest.raises(ValueError, match="after a verify call"):
+        seq.keep(1)
+    seq.close()
