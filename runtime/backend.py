@@ -29,7 +29,6 @@ class Capabilities:
     max_per_call: int  # sequences one forward call may carry
     positions: int  # positions per sequence (max_seq, bundle.json n_max)
     kv_bytes_per_sequence: int  # this backend's cache bytes of one row (a sequence at max_seq), all owning layers
-    per_sequence_top_k: bool  # each sequence selects with its own budget (engine_io revision 4)
     hit_rate_probes: bool  # forward(commit=False) leaves the cache as it was: a dense shadow call is possible
     kv_noise: bool  # demote() measures the KV noise a re-tier pass adds (None from a backend that cannot)
     graph: str | None = None  # which of the bundle's networks runs where there is a choice (onnxruntime: cpu, portable)

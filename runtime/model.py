@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gsm.bundle_format import REBUILD, BundleConfig
+from gsm.bundle_format import BundleConfig
 from runtime.backend import Backend, Capabilities, StepOutput
 from runtime.bundle import open_bundle
 from runtime.host_memory import trim_heap
@@ -234,12 +234,10 @@ class Runtime:
         self.sparse_window = check_sparse_window(sparse_window, cfg)
         # default selection budget of every sequence (Sequence_.sparse_top_k overrides it per sequence)
         self.sparse_top_k = cfg.sparse_top_k if sparse_top_k is None else check_sparse_top_k(sparse_top_k, self.n_max)
-        self._check_budgets(np.array([self.sparse_top_k]))
-        # what the graphs are sent when nobody chose: since engine_io revision 7 window 0 and budget -1, "each
-        # layer's own" (gsm_config layer_selection; the model's window and top-k in a layer without one)
-        per_layer = cfg.graph_revision >= 7
-        self._window_input = 0 if per_layer and sparse_window is None else self.sparse_window
-        self._default_budget = -1 if per_layer and sparse_top_k is None else self.sparse_top_k
+        # what the graphs are sent when nobody chose: window 0 and budget -1, "each layer's own" (gsm_config
+        # layer_selection; the model's window and top-k in a layer without one)
+        self._window_input = 0 if sparse_window is None else self.sparse_window
+        self._default_budget = -1 if sparse_top_k is None else self.sparse_top_k
         self.vocab_size = cfg.vocab_size
         self.logits_all = cfg.logits == "all"  # prefill returns every position's logits (prompt scoring)
         self.bos_token_id = cfg.bos_token_id
@@ -256,10 +254,9 @@ class Runtime:
     @property
     def can_probe(self) -> bool:
         """Whether decode_batch(probe=...) can measure the mask hit rate on this backend: it needs a shadow
-        call that leaves every sequence's cached positions as they were (every backend of revision-4+ bundles;
-        runtime.plugin_cache says why in-place pools allow it) and per-sequence budgets (the dense call)."""
-        caps = self.capabilities
-        return caps.hit_rate_probes and caps.per_sequence_top_k
+        call that leaves every sequence's cached positions as they were (runtime.plugin_cache says why in-place
+        pools allow it)."""
+        return self.capabilities.hit_rate_probes
 
     @property
     def tokenizer(self) -> Any:
@@ -291,19 +288,7 @@ class Runtime:
         return out
 
     def _budgets(self, seqs: Sequence[Sequence_]) -> np.ndarray:
-        return self._check_budgets(np.array([self._default_budget if s.sparse_top_k is None else s.sparse_top_k
-                                             for s in seqs], np.int32))
-
-    def _check_budgets(self, budgets: np.ndarray) -> np.ndarray:
-        """A bundle built before engine_io revision 4 selects with its build-time top_k only: refuse another
-        budget there rather than silently running the build-time one."""
-        fixed = self.cfg.sparse_top_k
-        if not self.capabilities.per_sequence_top_k and np.any(budgets != fixed):
-            raise RequestError("sparse_top_k", f"this bundle's {self.backend.name} graph selects with its build-time "
-                                               f"budget {fixed} only (engine_io revision {self.cfg.graph_revision}; "
-                                               "per-sequence budgets came with revision 4): rebuild it with "
-                                               f"`{REBUILD}`")
-        return budgets
+        return np.array([self._default_budget if s.sparse_top_k is None else s.sparse_top_k for s in seqs], np.int32)
 
     def _call_inputs(self, seqs: Sequence[Sequence_],
                      chunks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -431,7 +416,7 @@ class Runtime:
             pseqs = [seqs[b] for b in probed]
             ids, past, new = self._call_inputs(pseqs, [[int(tokens[b])] for b in probed])
             dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self._window_input,
-                                         self._check_budgets(np.full(len(pseqs), self.n_max, np.int32)),
+                                         np.full(len(pseqs), self.n_max, np.int32),
                                          probes=True, commit=False)
         res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed))
         for k, b in enumerate(probed):

@@ -254,17 +254,14 @@ class OrtBackend:
         self.out_names = [o.name for o in self.session.get_outputs()]
         self.debug = cfg.debug_outputs  # fetch selected.{l} on every call (tests, debugging)
         self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
-        # revision 4 takes the budget per sequence; older graphs select with their build-time top_k only
-        self.per_sequence_top_k = cfg.graph_revision >= 4
         self.demote_out = [] if self.demote_session is None else [o.name for o in self.demote_session.get_outputs()]
-        # revision 5 caches every layer's K rows beside the latents (engine_io 5), and its demotion graph takes
-        # the rows' positions to remake them; older graphs rebuild K per step
+        # the portable graph caches every layer's K rows beside the latents (engine_io 5), and its demotion graph
+        # takes the rows' positions to remake them
         inputs = {i.name: i.shape for i in self.session.get_inputs()}
         # model.cpu.onnx reads and writes the plugins' pools in place (runtime/ort_pools.py); the portable graph
         # reads float32 latents and K rows and returns the call's new rows
         self.pools = OrtPools(cfg, inputs, self._quant_tables(), self.name) if self.graph == "cpu" else None
         self.k_rows = self._k_row_widths(inputs) if self.pools is None else {}
-        self.demote_positions = cfg.graph_revision >= 5
         shapes = self._shapes()
         self.cached = list(shapes)  # the buffers a call writes new rows into (graph outputs `new_<name>`)
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
@@ -296,7 +293,7 @@ class OrtBackend:
         self.capabilities = Capabilities(
             max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
             kv_bytes_per_sequence=per_sequence,
-            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, graph=self.graph,
+            hit_rate_probes=True, kv_noise=True, graph=self.graph,
             graph_note=self.graph_note, call_positions=CALL_POSITIONS,
             verify_rows=min(VERIFY_ROWS, cfg.max_input) if QUERY_MASS in self.out_names else 0,
             verify_row_cost=VERIFY_ROW_COST, prefix_reuse=True)
@@ -364,7 +361,7 @@ class OrtBackend:
             rk, rv = self.cfg.ranks[l]
             shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
             shapes[f"latent_v.{l}"] = ((self.n_max, rv), np.float32)
-            # FP16 keys, or INT8 codes (kv_quantization.index_key_bits 8, graph revision 9)
+            # FP16 keys, or INT8 codes (kv_quantization.index_key_bits 8)
             shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.int8 if self.cfg.index_keys.bits == 8 else np.float16)
         for l, kvd in self.k_rows.items():
             shapes[f"k_rows.{l}"] = ((self.n_max, kvd), np.float32)
@@ -422,8 +419,7 @@ class OrtBackend:
         small = {"input_ids": np.ascontiguousarray(ids, np.int64), "past_lengths": past, "new_lengths": new,
                  "sparse_window": np.array([sparse_window], np.int32),
                  "cache_rows": np.array([c.row for c in caches], np.int32), LOGIT_ROWS: logit_rows(new, rows)}
-        if self.per_sequence_top_k:
-            small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
+        small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
         want = self._wanted(probes, rows is not None and QUERY_MASS in self.out_names)
         with self.lock:
             plan = None
@@ -573,8 +569,7 @@ class OrtBackend:
         if where.size == 0:
             return None
         feeds: dict[str, np.ndarray] = {"new_tier": np.asarray(new_tier, np.int32)[where]}
-        if self.demote_positions:
-            feeds["positions"] = where.astype(np.int32)
+        feeds["positions"] = where.astype(np.int32)
         sums = []
         with self.lock:
             for l in self.layers:
@@ -582,9 +577,7 @@ class OrtBackend:
                     feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
             for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
                 buf = name.replace("_out.", ".")
-                if buf not in self.buffers:  # V rows, returned by the demotion graph of a bundle before revision 12
-                    continue
                 if buf in feeds:  # a latent: the noise is measured on what the tiers change (spec 4.3)
                     sums.append(kv_noise_sums(feeds[buf], arr))
-                self.buffers[buf][cache.row, where] = arr  # latents, and (rev 5) the K rows made from them
+                self.buffers[buf][cache.row, where] = arr  # latents, and the K rows made from them
         return relative_noise(sums)

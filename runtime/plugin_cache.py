@@ -1,11 +1,9 @@
 """The cache of the plugin-graph backends (TensorRT and its CPU reference), host side.
 
-Memory model (docs/engine_io.md section 2, revision 6): per owning layer one byte pool `kv_pool.{l}`
-[R, P32] and indexer keys `index_keys.{l}` [R, N_max, dI], R = the memory plan's max_batch rows, allocated
-once and updated in place by the graphs. A sequence owns one row for its life (`cache_rows[b]` tells the
-graph which) and its slot table; a call carries any subset of the resident sequences, demotion lists name
-the row of each entry. A bundle from before revision 6 has no `cache_rows`: it runs one sequence in row 0
-of one-row pools.
+Memory model (docs/engine_io.md section 2): per owning layer one byte pool `kv_pool.{l}` [R, P32] and indexer keys
+`index_keys.{l}` [R, N_max, dI], R = the memory plan's max_batch rows, allocated once and updated in place by the
+graphs. A sequence owns one row for its life (`cache_rows[b]` tells the graph which) and its slot table; a call
+carries any subset of the resident sequences, demotion lists name the row of each entry.
 
 What is shared here, so that CI runs every line the TensorRT backend runs except the TensorRT calls:
 the rows, the slot-table work before a call (compaction, new rows), the undo of a shadow call, the
@@ -30,8 +28,6 @@ from gsm.bundle_format import ROW_CACHE_FREE, BundleConfig
 from gsm.quant_table import full_table
 from runtime.backend import RowPool, kv_noise_sums, relative_noise
 from runtime.slots import ROW_MASK, SlotTable
-
-CACHE_ROWS_REVISION = 6  # the engine_io revision whose plugin graph takes cache_rows
 
 
 @dataclass
@@ -62,8 +58,7 @@ class PluginRows:
     """The plan's rows of one plugin-graph backend and the host work around each call."""
 
     def __init__(self, cfg: BundleConfig, backend: str) -> None:
-        self.cache_rows = cfg.graph_revision >= CACHE_ROWS_REVISION
-        self.rows = cfg.max_batch if self.cache_rows else 1  # R: what the pools are allocated for
+        self.rows = cfg.max_batch  # R: what the pools are allocated for
         self.n_max, self.tiers = cfg.n_max, cfg.pool_rows.by_tier
         self.pool = RowPool(self.rows, backend)
 

@@ -47,8 +47,6 @@ def _ops() -> list[type]:
 
     def dims(node: Any) -> tuple[Any, dict[str, Any]]:
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-        if "top_k" in a:  # the attribute's name before engine_io revision 4
-            a.setdefault("max_top_k", a.pop("top_k"))
         names = {f for f in ref.Dims.__dataclass_fields__}
         d = ref.Dims(**{k: int(v) for k, v in a.items() if k in names and not isinstance(v, bytes)},
                      **{k: 0 for k in ("num_heads", "num_kv_heads", "head_dim") if k not in a})
@@ -114,22 +112,19 @@ class RefBackend:
         self.layers = list(cfg.owning_layers)
         self.n_max = cfg.n_max
         proto = self.model.proto_
-        self.inputs = {v.name for v in proto.graph.input}
         widths = {v.name: v.type.tensor_type.shape.dim[1].dim_value for v in proto.graph.input
                   if v.name.startswith("kv_pool.")}
-        # revision 4: the owning attention nodes read sparse_top_k, each budget up to their attribute max_top_k;
-        # an older graph selects with its build-time attribute top_k only (Runtime refuses other budgets)
-        self.per_sequence_top_k = cfg.graph_revision >= 4
+        # the owning attention nodes read sparse_top_k, each budget up to their attribute max_top_k
         attrs = next(a for a in ({x.name: x.i for x in n.attribute} for n in proto.graph.node
                                  if n.op_type == "GsmSparseAttention") if a["layer_kind"] == 0)
-        self.max_top_k = int(attrs["max_top_k" if self.per_sequence_top_k else "top_k"])
+        self.max_top_k = int(attrs["max_top_k"])
         self.quant = quant_tables(self.demote_model.proto_)
         self.plugin_rows = PluginRows(cfg, self.name)
         R = self.plugin_rows.rows
         self.buffers: dict[str, np.ndarray] = {}
         for l in self.layers:
             self.buffers[f"kv_pool.{l}"] = np.zeros((R, widths[f"kv_pool.{l}"]), np.int32)
-            keys = cfg.index_keys  # FP16, or INT8 codes four to an int32 word (engine_io revision 9)
+            keys = cfg.index_keys  # FP16, or INT8 codes four to an int32 word
             self.buffers[f"index_keys.{l}"] = np.zeros((R, self.n_max, keys.plugin_width),
                                                        np.float16 if keys.bits == 16 else np.int32)
         row_bytes = sum(b[0].nbytes for b in self.buffers.values()) + 4 * self.n_max  # + the slot table
@@ -137,7 +132,7 @@ class RefBackend:
         # demote() reads the re-encoded latents back for the KV noise
         self.capabilities = Capabilities(
             max_resident=R, max_per_call=R, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
-            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=True, prefix_reuse=True)
+            hit_rate_probes=True, kv_noise=True, prefix_reuse=True)
 
     def new_cache(self) -> PluginCache:
         return self.plugin_rows.new_cache()
@@ -163,10 +158,8 @@ class RefBackend:
         feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
                      new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
                      kv_slots=plan.kv_slots, **{LOGIT_ROWS: logit_rows(new, rows)})
-        if self.per_sequence_top_k:
-            feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
-        if "cache_rows" in self.inputs:
-            feeds["cache_rows"] = plan.cache_rows
+        feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
+        feeds["cache_rows"] = plan.cache_rows
         names = [o.name for o in self.model.proto_.graph.output]
         outs = dict(zip(names, self.model.run(None, feeds)))
         if not commit:

@@ -132,7 +132,7 @@ class TrtBackend:
         self.layers = list(cfg.owning_layers)
         self.n_max, self.B = cfg.n_max, cfg.max_batch
         self.plugin_rows = PluginRows(cfg, self.name)
-        self.R = self.plugin_rows.rows  # 1 before engine_io revision 6 (no cache_rows: one sequence at a time)
+        self.R = self.plugin_rows.rows
         self.inputs = {n for n in self._io_names(self.engine)
                        if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
         self.bufs: dict[str, DeviceBuffer] = {}
@@ -141,13 +141,11 @@ class TrtBackend:
                 continue  # kv_pool_out.{l} / index_keys_out.{l} are bound to their input's buffer
             self.bufs[name] = DeviceBuffer(self.cudart, self._max_bytes(name))
         self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.R * self.n_max * 3 * 4)
-        # engine_io revision 4: the attention plugins read sparse_top_k [B], each budget up to max_top_k, which
-        # the selection width K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives. An older
-        # engine selects with its build-time top_k only (Runtime refuses other budgets).
-        self.per_sequence_top_k = cfg.graph_revision >= 4
+        # the attention plugins read sparse_top_k [B], each budget up to max_top_k, which the selection width
+        # K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives
         l0 = self.layers[0]
-        k_sel = int(self.engine.get_tensor_shape(f"selected.{l0}")[-1]) if self.per_sequence_top_k else 0
-        # revision 7: a layer's node window is the wider of the model's and its own (layer_selection)
+        k_sel = int(self.engine.get_tensor_shape(f"selected.{l0}")[-1])
+        # a layer's node window is the wider of the model's and its own (layer_selection)
         self.max_top_k = k_sel - cfg.sink_tokens - max(cfg.max_sparse_window, cfg.selection_of(l0)[0])
         # KV noise: the pools are read back and dequantised on the host with the demotion graph's tables, which
         # needs the onnx package (the builder extra the engine was built with); without it no noise is measured
@@ -165,7 +163,7 @@ class TrtBackend:
         self.capabilities = Capabilities(
             max_resident=self.R, max_per_call=self.R, positions=self.n_max,
             kv_bytes_per_sequence=sum(self.row_bytes.values()) + 4 * self.n_max,
-            per_sequence_top_k=self.per_sequence_top_k, hit_rate_probes=True, kv_noise=self.quant is not None)
+            hit_rate_probes=True, kv_noise=self.quant is not None)
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -179,7 +177,7 @@ class TrtBackend:
                  LOGIT_ROWS: (self.B, VERIFY_ROWS), "attn_mass": (self.B, self.n_max)}
         if name in fixed:
             return fixed[name]
-        if name.startswith("selected."):  # [B, S, K_sel] (engine_io revision 4 per-layer probe output)
+        if name.startswith("selected."):  # [B, S, K_sel] (the per-layer probe output)
             return (self.B, T, int(self.engine.get_tensor_shape(name)[-1]))
         if name.startswith("attn_mass."):
             return (self.B, self.n_max)
@@ -209,8 +207,7 @@ class TrtBackend:
         changes). The per-layer outputs are bound to device buffers on every call (TensorRT needs every I/O
         address) but read back only with `probes`. commit False (a shadow call): the slot tables are put back
         after it, so the rows it wrote are free again (runtime.plugin_cache)."""
-        if self.per_sequence_top_k:
-            check_max_top_k(top_k, self.max_top_k, self.name)
+        check_max_top_k(top_k, self.max_top_k, self.name)
         B, S = ids.shape
         plan = self.plugin_rows.plan_call(caches, past, new)
         if plan.compaction.size:

@@ -63,7 +63,7 @@ def test_capabilities_state_the_plan(bundle, rt):
     plan = json.loads((bundle / "plan.json").read_text())
     caps = rt.capabilities
     assert plan["max_batch"] == MAX_BATCH and caps.max_resident == MAX_BATCH and caps.positions == MAX_SEQ
-    assert caps.hit_rate_probes and caps.kv_noise and caps.per_sequence_top_k
+    assert caps.hit_rate_probes and caps.kv_noise
     # the bytes the buffers really hold, counted from the arrays
     assert caps.kv_budget_bytes == sum(b.nbytes for b in rt.backend.buffers.values())
     assert {b.shape[0] for b in rt.backend.buffers.values()} == {MAX_BATCH}

@@ -89,7 +89,7 @@ def test_capabilities_are_the_memory_plan(rt):
 
     caps = rt.capabilities
     assert (caps.max_resident, caps.max_per_call, caps.positions) == (ROWS, ROWS, MAX_SEQ)
-    assert caps.hit_rate_probes and caps.kv_noise and caps.per_sequence_top_k and rt.can_probe
+    assert caps.hit_rate_probes and caps.kv_noise and rt.can_probe
     seqs = [rt.new_sequence() for _ in range(ROWS)]
     with pytest.raises(CacheFullError, match=f"all {ROWS} cache rows.*--max-batch"):
         rt.new_sequence()

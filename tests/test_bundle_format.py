@@ -76,7 +76,6 @@ def test_runtime_reads_bundle_json_once_and_hands_the_backend_that_object(bundle
     rt = runtime.load(bundle, "onnxruntime", threads=1)
     assert len(reads) == 1, reads
     assert rt.backend.cfg is rt.cfg and rt.cfg == BundleConfig.load(bundle)
-    assert rt.backend.per_sequence_top_k
 
 
 @pytest.mark.parametrize("edit, words", [

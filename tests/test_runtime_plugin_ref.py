@@ -149,7 +149,7 @@ def test_reference_per_sequence_budgets_equal_golden_at_each_top_k(ckpt, budget_
     import runtime
 
     rt = runtime.load(budget_bundle, backend="reference")
-    assert rt.backend.per_sequence_top_k and rt.backend.max_top_k == N_MAX
+    assert rt.backend.max_top_k == N_MAX
     base = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     prompt = drive_budgets(rt, base, seed=8, steps=8, dense_at=3)[0].state.tokens[:40]  # its prompt
     # the hit-rate probe runs a dense shadow call first: the same rate as onnxruntime on the same sequence
