@@ -15,6 +15,8 @@ import numpy as np
 
 from runtime.sampling import RequestError
 
+BATCH_ROWS = 8  # the call size Capabilities.verify_row_cost_batch is stated for
+
 
 class CacheFullError(RuntimeError):
     """Every cache row of the memory plan is taken; the message names the limit and the build flag."""
@@ -39,14 +41,22 @@ class Capabilities:
     # new tokens per sequence a call may carry whose logits and per-query attention mass (`rows`, StepOutput
     # query_mass) equal one-token steps' bit for bit: a speculative verification's most (0: none, no speculation)
     verify_rows: int = 0
-    # what each verified row beyond the first adds to a call, in one-token steps (the adaptive draft length's price)
+    # what each verified row beyond the first adds to a call, in one-token steps (the adaptive draft length's price),
+    # for a call of one sequence and for a call of BATCH_ROWS or more (a batched step is compute already)
     verify_row_cost: float = 1.0
+    verify_row_cost_batch: float = 1.0
     prefix_reuse: bool = False  # take_prefix / put_prefix copy a sequence's first positions (runtime.prefix_cache)
 
     def __post_init__(self) -> None:
         for name in ("max_resident", "max_per_call", "positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Capabilities.{name}: expected an integer >= 1, got {getattr(self, name)!r}")
+
+    def row_cost(self, sequences: int) -> float:
+        """The cost of a verified row in a call of `sequences` sequences: from verify_row_cost at one to
+        verify_row_cost_batch at BATCH_ROWS, linear in 1 - 1/sequences between."""
+        f = min(1.0, (1 - 1 / max(1, sequences)) / (1 - 1 / BATCH_ROWS))
+        return self.verify_row_cost + f * (self.verify_row_cost_batch - self.verify_row_cost)
 
     @property
     def kv_budget_bytes(self) -> int:

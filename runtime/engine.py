@@ -564,13 +564,14 @@ class Engine:
 
     def _fit_drafts(self, work: Sequence[Work]) -> None:
         """One call pads every sequence to its longest verification, so the call's draft length is chosen for the
-        batch: the k (each item's drafts cut to it) whose expected tokens over all its sequences per cost (1 +
-        verify_row_cost * k) is best; 0 makes it a plain decode call."""
+        batch: the k (each item's drafts cut to it) whose expected tokens over all its sequences per cost (1 + c k,
+        c a verified row's cost in a call of that many sequences: Capabilities.row_cost) is best; 0 makes it a plain
+        decode call."""
         items = [w for w in work if not w.prefill and not w.probe]
         longest = max((len(w.drafts) for w in items), default=0)
         if longest == 0 or len(items) == 1:  # one sequence: its own rule chose already
             return
-        cost = self.rt.capabilities.verify_row_cost
+        cost = self.rt.capabilities.row_cost(len(items))
         best_k, best = 0, float(len(items))
         for k in range(1, longest + 1):
             rate = sum(expected_tokens(w.acceptance, min(k, len(w.drafts))) for w in items) / (1 + cost * k)

@@ -126,8 +126,9 @@ class _RowCopy:
 CALL_POSITIONS = 1 << 20
 # A verification's extra rows cost the CPU graph compute, not weight reads: SmolLM2 INT4 on 2 threads, a call of n
 # tokens took 1.21 / 1.72 / 2.80x a one-token step at n = 2 / 4 / 8 after 256 positions, 1.22 / 1.68 / 2.75x after
-# 1K, 1.34 / 2.09 / 3.55x after 4K (the projections' INT8 dot products and each query's attention grow with n)
-VERIFY_ROW_COST = 0.25
+# 1K, 1.34 / 2.09 / 3.55x after 4K (the projections' INT8 dot products and each query's attention grow with n); with
+# 8 sequences of 256 a call of n = 2 / 3 / 5 each took 1.68 / 2.25 / 3.56x their batched step (4: 1.57 / 2.33 / 3.63)
+VERIFY_ROW_COST, VERIFY_ROW_COST_BATCH = 0.25, 0.65
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ class OrtBackend:
             hit_rate_probes=True, kv_noise=True, graph=self.graph,
             graph_note=self.graph_note, call_positions=CALL_POSITIONS,
             verify_rows=min(VERIFY_ROWS, cfg.max_input) if QUERY_MASS in self.out_names else 0,
-            verify_row_cost=VERIFY_ROW_COST, prefix_reuse=True)
+            verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH, prefix_reuse=True)
 
     def open_session(self, so: Any) -> Any:
         """A session of the network this backend runs, with options `so` (the custom-op library registered

@@ -340,14 +340,15 @@ def test_a_batched_call_drafts_what_pays_for_the_whole_batch(rt):
     from runtime.engine import Engine, EngineConfig, Work
 
     eng = Engine(rt, EngineConfig(warmup=False))
-    cost = rt.capabilities.verify_row_cost
+    cost = rt.capabilities.row_cost(8)
+    assert rt.capabilities.row_cost(1) == rt.capabilities.verify_row_cost < cost == rt.capabilities.row_cost(16)
     lone = [Work(None, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0)] + [Work(None, [1], False) for _ in range(7)]
     eng._fit_drafts(lone)
     assert lone[0].drafts == []
     sure = [Work(None, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0) for _ in range(8)]
     eng._fit_drafts(sure)
     assert all(w.drafts == [5, 6, 7, 8] for w in sure) and 5 / (1 + 4 * cost) > 1
-    mixed = [Work(None, [1], False, drafts=[5, 6, 7, 8, 9, 10], acceptance=a) for a in (1.0, 0.3, 0.3, 0.3)]
+    mixed = [Work(None, [1], False, drafts=[5, 6, 7, 8, 9, 10], acceptance=a) for a in (1.0, 0.8, 0.8, 0.3)]
     eng._fit_drafts(mixed)
     k = len(mixed[0].drafts)
     assert 0 < k < 6 and all(len(w.drafts) == k for w in mixed)
