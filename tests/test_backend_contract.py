@@ -143,6 +143,20 @@ def test_concurrent_greedy_equals_sequential(rt):
     assert max(calls.sizes) == ROWS  # as many per call as the plan holds, never more
 
 
+def test_drafting_gives_the_tokens_of_one_token_steps(rt):
+    """Speculative decoding where the backend verifies drafts (Capabilities.verify_rows > 1), else one token a call:
+    either way, alone and in the engine, the tokens of `speculative="off"`, and the answer of each request alone."""
+    from runtime.engine import Engine, EngineConfig
+
+    reqs = [(p, 20) for p in PROMPTS] + [([1, 5, 9] * 6, 24)]
+    off = [rt.generate(p, n, stop_ids=[], speculative="off").ids for p, n in reqs]
+    assert [rt.generate(p, n, stop_ids=[], speculative="auto").ids for p, n in reqs] == off
+    with Engine(rt, EngineConfig(**NO_FALLBACKS)) as eng:
+        got = [r.result(120).ids for r in [eng.submit(p, n, stop_ids=[], speculative="auto") for p, n in reqs]]
+    assert got == off
+    assert (rt.capabilities.verify_rows > 1) == (rt.backend.name == "onnxruntime")
+
+
 def test_retier_passes_in_a_batch_equal_alone(rt):
     """A 48-token prompt next to short ones: its re-tier passes (every tier reached) give the same tiers, KV
     noise and tokens in a shared call as alone; the noise is measured on every backend."""
