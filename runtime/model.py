@@ -454,7 +454,9 @@ class Runtime:
             if not live:
                 return
             run = [seqs[id(r)] for r in live]
-            drafts = [r.propose(s.draft_room) for r, s in zip(live, run)]
+            # one call gives every sequence as many positions as the longest verification: within all their rooms
+            room = min(min(s.draft_room for s in run), min(self.n_max - s.length for s in run) - 1)
+            drafts = [r.propose(room) for r in live]
             if not any(drafts):
                 for r, s, lg in zip(live, run, self.decode_batch(run, [r.next_token for r in live])):
                     r.accept(lg, s.length)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -341,17 +342,43 @@ def test_a_batched_call_drafts_what_pays_for_the_whole_batch(rt):
 
     eng = Engine(rt, EngineConfig(warmup=False))
     cost = rt.capabilities.row_cost(8)
+    seq = SimpleNamespace(length=100)
     assert rt.capabilities.row_cost(1) == rt.capabilities.verify_row_cost < cost == rt.capabilities.row_cost(16)
-    lone = [Work(None, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0)] + [Work(None, [1], False) for _ in range(7)]
+    lone = [Work(seq, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0)] + [Work(seq, [1], False) for _ in range(7)]
     eng._fit_drafts(lone)
     assert lone[0].drafts == []
-    sure = [Work(None, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0) for _ in range(8)]
+    sure = [Work(seq, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0) for _ in range(8)]
     eng._fit_drafts(sure)
     assert all(w.drafts == [5, 6, 7, 8] for w in sure) and 5 / (1 + 4 * cost) > 1
-    mixed = [Work(None, [1], False, drafts=[5, 6, 7, 8, 9, 10], acceptance=a) for a in (1.0, 0.8, 0.8, 0.3)]
+    mixed = [Work(seq, [1], False, drafts=[5, 6, 7, 8, 9, 10], acceptance=a) for a in (1.0, 0.8, 0.8, 0.3)]
     eng._fit_drafts(mixed)
     k = len(mixed[0].drafts)
     assert 0 < k < 6 and all(len(w.drafts) == k for w in mixed)
+    # a sequence 3 positions from max-seq: the call's verification is at most 3 tokens for every sequence in it
+    near = [Work(SimpleNamespace(length=N_MAX - 3), [1], False)] + [
+        Work(seq, [1], False, drafts=[5, 6, 7, 8], acceptance=1.0) for _ in range(7)]
+    eng._fit_drafts(near)
+    assert max(len(w.drafts) for w in near) <= 2
+
+
+def test_a_batch_with_a_sequence_at_its_context_end_still_verifies_within_it(rt):
+    """One request reaches max-seq while another drafts at every step (an oracle's drafts): a call gives every sequence
+    as many positions as the longest verification, so the drafts stay within the shortest room, and each answer
+    equals the request alone (batched by generate_batch's driver and by the engine)."""
+    from runtime.engine import Engine, EngineConfig
+
+    near, loop = _prompt(N_MAX - 12, 6), _prompt(30, 4)
+    alone = [rt.generate(p, n, stop_ids=[], speculative="off") for p, n in ((near, 20), (loop, 90))]
+    assert alone[0].finish_reason == "context"
+    reqs = [rt.request(near, 20, stop_ids=[]), rt.request(loop, 90, stop_ids=[])]
+    reqs[1].drafts = _Oracle(alone[1].ids, wrong=3)
+    rt._run_together(reqs)
+    assert [r.ids for r in reqs] == [a.ids for a in alone] and reqs[1].draft_length.accepted > 0
+    with Engine(rt, EngineConfig(min_hit_rate=0, max_kv_noise=None)) as eng:
+        hs = [eng.submit(near, 20, stop_ids=[]), eng.submit(loop, 90, stop_ids=[])]
+        hs[1].state.drafts = _Oracle(alone[1].ids, wrong=3)  # before its first decode step (after its prefill)
+        got = [h.result(60) for h in hs]
+    assert [(g.ids, g.finish_reason) for g in got] == [(a.ids, a.finish_reason) for a in alone]
 
 
 def test_a_verification_must_be_settled_before_the_next_call(rt):
