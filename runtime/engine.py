@@ -571,8 +571,7 @@ class Engine:
         longest = max((len(w.drafts) for w in items), default=0)
         if longest == 0 or len(items) == 1:  # one sequence: its own rule chose already
             return
-        # every sequence of the call gets as many positions as the longest verification (padding rows included)
-        longest = min(longest, min(self.rt.n_max - w.seq.length for w in items) - 1)
+        longest = min(longest, self.rt.call_draft_room([w.seq for w in items]))
         cost = self.rt.capabilities.row_cost(len(items))
         best_k, best = 0, float(len(items))
         for k in range(1, max(0, longest) + 1):

@@ -247,7 +247,8 @@ class Runtime:
         self._grammars_lock = threading.Lock()
         # requests draft unless told not to (load(speculative=...), a request's own speculative=), where the backend
         # can verify drafts (Capabilities.verify_rows)
-        self.speculative = speculative or SpeculativeConfig()
+        self.speculative = dataclasses.replace(speculative or SpeculativeConfig(),
+                                               row_cost=self.capabilities.verify_row_cost)
         # chat prompts' prefixes (runtime.prefix_cache); 0 bytes: none kept (the breaks stay: the same tokens)
         self.prefixes = PrefixCache(prefix_cache_bytes)
 
@@ -394,6 +395,11 @@ class Runtime:
             res.append(out.logits[b, :n])
         return res
 
+    def call_draft_room(self, seqs: Sequence[Sequence_]) -> int:
+        """Drafts any sequence may carry in one call with `seqs`: the call gives every sequence as many positions as
+        its longest verification, so the one nearest max-seq bounds them all (each within its own draft_room too)."""
+        return min(self.n_max - s.length for s in seqs) - 1
+
     def chunk_tokens(self, past: int, sequences: int = 1) -> int:
         """Tokens per sequence of a prefill call of `sequences` sequences after at most `past` positions
         (prefill_chunk with this backend's bound, shared among the call's sequences)."""
@@ -454,9 +460,8 @@ class Runtime:
             if not live:
                 return
             run = [seqs[id(r)] for r in live]
-            # one call gives every sequence as many positions as the longest verification: within all their rooms
-            room = min(min(s.draft_room for s in run), min(self.n_max - s.length for s in run) - 1)
-            drafts = [r.propose(room) for r in live]
+            room = self.call_draft_room(run)
+            drafts = [r.propose(min(s.draft_room, room)) for r, s in zip(live, run)]
             if not any(drafts):
                 for r, s, lg in zip(live, run, self.decode_batch(run, [r.next_token for r in live])):
                     r.accept(lg, s.length)
@@ -502,9 +507,7 @@ class Runtime:
         """A request's drafting: the runtime's config in the request's mode; None where it is off or the backend
         cannot verify."""
         cfg = self.speculative if check_speculative(mode) is None else dataclasses.replace(self.speculative, mode=mode)
-        if not cfg.on or self.capabilities.verify_rows < 2:
-            return None
-        return dataclasses.replace(cfg, row_cost=self.capabilities.verify_row_cost)
+        return cfg if cfg.on and self.capabilities.verify_rows > 1 else None
 
     def _constraint(self, fmt: Mapping[str, Any] | None) -> Any:
         if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):

@@ -253,9 +253,9 @@ class RequestState:
     @property
     def draft_acceptance(self) -> float:
         """The chance each token of the last proposal is kept, as the adaptive rule estimates it (forced tokens: 1)."""
-        if self._forced or self.draft_length is None:
-            return 1.0 if self._forced else 0.0
-        return self.draft_length.acceptance
+        if self._forced:
+            return 1.0
+        return 0.0 if self.draft_length is None else self.draft_length.acceptance
 
     def accept_verified(self, logits: np.ndarray, drafts: Sequence[int], length: int) -> tuple[list[Token], int]:
         """A verification's logits [n, V] (n = 1 + len(drafts)) after `length` positions: row j is sampled as a

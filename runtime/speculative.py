@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.sampling import RequestError
+
 SPECULATIVE_MODES = ("auto", "off")
 
 
@@ -56,8 +58,6 @@ class SpeculativeConfig:
 
 
 def check_speculative(mode: str | None, field_name: str = "speculative") -> str | None:
-    from runtime.sampling import RequestError
-
     if mode is not None and mode not in SPECULATIVE_MODES:
         raise RequestError(field_name, f"must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
     return mode
