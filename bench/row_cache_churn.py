@@ -19,13 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
+from gsm import graph_io as io
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 
 
 def tags_of(rt, row: int) -> list[np.ndarray]:
     b = rt.backend.buffers
-    return [b[f"row_cache_tags.{i}"][row, :2].copy() for i in rt.backend.pools.row_cache_layers]
+    return [b[io.ROW_CACHE_TAGS.at(i)][row, :2].copy() for i in rt.backend.pools.row_cache_layers]
 
 
 def made(before: list[np.ndarray], after: list[np.ndarray]) -> list[int]:
@@ -47,7 +49,7 @@ def main() -> None:
     ids = rt.encode(a.text.read_text(encoding="utf-8"))
     layers = len(rt.backend.pools.row_cache_layers)
     print(f"{a.bundle}: row caches {rt.backend.pools.bytes().row_cache / 2**20:.1f} MiB per sequence, {layers} layers; "
-          f"capacity {rt.backend.buffers['row_cache.0'].shape[1]} rows (layer 0)")
+          f"capacity {rt.backend.buffers[io.ROW_CACHE.at(0)].shape[1]} rows (layer 0)")
     print("context | K rows made per step, all layers: mean / max | per layer | selected per layer | ms per step")
     for n in (int(x) for x in a.contexts.split(",")):
         seq = rt.new_sequence()

@@ -29,6 +29,7 @@ import onnx
 from builder.graph_portable import PortableOps
 from builder.nodes import F16, F32, I32
 from builder.plan import PoolRows, pool_words, row_cache_capacity
+from gsm import graph_io as io
 from gsm.bundle_format import ROW_CACHE_TAGS, CpuWeightTable, IndexKeyLayout, WeightSpan
 
 CPU_DOMAIN = "ai.gsm_edge.cpu"
@@ -71,19 +72,19 @@ class CpuOps(PortableOps):
 
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, cfg = self.g, self.cfg
-        self.slots = g.input("kv_slots", I32, ["B", self.n_max])
-        g.input("sparse_top_k", I32, ["B"])  # the per-sequence budget: the layer stack reads it by name
-        self.rows = g.input("cache_rows", I32, ["B"])
+        self.slots = g.input(io.KV_SLOTS.name, I32, ["B", self.n_max])
+        g.input(io.SPARSE_TOP_K.name, I32, ["B"])  # the per-sequence budget: the layer stack reads it by name
+        self.rows = g.input(io.CACHE_ROWS.name, I32, ["B"])
         state = {}
         for l in cfg.owning_layers:
-            state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["R", pool_words(*self.ranks[l], self.pool_rows)]),
-                        "keys": g.input(f"index_keys.{l}", self.pool_key_type,
+            state[l] = {"pool": g.input(io.KV_POOL.at(l), I32, ["R", pool_words(*self.ranks[l], self.pool_rows)]),
+                        "keys": g.input(io.INDEX_KEYS.at(l), self.pool_key_type,
                                         ["R", self.n_max, self.keys.plugin_width])}
         self.row_cache = {}
         for i in range(cfg.num_hidden_layers):
             c = row_cache_capacity(cfg, i, self.n_max)
-            self.row_cache[i] = (g.input(f"row_cache.{i}", F32, ["R", c, cfg.kv_dim]),
-                                 g.input(f"row_cache_tags.{i}", I32, ["R", ROW_CACHE_TAGS, c]))
+            self.row_cache[i] = (g.input(io.ROW_CACHE.at(i), F32, ["R", c, cfg.kv_dim]),
+                                 g.input(io.ROW_CACHE_TAGS.at(i), I32, ["R", ROW_CACHE_TAGS, c]))
         # GsmSideSplit makes the call's key in the type the op takes (FP16, or INT8 codes): it reads only that
         dt = np.int8 if self.keys.bits == 8 else np.float16
         self._keys_like = g.const(np.zeros((1, 1, cfg.gsm.indexer_dim), dt), dt, "keys_like")
@@ -91,8 +92,8 @@ class CpuOps(PortableOps):
 
     def declare_cache_outputs(self) -> None:
         for l in self.cfg.owning_layers:  # per-layer probes; the runtime binds them when asked
-            self.g.output(f"selected.{l}", *self.selected_type(l))
-            self.g.output(f"attn_mass.{l}", F32, self.mass_shape())
+            self.g.output(io.SELECTED.at(l), *self.selected_type(l))
+            self.g.output(io.LAYER_MASS.at(l), F32, self.mass_shape())
 
     def side_split(self, l: int, y: str, scale: str, widths: list[int], batch_shape: str) -> list[str]:
         """Owning layer l's in_proj output y [B*S, sum(widths)] as [B, S, w] blocks (batch_shape: [B, S] int64):
@@ -100,7 +101,7 @@ class CpuOps(PortableOps):
         weights scaled."""
         g = self.g
         self._side.add(l)
-        outs = [f"new_latent_k.{l}", f"new_latent_v.{l}", f"new_index_keys.{l}", f"L{l}.index_q", f"L{l}.index_w"]
+        outs = [io.NEW_LATENT_K.at(l), io.NEW_LATENT_V.at(l), io.NEW_INDEX_KEYS.at(l), f"L{l}.index_q", f"L{l}.index_w"]
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
             return g.op(SIDE_OP, [y, scale, batch_shape, self._keys_like], n_out=len(outs), outputs=outs,
                         domain=CPU_DOMAIN, widths=[int(w) for w in widths])
@@ -174,7 +175,7 @@ class CpuOps(PortableOps):
                self.slots, g.weight(quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows, past, new,
                sparse_window, top_k, self.logit_rows]
         # output 3 (row_cache_misses, tests) left out; 4: the attention mass of each logit row's query
-        outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}", "", f"query_mass.{l}"]
+        outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l), "", f"query_mass.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor
         grows = {"sparse_top_k_divisor": d} if d else {}
         with g.in_scope(f"L{l}.GsmSparseAttention"):

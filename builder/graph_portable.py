@@ -32,6 +32,7 @@ from onnx import TensorProto
 
 from builder.nodes import F16, F32, I8, I32, I64, cast, key_codes, positions, valid_rows
 from builder.onnx_util import GraphBuilder
+from gsm import graph_io as io
 from gsm.bundle_format import VERIFY_ROWS
 from gsm.config import ModelConfig
 from gsm.tiers import INT4, INT8, INT12, QMAX
@@ -64,19 +65,19 @@ class PortableOps:
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, dI = self.g, self.cfg.gsm.indexer_dim
-        self.rows = g.input("cache_rows", I32, ["B"])
+        self.rows = g.input(io.CACHE_ROWS.name, I32, ["B"])
         # the per-sequence selection budget (revision 4); declared with the cache because the layer stack
         # (network.py) is shared with the plugin variant, which declares it the same way
-        g.input("sparse_top_k", I32, ["B"])
+        g.input(io.SPARSE_TOP_K.name, I32, ["B"])
         state = {}
         for l in self.cfg.owning_layers:
             rk, rv = self.ranks[l]
-            state[l] = {"k": g.input(f"latent_k.{l}", F32, ["R", self.n_max, rk]),
-                        "v": g.input(f"latent_v.{l}", F32, ["R", self.n_max, rv]),
-                        "keys": g.input(f"index_keys.{l}", self.key_type, ["R", self.n_max, dI])}
+            state[l] = {"k": g.input(io.LATENT_K.at(l), F32, ["R", self.n_max, rk]),
+                        "v": g.input(io.LATENT_V.at(l), F32, ["R", self.n_max, rv]),
+                        "keys": g.input(io.INDEX_KEYS.at(l), self.key_type, ["R", self.n_max, dI])}
         # revision 5: every layer's K rows (RoPE applied) as the golden reconstructs them from the held
         # latents, cached by position, so that a step gathers K_sel rows instead of rebuilding them
-        self.k_rows = {l: g.input(f"k_rows.{l}", F32, ["R", self.n_max, self.cfg.kv_dim])
+        self.k_rows = {l: g.input(io.K_ROWS.at(l), F32, ["R", self.n_max, self.cfg.kv_dim])
                        for l in range(self.cfg.num_hidden_layers)}
         return state
 
@@ -84,16 +85,16 @@ class PortableOps:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         for l in self.cfg.owning_layers:
             rk, rv = self.ranks[l]
-            g.output(f"new_latent_k.{l}", F32, ["B", "S", rk])
-            g.output(f"new_latent_v.{l}", F32, ["B", "S", rv])
-            g.output(f"new_index_keys.{l}", self.key_type, ["B", "S", dI])
+            g.output(io.NEW_LATENT_K.at(l), F32, ["B", "S", rk])
+            g.output(io.NEW_LATENT_V.at(l), F32, ["B", "S", rv])
+            g.output(io.NEW_INDEX_KEYS.at(l), self.key_type, ["B", "S", dI])
         for l in range(self.cfg.num_hidden_layers):
-            g.output(f"new_k_rows.{l}", F32, ["B", "S", self.cfg.kv_dim])
+            g.output(io.NEW_K_ROWS.at(l), F32, ["B", "S", self.cfg.kv_dim])
         # per-layer probes (revision 4): always in the graph, where they are intermediate tensors anyway;
         # the runtime binds them only when asked (hit-rate probe, debug bundles), so a step pays nothing
         for l in self.cfg.owning_layers:
-            g.output(f"selected.{l}", *self.selected_type(l))
-            g.output(f"attn_mass.{l}", F32, self.mass_shape())
+            g.output(io.SELECTED.at(l), *self.selected_type(l))
+            g.output(io.LAYER_MASS.at(l), F32, self.mass_shape())
 
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
         """Element type and shape of `selected.{l}`: positions ascending, padded with -1 (as the plugin); the
@@ -124,14 +125,14 @@ class PortableOps:
         g, N = self.g, self.n_max
         c64 = {v: g.const(v, np.int64, f"i{v}") for v in (0, 1)}
         with g.in_scope("call"):
-            past, new, rows = "past_lengths", "new_lengths", "cache_rows"
-            shape_bs = g.op("Shape", ["input_ids"])
-            s_len = g.op("Shape", ["input_ids"], start=1, end=2)  # [1]
-            pos, j = positions(g, past, "input_ids")  # [B, S]
+            past, new, rows = io.PAST_LENGTHS.name, io.NEW_LENGTHS.name, io.CACHE_ROWS.name
+            shape_bs = g.op("Shape", [io.INPUT_IDS.name])
+            s_len = g.op("Shape", [io.INPUT_IDS.name], start=1, end=2)  # [1]
+            pos, j = positions(g, past, io.INPUT_IDS.name)  # [B, S]
             valid = valid_rows(g, j, new)
             past3 = g.op("Unsqueeze", [past, g.const([1, 2], np.int64, "ax12")])  # [B, 1, 1]
             base = g.op("Mul", [cast(g, rows, I64), g.const(N, np.int64, "n_max")])  # [B]: row * N_max
-            b_idx = g.op("Range", [c64[0], g.op("Squeeze", [g.op("Shape", ["input_ids"], end=1)]), c64[1]])
+            b_idx = g.op("Range", [c64[0], g.op("Squeeze", [g.op("Shape", [io.INPUT_IDS.name], end=1)]), c64[1]])
             geo = {"pos": pos, "past3": past3,
                    "valid3": g.op("Unsqueeze", [cast(g, valid, F32), g.const([2], np.int64, "ax2")]),  # [B, S, 1]
                    "base3": g.op("Unsqueeze", [base, g.const([1, 2], np.int64, "ax12")]),
@@ -163,7 +164,7 @@ class PortableOps:
             geo.update(s3=s3, t3=t3, n_cols=g.op("Add", [tc, s_len]))  # [1]
             geo["col_pos"] = g.op("Expand", [s3, g.op("Concat", [shape_bs, geo["n_cols"]], axis=0)])  # [B, S, C]
             length = g.op("Add", [tc, s_len])  # attn_mass covers positions 0..max(past) + S - 1
-            geo["mass0"] = g.op("ConstantOfShape", [g.op("Concat", [g.op("Shape", ["input_ids"], end=1), length],
+            geo["mass0"] = g.op("ConstantOfShape", [g.op("Concat", [g.op("Shape", [io.INPUT_IDS.name], end=1), length],
                                                          axis=0)], value=_zero_f32())
         self._geo = geo
         return geo
@@ -207,10 +208,10 @@ class PortableOps:
         g = self.g
         with g.in_scope(f"L{l}.GsmKVCacheUpdate"):
             out = dict(cache)
-            out["new_k"] = g.op("Cast", [cast(g, ck, F16)], to=F32, outputs=[f"new_latent_k.{l}"])
-            out["new_v"] = g.op("Cast", [cast(g, cv, F16)], to=F32, outputs=[f"new_latent_v.{l}"])
-            out["new_keys"] = (key_codes(g, key, I8, outputs=[f"new_index_keys.{l}"]) if self.int8_keys
-                               else g.op("Cast", [key], to=F16, outputs=[f"new_index_keys.{l}"]))
+            out["new_k"] = g.op("Cast", [cast(g, ck, F16)], to=F32, outputs=[io.NEW_LATENT_K.at(l)])
+            out["new_v"] = g.op("Cast", [cast(g, cv, F16)], to=F32, outputs=[io.NEW_LATENT_V.at(l)])
+            out["new_keys"] = (key_codes(g, key, I8, outputs=[io.NEW_INDEX_KEYS.at(l)]) if self.int8_keys
+                               else g.op("Cast", [key], to=F16, outputs=[io.NEW_INDEX_KEYS.at(l)]))
         return out
 
     # -- GsmSparseAttention --------------------------------------------------------------------------
@@ -236,7 +237,7 @@ class PortableOps:
             rk, rv = self.ranks[l if owning else source]
             # this call's K rows (graph output `new_k_rows.{l}`: the runtime caches them with the latents)
             lat_new = cache["new_k"] if owning else g.op("Concat", [cache["new_k"], cache["new_v"]], axis=-1)
-            k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"], out=f"new_k_rows.{l}")
+            k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"], out=io.NEW_K_ROWS.at(l))
             k, lat_v, inv = self._selected_kv(geo, p, cache, rk, rv, k_new, self.k_rows[l], owning)
             # queries: RoPE at pos, then each head widened to all nKV key heads, zero outside its own
             # (head h reads key head h // grp): the logits are then one MatMul per query against the
@@ -262,7 +263,7 @@ class PortableOps:
                 flat = g.const([0, -1], np.int64, "b_flat")
                 mass = g.op("ScatterElements", [geo["mass0"], g.op("Reshape", [cast(g, p, I64), flat]),
                                                 g.op("Reshape", [per_pos, flat])], axis=1, reduction="add",
-                            outputs=[f"attn_mass.{l}"])  # [B, L]
+                            outputs=[io.LAYER_MASS.at(l)])  # [B, L]
                 self.query_masses.append(self._query_mass(l, geo, per_pos, p))
         return out, (selected if owning else None), mass
 
@@ -439,7 +440,7 @@ class PortableOps:
         key = g.op("Where", [chosen, g.op("Neg", [cast(g, sel_pos, F32)]), ninf])
         svals, order = g.op("TopK", [key, geo["k"]], n_out=2, axis=-1, largest=1, sorted=1)
         return g.op("Where", [g.op("Greater", [svals, ninf]), g.op("GatherElements", [sel_pos, order], axis=2),
-                              g.const(-1, np.int32, "minus1")], outputs=[f"selected.{l}"])
+                              g.const(-1, np.int32, "minus1")], outputs=[io.SELECTED.at(l)])
 
     # -- GsmKVDemote (demotion graph) ---------------------------------------------------------------
     def demote(self, l: int, lat: str, new_tier: str, quant: str, cols: tuple[int, int], out: str) -> str:

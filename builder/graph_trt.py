@@ -13,6 +13,7 @@ from typing import Any
 from builder.nodes import F16, F32, I32, key_codes
 from builder.onnx_util import GraphBuilder
 from builder.plan import PoolRows, pool_words
+from gsm import graph_io as io
 from gsm.bundle_format import IndexKeyLayout
 from gsm.config import ModelConfig
 
@@ -73,23 +74,23 @@ class PluginOps:
     # -- I/O ---------------------------------------------------------------------------------------
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g = self.g
-        self.slots = g.input("kv_slots", I32, ["B", self.n_max])
-        self.top_k = g.input("sparse_top_k", I32, ["B"])  # per-sequence selection budget (engine_io rev 4)
-        self.cache_rows = g.input("cache_rows", I32, ["B"])  # each sequence's row of the pools (engine_io rev 6)
+        self.slots = g.input(io.KV_SLOTS.name, I32, ["B", self.n_max])
+        self.top_k = g.input(io.SPARSE_TOP_K.name, I32, ["B"])  # per-sequence selection budget (engine_io rev 4)
+        self.cache_rows = g.input(io.CACHE_ROWS.name, I32, ["B"])  # each sequence's row of the pools (engine_io rev 6)
         state = {}
         for l in self.cfg.owning_layers:
-            state[l] = {"pool": g.input(f"kv_pool.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)]),
-                        "keys": g.input(f"index_keys.{l}", self.key_type, ["R", self.n_max, self.keys.plugin_width])}
+            state[l] = {"pool": g.input(io.KV_POOL.at(l), I32, ["R", pool_words(*self.ranks[l], self.rows)]),
+                        "keys": g.input(io.INDEX_KEYS.at(l), self.key_type, ["R", self.n_max, self.keys.plugin_width])}
         return state
 
     def declare_cache_outputs(self) -> None:
         g = self.g
         for l in self.cfg.owning_layers:
-            g.output(f"kv_pool_out.{l}", I32, ["R", pool_words(*self.ranks[l], self.rows)])
-            g.output(f"index_keys_out.{l}", self.key_type, ["R", self.n_max, self.keys.plugin_width])
+            g.output(io.KV_POOL_OUT.at(l), I32, ["R", pool_words(*self.ranks[l], self.rows)])
+            g.output(io.INDEX_KEYS_OUT.at(l), self.key_type, ["R", self.n_max, self.keys.plugin_width])
         for l in self.cfg.owning_layers:  # per-layer probes (rev 4); the runtime binds them when asked
-            g.output(f"selected.{l}", *self.selected_type(l))
-            g.output(f"attn_mass.{l}", F32, self.mass_shape())
+            g.output(io.SELECTED.at(l), *self.selected_type(l))
+            g.output(io.LAYER_MASS.at(l), F32, self.mass_shape())
 
     # -- nodes -------------------------------------------------------------------------------------
     def kv_update(self, l: int, cache: dict[str, str], ck: str, cv: str, key: str, past: str,
@@ -101,7 +102,7 @@ class PluginOps:
                 key = key_codes(g, key)
             pool, keys = g.op("GsmKVCacheUpdate", [ck, cv, key, cache["pool"], cache["keys"], self.slots, past, new,
                                                    self.cache_rows],
-                              outputs=[f"kv_pool_out.{l}", f"index_keys_out.{l}"], domain=DOMAIN,
+                              outputs=[io.KV_POOL_OUT.at(l), io.INDEX_KEYS_OUT.at(l)], domain=DOMAIN,
                               **self._attrs(rank_k=rk, rank_v=rv, index_dim=self.cfg.gsm.indexer_dim),
                               **self._key_attrs())
         return {"pool": pool, "keys": keys}
@@ -125,7 +126,7 @@ class PluginOps:
             if divisor:  # absent: a fixed top-k, as graphs before it
                 attrs["sparse_top_k_divisor"] = divisor
             ins += [index_q, index_w, cache["keys"], sparse_window, top_k, self.cache_rows]
-            outs = [f"L{l}.attn_out", f"selected.{l}", f"attn_mass.{l}"]
+            outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l)]
         else:
             ins += [selected, self.cache_rows]
             outs = [f"L{l}.attn_out"]

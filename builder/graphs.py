@@ -29,6 +29,7 @@ from builder.onnx_util import OPSET, OPSET_INT4, GraphBuilder, WeightStore, save
 from builder.plan import PoolRows
 from builder.qlinear import ProjectionStore
 from builder.wquant import WeightQuantConfig
+from gsm import graph_io as io
 from gsm import names
 from gsm.bundle_format import FILES
 
@@ -114,8 +115,8 @@ def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
     the rows' `positions` [M] as the golden reconstructs them."""
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PortableOps(g, cfg, ranks, n)
-    tier = g.input("new_tier", I32, ["M"])
-    pos = g.input("positions", I32, ["M"])
+    tier = g.input(io.NEW_TIER.name, I32, ["M"])
+    pos = g.input(io.POSITIONS.name, I32, ["M"])
     cos, sin = rope_at(g, (g.weight(ROPE_COS), g.weight(ROPE_SIN)), pos, cfg.head_dim)  # [M, 1, 2, D/2]
     out: dict[int, dict[str, str]] = {}
     for l in cfg.owning_layers:
@@ -133,8 +134,8 @@ def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
             lat = g.op("Concat", [src["k"], src["v"]], axis=-1)
             up, owning = (g.weight(names.layer_name("proj_w", i)), g.weight(names.layer_name("proj_b", i))), False
         with g.in_scope(f"L{i}.GsmKVDemote"):
-            ops.k_rows_from(lat, up, owning, cos, sin, out=f"k_rows_out.{i}", lead_dims=1)
-        g.output(f"k_rows_out.{i}", F32, ["M", cfg.kv_dim])
+            ops.k_rows_from(lat, up, owning, cos, sin, out=io.K_ROWS_OUT.at(i), lead_dims=1)
+        g.output(io.K_ROWS_OUT.at(i), F32, ["M", cfg.kv_dim])
     save_model(g.model("gsm_demote_portable", doc="re-encode changed latent rows to their new tier, and their K "
                                                   "rows (docs/engine_io.md 5)"), path)
 
@@ -144,11 +145,11 @@ def _demote_trt(g: GraphBuilder, spec: NetSpec, rows: PoolRows, path: Path) -> N
 
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PluginOps(g, cfg, ranks, n, rows)
-    lst = g.input("demote_list", I32, ["M", 3])
+    lst = g.input(io.DEMOTE_LIST.name, I32, ["M", 3])
     for l in cfg.owning_layers:
         p = pool_words(*ranks[l], rows)
-        pool = g.input(f"kv_pool.{l}", I32, ["R", p])  # every cache row; a list entry names its row
-        ops.demote(l, pool, lst, quant_name(l), f"kv_pool_out.{l}")
-        g.output(f"kv_pool_out.{l}", I32, ["R", p])
+        pool = g.input(io.KV_POOL.at(l), I32, ["R", p])  # every cache row; a list entry names its row
+        ops.demote(l, pool, lst, quant_name(l), io.KV_POOL_OUT.at(l))
+        g.output(io.KV_POOL_OUT.at(l), I32, ["R", p])
     save_model(g.model("gsm_demote", extra_opsets={DOMAIN: 1}, doc="GsmKVDemote per owning layer (engine_io 4.3)"),
                path)

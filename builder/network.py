@@ -36,8 +36,8 @@ from builder.qlinear import (
     nbits_gather_nodes,
     nbits_nodes,
 )
+from gsm import graph_io as io
 from gsm import names
-from gsm.bundle_format import LOGIT_ROWS, QUERY_MASS
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
 
@@ -169,10 +169,10 @@ class Network:
         if key not in self._selections:
             g = self.g
             with g.in_scope(f"call/selection_w{key[0]}_k{key[1]}"):
-                w = g.op("Where", [g.op("Less", ["sparse_window", g.const([1], np.int32, "one_i32")]),
-                                   g.const([ls.sparse_window], np.int32, "layer_window"), "sparse_window"])
-                k = g.op("Where", [g.op("Less", ["sparse_top_k", g.const(0, np.int32, "zero_i32")]),
-                                   g.const(ls.sparse_top_k, np.int32, "layer_top_k"), "sparse_top_k"])
+                w = g.op("Where", [g.op("Less", [io.SPARSE_WINDOW.name, g.const([1], np.int32, "one_i32")]),
+                                   g.const([ls.sparse_window], np.int32, "layer_window"), io.SPARSE_WINDOW.name])
+                k = g.op("Where", [g.op("Less", [io.SPARSE_TOP_K.name, g.const(0, np.int32, "zero_i32")]),
+                                   g.const(ls.sparse_top_k, np.int32, "layer_top_k"), io.SPARSE_TOP_K.name])
             self._selections[key] = (w, k)
         return self._selections[key]
 
@@ -418,13 +418,13 @@ class Network:
     def build(self) -> None:
         g, cfg, spec, ops = self.g, self.cfg, self.spec, self.ops
         qd = cfg.q_dim
-        ids = g.input("input_ids", I64, ["B", "S"])
-        past = g.input("past_lengths", I32, ["B"])
-        new = g.input("new_lengths", I32, ["B"])
-        g.input("sparse_window", I32, [1])
+        ids = g.input(io.INPUT_IDS.name, I64, ["B", "S"])
+        past = g.input(io.PAST_LENGTHS.name, I32, ["B"])
+        new = g.input(io.NEW_LENGTHS.name, I32, ["B"])
+        g.input(io.SPARSE_WINDOW.name, I32, [1])
         # the rows of each sequence whose logits come back (and, where the attention nodes measure it, whose
         # attention mass comes back per query): a one-token step's row 0, a prefill's last, a verification's all
-        ops.logit_rows = self.logit_rows = g.input(LOGIT_ROWS, I32, ["B", "J"])
+        ops.logit_rows = self.logit_rows = g.input(io.LOGIT_ROWS.name, I32, ["B", "J"])
         cache = ops.declare_cache()
         tables = rope_tables(spec.n_max, cfg.head_dim, cfg.rope_theta)
         rope = (g.weight(ROPE_COS, lambda: tables[0]), g.weight(ROPE_SIN, lambda: tables[1]))
@@ -481,16 +481,16 @@ class Network:
                     h, normed = self.proj(self.mlp(i, y), down, residual=h), None
         self._head(h, shape_bs, new)
         # one variadic Sum (in order, as a chain of Adds would add them) instead of a node per owning layer
-        g.op("Sum" if len(masses) > 1 else "Identity", masses, outputs=["attn_mass"])
-        g.output("attn_mass", F32, ops.mass_shape())
+        g.op("Sum" if len(masses) > 1 else "Identity", masses, outputs=[io.ATTN_MASS.name])
+        g.output(io.ATTN_MASS.name, F32, ops.mass_shape())
         if ops.query_masses:  # the variants whose attention measures each logit row's query
-            g.op("Sum" if len(ops.query_masses) > 1 else "Identity", ops.query_masses, outputs=[QUERY_MASS])
-            g.output(QUERY_MASS, F32, ["B", "J", ops.mass_shape()[-1]])
+            g.op("Sum" if len(ops.query_masses) > 1 else "Identity", ops.query_masses, outputs=[io.QUERY_MASS.name])
+            g.output(io.QUERY_MASS.name, F32, ["B", "J", ops.mass_shape()[-1]])
         ops.declare_cache_outputs()
         if spec.debug:
             for l in cfg.owning_layers:
-                g.op("Identity", [selected[l]], outputs=[f"selected.{l}"])
-                g.output(f"selected.{l}", *ops.selected_type(l))
+                g.op("Identity", [selected[l]], outputs=[io.SELECTED.at(l)])
+                g.output(io.SELECTED.at(l), *ops.selected_type(l))
 
     def _head(self, h: str, shape_bs: str, new: str) -> None:
         """Final norm and LM head, on the rows `logit_rows` of each sequence (`last`) or every row (`all`)."""
@@ -509,12 +509,12 @@ class Network:
             logits = cast(g, logits, F32)
         if self.spec.logits == "last":
             g.op("Reshape", [logits, g.op("Concat", [g.op("Shape", [self.logit_rows]), g.const([V], np.int64, "w_v")],
-                                          axis=0)], outputs=["logits"])
-            g.output("logits", F32, ["B", "J", V])
+                                          axis=0)], outputs=[io.LOGITS.name])
+            g.output(io.LOGITS.name, F32, ["B", "J", V])
         else:
             g.op("Reshape", [logits, g.op("Concat", [shape_bs, g.const([V], np.int64, "w_v")], axis=0)],
-                 outputs=["logits"])
-            g.output("logits", F32, ["B", "S", V])
+                 outputs=[io.LOGITS.name])
+            g.output(io.LOGITS.name, F32, ["B", "S", V])
 
 
 __all__ = ["F16", "FUSED", "GSM_SIDE", "CheckpointSource", "NetSpec", "Network", "ROPE_COS", "ROPE_SIN", "TensorSource",

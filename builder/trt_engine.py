@@ -20,7 +20,8 @@ from typing import Any
 
 from builder.bundle import add_file_to_bundle, read_bundle_manifest
 from builder.plan import WORKSPACE_BYTES, MemoryPlan
-from gsm.bundle_format import FILES, LOGIT_ROWS, VERIFY_ROWS, BundleConfig
+from gsm import graph_io as io
+from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
 
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
 PLUGIN_LIB_NAMES = ("libgsm_trt_plugins.so", "gsm_trt_plugins.dll")
@@ -66,12 +67,13 @@ def find_plugin_library() -> Path:
 
 def _input_shapes(cfg: BundleConfig, s: tuple[int, int, int], b: tuple[int, int, int]) -> dict[str, Any]:
     """min/opt/max shapes of the dynamic inputs for one optimisation profile."""
-    shapes: dict[str, Any] = {"input_ids": [(bb, ss) for bb, ss in zip(b, s)],
-                              "past_lengths": [(bb,) for bb in b], "new_lengths": [(bb,) for bb in b],
-                              "sparse_top_k": [(bb,) for bb in b], "cache_rows": [(bb,) for bb in b],
-                              "sparse_window": [(1,)] * 3, "kv_slots": [(bb, cfg.n_max) for bb in b],
+    per_sequence = [(bb,) for bb in b]
+    shapes: dict[str, Any] = {io.INPUT_IDS.name: [(bb, ss) for bb, ss in zip(b, s)],
+                              io.PAST_LENGTHS.name: per_sequence, io.NEW_LENGTHS.name: per_sequence,
+                              io.SPARSE_TOP_K.name: per_sequence, io.CACHE_ROWS.name: per_sequence,
+                              io.SPARSE_WINDOW.name: [(1,)] * 3, io.KV_SLOTS.name: [(bb, cfg.n_max) for bb in b],
                               # a prefill's one row, a verification's up to VERIFY_ROWS (speculative decoding)
-                              LOGIT_ROWS: [(bb, j) for bb, j in zip(b, (1, 1, min(VERIFY_ROWS, max(s))))]}
+                              io.LOGIT_ROWS.name: [(bb, j) for bb, j in zip(b, (1, 1, min(VERIFY_ROWS, max(s))))]}
     return shapes
 
 
@@ -138,7 +140,7 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
     prof = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         t = network.get_input(i)
-        if t.name == "demote_list":
+        if t.name == io.DEMOTE_LIST.name:
             prof.set_shape(t.name, (1, 3), (max(1, N // 4), 3), (B * N, 3))
         else:  # the pools, whole: demote_list entries name their rows
             prof.set_shape(t.name, *[tuple([B] + list(t.shape)[1:])] * 3)

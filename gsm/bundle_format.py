@@ -30,8 +30,6 @@ BUNDLE_VERSION = 1
 GRAPH_REVISION = 13
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 VERIFY_ROWS = 16
-LOGIT_ROWS = "logit_rows"  # graph input [B, J] int32: the rows of each sequence whose logits come back
-QUERY_MASS = "query_mass"  # graph output [B, J, L] float32: the attention mass of those rows' queries
 
 
 class BundleError(ValueError):

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gsm import graph_io as io
 from runtime.sampling import RequestError
 
 BATCH_ROWS = 8  # the call size Capabilities.verify_row_cost_batch is stated for
@@ -173,6 +174,24 @@ def logit_rows(new: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     if rows is None:
         return (np.asarray(new, np.int32) - 1).reshape(-1, 1)
     return np.ascontiguousarray(rows, np.int32)
+
+
+def step_feeds(ids: np.ndarray, past: np.ndarray, new: np.ndarray, sparse_window: int, top_k: np.ndarray,
+               cache_rows: np.ndarray, rows: np.ndarray | None, kv_slots: np.ndarray | None = None
+               ) -> dict[str, np.ndarray]:
+    """The small inputs of one step call (gsm.graph_io.STEP_INPUTS), by name, in the dtypes the graphs declare;
+    kv_slots only for the networks over the plugins' pools."""
+    B = len(past)
+    feeds = {io.INPUT_IDS.name: np.ascontiguousarray(ids, np.int64),
+             io.PAST_LENGTHS.name: np.ascontiguousarray(past, np.int32),
+             io.NEW_LENGTHS.name: np.ascontiguousarray(new, np.int32),
+             io.SPARSE_WINDOW.name: np.array([sparse_window], np.int32),
+             io.SPARSE_TOP_K.name: np.ascontiguousarray(top_k, np.int32).reshape(B),
+             io.CACHE_ROWS.name: np.ascontiguousarray(cache_rows, np.int32),
+             io.LOGIT_ROWS.name: logit_rows(new, rows)}
+    if kv_slots is not None:
+        feeds[io.KV_SLOTS.name] = kv_slots
+    return feeds
 
 
 @dataclass(frozen=True)

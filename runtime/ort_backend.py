@@ -44,10 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from gsm import graph_io as io
 from gsm.bundle_format import (
     FILES,
-    LOGIT_ROWS,
-    QUERY_MASS,
     REBUILD,
     VERIFY_ROWS,
     BundleConfig,
@@ -60,8 +59,8 @@ from runtime.backend import (
     RowPool,
     StepOutput,
     kv_noise_sums,
-    logit_rows,
     relative_noise,
+    step_feeds,
 )
 from runtime.host_memory import bound_heap, trim_heap
 from runtime.ort_pools import OrtPools
@@ -205,7 +204,7 @@ class OrtCache:
         b = self.backend
         if b.pools is not None:
             return b.pools.latents(self, layer, n)  # type: ignore[arg-type]
-        return b.buffers[f"latent_k.{layer}"][self.row, :n], b.buffers[f"latent_v.{layer}"][self.row, :n]
+        return b.buffers[io.LATENT_K.at(layer)][self.row, :n], b.buffers[io.LATENT_V.at(layer)][self.row, :n]
 
     def release(self) -> None:
         self.backend.release(self)
@@ -254,7 +253,7 @@ class OrtBackend:
         self.layers = list(cfg.owning_layers)
         self.out_names = [o.name for o in self.session.get_outputs()]
         self.debug = cfg.debug_outputs  # fetch selected.{l} on every call (tests, debugging)
-        self.probe_names = {f"{kind}.{l}" for l in self.layers for kind in ("selected", "attn_mass")}
+        self.probe_names = {n for l in self.layers for n in (io.SELECTED.at(l), io.LAYER_MASS.at(l))}
         self.demote_out = [] if self.demote_session is None else [o.name for o in self.demote_session.get_outputs()]
         # the portable graph caches every layer's K rows beside the latents (engine_io 5), and its demotion graph
         # takes the rows' positions to remake them
@@ -270,17 +269,17 @@ class OrtBackend:
         # a decode call's (S = 1) outputs of fixed shape, bound once per batch size and set of outputs to arrays
         # kept here: a step then rebinds only what changes shape (attn_mass grows with the context)
         widths = {f"new_{n}": (shape[1:], dt) for n, (shape, dt) in shapes.items()}
-        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
-        widths["logits"] = ((int(logits.shape[-1]),), np.float32)
+        logits = next(o for o in self.session.get_outputs() if o.name == io.LOGITS.name)
+        widths[io.LOGITS.name] = ((int(logits.shape[-1]),), np.float32)
         self._fixed = widths
-        self._decodable = set(widths) | {"attn_mass"}  # a call that wants no more runs through _run_decode
+        self._decodable = set(widths) | {io.ATTN_MASS.name}  # a call that wants no more runs through _run_decode
         self._decode_key: tuple | None = None  # (B, outputs) the decode path's arrays are bound for
         self._want: dict[tuple[bool, bool], list[str]] = {}
         self._decode_arrays: dict[str, np.ndarray] = {}
         self._decode_copies: list[_RowCopy] = []  # where each new row goes
         # a short call on model.cpu.onnx (a verification, a short prompt): its logits land in one buffer kept for
         # every such call (max_batch x VERIFY_ROWS rows, resident as far as used), not in new pages each call
-        self._verifiable = {"logits", "attn_mass", QUERY_MASS}
+        self._verifiable = {io.LOGITS.name, io.ATTN_MASS.name, io.QUERY_MASS.name}
         self._logit_buf: np.ndarray | None = None
         # the rows of the memory plan: on model.cpu.onnx the plugin backends' rows and slot tables (PluginRows)
         self.plugin_rows = self.pools.rows if self.pools is not None else None
@@ -296,7 +295,7 @@ class OrtBackend:
             kv_bytes_per_sequence=per_sequence,
             hit_rate_probes=True, kv_noise=True, graph=self.graph,
             graph_note=self.graph_note, call_positions=CALL_POSITIONS,
-            verify_rows=min(VERIFY_ROWS, cfg.max_input) if QUERY_MASS in self.out_names else 0,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input) if io.QUERY_MASS.name in self.out_names else 0,
             verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH, prefix_reuse=True)
 
     def open_session(self, so: Any) -> Any:
@@ -344,8 +343,8 @@ class OrtBackend:
         """layer -> kvD of the `k_rows.{i}` buffers, as the graph declares them (`inputs`: name -> shape; bundle.json
         has no kvD)."""
         layer, widths = 0, {}
-        while f"k_rows.{layer}" in inputs:
-            widths[layer] = int(inputs[f"k_rows.{layer}"][-1])
+        while io.K_ROWS.at(layer) in inputs:
+            widths[layer] = int(inputs[io.K_ROWS.at(layer)][-1])
             layer += 1
         if not widths:
             raise BundleError(f"{self.bundle}: bundle.json states engine_io revision {self.cfg.graph_revision}, but "
@@ -360,12 +359,12 @@ class OrtBackend:
             return shapes
         for l in self.layers:
             rk, rv = self.cfg.ranks[l]
-            shapes[f"latent_k.{l}"] = ((self.n_max, rk), np.float32)
-            shapes[f"latent_v.{l}"] = ((self.n_max, rv), np.float32)
+            shapes[io.LATENT_K.at(l)] = ((self.n_max, rk), np.float32)
+            shapes[io.LATENT_V.at(l)] = ((self.n_max, rv), np.float32)
             # FP16 keys, or INT8 codes (kv_quantization.index_key_bits 8)
-            shapes[f"index_keys.{l}"] = ((self.n_max, dI), np.int8 if self.cfg.index_keys.bits == 8 else np.float16)
+            shapes[io.INDEX_KEYS.at(l)] = ((self.n_max, dI), np.int8 if self.cfg.index_keys.bits == 8 else np.float16)
         for l, kvd in self.k_rows.items():
-            shapes[f"k_rows.{l}"] = ((self.n_max, kvd), np.float32)
+            shapes[io.K_ROWS.at(l)] = ((self.n_max, kvd), np.float32)
         return shapes
 
     def cache_bytes_per_position(self) -> int:
@@ -417,16 +416,13 @@ class OrtBackend:
         past, new = past.astype(np.int32), new.astype(np.int32)
         if int(past.max()) + S > self.n_max:
             raise ValueError(f"positions up to {int(past.max()) + S} exceed max-seq {self.n_max}")
-        small = {"input_ids": np.ascontiguousarray(ids, np.int64), "past_lengths": past, "new_lengths": new,
-                 "sparse_window": np.array([sparse_window], np.int32),
-                 "cache_rows": np.array([c.row for c in caches], np.int32), LOGIT_ROWS: logit_rows(new, rows)}
-        small["sparse_top_k"] = np.ascontiguousarray(top_k, np.int32).reshape(B)
-        want = self._wanted(probes, rows is not None and QUERY_MASS in self.out_names)
+        small = step_feeds(ids, past, new, sparse_window, top_k, np.array([c.row for c in caches], np.int32), rows)
+        want = self._wanted(probes, rows is not None and io.QUERY_MASS.name in self.out_names)
         with self.lock:
             plan = None
             if self.pools is not None:  # rows for the new positions, and the slot tables the nodes read
                 plan = self.pools.plan(caches, past, new)  # type: ignore[arg-type]
-                small["kv_slots"] = plan.kv_slots
+                small[io.KV_SLOTS.name] = plan.kv_slots
             if S == 1 and self._decodable.issuperset(want):
                 outs = self._run_decode(B, int(past.max()) + 1, want, small)
                 if commit:
@@ -435,7 +431,7 @@ class OrtBackend:
                             self.pages.reserve(c.row, int(past[b]) + 1)
                             self._commit_decode_rows(b, c.row, int(past[b]))
             elif self.pools is not None and S <= VERIFY_ROWS and self._verifiable.issuperset(want):
-                J = S if self.cfg.logits == "all" else small[LOGIT_ROWS].shape[1]  # the rows logits come for
+                J = S if self.cfg.logits == "all" else small[io.LOGIT_ROWS.name].shape[1]  # the rows logits come for
                 outs = self._run_verify(B, J, int(past.max()) + S, want, small)
             else:
                 # a prefill chunk or a probed call: ORT allocates the outputs (from its arena)
@@ -460,9 +456,9 @@ class OrtBackend:
                             buf[c.row, p0:p0 + n] = rows[b, :n]
             if plan is not None and not commit:  # a shadow call: the tables as before, its rows free again
                 self.pools.undo(caches, plan)  # type: ignore[union-attr, arg-type]
-        sel = {l: outs[f"selected.{l}"] for l in self.layers} if f"selected.{self.layers[0]}" in outs else None
-        mass = {l: outs[f"attn_mass.{l}"] for l in self.layers} if probes else None
-        return StepOutput(outs["logits"], outs["attn_mass"], sel, mass, outs.get(QUERY_MASS))
+        sel = {l: outs[io.SELECTED.at(l)] for l in self.layers} if io.SELECTED.at(self.layers[0]) in outs else None
+        mass = {l: outs[io.LAYER_MASS.at(l)] for l in self.layers} if probes else None
+        return StepOutput(outs[io.LOGITS.name], outs[io.ATTN_MASS.name], sel, mass, outs.get(io.QUERY_MASS.name))
 
     def _wanted(self, probes: bool, query_mass: bool) -> list[str]:
         """The outputs a call binds: the probes only when asked for (or a debug bundle's selections), the queries'
@@ -470,8 +466,8 @@ class OrtBackend:
         key = (probes, query_mass)
         if key not in self._want:
             self._want[key] = [n for n in self.out_names if (n not in self.probe_names or probes
-                                                               or (self.debug and n.startswith("selected.")))
-                               and (n != QUERY_MASS or query_mass)]
+                                                               or (self.debug and n.startswith(io.SELECTED.prefix)))
+                               and (n != io.QUERY_MASS.name or query_mass)]
         return self._want[key]
 
     def _run_decode(self, B: int, L: int, want: list[str], small: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -498,11 +494,11 @@ class OrtBackend:
             for name, a in small.items():
                 self._decode_inputs[name][...] = a
         mass = np.empty((B, L), np.float32)
-        self.binding.bind_ortvalue_output("attn_mass", self.ort.OrtValue.ortvalue_from_numpy(mass))
+        self.binding.bind_ortvalue_output(io.ATTN_MASS.name, self.ort.OrtValue.ortvalue_from_numpy(mass))
         self.session.run_with_iobinding(self.binding)
         outs = dict(self._decode_arrays)
-        outs["logits"] = self._decode_arrays["logits"].copy()
-        outs["attn_mass"] = mass
+        outs[io.LOGITS.name] = self._decode_arrays[io.LOGITS.name].copy()
+        outs[io.ATTN_MASS.name] = mass
         return outs
 
     def _run_verify(self, B: int, J: int, L: int, want: list[str],
@@ -514,18 +510,19 @@ class OrtBackend:
             self.binding.bind_cpu_input(name, a)
         self.binding.clear_binding_outputs()
         self._decode_key = None
-        V = self._fixed["logits"][0][0]
+        V = self._fixed[io.LOGITS.name][0][0]
         if self._logit_buf is None:
             self._logit_buf = np.empty(self.cfg.max_batch * VERIFY_ROWS * V, np.float32)
-        rows = small[LOGIT_ROWS].shape[1]
-        outs = {"logits": self._logit_buf[:B * J * V].reshape(B, J, V), "attn_mass": np.empty((B, L), np.float32),
-                QUERY_MASS: np.empty((B, rows, L), np.float32)}
+        rows = small[io.LOGIT_ROWS.name].shape[1]
+        outs = {io.LOGITS.name: self._logit_buf[:B * J * V].reshape(B, J, V),
+                io.ATTN_MASS.name: np.empty((B, L), np.float32),
+                io.QUERY_MASS.name: np.empty((B, rows, L), np.float32)}
         outs = {name: a for name, a in outs.items() if name in want}
         for name, a in outs.items():
             self.binding.bind_ortvalue_output(name, self.ort.OrtValue.ortvalue_from_numpy(a))
         self.session.run_with_iobinding(self.binding)
         self.binding.clear_binding_outputs()
-        outs["logits"] = outs["logits"].copy()
+        outs[io.LOGITS.name] = outs[io.LOGITS.name].copy()
         return outs
 
     def _commit_decode_rows(self, b: int, row: int, p: int) -> None:
@@ -569,13 +566,13 @@ class OrtBackend:
         where = np.nonzero(np.asarray(new_tier) >= 0)[0]
         if where.size == 0:
             return None
-        feeds: dict[str, np.ndarray] = {"new_tier": np.asarray(new_tier, np.int32)[where]}
-        feeds["positions"] = where.astype(np.int32)
+        feeds: dict[str, np.ndarray] = {io.NEW_TIER.name: np.asarray(new_tier, np.int32)[where]}
+        feeds[io.POSITIONS.name] = where.astype(np.int32)
         sums = []
         with self.lock:
             for l in self.layers:
-                for kind in ("latent_k", "latent_v"):
-                    feeds[f"{kind}.{l}"] = self.buffers[f"{kind}.{l}"][cache.row, where]
+                for port in (io.DEMOTE_LATENT_K, io.DEMOTE_LATENT_V):
+                    feeds[port.at(l)] = self.buffers[port.at(l)][cache.row, where]
             for name, arr in zip(self.demote_out, self.demote_session.run(None, feeds)):
                 buf = name.replace("_out.", ".")
                 if buf in feeds:  # a latent: the noise is measured on what the tiers change (spec 4.3)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from gsm import graph_io as io
 from gsm.bundle_format import REBUILD, ROW_CACHE_FREE, ROW_CACHE_TAGS, BundleConfig, BundleError
 from runtime.backend import kv_noise_sums, relative_noise
 from runtime.plugin_cache import CallPlan, PluginCache, PluginRows, demotion_list, pool_dims, read_latents, read_rows
@@ -45,33 +46,33 @@ class OrtPools:
         self.quant: dict[int, np.ndarray] = {}
         int8 = cfg.index_keys.bits == 8
         for l in cfg.owning_layers:
-            if f"kv_pool.{l}" not in inputs:
+            if io.KV_POOL.at(l) not in inputs:
                 raise BundleError(f"model.cpu.onnx has no input kv_pool.{l}: rebuild the bundle with `{REBUILD}`")
         # one allocation per layer, under the 4 MiB from which numpy asks for transparent huge pages: a short context
         # touches the start of every layer's pool (its FP16 region), which 2 MiB pages would make resident whole
         # (SmolLM2 at 8K: 83 MB of pools, +45 MiB at a 512-token context; decode 5 % faster at 8K)
         for l in cfg.owning_layers:
-            self.buffers[f"kv_pool.{l}"] = np.zeros((R, int(inputs[f"kv_pool.{l}"][-1])), np.int32)
+            self.buffers[io.KV_POOL.at(l)] = np.zeros((R, int(inputs[io.KV_POOL.at(l)][-1])), np.int32)
         for l in cfg.owning_layers:
-            self.buffers[f"index_keys.{l}"] = np.zeros((R, N, int(inputs[f"index_keys.{l}"][-1])),
+            self.buffers[io.INDEX_KEYS.at(l)] = np.zeros((R, N, int(inputs[io.INDEX_KEYS.at(l)][-1])),
                                                        np.int32 if int8 else np.float16)
             q = np.ascontiguousarray(weights[QUANT.format(l=l)], np.float32)
             self.quant[l] = q
         self.row_cache_layers = []
         for i in range(len(inputs)):
-            name = f"row_cache.{i}"
+            name = io.ROW_CACHE.at(i)
             if name not in inputs:
                 break
             _, c, kvd = inputs[name]
             self.buffers[name] = np.zeros((R, int(c), int(kvd)), np.float32)
-            self.buffers[f"row_cache_tags.{i}"] = np.full((R, ROW_CACHE_TAGS, int(c)), ROW_CACHE_FREE, np.int32)
+            self.buffers[io.ROW_CACHE_TAGS.at(i)] = np.full((R, ROW_CACHE_TAGS, int(c)), ROW_CACHE_FREE, np.int32)
             self.row_cache_layers.append(i)
         self.dims = {l: pool_dims(cfg, l) for l in cfg.owning_layers}
 
     def bytes(self) -> PoolBytes:
         R, N = self.rows.rows, self.cfg.n_max
         pools = sum(self.buffers[f"{k}.{l}"].nbytes for l in self.cfg.owning_layers for k in ("kv_pool", "index_keys"))
-        rc = sum(self.buffers[f"row_cache.{i}"].nbytes for i in self.row_cache_layers)
+        rc = sum(self.buffers[io.ROW_CACHE.at(i)].nbytes for i in self.row_cache_layers)
         every = sum(b.nbytes for b in self.buffers.values())
         return PoolBytes(pools // R // N, rc // R, every // R)
 
@@ -97,11 +98,11 @@ class OrtPools:
         from gsm_edge_plugins import ref
 
         for l in self.cfg.owning_layers:
-            ref.kv_demote(self.dims[l], entries, self.buffers[f"kv_pool.{l}"], self.quant[l])
+            ref.kv_demote(self.dims[l], entries, self.buffers[io.KV_POOL.at(l)], self.quant[l])
 
     def latents(self, cache: PluginCache, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The first n positions' dequantised latents of one owning layer (tests, the KV-noise measure)."""
-        ck, cv = read_latents(self.cfg, layer, self.buffers[f"kv_pool.{layer}"][cache.row], cache.slots.entries,
+        ck, cv = read_latents(self.cfg, layer, self.buffers[io.KV_POOL.at(layer)][cache.row], cache.slots.entries,
                               self.quant[layer])
         return ck[:n], cv[:n]
 
@@ -122,7 +123,7 @@ class OrtPools:
         entries = demotion_list(cache.row, moves)
         sums = []
         for l in self.cfg.owning_layers:
-            pool = self.buffers[f"kv_pool.{l}"]
+            pool = self.buffers[io.KV_POOL.at(l)]
             before = read_rows(self.cfg, l, pool[cache.row], old, self.quant[l])
             ref.kv_demote(self.dims[l], entries, pool, self.quant[l])
             after = read_rows(self.cfg, l, pool[cache.row], now, self.quant[l])

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from gsm import graph_io as io
 from gsm.bundle_format import ROW_CACHE_FREE, BundleConfig
 from gsm.quant_table import full_table
 from runtime.backend import RowPool, kv_noise_sums, relative_noise
@@ -195,9 +196,9 @@ def take_prefix(cfg: BundleConfig, buffers: dict[str, np.ndarray], cache: Plugin
     kept, keys = {}, {}
     for l in cfg.owning_layers:
         starts, sizes = row_spans(cfg, l, rows)
-        data = buffers[f"kv_pool.{l}"][cache.row].view(np.uint8)[_byte_index(starts, sizes)]
+        data = buffers[io.KV_POOL.at(l)][cache.row].view(np.uint8)[_byte_index(starts, sizes)]
         kept[l] = (starts, sizes, data)
-        keys[l] = buffers[f"index_keys.{l}"][cache.row, :length].copy()
+        keys[l] = buffers[io.INDEX_KEYS.at(l)][cache.row, :length].copy()
     return PrefixRows(length, entries, tuple(tuple(f) for f in cache.slots.free), kept, keys)
 
 
@@ -209,8 +210,8 @@ def put_prefix(buffers: dict[str, np.ndarray], cache: PluginCache, prefix: Prefi
     cache.slots.entries[:prefix.length] = prefix.entries
     cache.slots.free = [list(f) for f in prefix.free]
     for l, (starts, sizes, data) in prefix.rows.items():
-        buffers[f"kv_pool.{l}"][cache.row].view(np.uint8)[_byte_index(starts, sizes)] = data
-        buffers[f"index_keys.{l}"][cache.row, :prefix.length] = prefix.keys[l]
+        buffers[io.KV_POOL.at(l)][cache.row].view(np.uint8)[_byte_index(starts, sizes)] = data
+        buffers[io.INDEX_KEYS.at(l)][cache.row, :prefix.length] = prefix.keys[l]
     for name, tags in buffers.items():
-        if name.startswith("row_cache_tags."):
+        if name.startswith(io.ROW_CACHE_TAGS.prefix):
             tags[cache.row] = ROW_CACHE_FREE

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from gsm.bundle_format import FILES, LOGIT_ROWS, BundleConfig
+from gsm import graph_io as io
+from gsm.bundle_format import FILES, BundleConfig
 from gsm.quant_table import full_table
-from runtime.backend import Capabilities, StepOutput, check_max_top_k, logit_rows
+from runtime.backend import Capabilities, StepOutput, check_max_top_k, step_feeds
 from runtime.plugin_cache import (
     PluginCache,
     PluginRows,
@@ -113,7 +114,7 @@ class RefBackend:
         self.n_max = cfg.n_max
         proto = self.model.proto_
         widths = {v.name: v.type.tensor_type.shape.dim[1].dim_value for v in proto.graph.input
-                  if v.name.startswith("kv_pool.")}
+                  if v.name.startswith(io.KV_POOL.prefix)}
         # the owning attention nodes read sparse_top_k, each budget up to their attribute max_top_k
         attrs = next(a for a in ({x.name: x.i for x in n.attribute} for n in proto.graph.node
                                  if n.op_type == "GsmSparseAttention") if a["layer_kind"] == 0)
@@ -123,9 +124,9 @@ class RefBackend:
         R = self.plugin_rows.rows
         self.buffers: dict[str, np.ndarray] = {}
         for l in self.layers:
-            self.buffers[f"kv_pool.{l}"] = np.zeros((R, widths[f"kv_pool.{l}"]), np.int32)
+            self.buffers[io.KV_POOL.at(l)] = np.zeros((R, widths[io.KV_POOL.at(l)]), np.int32)
             keys = cfg.index_keys  # FP16, or INT8 codes four to an int32 word
-            self.buffers[f"index_keys.{l}"] = np.zeros((R, self.n_max, keys.plugin_width),
+            self.buffers[io.INDEX_KEYS.at(l)] = np.zeros((R, self.n_max, keys.plugin_width),
                                                        np.float16 if keys.bits == 16 else np.int32)
         row_bytes = sum(b[0].nbytes for b in self.buffers.values()) + 4 * self.n_max  # + the slot table
         # a shadow call (forward commit=False) writes only beyond each sequence's length: probes possible;
@@ -154,22 +155,18 @@ class RefBackend:
         plan = self.plugin_rows.plan_call(caches, past, new)
         if plan.compaction.size:
             self._run_demote(plan.compaction)
-        feeds = dict(self.buffers)
-        feeds.update(input_ids=ids.astype(np.int64), past_lengths=past.astype(np.int32),
-                     new_lengths=new.astype(np.int32), sparse_window=np.array([sparse_window], np.int32),
-                     kv_slots=plan.kv_slots, **{LOGIT_ROWS: logit_rows(new, rows)})
-        feeds["sparse_top_k"] = np.asarray(top_k, np.int32).reshape(len(caches))
-        feeds["cache_rows"] = plan.cache_rows
+        feeds = {**self.buffers, **step_feeds(ids, past, new, sparse_window, top_k, plan.cache_rows, rows,
+                                              plan.kv_slots)}
         names = [o.name for o in self.model.proto_.graph.output]
         outs = dict(zip(names, self.model.run(None, feeds)))
         if not commit:
             self.plugin_rows.undo(caches, plan)
         sel = mass = None
         if probes or self.cfg.debug_outputs:
-            sel = {l: outs[f"selected.{l}"] for l in self.layers if f"selected.{l}" in outs} or None
+            sel = {l: outs[io.SELECTED.at(l)] for l in self.layers if io.SELECTED.at(l) in outs} or None
         if probes:
-            mass = {l: outs[f"attn_mass.{l}"] for l in self.layers}
-        return StepOutput(outs["logits"], outs["attn_mass"], sel, mass)
+            mass = {l: outs[io.LAYER_MASS.at(l)] for l in self.layers}
+        return StepOutput(outs[io.LOGITS.name], outs[io.ATTN_MASS.name], sel, mass)
 
     def take_prefix(self, cache: PluginCache, length: int) -> PrefixRows:
         return take_prefix(self.cfg, self.buffers, cache, length)
@@ -186,8 +183,8 @@ class RefBackend:
         return self.plugin_rows.demote(cache, new_tier, self._run_demote, self._all_latents)
 
     def _run_demote(self, demote_list: np.ndarray) -> None:
-        self.demote_model.run(None, {"demote_list": demote_list, **{k: v for k, v in self.buffers.items()
-                                                                    if k.startswith("kv_pool.")}})
+        self.demote_model.run(None, {io.DEMOTE_LIST.name: demote_list, **{k: v for k, v in self.buffers.items()
+                                                                    if k.startswith(io.KV_POOL.prefix)}})
 
     def _all_latents(self, cache: PluginCache) -> list[np.ndarray]:
         return [a for l in self.layers for a in self.latents(cache, l)]
@@ -196,5 +193,5 @@ class RefBackend:
                 quant: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Dequantised latents of one layer by position [N_max, r] (NaN where no row), through the reference
         reader; quant: the layer's [5, r] table (default: the bundle's)."""
-        return read_latents(self.cfg, layer, self.buffers[f"kv_pool.{layer}"][cache.row], cache.slots.entries,
+        return read_latents(self.cfg, layer, self.buffers[io.KV_POOL.at(layer)][cache.row], cache.slots.entries,
                             self.quant[layer] if quant is None else quant)

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from gsm.bundle_format import FILES, LOGIT_ROWS, VERIFY_ROWS, BundleConfig
-from runtime.backend import Capabilities, StepOutput, check_max_top_k, logit_rows
+from gsm import graph_io as io
+from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
+from runtime.backend import Capabilities, StepOutput, check_max_top_k, step_feeds
 from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
 
 log = logging.getLogger("runtime.trt_backend")
@@ -140,11 +141,11 @@ class TrtBackend:
             if "_out." in name:
                 continue  # kv_pool_out.{l} / index_keys_out.{l} are bound to their input's buffer
             self.bufs[name] = DeviceBuffer(self.cudart, self._max_bytes(name))
-        self.bufs["demote_list"] = DeviceBuffer(self.cudart, self.R * self.n_max * 3 * 4)
+        self.bufs[io.DEMOTE_LIST.name] = DeviceBuffer(self.cudart, self.R * self.n_max * 3 * 4)
         # the attention plugins read sparse_top_k [B], each budget up to max_top_k, which the selection width
         # K_sel = sinks + max_sparse_window + max_top_k of selected.{l} gives
         l0 = self.layers[0]
-        k_sel = int(self.engine.get_tensor_shape(f"selected.{l0}")[-1])
+        k_sel = int(self.engine.get_tensor_shape(io.SELECTED.at(l0))[-1])
         # a layer's node window is the wider of the model's and its own (layer_selection)
         self.max_top_k = k_sel - cfg.sink_tokens - max(cfg.max_sparse_window, cfg.selection_of(l0)[0])
         # KV noise: the pools are read back and dequantised on the host with the demotion graph's tables, which
@@ -158,7 +159,7 @@ class TrtBackend:
             log.warning("backend tensorrt: no KV-noise measure (the refresh fallback is off): the onnx package "
                         "is not installed (%s); pip install 'gsm-edge[builder]'", e)
         self.row_bytes = {n: self._max_bytes(n) // self.R for n in self.bufs
-                          if n.startswith(("kv_pool.", "index_keys."))}  # one cache row of each pool
+                          if n.startswith((io.KV_POOL.prefix, io.INDEX_KEYS.prefix))}  # one cache row of each pool
         # a shadow call writes only beyond each sequence's length (runtime.plugin_cache): probes possible
         self.capabilities = Capabilities(
             max_resident=self.R, max_per_call=self.R, positions=self.n_max,
@@ -172,14 +173,15 @@ class TrtBackend:
 
     def _max_shape(self, name: str) -> tuple[int, ...]:
         T, V = self.cfg.max_input, self.cfg.vocab_size
-        fixed = {"input_ids": (self.B, T), "past_lengths": (self.B,), "new_lengths": (self.B,), "sparse_window": (1,),
-                 "logits": (self.B, T if self.cfg.logits == "all" else VERIFY_ROWS, V),
-                 LOGIT_ROWS: (self.B, VERIFY_ROWS), "attn_mass": (self.B, self.n_max)}
+        fixed = {io.INPUT_IDS.name: (self.B, T), io.PAST_LENGTHS.name: (self.B,), io.NEW_LENGTHS.name: (self.B,),
+                 io.SPARSE_WINDOW.name: (1,),
+                 io.LOGITS.name: (self.B, T if self.cfg.logits == "all" else VERIFY_ROWS, V),
+                 io.LOGIT_ROWS.name: (self.B, VERIFY_ROWS), io.ATTN_MASS.name: (self.B, self.n_max)}
         if name in fixed:
             return fixed[name]
-        if name.startswith("selected."):  # [B, S, K_sel] (the per-layer probe output)
+        if name.startswith(io.SELECTED.prefix):  # [B, S, K_sel] (the per-layer probe output)
             return (self.B, T, int(self.engine.get_tensor_shape(name)[-1]))
-        if name.startswith("attn_mass."):
+        if name.startswith(io.LAYER_MASS.prefix):
             return (self.B, self.n_max)
         shape = list(self.engine.get_tensor_shape(name))
         shape[0] = self.R if name.startswith(("kv_pool", "index_keys")) else self.B  # the pools: every row
@@ -212,10 +214,7 @@ class TrtBackend:
         plan = self.plugin_rows.plan_call(caches, past, new)
         if plan.compaction.size:
             self._run_demote(plan.compaction)
-        host = {"input_ids": ids.astype(np.int64), "past_lengths": past.astype(np.int32),
-                "new_lengths": new.astype(np.int32), "sparse_window": np.array([sparse_window], np.int32),
-                "kv_slots": plan.kv_slots, "sparse_top_k": np.asarray(top_k, np.int32).reshape(B),
-                "cache_rows": plan.cache_rows, LOGIT_ROWS: logit_rows(new, rows)}
+        host = step_feeds(ids, past, new, sparse_window, top_k, plan.cache_rows, rows, plan.kv_slots)
         ctx = self.contexts[DECODE_PROFILE if S == 1 else PREFILL_PROFILE]
         for name in self._io_names(self.engine):
             buf = self.bufs[self._alias(name)]
@@ -228,14 +227,14 @@ class TrtBackend:
         if not ctx.execute_async_v3(int(self.stream)):
             raise RuntimeError("TensorRT execute_async_v3 failed")
         V = self.cfg.vocab_size
-        logits = self.bufs["logits"].download(
-            np.empty((B, S if self.cfg.logits == "all" else host[LOGIT_ROWS].shape[1], V), np.float32), self.stream)
-        mass = self.bufs["attn_mass"].download(np.empty((B, self.n_max), np.float32), self.stream)
+        J = S if self.cfg.logits == "all" else host[io.LOGIT_ROWS.name].shape[1]
+        logits = self.bufs[io.LOGITS.name].download(np.empty((B, J, V), np.float32), self.stream)
+        mass = self.bufs[io.ATTN_MASS.name].download(np.empty((B, self.n_max), np.float32), self.stream)
         sel = layer_mass = None
         if probes:
-            sel = {l: self.bufs[f"selected.{l}"].download(
-                np.empty((B, S, self._max_shape(f"selected.{l}")[-1]), np.int32), self.stream) for l in self.layers}
-            layer_mass = {l: self.bufs[f"attn_mass.{l}"].download(np.empty((B, self.n_max), np.float32), self.stream)
+            sel = {l: self.bufs[io.SELECTED.at(l)].download(
+                np.empty((B, S, self._max_shape(io.SELECTED.at(l))[-1]), np.int32), self.stream) for l in self.layers}
+            layer_mass = {l: self.bufs[io.LAYER_MASS.at(l)].download(np.empty((B, self.n_max), np.float32), self.stream)
                           for l in self.layers}
         _check(self.cudart.cudaStreamSynchronize(self.stream))
         if not commit:
@@ -265,8 +264,8 @@ class TrtBackend:
         to the host (one row per layer, not the whole pools) and read by the CPU reference."""
         rows = {}
         for l in self.layers:
-            n = self.row_bytes[f"kv_pool.{l}"]
-            rows[l] = self.bufs[f"kv_pool.{l}"].download(np.empty(n // 4, np.int32), self.stream, cache.row * n)
+            n = self.row_bytes[io.KV_POOL.at(l)]
+            rows[l] = self.bufs[io.KV_POOL.at(l)].download(np.empty(n // 4, np.int32), self.stream, cache.row * n)
         _check(self.cudart.cudaStreamSynchronize(self.stream))
         assert self.quant is not None
         return [a for l in self.layers
@@ -276,7 +275,7 @@ class TrtBackend:
         """demote_list [M, 3] (row, old entry, new entry) over the whole pools."""
         ctx = self.demote_ctx
         for name in self._io_names(self.demote_engine):
-            if name == "demote_list":
+            if name == io.DEMOTE_LIST.name:
                 ctx.set_input_shape(name, lst.shape)
                 self.bufs[name].upload(lst, self.stream)
                 ctx.set_tensor_address(name, self.bufs[name].ptr)
