@@ -5,7 +5,7 @@ The portable graph spells a GSM attention in ~90 standard operators per owning l
 ONNX Runtime pays a fixed dispatch cost per operator, which on a small model is most of a decode step
 and does not shrink with a second thread. `GsmCachedAttention` computes the same thing (selection
 identical, values to float32 rounding) in one node over the same cache buffers, so the graph keeps the
-portable graph's inputs and outputs (engine_io revision 5) and the runtime binds either the same way.
+portable graph's inputs and outputs and the runtime binds either the same way.
 Sharing layers keep the standard-op subgraph (the op covers owning layers only).
 
 A float-zero-point projection (builder/qlinear.py: MatMulNBits on the symmetric part + a per-group offset term)

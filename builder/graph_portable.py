@@ -1,4 +1,4 @@
-"""GSM operations in standard ONNX ops (docs/engine_io.md section 5, revision 5), for ONNX Runtime anywhere.
+"""GSM operations in standard ONNX ops (docs/engine_io.md section 5), for ONNX Runtime anywhere.
 
 Each method emits, inside the scope `L{l}.<GsmNodeName>`, the subgraph that stands for one GSM
 plugin node of the TensorRT variant (graph_trt.py). The cache is held as the golden holds it:
@@ -14,8 +14,8 @@ runtime writes them at positions past + j) and reads the cache by `Gather` at fl
   sequence b's own budget `sinks + window + top_k[b]` dropped: in the sparse case that leaves the sinks,
   the window and exactly top_k[b] others (ONNX TopK orders equal values by lower index, the tie rule;
   columns are in position order), in the dense case (t + 1 <= budget) every causal position. The
-  budget is the run-time input `sparse_top_k` [B] (revision 4), so `selected` is k wide, not K_sel;
-- attention gathers the `K_sel` selected K rows per query from every layer's K-row cache (revision 5: made
+  budget is the run-time input `sparse_top_k` [B], so `selected` is k wide, not K_sel;
+- attention gathers the `K_sel` selected K rows per query from every layer's K-row cache (made
   once, when a row is written or re-encoded, never per step), takes the softmax over them and, in a
   decode step, attends over the V *latents*, up-projecting once per head afterwards (a prefill chunk
   rebuilds V once per distinct row instead): O(K_sel * nH * (kvD + r_v) + nH * r_v * D) per decode
@@ -66,7 +66,7 @@ class PortableOps:
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g, dI = self.g, self.cfg.gsm.indexer_dim
         self.rows = g.input(io.CACHE_ROWS.name, I32, ["B"])
-        # the per-sequence selection budget (revision 4); declared with the cache because the layer stack
+        # the per-sequence selection budget; declared with the cache because the layer stack
         # (network.py) is shared with the plugin variant, which declares it the same way
         g.input(io.SPARSE_TOP_K.name, I32, ["B"])
         state = {}
@@ -75,7 +75,7 @@ class PortableOps:
             state[l] = {"k": g.input(io.LATENT_K.at(l), F32, ["R", self.n_max, rk]),
                         "v": g.input(io.LATENT_V.at(l), F32, ["R", self.n_max, rv]),
                         "keys": g.input(io.INDEX_KEYS.at(l), self.key_type, ["R", self.n_max, dI])}
-        # revision 5: every layer's K rows (RoPE applied) as the golden reconstructs them from the held
+        # every layer's K rows (RoPE applied) as the golden reconstructs them from the held
         # latents, cached by position, so that a step gathers K_sel rows instead of rebuilding them
         self.k_rows = {l: g.input(io.K_ROWS.at(l), F32, ["R", self.n_max, self.cfg.kv_dim])
                        for l in range(self.cfg.num_hidden_layers)}
@@ -90,7 +90,7 @@ class PortableOps:
             g.output(io.NEW_INDEX_KEYS.at(l), self.key_type, ["B", "S", dI])
         for l in range(self.cfg.num_hidden_layers):
             g.output(io.NEW_K_ROWS.at(l), F32, ["B", "S", self.cfg.kv_dim])
-        # per-layer probes (revision 4): always in the graph, where they are intermediate tensors anyway;
+        # per-layer probes: always in the graph, where they are intermediate tensors anyway;
         # the runtime binds them only when asked (hit-rate probe, debug bundles), so a step pays nothing
         for l in self.cfg.owning_layers:
             g.output(io.SELECTED.at(l), *self.selected_type(l))
@@ -98,8 +98,8 @@ class PortableOps:
 
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
         """Element type and shape of `selected.{l}`: positions ascending, padded with -1 (as the plugin); the
-        width is the call's k = min(max_b budget_b, columns) (revision 4), at most K_sel at the default budget.
-        Its symbolic width is named per distinct selection (revision 7): layers that select differently have
+        width is the call's k = min(max_b budget_b, columns), at most K_sel at the default budget.
+        Its symbolic width is named per distinct selection: layers that select differently have
         different widths, and ONNX Runtime plans buffers as if equal names were equal sizes."""
         ls = self.cfg.gsm.selection_of(l)
         grows = f"_d{ls.sparse_top_k_divisor}" if ls.sparse_top_k_divisor else ""
@@ -378,7 +378,7 @@ class PortableOps:
         latents V is made from as distinct rows [U, rv] (sharing: the source's [c_k; c_v], [U, rk + rv]) with
         each pick's row among them, inv [B, S, K].
 
-        K rows come from the layer's K-row cache (`k_rows.{l}`, revision 5) and this call's `k_new`
+        K rows come from the layer's K-row cache (`k_rows.{l}`) and this call's `k_new`
         [B, S, kvD]: nothing is reconstructed per step. Rows are gathered once per *distinct* selected
         row (`Unique` over the batch's picks: a prefill chunk's queries select mostly the same rows),
         then per pick (`_attend_v` for V)."""

@@ -27,7 +27,7 @@ class PluginOps:
     """GSM nodes for TensorRT; the cache is the engine_io byte pools (int32 words) + slot table.
 
     The pools and indexer keys hold every cache row of the memory plan ([R, ...], R = max_batch, bound whole
-    and updated in place); `cache_rows` [B] names the row of each sequence in the call (engine_io rev 6), so
+    and updated in place); `cache_rows` [B] names the row of each sequence in the call, so
     a call carries any subset of the resident sequences.
 
     max_top_k: the largest per-sequence budget (`sparse_top_k` input) the attention nodes honour; it
@@ -62,7 +62,7 @@ class PluginOps:
                 "rows_int4": self.rows.int4, **kw}
 
     def _key_attrs(self) -> dict[str, Any]:
-        """`index_key_bits` only when 8: a node without it means FP16 keys (engine_io revision 9)."""
+        """`index_key_bits` only when 8: a node without it means FP16 keys."""
         return {} if self.keys.bits == 16 else {"index_key_bits": 8}
 
     def selected_type(self, l: int) -> tuple[int, list[Any]]:
@@ -75,8 +75,8 @@ class PluginOps:
     def declare_cache(self) -> dict[int, dict[str, str]]:
         g = self.g
         self.slots = g.input(io.KV_SLOTS.name, I32, ["B", self.n_max])
-        self.top_k = g.input(io.SPARSE_TOP_K.name, I32, ["B"])  # per-sequence selection budget (engine_io rev 4)
-        self.cache_rows = g.input(io.CACHE_ROWS.name, I32, ["B"])  # each sequence's row of the pools (engine_io rev 6)
+        self.top_k = g.input(io.SPARSE_TOP_K.name, I32, ["B"])  # per-sequence selection budget
+        self.cache_rows = g.input(io.CACHE_ROWS.name, I32, ["B"])  # each sequence's row of the pools
         state = {}
         for l in self.cfg.owning_layers:
             state[l] = {"pool": g.input(io.KV_POOL.at(l), I32, ["R", pool_words(*self.ranks[l], self.rows)]),
@@ -88,7 +88,7 @@ class PluginOps:
         for l in self.cfg.owning_layers:
             g.output(io.KV_POOL_OUT.at(l), I32, ["R", pool_words(*self.ranks[l], self.rows)])
             g.output(io.INDEX_KEYS_OUT.at(l), self.key_type, ["R", self.n_max, self.keys.plugin_width])
-        for l in self.cfg.owning_layers:  # per-layer probes (rev 4); the runtime binds them when asked
+        for l in self.cfg.owning_layers:  # per-layer probes; the runtime binds them when asked
             g.output(io.SELECTED.at(l), *self.selected_type(l))
             g.output(io.LAYER_MASS.at(l), F32, self.mass_shape())
 

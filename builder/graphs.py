@@ -72,7 +72,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)
-        # the portable graph always outputs selected.{l} / attn_mass.{l} (engine_io rev 4): no debug copies
+        # the portable graph always outputs selected.{l} / attn_mass.{l}: no debug copies
         Network(g, PortableOps(g, cfg, ranks, n_max, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
                 quant, F32,
                 projections=projections).build()
@@ -111,7 +111,7 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
 
 def _demote_portable(g: GraphBuilder, spec: NetSpec, path: Path) -> None:
     """Over the M rows a re-tier pass changes (gathered by the runtime), not the whole cache: the re-encoded
-    latents, and (revision 5) the K rows of every layer that reads them, made from the re-encoded latents at
+    latents, and the K rows of every layer that reads them, made from the re-encoded latents at
     the rows' `positions` [M] as the golden reconstructs them."""
     cfg, ranks, n = spec.cfg, spec.ranks, spec.n_max
     ops = PortableOps(g, cfg, ranks, n)

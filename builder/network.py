@@ -161,7 +161,7 @@ class Network:
         self._selections: dict[tuple[int, int], tuple[str, str]] = {}  # (window, top_k) -> graph tensors
 
     def layer_selection(self, i: int) -> tuple[str, str]:
-        """Owning layer i's window [1] and budgets [B] for its attention node (engine_io revision 7): the run-time
+        """Owning layer i's window [1] and budgets [B] for its attention node: the run-time
         inputs where they are set, the layer's own (gsm_config layer_selection) where they hold the "model's"
         values, `sparse_window` 0 and `sparse_top_k[b]` -1. One pair of Where per distinct selection."""
         ls = self.cfg.gsm.selection_of(i)

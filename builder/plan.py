@@ -352,7 +352,7 @@ def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: P
 def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int,
                      max_top_k: int | None = None) -> int:
     """Largest live tensors of one forward call over B x T tokens at context S (estimate, FP16/FP32),
-    plus the per-layer outputs the TensorRT engine holds all at once (engine_io rev 4: `selected.{l}`
+    plus the per-layer outputs the TensorRT engine holds all at once (`selected.{l}`
     [B, T, K_sel] int32 with K_sel = sinks + max_sparse_window + max_top_k, `attn_mass.{l}` [B, S] float32
     for every owning layer; max_top_k None: the model's sparse_top_k, the default)."""
     B, T, S = max_batch, max_input, max_seq

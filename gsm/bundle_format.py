@@ -268,7 +268,7 @@ class BundleConfig:
     max_top_k: int | None = _spec(_optional(_int(0)), "an integer >= 0", default=None)
     # written since --weights existed; older bundles have FP16 weights
     weights: dict[str, Any] = _spec(_record, "an object with a format", default_factory=lambda: {"format": "fp16"})
-    # owning layer -> (window, top_k) where the checkpoint chose per layer (revision 7 graphs select so when the
+    # owning layer -> (window, top_k) where the checkpoint chose per layer (the graphs select so when the
     # run-time window is 0 and a budget -1); empty: every layer selects with sparse_window and sparse_top_k
     layer_selection: dict[int, tuple[int, ...]] = _spec(_layer_selection,
                                                         "an object layer -> [window, top_k(, top_k divisor)]",
@@ -278,7 +278,7 @@ class BundleConfig:
 
     @property
     def index_keys(self) -> IndexKeyLayout:
-        """How the caches hold the indexer keys (kv_quantization.index_key_bits; FP16 before revision 9)."""
+        """How the caches hold the indexer keys (kv_quantization.index_key_bits)."""
         return IndexKeyLayout(self.index_dim, self.kv_quantization.index_key_bits)
 
     def selection_of(self, layer: int) -> tuple[int, int]:

@@ -159,7 +159,7 @@ def relative_noise(sums: list[tuple[float, float]]) -> float | None:
 
 
 def check_max_top_k(top_k: np.ndarray, max_top_k: int, backend: str) -> None:
-    """The plugin nodes select at most max_top_k per sequence (engine_io rev 4, K_sel); the CUDA kernel
+    """The plugin nodes select at most max_top_k per sequence (K_sel); the CUDA kernel
     would clamp a larger budget silently, so the plugin backends refuse it (a builder choice)."""
     worst = int(np.max(top_k)) if np.size(top_k) else 0
     if worst > max_top_k:

@@ -26,7 +26,7 @@ CacheFullError, never a larger buffer (the engine admits no more sequences than 
 One lock serialises calls on a backend: batch sequences (Runtime.decode_batch) to use the cores
 together rather than running requests on threads.
 
-The per-layer probe outputs `selected.{l}` / `attn_mass.{l}` (rev 4) are bound only when a call asks
+The per-layer probe outputs `selected.{l}` / `attn_mass.{l}` are bound only when a call asks
 for them (`probes=True`, or every call of a bundle built with debug outputs): an unbound output is an
 intermediate tensor ONNX Runtime frees, never copied to the caller.
 """

@@ -73,7 +73,7 @@ def _ops() -> list[type]:
             quant = full_table(quant)
             f32 = np.float32
             if int(a["layer_kind"]) == 0:
-                # input 14 sparse_top_k [B] since engine_io rev 4, input 15 cache_rows since rev 6
+                # input 14 sparse_top_k [B], input 15 cache_rows [B]
                 r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                          index_q=x[10].astype(f32), index_w=x[11].astype(f32), index_keys=x[12],
                                          sparse_window=int(x[13][0]), sparse_top_k=x[14] if len(x) > 14 else None,
