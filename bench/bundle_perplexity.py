@@ -8,7 +8,7 @@ next token. Bundles must be built with `--logits all`. With `--max-input WINDOW`
 how docs/weights.md compares weight formats through the whole deployed path (SmolLM2: fp32 weights vs INT8 /
 INT4 bundles). With a smaller `--max-input` (64) the runtime prefills in chunks of that many tokens, each call
 followed by the re-tier pass, so later chunks read rows the KV tiers have demoted: the engines' own KV tiers
-measured end to end (docs/quality.md 2b, the protocol of bench/kv_frontier.py's `tiers:` rows).
+measured end to end (docs/quality.md "Protocol", the protocol of bench/kv_frontier.py's `tiers:` rows).
 
 `--genai DIR` scores the same windows through ONNX Runtime GenAI's INT4 model of the same GGUF
 (DIR/smollm2-int4/model.onnx, built by ../shared/tools/ort_genai.sh; one session call per window on our

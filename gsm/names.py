@@ -108,7 +108,8 @@ def calib_name(i: int, kv: str, what: str) -> str:
 
 
 # [H, H] float32, optional: the mean of x x^T over calibration tokens of the LM head's input x (the final normed
-# hidden state), which lets a build quantise the head by GPTQ (builder/gptq.py; decisions "The head's input moment")
+# hidden state), which lets a build quantise the head by GPTQ (builder/gptq.py; decisions "INT4 heads by GPTQ on the
+# head's input moment")
 HEAD_INPUT_MOMENT = "head.input_moment"
 
 

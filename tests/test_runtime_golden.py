@@ -215,8 +215,8 @@ def test_hotness_update_matches_golden():
 
 def test_chunked_prefill_scoring_is_the_golden_protocol(int4_checkpoint, tmp_path):
     """bench/bundle_perplexity.py's window NLL on a bundle with a small --max-input (the KV-tier protocol of
-    docs/quality.md 2b: chunks of max-input tokens, each prefill call ending with a re-tier pass) equals the golden
-    deployed model prefilled in the same chunks, INT4 rows and INT8 keys included."""
+    docs/quality.md "Protocol": chunks of max-input tokens, each prefill call ending with a re-tier pass) equals the
+    golden deployed model prefilled in the same chunks, INT4 rows and INT8 keys included."""
     import math
 
     import runtime
