@@ -18,7 +18,7 @@ from gsm.bundle_format import IndexKeyLayout
 from gsm.config import ModelConfig
 
 DOMAIN = "gsm.plugins"
-PLUGIN_VERSION = "1"
+PLUGIN_VERSION = "2"
 PLUGIN_NAMESPACE = "gsm"
 PLUGINS = ("GsmKVCacheUpdate", "GsmSparseAttention", "GsmKVDemote")
 

@@ -76,11 +76,11 @@ def _ops() -> list[type]:
                 # input 14 sparse_top_k [B], input 15 cache_rows [B]
                 r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                          index_q=x[10].astype(f32), index_w=x[11].astype(f32), index_keys=x[12],
-                                         sparse_window=int(x[13][0]), sparse_top_k=x[14] if len(x) > 14 else None,
-                                         cache_rows=x[15] if len(x) > 15 else None)
+                                         sparse_window=int(x[13][0]), sparse_top_k=x[14],
+                                         cache_rows=x[15])
                 return r.out.astype(q.dtype), r.selected, r.mass
             r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
-                                     selected=x[10], cache_rows=x[11] if len(x) > 11 else None)
+                                     selected=x[10], cache_rows=x[11])
             return (r.out.astype(q.dtype),)
 
     class GsmKVDemote(OpRun):

@@ -33,12 +33,12 @@ def io(values):
 
 
 def cache_map(cfg, *, read=False):
-    """TensorRT-variant cache tensor -> the portable tensors that stand for it (engine_io section 5, rev 2).
+    """TensorRT-variant cache tensor -> the portable tensors that stand for it (engine_io section 5).
 
     The portable graph returns only the new rows, so the pool *after* the update (`kv_pool_out.{l}`,
     `index_keys_out.{l}`) is, where a node reads it (`read`), the cache input plus the new rows."""
     m = {"kv_slots": {"cache_rows"}}
-    # rev 5: the portable graph also caches the K rows every layer makes from a pool's latents (its own
+    # the portable graph also caches the K rows every layer makes from a pool's latents (its own
     # for an owning layer, the source's for a sharing one); the plugins rebuild them from the pool. The new
     # K rows are made by the reading layer's attention subgraph (see NEW_K_ROWS)
     readers = {l: {l} | {i for i, s in cfg.gsm.kv_sharing.items() if s == l} for l in cfg.owning_layers}
@@ -68,7 +68,7 @@ def test_same_interface(bundle):
     dI = cfg.gsm.indexer_dim
     assert pi["cache_rows"] == (onnx.TensorProto.INT32, ["B"])
     for l in cfg.owning_layers:
-        assert ti[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["R", N_MAX, dI])  # rev 6: every cache row
+        assert ti[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["R", N_MAX, dI])  # every cache row
         assert ti[f"kv_pool.{l}"][1][0] == to[f"kv_pool_out.{l}"][1][0] == "R"
         assert pi[f"index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["R", N_MAX, dI])  # one row per live sequence
         assert po[f"new_index_keys.{l}"] == (onnx.TensorProto.FLOAT16, ["B", "S", dI])  # the new rows only
@@ -81,7 +81,7 @@ def test_same_interface(bundle):
     # each logit row's own attention mass (speculative verification): GsmSparseAttention returns none yet
     assert po["query_mass"] == (onnx.TensorProto.FLOAT, ["B", "J", "L"]) and "query_mass" not in to
     mapped_out |= {"query_mass"}
-    for i in range(cfg.num_hidden_layers):  # rev 5: every layer's K rows, cached and new
+    for i in range(cfg.num_hidden_layers):  # every layer's K rows, cached and new
         assert pi[f"k_rows.{i}"] == (onnx.TensorProto.FLOAT, ["R", N_MAX, cfg.kv_dim])
         assert po[f"new_k_rows.{i}"] == (onnx.TensorProto.FLOAT, ["B", "S", cfg.kv_dim])
     assert mapped_in == set(pi) and mapped_out == set(po)
@@ -108,7 +108,7 @@ def test_every_gsm_node_is_one_portable_subgraph(bundle):
             consumers_outside.setdefault(i, set()).add(n.name.split("/")[0])
     graph_outputs = {o.name for o in port.graph.output}
     # per-call geometry shared by every layer (scope `call`): functions of the input shape, the past /
-    # new lengths, cache_rows, the window and the per-sequence budget (rev 4) only, which every GSM node
+    # new lengths, cache_rows, the window and the per-sequence budget only, which every GSM node
     # reads (q's shape gives B, S)
     call = {o for n in port.graph.node if n.name.startswith("call/") for o in n.output}
     call_in = {i for n in port.graph.node if n.name.startswith("call/") for i in n.input} - call
@@ -135,12 +135,12 @@ def test_every_gsm_node_is_one_portable_subgraph(bundle):
         # (an owning layer's `selected` is only read when a sharing layer uses that source)
         leaving = {t for t in produced if t in graph_outputs or consumers_outside.get(t, set()) - {scope}}
         node_out = set().union(*(cmap.get(o, {o}) for o in node.output))
-        if node.op_type == "GsmSparseAttention":  # rev 5: its layer's new K rows, an output of the portable graph
+        if node.op_type == "GsmSparseAttention":  # its layer's new K rows, an output of the portable graph
             node_out.add("new_k_rows." + scope.split(".")[0][1:])
         if owning_attention:
             node_out.add("query_mass." + scope.split(".")[0][1:])
         assert leaving <= node_out <= produced, f"{scope}: leaving {sorted(leaving)}, node outputs {sorted(node_out)}"
-        # connected: a single weakly connected component through its internal tensors (rev 2: the update
+        # connected: a single weakly connected component through its internal tensors (the update
         # only rounds the three kinds of new row, one independent chain each, the runtime writes them)
         if node.op_type != "GsmKVCacheUpdate":
             assert _connected(sub), f"{scope} is not one connected subgraph"

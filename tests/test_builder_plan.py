@@ -166,7 +166,7 @@ def test_asym_f_grid_bytes_by_hand():
 
 
 def test_max_top_k_outputs_counted_by_hand_and_refusal_names_the_flag():
-    """engine_io rev 4: the TensorRT graph outputs selected.{l} [B, T, K_sel] int32 and attn_mass.{l}
+    """The TensorRT graph outputs selected.{l} [B, T, K_sel] int32 and attn_mass.{l}
     [B, S] float32 for every owning layer; K_sel = sinks + max_sparse_window + max_top_k."""
     cfg, ranks, q = preset("tiny")
     g, L = cfg.gsm, len(cfg.owning_layers)

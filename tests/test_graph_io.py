@@ -92,3 +92,13 @@ def test_engine_io_doc_names_the_table():
         words = {"float32": "float"}
         doc_types = {words.get(w.strip(), w.strip()) for w in re.split(r",|\bor\b", dtype) if w.strip()}
         assert doc_types <= set(trt[name].dtype.split("|")), f"{name}: doc {doc_types}, table {trt[name].dtype}"
+
+
+def test_builder_writes_the_plugin_version_the_plugins_register():
+    """An engine or graph of another node form must fail to find its creator: the version the builder stamps on every
+    GSM node is the one plugins/common/gsmPluginCommon.h registers."""
+    from builder.graph_trt import PLUGIN_VERSION
+
+    header = (ROOT / "plugins" / "common" / "gsmPluginCommon.h").read_text()
+    registered = re.search(r'kPluginVersion = "([^"]+)"', header)
+    assert registered and registered.group(1) == PLUGIN_VERSION

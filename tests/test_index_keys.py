@@ -1,4 +1,4 @@
-"""INT8 indexer keys (decisions "INT8 indexer keys", engine_io revision 9): the format's rules, the memory plan's
+"""INT8 indexer keys (decisions "INT8 indexer keys"): the format's rules, the memory plan's
 bytes counted by hand, and what a build ships from each kind of calibration file. The numerics are tested where
 each engine is (golden regression of the tiny-int4 checkpoint on every graph, plugins against the reference,
 the calibration's lockstep against the golden)."""

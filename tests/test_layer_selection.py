@@ -1,4 +1,4 @@
-"""Selection per layer (gsm_config `layer_selection`, docs/decisions.md "Selection per layer"; engine_io rev 7).
+"""Selection per layer (gsm_config `layer_selection`, docs/decisions.md "Selection per layer").
 
 - the format: a v1 config (no table) writes no `layer_selection` and keeps its checksum; a table round-trips;
   a sharing layer or a bad window/top-k in it is one ConfigError naming the field;

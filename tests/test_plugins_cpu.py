@@ -76,7 +76,7 @@ def golden_check(sc: Scenario, res: ref.AttentionResult, selected_in: np.ndarray
     d = sc.dims
     ck_h, cv_h = golden_held(sc)
     for b in range(len(sc.past)):
-        # the golden selects with one sparse_top_k: this sequence's own budget (engine_io rev 4)
+        # the golden selects with one sparse_top_k: this sequence's own budget
         p = GSMParams(sparse_window=sc.window, max_sparse_window=d.max_sparse_window, sparse_top_k=sc.budget(b),
                       sink_tokens=d.sink_tokens, indexer_heads=d.index_heads, indexer_dim=d.index_dim)
         n, T, past = int(sc.lengths[b]), int(sc.new[b]), int(sc.past[b])
@@ -398,7 +398,7 @@ CASES = {
     # INT4 rows by every path and in every region (testing.PATH_TIERS), odd ranks
     "decode-int4-mixed": (4, 2, 16, 7, 5, 2, 8, 2, 12, 4, 3, 300, [280, 40], [1, 1], ALL_PATHS),
     "prefill-chunk-int4-only": (4, 1, 8, 6, 9, 2, 4, 1, 8, 4, 4, 160, [120], [6], (0, 0, 0, 0, 1, 0, 0, 0)),
-    # INT8 indexer keys (engine_io rev 9; "keys8" in the name): dI 8 fills two int32 words, 12 pads the last one
+    # INT8 indexer keys ("keys8" in the name): dI 8 fills two int32 words, 12 pads the last one
     "decode-keys8-gqa4": (8, 2, 16, 11, 3, 3, 8, 3, 10, 6, 2, 200, [150, 20], [1, 1], (0.4, 0.2, 0.2, 0.2)),
     "chunked-keys8-int4-odd-dim": (4, 1, 8, 7, 5, 2, 12, 2, 12, 4, 3, 300, [280, 40], [4, 1], ALL_PATHS),
 }
@@ -449,7 +449,7 @@ def test_sharing_attention_matches_golden(name: str) -> None:
     golden_check(sc, res, selected_in=sel)
 
 
-# ---- per-sequence selection budget (engine_io rev 4: node input sparse_top_k [B], attribute max_top_k) ----
+# ---- per-sequence selection budget (node input sparse_top_k [B], attribute max_top_k) ----
 @pytest.mark.parametrize("new", [[1, 1, 1, 1, 1], [3, 1, 4, 2, 5]], ids=["decode", "chunked-prefill"])
 def test_per_sequence_budgets_equal_golden_at_each_top_k(new: list[int]) -> None:
     """One call, five sequences: budgets 0, small, the checkpoint-like default, max_top_k = N_max
@@ -471,7 +471,7 @@ def test_per_sequence_budgets_equal_golden_at_each_top_k(new: list[int]) -> None
             got = int((res.selected[b, j] >= 0).sum())
             assert got == (t + 1 if t + 1 <= sinks + window + k else sinks + window + k), (b, j)
     assert int(sc.past[4]) + int(sc.new[4]) <= sinks + window + 40  # sequence 4 really is the short dense case
-    # without the input every sequence selects max_top_k: the node form before revision 4
+    # without budgets (a direct caller of the reference passes none) every sequence selects max_top_k
     legacy, explicit = sc.call(sparse_top_k=None), sc.call(sparse_top_k=np.full(5, n_max, np.int32))
     assert np.array_equal(legacy.selected, explicit.selected)
     assert np.array_equal(legacy.out.view(np.uint32), explicit.out.view(np.uint32))
@@ -584,7 +584,7 @@ def test_results_do_not_depend_on_thread_count() -> None:
     assert np.array_equal(a.selected, b.selected)
 
 
-# ---- cache rows (engine_io rev 6): each sequence's pools are one row of [R, ...] ---------------------
+# ---- cache rows: each sequence's pools are one row of [R, ...] ---------------------
 @pytest.mark.parametrize("layer_kind", [0, 1], ids=["owning", "sharing"])
 def test_cache_rows_select_each_sequence_row(layer_kind: int) -> None:
     """The same call with the sequences' caches scattered over rows 4, 0, 2 of 6 poisoned rows gives the packed

@@ -1,4 +1,4 @@
-"""Batched decode and the cost of a step (docs/engine_io.md section 5, revision 2; docs/runtime.md "Speed").
+"""Batched decode and the cost of a step (docs/engine_io.md section 5; docs/runtime.md "Speed").
 
 - several sequences of different lengths in one call (Runtime.prefill_batch / decode_batch, joining
   and leaving at different steps, re-tiering on their own schedules) give what each gives alone:
@@ -50,7 +50,7 @@ def greedy_alone(rt, prompt, steps):
 
 
 def same_selection(a, b):
-    """Equal selections; the width is the call's k (engine_io rev 4: the batch's largest budget, capped by
+    """Equal selections; the width is the call's k (the batch's largest budget, capped by
     its context), so a sequence's rows may carry more -1 padding in a batch than alone."""
     w = max(a.shape[-1], b.shape[-1])
     pad = [(0, 0)] * (a.ndim - 1)

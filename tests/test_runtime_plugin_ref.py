@@ -140,7 +140,7 @@ def budget_bundle(ckpt, tmp_path_factory):
 
 
 def test_reference_per_sequence_budgets_equal_golden_at_each_top_k(ckpt, budget_bundle):
-    """engine_io rev 4 on the plugin path: one batch whose sequences select with budgets 0, 3, the
+    """Per-sequence budgets on the plugin path: one batch whose sequences select with budgets 0, 3, the
     checkpoint's, dense (max-seq) and one switched to dense mid-generation each equal GoldenModel
     deployed at that sparse_top_k (logits, selections, tiers: test_runtime_topk.check_step); the node's
     max_top_k is max-seq, so a probed step (dense shadow call) works and agrees with onnxruntime's."""

@@ -1,4 +1,4 @@
-"""Run-time selection budget, hit-rate probe and KV noise of demotion (docs/engine_io.md rev 4, docs/runtime.md).
+"""Run-time selection budget, hit-rate probe and KV noise of demotion (docs/engine_io.md, docs/runtime.md).
 
 - per-sequence `top_k` in one batch: each sequence equals GoldenModel deployed with its own
   `sparse_top_k` (logits to float32 summation order, greedy tokens, selected positions, tiers), including

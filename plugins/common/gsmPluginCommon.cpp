@@ -56,7 +56,7 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
             AttrSpec const* spec = nullptr;
             for (AttrSpec const& s : specs)
             {
-                if (name == s.name || (s.legacyName != nullptr && name == s.legacyName))
+                if (name == s.name)
                 {
                     spec = &s;
                 }
@@ -72,8 +72,7 @@ GsmDims parseAttributes(char const* pluginName, PluginFieldCollection const* fc,
             }
             if (seen.count(spec->name))
             {
-                throw std::invalid_argument(std::string(pluginName) + ": attribute '" + spec->name + "' is given twice"
-                    + (spec->legacyName ? std::string(" (also as its old name '") + spec->legacyName + "')" : ""));
+                throw std::invalid_argument(std::string(pluginName) + ": attribute '" + spec->name + "' is given twice");
             }
             int64_t const v = readInteger(pluginName, f);
             if (v < spec->minValue || v > spec->maxValue)

@@ -37,16 +37,14 @@ using GsmPluginBuild = nvinfer1::IPluginV3OneBuild;
 #endif
 
 // Names shared with the ONNX nodes (docs/engine_io.md section 4).
-constexpr char const* kPluginVersion = "1";
+constexpr char const* kPluginVersion = "2";
 constexpr char const* kPluginNamespace = "gsm";
 
 // Where an attribute lands in GsmDims (an alias: nvcc's host pass re-emits a bare member-pointer
 // declarator with parentheses, which g++ -Wall then flags).
 using GsmDimsField = int32_t GsmDims::*;
 
-// One integer attribute: its ONNX/field name, valid range, and where it lands in GsmDims. A renamed
-// attribute keeps its old name as `legacyName`, accepted when parsing (graphs and engines built
-// before the rename) but never serialised.
+// One integer attribute: its ONNX/field name, valid range, and where it lands in GsmDims.
 struct AttrSpec
 {
     char const* name;
@@ -55,7 +53,6 @@ struct AttrSpec
     bool required;
     int32_t defaultValue;
     GsmDimsField field;
-    char const* legacyName = nullptr;
 };
 
 // Reads `fc` against `specs`: every required attribute present, each an integer within range,

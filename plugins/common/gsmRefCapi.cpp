@@ -33,7 +33,7 @@ GSM_EXPORT char const* gsm_ref_last_error()
 // Bumped whenever a signature below or docs/engine_io.md's layout changes.
 GSM_EXPORT int32_t gsm_ref_abi_version()
 {
-    // 3: kv_update / sparse_attention take cacheRows + the pools' rows (engine_io rev 6); 4: the INT4 tier
+    // 3: kv_update / sparse_attention take cacheRows + the pools' rows; 4: the INT4 tier
     // (GsmDims.rowsINT4, [5, r] quant tables, four tier fractions, dequantize by tier, INT4 packing probes);
     // 5: INT8 indexer keys (GsmDims.indexKeyBits, index keys as bytes of either layout); 6: GsmDims.sparseTopKDivisor
     return 6;

@@ -26,20 +26,20 @@ struct GsmDims
     int32_t indexHeads;      // nI
     int32_t indexDim;        // dI
     int32_t sinkTokens;      // spec 2 sink_tokens
-    int32_t maxTopK;         // the largest per-sequence sparse_top_k a call may use (fixes K_sel; engine_io rev 4)
+    int32_t maxTopK;         // the largest per-sequence sparse_top_k a call may use (fixes K_sel)
     int32_t maxSparseWindow; // spec 2 max_sparse_window (fixes K_sel)
     int32_t nMax;            // N_max
     int32_t rowsFP16;        // C16
     int32_t rowsINT12;       // C12
     int32_t rowsINT8;        // C8
-    int32_t rowsINT4;        // C4 (attribute rows_int4, optional: 0 for nodes written before the tier existed)
+    int32_t rowsINT4;        // C4 (0: no INT4 region)
     int32_t indexKeyBits;    // 8: INT8 indexer-key codes; 16 (or 0, a node without the attribute): FP16 keys
     int32_t sparseTopKDivisor; // > 0: a query's top-k grows to (t + 1) / this (queryTopK); 0: a fixed top-k
 };
 
-// Where call entry b's cache lives in the [R, ...] pools and indexer keys (engine_io revision 6: the
-// `cache_rows` input [B], each sequence keeps its row while other sequences come and go). A node without
-// that input (revision <= 5) has one pool row per call entry: rows == nullptr, row base + b.
+// Where call entry b's cache lives in the [R, ...] pools and indexer keys: the `cache_rows` input [B], each
+// sequence keeps its row while other sequences come and go. A direct caller of the reference without rows
+// (rows == nullptr) has one pool row per call entry: row base + b.
 struct CacheRows
 {
     int32_t const* rows; // [B] or nullptr
@@ -165,7 +165,7 @@ GSM_HD int64_t poolWords(GsmDims const& d)
     return (poolBytes(d) + 3) / 4;
 }
 
-// Indexer keys (engine_io revision 9): FP16 values, or INT8 codes (index_key_bits 8) packed four to an int32 word,
+// Indexer keys: FP16 values, or INT8 codes (index_key_bits 8) packed four to an int32 word,
 // so one position's key is indexKeyBytes(d) bytes at indexKeyOffset(d, row, p) of `index_keys` [R, N_max, ...].
 GSM_HD bool int8Keys(GsmDims const& d)
 {

@@ -23,7 +23,7 @@ enum : int32_t
     kSlots,
     kPast,
     kNew,
-    kRows // engine_io rev 6: cache_rows [B]
+    kRows // cache_rows [B]
 };
 enum : int32_t
 {
@@ -55,8 +55,8 @@ std::vector<AttrSpec> cacheSpecs()
         {"rows_fp16", 0, 1 << 24, true, 0, &GsmDims::rowsFP16},
         {"rows_int12", 0, 1 << 24, true, 0, &GsmDims::rowsINT12},
         {"rows_int8", 0, 1 << 24, true, 0, &GsmDims::rowsINT8},
-        {"rows_int4", 0, 1 << 24, false, 0, &GsmDims::rowsINT4}, // optional: nodes before the INT4 tier have none
-        {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; optional: FP16 before rev 9
+        {"rows_int4", 0, 1 << 24, true, 0, &GsmDims::rowsINT4},
+        {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; absent: FP16 keys
     };
 }
 } // namespace
@@ -139,20 +139,6 @@ int32_t GsmKVCacheUpdatePlugin::getAliasedInput(int32_t outputIndex) noexcept
     return outputIndex == 0 ? kPool : (outputIndex == 1 ? kKeys : -1);
 }
 
-int32_t GsmKVCacheUpdatePlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
-{
-    mHasRowsInput = nbInputs > kRows;
-    return GsmPluginBase::configurePlugin(in, nbInputs, out, nbOutputs);
-}
-
-int32_t GsmKVCacheUpdatePlugin::onShapeChange(
-    PluginTensorDesc const* /*in*/, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
-{
-    mHasRowsInput = nbInputs > kRows; // the runtime phase's plugin was rebuilt from fields: learn the form here
-    return 0;
-}
-
 int32_t GsmKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
     void const* const* inputs, void* const* outputs, void* /*workspace*/, cudaStream_t stream) noexcept
 {
@@ -165,7 +151,7 @@ int32_t GsmKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         return 1;
     }
     int32_t const R = static_cast<int32_t>(dim(inputDesc[kPool], 0));
-    CacheRows const rows = cacheRowsOf(mHasRowsInput ? static_cast<int32_t const*>(inputs[kRows]) : nullptr, R, B);
+    CacheRows const rows = cacheRowsOf(static_cast<int32_t const*>(inputs[kRows]), R, B);
     auto* pool = static_cast<int32_t*>(outputs[0]);
     void* keys = outputs[1];
     cudaError_t e = carryOver(pool, inputs[kPool], static_cast<size_t>(R) * poolWords(mDims) * 4, stream);

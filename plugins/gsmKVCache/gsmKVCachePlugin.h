@@ -36,10 +36,6 @@ public:
         int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
         nvinfer1::IExprBuilder& exprBuilder) noexcept override;
     int32_t getAliasedInput(int32_t outputIndex) noexcept override;
-    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
-        int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 
@@ -48,15 +44,8 @@ protected:
         int32_t nbInputs) const noexcept override;
     int32_t expectedInputs() const noexcept override
     {
-        return 9; // engine_io rev 6: input 8 cache_rows [B]
+        return 9; // input 8: cache_rows [B]
     }
-    bool inputCountOk(int32_t nbInputs) const noexcept override
-    {
-        return nbInputs == 9 || nbInputs == 8; // 8: before rev 6, sequence b in pool row b
-    }
-
-private:
-    bool mHasRowsInput = true; // set by configurePlugin / onShapeChange from the node's input count
 };
 
 class GsmKVDemotePlugin : public GsmPluginBase

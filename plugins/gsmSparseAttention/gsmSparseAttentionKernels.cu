@@ -194,7 +194,7 @@ __global__ void selectKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
         // The runtime validates sparse_window (the CPU reference rejects it); a kernel cannot raise,
         // so clamp to [1, max_sparse_window] rather than write past K_sel.
         int32_t const w = min(max(*a.sparseWindow, 1), d.maxSparseWindow);
-        // Same for the query's budget (engine_io rev 4, grown with the context by sparse_top_k_divisor):
+        // Same for the query's budget (grown with the context by sparse_top_k_divisor):
         // clamped to [0, max_top_k] so that the selection never outgrows K_sel = sinks + max_sparse_window
         // + max_top_k.
         int32_t const topK = queryTopK(d, a.sparseTopK != nullptr ? a.sparseTopK[b] : d.maxTopK, t);

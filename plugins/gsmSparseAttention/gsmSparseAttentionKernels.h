@@ -43,7 +43,7 @@ struct AttnDeviceArgs
     int32_t const* sparseTopK;      // owning, device [B]: each sequence's budget, clamped to 0..max_top_k
                                     // (null: max_top_k for every sequence, the pre-rev-4 behaviour); a query
                                     // grows it with GsmDims.sparseTopKDivisor (queryTopK)
-    CacheRows rows;                 // cache_rows (device [B], engine_io rev 6) into the [R, ...] pools / keys
+    CacheRows rows;                 // cache_rows (device [B]) into the [R, ...] pools / keys
 };
 
 // Workspace for calls of up to maxRows = B*S query rows.

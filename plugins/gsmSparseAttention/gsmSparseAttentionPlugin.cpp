@@ -30,13 +30,10 @@ enum : int32_t
     kIndexW,           // owning only from here
     kIndexKeys,
     kWindow,
-    kTopK, // owning, engine_io rev 4: sparse_top_k [B]
+    kTopK, // owning: sparse_top_k [B]; then cache_rows [B] (owning input 15, sharing 11)
 };
-constexpr int32_t kOwningInputs = 16;    // rev 6: + cache_rows [B] (input 15)
-constexpr int32_t kOwningInputsV4 = 15;  // revs 4-5: no cache_rows, sequence b in pool row b
-constexpr int32_t kOwningInputsV3 = 14;  // before rev 4: no sparse_top_k, every sequence selects max_top_k
-constexpr int32_t kSharingInputs = 12;   // rev 6: + cache_rows [B] (input 11)
-constexpr int32_t kSharingInputsV5 = 11; // before rev 6
+constexpr int32_t kOwningInputs = 16;
+constexpr int32_t kSharingInputs = 12;
 constexpr int32_t kMaxI = 1 << 30;
 } // namespace
 
@@ -52,14 +49,14 @@ std::vector<AttrSpec> const& GsmSparseAttentionPlugin::attributeSpecs()
         {"index_heads", 1, 64, false, 1, &GsmDims::indexHeads},
         {"index_dim", 1, 512, false, 1, &GsmDims::indexDim},
         {"sink_tokens", 0, kMaxI, true, 0, &GsmDims::sinkTokens},
-        {"max_top_k", 0, kMaxI, true, 0, &GsmDims::maxTopK, "top_k"}, // "top_k" before engine_io rev 4
+        {"max_top_k", 0, kMaxI, true, 0, &GsmDims::maxTopK},
         {"max_sparse_window", 1, kMaxI, true, 0, &GsmDims::maxSparseWindow},
         {"n_max", 1, 1 << 24, true, 0, &GsmDims::nMax},
         {"rows_fp16", 0, 1 << 24, true, 0, &GsmDims::rowsFP16},
         {"rows_int12", 0, 1 << 24, true, 0, &GsmDims::rowsINT12},
         {"rows_int8", 0, 1 << 24, true, 0, &GsmDims::rowsINT8},
-        {"rows_int4", 0, 1 << 24, false, 0, &GsmDims::rowsINT4}, // optional: nodes before the INT4 tier have none
-        {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; optional: FP16 before rev 9
+        {"rows_int4", 0, 1 << 24, true, 0, &GsmDims::rowsINT4},
+        {"index_key_bits", 8, 16, false, 16, &GsmDims::indexKeyBits}, // 8 or 16; absent: FP16 keys
         // optional: a node without it selects a fixed top-k
         {"sparse_top_k_divisor", 0, kMaxI, false, 0, &GsmDims::sparseTopKDivisor},
     };
@@ -93,9 +90,7 @@ IPluginV3* GsmSparseAttentionPlugin::clone() noexcept
 {
     try
     {
-        auto* p = new GsmSparseAttentionPlugin(mName, mDims);
-        p->mHasTopKInput = mHasTopKInput;
-        return p;
+        return new GsmSparseAttentionPlugin(mName, mDims);
     }
     catch (std::exception const& e)
     {
@@ -109,38 +104,9 @@ int32_t GsmSparseAttentionPlugin::expectedInputs() const noexcept
     return mDims.layerKind == 0 ? kOwningInputs : kSharingInputs;
 }
 
-bool GsmSparseAttentionPlugin::inputCountOk(int32_t nbInputs) const noexcept
-{
-    if (mDims.layerKind == 0)
-    {
-        return nbInputs == kOwningInputs || nbInputs == kOwningInputsV4 || nbInputs == kOwningInputsV3;
-    }
-    return nbInputs == kSharingInputs || nbInputs == kSharingInputsV5;
-}
-
 int32_t GsmSparseAttentionPlugin::rowsInput() const noexcept
 {
     return mDims.layerKind == 0 ? kOwningInputs - 1 : kSharingInputs - 1;
-}
-
-void GsmSparseAttentionPlugin::learnForm(int32_t nbInputs) noexcept
-{
-    mHasTopKInput = nbInputs > kTopK;
-    mHasRowsInput = nbInputs > rowsInput();
-}
-
-int32_t GsmSparseAttentionPlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
-{
-    learnForm(nbInputs);
-    return GsmPluginBase::configurePlugin(in, nbInputs, out, nbOutputs);
-}
-
-int32_t GsmSparseAttentionPlugin::onShapeChange(
-    PluginTensorDesc const* /*in*/, int32_t nbInputs, PluginTensorDesc const* /*out*/, int32_t /*nbOutputs*/) noexcept
-{
-    learnForm(nbInputs); // the runtime phase's plugin was rebuilt from fields: learn the form here
-    return 0;
 }
 
 int32_t GsmSparseAttentionPlugin::getNbOutputs() const noexcept
@@ -255,9 +221,9 @@ int32_t GsmSparseAttentionPlugin::enqueueImpl(PluginTensorDesc const* inputDesc,
     a.ropeSin = static_cast<float const*>(inputs[kSin]);
     a.w0 = static_cast<float const*>(inputs[kW0]);
     a.w1 = static_cast<float const*>(inputs[kW1]);
-    // rev 6: sequence b's cache is row cache_rows[b] of the [R, ...] pools; before, row b of [B, ...] pools
-    a.rows = cacheRowsOf(mHasRowsInput ? static_cast<int32_t const*>(inputs[rowsInput()]) : nullptr,
-        static_cast<int32_t>(dim(inputDesc[kPool], 0)), B);
+    // sequence b's cache is row cache_rows[b] of the [R, ...] pools
+    a.rows = cacheRowsOf(static_cast<int32_t const*>(inputs[rowsInput()]), static_cast<int32_t>(dim(inputDesc[kPool], 0)),
+        B);
     a.out = outputs[0];
     if (owning)
     {
@@ -265,7 +231,7 @@ int32_t GsmSparseAttentionPlugin::enqueueImpl(PluginTensorDesc const* inputDesc,
         a.indexW = inputs[kIndexW];
         a.indexKeys = inputs[kIndexKeys];
         a.sparseWindow = static_cast<int32_t const*>(inputs[kWindow]);
-        a.sparseTopK = mHasTopKInput ? static_cast<int32_t const*>(inputs[kTopK]) : nullptr;
+        a.sparseTopK = static_cast<int32_t const*>(inputs[kTopK]);
         a.selectedOut = static_cast<int32_t*>(outputs[1]);
         a.mass = static_cast<float*>(outputs[2]);
     }

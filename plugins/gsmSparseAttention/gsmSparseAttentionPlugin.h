@@ -1,8 +1,7 @@
 /*
- * GsmSparseAttention TensorRT plugin (docs/engine_io.md 4.2). Owning variant (layer_kind 0): 15
- * inputs (the last, sparse_top_k [B], since engine_io rev 4; a 14-input node of an older graph
- * selects max_top_k for every sequence), outputs attn_out, selected, attn_mass. Sharing variant (layer_kind 1): 11 inputs, output
- * attn_out. The math is gsmSparseAttentionKernels.cu; this file is shapes, types and dispatch.
+ * GsmSparseAttention TensorRT plugin (docs/engine_io.md 4.2). Owning variant (layer_kind 0): 16
+ * inputs (input 14 sparse_top_k [B], input 15 cache_rows [B]), outputs attn_out, selected, attn_mass. Sharing variant
+ * (layer_kind 1): 12 inputs (input 11 cache_rows [B]), output attn_out. One node form each (plugin_version "2"). The math is gsmSparseAttentionKernels.cu; this file is shapes, types and dispatch.
  */
 #pragma once
 
@@ -31,8 +30,6 @@ public:
     }
     // IPluginV3OneBuild
     int32_t getNbOutputs() const noexcept override;
-    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
         int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
@@ -46,8 +43,6 @@ public:
         return -1;
     }
     // IPluginV3OneRuntime
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
-        int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 
@@ -56,12 +51,8 @@ protected:
         int32_t nbInputs) const noexcept override;
     int32_t expectedInputs() const noexcept override;
     int32_t rowsInput() const noexcept; // position of cache_rows
-    void learnForm(int32_t nbInputs) noexcept;
-    bool inputCountOk(int32_t nbInputs) const noexcept override;
 
 private:
-    bool mHasTopKInput = true; // owning: node input 14 sparse_top_k present (set by configurePlugin / onShapeChange)
-    bool mHasRowsInput = true; // cache_rows present (owning input 15, sharing 11; engine_io rev 6), set likewise
 
     template <typename T>
     int32_t enqueueImpl(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs,

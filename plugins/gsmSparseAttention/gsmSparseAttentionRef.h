@@ -2,7 +2,7 @@
  * CPU reference of GsmSparseAttention (docs/engine_io.md 4.2): indexer scores, sink + window + top-k
  * selection, gather and dequantisation of the selected latent rows, K/V reconstruction (U of an
  * owning layer or kv_projector of a sharing layer), RoPE, GQA softmax attention and the attention
- * mass per position. Each sequence selects with its own sparse_top_k (engine_io rev 4), each query with that
+ * mass per position. Each sequence selects with its own sparse_top_k, each query with that
  * budget grown to (t + 1) / sparse_top_k_divisor when the node has a divisor. float32 activations; multi-threaded
  * over query rows.
  */
@@ -36,7 +36,7 @@ struct AttnInputs
     int32_t sparseWindow;       // owning: run-time window
     int32_t const* selectedIn;  // sharing: [B, S, K_sel]
     int32_t const* sparseTopK;  // owning: [B] budget of each sequence, 0..max_top_k (nullptr: max_top_k for all)
-    CacheRows rows;             // cache_rows (engine_io rev 6); {nullptr, B, 0}: row b
+    CacheRows rows;             // cache_rows; {nullptr, B, 0}: row b
 };
 
 struct AttnOutputs

@@ -65,7 +65,7 @@ CASES = {
                        (0.4, 0.3, 0.2, 0.1)),
     "smollm2-prefill-chunks": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [260, 0, 131], [48, 37, 1],
                                (0.4, 0.3, 0.2, 0.1)),
-    # per-layer selection (engine_io rev 7): a streaming layer's node, top-k 0 behind a window far wider than the
+    # per-layer selection: a streaming layer's node, top-k 0 behind a window far wider than the
     # model's (its own max_sparse_window), decode and a prefill chunk crossing the window's edge
     "streaming-wide-window": (9, 3, 64, 97, 93, 4, 32, 1, 0, 1056, 1056, 2048, [1500, 40, 2047, 1000], [1, 1, 1, 80],
                               (0.4, 0.3, 0.2, 0.1)),
@@ -73,7 +73,7 @@ CASES = {
     "smollm2-decode-int4": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [300, 17, 511, 200], [1, 1, 1, 1],
                             (0.2, 0.1, 0.1, 0.1, 0.15, 0.1, 0.15, 0.1)),
     "chunked-int4-only": (4, 1, 8, 7, 9, 2, 4, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5], (0, 0, 0, 0, 1, 0, 0, 0)),
-    # INT8 indexer keys (engine_io rev 9): SmolLM2's geometry, and an index dim that pads its last int32 word
+    # INT8 indexer keys: SmolLM2's geometry, and an index dim that pads its last int32 word
     "smollm2-decode-keys8": (9, 3, 64, 97, 93, 4, 32, 4, 128, 64, 64, 512, [300, 17, 511, 200], [1, 1, 1, 1],
                              (0.2, 0.1, 0.1, 0.1, 0.15, 0.1, 0.15, 0.1)),
     "chunked-keys8-odd-dim": (4, 1, 8, 7, 9, 2, 12, 2, 6, 4, 4, 160, [13, 0, 100], [5, 2, 5], (0.4, 0.3, 0.2, 0.1)),
@@ -141,7 +141,7 @@ def test_owning_attention_cuda_matches_reference(name: str) -> None:
 
 
 def test_per_sequence_budgets_cuda_match_reference_and_clamp() -> None:
-    """engine_io rev 4: each sequence selects with its own sparse_top_k (0, small, max_top_k, and dense by
+    """Each sequence selects with its own sparse_top_k (0, small, max_top_k, and dense by
     covering its context); the kernel clamps what the reference refuses (< 0, > max_top_k)."""
     sc = _scenario("decode-mqa-2048", seq_top_k=[0, 3, 64, 64])  # max_top_k 64; sequence 1 (t = 5) is dense
     want = sc.call(return_scores=True)
@@ -251,7 +251,7 @@ def test_fp16_activations_match_reference_on_the_rounded_inputs(name: str) -> No
 
 @pytest.mark.parametrize("name", ["chunked-mixed-tiers", "smollm2-decode"])
 def test_cache_rows_cuda_match_reference(name: str) -> None:
-    """engine_io rev 6: sequence b reads row cache_rows[b] of [R, ...] pools and keys (the others poisoned); a row
+    """Sequence b reads row cache_rows[b] of [R, ...] pools and keys (the others poisoned); a row
     outside 0..R-1 makes that sequence read and write nothing (a kernel cannot raise)."""
     sc = _scenario(name)
     B = len(sc.past)

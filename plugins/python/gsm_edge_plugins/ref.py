@@ -48,10 +48,10 @@ class Dims:
     index_heads: int = 1
     index_dim: int = 8
     sink_tokens: int = 1
-    max_top_k: int = 64  # the largest per-sequence sparse_top_k (engine_io rev 4; the attribute was `top_k`)
+    max_top_k: int = 64  # the largest per-sequence sparse_top_k
     max_sparse_window: int = 8
     layer_kind: int = 0
-    index_key_bits: int = 16  # 8: INT8 indexer-key codes, four to an int32 word (engine_io revision 9)
+    index_key_bits: int = 16  # 8: INT8 indexer-key codes, four to an int32 word
     sparse_top_k_divisor: int = 0  # > 0: a query's top-k grows to max(sparse_top_k[b], (t + 1) // this)
 
     def __post_init__(self) -> None:

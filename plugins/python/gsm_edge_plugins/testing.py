@@ -72,8 +72,8 @@ class Scenario:
                                     selected=selected, **kw)
 
     def in_rows(self, rows: np.ndarray, total: int, fill_byte: int = 0xFF) -> Scenario:
-        """The same call with sequence b's cache in row rows[b] of `total`-row pools and indexer keys (engine_io
-        rev 6 cache_rows); every other row is poisoned (pool bytes fill_byte, keys NaN), so reading a wrong row
+        """The same call with sequence b's cache in row rows[b] of `total`-row pools and indexer keys (the
+        cache_rows input); every other row is poisoned (pool bytes fill_byte, keys NaN), so reading a wrong row
         shows."""
         from dataclasses import replace
 
