@@ -27,7 +27,7 @@ from gsm.config import ConfigError, KVQuantConfig
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 13
+GRAPH_REVISION = 14
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 VERIFY_ROWS = 16
 
