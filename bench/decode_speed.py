@@ -29,6 +29,7 @@ Bundles are built from `--checkpoint` into `--work` unless given. Figures are fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -40,6 +41,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # gsm.progress from this checkout when run as `python bench/decode_speed.py`
+from gsm.progress import track  # noqa: E402
+
 DATA = ROOT.parent / "shared" / "data"
 DEFAULT_LLAMA = Path.home() / ".cache" / "gsm-edge" / "llama.cpp"
 DEFAULT_GENAI = Path.home() / ".cache" / "gsm-edge" / "ort-genai"
@@ -156,10 +160,26 @@ def measure(args: argparse.Namespace) -> dict:
     return res
 
 
+def measured(n: int = 1) -> None:
+    """Counts finished measurements; main() points it at the run's progress."""
+
+
+def planned_measurements(a: argparse.Namespace, top_ks: list) -> int:
+    """Fresh-process runs and anchors main() makes (the units of its progress)."""
+    n = len(top_ks) * (len(a.contexts) + len(a.batch_contexts) * len(a.batches)) * a.repeat
+    n += 0 if a.bundle else len(a.max_seqs) * a.repeat
+    n += (1 + len(a.profile_batches)) if a.profile else 0
+    n += (not a.no_llama) + (not a.no_transformers) + (not a.no_genai) + (a.profile and not a.no_genai)
+    return n
+
+
 def run_one(bundle: Path, context: int, batch: int, a: argparse.Namespace, profile: bool = False,
             top_k: int | None = None) -> dict:
     """The best of `--repeat` fresh-process runs (the least disturbed one on a shared machine)."""
-    runs = [_run_one(bundle, context, batch, a, profile, top_k) for _ in range(1 if profile else a.repeat)]
+    runs = []
+    for _ in range(1 if profile else a.repeat):
+        runs.append(_run_one(bundle, context, batch, a, profile, top_k))
+        measured(1)
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[0]
@@ -499,6 +519,11 @@ def main() -> int:
     a.contexts = sorted({min(c, room) for c in a.contexts})
     top_ks = a.top_ks or [None]
     tk = {k: "" if k is None else f", top-k {k}" for k in top_ks}
+    # each measurement is a fresh process of up to minutes: progress (a bar on a terminal, else a line every few
+    # seconds) says how many are done and about how long the rest takes
+    progress = contextlib.ExitStack()
+    global measured
+    measured = progress.enter_context(track("decode_speed", planned_measurements(a, top_ks), "measurements"))
     for k in top_ks:
         for ctx in a.contexts:
             r = run_one(main_bundle, ctx, 1, a, top_k=k)
@@ -531,21 +556,26 @@ def main() -> int:
                           f"{op} {ms:.2f}" for op, ms in list(r["profile_ms_per_step_by_op"].items())[:10]), flush=True)
     if not a.no_llama:
         results["llama_cpp"] = llama_anchor(a, main_bundle)
+        measured(1)
         print("llama.cpp:", json.dumps(results["llama_cpp"]), flush=True)
     if not a.no_transformers:
         results["transformers"] = transformers_anchor(a, main_bundle)
+        measured(1)
         print("transformers eager:", json.dumps(results["transformers"]), flush=True)
     if not a.no_genai:
         results["genai"] = genai_anchor(a)
+        measured(1)
         print("onnxruntime-genai:", json.dumps(results["genai"]), flush=True)
         if a.profile:
             g = results["genai_profile"] = genai_profile(a, min(a.profile_context, room))
+            measured(1)
             if "profile_ms_per_step_by_op" in g:
                 print(f"GenAI's model.onnx, ONNX Runtime profile at context {g['context']} (ms per decode step, "
                       f"kernel time {g['profile_total_ms_per_step']}; session.run {g['session_ms_per_step']:.1f} "
                       "ms without profiling):")
                 for op, ms in list(g["profile_ms_per_step_by_op"].items())[:12]:
                     print(f"  {op:32s} {ms:8.3f}")
+    progress.close()
     print(f"decode tok/s at batch 1, {a.threads} threads, one run:", flush=True)
     for line in comparison(results):
         print("  " + line, flush=True)

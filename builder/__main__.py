@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 from builder.plan import (
+    DEFAULT_GSM,
+    DEFAULT_HEAD,
+    DEFAULT_HEAD_CALIBRATED,
     DEFAULT_INT8_GROUP_SIZE,
+    DEFAULT_WEIGHTS,
     GSM_CHOICES,
     HEAD_CHOICES,
     HEAD_GROUP_SIZES,
@@ -19,6 +23,7 @@ from builder.plan import (
 from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main, tier_fractions
 
 PROG = "python -m builder"
+READ_BYTES, READ_UNIT = 1 << 20, "MiB"  # the unit of a build's progress while the checkpoint streams
 
 
 def group_size_arg(text: str) -> int:
@@ -26,6 +31,18 @@ def group_size_arg(text: str) -> int:
     if text == "channel":
         return PER_CHANNEL
     return int_at_least(16)(text)
+
+
+def by_weights(default: dict[str, str], calibrated: dict[str, str] | None = None) -> str:
+    """A default that depends on --weights, in words: `fp16 for fp16, int8 for int8, ...` (the dicts of plan)."""
+    words = []
+    for w in WEIGHT_CHOICES:
+        if calibrated is not None and calibrated[w] != default[w]:
+            words.append(f"{calibrated[w]} for {w} when the calibration has the head's input moment (GPTQ), "
+                         f"else {default[w]}")
+        else:
+            words.append(f"{default[w]} for {w}")
+    return ", ".join(words)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--uncalibrated", choices=["fp16", "data-free"], default="fp16",
                    help="a checkpoint without calibration tables: keep the KV cache FP16 (default, safe) or use "
                    "INT12/INT8 tiers with data-free scales (measurably worse on real models)")
-    b.add_argument("--weights", choices=[*WEIGHT_CHOICES, "auto"], default="fp16",
-                   help="projection weights (q, o, gate, up, down): fp16, INT8 per channel, INT4 per group, or auto "
-                   "(the highest precision whose memory plan fits the device at --max-seq)")
+    b.add_argument("--weights", choices=[*WEIGHT_CHOICES, "auto"], default=DEFAULT_WEIGHTS,
+                   help="projection weights (q, o, gate, up, down): fp16, INT8 or INT4 per group, or auto (the highest "
+                   f"precision whose memory plan fits the device at --max-seq). Default {DEFAULT_WEIGHTS}: with no "
+                   "--weights every weight stays FP16 on the device (projections, embedding / LM head, GSM side; "
+                   "weights.bin holds them as float32 for ONNX Runtime); a Q4_1 source keeps its grid with "
+                   "--weights int4 (docs/weights.md)")
     b.add_argument("--group-size", type=group_size_arg,
                    help="INT4/INT8 group along the input dimension, a power of two >= 16, or `channel` (INT8 only: "
                    "one group per output row); default 128 for int4 (or the detected grid's) and "
@@ -63,16 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INT4 codes: sym (symmetric), asym-f (min/max grid with a float zero point, reproduces a "
                    "Q4_1 source), auto (asym-f when the weights already lie on such a grid, else sym)")
     b.add_argument("--head-weights", choices=list(HEAD_CHOICES),
-                   help="the embedding and LM head (one tensor when tied): fp16, or INT8 / INT4 symmetric per group "
-                   f"of {HEAD_GROUP_SIZES[8]} / {HEAD_GROUP_SIZES[4]}; default int8 for --weights int8 and int4 "
-                   "(an INT4 head costs far more "
-                   "quality), fp16 for fp16; fp16 keeps the float head of a quantised build")
+                   help="the embedding and LM head (one tensor when tied): fp16, INT8 symmetric per group of "
+                   f"{HEAD_GROUP_SIZES[8]}, or INT4 per group of {HEAD_GROUP_SIZES[4]}; default by --weights: "
+                   f"{by_weights(DEFAULT_HEAD, DEFAULT_HEAD_CALIBRATED)} (an INT4 head rounded to nearest costs "
+                   "far more quality); fp16 keeps the float head of a quantised build")
     b.add_argument("--gsm-weights", choices=list(GSM_CHOICES), help="the GSM-side projections of owning layers "
-                   "(latent down-projections, indexer): fp16, or INT8 per output channel (default: int8 with "
-                   "--weights int8|int4, else fp16)")
+                   "(latent down-projections, indexer): fp16, or INT8 per output channel; default by --weights: "
+                   f"{by_weights(DEFAULT_GSM)}")
     b.add_argument("--matmul-accuracy", choices=["exact", "fast"],
                    help="portable graph's quantised matmuls: exact (float32 on the dequantised weights) or fast "
-                   "(ONNX Runtime quantises activations to INT8 blocks); default exact, fast for int8")
+                   "(ONNX Runtime quantises activations to INT8 blocks); default fast when anything is quantised, "
+                   "else exact")
     b.add_argument("--awq-scales", type=Path, help="AWQ input-channel scales from `python -m calibration.awq` "
                    "(with --weights int4 --int4-grid sym)")
     b.add_argument("--max-top-k", type=int_at_least(0),
@@ -92,36 +113,44 @@ def _build(args: argparse.Namespace) -> int:
     from gsm.cli_support import console
 
     err = console(highlight=False)
-    status = err.status("starting") if sys.stderr.isatty() and not args.json else None
+    bar = sys.stderr.isatty()
 
-    def step(msg: str) -> None:
-        if status is not None:
-            status.update(msg)
-        elif not args.json:
-            err.print(f"[dim]... {msg}[/]")
+    from gsm.progress import track
+    def line(msg: str) -> None:
+        err.print(f"[dim]... {msg}[/]")
 
     def say(msg: str) -> None:
         err.print(f"[yellow]{msg}[/]")
 
-    try:
-        if status is not None:
-            status.start()
-        r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
-                  max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
-                  overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
-                  uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
-                  int4_grid=args.int4_grid, head_weights=args.head_weights, matmul_accuracy=args.matmul_accuracy,
-                  awq_scales=args.awq_scales, max_top_k=args.max_top_k, tier_fractions=args.tier_fractions,
-                  index_keys=args.index_keys, gsm_weights=args.gsm_weights,
-                  say=say, step=step)
-    except BuildError as e:  # a refusal: bad input, nothing written
-        if status is not None:
-            status.stop()
-        err.print(f"[red]{PROG} build: error:[/] {e}", markup=True)
-        return EXIT_BAD_INPUT
-    finally:
-        if status is not None:
-            status.stop()
+    # one progress for the whole build: the step that runs now, and while the checkpoint streams into weights.bin,
+    # MiB read of its total with the time left (a bar on a terminal, else a line every few seconds)
+    with track("starting", unit=f"{READ_UNIT} of the checkpoint read", log=line, bar=bar) as prog:
+        def step(msg: str) -> None:
+            if prog.total is None or prog.done >= prog.total:  # nothing streaming: the step is timed on its own
+                prog.restart(msg)
+            else:
+                prog.describe(msg)
+            if not bar:
+                line(msg)
+
+        def read(done: int, total: int) -> None:
+            if prog.total is None and done < total:
+                prog.set_total(total / READ_BYTES)
+            if prog.total is not None:
+                prog.advance(done / READ_BYTES - prog.done)
+
+        try:
+            r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
+                      max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
+                      overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
+                      uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
+                      int4_grid=args.int4_grid, head_weights=args.head_weights,
+                      matmul_accuracy=args.matmul_accuracy, awq_scales=args.awq_scales, max_top_k=args.max_top_k,
+                      tier_fractions=args.tier_fractions, index_keys=args.index_keys, gsm_weights=args.gsm_weights,
+                      say=say, step=step, read=read)
+        except BuildError as e:  # a refusal: bad input, nothing written
+            err.print(f"[red]{PROG} build: error:[/] {e}", markup=True)
+            return EXIT_BAD_INPUT
     if args.json:
         sys.stdout.write(json.dumps(r.report, indent=2, sort_keys=True) + "\n")
     else:

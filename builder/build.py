@@ -44,6 +44,8 @@ from builder.plan import (
     weight_bytes,
     weight_configs,
 )
+from builder.read_progress import CountedSource
+from builder.summary_lines import disk_line, weights_words
 from gsm import checkpoint, names
 from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows, selection_entry
 from gsm.checker import verify
@@ -93,7 +95,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           awq_scales: Path | None = None, max_top_k: int | None = None,
           tier_fractions: tuple[float, ...] | None = None, index_keys: str | None = None,
           gsm_weights: str | None = None,
-          say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None) -> BuildResult:
+          say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None,
+          read: Callable[[int, int], None] = lambda done, total: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
     weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: the group along
@@ -186,7 +189,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         ck_hash = checkpoint_hash(ckpt)
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
-            info = write_graphs(tmp, spec, CheckpointSource(tensors), qt.tables, rows, trt_precision=trt_precision,
+            source = CountedSource(CheckpointSource(tensors), tensors, read)  # read(done, total): checkpoint bytes
+            info = write_graphs(tmp, spec, source, qt.tables, rows, trt_precision=trt_precision,
                                 weights=wcfgs, input_scales=awq, max_top_k=plan.max_top_k,
                                 row_quantizers=row_quantizers, progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
@@ -491,15 +495,6 @@ def _report(cfg: Any, plan: MemoryPlan, info: Any, calib: str, demo: bool, ck_ha
     }
 
 
-def _weights_words(rep: dict[str, Any]) -> str:
-    w = rep.get("weights", {"format": "fp16"})
-    if w["format"] == "fp16":
-        return "FP16"
-    group = f" g{w['group_size']}" if w["group_size"] is not None else " per channel"
-    words = w["format"].upper() + group + (f" {w['int4_grid']}" if w["format"] == "int4" else "")
-    return f"{words} ({w['ratio_vs_fp16']:.1%} of FP16; {w['why']})"
-
-
 def summary(r: BuildResult) -> str:
     """The short human summary printed at the end of a build."""
     p, rep = r.plan, r.report
@@ -507,7 +502,8 @@ def summary(r: BuildResult) -> str:
         f"bundle {r.bundle}" + ("  (DEMO model: synthetic random weights)" if r.demo else ""),
         f"  device {p.device}: plan {fmt_bytes(p.total_bytes)} of {fmt_bytes(p.usable_bytes)} usable "
         f"(max-seq {p.max_seq} x max-batch {p.max_batch}); largest context that fits: {p.largest_fitting_seq}",
-        f"  parameters {p.params:,}; weights {fmt_bytes(p.weight_bytes)} {_weights_words(rep)} on the device",
+        f"  parameters {p.params:,}; on the device: weights {fmt_bytes(p.weight_bytes)}, "
+        f"{weights_words(rep['weights'])}",
         f"  KV cache {p.kv_bytes_per_position:,.1f} B/position vs dense FP16 {p.dense_fp16_bytes_per_position:,} B "
         f"({rep['kv_ratio_vs_dense_fp16']:.1%})",
         f"  decode estimate {p.decode_tokens_per_s_estimate:,.0f} tokens/s (bandwidth roofline, batch 1, an estimate)",
@@ -521,5 +517,5 @@ def summary(r: BuildResult) -> str:
     else:
         lines.append(f"  TensorRT engine not built here ({eng['reason']}); on the target run: "
                      f"{ENGINE_COMMAND.format(bundle=r.bundle)}")
-    lines.append(f"  files: {', '.join(r.files)}")
+    lines.append(f"  {disk_line(r.bundle, r.files)}")
     return "\n".join(lines)

@@ -42,6 +42,9 @@ ENGINE_WEIGHT_BYTES = 2  # FP16 weights in the TensorRT engine
 SLOT_ENTRY_BYTES = 4  # kv_slots entry: int32 (tier << 24) | row (docs/engine_io.md section 3)
 # --weights choices, highest precision first (the order `--weights auto` tries them in)
 WEIGHT_CHOICES = ("fp16", "int8", "int4")
+# --weights with no flag: every weight stays FP16 on the device (the projections, and through DEFAULT_HEAD /
+# DEFAULT_GSM the embedding / LM head and the GSM side); quantising costs quality, so a build does it when asked
+DEFAULT_WEIGHTS = "fp16"
 DEFAULT_GROUP_SIZE = 128  # INT4's default group
 # INT8's default group along K (docs/weights.md "INT8 groups"): per channel missed the 0.5 % goal through
 # the SmolLM2 bundle (+0.70 % exact, +1.40 % fast); g32 met it at ONNX Runtime's fast kernel speed (+0.06 %),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -248,11 +248,12 @@ class Lockstep:
 
 def decode_scores(weights: GoldenWeights, quant: KVQuantConfig, params: GSMParams, seqs: torch.Tensor,
                   prefilled: Sequence[Prefilled], configs: Sequence[Config], reference: torch.Tensor,
-                  rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: list[tuple[int, int]], advance: Callable[[int], None] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced decode of `rows` (sequence, config); sums over steps of NLL and KL(ref || deployed).
 
     reference: [B, S, V] exact-mode log-probs of the S = T - 1 - prefill_len scored positions.
-    Returns float64 [R] NLL sums and [R] KL sums.
+    Returns float64 [R] NLL sums and [R] KL sums. `advance(1)` after each decode step (of all rows).
     """
     ls = Lockstep(weights, quant, params, seqs, prefilled, configs, rows)
     if not ls.retier():  # end of prefill; a pass that changes nothing leaves K/V to build here
@@ -268,4 +269,6 @@ def decode_scores(weights: GoldenWeights, quant: KVQuantConfig, params: GSMParam
         nll -= lp.gather(1, target[:, None]).squeeze(1).double()
         ref = reference[seq_of, s]
         kl += (ref.exp() * (ref - lp)).sum(1).double()
+        if advance is not None:
+            advance(1)
     return nll, kl

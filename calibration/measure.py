@@ -22,6 +22,7 @@ the two together.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -151,9 +152,9 @@ class Evaluator:
 
     def __init__(self, weights: GoldenWeights, quant: KVQuantConfig, sequences: torch.Tensor,
                  protocol: Protocol, *, max_state_bytes: int = MAX_STATE_BYTES,
-                 observer: LatentObserver | None = None) -> None:
+                 observer: LatentObserver | None = None, advance: Callable[[int], None] | None = None) -> None:
         """observer: also fed the exact pass's latent rows (stats.LatentObserver), so statistics
-        over the same sequences need no forward pass of their own."""
+        over the same sequences need no forward pass of their own; advance(1) after each sequence's exact pass."""
         protocol.check(int(sequences.shape[1]))
         self.weights, self.quant, self.seqs, self.protocol = weights, quant, sequences, protocol
         self.params = replace(weights.cfg.gsm, quantization_adaptation_rate=protocol.adaptation_rate)
@@ -167,6 +168,8 @@ class Evaluator:
                 if observer is not None:
                     observer.begin_sequence(row.tolist())
                 ref.append(exact_logprobs(exact, row, protocol.prefill_len))
+                if advance is not None:
+                    advance(1)
             self.reference = torch.stack(ref)
             if observer is not None:
                 observer.detach(exact)
@@ -199,8 +202,16 @@ class Evaluator:
     def deployed(self, calib: KVCalibration, fractions: Fractions) -> Score:
         return self.deployed_many([(calib, fractions)])[0]
 
-    def deployed_many(self, configs: list[tuple[KVCalibration, Fractions]]) -> list[Score]:
-        """One Score per configuration (per-sequence sums, sequences in order), decoded in lockstep."""
+    def decode_units(self, n_configs: int) -> int:
+        """Lockstep decode steps deployed_many makes for n_configs configurations (its progress units): one per
+        scored position and batch of rows."""
+        batches = -(-n_configs * int(self.seqs.shape[0]) // self.rows_per_batch)
+        return batches * (int(self.seqs.shape[1]) - 1 - self.protocol.prefill_len)
+
+    def deployed_many(self, configs: list[tuple[KVCalibration, Fractions]],
+                      advance: Callable[[int], None] | None = None) -> list[Score]:
+        """One Score per configuration (per-sequence sums, sequences in order), decoded in lockstep; advance(1)
+        after each decode step of a batch (decode_units: how many)."""
         cfgs = [Config(c, tuple(f)) for c, f in configs]
         B = int(self.seqs.shape[0])
         rows = [(b, c) for c in range(len(cfgs)) for b in range(B)]
@@ -210,7 +221,8 @@ class Evaluator:
             for a in range(0, len(rows), self.rows_per_batch):
                 part = rows[a:a + self.rows_per_batch]
                 nll[a:a + len(part)], kl[a:a + len(part)] = decode_scores(
-                    self.weights, self.quant, self.params, self.seqs, self.prefilled, cfgs, self.reference, part)
+                    self.weights, self.quant, self.params, self.seqs, self.prefilled, cfgs, self.reference, part,
+                    advance)
         n_tok = int(self.seqs.shape[1]) - 1 - self.protocol.prefill_len
         return [Score(tuple(float(x) for x in nll[c * B:(c + 1) * B]), tuple(float(x) for x in kl[c * B:(c + 1) * B]),
                       (n_tok,) * B) for c in range(len(cfgs))]

@@ -3,6 +3,8 @@
 1. Read the checkpoint (config, quant_config, weights; manifest checked) and the token sequences
    of the calibration data (and of the held-out data, if any).
 2. Statistics: exact-mode forward over the calibration sequences with a latent hook (stats.py).
+   Every step that can take long shows its progress (gsm.progress.track: units done / total and the
+   time left; a bar on a terminal, a line every few seconds in a log).
 3. Scales and compensation per layer, latent and channel (scales.py).
 4. Tier fractions: cheapest grid point within the error budget, deployed mode, decode steps, on
    the first `search_samples` calibration sequences (tiers.py, measure.py).
@@ -39,6 +41,7 @@ from calibration.writer import check_destination, check_unmodified, write_calibr
 from gsm import checkpoint as ckpt
 from gsm.golden.model import GoldenModel
 from gsm.golden.weights import GoldenWeights, KVCalibration
+from gsm.progress import track
 
 INDEX_KEYS = ("int8", "fp16")  # --index-keys
 
@@ -146,7 +149,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     progress(f"calibration: {cal.ids.shape[0]} x {o.seq_len} tokens of {cal.kind} from {cal.path}"
              + (f"; held-out: {ev.ids.shape[0]} sequences from {ev.path}" if ev else "; no held-out data"))
 
-    weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
+    with track("load checkpoint", log=progress):
+        weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
     quant = quant0.replace(**{k: v for k, v in (("fp16_window", o.fp16_window),
                                                  ("hotness_decay", o.hotness_decay)) if v is not None})
     # FP16 keys until this run fits key scales (a recalibrated checkpoint's old ones are replaced, not reused)
@@ -158,13 +162,15 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     observer = LatentObserver(exact, capacity=o.reservoir, seed=o.seed)
     # the search's exact pass over the first calibration sequences feeds the statistics as well (same
     # rows, same order as a separate pass): the statistics pass covers only the rest
-    search = None if o.tier_fractions is not None else Evaluator(weights, quant, search_seqs, protocol,
-                                                                   observer=observer)
-    observe(exact, cal.ids[0 if search is None else search_seqs.shape[0]:], observer)
+    with track("statistics", total=int(cal.ids.shape[0]), unit="sequences", log=progress) as advance:
+        search = None if o.tier_fractions is not None else Evaluator(weights, quant, search_seqs, protocol,
+                                                                       observer=observer, advance=advance)
+        observe(exact, cal.ids[0 if search is None else search_seqs.shape[0]:], observer, advance)
     stats = observer.stats
-    calib = dataclasses.replace(sc.calibrate(stats, o.method, percentile=o.percentile),
-                                head_input_moment=observer.head_input_moment())
-    naive = sc.naive_calibration(stats)
+    with track("scales", log=progress):
+        calib = dataclasses.replace(sc.calibrate(stats, o.method, percentile=o.percentile),
+                                    head_input_moment=observer.head_input_moment())
+        naive = sc.naive_calibration(stats)
     progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")
     key_scales = sc.key_scales(observer.key_absmax) if o.index_keys == "int8" else None
     if key_scales is not None:  # every deployed measurement below holds the keys as the engines will
@@ -181,8 +187,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     else:
         search_exact = search.exact.perplexity
         candidates = candidate_fractions(o.fraction_step, o.int4)
-        choice = choose_fractions(level_measure(search, calib, candidates), search.exact, o.error_budget, candidates,
-                                  z=o.confidence_z, progress=progress)
+        choice = choose_fractions(level_measure(search, calib, candidates, progress), search.exact, o.error_budget,
+                                  candidates, z=o.confidence_z, progress=progress)
         del search  # its exact log-probs ([sequences, tokens, vocab]) are not needed again
 
     # per-latent errors on held-out rows (calibration rows, labelled so, when there are none): every row up
@@ -190,11 +196,15 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     # come from the report's own exact pass. The whole-model table only on held-out text: quality
     # measured on fitted text is no evidence
     held_obs = LatentObserver(exact, capacity=o.reservoir, seed=o.seed, fp16=False)
-    measured = Evaluator(weights, quant, ev.ids, protocol, observer=held_obs) if ev is not None else None
+    rows_of = ev if ev is not None else cal
+    with track("held-out exact pass" if ev is not None else "latent errors on calibration rows",
+               total=int(rows_of.ids.shape[0]), unit="sequences", log=progress) as advance:
+        measured = (Evaluator(weights, quant, ev.ids, protocol, observer=held_obs, advance=advance)
+                    if ev is not None else None)
+        if ev is None:
+            observe(exact, cal.ids, held_obs, advance)
     if measured is not None and key_scales is not None:
         measured.use_int8_keys(key_scales)
-    if ev is None:
-        observe(exact, cal.ids, held_obs)
     held = held_obs.stats
     layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
                                                          naive.scales[(i, kv)]),
@@ -242,24 +252,30 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         "sweep": swept,
     }
     report["seconds"] = time.perf_counter() - t0
-    write_calibrated(o.checkpoint, calib, quant_out, report, out=o.out, overwrite=o.overwrite,
-                     metadata={"method": o.method, "data_hash": quant_out.data_hash}, expected=expected)
+    with track("write checkpoint", log=progress):
+        write_calibrated(o.checkpoint, calib, quant_out, report, out=o.out, overwrite=o.overwrite,
+                         metadata={"method": o.method, "data_hash": quant_out.data_hash}, expected=expected,
+                         say=progress)
     report["seconds"] = time.perf_counter() - t0
     return report
 
 
-def level_measure(ev: Evaluator, calib: KVCalibration, candidates: list[Fractions]) -> Callable[[Fractions], Score]:
+def level_measure(ev: Evaluator, calib: KVCalibration, candidates: list[Fractions],
+                  progress: Callable[[str], None] = lambda _: None) -> Callable[[Fractions], Score]:
     """`measure` for choose_fractions that decodes all candidates of one cost level together.
 
     The search measures a whole cost level before deciding, so nothing is measured that the
     one-candidate-at-a-time search would not have measured; batching them only shares the steps.
+    How many levels it measures depends on what it finds, so each level shows its own progress.
     """
     done: dict[Fractions, Score] = {}
 
     def measure(f: Fractions) -> Score:
         if f not in done:
             level = [g for g in candidates if cost_key(g) == cost_key(f) and g not in done]
-            done.update(zip(level, ev.deployed_many([(calib, g) for g in level])))
+            with track(f"tier search at {cost_key(f):g} B/value ({len(level)} candidates)",
+                       total=ev.decode_units(len(level)), unit="decode steps", log=progress) as advance:
+                done.update(zip(level, ev.deployed_many([(calib, g) for g in level], advance)))
         return done[f]
 
     return measure
@@ -299,7 +315,8 @@ def model_table(ev: Evaluator, weights: GoldenWeights, choice: Choice, calib: KV
         if cal is not None and fr is not None:
             todo.setdefault((id(cal), fr), (cal, fr))
     progress(f"held-out report: {len(todo)} configurations x {ev.seqs.shape[0]} sequences, decoded together")
-    done: dict[tuple[int, Fractions], Score] = dict(zip(todo, ev.deployed_many(list(todo.values()))))
+    with track("held-out report", total=ev.decode_units(len(todo)), unit="decode steps", log=progress) as advance:
+        done: dict[tuple[int, Fractions], Score] = dict(zip(todo, ev.deployed_many(list(todo.values()), advance)))
     rows = []
     for name, cal, fr in configs:
         if cal is None or fr is None:

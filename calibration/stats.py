@@ -17,6 +17,7 @@ tokens of `hot_token_ids`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -154,13 +155,17 @@ class LatentObserver:
 
 
 @torch.inference_mode()
-def observe(model: GoldenModel, sequences: torch.Tensor, observer: LatentObserver) -> None:
-    """Feed `observer` the latent rows of `model`'s forward calls over [B, T] ids, in order."""
+def observe(model: GoldenModel, sequences: torch.Tensor, observer: LatentObserver,
+            advance: Callable[[int], None] | None = None) -> None:
+    """Feed `observer` the latent rows of `model`'s forward calls over [B, T] ids, in order (advance(1) after
+    each sequence)."""
     observer.attach(model)
     try:
         for row in sequences:
             observer.begin_sequence(row.tolist())
             model.forward(model.new_cache(), row)
+            if advance is not None:
+                advance(1)
     finally:
         observer.detach(model)
 

@@ -16,6 +16,7 @@ from typing import Any
 from calibration.measure import Evaluator, Fractions, kv_bytes_per_position, relative_increase
 from calibration.tiers import choose_fractions
 from gsm.golden.weights import KVCalibration
+from gsm.progress import track
 
 BUDGETS = (0.0, 0.0001, 0.0003, 0.001, 0.003, 0.01)
 
@@ -23,8 +24,11 @@ BUDGETS = (0.0, 0.0001, 0.0003, 0.001, 0.003, 0.01)
 def sweep(search: Evaluator, held: Evaluator, calib: KVCalibration, candidates: list[Fractions], *, z: float,
           budgets: tuple[float, ...] = BUDGETS, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     rows = []
-    on_calib = dict(zip(candidates, search.deployed_many([(calib, f) for f in candidates])))
-    on_held = dict(zip(candidates, held.deployed_many([(calib, f) for f in candidates])))
+    todo = [(calib, f) for f in candidates]
+    with track("sweep", total=search.decode_units(len(todo)) + held.decode_units(len(todo)), unit="decode steps",
+               log=progress) as advance:
+        on_calib = dict(zip(candidates, search.deployed_many(todo, advance)))
+        on_held = dict(zip(candidates, held.deployed_many(todo, advance)))
     for f in candidates:
         c, h = on_calib[f], on_held[f]
         rows.append({"tier_fractions": list(f), "kv_bytes_per_position": kv_bytes_per_position(search.weights, f),

@@ -1,11 +1,19 @@
-"""Write a calibrated checkpoint atomically: in place (a rewritten directory) or a copy at --out.
+"""Write a calibrated checkpoint atomically: in place (a rewritten directory) or a new one at --out.
 
 The checkpoint directory is never edited file by file. A new directory is filled beside the
-destination (gsm.atomic.atomic_output_dir): the checkpoint's files (hard-linked for an in-place
-rewrite, since the old directory is deleted afterwards; copied for --out, so two checkpoints never
-share an inode), the new kv_calibration.safetensors, quant_config.json and
-calibration_report.json; then the manifest is written and the directory renamed into place. A
-crash or Ctrl-C at any point leaves the original checkpoint as it was.
+destination (gsm.atomic.atomic_output_dir): the checkpoint's files, the new
+kv_calibration.safetensors, quant_config.json and calibration_report.json; then the manifest is
+written and the directory renamed into place. A crash or Ctrl-C at any point leaves the original
+checkpoint as it was.
+
+The checkpoint's files are hard-linked for an in-place rewrite (the old directory goes afterwards).
+For --out its weights (*.safetensors, hundreds of MB) are hard-linked too, so a calibrated copy
+costs the calibration tables, not a second copy of the model; its small files (configs, tokenizer,
+reports: what a person might edit in place) are copied. Where the filesystem refuses a link (--out
+on another filesystem) the weights are copied and the command says so. A shared weights file is
+safe because nothing of ours writes a file in place (gsm.atomic.place_file); a write from outside
+changes both checkpoints' bytes, and each one's manifest then fails `gsm verify` and the builder's
+check (docs/decisions.md "Calibrated checkpoints share the weights").
 
 A checkpoint whose manifest no longer matches its files is refused: rewriting it would sign
 someone else's modification with a fresh manifest.
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,7 @@ from gsm.safetensors_io import StreamingSafetensorsWriter, TensorSpec
 
 REPORT_FILE = "calibration_report.json"
 REPLACED = frozenset({MANIFEST_NAME, CALIB_FILE, QUANT_FILE, REPORT_FILE})
+WEIGHTS_SUFFIX = ".safetensors"  # the weight shards --out hard-links (model.safetensors, model-00001-of-00002...)
 
 
 class CheckpointStateError(ValueError):
@@ -81,10 +91,11 @@ def write_calibration_file(path: Path, calib: KVCalibration, metadata: dict[str,
 
 def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfig, report: dict[str, Any], *,
                      out: Path | None = None, overwrite: bool = False, metadata: dict[str, str] | None = None,
-                     expected: dict[str, str] | None = None) -> Path:
+                     expected: dict[str, str] | None = None, say: Callable[[str], Any] = lambda _: None) -> Path:
     """Write the calibrated checkpoint to `out` (or over `checkpoint`); returns the directory written.
 
     `expected`: manifest entries read when the run started; a file that changed since is an error.
+    `say`: told of every file that was to be hard-linked and had to be copied.
     """
     in_place = check_destination(checkpoint, out, overwrite)
     dest = checkpoint if in_place else out
@@ -95,7 +106,10 @@ def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfi
                 rel = src.relative_to(checkpoint)
                 if rel.as_posix() in REPLACED or not src.is_file():
                     continue
-                place_file(src, tmp / rel, link=in_place and not src.is_symlink())
+                link = (in_place or rel.suffix == WEIGHTS_SUFFIX) and not src.is_symlink()
+                why = place_file(src, tmp / rel, link=link)
+                if why is not None:
+                    say(f"{rel}: copied into {dest} ({src.stat().st_size / 2**20:.0f} MiB), not hard-linked: {why}")
                 want = (expected or {}).get(rel.as_posix())
                 if want is not None and "sha256:" + sha256_file(tmp / rel) != want:
                     raise CheckpointStateError(f"--checkpoint {checkpoint}: {rel} changed while calibrating")

@@ -156,17 +156,25 @@ def _swap_into_place(tmp: Path, final: Path, *, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def place_file(src: Path, dst: Path, link: bool) -> None:
-    """`src` at `dst` in a directory being filled: hard-linked where `link` (a rewrite in place, whose old directory
-    goes afterwards), else copied (two directories never share an inode); a link that fails is a copy."""
+def place_file(src: Path, dst: Path, link: bool) -> str | None:
+    """`src` at `dst` in a directory being filled: hard-linked where `link`, else copied. Returns None, or, when a
+    link was asked for and the filesystem refused it (another filesystem, no hard links there), why the file was
+    copied instead.
+
+    A hard link is safe for files no command of ours ever writes in place: every writer fills a new directory and
+    renames it (atomic_output_dir), and a small file is replaced by rename (gsm.outputs.write_bytes_atomic), so
+    a shared inode keeps its bytes. Only a write from outside changes both names at once, and the manifest of
+    each directory says so (docs/decisions.md "Calibrated checkpoints share the weights")."""
     dst.parent.mkdir(parents=True, exist_ok=True)
+    why = None
     if link:
         try:
             os.link(src, dst)
-            return
-        except OSError:  # another filesystem, or links not supported
-            pass
+            return None
+        except OSError as e:  # another filesystem (EXDEV), links not supported (EPERM), too many links (EMLINK)
+            why = e.strerror or str(e)
     shutil.copy2(src, dst)
+    return why
 
 
 def is_inside(base: Path, p: Path) -> bool:

@@ -156,7 +156,10 @@ def test_search_measures_whole_levels_once():
     calls: list[list[tuple[float, float, float]]] = []
 
     class Fake:
-        def deployed_many(self, configs):
+        def decode_units(self, n_configs):
+            return n_configs
+
+        def deployed_many(self, configs, advance=None):
             calls.append([f for _, f in configs])
             # candidates with at least half the rows above INT8 equal exact mode; the rest cost 80 %
             return [Score((5.0 if f[0] + f[1] >= 0.5 else 9.0,), (0.0,), (100,)) for _, f in configs]

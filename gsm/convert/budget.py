@@ -15,7 +15,7 @@ dropped (a [heads, block, T] slice, never [heads, T, T]).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +36,7 @@ LAYER_LADDER = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 204
 HIT_RATE_TARGET = 0.955
 BUDGET_SEQ_LEN = 2048  # the context the curve is measured at (clamped to the model's)
 BUDGET_SEQUENCES = 2  # calibration sequences of BUDGET_SEQ_LEN the curve is measured on
+PREFILL_CHUNK = 256  # positions per chunk of the dense prefill the curve is measured through
 # the top-k chosen at BUDGET_SEQ_LEN is a floor that grows to (t + 1) // TOP_K_DIVISOR past it (0: a fixed count).
 # 16: SmolLM2's chosen floors stay as they are to 2K (one layer of 22 grows there) and the mean rows at 8K stay
 # within 1/16 of dense (508); held-out 4K +1.96 -> +1.81 %, 8K +4.13 -> +3.26 % (docs/quality.md section 0)
@@ -182,13 +183,15 @@ def chunk_row_attention(cfg: Any, chunk_q: torch.Tensor, k: torch.Tensor, q_pos:
 
 @torch.no_grad()
 def add_sequence(curve: HitRateCurve, dense: Any, ids: torch.Tensor, indexers: Sequence[Any], n_idx: int,
-                 sinks: int, window: int, chunk: int = 256) -> None:
+                 sinks: int, window: int, chunk: int = PREFILL_CHUNK,
+                 advance: Callable[[int], None] | None = None) -> None:
     """Accumulate one sequence ids [T], every layer scored with its own indexer (.q, .k, .w).
 
     The dense model runs as a chunked prefill (its K/V cache path, `chunk` positions at a time), and each
     chunk's query rows are scored against the cached RoPE'd keys right away: memory holds the K/V cache,
     the indexer keys and one chunk's activations, never a [heads, T, T] attention nor every layer's
-    activations (a whole-sequence capture at 2K added 3.4 GB to a 1B model's conversion).
+    activations (a whole-sequence capture at 2K added 3.4 GB to a 1B model's conversion). `advance(1)` after
+    each chunk.
     """
     cfg = dense.config
     T = ids.numel()
@@ -208,6 +211,8 @@ def add_sequence(curve: HitRateCurve, dense: Any, ids: torch.Tensor, indexers: S
                 continue
             probs = chunk_row_attention(cfg, lc.q[0], kv[i][0][0], q_pos, rows, cos, sin)
             add_block(curve, i, index_scores(x[rows], ix.q, ix.w, keys[i], n_idx), probs, q_pos[rows], sinks, window)
+        if advance is not None:
+            advance(1)
 
 
 def rope_qk(cap_q: torch.Tensor, cap_k: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,

@@ -186,6 +186,18 @@ def read_source(fmt: str, src: Path, tokenizer: Path | None) -> Any:
     return read_dir(src, tokenizer)
 
 
+def kv_bytes_line(b: dict[str, Any]) -> str:
+    """The KV bytes per position the checkpoint implies, saying which tiers each figure assumes: every latent in
+    FP16 can exceed dense (the indexer key is extra, and the ranks keep the K/V error within --tolerance); the
+    tiers that bring it below dense are chosen by `calibration run`, so the tiered figure is only the default
+    fractions' estimate."""
+    tiers = "/".join(f"{f:g}" for f in b["tier_fractions"])
+    return (f"KV bytes/position: dense FP16 {b['dense_fp16']:.0f}; GSM with every latent FP16 {b['gsm_fp16']:.0f} "
+            f"({b['ratio_fp16']:.2f}x dense, the indexer key included); at the default tier fractions {tiers} "
+            f"(FP16/INT12/INT8) {b['gsm_tiered']:.1f} ({b['ratio_tiered']:.2f}x) - `python -m calibration run` "
+            "chooses the tiers, and its report the bytes")
+
+
 def print_summary(report: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
@@ -211,8 +223,7 @@ def print_summary(report: dict[str, Any], out: Path) -> None:
                   f"GSM without sharing {p['gsm_no_sharing']:.3f}")
         con.print(f"greedy agreement over {g['steps']} steps: {g['teacher_forced']:.1%} teacher-forced, "
                   f"identical prefix {g['free_running_identical_prefix_mean']:.1f} tokens")
-        con.print(f"KV bytes/position: dense FP16 {b['dense_fp16']:.0f}, GSM FP16 {b['gsm_fp16']:.0f} "
-                  f"({b['ratio_fp16']:.2f}x), GSM tiered {b['gsm_tiered']:.1f} ({b['ratio_tiered']:.2f}x)")
+        con.print(kv_bytes_line(b))
         con.print("trade-off: " + ", ".join(f"tol {r['tolerance']}: {r['kv_bytes_per_position_fp16']:.0f} B "
                                              f"ppl {r['perplexity']:.3f}" for r in report["tradeoff"]))
     sel = report.get("selection_budget", {})

@@ -84,7 +84,8 @@ def _kl(params: list[torch.Tensor], x_q: torch.Tensor, keys: torch.Tensor, cand:
 
 
 def _adam(ix: Indexer, steps: int, lr: float, seed: int, dev: torch.device,
-          loss_of: Callable[[list[torch.Tensor], int], torch.Tensor]) -> tuple[Indexer, list[float]]:
+          loss_of: Callable[[list[torch.Tensor], int], torch.Tensor],
+          advance: Callable[[int], None] | None = None) -> tuple[Indexer, list[float]]:
     torch.manual_seed(seed)
     params = [t.to(dev, torch.float32).clone().requires_grad_(True) for t in (ix.q, ix.k, ix.w)]
     opt = torch.optim.Adam(params, lr=lr)
@@ -96,17 +97,19 @@ def _adam(ix: Indexer, steps: int, lr: float, seed: int, dev: torch.device,
         opt.step()
         if step % 20 == 0 or step == steps - 1:
             losses.append(float(loss.detach()))
+        if advance is not None:
+            advance(1)
     q, k, w = (t.detach().cpu() for t in params)
     return Indexer(q=q, k=k, w=w), losses
 
 
 def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, steps: int = 200,
         lr: float = 3e-3, batch: int = 8, seed: int = 0, device: torch.device | None = None,
-        ) -> tuple[Indexer, list[float]]:
+        advance: Callable[[int], None] | None = None) -> tuple[Indexer, list[float]]:
     """Fit the indexer to attention. xs: [B, T, H] inputs (any float dtype); attn: [B, T, T] head-summed probs.
 
     Each step scores a minibatch of sequences in one batched pass (on `device`). Returns the fitted
-    indexer and the loss every 20 steps (first and last included).
+    indexer and the loss every 20 steps (first and last included); `advance(1)` after each step.
     """
     dev = device or torch.device("cpu")
     B, T, _ = xs.shape
@@ -122,7 +125,7 @@ def fit(ix: Indexer, xs: torch.Tensor, attn: torch.Tensor, p: GSMParams, *, step
         x = xs[idx].to(dev, torch.float32)  # [b, T, H]
         return _kl(params, x[:, rows], x @ params[1].T, cand, target[idx].to(dev), neg_ent[idx].to(dev))
 
-    return _adam(ix, steps, lr, seed, dev, loss_of)
+    return _adam(ix, steps, lr, seed, dev, loss_of, advance)
 
 
 def row_groups(rows: torch.Tensor, size: int = GROUP_ROWS) -> list[tuple[int, int, int]]:
@@ -135,10 +138,11 @@ def row_groups(rows: torch.Tensor, size: int = GROUP_ROWS) -> list[tuple[int, in
 
 def fit_rows(ix: Indexer, xs: torch.Tensor, rows: torch.Tensor, attn: torch.Tensor, p: GSMParams, *,
              steps: int = 300, lr: float = 3e-3, seed: int = 0, device: torch.device | None = None,
-             ) -> tuple[Indexer, list[float]]:
+             advance: Callable[[int], None] | None = None) -> tuple[Indexer, list[float]]:
     """Fit the indexer to sampled query rows of long windows (gsm.convert.long_sample): xs [B, T, H] inputs at
     every position, rows [B, R] query positions (ascending), attn [B, R, T] their attention. One window per step,
-    all its rows; the same KL as `fit`. Returns the fitted indexer and the loss every 20 steps."""
+    all its rows; the same KL as `fit`. Returns the fitted indexer and the loss every 20 steps; `advance(1)` after
+    each step."""
     dev = device or torch.device("cpu")
     B, T, _ = xs.shape
     prepared = []  # per window, once: its float32 inputs (every step reads all T) and each run's rows and target
@@ -157,7 +161,7 @@ def fit_rows(ix: Indexer, xs: torch.Tensor, rows: torch.Tensor, attn: torch.Tens
         return sum(share * _kl(params, x_q, keys[:, :n], cand, target, neg_ent)
                    for x_q, n, cand, target, neg_ent, share in runs)
 
-    return _adam(ix, steps, lr, seed, dev, loss_of)
+    return _adam(ix, steps, lr, seed, dev, loss_of, advance)
 
 
 def hit_rate(scores: torch.Tensor, probs: torch.Tensor, p: GSMParams) -> float:

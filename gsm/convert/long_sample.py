@@ -45,12 +45,19 @@ def sample_rows(T: int, first: int, n: int, gen: torch.Generator) -> torch.Tenso
     return torch.sort(torch.randperm(T - first, generator=gen)[:n] + first).values
 
 
+def chunks_of(ids: torch.Tensor, chunk: int = CHUNK) -> int:
+    """Chunked prefill steps over windows ids [B, T]: the units of collect_long_sample's progress."""
+    B, T = ids.shape
+    return B * -(-T // chunk)
+
+
 @torch.no_grad()
 def collect_long_sample(dense, ids: torch.Tensor, *, rows_per_window: int, first: int, seed: int = 0,
                         advance: Callable[[int], None] | None = None) -> LongSample:
     """Run the dense model over windows ids [B, T]; keep x at every position and the attention of sampled rows.
 
-    first: the lowest query position worth fitting (a row needs candidates beyond sinks + window).
+    first: the lowest query position worth fitting (a row needs candidates beyond sinks + window). `advance(1)`
+    after each chunk of CHUNK positions (chunks_of: how many).
     """
     cfg = dense.config
     B, T = ids.shape
@@ -74,6 +81,6 @@ def collect_long_sample(dense, ids: torch.Tensor, *, rows_per_window: int, first
                 k = kv[i][0][0]  # [nKV, a + chunk, D], RoPE'd
                 probs = chunk_row_attention(cfg, lc.q[0], k, q_pos, rows[b][here] - a, cos, sin)
                 attn[i][b, here, :k.shape[1]] = probs.to(torch.float16)
-        if advance is not None:
-            advance(1)
+            if advance is not None:
+                advance(1)
     return LongSample(rows=rows, x=x, attn=attn)

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,15 +40,24 @@ from gsm.convert import budget as bud
 from gsm.convert import indexer as ixr
 from gsm.convert.budget import BUDGET_SEQ_LEN, BUDGET_SEQUENCES, HIT_RATE_TARGET, TOP_K_DIVISOR
 from gsm.convert.data import DataError, add_bos_of, stream_windows, text_sha256, token_sequences, token_stream
-from gsm.convert.long_sample import collect_long_sample
+from gsm.convert.long_sample import chunks_of, collect_long_sample
 from gsm.convert.plan import LowRanks, Plan, assemble, golden_of, mean_nll, ranks_at, resident
-from gsm.convert.quality import AGREEMENT_STEPS, LONG_CHECK, PROMPT_TOKENS, long_context_check, quality_report
+from gsm.convert.quality import (
+    AGREEMENT_STEPS,
+    LONG_CHECK,
+    PROMPT_TOKENS,
+    long_check_units,
+    long_context_check,
+    quality_report,
+    quality_units,
+)
 from gsm.convert.sharing import ProjectorFit, fit_projector_from_moments, latent_moments, parse_sharing_map
 from gsm.convert.stages import Stages, resolve_device
 from gsm.convert.stats import CalibStats, collect_stats, sharing_pairs
 from gsm.convert.svd import whitened_svd
 from gsm.dense import DenseLlama
 from gsm.golden.selection import index_scores
+from gsm.progress import track
 from gsm.sources import DenseSource
 
 __all__ = ["ConvertOptions", "Lengths", "Plan", "assemble", "check_lengths", "convert", "golden_of", "mean_nll",
@@ -170,12 +182,15 @@ def check_lengths(max_positions: int, opts: ConvertOptions) -> Lengths:
                    notes=tuple(notes))
 
 
-def lowranks_of(src: DenseSource, stats: CalibStats, device: torch.device) -> LowRanks:
+def lowranks_of(src: DenseSource, stats: CalibStats, device: torch.device,
+                advance: Callable[[int], None] | None = None) -> LowRanks:
     out = {}
     for i in range(src.config.num_hidden_layers):
         cov = stats.covariance(i)
         for kv in ("k", "v"):
             out[(i, kv)] = whitened_svd(src.get(names.layer_name(f"{kv}_proj", i)), cov, device)
+        if advance is not None:
+            advance(1)
     return out
 
 
@@ -192,7 +207,9 @@ def projector(lowranks: LowRanks, stats: CalibStats, s: int, d: int, ranks: tupl
 def fit_indexers(src: DenseSource, lowranks: LowRanks, stats: CalibStats, params: GSMParams, steps: int,
                  seed: int, device: torch.device, advance: Any, n_fit: int | None = None,
                  layers: list[int] | None = None) -> tuple[dict[int, ixr.Indexer], dict[int, list[float]]]:
-    """Indexer of each of `layers` (all by default), fitted on the first n_fit sample sequences (all by default)."""
+    """Indexer of each of `layers` (all by default), fitted on the first n_fit sample sequences (all by default).
+
+    `advance(1)` after each Adam step, or after each layer when steps is 0 (fit_units: how many)."""
     cfg = src.config
     out, losses = {}, {}
     for i in range(cfg.num_hidden_layers) if layers is None else layers:
@@ -202,9 +219,20 @@ def fit_indexers(src: DenseSource, lowranks: LowRanks, stats: CalibStats, params
             n_heads=cfg.num_attention_heads, n_kv=cfg.num_key_value_heads,
             n_idx=params.indexer_heads, d_idx=params.indexer_dim)
         out[i], losses[i] = ixr.fit(init, stats.seq_x[i][:n_fit], stats.attn[i][:n_fit], params,
-                                    steps=steps, seed=seed + i, device=device)
-        advance(1)
+                                    steps=steps, seed=seed + i, device=device, advance=advance)
+        if not steps:
+            advance(1)
     return out, losses
+
+
+def fit_units(n_layers: int, steps: int) -> int:
+    """The progress units of fit_indexers over n_layers: Adam steps, or layers when there are none."""
+    return n_layers * max(steps, 1)
+
+
+def search_steps(opts: ConvertOptions) -> int:
+    """Adam steps of each brief fit of the window search."""
+    return max(20, opts.indexer_steps // 4)
 
 
 def search_layers(n_layers: int) -> list[int]:
@@ -237,9 +265,10 @@ def choose_window(src: DenseSource, lowranks: LowRanks, stats: CalibStats, opts:
     layers = search_layers(src.config.num_hidden_layers)
     cands = window_candidates(opts.gsm)
     table = []
-    with stages.run("window search", total=len(cands) * len(layers)) as advance:
+    with stages.run("window search", total=len(cands) * fit_units(len(layers), search_steps(opts)),
+                    unit="Adam steps") as advance:
         for p in cands:
-            ix, _ = fit_indexers(src, lowranks, stats, p, steps=max(20, opts.indexer_steps // 4), seed=opts.seed,
+            ix, _ = fit_indexers(src, lowranks, stats, p, steps=search_steps(opts), seed=opts.seed,
                                  device=device, advance=advance, n_fit=n_fit, layers=layers)
             rates = []
             for i in layers:
@@ -324,10 +353,11 @@ def selection_budget_stage(src: DenseSource, plan: Plan, seqs: torch.Tensor, tar
     dense = DenseLlama(src)
     dense.lm_head = torch.empty(0, cfg.hidden_size)  # the curve needs the layers, not the logits
     indexers = [plan.indexers[i] for i in range(cfg.num_hidden_layers)]
-    with stages.run("selection budget", total=seqs.shape[0]) as advance:
+    chunk = bud.PREFILL_CHUNK
+    with stages.run("selection budget", total=seqs.shape[0] * -(-seqs.shape[1] // chunk), unit="chunks") as advance:
         for row in seqs:
-            bud.add_sequence(curve, dense, row, indexers, p.indexer_heads, p.sink_tokens, p.sparse_window)
-            advance(1)
+            bud.add_sequence(curve, dense, row, indexers, p.indexer_heads, p.sink_tokens, p.sparse_window, chunk=chunk,
+                             advance=advance)
     info: dict[str, Any] = {"mode": "per-layer" if per_layer else "auto", "hit_rate_target": target,
                             "seq_len": int(seqs.shape[1]), "sequences": int(seqs.shape[0])}
     if not curve.measured_ks():
@@ -383,7 +413,7 @@ def decide_sharing(src: DenseSource, lowranks: LowRanks, stats: CalibStats, plan
         for dst, s in parse_sharing_map(opts.sharing, L).items():
             plan.sharing[dst] = projector(lowranks, stats, s, dst, plan.ranks[s])
         return
-    with stages.run("sharing search") as advance:
+    with stages.run("sharing search", unit="trials") as advance:
         fits = {(s, d): projector(lowranks, stats, s, d, plan.ranks[s]) for s, d in sharing_pairs(L, SHARING_REACH)}
         cfg0, t0 = assemble(src, lowranks, plan)
         base = mean_nll(golden_of(cfg0, t0), calib_eval)
@@ -433,18 +463,18 @@ def long_fit(dense: DenseLlama, plan: Plan, windows: torch.Tensor, opts: Convert
     window never asks for. The sample is freed layer by layer as the fits finish.
     """
     p, L = plan.params, dense.config.num_hidden_layers
-    with stages.run("long sample", total=windows.shape[0], parallel=True) as advance:  # 256-token GEMMs
+    # parallel: the sample's chunked prefill is 256-token GEMMs
+    with stages.run("long sample", total=chunks_of(windows), parallel=True, unit="chunks") as advance:
         sample = collect_long_sample(dense, windows, rows_per_window=opts.long_fit_rows,
                                      first=p.sink_tokens + p.sparse_window, seed=opts.seed, advance=advance)
     stages.progress(f"long sample: {windows.shape[0]} x {windows.shape[1]} tokens, {sample.rows.shape[1]} query "
                     f"rows each: {sample.nbytes() / 2**20:.0f} MiB")
-    with stages.run("indexer long fit", total=L) as advance:
+    with stages.run("indexer long fit", total=L * opts.long_fit_steps, unit="Adam steps") as advance:
         for i in range(L):
             plan.indexers[i], plan.indexer_long_losses[i] = ixr.fit_rows(
                 plan.indexers[i], sample.x[i], sample.rows, sample.attn[i], p, steps=opts.long_fit_steps,
-                seed=opts.seed + i, device=device)
+                seed=opts.seed + i, device=device, advance=advance)
             sample.x[i] = sample.attn[i] = torch.empty(0)
-            advance(1)
     for i in range(L):
         stages.progress(f"indexer of layer {i}, long rows: KL {plan.indexer_long_losses[i][0]:.3f} -> "
                         f"{plan.indexer_long_losses[i][-1]:.3f}")
@@ -459,19 +489,20 @@ def plan_model(src: DenseSource, opts: ConvertOptions, calib: torch.Tensor, stag
     dense = DenseLlama(src)  # shares the resident weights
     # statistics need the layers, not the logits: an empty head skips the [B, T, vocab] matmul
     dense.lm_head = torch.empty(0, src.config.hidden_size)
-    with stages.run("calibration statistics", total=calib.shape[0], parallel=True) as advance:
+    with stages.run("calibration statistics", total=calib.shape[0], parallel=True, unit="sequences") as advance:
         stats = collect_stats(dense, calib, n_sample=opts.indexer_sequences, pairs=requested_pairs(opts, L),
                               device=device, advance=advance)
     stages.progress(f"statistics of {stats.tokens} calibration tokens: {stats.nbytes() / 2**20:.0f} MiB")
-    with stages.run("whitened SVD", total=L):
-        lowranks = lowranks_of(src, stats, device)
+    with stages.run("whitened SVD", total=L, unit="layers") as advance:
+        lowranks = lowranks_of(src, stats, device, advance)
     params = opts.gsm
     window_table: list[dict[str, Any]] = []
     if opts.auto_window:
         params, window_table = choose_window(src, lowranks, stats, opts, device, stages)
     ranks = ranks_at(lowranks, list(range(L)), opts.tolerance, opts.kv_budget, params.indexer_dim)
     steps = opts.indexer_steps
-    with stages.run("indexer fit" if steps else "indexer initialisation", total=L) as advance:
+    with stages.run("indexer fit" if steps else "indexer initialisation", total=fit_units(L, steps),
+                    unit="Adam steps" if steps else "layers") as advance:
         indexers, losses = fit_indexers(src, lowranks, stats, params, steps, opts.seed, device, advance)
     short_fit = {"sequences": int(stats.seq_x[0].shape[0]), "seq_len": int(calib.shape[1]), "steps": steps}
     stats.seq_x, stats.attn = [], []  # the short sample's last reader: its 0.5 GB (SmolLM2) is free for the long one
@@ -575,20 +606,25 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
         "sharing_trials": plan.sharing_trials,
     }
     if ev is not None:
-        with stages.run("quality report"):
+        with stages.run("quality report", total=quality_units(ev.shape[0], bool(plan.sharing),
+                                                              len(opts.tradeoff_tolerances)),
+                        unit="model passes") as advance:
             report.update(quality_report(src, gcfg, tensors, plan, lowranks, ev, opts.tradeoff_tolerances,
-                                         lengths.agreement_steps, progress))
+                                         lengths.agreement_steps, progress, advance))
         long_windows, long_notes = long_check_windows(opts, tok, bos_id, cfg)
         report["length_notes"] += long_notes
         for note in long_notes:
             progress(note)
         if long_windows:
-            with stages.run("long-context check"):
-                report["long_context"] = long_context_check(src, gcfg, tensors, long_windows, progress)
+            with stages.run("long-context check", total=long_check_units(long_windows), unit="chunks") as advance:
+                report["long_context"] = long_context_check(src, gcfg, tensors, long_windows, progress, advance)
     report["stage_seconds"] = dict(stages.seconds)
     report["convert_seconds"] = time.perf_counter() - t_start
-    write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, tokenizer_json=src.tokenizer_json,
-                            tokenizer_config=src.tokenizer_config,
-                            extra_files={"conversion_report.json": json.dumps(report, indent=1).encode()},
-                            overwrite=overwrite)
+    # on a terminal the writer's own bar counts the bytes; in a log the write is timed like a stage
+    bars = sys.stderr.isatty() if show_bars is None else show_bars
+    with nullcontext() if bars else track("write checkpoint", log=progress, bar=False):
+        write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, tokenizer_json=src.tokenizer_json,
+                                tokenizer_config=src.tokenizer_config,
+                                extra_files={"conversion_report.json": json.dumps(report, indent=1).encode()},
+                                overwrite=overwrite, progress=bars)
     return report

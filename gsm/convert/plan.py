@@ -7,6 +7,7 @@ plan, and nothing imports back up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -106,6 +107,11 @@ def golden_of(cfg: ModelConfig, tensors: dict[str, np.ndarray], **kw: Any) -> Go
     return GoldenModel(GoldenWeights.from_tensors(cfg, tensors), mode="exact", **kw)
 
 
-def mean_nll(model: GoldenModel, ids: torch.Tensor) -> float:
-    """Token-weighted mean NLL over sequences [B, T] (each scored in one prefill)."""
-    return float(np.mean([model.nll(row) for row in ids]))
+def mean_nll(model: GoldenModel, ids: torch.Tensor, advance: Callable[[int], None] | None = None) -> float:
+    """Token-weighted mean NLL over sequences [B, T] (each scored in one prefill; `advance(1)` after each)."""
+    out = []
+    for row in ids:
+        out.append(model.nll(row))
+        if advance is not None:
+            advance(1)
+    return float(np.mean(out))

@@ -16,7 +16,7 @@ Everything here runs on the evaluation text only (never fitted on). Figures:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -36,6 +36,20 @@ AGREEMENT_STEPS = 128
 AGREEMENT_PROMPTS = 4
 PROMPT_TOKENS = 16
 TRADEOFF_SEQUENCES = 8
+PROBE_SEQUENCES = 8  # evaluation sequences whose attention and GSM trace the per-layer figures come from
+
+
+def _no_advance(n: int = 1) -> None:
+    pass
+
+
+def quality_units(n_eval: int, sharing: bool, n_tolerances: int) -> int:
+    """Model passes quality_report makes over n_eval sequences (its progress units): the dense capture, the dense
+    and GSM perplexities (and GSM without sharing), the GSM traces, the agreement prompts, the trade-off's dense
+    reference and one pass per tolerance and sequence."""
+    n_probe, n_trade = min(PROBE_SEQUENCES, n_eval), min(TRADEOFF_SEQUENCES, n_eval)
+    return (1 + n_eval * (3 if sharing else 2) + n_probe + min(AGREEMENT_PROMPTS, n_eval)
+            + n_trade * (1 + n_tolerances))
 
 
 def kv_bytes_per_position(cfg: ModelConfig, ranks: dict[int, tuple[int, int]],
@@ -58,6 +72,12 @@ def heldout_rel_error(w: torch.Tensor, lr: LowRank, r: int, x: torch.Tensor) -> 
     return float((x @ (U @ (S[:, None] * Vt)).T - y).norm() / y.norm().clamp_min(1e-30))
 
 
+def _counted(value: float, advance: Callable[[int], None]) -> float:
+    """value, after counting the pass that made it."""
+    advance(1)
+    return value
+
+
 def first_last(losses: list[float]) -> list[float]:
     """A fit's first and last recorded loss ([] when it took no step)."""
     return [losses[0], losses[-1]] if losses else []
@@ -68,8 +88,9 @@ def ppl(nll: float) -> float:
 
 
 def greedy_agreement(dense: DenseLlama, gsm: Any, ev: torch.Tensor, steps: int = AGREEMENT_STEPS,
-                     ) -> dict[str, float]:
-    """Teacher-forced agreement and identical free-running prefix over `steps` greedy steps."""
+                     advance: Callable[[int], None] = _no_advance) -> dict[str, float]:
+    """Teacher-forced agreement and identical free-running prefix over `steps` greedy steps (`advance(1)` after
+    each prompt)."""
     agree, prefix = [], []
     for row in ev[:AGREEMENT_PROMPTS]:
         prompt = row[:PROMPT_TOKENS].tolist()
@@ -79,6 +100,7 @@ def greedy_agreement(dense: DenseLlama, gsm: Any, ev: torch.Tensor, steps: int =
         mine = gsm.greedy(prompt, steps)
         same = next((k for k, (a, b) in enumerate(zip(mine, ref)) if a != b), steps)
         prefix.append(same)
+        advance(1)
     return {"steps": steps, "prompts": len(agree), "teacher_forced": float(np.mean(agree)),
             "free_running_identical_prefix_mean": float(np.mean(prefix))}
 
@@ -105,21 +127,24 @@ def hit_rates(cfg: ModelConfig, plan: Plan, xs: list[torch.Tensor], probs: list[
 @torch.no_grad()
 def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], plan: Plan,
                    lowranks: dict[tuple[int, str], LowRank], ev: torch.Tensor,
-                   tradeoff_tolerances: tuple[float, ...], agreement_steps: int, progress: Any) -> dict[str, Any]:
+                   tradeoff_tolerances: tuple[float, ...], agreement_steps: int, progress: Any,
+                   advance: Callable[[int], None] = _no_advance) -> dict[str, Any]:
+    """The figures of the module docstring; `advance(1)` after each model pass (quality_units: how many)."""
     dense = DenseLlama(src)
-    n_probe = min(8, ev.shape[0])
+    n_probe = min(PROBE_SEQUENCES, ev.shape[0])
     _, cap = dense.forward(ev[:n_probe], capture=True, capture_probs=True)
+    advance(1)
     xs = [cap.layers[i].x for i in range(gcfg.num_hidden_layers)]
     probs = [cap.layers[i].probs for i in range(gcfg.num_hidden_layers)]
-    dense_nll = float(np.mean([dense.nll(row) for row in ev]))
+    dense_nll = float(np.mean([_counted(dense.nll(row), advance) for row in ev]))
     dense_kv = {i: (src.get(names.layer_name("k_proj", i)), src.get(names.layer_name("v_proj", i)))
                 for i in gcfg.sharing_layers}
     gsm = golden_of(gcfg, tensors, dense_kv=dense_kv)
-    gsm_nll = mean_nll(gsm, ev)
+    gsm_nll = mean_nll(gsm, ev, advance)
     progress(f"held-out perplexity: dense {ppl(dense_nll):.3f}, GSM {ppl(gsm_nll):.3f}")
     if plan.sharing:
         cfg_ns, t_ns = assemble(src, lowranks, replace(plan, sharing={}))
-        ns_nll = mean_nll(golden_of(cfg_ns, t_ns), ev)
+        ns_nll = mean_nll(golden_of(cfg_ns, t_ns), ev, advance)
     else:
         ns_nll = gsm_nll
     # the GSM model's own signals (spec 4.3) on the probe sequences
@@ -134,6 +159,7 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
             g_hit[i].append(float(hr[sparse].mean()) if sparse.any() else 1.0)
         for i, kl in tr.kv_noise.items():
             g_noise[i].append(float(kl.mean()))
+        advance(1)
     hits = hit_rates(gcfg, plan, xs, probs)
     layers = []
     for i in range(gcfg.num_hidden_layers):
@@ -165,13 +191,13 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     L = gcfg.num_hidden_layers
     ev_tradeoff = ev[:TRADEOFF_SEQUENCES]
     # dense on the trade-off's own sequences: each row is compared with the same tokens
-    dense_tradeoff = ppl(float(np.mean([dense.nll(row) for row in ev_tradeoff])))
+    dense_tradeoff = ppl(float(np.mean([_counted(dense.nll(row), advance) for row in ev_tradeoff])))
     for tol in tradeoff_tolerances:
         r = ranks_at(lowranks, list(range(L)), tol, None, gcfg.gsm.indexer_dim)
         c, t = assemble(src, lowranks, replace(plan, ranks=r, sharing={}))
         tradeoff.append({"tolerance": tol, "sharing": "none",
                          "kv_bytes_per_position_fp16": kv_bytes_per_position(c, r)["gsm_fp16"],
-                         "perplexity": ppl(mean_nll(golden_of(c, t), ev_tradeoff)),
+                         "perplexity": ppl(mean_nll(golden_of(c, t), ev_tradeoff, advance)),
                          "dense_perplexity": dense_tradeoff, "sequences": int(ev_tradeoff.shape[0])})
         tradeoff[-1]["relative_increase"] = tradeoff[-1]["perplexity"] / dense_tradeoff - 1
     return {
@@ -180,7 +206,7 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
         "layers": layers,
         "perplexity": {"dense": ppl(dense_nll), "gsm": ppl(gsm_nll), "gsm_no_sharing": ppl(ns_nll),
                        "relative_increase": ppl(gsm_nll) / ppl(dense_nll) - 1.0},
-        "greedy_agreement": greedy_agreement(dense, gsm, ev, agreement_steps),
+        "greedy_agreement": greedy_agreement(dense, gsm, ev, agreement_steps, advance),
         "kv_bytes_per_position": kv_bytes_per_position(gcfg, plan.ranks),
         "tradeoff": tradeoff,
     }
@@ -192,35 +218,45 @@ LONG_CHUNK = 512  # positions per chunked prefill of the long-context check: mem
 
 
 def prefill_chunks(dense: DenseLlama | None, gsm: Any, row: torch.Tensor, state: Any,
-                   chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+                   chunk: int | None = None, advance: Callable[[int], None] = _no_advance,
+                   ) -> Iterator[tuple[int, torch.Tensor]]:
     """(start, logits [c, V]) of each chunk of row [T] in turn, through the dense model's K/V path (state: its K/V
     list) or the golden's cache (state: a SequenceCache), the state extended in place: a long window costs
-    [heads, chunk, T] of attention, never [heads, T, T]."""
+    [heads, chunk, T] of attention, never [heads, T, T]. `advance(1)` after each chunk's pass."""
     chunk = chunk or LONG_CHUNK
     for a in range(0, row.numel(), chunk):
         ids = row[a:a + chunk]
-        yield a, dense.run_cached(ids[None], state)[0][0] if dense is not None else gsm.forward(state, ids).logits
+        logits = dense.run_cached(ids[None], state)[0][0] if dense is not None else gsm.forward(state, ids).logits
+        advance(1)
+        yield a, logits
 
 
 @torch.no_grad()
-def token_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+def token_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor, chunk: int | None = None,
+              advance: Callable[[int], None] = _no_advance) -> torch.Tensor:
     """[T - 1] NLL of each next token of row [T] through a chunked prefill, each chunk's logits scored and dropped:
     never the [T, V] logits (805 MB at 4K for SmolLM2's vocabulary)."""
     parts = []
-    for a, logits in prefill_chunks(dense, gsm, row, [] if dense is not None else gsm.new_cache(), chunk):
+    for a, logits in prefill_chunks(dense, gsm, row, [] if dense is not None else gsm.new_cache(), chunk, advance):
         target = row[a + 1:a + 1 + logits.shape[0]]  # the last position of the window predicts nothing
         parts.append(torch.nn.functional.cross_entropy(logits[:target.numel()], target, reduction="none"))
     return torch.cat(parts)
 
 
-def chunked_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor) -> float:
+def chunked_nll(dense: DenseLlama | None, gsm: Any, row: torch.Tensor,
+                advance: Callable[[int], None] = _no_advance) -> float:
     """Mean next-token NLL of row [T] (token_nll)."""
-    return float(token_nll(dense, gsm, row).mean())
+    return float(token_nll(dense, gsm, row, advance=advance).mean())
+
+
+def long_check_units(windows: dict[int, torch.Tensor]) -> int:
+    """Chunked prefill passes of long_context_check (its progress units): dense and GSM over every window."""
+    return sum(2 * seqs.shape[0] * -(-T // LONG_CHUNK) for T, seqs in windows.items())
 
 
 @torch.no_grad()
 def long_context_check(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], windows: dict[int, torch.Tensor],
-                       progress: Any) -> dict[str, Any]:
+                       progress: Any, advance: Callable[[int], None] = _no_advance) -> dict[str, Any]:
     """Held-out perplexity where the selection is sparse: dense and GSM on the same long windows (seq_len -> [B, T]),
     the share of those windows' query rows whose selection is sparse in each layer, and the rows a decode step
     reads at the window's end. The short report's sequences can be shorter than the budget (then nothing of the
@@ -230,8 +266,8 @@ def long_context_check(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarra
     p, layers = gcfg.gsm, gcfg.owning_layers
     out = {}
     for T, seqs in windows.items():
-        d = float(np.mean([chunked_nll(dense, None, row) for row in seqs]))
-        g = float(np.mean([chunked_nll(None, gsm, row) for row in seqs]))
+        d = float(np.mean([chunked_nll(dense, None, row, advance) for row in seqs]))
+        g = float(np.mean([chunked_nll(None, gsm, row, advance) for row in seqs]))
         sparse = float(np.mean([max(0, T - p.sink_tokens - p.selection_of(l).rows) / T for l in layers]))
         rows = p.mean_rows(layers, T)
         out[T] = {"sequences": int(seqs.shape[0]), "perplexity": {"dense": ppl(d), "gsm": ppl(g)},

@@ -1,18 +1,20 @@
-"""Stages of a conversion: a rich progress bar while one runs, its wall time when it ends.
+"""Stages of a conversion: progress while one runs (gsm.progress), its wall time when it ends.
 
 A 1B conversion runs for a long time on a CPU; the user must see which stage is running, how far
-it is, and afterwards what each stage cost (the times also go into the report).
+it is and how long it has left, and afterwards what each stage cost (the times also go into the
+report).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+
+from gsm.progress import track
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,34 +46,29 @@ def one_thread() -> Iterator[None]:
 
 
 class Stages:
-    """`with stages.run("name", total) as advance:` shows a bar, then reports and records the time.
+    """`with stages.run("name", total, unit) as advance:` shows the stage's progress, then reports and records
+    its time.
 
-    A stage runs on one torch thread (`one_thread`) unless `parallel`: only the streamed statistics,
-    large matrix products over batches of 2048 tokens, use every thread torch was given.
+    A stage runs on one torch thread (`one_thread`) unless `parallel`: only the streamed statistics and the long
+    sample, large matrix products over many tokens, use every thread torch was given. Progress: a bar on a
+    terminal, else a line every few seconds (gsm.progress.track); `show_bars` None decides by stderr.
     """
 
     def __init__(self, progress: Callable[[str], Any], show_bars: bool | None = None) -> None:
         self.progress = progress
         self.seconds: dict[str, float] = {}
-        self.show_bars = sys.stderr.isatty() if show_bars is None else show_bars
+        self.show_bars = show_bars
 
     @contextmanager
-    def run(self, name: str, total: int | None = None, parallel: bool = False) -> Iterator[Callable[[int], None]]:
+    def run(self, name: str, total: int | None = None, parallel: bool = False,
+            unit: str = "steps") -> Iterator[Callable[[int], None]]:
         with nullcontext() if parallel else one_thread():
-            yield from self._run(name, total)
+            yield from self._run(name, total, unit)
 
-    def _run(self, name: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    def _run(self, name: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
         t0 = time.perf_counter()
-        if self.show_bars:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-                task = bar.add_task(name, total=total)
-                yield lambda n=1: bar.advance(task, n)
-        else:
-            yield lambda n=1: None
+        with track(name, total, unit, log=self.progress, bar=self.show_bars) as advance:
+            yield advance
         dt = time.perf_counter() - t0
         self.seconds[name] = self.seconds.get(name, 0.0) + dt
-        self.progress(f"{name}: {dt:.1f} s")
+        self.progress(f"{name}: done in {dt:.1f} s")
