@@ -3,7 +3,7 @@
     python bench/row_cache_churn.py --bundle out/smollm2-int4 --contexts 1024,4096,8000 --steps 64
 
 A bundle's model.cpu.onnx keeps each layer's K rows of recently selected positions in a bounded row cache
-(plugins/ortCpu/gsmPoolRows.h, capacity builder/plan.py row_cache_capacity); a step reconstructs the rows its
+(plugins/ortCpu/GsmPoolAttention, capacity builder/plan.py row_cache_capacity); a step reconstructs the rows its
 selection reads that the cache does not hold (new picks of the indexer, rows a re-tier pass re-encoded). This
 prefills held-out text to each context, decodes greedily, and counts per step the slots whose (position, slot
 entry) tags changed, less the one new position each layer stores: the rows made from the pools. Prints per context

@@ -132,7 +132,7 @@ def nbits_inits(prefix: str, q: QuantizedWeight) -> list[QInit]:
     return inits
 
 
-TILE_ROWS, SUB_BLOCK = 16, 32  # GsmQuantMatMul's tile of rows and sub-block of inputs (plugins/ortCpu/gsmQuantMatMul.h)
+TILE_ROWS, SUB_BLOCK = 16, 32  # GsmQuantMatMul's tile of rows and sub-block of inputs (plugins/ortCpu/GsmQuantMatMul/)
 
 
 def tiles_fit(q: QuantizedWeight) -> bool:

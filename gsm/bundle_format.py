@@ -128,7 +128,7 @@ class PoolRows:
         return self.fp16, self.int12, self.int8, self.int4
 
 
-# The CPU graph's row cache of reconstructed K rows (plugins/ortCpu/gsmPoolRows.h): per layer `row_cache.{i}`
+# The CPU graph's row cache of reconstructed K rows (plugins/ortCpu/GsmPoolAttention): per layer `row_cache.{i}`
 # [R, C, kvD] float32 and `row_cache_tags.{i}` [R, ROW_CACHE_TAGS, C] int32, tag rows position, slot entry, last
 # call read; a new row starts with every tag -1 (free).
 ROW_CACHE_TAGS = 3

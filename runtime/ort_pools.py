@@ -3,7 +3,7 @@ the TensorRT and reference backends hold, written and demoted by the same code.
 
 Per owning layer `kv_pool.{l}` [R, P32] (latent rows in FP16 / INT12 / INT8 / INT4 regions) and `index_keys.{l}`
 [R, N_max, w] (FP16 keys, or INT8 codes four to an int32 word); per layer a row cache of reconstructed K rows,
-`row_cache.{i}` [R, C_i, kvD] and its tags [R, 3, C_i] (plugins/ortCpu/gsmPoolRows.h; C_i a constant of the plan,
+`row_cache.{i}` [R, C_i, kvD] and its tags [R, 3, C_i] (plugins/ortCpu/GsmPoolAttention; C_i a constant of the plan,
 not of the context). Rows and slot tables are runtime.plugin_cache's (`PluginRows`): a call's new positions get FP16
 rows, a re-tier pass re-encodes rows through the plugins' C++ reference (`GsmKVDemote`), a shadow call (the dense
 probe) is undone by restoring the slot tables. The graph's nodes read and write the buffers in place (bound once);

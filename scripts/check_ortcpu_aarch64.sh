@@ -52,16 +52,20 @@ ORCH=(-ffp-contract=off)
 KERN=(-ffp-contract=fast -Wno-psabi)
 AVX2=(-mavx2 -mfma -mf16c)
 
+# the ops' files reach plugins/common (gsm_math.h, gsm_layout.h) as ../../common/: from a scratch copy of this folder
+# elsewhere that path is found through an include folder two levels below plugins/
+INC=(-I"$SRC" -I"$ROOT/plugins/ortCpu/common")
+
 build() { # build CXX DIR [avx2]
   local cxx=$1 dir=$2
-  "$cxx" "${COMMON[@]}" "${ORCH[@]}" -c "$SRC/gsmCachedAttention.cpp" -o "$dir/attention.o"
-  "$cxx" "${COMMON[@]}" "${KERN[@]}" -c "$SRC/gsmCachedAttentionGeneric.cpp" -o "$dir/generic.o"
+  "$cxx" "${COMMON[@]}" "${ORCH[@]}" "${INC[@]}" -c "$SRC/GsmCachedAttention/gsmCachedAttention.cpp" -o "$dir/attention.o"
+  "$cxx" "${COMMON[@]}" "${KERN[@]}" -c "$SRC/kernels/gsmOrtKernelsGeneric.cpp" -o "$dir/generic.o"
   local objs=("$dir/attention.o" "$dir/generic.o")
   if [ "${3:-}" = avx2 ]; then
-    "$cxx" "${COMMON[@]}" "${KERN[@]}" "${AVX2[@]}" -c "$SRC/gsmCachedAttentionAvx2.cpp" -o "$dir/avx2.o"
+    "$cxx" "${COMMON[@]}" "${KERN[@]}" "${AVX2[@]}" -c "$SRC/kernels/gsmOrtKernelsAvx2.cpp" -o "$dir/avx2.o"
     objs+=("$dir/avx2.o")
   fi
-  "$cxx" "${COMMON[@]}" "${ORCH[@]}" -I"$SRC" -c "$HARNESS" -o "$dir/check.o"
+  "$cxx" "${COMMON[@]}" "${ORCH[@]}" "${INC[@]}" -c "$HARNESS" -o "$dir/check.o"
   "$cxx" "${objs[@]}" "$dir/check.o" -o "$dir/cachedAttentionCheck"
 }
 
@@ -89,10 +93,8 @@ python3 "$ROOT/plugins/ortCpu/test/compare_outputs.py" "$OUT/avx2.bin" "$OUT/x86
 # ones, so every x86 kernel and the aarch64 build (the generic kernel) must print the same hashes
 echo "== GsmQuantMatMul: every kernel, the same bits"
 QMM=$ROOT/plugins/ortCpu/test/quantMatMulCheck.cpp
-# (-I plugins/ortCpu after $SRC: its "../common/gsm_math.h" from a scratch copy too)
-QINC=(-I"$SRC" -I"$ROOT/plugins/ortCpu")
-"$CXX_HOST" "${COMMON[@]}" "${ORCH[@]}" "${QINC[@]}" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/x86_64/quantMatMulCheck"
-"$CXX_ARM" "${COMMON[@]}" "${ORCH[@]}" "${QINC[@]}" "$SRC/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/aarch64/quantMatMulCheck"
+"$CXX_HOST" "${COMMON[@]}" "${ORCH[@]}" "${INC[@]}" "$SRC/GsmQuantMatMul/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/x86_64/quantMatMulCheck"
+"$CXX_ARM" "${COMMON[@]}" "${ORCH[@]}" "${INC[@]}" "$SRC/GsmQuantMatMul/gsmQuantMatMul.cpp" "$QMM" -o "$OUT/aarch64/quantMatMulCheck"
 env -u GSM_ORT_QMM_KERNEL "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_best.txt"
 GSM_ORT_QMM_KERNEL=avx2 "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_avx2.txt"
 GSM_ORT_QMM_KERNEL=generic "$OUT/x86_64/quantMatMulCheck" > "$OUT/qmm_generic.txt"

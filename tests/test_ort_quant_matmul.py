@@ -1,6 +1,6 @@
 """`GsmQuantMatMul` (plugins/ortCpu, model.cpu.onnx of a `fast` build): a quantised projection (symmetric 4-/8-bit,
 or 4-bit on the float-zero-point grid with its offset term) over the tiles `builder.qlinear.quant_tiles` packs, against
-NumPy from the op's definition (plugins/ortCpu/gsmQuantMatMul.h): INT8 activations per group,
+NumPy from the op's definition (plugins/ortCpu/GsmQuantMatMul/gsmQuantMatMul.h): INT8 activations per group,
 w = scale * (u - 2^(bits-1)) [+ offset]."""
 
 from __future__ import annotations

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "gsmCachedAttention.h"
-#include "gsmGroupOffset.h"
-#include "gsmQuantMatMul.h"
-#include "gsmSideSplit.h"
+#include "GsmCachedAttention/gsmCachedAttention.h"
+#include "GsmGroupOffset/gsmGroupOffset.h"
+#include "GsmQuantMatMul/gsmQuantMatMul.h"
+#include "GsmSideSplit/gsmSideSplit.h"
 
 namespace
 {

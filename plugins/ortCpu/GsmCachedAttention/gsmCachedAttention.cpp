@@ -1,4 +1,4 @@
-// GsmCachedAttention: orchestration (validation, phases, selection); the hot loops are gsmCachedAttentionKernels.
+// GsmCachedAttention: orchestration (validation, phases, selection); the hot loops are ../kernels/gsmOrtKernels.h's.
 // Compiled without FMA contraction: RoPE and the softmax then round as the portable graph's separate ops do.
 #include "gsmCachedAttention.h"
 
@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "gsmCachedAttentionKernels.h"
+#include "../kernels/gsmOrtKernels.h"
 
 namespace gsm
 {
@@ -27,36 +27,6 @@ constexpr int64_t kCtxChunk = 48;
 // latents as a decode step does, so each query's output is the bits of the same query decoded alone: a verified
 // draft then continues exactly as one-token steps would have. Larger prefill chunks rebuild V once per kept row.
 constexpr int64_t kLatentSumQueries = 16;
-
-template <class F>
-void trampoline(void* data, size_t i)
-{
-    (*static_cast<F*>(data))(static_cast<int64_t>(i));
-}
-
-bool runRaw(void*, void (*fn)(void*, size_t), size_t total, void* data)
-{
-    for (size_t i = 0; i < total; ++i)
-    {
-        fn(data, i);
-    }
-    return true;
-}
-
-template <class F>
-bool parallelFor(ParallelRunner const& par, int64_t total, F&& f)
-{
-    if (total <= 0)
-    {
-        return true;
-    }
-    using Fn = std::remove_reference_t<F>;
-    if (total == 1 || par.run == nullptr)
-    {
-        return runRaw(nullptr, &trampoline<Fn>, static_cast<size_t>(total), &f);
-    }
-    return par.run(par.ctx, &trampoline<Fn>, static_cast<size_t>(total), &f);
-}
 
 // A score as an unsigned integer in the same order (larger first), -0 equal to +0 and NaN below every other score:
 // ONNX TopK's order. Branch-free on the sign, which is a coin toss for an indexer whose head weights differ in sign.

@@ -16,7 +16,8 @@
 #include <cstdint>
 #include <string>
 
-#include "gsmPoolRows.h"
+#include "../GsmPoolAttention/gsmPoolRows.h"
+#include "../common/gsmParallel.h"
 
 namespace gsm
 {
@@ -58,7 +59,7 @@ struct CachedAttentionInputs
     int32_t window = 0;                    // sparse_window[0]
     int32_t const* topK = nullptr;         // [B]
     int64_t keyStride = 0;                 // elements from one position's key to the next in indexKeys (0: dI)
-    PoolSource const* pool = nullptr;      // GsmPoolAttention: the cache is the plugins' pools (gsmPoolRows.h);
+    PoolSource const* pool = nullptr;      // GsmPoolAttention: the cache is the plugins' pools (../GsmPoolAttention/gsmPoolRows.h);
                                            // latentV, vRows and kRows are then unused and newKRows is scratch
     int32_t const* massRows = nullptr;     // [B,J]: rows (0..S-1) whose query's own mass queryMass gets, or null
     int64_t J = 0;
@@ -72,15 +73,6 @@ struct CachedAttentionOutputs
     int32_t* selected = nullptr;// [B,S,k]
     float* attnMass = nullptr;  // [B,L]
     float* queryMass = nullptr; // [B,J,L]: the attention mass of query massRows[b,i] alone (0 for a padding row)
-};
-
-// A parallel-for the caller provides (ONNX Runtime's KernelContext_ParallelFor): calls fn(data, i) for
-// every i < total, in any order, on any threads, and returns when all are done; false on failure.
-// run == nullptr: a plain loop on the calling thread.
-struct ParallelRunner
-{
-    bool (*run)(void* ctx, void (*fn)(void*, size_t), size_t total, void* data) = nullptr;
-    void* ctx = nullptr;
 };
 
 // Top-k of sequence b's query at absolute position t: top_k[b], grown to (t + 1) / topKDivisor when the node

@@ -1,11 +1,11 @@
-// GsmGroupOffset: tiles of rows x columns on the intra-op pool; the kernels are gsmCachedAttentionKernels'.
+// GsmGroupOffset: tiles of rows x columns on the intra-op pool; the kernels are ../kernels/gsmOrtKernels.h's.
 #include "gsmGroupOffset.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "gsmCachedAttentionKernels.h"
+#include "../kernels/gsmOrtKernels.h"
 
 namespace gsm
 {

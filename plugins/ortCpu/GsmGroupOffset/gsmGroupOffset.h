@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "gsmCachedAttention.h"
+#include "../common/gsmParallel.h"
 
 namespace gsm
 {

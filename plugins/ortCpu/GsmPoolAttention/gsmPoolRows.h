@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "../common/gsm_layout.h"
+#include "../../common/gsm_layout.h"
 
 namespace gsm
 {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../common/gsm_math.h"
+#include "../../common/gsm_math.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 // GCC 12's AVX-512 conversion intrinsics start from _mm512_undefined_*: a false "may be used uninitialized"

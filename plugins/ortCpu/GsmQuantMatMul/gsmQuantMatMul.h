@@ -23,7 +23,7 @@
 
 #include <cstdint>
 
-#include "gsmCachedAttention.h"
+#include "../common/gsmParallel.h"
 
 namespace gsm
 {

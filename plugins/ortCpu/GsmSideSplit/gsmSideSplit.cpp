@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "../common/gsm_math.h"
-#include "gsmCachedAttentionKernels.h"
+#include "../../common/gsm_math.h"
+#include "../kernels/gsmOrtKernels.h"
 
 namespace gsm
 {

@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "gsmCachedAttention.h"
+#include "../common/gsmParallel.h"
 
 namespace gsm
 {

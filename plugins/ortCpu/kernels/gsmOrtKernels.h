@@ -1,6 +1,6 @@
 /*
- * gsmCachedAttentionKernels.h: the hot loops of GsmCachedAttention, compiled twice from
- * gsmCachedAttentionKernels.inc: once for the build's baseline (NEON on aarch64, SSE2 on x86-64) and, on
+ * gsmOrtKernels.h: the hot loops of GsmCachedAttention / GsmPoolAttention, GsmGroupOffset and GsmSideSplit,
+ * compiled twice from gsmOrtKernels.inc: once for the build's baseline (NEON on aarch64, SSE2 on x86-64) and, on
  * x86-64, once for AVX2+FMA+F16C, chosen at run time from the CPU's features (cpuKernels()).
  * FMA contraction and blocked (multi-lane) sums are allowed here: this op is not bound by the plugins'
  * bit-exact contract, only by float32 agreement with the portable graph (which MLAS computes the same way).

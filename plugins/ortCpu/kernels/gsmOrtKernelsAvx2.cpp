@@ -3,7 +3,7 @@
 #define GSM_KNS avx2_isa
 #define GSM_KNAME avx2KernelsImpl
 #define GSM_KNAME_STR "avx2+fma+f16c"
-#include "gsmCachedAttentionKernels.inc"
+#include "gsmOrtKernels.inc"
 
 namespace gsm
 {

@@ -5,7 +5,7 @@
 #define GSM_KNS generic_isa
 #define GSM_KNAME genericKernelsImpl
 #define GSM_KNAME_STR "generic"
-#include "gsmCachedAttentionKernels.inc"
+#include "gsmOrtKernels.inc"
 
 namespace gsm
 {

@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "gsmCachedAttention.h" // from the -I folder: scripts/check_ortcpu_aarch64.sh may point it at a scratch copy
-#include "gsmCachedAttentionKernels.h"
+#include "GsmCachedAttention/gsmCachedAttention.h" // from the -I folder: scripts/check_ortcpu_aarch64.sh may point it at a scratch copy
+#include "kernels/gsmOrtKernels.h"
 
 namespace
 {

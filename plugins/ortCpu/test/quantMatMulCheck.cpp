@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "gsmQuantMatMul.h"
+#include "GsmQuantMatMul/gsmQuantMatMul.h"
 
 namespace
 {
