@@ -167,8 +167,8 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
                                                                        observer=observer, advance=advance)
         observe(exact, cal.ids[0 if search is None else search_seqs.shape[0]:], observer, advance)
     stats = observer.stats
-    with track("scales", log=progress):
-        calib = dataclasses.replace(sc.calibrate(stats, o.method, percentile=o.percentile),
+    with track("scales", total=len(stats), unit="latents", log=progress) as advance:
+        calib = dataclasses.replace(sc.calibrate(stats, o.method, percentile=o.percentile, advance=advance),
                                     head_input_moment=observer.head_input_moment())
         naive = sc.naive_calibration(stats)
     progress(f"statistics of {next(iter(stats.values())).count} latent rows per layer; {o.method} scales")

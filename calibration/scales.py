@@ -25,6 +25,7 @@ scale per layer and latent for all channels, abs-max / 127, no compensation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -113,10 +114,15 @@ def per_tensor_scales(st: ChannelStats) -> LatentScales:
 
 
 def calibrate(stats: dict[tuple[int, str], ChannelStats], method: str, *,
-              percentile: float = DEFAULT_PERCENTILE) -> KVCalibration:
-    """KVCalibration of every owning layer's c_k and c_v."""
-    return KVCalibration({key: channel_scales(st, method, percentile=percentile)
-                          for key, st in sorted(stats.items())}, calibrated=True)
+              percentile: float = DEFAULT_PERCENTILE, advance: Callable[[int], None] | None = None) -> KVCalibration:
+    """KVCalibration of every owning layer's c_k and c_v (advance(1) after each latent: the INT4 MSE search over
+    the reservoir makes each take seconds on a real model)."""
+    out = {}
+    for key, st in sorted(stats.items()):
+        out[key] = channel_scales(st, method, percentile=percentile)
+        if advance is not None:
+            advance(1)
+    return KVCalibration(out, calibrated=True)
 
 
 def key_scales(key_absmax: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

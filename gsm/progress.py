@@ -120,11 +120,15 @@ class Progress:
 
 @contextmanager
 def track(name: str, total: float | None = None, unit: str = "steps", *, log: Callable[[str], Any] | None = None,
-          bar: bool | None = None, every: float | None = None, stream: TextIO | None = None) -> Iterator[Progress]:
+          bar: bool | None = None, every: float | None = None, stream: TextIO | None = None,
+          end_line: bool = True) -> Iterator[Progress]:
     """Show the progress of the step run inside the block; yields the Progress (call it, or `.advance(n)`).
 
     log: where lines go (default: stderr); bar: a rich bar (default: when `stream`, default stderr, is a
-    terminal and rich is installed); every: seconds between lines without a bar (default `line_seconds()`).
+    terminal and rich is installed); every: seconds between lines without a bar (default `line_seconds()`);
+    end_line: without a bar, a step that printed progress lines also says when it ended (`name: done in 42 s`),
+    so the next step's first line never comes more than one interval after the last one (callers that print
+    their own end line pass False).
     """
     stream = stream if stream is not None else sys.stderr
     log = log if log is not None else (lambda m: print(m, file=stream, flush=True))
@@ -142,10 +146,12 @@ def track(name: str, total: float | None = None, unit: str = "steps", *, log: Ca
                 p._bar = None
         return
     stop = threading.Event()
+    ticks = [0]
 
     def tick() -> None:
         while not stop.wait(every):
             log(p.line())
+            ticks[0] += 1
 
     ticker = threading.Thread(target=tick, name=f"progress: {name}", daemon=True)
     ticker.start()
@@ -154,6 +160,8 @@ def track(name: str, total: float | None = None, unit: str = "steps", *, log: Ca
     finally:
         stop.set()
         ticker.join()
+    if end_line and ticks[0]:
+        log(f"{p.name}: done in {duration(p.clock() - p.t0)}")
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -74,7 +74,8 @@ def test_a_unit_slower_than_the_interval_still_leaves_lines():
     assert len(log.lines) >= 4
     assert max_gap([(t0, "")] + log.lines) <= MAX_GAP  # lines came while the unit ran, not after it
     ms = ticker_lines(log.lines, "slow", "units")
-    assert len(ms) == len(log.lines) and ms[-1].group(1) == "1" and ms[-1].group(4).startswith("about")
+    assert len(ms) == len(log.lines) - 1 and ms[-1].group(1) == "1" and ms[-1].group(4).startswith("about")
+    assert log.lines[-1][1] == "slow: done in 2 s"  # a step that printed lines says when it ended
 
 
 def test_a_short_step_prints_nothing_and_the_interval_is_checked(monkeypatch):

@@ -67,7 +67,7 @@ class Stages:
 
     def _run(self, name: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
         t0 = time.perf_counter()
-        with track(name, total, unit, log=self.progress, bar=self.show_bars) as advance:
+        with track(name, total, unit, log=self.progress, bar=self.show_bars, end_line=False) as advance:
             yield advance
         dt = time.perf_counter() - t0
         self.seconds[name] = self.seconds.get(name, 0.0) + dt
