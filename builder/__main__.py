@@ -103,19 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
-    e = sub.add_parser("engine", help="build engine.plan into a bundle (needs TensorRT and a GPU)")
+    e = sub.add_parser("engine", help="build engine.plan into a bundle and check it against the bundle's golden probe "
+                                      "(needs TensorRT and a GPU)")
     e.add_argument("bundle", type=Path)
+    e.add_argument("--keep-failing", action="store_true",
+                   help="install an engine that fails the golden check anyway (its failure stays recorded in "
+                        "report.json, so `runtime serve` and Triton refuse it without --allow-failed-verify)")
     return p
 
 
 def _build(args: argparse.Namespace) -> int:
     from builder.build import BuildError, build, summary
     from gsm.cli_support import console
+    from gsm.progress import track
 
     err = console(highlight=False)
     bar = sys.stderr.isatty()
 
-    from gsm.progress import track
     def line(msg: str) -> None:
         err.print(f"[dim]... {msg}[/]")
 
@@ -159,13 +163,24 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    """Exit 0 with the engine installed and its check passed (or --keep-failing), 1 when it failed the check."""
     from builder.trt_engine import EngineUnavailable, engine_command
 
     try:
-        rec = engine_command(args.bundle)
+        out = engine_command(args.bundle, keep_failing=args.keep_failing)
     except EngineUnavailable as e:  # no TensorRT or no GPU here: the environment, not the input
         raise CommandFailed(str(e)) from None
-    print(f"built {args.bundle / rec['file']} with TensorRT {rec['tensorrt']}")
+    print(out.verdict.table())
+    rec = out.record
+    if out.kept_aside is not None:
+        raise CommandFailed(f"the engine TensorRT {rec['tensorrt']} built failed the golden check "
+                            f"({out.verdict.failure_line()}); kept aside in {out.kept_aside}, not installed "
+                            f"(--keep-failing installs it anyway)")
+    if not out.verdict.passed:
+        print(f"WARNING: installed {args.bundle / rec['file']} although it failed the golden check (--keep-failing); "
+              "runtime serve and Triton refuse it without --allow-failed-verify", file=sys.stderr)
+        return 0
+    print(f"built {args.bundle / rec['file']} with TensorRT {rec['tensorrt']}; golden check passed")
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import gsm
 from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
 from builder.calib import CalibrationError, has_int4_tables, has_key_scales, head_input_moment, quant_tables
+from builder.golden_probe import GoldenKV, write_golden_probe
 from builder.graph_cpu import CPU_DOMAIN, CPU_OPS
 from builder.graphs import write_graphs
 from builder.network import CheckpointSource, NetSpec
@@ -44,6 +45,7 @@ from builder.plan import (
     weight_bytes,
     weight_configs,
 )
+from builder.probe_weights import BundleWeights
 from builder.read_progress import CountedSource
 from builder.summary_lines import disk_line, weights_words
 from gsm import checkpoint, names
@@ -200,10 +202,15 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
             write_json(tmp / FILES.config, _bundle_config(spec, plan, rows, quant, logits, debug_outputs,
                                                          _weights_record(wreport)).to_json())
             write_json(tmp / FILES.plan, plan.to_json())
+            step("golden probe")
+            probe = write_golden_probe(tmp, cfg, tensors, BundleWeights(wcfgs, awq or {}, row_quantizers,
+                                                                        int8_activations=matmul_accuracy == "fast"),
+                                       GoldenKV(quant, qt.tables, ranks, qt.key_scales if quant.int8_keys else None))
             engine = _maybe_engine(tmp, plan, profile, step)
             report = _report(cfg, plan, info, qt.source, demo, ck_hash, engine, time.perf_counter() - t0, out)
             report["kv_tiers"] = kv_tiers
             report["weights"] = wreport
+            report["golden_probe"] = probe
             write_json(tmp / FILES.report, report)
             meta.update({
                 "gsm_edge_version": gsm.__version__, "checkpoint": {"hash": ck_hash, "demo": demo,

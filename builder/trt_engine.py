@@ -6,7 +6,9 @@ the target (`python -m builder engine BUNDLE`). Steps: load the GSM plugin libra
 creators register themselves), parse model.onnx into a *strongly typed* network (TensorRT 11 drops
 weak typing; the graph's types are explicit), two optimisation profiles (prefill/chunk: S in
 1..max_input; decode: S = 1), workspace limit from the plan, a timing cache persisted per GPU
-architecture, then serialize.
+architecture, then serialize. `builder engine` then runs the bundle's golden probe through the new engine
+(runtime.verify, the check `runtime verify` makes) before installing it: TensorRT builds our plugins for the first
+time on the target, where no golden model can run (docs/verify.md).
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ import ctypes
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder.bundle import add_file_to_bundle, read_bundle_manifest
+from builder.bundle import add_file_to_bundle, read_bundle_manifest, write_json
 from builder.plan import WORKSPACE_BYTES, MemoryPlan
 from gsm import graph_io as io
 from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
+from gsm.probe_format import read_probe
 
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
 PLUGIN_LIB_NAMES = ("libgsm_trt_plugins.so", "gsm_trt_plugins.dll")
+TENSORRT = "tensorrt"  # the backend name the verdict is recorded under (runtime.model BACKENDS)
 TIMING_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gsm-edge"
 
 
@@ -148,29 +153,83 @@ def build_engine(bundle_dir: Path, plan: MemoryPlan, profile: Any, out_path: Pat
     _serialize(trt, builder, network, config, demote_out)
     cache_file.write_bytes(bytes(timing.serialize()))
     return {"status": "built", "file": FILES.engine, "demote_file": FILES.demote_engine, "tensorrt": trt.__version__,
-            "plugin_library": lib.name, "timing_cache": str(cache_file), "profiles": ["prefill", "decode"]}
+            "plugin_library": lib.name, "plugin_library_path": str(lib), "timing_cache": str(cache_file),
+            "profiles": ["prefill", "decode"]}
 
 
-def engine_command(bundle: Path) -> dict[str, Any]:
-    """`python -m builder engine BUNDLE`: build engine.plan into an existing bundle on the target."""
+FAILED_SUFFIX = ".failed-engine"  # beside the bundle: where an engine that fails the golden check is kept
+VERDICT_FILE = "verdict.json"
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    """What `builder engine` did: the engine record, its golden check, and where a failing engine was kept aside
+    (None: installed in the bundle)."""
+
+    record: dict[str, Any]
+    verdict: Any  # runtime.verdict.Verdict
+    kept_aside: Path | None = None
+
+
+def engine_command(bundle: Path, *, keep_failing: bool = False) -> EngineOutcome:
+    """`python -m builder engine BUNDLE`: build engine.plan on the target, run the bundle's golden probe through it
+    (runtime verify's check), record the verdict in the bundle's report, and install the engine only where it passed
+    (or `keep_failing`); a failing one is kept aside in BUNDLE.failed-engine/."""
     from jetson import get_profile
     from runtime.bundle import verify_bundle
 
     verify_bundle(bundle)
+    read_probe(bundle / FILES.probe)  # an engine is never installed unchecked: a bundle without its probe is rebuilt
     manifest = read_bundle_manifest(bundle)
     profile = get_profile(manifest["device"]["name"])
-    plan_json = json.loads((bundle / FILES.plan).read_text())
-    plan = _plan_from_json(plan_json)
+    plan = _plan_from_json(json.loads((bundle / FILES.plan).read_text()))
     tmp = bundle.parent / f".{bundle.name}.{FILES.engine}.tmp"
     tmp_demote = bundle.parent / f".{bundle.name}.{FILES.demote_engine}.tmp"
     try:
         record = build_engine(bundle, plan, profile, tmp, tmp_demote)
-        add_file_to_bundle(bundle, tmp_demote, FILES.demote_engine, {})
-        add_file_to_bundle(bundle, tmp, FILES.engine, {"engine": record})
+        verdict = check_engine(bundle, tmp, tmp_demote, record["plugin_library_path"])
+        return settle_engine(bundle, tmp, tmp_demote, record, verdict, keep_failing=keep_failing)
     finally:
         tmp.unlink(missing_ok=True)
         tmp_demote.unlink(missing_ok=True)
-    return record
+
+
+def check_engine(bundle: Path, engine: Path, demote: Path, plugin_library: str) -> Any:
+    """The golden probe through a candidate engine (runtime.verify), before it is installed."""
+    from gsm.bundle_format import BundleConfig
+    from runtime.trt_backend import EnginePlans, TrtBackend, gpu_name
+    from runtime.verify import judge_backend
+
+    backend = TrtBackend(bundle, BundleConfig.load(bundle), EnginePlans(engine, demote, plugin_library))
+    return judge_backend(bundle, backend, device=gpu_name())
+
+
+def settle_engine(bundle: Path, engine: Path, demote: Path, record: dict[str, Any], verdict: Any, *,
+                  keep_failing: bool) -> EngineOutcome:
+    """Record the verdict in the bundle's report (report.json `verify.tensorrt`, re-hashed in the manifest), then
+    install the engine where it passed or `keep_failing`, else move it aside to BUNDLE.failed-engine/ with the verdict
+    (a directory gsm-edge wrote: replaced by the next failing build)."""
+    from gsm.atomic import atomic_output_dir
+    from runtime.verdict import VERIFY_KEY
+
+    verdict_json = verdict.to_json()
+    record = {**record, VERIFY_KEY: {"status": verdict_json["status"], "failed": [c.name for c in verdict.failed]}}
+    report = json.loads((bundle / FILES.report).read_text(encoding="utf-8"))
+    report.setdefault(VERIFY_KEY, {})[TENSORRT] = verdict_json
+    tmp_report = bundle.parent / f".{bundle.name}.{FILES.report}.tmp"
+    write_json(tmp_report, report)
+    if verdict.passed or keep_failing:
+        add_file_to_bundle(bundle, demote, FILES.demote_engine, {})
+        add_file_to_bundle(bundle, engine, FILES.engine, {"engine": record})
+        add_file_to_bundle(bundle, tmp_report, FILES.report, {})
+        return EngineOutcome(record, verdict)
+    aside = bundle.parent / f"{bundle.name}{FAILED_SUFFIX}"
+    with atomic_output_dir(aside, overwrite=True) as out:
+        shutil.move(engine, out / FILES.engine)
+        shutil.move(demote, out / FILES.demote_engine)
+        write_json(out / VERDICT_FILE, {**verdict_json, "engine": record})
+    add_file_to_bundle(bundle, tmp_report, FILES.report, {})
+    return EngineOutcome(record, verdict, aside)
 
 
 def _plan_from_json(d: dict[str, Any]) -> MemoryPlan:

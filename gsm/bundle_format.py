@@ -54,6 +54,7 @@ class BundleFiles:
     demote_portable: str = "gsm_demote.portable.onnx"  # re-encodes changed rows (engine_io 5)
     engine: str = "engine.plan"  # only where TensorRT built it
     demote_engine: str = "demote.plan"
+    probe: str = "golden_probe.npz"  # the golden model's outputs on a fixed probe (gsm.probe_format, docs/verify.md)
 
     def graphs(self) -> dict[str, str]:
         """The manifest's `graphs` record: network form -> file."""

@@ -1,5 +1,7 @@
 """`python -m runtime generate BUNDLE --prompt TEXT | --ids 1,2,3 | --chat TEXT` — prints tokens as they come.
 `python -m runtime serve BUNDLE [--host 127.0.0.1] [--port 8000]` — OpenAI-compatible HTTP server (docs/serving.md).
+`python -m runtime verify BUNDLE [--backend auto|tensorrt|onnxruntime|reference]` — the bundle's golden probe through a
+backend, a verdict table, exit 0 pass / 1 fail (docs/verify.md).
 
 Exit codes (gsm.cli_support.run_main, as every command): 0 ok, 2 bad usage or bad input (one `error:` line
 naming the flag or file), 1 a failure while working (a backend that cannot start here, the serve extra not
@@ -21,6 +23,7 @@ from gsm.atomic import OutputExistsError
 from gsm.cli_support import CommandFailed, int_at_least, run_main
 from runtime.cli_args import PROG, add_backend_arguments, backend_label, flag_of, load_runtime, one_line
 from runtime.model import BACKENDS
+from runtime.ort_backend import GRAPHS
 from runtime.speculative import SPECULATIVE_MODES
 
 
@@ -103,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sparse-top-k", type=int_at_least(0),
                    help="selection budget (spec 4.1 top-k), 0..max-seq; >= the context is dense attention "
                         "(default: the model's sparse_top_k; --top-k is the sampling top-k)")
+    v = sub.add_parser("verify", help="run the bundle's golden probe through a backend and print the verdict")
+    v.add_argument("bundle", type=Path)
+    v.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    v.add_argument("--graph", choices=list(GRAPHS), default="auto", help="onnxruntime backend: which network runs "
+                   "(as `generate --graph`)")
+    v.add_argument("--threads", type=int_at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    v.add_argument("--sparse-top-k", type=int_at_least(0), help="run with this selection budget instead of the "
+                   "model's (a dense one fails where the golden's selection is sparse)")
+    v.add_argument("--json", action="store_true", help="print the verdict as JSON instead of the table")
     from runtime.serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
@@ -123,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--python-env", type=Path, help="a virtual environment with the runtime's dependencies for the "
                                                     "Python Triton's stub embeds (default: this one's)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing repository")
+    t.add_argument("--allow-failed-verify", action="store_true",
+                   help="load bundles whose recorded golden check (report.json, `builder engine`) failed on their "
+                        "backend (refused otherwise, here or when Triton loads the model)")
     return p
 
 
@@ -133,7 +148,8 @@ def triton(args: argparse.Namespace) -> int:
     if names and len(names) != len(args.bundles):
         raise ValueError(f"argument --model-name: give one per bundle ({len(args.bundles)}), got {len(names)}")
     specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend,
-                             python_env=args.python_env, speculative=args.speculative)
+                             python_env=args.python_env, speculative=args.speculative,
+                             allow_failed_verify=args.allow_failed_verify)
              for i, b in enumerate(args.bundles)]
     try:
         write_repository(specs, args.out, overwrite=args.overwrite)
@@ -198,6 +214,28 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def verify(args: argparse.Namespace) -> int:
+    """Exit 0 when the backend passes the golden check, 1 naming what failed."""
+    import runtime
+    from runtime.verify import verify as run_verify
+
+    try:
+        verdict = run_verify(args.bundle, args.backend, threads=args.threads, graph=args.graph,
+                             sparse_top_k=args.sparse_top_k)
+    except runtime.RequestError as e:
+        raise ValueError(f"argument {flag_of(e.field)}: {e.detail}") from None
+    except runtime.BundleError as e:
+        raise ValueError(one_line(f"bundle {e}")) from None
+    except RuntimeError as e:  # a backend that cannot start here
+        raise CommandFailed(one_line(e)) from None
+    except ImportError as e:
+        raise CommandFailed(f"backend {args.backend}: {e}") from None
+    print(json.dumps(verdict.to_json(), indent=2) if args.json else verdict.table())
+    if not verdict.passed:
+        raise CommandFailed(f"backend {verdict.backend} failed the golden check: {verdict.failure_line()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -209,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(f"{PROG} serve", lambda: serve(args), extra="serve")
     if args.command == "triton":
         return run_main(f"{PROG} triton", lambda: triton(args))
+    if args.command == "verify":
+        return run_main(f"{PROG} verify", lambda: verify(args))
     return run_main(f"{PROG} generate", lambda: generate(args))
 
 

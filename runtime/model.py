@@ -405,10 +405,19 @@ class Runtime:
         (prefill_chunk with this backend's bound, shared among the call's sequences)."""
         return prefill_chunk(self.max_input, past, self.backend.capabilities.call_positions // max(1, sequences))
 
+    def prefill_call(self, seq: Sequence_, tokens: Sequence[int], *, selections: bool = False) -> StepOutput:
+        """One prefill call of exactly `tokens` (1..max-input, never split) and the re-tier pass that ends it, as each
+        call of prefill_batch makes them: for a caller that fixes the calls itself (runtime.verify replays the golden
+        probe's). selections: the output holds each owning layer's selected positions too."""
+        out = self.forward_batch([seq], [tokens], probes=selections)
+        seq._retier()
+        return out
+
     def decode_batch(self, seqs: Sequence[Sequence_], tokens: Sequence[int],
-                     probe: Sequence[bool] | None = None) -> np.ndarray:
+                     probe: Sequence[bool] | None = None, *, selections: bool = False) -> np.ndarray:
         """One decode step of each sequence in one call; each re-tiers after its own every `rate`-th
-        step, as alone. Returns logits [B, V].
+        step, as alone. Returns logits [B, V]. selections: each sequence's `last` holds the step's selected positions
+        too (StepOutput.selected; runtime.verify).
 
         probe[b]: measure sequence b's mask hit rate at this step (spec 4.3): a dense shadow call of the
         probed sequences first (nothing of it is kept but each owning layer's attention mass), then the
@@ -424,7 +433,7 @@ class Runtime:
             dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self._window_input,
                                          np.full(len(pseqs), self.n_max, np.int32),
                                          probes=True, commit=False)
-        res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed))
+        res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed) or selections)
         for k, b in enumerate(probed):
             rates = {l: hit_rate(dense.layer_mass[l][k], res.selected[l][b, 0]) for l in res.selected}
             seqs[b].last_hit_rates = rates

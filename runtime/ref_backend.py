@@ -27,6 +27,7 @@ from runtime.plugin_cache import (
     read_latents,
     take_prefix,
 )
+from runtime.ref_standard_ops import standard_ops
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -41,7 +42,8 @@ def reference_usable() -> tuple[bool, str]:
 
 
 def _ops() -> list[type]:
-    """OpRun classes for the three GSM node types, executing the C++ reference."""
+    """OpRun classes for the three GSM node types, executing the C++ reference, and the standard operators this
+    backend evaluates its own way (runtime.ref_standard_ops)."""
     from gsm_edge_plugins import ref
     from onnx import helper
     from onnx.reference.op_run import OpRun
@@ -90,7 +92,7 @@ def _ops() -> list[type]:
             d, _a = dims(self.onnx_node)
             return (ref.kv_demote(d, entries, pool, full_table(quant)),)  # in place, entries name their pool rows
 
-    return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote]
+    return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote, *standard_ops()]
 
 
 class RefBackend:

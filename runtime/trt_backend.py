@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +39,28 @@ log = logging.getLogger("runtime.trt_backend")
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
 
 
-def trt_usable(bundle: Path) -> tuple[bool, str]:
-    """(True, "") when the bundle has engine.plan and TensorRT + cuda-python import; else (False, why)."""
-    if not (bundle / FILES.engine).is_file():
+@dataclass(frozen=True)
+class EnginePlans:
+    """The serialized engines a TrtBackend runs and the plugin library they need: the bundle's own by default, or a
+    candidate `builder engine` has just built and checks before installing it."""
+
+    engine: Path
+    demote: Path
+    plugin_library: str
+
+    @classmethod
+    def of_bundle(cls, bundle: Path) -> EnginePlans:
+        """engine.plan and demote.plan of the bundle, and GSM_PLUGIN_LIB or the library the engine was built with."""
+        manifest = json.loads((bundle / FILES.manifest).read_text())
+        lib = os.environ.get("GSM_PLUGIN_LIB") or manifest.get("engine", {}).get("plugin_library",
+                                                                                "libgsm_trt_plugins.so")
+        return cls(bundle / FILES.engine, bundle / FILES.demote_engine, lib)
+
+
+def trt_usable(bundle: Path, plans: EnginePlans | None = None) -> tuple[bool, str]:
+    """(True, "") when the bundle has engine.plan (or `plans` exist) and TensorRT + cuda-python import; else (False,
+    why)."""
+    if not (plans.engine if plans is not None else bundle / FILES.engine).is_file():
         return False, "the bundle has no engine.plan (build it on the target: python -m builder engine BUNDLE)"
     try:
         import tensorrt  # noqa: F401
@@ -91,14 +112,11 @@ class DeviceBuffer:
             self.ptr = 0
 
 
-def _load_plugins(bundle: Path) -> None:
-    """Load the GSM plugin library (GSM_PLUGIN_LIB, else the one the engine was built with) so its
-    IPluginV3 creators register before the engine is deserialized."""
-    import os
-
-    manifest = json.loads((bundle / FILES.manifest).read_text())
-    name = os.environ.get("GSM_PLUGIN_LIB") or manifest.get("engine", {}).get("plugin_library", "libgsm_trt_plugins.so")
-    ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+def gpu_name() -> str:
+    """CUDA device 0's name and compute capability, for the golden check's table."""
+    props = _check(_cudart().cudaGetDeviceProperties(0))
+    name = props.name.decode(errors="replace").rstrip("\x00") if isinstance(props.name, bytes) else str(props.name)
+    return f"{name} (sm_{props.major}{props.minor})"
 
 
 class TrtBackend:
@@ -108,19 +126,21 @@ class TrtBackend:
 
     name = "tensorrt"
 
-    def __init__(self, bundle: Path, cfg: BundleConfig) -> None:
-        ok, why = trt_usable(bundle)
+    def __init__(self, bundle: Path, cfg: BundleConfig, plans: EnginePlans | None = None) -> None:
+        ok, why = trt_usable(bundle, plans)
         if not ok:
             raise RuntimeError(f"backend 'tensorrt' unavailable: {why}")
         import tensorrt as trt
 
+        plans = plans or EnginePlans.of_bundle(bundle)
         self.trt, self.cudart, self.cfg = trt, _cudart(), cfg
-        _load_plugins(bundle)
+        # the plugin library first: its IPluginV3 creators register before the engine is deserialized
+        ctypes.CDLL(plans.plugin_library, mode=ctypes.RTLD_GLOBAL)
         self.logger = trt.Logger(trt.Logger.WARNING)
         trt.init_libnvinfer_plugins(self.logger, "")
         rt = trt.Runtime(self.logger)
-        self.engine = rt.deserialize_cuda_engine((bundle / FILES.engine).read_bytes())
-        self.demote_engine = rt.deserialize_cuda_engine((bundle / FILES.demote_engine).read_bytes())
+        self.engine = rt.deserialize_cuda_engine(plans.engine.read_bytes())
+        self.demote_engine = rt.deserialize_cuda_engine(plans.demote.read_bytes())
         if self.engine is None or self.demote_engine is None:
             raise RuntimeError("TensorRT could not deserialize the engines (plugin library or version mismatch?)")
         self.stream = _check(self.cudart.cudaStreamCreate())

@@ -59,8 +59,9 @@ INC=(-I"$SRC" -I"$ROOT/plugins/ortCpu/common")
 build() { # build CXX DIR [avx2]
   local cxx=$1 dir=$2
   "$cxx" "${COMMON[@]}" "${ORCH[@]}" "${INC[@]}" -c "$SRC/GsmCachedAttention/gsmCachedAttention.cpp" -o "$dir/attention.o"
+  "$cxx" "${COMMON[@]}" "${ORCH[@]}" "${INC[@]}" -c "$SRC/GsmPoolAttention/gsmPoolRows.cpp" -o "$dir/poolrows.o"
   "$cxx" "${COMMON[@]}" "${KERN[@]}" -c "$SRC/kernels/gsmOrtKernelsGeneric.cpp" -o "$dir/generic.o"
-  local objs=("$dir/attention.o" "$dir/generic.o")
+  local objs=("$dir/attention.o" "$dir/poolrows.o" "$dir/generic.o")
   if [ "${3:-}" = avx2 ]; then
     "$cxx" "${COMMON[@]}" "${KERN[@]}" "${AVX2[@]}" -c "$SRC/kernels/gsmOrtKernelsAvx2.cpp" -o "$dir/avx2.o"
     objs+=("$dir/avx2.o")

@@ -7,7 +7,10 @@
 #      (tests/test_backend_contract.py; up to 7 more minutes),
 #   4. where TensorRT is installed, the engine size of a tied model's INT8 embedding/head against its FP16
 #      head (does TensorRT keep one quantised copy for the Gather and the MatMul? docs/weights.md),
-#   5. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
+#   5. where TensorRT is installed, the golden check of an engine: `builder engine` on an INT4 demo bundle checks the
+#      plan it builds against the bundle's golden probe and prints the verdict table (docs/verify.md), then
+#      `runtime verify --backend tensorrt` on the installed engine,
+#   6. print decode-attention bandwidth (GB/s, % of peak) and the speed-up over dense PyTorch SDPA
 #      at 4K and 32K context (tests/gpu/bench_decode.py).
 # Needs: nvcc, cmake >= 3.18, python3 with numpy, torch (CUDA build) and pytest.
 set -euo pipefail
@@ -73,6 +76,20 @@ if python3 -c "import tensorrt, onnx" 2>/dev/null; then
   done
 else
   echo "skipped: TensorRT is not installed on this machine"
+fi
+
+echo "== golden check (TensorRT)"
+if python3 -c "import tensorrt, onnx, onnxruntime" 2>/dev/null; then
+  export GSM_PLUGIN_LIB="$BUILD/plugins/libgsm_trt_plugins.so"
+  W=$(mktemp -d)
+  python3 -m builder build --device orin --output "$W/demo" --max-seq 512 --weights int4 >/dev/null
+  if timeout 300 python3 -m builder engine "$W/demo"; then
+    timeout 120 python3 -m runtime verify "$W/demo" --backend tensorrt || echo "runtime verify on the installed engine failed"
+  else
+    echo "golden check: the engine failed or did not build (kept aside in $W/demo.failed-engine if built)"
+  fi
+else
+  echo "skipped: TensorRT (or onnx / onnxruntime) is not installed on this machine"
 fi
 
 echo "== decode attention"

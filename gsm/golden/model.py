@@ -35,6 +35,8 @@ Mode = Literal["exact", "deployed"]
 LatentHook = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 # (owning layer, first new position, indexer keys [T, dI] float32, before any INT8 coding)
 KeyHook = Callable[[int, int, torch.Tensor], None]
+# (owning layer, query positions [T], index scores [T, n], the layer's selection params) before selection
+ScoreHook = Callable[[int, torch.Tensor, torch.Tensor, GSMParams], None]
 
 
 @dataclass
@@ -80,6 +82,7 @@ class GoldenModel:
         self.latent_hooks: list[LatentHook] = []
         self.key_hooks: list[KeyHook] = []
         self.head_hooks: list[Callable[[torch.Tensor], None]] = []  # the LM head's input [T, H] (GPTQ's moment)
+        self.score_hooks: list[ScoreHook] = []  # index scores of owning layers (the golden probe's selection gaps)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, mode: Mode = "exact", **kw) -> GoldenModel:
@@ -136,6 +139,8 @@ class GoldenModel:
                 else:  # a streaming layer (sinks + window): no indexer pick to score
                     scores = torch.zeros(T, n)
                 sel_of[i] = select(scores, q_pos, lp)
+                for score_hook in self.score_hooks:
+                    score_hook(i, q_pos, scores, lp)
                 k, v = A.reconstruct_owning(c.ck, c.cv, kv.k_U, kv.v_U, cfg.num_key_value_heads,
                                             cfg.rope_theta)
             else:

@@ -51,3 +51,22 @@ def select(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Ten
     dense_rows = torch.tensor([p.selection_is_dense(int(t) + 1) for t in q_pos], dtype=torch.bool)
     mask[dense_rows] = causal[dense_rows]
     return mask
+
+
+def boundary_gap(scores: torch.Tensor, q_pos: torch.Tensor, p: GSMParams) -> torch.Tensor:
+    """[T] how far row t's top-k is from another choice: the k-th largest candidate score less the (k+1)-th, over the
+    row's largest |candidate score| (inf where no candidate is left out: every one selected, or none to choose, or a
+    dense row). An engine whose scores move by less than this relative amount selects the same positions."""
+    T, n = scores.shape
+    s = torch.arange(n)
+    cand = (s[None, :] <= q_pos[:, None]) & (s[None, :] >= p.sink_tokens) & (
+        s[None, :] <= q_pos[:, None] - p.sparse_window)
+    out = torch.full((T,), float("inf"))
+    for t in range(T):
+        v = scores[t][cand[t]].double()
+        k = min(p.top_k_at(int(q_pos[t])), v.numel())
+        if k == 0 or k == v.numel() or p.selection_is_dense(int(q_pos[t]) + 1):
+            continue
+        top = torch.topk(v, k + 1).values
+        out[t] = float((top[k - 1] - top[k]) / v.abs().max().clamp_min(1e-30))
+    return out

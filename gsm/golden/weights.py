@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,13 +53,26 @@ class LayerWeights:
     kv: OwningKV | SharingKV
 
 
+def layer_weights(cfg: ModelConfig, i: int, t: Callable[[str], torch.Tensor]) -> LayerWeights:
+    """Layer i's weights, each tensor by its checkpoint name from `t` (float32)."""
+    def per_layer(table: dict[str, str]) -> dict[str, torch.Tensor]:
+        return {k: t(v.format(i=i)) for k, v in table.items()}
+
+    if cfg.is_owning(i):
+        kv: OwningKV | SharingKV = OwningKV(**per_layer(names.OWNING))
+    else:
+        p = per_layer(names.SHARING)
+        kv = SharingKV(source=cfg.gsm.kv_sharing[i], weight=p["proj_w"], bias=p["proj_b"])
+    return LayerWeights(kv=kv, **per_layer(names.COMMON))
+
+
 @dataclass
 class GoldenWeights:
     cfg: ModelConfig
     embed: torch.Tensor  # [V, H]
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the embedding when tied)
-    layers: list[LayerWeights] = field(default_factory=list)
+    layers: Sequence[LayerWeights] = field(default_factory=list)  # a list, or one that loads each layer when read
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: Mapping[str, np.ndarray | torch.Tensor]) -> GoldenWeights:
@@ -67,20 +80,9 @@ class GoldenWeights:
             v = tensors[name]
             return (torch.from_numpy(np.asarray(v)) if not isinstance(v, torch.Tensor) else v).float()
 
-        def per_layer(table: dict[str, str], i: int) -> dict[str, torch.Tensor]:
-            return {k: t(v.format(i=i)) for k, v in table.items()}
-
         embed = t(names.EMBED)
         lm_head = embed if cfg.tie_word_embeddings else t(names.LM_HEAD)
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            common = per_layer(names.COMMON, i)
-            if cfg.is_owning(i):
-                kv: OwningKV | SharingKV = OwningKV(**per_layer(names.OWNING, i))
-            else:
-                p = per_layer(names.SHARING, i)
-                kv = SharingKV(source=cfg.gsm.kv_sharing[i], weight=p["proj_w"], bias=p["proj_b"])
-            layers.append(LayerWeights(kv=kv, **common))
+        layers = [layer_weights(cfg, i, t) for i in range(cfg.num_hidden_layers)]
         return cls(cfg=cfg, embed=embed, final_norm=t(names.FINAL_NORM), lm_head=lm_head, layers=layers)
 
     def owning(self, i: int) -> OwningKV:

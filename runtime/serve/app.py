@@ -30,6 +30,7 @@ from runtime.serve.guard import Guard, GuardConfig
 from runtime.serve.metrics import ServeMetrics, TegrastatsCollector, geometry
 from runtime.serve.protocol import ApiError, GenerationArgs
 from runtime.text import ChatTemplateError
+from runtime.verdict import verdict_status
 
 log = logging.getLogger("runtime.serve")
 
@@ -46,8 +47,11 @@ class Server:
 
     def __init__(self, engine: Engine, *, model_name: str, registry: CollectorRegistry | None = None,
                  tegrastats: Any = None, fallbacks: FallbackConfig | None = None,
-                 guard: GuardConfig | None = None) -> None:
+                 guard: GuardConfig | None = None, verify: dict[str, Any] | None = None) -> None:
+        """verify: the bundle's recorded golden check on the serving backend (runtime.verdict.verdict_status), which
+        /health shows (None: read from the bundle's report)."""
         self.engine = engine
+        self.verify = verify if verify is not None else verdict_status(engine.rt.bundle, engine.rt.backend.name)
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         geo = geometry(engine.rt.bundle, engine.rt.cfg)
@@ -82,7 +86,7 @@ class Server:
         return JSONResponse({"status": "ok", "warmup_s": eng.warmup_s, "running": len(eng.running),
                              "queue_depth": eng.queue_depth, "backend": backend.name,
                              "graph": backend.capabilities.graph, "max_running": eng.max_running,
-                             "kv_rows": budget.rows, "kv_budget_bytes": budget.budget_bytes})
+                             "kv_rows": budget.rows, "kv_budget_bytes": budget.budget_bytes, "verify": self.verify})
 
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,

@@ -19,6 +19,7 @@ from typing import Any
 from gsm.cli_support import CommandFailed, float_in, int_at_least
 from runtime.cli_args import add_backend_arguments, backend_label, load_runtime, one_line
 from runtime.serve.guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, GuardConfig
+from runtime.verdict import ALLOW_FAILED_VERIFY, PASS, refuse_failed
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -57,6 +58,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--drain-timeout", type=float_in(0, math.inf), default=30.0,
                    help="seconds in-flight requests may finish after SIGTERM / Ctrl-C before they are cut")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    s.add_argument(ALLOW_FAILED_VERIFY, action="store_true",
+                   help="serve a bundle whose recorded golden check (report.json, `builder engine`) failed on this "
+                        "backend; /health still says so")
 
 
 def draining_server(config: Any) -> Any:
@@ -96,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     from runtime.serve.app import Server
 
     rt = load_runtime(args)
+    verdict = refuse_failed(rt.bundle, rt.backend.name, flag=ALLOW_FAILED_VERIFY, allow=args.allow_failed_verify)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(rt, EngineConfig(max_running=args.max_running, interleave=args.interleave,
                                       max_queue=args.max_queue, default_deadline_s=args.deadline,
@@ -120,7 +125,11 @@ def serve(args: argparse.Namespace) -> int:
             "listening on %s without an API key: anyone who can reach this address can use the model (set "
             "--api-key or $%s)", args.host, API_KEY_ENV)
     server = Server(engine, model_name=name, tegrastats=monitor,
-                    fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio), guard=guard)
+                    fallbacks=FallbackConfig(min_compression_ratio=args.min_compression_ratio), guard=guard,
+                    verify=verdict)
+    if verdict["status"] != PASS:
+        logging.getLogger("runtime.serve").warning("golden check on backend %s: %s", rt.backend.name,
+                                                   verdict["status"])
     engine.start()  # warm-up on the scheduler thread; /health says 503 until it is done
     logging.getLogger("runtime.serve").info("backend %s", backend_label(rt.backend))
     if (rt.manifest.get("checkpoint") or {}).get("demo"):

@@ -138,6 +138,8 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         import runtime
         from runtime.engine import Engine, EngineConfig
+        from runtime.triton.repository import ALLOW_PARAM
+        from runtime.verdict import ALLOW_FAILED_VERIFY, refuse_failed
 
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -146,6 +148,10 @@ class TritonPythonModel:
             bundle = Path(args["model_repository"]) / bundle
         # verifies every file's hash
         self.rt = runtime.load(bundle, params.get("backend", "auto"), speculative=params.get("speculative", "auto"))
+        # a failed golden check on this backend refuses the model (Triton shows it UNAVAILABLE with this reason)
+        self.verify = refuse_failed(bundle, self.rt.backend.name, flag=f"{ALLOW_FAILED_VERIFY} (runtime triton)",
+                                    allow=params.get(ALLOW_PARAM) == "true")
+        log.info("golden check on backend %s: %s", self.rt.backend.name, self.verify["status"])
         self.name = config["name"]
         self.engine = Engine(self.rt, EngineConfig(max_running=int(params.get("max_running", 0)),
                                                     max_queue=int(params.get("max_queue", 64))))

@@ -6,7 +6,10 @@
       NAME/1/model.py            a shim: the Python environment of the writer, then runtime.triton.model
       NAME/1/bundle/             with --copy: the bundle itself (else config.pbtxt names its path)
 
-The bundle is verified by its own manifest when the model loads (runtime.load), wherever it lives.
+The bundle is verified by its own manifest when the model loads (runtime.load), wherever it lives, and refused
+where its recorded golden check (report.json, `builder engine`) failed on the model's backend, unless the repository
+was written with --allow-failed-verify; the checks recorded when the repository was written are its config's
+`golden_check` parameter (GET /v2/models/NAME/config).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from typing import Any
 
 from gsm.atomic import atomic_output_dir
 from gsm.bundle_format import BundleConfig
+from runtime.verdict import ALLOW_FAILED_VERIFY, recorded_verdicts, refuse_failed, verdict_status
 
 KINDS = ("cpu", "gpu")
+ALLOW_PARAM, VERIFY_PARAM = "allow_failed_verify", "golden_check"  # config.pbtxt parameters (runtime.triton.model)
 # the generate extension's inputs (`/v2/models/NAME/generate` maps JSON fields onto them by name): name,
 # Triton type, dims; all optional but text_input
 INPUTS = (
@@ -72,6 +77,7 @@ class TritonModelSpec:
     max_queue: int = 64  # requests waiting in the engine before Triton gets an error back
     speculative: str = "auto"  # runtime.load's: drafting on ("auto") or off; a request's `speculative` input overrides
     python_env: Path | None = None  # the virtual environment the model imports from (default: the writer's)
+    allow_failed_verify: bool = False  # load even where the bundle's recorded golden check failed on the backend
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -95,7 +101,11 @@ def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> s
     outputs = ",\n".join(tensor(n, t, d, False) for n, t, d in OUTPUTS)
     params = {"bundle": bundle_ref, "backend": spec.backend, "max_queue": str(spec.max_queue),
               "speculative": spec.speculative,
-              "max_running": str(cfg.max_batch)}
+              "max_running": str(cfg.max_batch), ALLOW_PARAM: "true" if spec.allow_failed_verify else "false",
+              # the bundle's recorded golden checks when the repository was written (GET /v2/models/NAME/config);
+              # the model reads them again when it loads
+              VERIFY_PARAM: json.dumps({b: verdict_status(Path(spec.bundle), b)
+                                        for b in recorded_verdicts(Path(spec.bundle))})}
     parameters = "\n".join(f"parameters {{\n  key: \"{k}\"\n  value: {{ string_value: {json.dumps(v)} }}\n}}"
                            for k, v in params.items())
     return (f"name: \"{spec.model_name}\"\nbackend: \"python\"\nmax_batch_size: 0\n"
@@ -141,6 +151,9 @@ def write_repository(specs: list[TritonModelSpec], out: Path, *, overwrite: bool
     if len(set(names)) != len(names):
         raise ValueError(f"model names must differ, got {names} (give --model-name for each bundle)")
     opened = [(s, open_bundle(Path(s.bundle))) for s in specs]  # (manifest, cfg): verified before any output
+    for s in specs:  # a backend named outright is refused here already; "auto" resolves when the model loads
+        if s.backend != "auto":
+            refuse_failed(Path(s.bundle), s.backend, flag=ALLOW_FAILED_VERIFY, allow=s.allow_failed_verify)
     envs = {s.python_env for s in specs}
     env_files = {e: json.dumps(python_env(e), indent=2) + "\n" for e in envs}
     with atomic_output_dir(out, overwrite=overwrite,

@@ -91,26 +91,5 @@ bool prepareCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs 
 bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k, int64_t L,
     CachedAttentionOutputs const& out, ParallelRunner const& par, std::string* error);
 
-// GsmPoolSharedAttention: a KV-sharing layer (spec 4.2) over its source's pool, after the source's GsmPoolAttention
-// wrote the call's new rows there: attends over the source's selection with [K; V] = W [c_k; c_v] + bias, K rows
-// from this layer's own row cache. Padding rows (j >= new_lengths[b]) are zero.
-struct SharedAttentionInputs
-{
-    float const* q = nullptr;              // [B,S,nH*D] (or [B*S, ...])
-    int32_t const* selected = nullptr;     // [B,S,k] the source's selection, ascending, -1 padded
-    int64_t k = 0;
-    float const* projW = nullptr;          // kv_proj weight [2*kvD, rk+rv]
-    float const* projB = nullptr;          // kv_proj bias [2*kvD]
-    float const* ropeCos = nullptr;        // [N,D]
-    float const* ropeSin = nullptr;        // [N,D]
-    int32_t const* cacheRows = nullptr;    // [B]
-    int32_t const* pastLengths = nullptr;  // [B]
-    int32_t const* newLengths = nullptr;   // [B]
-    PoolSource const* pool = nullptr;      // the source's pool, this layer's row cache
-};
-
-bool runPoolSharedAttention(CachedAttentionDims const& d, SharedAttentionInputs const& in, float* attnOut,
-    ParallelRunner const& par, std::string* error);
-
 } // namespace ortcpu
 } // namespace gsm

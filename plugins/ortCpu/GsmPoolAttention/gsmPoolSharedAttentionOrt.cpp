@@ -1,7 +1,7 @@
 // GsmPoolSharedAttention's ONNX Runtime binding: a KV-sharing layer over its source layer's pool, after the source's
 // GsmPoolAttention wrote the call's rows there (runPoolSharedAttention, gsmPoolRows.h).
-#include "../GsmCachedAttention/gsmCachedAttention.h"
 #include "gsmPoolOrt.h"
+#include "gsmPoolSharedAttention.h"
 
 namespace gsm
 {

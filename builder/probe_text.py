@@ -1,0 +1,35 @@
+"""The fixed text of the golden probe (docs/verify.md): plain prose long enough, in any tokenizer, for a few hundred
+tokens (the selection is sparse there and re-tier passes demote rows), and one user turn for a chat template.
+Written for this project; changing it changes every bundle's probe (rebuild to compare)."""
+
+PROBE_TEXT = (
+    "The harbour town woke before the sun. Down by the water the night shift was handing the yard to the day "
+    "crew, and the first steel plates of the morning were already rolling out of the mill on their long chain "
+    "of rollers. Mara had inspected plates for eleven years. She liked the quiet hour before the cranes started, "
+    "when she could walk the line with her lamp and see every mark on the metal. A good plate was grey and even, "
+    "like the sea on a windless day. A bad plate told its story if you knew how to read it: a scratch where a "
+    "roller had dragged, a pit where a bubble of gas had burst, a scale patch that would flake under paint, a "
+    "crack at the edge that could run the whole width in a cold winter. That morning the third plate had a long "
+    "bright scratch across its middle. She measured it, noted its depth and position, and marked it with yellow "
+    "chalk so the grinders would find it. Then she wrote the report in three short lines, because the foreman "
+    "never read a fourth. By seven the cranes were moving and the noise filled the yard. Trucks came and went. "
+    "A ship from the north was loading coils at the far quay, and the gulls followed the crane hooks as if each "
+    "load were a fishing net. Mara's apprentice, a tall boy called Ilan, asked her how she could tell a scratch "
+    "from a seam when both looked like a thin line. She told him to tilt the lamp. A scratch throws a shadow on "
+    "one side only; a seam runs into the metal and shows dark from every angle. He tried it on the next plate and "
+    "laughed when the line vanished and came back as he moved the light. At noon they ate bread and fish on an "
+    "upturned crate and watched the tide come in. Ilan wanted to know why the yard still paid people to look at "
+    "plates when the new camera could photograph every square metre. Mara said the camera saw everything and "
+    "understood nothing: it flagged oil stains as cracks and missed a fine crack under a film of water. The "
+    "camera was a good servant, she said, because it never got tired, but someone still had to decide what each "
+    "mark meant and what should happen to the plate. In the afternoon the wind turned east and brought rain. "
+    "Water beaded on the plates and every defect looked worse than it was, so they covered the line and waited. "
+    "Ilan counted the plates they had passed and the ones they had sent back, and found that one in nine had "
+    "been marked that day, more than usual. Mara guessed a worn roller in the second stand and called the mill. "
+    "The engineers found it within the hour, a roller with a chipped face that had been printing the same small "
+    "scratch every four metres since the morning. They changed it before the evening shift, and the next plates "
+    "came out clean. Walking home along the quay, Ilan said that the roller had been telling them where it was "
+    "all day, if they had only listened to the rhythm of the marks. Mara smiled and said that was the whole job."
+)
+
+CHAT_MESSAGE = "Describe a scratch defect on a steel plate in one sentence."
