@@ -32,7 +32,9 @@ constexpr int64_t kCtxChunk = 48;
 constexpr int64_t kLatentSumQueries = 16;
 
 // A score as an unsigned integer in the same order (larger first), -0 equal to +0 and NaN below every other score:
-// ONNX TopK's order. Branch-free on the sign, which is a coin toss for an indexer whose head weights differ in sign.
+// ONNX TopK's order; the keys of ../../common/gsm_math.h orderedKey (the plugins' selection), written branch-free
+// here: GCC compiles orderedKey's sign and zero tests to branches, and the sign is a coin toss for an indexer whose
+// head weights differ in sign.
 inline uint32_t scoreKey(float s)
 {
     if (std::isnan(s))

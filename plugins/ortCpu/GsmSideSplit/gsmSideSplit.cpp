@@ -35,9 +35,10 @@ void rows(SideSplitArgs const& a, int64_t m0, int64_t m1)
                 int8_t* o = static_cast<int8_t*>(a.keys) + m * w;
                 for (int64_t i = 0; i < w; ++i)
                 {
-                    // rint under the default rounding mode is ONNX Round's half to even; NaN gives code 0
-                    float const r = std::nearbyint(yb[i] * s[i]);
-                    o[i] = r != r ? int8_t{0} : static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+                    // the plugins' code of a value (gsm_math.h quantize: ONNX Round's half to even, then Clip) of
+                    // the already scaled key; NaN gives code 0
+                    float const v = yb[i] * s[i];
+                    o[i] = v != v ? int8_t{0} : static_cast<int8_t>(quantize(v, 1.0f, kQmaxINT8));
                 }
             }
             else if (b == kSideIndexKey)
@@ -53,7 +54,7 @@ void rows(SideSplitArgs const& a, int64_t m0, int64_t m1)
                 float* o = a.out[b] + m * w;
                 for (int64_t i = k.halfRound(yb, s, w, o); i < w; ++i)
                 {
-                    o[i] = f16BitsToF32(f32ToF16Bits(yb[i] * s[i]));
+                    o[i] = roundFP16(yb[i] * s[i]);
                 }
             }
             else
