@@ -90,7 +90,7 @@ def symmetric_part(q: QuantizedWeight) -> np.ndarray:
 
 
 class Int8ActivationLinear:
-    """A quantised projection as ONNX Runtime's accuracy-level-4 kernels compute it (plugins/ortCpu/gsmQuantMatMul.h,
+    """A quantised projection as ONNX Runtime's accuracy-level-4 kernels compute it (plugins/ortCpu/GsmQuantMatMul,
     MatMulNBits): per row and block of the weight's group, dx = max|x| / 127 and xq = round-half-even(x * (1 / dx)),
     all float32; y = (xq dx) @ W_sym^T, plus, for a float-zero-point weight, the exact block sums of x times each
     group's offset. The golden spells its projections `x @ W.T` and F.linear(x, W): both reach __call__."""

@@ -1,5 +1,5 @@
 """libgsm_ort_ops.so (plugins/ortCpu): the ONNX Runtime CPU op GsmCachedAttention against an independent NumPy
-reference of its specification (plugins/ortCpu/README.md; the normative definition is the portable graph,
+reference of its specification (plugins/ortCpu/GsmCachedAttention; the normative definition is the portable graph,
 builder/graph_portable.py PortableOps.attention): same selection, values to float32 rounding, 1 and 2 threads."""
 
 from __future__ import annotations
