@@ -91,6 +91,10 @@ bool runOnIntraOpPool(void* ctx, void (*fn)(void*, size_t), size_t total, void* 
 
 OrtStatus* readInputs(OrtKernelContext* ctx, OrtOpDescriptor const& op, NodeInputs* in)
 {
+    if (op.inputCount > kMaxOpInputs) // an op declared with more inputs than NodeInputs holds
+    {
+        return statusOf(ORT_FAIL, std::string(op.name) + ": more inputs than kMaxOpInputs (gsmOrtGlue.h)");
+    }
     size_t present = 0;
     GSM_ORT_TRY(gOrtApi->KernelContext_GetInputCount(ctx, &present));
     for (size_t i = 0; i < op.inputCount; ++i)
