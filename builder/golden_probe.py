@@ -248,10 +248,17 @@ def write_golden_probe(bundle: Path, cfg: ModelConfig, tensors: CheckpointTensor
                        kv: GoldenKV) -> dict[str, Any]:
     """golden_probe.npz into the bundle directory being written (bundle.json and the tokenizer already there); the
     golden's float32 weights go to a scratch directory beside it, deleted after. Returns the report's summary."""
-    with tempfile.TemporaryDirectory(prefix=f"{bundle.name}.golden-", dir=bundle.parent) as scratch:
-        pw = ProbeWeights(Path(scratch), cfg, tensors, weights)
-        pw.write()
-        probe = golden_probe(bundle, cfg, pw, kv)
+    threads = torch.get_num_threads()
+    # one sequence's small matmuls: a second thread gains little, and where another process shares the cores torch's
+    # spinning threads doubled the probe's time (SmolLM2 INT4 on 2 busy cores: 37 s on one thread, 73 s on two)
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"{bundle.name}.golden-", dir=bundle.parent) as scratch:
+            pw = ProbeWeights(Path(scratch), cfg, tensors, weights)
+            pw.write()
+            probe = golden_probe(bundle, cfg, pw, kv)
+    finally:
+        torch.set_num_threads(threads)
     size = write_probe(bundle / FILES.probe, probe)
     cases = {r.case: {"prompt_tokens": len(r.ids), "calls": r.calls.tolist(), "new_tokens": len(r.tokens)}
              for r in probe.records}
