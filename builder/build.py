@@ -518,6 +518,10 @@ def summary(r: BuildResult) -> str:
     ]
     if "kv_tiers" in rep:
         lines.insert(4, f"  KV tiers: {rep['kv_tiers']['mode']} ({rep['kv_tiers']['note']})")
+    if "golden_probe" in rep:
+        size = fmt_bytes(rep["golden_probe"]["bytes"])
+        lines.append(f"  golden probe {FILES.probe} ({size}): check a backend against it with "
+                     f"`python -m runtime verify {r.bundle} --backend onnxruntime|reference|tensorrt`")
     eng = rep["engine"]
     if eng.get("status") == "built":
         lines.append(f"  TensorRT engine: {FILES.engine} ({eng.get('tensorrt')})")
