@@ -21,7 +21,14 @@ from typing import Any
 
 import gsm
 from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
-from builder.calib import CalibrationError, has_int4_tables, has_key_scales, head_input_moment, quant_tables
+from builder.calib import (
+    CalibrationError,
+    has_int4_tables,
+    has_key_scales,
+    head_input_moment,
+    quant_tables,
+    tier_noise,
+)
 from builder.golden_probe import GoldenKV, write_golden_probe
 from builder.graph_cpu import CPU_DOMAIN, CPU_OPS
 from builder.graphs import write_graphs
@@ -199,8 +206,9 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                          checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
                     shutil.copyfile(ckpt / name, tmp / name)
+            noise = _tier_noise(ckpt, calibration, kv_tiers)
             write_json(tmp / FILES.config, _bundle_config(spec, plan, rows, quant, logits, debug_outputs,
-                                                         _weights_record(wreport)).to_json())
+                                                         _weights_record(wreport), noise).to_json())
             write_json(tmp / FILES.plan, plan.to_json())
             step("golden probe")
             probe = write_golden_probe(tmp, cfg, tensors, BundleWeights(wcfgs, awq or {}, row_quantizers,
@@ -227,8 +235,19 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     return BuildResult(out, plan, report, demo, files)
 
 
+def _tier_noise(ckpt: Path, calibration: Path | None, kv_tiers: dict[str, str]) -> dict[str, float]:
+    """The calibration's per-tier error (builder.calib.tier_noise) when the tables are the checkpoint's own and
+    calibrated; {} otherwise (a --calibration file has no report beside the checkpoint's, data-free scales none)."""
+    if calibration is not None or kv_tiers["mode"] != "calibrated":
+        return {}
+    try:
+        return tier_noise(ckpt / checkpoint.CALIB_REPORT_FILE)
+    except CalibrationError as e:
+        raise BuildError(str(e)) from None
+
+
 def _bundle_config(spec: NetSpec, plan: MemoryPlan, rows: PoolRows, quant: KVQuantConfig, logits: str, debug: bool,
-                   weights: dict[str, Any]) -> BundleConfig:
+                   weights: dict[str, Any], kv_tier_noise: dict[str, float]) -> BundleConfig:
     cfg, g = spec.cfg, spec.cfg.gsm
     return BundleConfig(
         n_max=spec.n_max, max_batch=plan.max_batch, max_input=plan.max_input, logits=logits, debug_outputs=debug,
@@ -240,7 +259,7 @@ def _bundle_config(spec: NetSpec, plan: MemoryPlan, rows: PoolRows, quant: KVQua
         quantization_adaptation_rate=g.quantization_adaptation_rate, kv_quantization=quant,
         graph_revision=GRAPH_REVISION, max_top_k=plan.max_top_k, weights=weights,
         layer_selection={l: selection_entry(ls.sparse_window, ls.sparse_top_k, ls.sparse_top_k_divisor)
-                         for l, ls in g.layer_selection.items()})
+                         for l, ls in g.layer_selection.items()}, kv_tier_noise=kv_tier_noise)
 
 
 UNCALIBRATED = ("fp16", "data-free")

@@ -146,3 +146,30 @@ def quant_tables(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], tensors: C
         path = checkpoint_dir / CALIB_FILE
         return QuantTables(*_from_file(cfg, ranks, path), source="checkpoint", key_scales=_key_scales(cfg, path))
     return QuantTables(_data_free(cfg, tensors), False, "data-free")
+
+
+def tier_noise(report_path: Path) -> dict[str, float]:
+    """Tier name -> the relative error calibration measured for that tier over every owning layer's K and V latents:
+    the RMS of the report's per-latent `rel_rms`, each weighted by its rank (a re-tier pass's KV noise is a norm over
+    all re-encoded values, and a latent holds rank values a row). {} when the file does not exist; CalibrationError
+    naming the file and field when it is not a calibration report."""
+    import json
+    import math
+
+    from gsm.tiers import NAMES
+
+    if not report_path.is_file():
+        return {}
+    try:
+        layers = json.loads(report_path.read_text(encoding="utf-8"))["layers"]
+        sums: dict[str, list[float]] = {}
+        for entry in layers:
+            for tier in NAMES:
+                if tier in entry:
+                    s = sums.setdefault(tier, [0.0, 0.0])
+                    s[0] += int(entry["rank"]) * float(entry[tier]["rel_rms"]) ** 2
+                    s[1] += int(entry["rank"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CalibrationError(f"{report_path}: not a calibration report (layers[*].rank and layers[*].<tier>.rel_rms "
+                               f"expected: {type(e).__name__} {e})") from None
+    return {t: math.sqrt(a / n) for t, (a, n) in sums.items() if n > 0 and math.isfinite(a)}

@@ -37,13 +37,12 @@ from gsm.atomic import (
     verify_manifest,
 )
 from gsm.atomic import read_manifest as read_manifest_files
-from gsm.checkpoint import CALIB_FILE, QUANT_FILE
+from gsm.checkpoint import CALIB_FILE, CALIB_REPORT_FILE, QUANT_FILE
 from gsm.config import KVQuantConfig
 from gsm.golden.weights import KVCalibration
 from gsm.safetensors_io import StreamingSafetensorsWriter, TensorSpec
 
-REPORT_FILE = "calibration_report.json"
-REPLACED = frozenset({MANIFEST_NAME, CALIB_FILE, QUANT_FILE, REPORT_FILE})
+REPLACED = frozenset({MANIFEST_NAME, CALIB_FILE, QUANT_FILE, CALIB_REPORT_FILE})
 WEIGHTS_SUFFIX = ".safetensors"  # the weight shards --out hard-links (model.safetensors, model-00001-of-00002...)
 
 
@@ -115,5 +114,5 @@ def write_calibrated(checkpoint: Path, calib: KVCalibration, quant: KVQuantConfi
                     raise CheckpointStateError(f"--checkpoint {checkpoint}: {rel} changed while calibrating")
         write_calibration_file(tmp / CALIB_FILE, calib, metadata or {})
         (tmp / QUANT_FILE).write_text(json.dumps(quant.to_json(), indent=2) + "\n", encoding="utf-8")
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        (tmp / CALIB_REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return dest

@@ -10,7 +10,7 @@
 - `VERIFY_ROWS`: the most new tokens per sequence a call may carry and still give each query the bits a one-token
   step gives it (a speculative verification, docs/engine_io.md "logit_rows").
 
-Standard library only (plus gsm.config and gsm.atomic, likewise): the runtime imports this, never torch.
+Standard library only (plus gsm.config, gsm.tiers and gsm.atomic, likewise): the runtime imports this, never torch.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 from gsm.atomic import MANIFEST_NAME
 from gsm.config import ConfigError, KVQuantConfig
+from gsm.tiers import NAMES as TIER_NAMES
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
@@ -226,6 +227,13 @@ def _record(v: Any) -> dict[str, Any]:
     return dict(v)
 
 
+def _tier_noise(v: Any) -> dict[str, float]:
+    out = {str(k): float(x) for k, x in v.items()}
+    if not set(out) <= set(TIER_NAMES) or not all(0 <= x < float("inf") for x in out.values()):
+        raise ValueError
+    return out
+
+
 def _revision(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v != GRAPH_REVISION:
         raise ValueError
@@ -276,6 +284,11 @@ class BundleConfig:
                                                         default_factory=dict)
     # the uniform top-k's growth (gsm_config sparse_top_k_divisor; 0: a fixed count)
     sparse_top_k_divisor: int = _spec(_int(0), "an integer >= 0", default=0)
+    # the relative error each latent tier made on the calibration text (calibration_report.json, over the owning
+    # layers' K and V latents): what a re-tier pass is expected to add, for the KV-noise fallback's threshold;
+    # empty where nothing was measured (an uncalibrated or FP16-only cache)
+    kv_tier_noise: dict[str, float] = _spec(_tier_noise, "an object tier name (fp16, int12, int8, int4) -> number >= 0",
+                                            default_factory=dict)
 
     @property
     def index_keys(self) -> IndexKeyLayout:

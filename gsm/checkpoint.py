@@ -37,6 +37,7 @@ QUANT_FILE = "quant_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CALIB_FILE = "kv_calibration.safetensors"
+CALIB_REPORT_FILE = "calibration_report.json"  # `calibration run`'s measurements beside its tables
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HF's: bos/eos tokens, add_bos_token, chat_template
 # metadata["format"] of the AWQ input-scales file `python -m calibration.awq` writes and the builder reads

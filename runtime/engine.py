@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gsm.tiers import FP16, NAMES, fractions4
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
 from runtime.model import Runtime
@@ -44,6 +45,9 @@ from runtime.speculative import expected_tokens
 log = logging.getLogger("runtime.engine")
 
 FINISH_REASONS = ("stop", "length", "context", "cancelled", "deadline", "error")
+KV_NOISE_AUTO = "auto"  # EngineConfig.max_kv_noise: the threshold kv_noise_limit derives from the bundle
+KV_NOISE_FLOOR = 0.05  # the GSM deployment description's threshold
+KV_NOISE_MARGIN = 2.0  # a pass may add up to this many times the error calibration measured for its tier
 
 
 class QueueFullError(RuntimeError):
@@ -75,7 +79,8 @@ class EngineConfig:
     # decode steps 1, 1 + n, 1 + 2n, ... (n = hit_rate_every; 0: never probed, no hit-rate fallback).
     min_hit_rate: float = 0.85  # a probed hit rate below this -> dense attention for that sequence; 0: off
     hit_rate_every: int = 64
-    max_kv_noise: float | None = 0.05  # KV noise of a re-tier pass above this -> cache refreshed; None: off
+    # KV noise of a re-tier pass above this -> cache refreshed; None: off; KV_NOISE_AUTO: from the bundle's tiers
+    max_kv_noise: float | str | None = KV_NOISE_AUTO
 
     def __post_init__(self) -> None:
         for name in ("max_running", "interleave", "max_queue", "hit_rate_every"):
@@ -87,10 +92,24 @@ class EngineConfig:
                              f"got {self.default_deadline_s!r}")
         if isinstance(self.min_hit_rate, bool) or not 0 <= self.min_hit_rate <= 1:
             raise ValueError(f"EngineConfig.min_hit_rate: expected a number in [0, 1], got {self.min_hit_rate!r}")
-        if self.max_kv_noise is not None and (isinstance(self.max_kv_noise, bool)
-                                              or not 0 <= self.max_kv_noise < float("inf")):
-            raise ValueError(f"EngineConfig.max_kv_noise: expected a finite number >= 0 or None (off), "
-                             f"got {self.max_kv_noise!r}")
+        if self.max_kv_noise not in (None, KV_NOISE_AUTO) and (
+                isinstance(self.max_kv_noise, (bool, str)) or not 0 <= self.max_kv_noise < float("inf")):
+            raise ValueError(f"EngineConfig.max_kv_noise: expected a finite number >= 0, {KV_NOISE_AUTO!r} or None "
+                             f"(off), got {self.max_kv_noise!r}")
+
+
+def kv_noise_limit(asked: float | str | None, tier_noise: Mapping[str, float],
+                   tier_fractions: Sequence[float]) -> float | None:
+    """The KV-noise fallback's threshold. A number or None (off) as asked; KV_NOISE_AUTO: the deployment description's
+    KV_NOISE_FLOOR, or KV_NOISE_MARGIN times the error calibration measured for the narrowest tier the bundle's
+    fractions use, whichever is larger. The fallback is there for scales that do not fit the data; a pass that
+    demotes to INT4 adds ~0.1 by design (the INT4 grid's error on the calibration text), which a fixed 0.05 would
+    take for a fault on every request."""
+    if asked != KV_NOISE_AUTO:
+        return asked  # type: ignore[return-value]
+    used = [NAMES[t] for t, f in enumerate(fractions4(tier_fractions)) if t != FP16 and f > 0]
+    expected = max((tier_noise.get(name, 0.0) for name in used), default=0.0)
+    return max(KV_NOISE_FLOOR, KV_NOISE_MARGIN * expected)
 
 
 @dataclass
@@ -350,6 +369,8 @@ class Engine:
             log.warning("backend %s cannot measure the sparse mask hit rate (no shadow call): the hit-rate "
                         "fallback is off", rt.backend.name)
         self.fallbacks: dict[str, int] = {"hit_rate": 0, "kv_noise": 0}  # taken so far, by policy
+        self.max_kv_noise = kv_noise_limit(self.config.max_kv_noise, rt.cfg.kv_tier_noise,
+                                           rt.cfg.kv_quantization.tier_fractions)
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._cond = threading.Condition()
@@ -548,7 +569,8 @@ class Engine:
                 if noise is not None and self._noisy(req, noise):
                     refresh.append(req)
         if refresh:
-            still = [r for r in still if r not in self._refresh(refresh)]
+            failed = self._refresh(refresh)  # once: a condition of the comprehension would run it per request
+            still = [r for r in still if r not in failed]
         with self._cond:
             self._running = still
         self._notify("on_step", self, still)
@@ -614,7 +636,7 @@ class Engine:
     def _noisy(self, req: EngineRequest, noise: float) -> bool:
         req.kv_noise = float(noise)
         self._notify("on_kv_noise", req, req.kv_noise)
-        limit = self.config.max_kv_noise
+        limit = self.max_kv_noise
         if limit is None or not noise > limit or req.refreshes:
             return False  # a refreshed cache stays FP16: it is never re-encoded again
         log.warning("request %d: KV noise %.4f > %.4f after a re-tier pass: refreshing its cache at FP16 from "

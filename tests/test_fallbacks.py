@@ -153,6 +153,23 @@ def test_kv_noise_fallback_forced_refreshes_the_cache_at_fp16(rt, caplog):
     assert "refreshing its cache at FP16 from 48 tokens" in caplog.text
 
 
+def test_kv_noise_fallback_refreshes_each_request_once_when_several_ask(rt):
+    """Three requests whose prompt passes all exceed the threshold in the same iteration: each cache is rebuilt once
+    (three fallbacks, not one rebuild of all three per running request), and each request's tokens are those of a
+    runtime that never demotes."""
+    from runtime.engine import Engine, EngineConfig
+
+    fp16 = no_demotion(rt)
+    prompts = [LONG, LONG[5:] + LONG[:5], LONG[::-1]]
+    want = [fp16.generate(p, 6, stop_ids=[]).ids for p in prompts]
+    with Engine(rt, EngineConfig(max_kv_noise=0.0, min_hit_rate=0.0)) as eng:
+        reqs = [eng.submit(p, 6, stop_ids=[]) for p in prompts]
+        got = [r.result(60) for r in reqs]
+        assert eng.fallbacks == {"hit_rate": 0, "kv_noise": 3}
+    assert [r.refreshes for r in got] == [1, 1, 1]
+    assert [r.ids for r in got] == want
+
+
 def test_kv_noise_below_threshold_keeps_the_cache(rt):
     """The default 0.05 against the demo's INT12/INT8 noise (~0.01): measured, nothing refreshed; the
     tokens equal the plain runtime's."""
@@ -195,7 +212,7 @@ def test_engine_config_ranges():
                 dict(max_kv_noise=-0.01), dict(max_kv_noise=float("inf"))):
         with pytest.raises(ValueError, match="EngineConfig." + next(iter(bad))):
             EngineConfig(**bad)
-    assert EngineConfig().min_hit_rate == 0.85 and EngineConfig().max_kv_noise == 0.05
+    assert EngineConfig().min_hit_rate == 0.85 and EngineConfig().max_kv_noise == "auto"
     assert EngineConfig().hit_rate_every == 64
 
 

@@ -321,7 +321,7 @@ def test_serve_fallback_flags():
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
     a = p.parse_args(["serve", "b"])
-    assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (0.85, 64, 0.05)  # the published thresholds
+    assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (0.85, 64, "auto")  # the published thresholds
     a = p.parse_args(["serve", "b", "--min-hit-rate", "1", "--hit-rate-every", "0", "--max-kv-noise", "off"])
     assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (1.0, 0, None)
 

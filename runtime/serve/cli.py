@@ -18,6 +18,7 @@ from typing import Any
 
 from gsm.cli_support import CommandFailed, float_in, int_at_least
 from runtime.cli_args import add_backend_arguments, backend_label, load_runtime, one_line
+from runtime.engine import KV_NOISE_AUTO, KV_NOISE_FLOOR, KV_NOISE_MARGIN
 from runtime.serve.guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, GuardConfig
 from runtime.verdict import ALLOW_FAILED_VERIFY, PASS, refuse_failed
 
@@ -48,8 +49,10 @@ def add_parser(sub: Any) -> None:
                    help="sparse mask hit rate below which a sequence switches to dense attention (0: off)")
     s.add_argument("--hit-rate-every", type=int_at_least(0), default=64,
                    help="measure the hit rate on one decode step in this many per sequence (0: never)")
-    s.add_argument("--max-kv-noise", type=off_or(float_in(0, math.inf)), default=0.05,
-                   help="KV noise of a re-tier pass above which the sequence's cache is refreshed at FP16 (off: never)")
+    s.add_argument("--max-kv-noise", type=auto_or(off_or(float_in(0, math.inf))), default=KV_NOISE_AUTO,
+                   help="KV noise of a re-tier pass above which the sequence's cache is refreshed at FP16 (off: never; "
+                        f"auto: {KV_NOISE_FLOOR}, or {KV_NOISE_MARGIN:g}x the error the bundle's calibration measured "
+                        "for its narrowest tier when that is larger)"),
     s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                                       f"(default: ${API_KEY_ENV} if set, else no authentication)")
     s.add_argument("--auth-metrics", action="store_true", help="require the API key on /metrics too")
@@ -80,6 +83,15 @@ def draining_server(config: Any) -> Any:
             super().handle_exit(sig, frame)
 
     return Draining(config)
+
+
+def auto_or(parse: Callable[[str], float | None]) -> Callable[[str], float | str | None]:
+    """argparse type: "auto" (KV_NOISE_AUTO) or what `parse` accepts."""
+    def auto(text: str) -> float | str | None:
+        return KV_NOISE_AUTO if text.strip().lower() == KV_NOISE_AUTO else parse(text)
+
+    auto.__name__ = f"'{KV_NOISE_AUTO}' or {parse.__name__}"
+    return auto
 
 
 def off_or(parse: Callable[[str], float]) -> Callable[[str], float | None]:
