@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,7 +37,7 @@ import numpy as np
 from gsm.tiers import FP16, NAMES, fractions4
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
-from runtime.model import Runtime
+from runtime.model import Runtime, Sequence_
 from runtime.request_state import RequestFields, RequestState, Token
 from runtime.sampling import RequestError
 from runtime.speculative import expected_tokens
@@ -116,18 +116,19 @@ def kv_noise_limit(asked: float | str | None, tier_noise: Mapping[str, float],
 class Work:
     """One forward call the stepper must make: the prompt (prefill) or one token (decode)."""
 
-    seq: Any  # runtime.model.Sequence_
+    seq: Sequence_
     ids: list[int]
     prefill: bool
     probe: bool = False  # decode only: also measure the sparse mask hit rate of this step (seq.last_hit_rate)
-    scorer: Any = None  # prefill only: gets each chunk's logits (RequestState.score_prompt: echo with logprobs)
+    # prefill only: gets each chunk's logits (RequestState.score_prompt: echo with logprobs)
+    scorer: Callable[[int, np.ndarray], None] | None = None
     drafts: list[int] = field(default_factory=list)  # decode only: tokens to verify after ids[0] (speculative)
     acceptance: float = 0.0  # the chance each draft is kept (RequestState.draft_acceptance)
     break_at: int | None = None  # prefill only: where the prompt's last message starts (RequestState.prompt_break)
 
 
 class Stepper(Protocol):
-    def new_sequence(self) -> Any: ...
+    def new_sequence(self) -> Sequence_: ...
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         """Last-position logits [V] per work item (a verification's: [1 + len(drafts), V], row j after token j), or
@@ -141,7 +142,7 @@ class SequentialStepper:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    def new_sequence(self) -> Any:
+    def new_sequence(self) -> Sequence_:
         return self.rt.new_sequence()
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
@@ -165,7 +166,7 @@ class BatchedStepper:
         self.rt = rt
         self.per_call = rt.capabilities.max_per_call
 
-    def new_sequence(self) -> Any:
+    def new_sequence(self) -> Sequence_:
         return self.rt.new_sequence()
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
@@ -201,13 +202,13 @@ class BatchedStepper:
         return out
 
 
-def release(seq: Any) -> None:
+def release(seq: Sequence_ | None) -> None:
     """Give a sequence's cache row back now, for the next request; None: nothing to do."""
     if seq is not None:
         seq.close()
 
 
-def new_kv_noise(seq: Any, passes_seen: int) -> tuple[float | None, int]:
+def new_kv_noise(seq: Sequence_, passes_seen: int) -> tuple[float | None, int]:
     """The KV noise of the sequence's last re-tier pass if a pass ran since `passes_seen` (None: none ran,
     or it re-encoded no row), and the pass count to remember."""
     passes = seq.retier_passes
@@ -262,7 +263,7 @@ class EngineRequest(RequestFields):
     t_first: float | None = None
     t_end: float | None = None
     # scheduler-side state
-    seq: Any = None
+    seq: Sequence_ | None = None  # its cache while it runs
     decode_steps: int = 0
     next_probe: int = 0  # the decode step at or after which the next hit-rate probe runs
     hit_rate: float | None = None  # the last probed sparse mask hit rate

@@ -122,9 +122,7 @@ class ServeMetrics(Observer):
         self.steps.inc()
         self.queue_depth.set(engine.queue_depth)
         self.running.set(len(running))
-        states = [getattr(r.seq, "state", None) for r in running]
-        tiers = [s.tier for s in states if s is not None and hasattr(s, "tier")]
-        counts = tier_counts(tiers)
+        counts = tier_counts([r.seq.state.tier for r in running if r.seq is not None])
         self.occupancy.set(float(counts.sum()) / (engine.max_running * self.n_max))
         if self.geo is None:
             return
