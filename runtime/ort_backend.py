@@ -227,24 +227,11 @@ class OrtBackend:
         self._weight_arrays: dict[str, np.ndarray] = {}
         self.graph, self.ops_library = resolve_graph(bundle, self.tuning.graph, prov)
         self.graph_note = ""  # why `auto` fell back to the portable graph, if it did
+        self.session = self._main_session(so)
         # the demotion graph runs once per re-tier pass (a prefill's end, every few decode steps): its workers never
         # spin, since a pool spinning after it would take the cores from the next steps of the main session (SmolLM2,
-        # 2 threads: the 5-8 decode steps after each prefill ran 9-17 ms instead of 5)
-        try:
-            self.session = self.open_session(so)
-        except Exception as e:  # an ONNX Runtime older than the op's C API 17, a library of another build...
-            if self.graph != "cpu":
-                raise
-            detail = " ".join(str(e).split())
-            if self.tuning.graph == "cpu":
-                raise RuntimeError(f"graph cpu: {bundle / FILES.model_cpu} does not load with {self.ops_library}: "
-                                   f"{detail}") from None
-            self.graph, self.ops_library = "portable", None
-            self._cpu_weights, self._weight_arrays = None, {}  # the portable graph maps its own
-            self.graph_note = f"{FILES.model_cpu} did not load ({detail})"
-            log.warning("%s: running %s instead", self.graph_note, FILES.model_portable)
-            self.session = self.open_session(session_options(self.tuning))
-        # the portable graph's demotion graph (model.cpu.onnx's pools are re-encoded by the plugins' reference)
+        # 2 threads: the 5-8 decode steps after each prefill ran 9-17 ms instead of 5).
+        # The portable graph's demotion graph (model.cpu.onnx's pools are re-encoded by the plugins' reference)
         self.demote_session = None if self.graph == "cpu" else ort.InferenceSession(
             str(bundle / FILES.demote_portable), session_options(dataclasses.replace(self.tuning, spinning=False)),
             providers=prov)
@@ -266,13 +253,8 @@ class OrtBackend:
         self.cached = list(shapes)  # the buffers a call writes new rows into (graph outputs `new_<name>`)
         self.lock = threading.RLock()  # re-entrant: a sequence collected (and its row freed) inside a call
         self.binding = self.session.io_binding()
-        # a decode call's (S = 1) outputs of fixed shape, bound once per batch size and set of outputs to arrays
-        # kept here: a step then rebinds only what changes shape (attn_mass grows with the context)
-        widths = {f"new_{n}": (shape[1:], dt) for n, (shape, dt) in shapes.items()}
-        logits = next(o for o in self.session.get_outputs() if o.name == io.LOGITS.name)
-        widths[io.LOGITS.name] = ((int(logits.shape[-1]),), np.float32)
-        self._fixed = widths
-        self._decodable = set(widths) | {io.ATTN_MASS.name}  # a call that wants no more runs through _run_decode
+        self._fixed = self._fixed_outputs(shapes)
+        self._decodable = set(self._fixed) | {io.ATTN_MASS.name}  # a call that wants no more runs through _run_decode
         self._decode_key: tuple | None = None  # (B, outputs) the decode path's arrays are bound for
         self._want: dict[tuple[bool, bool], list[str]] = {}
         self._decode_arrays: dict[str, np.ndarray] = {}
@@ -286,11 +268,43 @@ class OrtBackend:
         self.pool = self.plugin_rows.pool if self.plugin_rows is not None else RowPool(cfg.max_batch, self.name)
         self.buffers: dict[str, np.ndarray] = {}
         self._allocate(cfg.max_batch)
+        self.capabilities = self._capabilities()
+
+    def _main_session(self, so: Any) -> Any:
+        """The session of the chosen network; where `auto` chose model.cpu.onnx and it does not load (an ONNX Runtime
+        older than the op's C API 17, a library of another build...), the portable graph's, with the reason kept in
+        graph_note."""
+        try:
+            return self.open_session(so)
+        except Exception as e:
+            if self.graph != "cpu":
+                raise
+            detail = " ".join(str(e).split())
+            if self.tuning.graph == "cpu":
+                raise RuntimeError(f"graph cpu: {self.bundle / FILES.model_cpu} does not load with "
+                                   f"{self.ops_library}: {detail}") from None
+            self.graph, self.ops_library = "portable", None
+            self._cpu_weights, self._weight_arrays = None, {}  # the portable graph maps its own
+            self.graph_note = f"{FILES.model_cpu} did not load ({detail})"
+            log.warning("%s: running %s instead", self.graph_note, FILES.model_portable)
+            return self.open_session(session_options(self.tuning))
+
+    def _fixed_outputs(self, shapes: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """A decode call's (S = 1) outputs of fixed shape (one row's shape, dtype), bound once per batch size and set
+        of outputs to arrays kept by the backend: a step then rebinds only what changes shape (attn_mass grows with
+        the context)."""
+        widths = {f"new_{n}": (shape[1:], dt) for n, (shape, dt) in shapes.items()}
+        logits = next(o for o in self.session.get_outputs() if o.name == io.LOGITS.name)
+        widths[io.LOGITS.name] = ((int(logits.shape[-1]),), np.float32)
+        return widths
+
+    def _capabilities(self) -> Capabilities:
+        """forward(commit=False) leaves the buffers as they were: the dense shadow call of a probe is possible;
+        demote() measures the noise on the latents it re-encodes."""
+        cfg = self.cfg
         per_sequence = (self.pools.bytes().per_sequence if self.pools is not None
                         else self.cache_bytes_per_position() * self.n_max)
-        # forward(commit=False) leaves the buffers as they were: the dense shadow call of a probe is possible;
-        # demote() measures the noise on the latents it re-encodes
-        self.capabilities = Capabilities(
+        return Capabilities(
             max_resident=cfg.max_batch, max_per_call=cfg.max_batch, positions=self.n_max,
             kv_bytes_per_sequence=per_sequence,
             hit_rate_probes=True, kv_noise=True, graph=self.graph,
