@@ -43,9 +43,9 @@ static_assert(portCount(kInputs) == kNumInputs && portCount(kOutputs) == kNumOut
 // with attribute v_rows = 1 input kLatentV holds the cached V rows [R, N_max, kvD] and the node has the fifth output
 char const* const kVRowsName = "latent_v (the V rows, v_rows = 1)";
 
-struct Kernel
+struct Kernel : OwningAttentionAttributes
 {
-    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor, vRows;
+    int64_t vRows;
 };
 
 // What one call is: its dimensions and the forms its inputs take
@@ -257,13 +257,7 @@ OrtStatus* ORT_API_CALL create(OrtCustomOp const*, OrtApi const*, OrtKernelInfo 
 {
     OrtOpDescriptor const& op = kCachedAttentionOp;
     Kernel kn{};
-    GSM_ORT_TRY(intAttribute(op, info, "num_heads", &kn.numHeads));
-    GSM_ORT_TRY(intAttribute(op, info, "num_kv_heads", &kn.numKvHeads));
-    GSM_ORT_TRY(intAttribute(op, info, "head_dim", &kn.headDim));
-    GSM_ORT_TRY(intAttribute(op, info, "index_heads", &kn.indexHeads));
-    GSM_ORT_TRY(intAttribute(op, info, "index_dim", &kn.indexDim));
-    GSM_ORT_TRY(intAttribute(op, info, "sink_tokens", &kn.sinkTokens));
-    GSM_ORT_TRY(optionalIntAttribute(op, info, "sparse_top_k_divisor", 0, &kn.topKDivisor));
+    GSM_ORT_TRY(owningAttentionAttributes(op, info, &kn));
     GSM_ORT_TRY(optionalIntAttribute(op, info, "v_rows", 0, &kn.vRows));
     GSM_ORT_TRY(checkAttributes(kn));
     *kernel = new Kernel(kn);

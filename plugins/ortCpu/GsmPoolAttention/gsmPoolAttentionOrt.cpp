@@ -44,9 +44,8 @@ OrtOpPort const kOutputs[] = {{"attn_out", kF32, kRequired}, {"selected", kI32, 
     {"attn_mass", kF32, kRequired}, {"row_cache_misses", kI32, kOptional}, {"query_mass", kF32, kOptional}};
 static_assert(portCount(kInputs) == kNumInputs && portCount(kOutputs) == kNumOutputs, "ports");
 
-struct Kernel
+struct Kernel : OwningAttentionAttributes
 {
-    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor;
     int64_t rows[4]; // rows_fp16, rows_int12, rows_int8, rows_int4
 };
 
@@ -272,13 +271,7 @@ OrtStatus* ORT_API_CALL create(OrtCustomOp const*, OrtApi const*, OrtKernelInfo 
 {
     OrtOpDescriptor const& op = kPoolAttentionOp;
     Kernel kn{};
-    GSM_ORT_TRY(intAttribute(op, info, "num_heads", &kn.numHeads));
-    GSM_ORT_TRY(intAttribute(op, info, "num_kv_heads", &kn.numKvHeads));
-    GSM_ORT_TRY(intAttribute(op, info, "head_dim", &kn.headDim));
-    GSM_ORT_TRY(intAttribute(op, info, "index_heads", &kn.indexHeads));
-    GSM_ORT_TRY(intAttribute(op, info, "index_dim", &kn.indexDim));
-    GSM_ORT_TRY(intAttribute(op, info, "sink_tokens", &kn.sinkTokens));
-    GSM_ORT_TRY(optionalIntAttribute(op, info, "sparse_top_k_divisor", 0, &kn.topKDivisor));
+    GSM_ORT_TRY(owningAttentionAttributes(op, info, &kn));
     GSM_ORT_TRY(poolRowsAttributes(op, info, kn.rows));
     if (kn.numHeads <= 0 || kn.numKvHeads <= 0 || kn.numHeads % kn.numKvHeads != 0 || kn.headDim <= 0
         || kn.headDim % 2 != 0 || kn.indexHeads <= 0 || kn.indexDim <= 0 || kn.sinkTokens < 0 || kn.topKDivisor < 0)

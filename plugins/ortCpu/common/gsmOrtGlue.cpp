@@ -195,6 +195,18 @@ OrtStatus* optionalIntAttribute(OrtOpDescriptor const& op, OrtKernelInfo const* 
     return nullptr;
 }
 
+OrtStatus* owningAttentionAttributes(OrtOpDescriptor const& op, OrtKernelInfo const* info,
+    OwningAttentionAttributes* a)
+{
+    GSM_ORT_TRY(intAttribute(op, info, "num_heads", &a->numHeads));
+    GSM_ORT_TRY(intAttribute(op, info, "num_kv_heads", &a->numKvHeads));
+    GSM_ORT_TRY(intAttribute(op, info, "head_dim", &a->headDim));
+    GSM_ORT_TRY(intAttribute(op, info, "index_heads", &a->indexHeads));
+    GSM_ORT_TRY(intAttribute(op, info, "index_dim", &a->indexDim));
+    GSM_ORT_TRY(intAttribute(op, info, "sink_tokens", &a->sinkTokens));
+    return optionalIntAttribute(op, info, "sparse_top_k_divisor", 0, &a->topKDivisor);
+}
+
 OrtStatus* outputCount(OrtKernelContext* ctx, size_t* count)
 {
     *count = 0;

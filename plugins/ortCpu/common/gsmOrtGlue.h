@@ -87,6 +87,15 @@ OrtStatus* intAttribute(OrtOpDescriptor const& op, OrtKernelInfo const* info, ch
 OrtStatus* optionalIntAttribute(OrtOpDescriptor const& op, OrtKernelInfo const* info, char const* name,
     int64_t fallback, int64_t* value);
 
+// The attributes an owning layer's attention node (GsmCachedAttention, GsmPoolAttention) selects and attends with;
+// each op checks them with its own message.
+struct OwningAttentionAttributes
+{
+    int64_t numHeads, numKvHeads, headDim, indexHeads, indexDim, sinkTokens, topKDivisor;
+};
+OrtStatus* owningAttentionAttributes(OrtOpDescriptor const& op, OrtKernelInfo const* info,
+    OwningAttentionAttributes* a);
+
 OrtStatus* outputCount(OrtKernelContext* ctx, size_t* count);
 // Output i made with the given shape and its data (null where the node leaves an optional output out)
 OrtStatus* makeOutput(OrtKernelContext* ctx, size_t i, int64_t const* dims, size_t rank, void** data);
