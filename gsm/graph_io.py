@@ -9,12 +9,11 @@ this table. Standard library only: the runtime imports it without numpy's or onn
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 # the networks of a bundle (gsm.bundle_format.FILES names their files)
 TRT, CPU, PORTABLE, DEMOTE, DEMOTE_PORTABLE = "trt", "cpu", "portable", "demote", "demote_portable"
-STEP_GRAPHS = frozenset({TRT, CPU, PORTABLE})  # the networks a forward call runs
 IN, OUT = "in", "out"
 LAYER = "{l}"
 
@@ -31,10 +30,6 @@ class Port:
     graphs: frozenset[str]
 
     @property
-    def per_layer(self) -> bool:
-        return LAYER in self.name
-
-    @property
     def prefix(self) -> str:
         """What every per-layer name starts with (`kv_pool.`), for telling a port's names from others'."""
         return self.name.split(LAYER)[0]
@@ -42,22 +37,12 @@ class Port:
     def at(self, layer: int) -> str:
         return self.name.replace(LAYER, str(layer))
 
-    def holds(self, name: str) -> bool:
-        """Whether `name` is one of this port's names."""
-        if not self.per_layer:
-            return name == self.name
-        rest = name[len(self.prefix):]
-        return name.startswith(self.prefix) and rest.isdigit()
-
-    def names(self, layers: Iterable[int]) -> list[str]:
-        return [self.at(l) for l in layers] if self.per_layer else [self.name]
-
 
 def _port(name: str, direction: str, dtype: str, shape: str, *graphs: str) -> Port:
     return Port(name, direction, dtype, tuple(shape.split()), frozenset(graphs))
 
 
-_STEP = tuple(STEP_GRAPHS)
+_STEP = (TRT, CPU, PORTABLE)  # the networks a forward call runs
 _KEYS = "float16|int32|int8"  # FP16 keys; INT8 codes four to an int32 word (pools) or one int8 each (portable)
 
 INPUT_IDS = _port("input_ids", IN, "int64", "B S", *_STEP)
@@ -101,15 +86,8 @@ PORTS = (INPUT_IDS, PAST_LENGTHS, NEW_LENGTHS, SPARSE_WINDOW, SPARSE_TOP_K, CACH
          LOGIT_ROWS, ROW_CACHE, ROW_CACHE_TAGS, LATENT_K, LATENT_V, K_ROWS, DEMOTE_LIST, DEMOTE_LATENT_K,
          DEMOTE_LATENT_V, NEW_TIER, POSITIONS, LOGITS, ATTN_MASS, LAYER_MASS, SELECTED, QUERY_MASS, KV_POOL_OUT,
          INDEX_KEYS_OUT, NEW_LATENT_K, NEW_LATENT_V, NEW_INDEX_KEYS, NEW_K_ROWS, LATENT_K_OUT, LATENT_V_OUT, K_ROWS_OUT)
-# the small inputs of a step call (runtime.backend.step_feeds), as opposed to the cache buffers bound in place
-STEP_INPUTS = (INPUT_IDS, PAST_LENGTHS, NEW_LENGTHS, SPARSE_WINDOW, SPARSE_TOP_K, CACHE_ROWS, KV_SLOTS, LOGIT_ROWS)
 
 
 def ports_of(graph: str, direction: str | None = None) -> Iterator[Port]:
     """The ports network `graph` carries (in PORTS order), of one direction or both."""
     return (p for p in PORTS if graph in p.graphs and direction in (None, p.direction))
-
-
-def port_of(name: str) -> Port | None:
-    """The port a graph input or output name belongs to (None: not a declared name)."""
-    return next((p for p in PORTS if p.holds(name)), None)

@@ -179,7 +179,7 @@ def logit_rows(new: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
 def step_feeds(ids: np.ndarray, past: np.ndarray, new: np.ndarray, sparse_window: int, top_k: np.ndarray,
                cache_rows: np.ndarray, rows: np.ndarray | None, kv_slots: np.ndarray | None = None
                ) -> dict[str, np.ndarray]:
-    """The small inputs of one step call (gsm.graph_io.STEP_INPUTS), by name, in the dtypes the graphs declare;
+    """The small inputs of one step call (gsm.graph_io's per-call inputs), by name, in the dtypes the graphs declare;
     kv_slots only for the networks over the plugins' pools."""
     B = len(past)
     feeds = {io.INPUT_IDS.name: np.ascontiguousarray(ids, np.int64),

@@ -67,14 +67,6 @@ def test_every_network_carries_exactly_its_ports(bundle, graph):
         assert rank == len(port.shape), f"{path.name} {key[1]}: rank {rank}, the table says {port.shape}"
 
 
-def test_names_resolve_to_one_port():
-    assert io.port_of("kv_pool.12") is io.KV_POOL
-    assert io.port_of("attn_mass") is io.ATTN_MASS and io.port_of("attn_mass.3") is io.LAYER_MASS
-    assert io.port_of("kv_pool_out.0") is io.KV_POOL_OUT
-    assert io.port_of("kv_pool.x") is None and io.port_of("row_cache") is None
-    assert io.KV_POOL.names([0, 2]) == ["kv_pool.0", "kv_pool.2"] and io.LOGITS.names([0, 2]) == ["logits"]
-
-
 def test_engine_io_doc_names_the_table():
     """Every row of docs/engine_io.md section 2's table is a port of the plugin graph with the same direction and
     dtype, and every plugin-graph port has a row."""
