@@ -8,6 +8,8 @@ norm of each owning layer), so engine and golden quantise with bit-identical sca
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +21,7 @@ from gsm.checkpoint import CALIB_FILE, CheckpointTensors
 from gsm.config import ModelConfig
 from gsm.quant_table import TABLE_ROWS, table_of
 from gsm.safetensors_io import LazySafetensors
+from gsm.tiers import NAMES as TIER_NAMES
 
 
 class CalibrationError(ValueError):
@@ -153,18 +156,13 @@ def tier_noise(report_path: Path) -> dict[str, float]:
     the RMS of the report's per-latent `rel_rms`, each weighted by its rank (a re-tier pass's KV noise is a norm over
     all re-encoded values, and a latent holds rank values a row). {} when the file does not exist; CalibrationError
     naming the file and field when it is not a calibration report."""
-    import json
-    import math
-
-    from gsm.tiers import NAMES
-
     if not report_path.is_file():
         return {}
     try:
         layers = json.loads(report_path.read_text(encoding="utf-8"))["layers"]
         sums: dict[str, list[float]] = {}
         for entry in layers:
-            for tier in NAMES:
+            for tier in TIER_NAMES:
                 if tier in entry:
                     s = sums.setdefault(tier, [0.0, 0.0])
                     s[0] += int(entry["rank"]) * float(entry[tier]["rel_rms"]) ** 2
