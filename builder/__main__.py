@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest per-sequence selection budget the TensorRT graph takes (default: the model's "
                    "sparse_top_k; up to max-seq lets a sequence switch to dense attention there, at the cost of "
                    "larger per-layer selection outputs, docs/engine_io.md 4.2); the portable graph takes any budget")
+    b.add_argument("--max-adaptation-rate", type=int_at_least(1), default=0,
+                   help="room in the cache's FP16 region for re-tier passes this many decode steps apart (default: "
+                        "the model's quantization_adaptation_rate), so that `runtime patch` or a server's "
+                        "PATCH /admin/config may lengthen the rate up to it (docs/serving.md \"Changing knobs\")")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
@@ -151,7 +155,7 @@ def _build(args: argparse.Namespace) -> int:
                       int4_grid=args.int4_grid, head_weights=args.head_weights,
                       matmul_accuracy=args.matmul_accuracy, awq_scales=args.awq_scales, max_top_k=args.max_top_k,
                       tier_fractions=args.tier_fractions, index_keys=args.index_keys, gsm_weights=args.gsm_weights,
-                      say=say, step=step, read=read)
+                      max_adaptation_rate=args.max_adaptation_rate, say=say, step=step, read=read)
         except BuildError as e:  # a refusal: bad input, nothing written
             err.print(f"[red]{PROG} build: error:[/] {e}", markup=True)
             return EXIT_BAD_INPUT

@@ -103,7 +103,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
           int4_grid: str = "auto", head_weights: str | None = None, matmul_accuracy: str | None = None,
           awq_scales: Path | None = None, max_top_k: int | None = None,
           tier_fractions: tuple[float, ...] | None = None, index_keys: str | None = None,
-          gsm_weights: str | None = None,
+          gsm_weights: str | None = None, max_adaptation_rate: int = 0,
           say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None,
           read: Callable[[int, int], None] = lambda done, total: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
@@ -118,7 +118,9 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
     with INT8 activations at +0.07 % perplexity on SmolLM2, docs/weights.md); awq_scales: a
     `python -m calibration.awq` file (symmetric INT4 only); tier_fractions: the KV tier fractions instead of the
     checkpoint's (three or four); index_keys: int8 | fp16 instead of the checkpoint's index_key_bits; gsm_weights:
-    fp16 | int8 (per output channel), the GSM-side projections (None: DEFAULT_GSM of the --weights choice)."""
+    fp16 | int8 (per output channel), the GSM-side projections (None: DEFAULT_GSM of the --weights choice);
+    max_adaptation_rate: room in the FP16 region for re-tier passes this many decode steps apart (0: the model's
+    quantization_adaptation_rate), so that a bundle patch may lengthen the rate up to it."""
     t0 = time.perf_counter()
     _check_weight_options(weights, group_size, int4_grid, matmul_accuracy, head_weights)
     from jetson import DetectionError, UnknownDeviceError
@@ -164,7 +166,8 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         try:
             plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
                                   max_input=max_input, group_size=group, head_weights=head_weights, int4_grid=grid,
-                                  max_top_k=max_top_k, gsm_weights=gsm_weights, head_moment=moment is not None)
+                                  max_top_k=max_top_k, gsm_weights=gsm_weights, head_moment=moment is not None,
+                                  max_rate=max_adaptation_rate)
             require_fit(plan, cfg, ranks, quant)
         except PlanError as e:
             raise BuildError(str(e)) from None
@@ -189,7 +192,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         if quant.uses_int4 and not qt.int4_fitted:
             raise BuildError(f"{qt.source}: INT4 tier fractions {list(quant.tier_fractions)} but some owning layer's "
                              "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
-        rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant)
+        rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant, max_rate=plan.max_adaptation_rate)
         wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights,
                                plan.gsm_weights, fast_matmuls=matmul_accuracy == "fast")
         spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),

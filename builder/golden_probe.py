@@ -28,7 +28,7 @@ from gsm.config import KVQuantConfig, ModelConfig
 from gsm.golden.model import GoldenModel
 from gsm.golden.selection import boundary_gap
 from gsm.golden.weights import KVCalibration, LatentScales
-from gsm.probe_format import LOGIT_BYTES, SELECTION_BYTES, GoldenProbe, ProbeRecord, write_probe
+from gsm.probe_format import LOGIT_BYTES, PROBE_KNOBS, SELECTION_BYTES, GoldenProbe, ProbeRecord, write_probe
 from gsm.quant_table import TABLE_ROWS
 
 # sized for the plugin reference backend (numpy op by op) to run the whole probe of SmolLM2 in under 30 s on two cores
@@ -240,7 +240,8 @@ def golden_probe(bundle: Path, cfg: ModelConfig, weights: ProbeWeights, kv: Gold
     text_plan, _, text_run = runs[0]
     golden: dict[str, Any] = {
         "mode": "deployed", "forms": list(forms), "selection_density": round(density(text_plan, text_run), 4),
-        "demoted_rows": int(text_run.tiers[1:].sum()), "selection_layers": len(layers)}
+        "demoted_rows": int(text_run.tiers[1:].sum()), "selection_layers": len(layers),
+        PROBE_KNOBS: bcfg.knobs.document()}
     return GoldenProbe(bcfg.vocab_size, records, golden)
 
 

@@ -33,7 +33,7 @@ from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
 from gsm.bundle_format import ROW_CACHE_TAGS, IndexKeyLayout, PoolRows
 from gsm.config import KVQuantConfig, ModelConfig
-from gsm.tiers import avg_bytes, row_bytes, tier_counts
+from gsm.tiers import avg_bytes, region_rows, row_bytes
 from jetson.profiles import PROFILES, DeviceProfile
 
 GIB = 2**30
@@ -88,23 +88,13 @@ class PlanError(ValueError):
 
 
 def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConfig, *,
-              hot_rows: int = 0) -> PoolRows:
-    """Region sizes of docs/engine_io.md section 3 (a row may live in a wider region than its tier):
-
-    C16 = min(N, sinks + fp16_window + n16 + R + H), R = max(prefill chunk, rate) rows written
-    between two re-tier passes, H = rows reserved for hot_token_ids (`hot_rows`);
-    C12 = min(N - C16, n12); C8 = min(N - C16 - C12, n8); C4 = N - C16 - C12 - C8, with
-    n16, n12, n8 = gsm.tiers.tier_counts(tier_fractions, N) (so C4 = 0 without an INT4 fraction).
-    Why these bound the tier policy: after a pass at most n16 eligible rows are FP16, at most
-    n16 + n12 FP16 or INT12 and n16 + n12 + n8 wider than INT4 (demotion only never adds a wider
-    row), and between passes only new FP16 rows appear (at most R).
-    """
-    n16, n12, n8, _ = tier_counts(quant.tier_fractions, max_seq)
-    c16 = min(max_seq, cfg.gsm.sink_tokens + quant.fp16_window + n16 +
-              max(max_input, cfg.gsm.quantization_adaptation_rate) + hot_rows)
-    c12 = min(max_seq - c16, n12)
-    c8 = min(max_seq - c16 - c12, n8)
-    return PoolRows(c16, c12, c8, max_seq - c16 - c12 - c8)
+              hot_rows: int = 0, max_rate: int = 0) -> PoolRows:
+    """Region sizes of docs/engine_io.md section 3 (gsm.tiers.region_rows) for the model's tier policy, with room
+    for re-tier passes as far apart as `max_rate` decode steps where that is more than the model's own
+    quantization_adaptation_rate (so a bundle patch may lengthen it: gsm.bundle_knobs)."""
+    rate = max(cfg.gsm.quantization_adaptation_rate, max_rate)
+    return PoolRows(*region_rows(max_seq, max_input, cfg.gsm.sink_tokens, quant.fp16_window, quant.tier_fractions,
+                                 rate, hot_rows))
 
 
 ROW_CACHE_TOP_K_FACTOR = 3  # the row cache keeps this many times a query's top-k picks (decisions "CPU cache")
@@ -154,6 +144,9 @@ class MemoryPlan:
     max_top_k: int = 0  # largest per-sequence selection budget the TensorRT graph takes (0: not given)
     cpu_kv_bytes: int = 0  # the onnxruntime backend's cache, all rows: pools, keys, row caches (cpu_cache_bytes)
     row_cache_bytes: int = 0  # of that, one sequence's row caches of K rows (constant in the context)
+    # the longest re-tier period the FP16 region has room for (--max-adaptation-rate; at least the model's): a
+    # bundle patch may lengthen quantization_adaptation_rate up to it (gsm.bundle_knobs)
+    max_adaptation_rate: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -396,7 +389,7 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
               profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
               max_input: int | None = None, weights: str = "fp16", group_size: int | None = None,
               head_weights: str | None = None, int4_grid: str = "sym", max_top_k: int | None = None,
-              gsm_weights: str | None = None, head_moment: bool = False) -> MemoryPlan:
+              gsm_weights: str | None = None, head_moment: bool = False, max_rate: int = 0) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
     callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
     for auto); head_weights None: head_choice's default (head_moment: the calibration has the head's input
@@ -425,13 +418,13 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
 
     def total(S: int) -> int:
         T = min(max_input, S)
-        rows = pool_rows(S, T, cfg, quant)
+        rows = pool_rows(S, T, cfg, quant, max_rate=max_rate)
         return wbytes + kv_pool_bytes(cfg, ranks, rows, S, max_batch, quant) + \
             activation_bytes(cfg, S, max_batch, T, None if max_top_k is None else min(max_top_k, S)) + \
             WORKSPACE_BYTES
 
     largest = _largest(total, profile.usable_bytes, cfg.max_position_embeddings)
-    rows = pool_rows(max_seq, max_input, cfg, quant)
+    rows = pool_rows(max_seq, max_input, cfg, quant, max_rate=max_rate)
     dbytes = decode_bytes_per_token(cfg, ranks, quant, tensors, max_seq)
     return MemoryPlan(
         device=profile.name, max_seq=max_seq, max_batch=max_batch, max_input=max_input, params=params,
@@ -444,7 +437,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
         gsm_weights=gsm_weights, max_top_k=cfg.gsm.max_top_k_to(max_seq) if max_top_k is None else max_top_k,
         cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, rows, max_seq, max_batch, quant),
-        row_cache_bytes=row_cache_bytes(cfg, max_seq))
+        row_cache_bytes=row_cache_bytes(cfg, max_seq),
+        max_adaptation_rate=max(cfg.gsm.quantization_adaptation_rate, max_rate))
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
@@ -526,4 +520,5 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
 
 def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
     return {"weights": plan.weights, "group_size": plan.group_size, "head_weights": plan.head_weights,
-            "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k, "gsm_weights": plan.gsm_weights}
+            "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k, "gsm_weights": plan.gsm_weights,
+            "max_rate": plan.max_adaptation_rate}

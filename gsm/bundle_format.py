@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm.atomic import MANIFEST_NAME
+from gsm.bundle_knobs import KnobError, KnobLimits, RunKnobs, RunTime
 from gsm.config import ConfigError, KVQuantConfig
 from gsm.tiers import NAMES as TIER_NAMES
 
@@ -234,6 +235,13 @@ def _tier_noise(v: Any) -> dict[str, float]:
     return out
 
 
+def _run_time(v: Any) -> RunTime:
+    try:
+        return RunTime.from_json(v)
+    except KnobError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _revision(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v != GRAPH_REVISION:
         raise ValueError
@@ -289,6 +297,21 @@ class BundleConfig:
     # empty where nothing was measured (an uncalibrated or FP16-only cache)
     kv_tier_noise: dict[str, float] = _spec(_tier_noise, "an object tier name (fp16, int12, int8, int4) -> number >= 0",
                                             default_factory=dict)
+    # the runtime's own choices for every request (window and budget sent to the graphs, fallback thresholds),
+    # which `runtime patch` changes in place (gsm.bundle_knobs)
+    run_time: RunTime = _spec(_run_time, "a run_time object (gsm.bundle_knobs.RunTime)", default_factory=RunTime)
+
+    @property
+    def knobs(self) -> RunKnobs:
+        """The run-time knobs this bundle states (gsm.bundle_knobs)."""
+        return RunKnobs.of(self.run_time, self.quantization_adaptation_rate, self.kv_quantization)
+
+    @property
+    def knob_limits(self) -> KnobLimits:
+        """What the graphs and the memory plan of this bundle were built for: the range of every knob."""
+        return KnobLimits(self.n_max, self.max_input, self.max_sparse_window, self.max_top_k, self.sink_tokens,
+                          self.vocab_size, self.pool_rows.by_tier, self.quantization_adaptation_rate,
+                          self.kv_quantization)
 
     @property
     def index_keys(self) -> IndexKeyLayout:
@@ -359,4 +382,5 @@ class BundleConfig:
         d["pool_rows"] = dataclasses.asdict(self.pool_rows)
         d["layer_selection"] = {str(l): list(v) for l, v in sorted(self.layer_selection.items())}
         d["kv_quantization"] = self.kv_quantization.to_json()["kv_quantization"]
+        d["run_time"] = self.run_time.to_json()
         return d

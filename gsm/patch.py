@@ -1,6 +1,6 @@
 """`python -m gsm patch DIR --patch PATCH.json [--out DIR2]`: change a checkpoint's run-time knobs in place.
 
-Needs the `builder` extra (jsonpatch; the checker's safetensors). The published GSM description lets a deployment
+Needs the `builder` extra (the checker's safetensors). The published GSM description lets a deployment
 change `gsm_config` by a JSON Patch (RFC 6902) and re-verify the checksum afterwards. A patch here addresses one
 document, `{"gsm_config": <config.json's gsm_config>, "kv_quantization": <quant_config.json's kv_quantization>}`, so
 its paths read `/gsm_config/sparse_window` or `/kv_quantization/tier_fractions`. Only the knobs in KNOBS may change:

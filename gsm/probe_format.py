@@ -29,7 +29,7 @@ import numpy as np
 from gsm.bundle_format import REBUILD, BundleError
 
 PROBE_FORMAT = "gsm-edge-golden-probe"
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: the golden settings name the knobs it ran with (PROBE_KNOBS)
 MAX_PROBE_BYTES = 2 << 20  # the whole file, whatever the vocabulary
 LOGIT_BYTES = 3 << 19  # of MAX_PROBE_BYTES, for the float16 logit rows of all records together
 SELECTION_BYTES = 1 << 18  # of MAX_PROBE_BYTES, for the selection bits of all records together
@@ -39,6 +39,7 @@ ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so the same probe is the same bytes
 CASES = ("text", "chat")
 FORMS = ("portable", "tensorrt")
 META = "meta"  # uint8: the JSON header (format, version, vocab_size, records, golden settings)
+PROBE_KNOBS = "knobs"  # golden settings: the bundle's knob document the golden ran with (gsm.bundle_knobs)
 
 # a record's arrays: field -> numpy dtype
 IDS = "ids"  # [T] the prompt
@@ -164,6 +165,8 @@ def read_probe(path: Path) -> GoldenProbe:
     vocab = header.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ProbeError(f"{path}: header vocab_size must be an integer >= 1, got {vocab!r}")
+    if not isinstance((header.get("golden") or {}).get(PROBE_KNOBS), dict):
+        raise ProbeError(f"{path}: the header names no knobs the golden ran with; rebuild the bundle with `{REBUILD}`")
     records = tuple(_record(path, arrays, e, vocab) for e in header.get("records") or [])
     if not records:
         raise ProbeError(f"{path}: the header lists no records")

@@ -56,3 +56,21 @@ def row_bytes(r_k: int, r_v: int) -> tuple[int, int, int, int]:
 
 def uses_int4(fractions: Sequence[float]) -> bool:
     return fractions4(fractions)[3] > 0
+
+
+def region_rows(max_seq: int, max_input: int, sink_tokens: int, fp16_window: int, fractions: Sequence[float],
+                rate: int, hot_rows: int = 0) -> tuple[int, int, int, int]:
+    """Rows per sequence of the FP16 / INT12 / INT8 / INT4 regions of a latent pool (docs/engine_io.md section 3;
+    a row may live in a wider region than its tier):
+
+    C16 = min(N, sinks + fp16_window + n16 + R + H), R = max(prefill chunk, rate) rows written between two re-tier
+    passes, H = rows reserved for hot_token_ids; C12 = min(N - C16, n12); C8 = min(N - C16 - C12, n8);
+    C4 = N - C16 - C12 - C8, with n16, n12, n8 = tier_counts(fractions, N) (so C4 = 0 without an INT4 fraction).
+    Why these bound the tier policy: after a pass at most n16 eligible rows are FP16, at most n16 + n12 FP16 or
+    INT12 and n16 + n12 + n8 wider than INT4 (demotion only never adds a wider row), and between passes only new
+    FP16 rows appear (at most R)."""
+    n16, n12, n8, _ = tier_counts(fractions, max_seq)
+    c16 = min(max_seq, sink_tokens + fp16_window + n16 + max(max_input, rate) + hot_rows)
+    c12 = min(max_seq - c16, n12)
+    c8 = min(max_seq - c16 - c12, n8)
+    return c16, c12, c8, max_seq - c16 - c12 - c8

@@ -2,6 +2,8 @@
 `python -m runtime serve BUNDLE [--host 127.0.0.1] [--port 8000]` — OpenAI-compatible HTTP server (docs/serving.md).
 `python -m runtime verify BUNDLE [--backend auto|tensorrt|onnxruntime|reference]` — the bundle's golden probe through a
 backend, a verdict table, exit 0 pass / 1 fail (docs/verify.md).
+`python -m runtime patch BUNDLE --patch PATCH.json [--out DIR]` — change the bundle's run-time knobs (window, budget,
+re-tier period, tier policy, fallback thresholds) without a rebuild (docs/serving.md "Changing knobs").
 
 Exit codes (gsm.cli_support.run_main, as every command): 0 ok, 2 bad usage or bad input (one `error:` line
 naming the flag or file), 1 a failure while working (a backend that cannot start here, the serve extra not
@@ -118,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     from runtime.serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    pa = sub.add_parser("patch", help="change a bundle's run-time knobs by a JSON Patch (RFC 6902), no rebuild")
+    pa.add_argument("bundle", type=Path)
+    pa.add_argument("--patch", type=Path, required=True, help="a JSON file: an array of RFC 6902 operations over "
+                                                               "bundle.json's knob paths (docs/serving.md)")
+    pa.add_argument("--out", type=Path, help="write the patched bundle here (default: in place)")
+    pa.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     t = sub.add_parser("triton", help="write a Triton Inference Server model repository over bundles")
     t.add_argument("bundles", type=Path, nargs="+", metavar="BUNDLE")
     t.add_argument("--out", type=Path, required=True, help="the repository directory to write (atomically)")
@@ -236,6 +244,17 @@ def verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def patch(args: argparse.Namespace) -> int:
+    from runtime.bundle_patch import patch_bundle, read_patch
+
+    try:
+        r = patch_bundle(args.bundle, read_patch(args.patch), args.out, overwrite=args.overwrite)
+    except OutputExistsError as e:
+        raise ValueError(f"argument --out: {e} (give --overwrite to replace it)") from None
+    print(f"patched {r.out}: {', '.join(r.changed)}; knobs {r.checksum} (manifest re-hashed)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -249,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(f"{PROG} triton", lambda: triton(args))
     if args.command == "verify":
         return run_main(f"{PROG} verify", lambda: verify(args))
+    if args.command == "patch":
+        return run_main(f"{PROG} patch", lambda: patch(args))
     return run_main(f"{PROG} generate", lambda: generate(args))
 
 

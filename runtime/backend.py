@@ -47,6 +47,8 @@ class Capabilities:
     verify_row_cost: float = 1.0
     verify_row_cost_batch: float = 1.0
     prefix_reuse: bool = False  # take_prefix / put_prefix copy a sequence's first positions (runtime.prefix_cache)
+    # the largest selection budget a call takes (the plugin nodes' max_top_k, check_max_top_k); 0: any up to positions
+    max_top_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_resident", "max_per_call", "positions"):

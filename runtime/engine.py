@@ -23,7 +23,9 @@ their sequences are never shared, so greedy outputs equal the same requests run 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import logging
 import threading
 import time
@@ -34,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gsm.bundle_knobs import KV_NOISE_AUTO, RunKnobs, patch_knobs
 from gsm.tiers import FP16, NAMES, fractions4
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
@@ -45,7 +48,7 @@ from runtime.speculative import expected_tokens
 log = logging.getLogger("runtime.engine")
 
 FINISH_REASONS = ("stop", "length", "context", "cancelled", "deadline", "error")
-KV_NOISE_AUTO = "auto"  # EngineConfig.max_kv_noise: the threshold kv_noise_limit derives from the bundle
+FROM_BUNDLE = "bundle"  # EngineConfig.max_kv_noise: the bundle's run_time (None there means off)
 KV_NOISE_FLOOR = 0.05  # the GSM deployment description's threshold
 KV_NOISE_MARGIN = 2.0  # a pass may add up to this many times the error calibration measured for its tier
 
@@ -75,27 +78,37 @@ class EngineConfig:
     default_deadline_s: float | None = None  # per request, from submission; None: no limit
     warmup: bool = True
     # Fallback policies of the sequences (docs/serving.md "Fallback policies"; thresholds of the GSM
-    # deployment description). The hit rate needs the dense attention of the step: probed on a sequence's
-    # decode steps 1, 1 + n, 1 + 2n, ... (n = hit_rate_every; 0: never probed, no hit-rate fallback).
-    min_hit_rate: float = 0.85  # a probed hit rate below this -> dense attention for that sequence; 0: off
-    hit_rate_every: int = 64
+    # deployment description), in place of the bundle's run_time (gsm.bundle_knobs.RunTime; None / FROM_BUNDLE:
+    # the bundle's). The hit rate needs the dense attention of the step: probed on a sequence's decode steps 1,
+    # 1 + n, 1 + 2n, ... (n = hit_rate_every; 0: never probed, no hit-rate fallback).
+    min_hit_rate: float | None = None  # a probed hit rate below this -> dense attention for that sequence; 0: off
+    hit_rate_every: int | None = None
     # KV noise of a re-tier pass above this -> cache refreshed; None: off; KV_NOISE_AUTO: from the bundle's tiers
-    max_kv_noise: float | str | None = KV_NOISE_AUTO
+    max_kv_noise: float | str | None = FROM_BUNDLE
 
     def __post_init__(self) -> None:
         for name in ("max_running", "interleave", "max_queue", "hit_rate_every"):
             v, lo = getattr(self, name), 0 if name in ("max_running", "hit_rate_every") else 1
+            if v is None and name == "hit_rate_every":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"EngineConfig.{name}: expected an integer >= {lo}, got {v!r}")
         if self.default_deadline_s is not None and not self.default_deadline_s > 0:
             raise ValueError(f"EngineConfig.default_deadline_s: expected a number > 0 or None, "
                              f"got {self.default_deadline_s!r}")
-        if isinstance(self.min_hit_rate, bool) or not 0 <= self.min_hit_rate <= 1:
+        if self.min_hit_rate is not None and (isinstance(self.min_hit_rate, bool) or not 0 <= self.min_hit_rate <= 1):
             raise ValueError(f"EngineConfig.min_hit_rate: expected a number in [0, 1], got {self.min_hit_rate!r}")
-        if self.max_kv_noise not in (None, KV_NOISE_AUTO) and (
+        if self.max_kv_noise not in (None, KV_NOISE_AUTO, FROM_BUNDLE) and (
                 isinstance(self.max_kv_noise, (bool, str)) or not 0 <= self.max_kv_noise < float("inf")):
-            raise ValueError(f"EngineConfig.max_kv_noise: expected a finite number >= 0, {KV_NOISE_AUTO!r} or None "
-                             f"(off), got {self.max_kv_noise!r}")
+            raise ValueError(f"EngineConfig.max_kv_noise: expected a finite number >= 0, {KV_NOISE_AUTO!r}, "
+                             f"{FROM_BUNDLE!r} or None (off), got {self.max_kv_noise!r}")
+
+    def knobs(self, base: RunKnobs) -> RunKnobs:
+        """`base` (the runtime's knobs) with the thresholds this config sets in place of the bundle's."""
+        k = base.with_run_time(min_hit_rate=self.min_hit_rate, hit_rate_every=self.hit_rate_every)
+        if self.max_kv_noise == FROM_BUNDLE:
+            return k
+        return dataclasses.replace(k, run_time=dataclasses.replace(k.run_time, max_kv_noise=self.max_kv_noise))
 
 
 def kv_noise_limit(asked: float | str | None, tier_noise: Mapping[str, float],
@@ -128,7 +141,7 @@ class Work:
 
 
 class Stepper(Protocol):
-    def new_sequence(self) -> Sequence_: ...
+    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_: ...
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         """Last-position logits [V] per work item (a verification's: [1 + len(drafts), V], row j after token j), or
@@ -142,8 +155,8 @@ class SequentialStepper:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    def new_sequence(self) -> Sequence_:
-        return self.rt.new_sequence()
+    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_:
+        return self.rt.new_sequence(knobs)
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = []
@@ -160,14 +173,16 @@ class SequentialStepper:
 class BatchedStepper:
     """All prefills in one `Runtime.prefill_batch` call and all decode steps in one `decode_batch` call
     (the runtime's batched step API), in groups of the backend's `max_per_call`. A call that raises fails
-    every request in it: re-running them one by one could repeat positions a half-done call already added."""
+    every request in it: re-running them one by one could repeat positions a half-done call already added. The graphs
+    take one selection window per call: sequences of different windows (requests admitted before and after a knob
+    patch) go in calls of their own."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.per_call = rt.capabilities.max_per_call
 
-    def new_sequence(self) -> Sequence_:
-        return self.rt.new_sequence()
+    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_:
+        return self.rt.new_sequence(knobs)
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = [ValueError("not run")] * len(work)
@@ -177,29 +192,37 @@ class BatchedStepper:
         kinds = {"prefill": [i for i, w in enumerate(work) if w.prefill],
                  "verify": [i for i, w in enumerate(work) if not w.prefill and verify and not w.probe],
                  "decode": [i for i, w in enumerate(work) if not w.prefill and (w.probe or not verify)]}
-        for kind, every in kinds.items():
-            for g in range(0, len(every), self.per_call):
-                idx = every[g:g + self.per_call]
-                seqs = [work[i].seq for i in idx]
-                try:
-                    if kind == "prefill":
-                        res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx],
-                                                    [work[i].break_at for i in idx])
-                    elif kind == "verify":
-                        rows = self.rt.verify_batch(seqs, [[work[i].ids[0], *work[i].drafts] for i in idx])
-                        for i, s in zip(idx, seqs):
-                            if not work[i].drafts:  # a plain step: its one token stays, as decode_batch keeps it
-                                s.keep(1)
-                        res = [r if work[i].drafts else r[0] for i, r in zip(idx, rows)]
-                    else:
-                        res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
-                                                   probe=[work[i].probe for i in idx])
-                    for k, i in enumerate(idx):
-                        out[i] = res[k]
-                except Exception as e:
-                    for i in idx:
-                        out[i] = e
+        calls = [(kind, part[g:g + self.per_call]) for kind, every in kinds.items()
+                 for part in by_window(work, every) for g in range(0, len(part), self.per_call)]
+        for kind, idx in calls:
+            seqs = [work[i].seq for i in idx]
+            try:
+                if kind == "prefill":
+                    res = self.rt.prefill_batch(seqs, [work[i].ids for i in idx], [work[i].scorer for i in idx],
+                                                [work[i].break_at for i in idx])
+                elif kind == "verify":
+                    rows = self.rt.verify_batch(seqs, [[work[i].ids[0], *work[i].drafts] for i in idx])
+                    for i, s in zip(idx, seqs):
+                        if not work[i].drafts:  # a plain step: its one token stays, as decode_batch keeps it
+                            s.keep(1)
+                    res = [r if work[i].drafts else r[0] for i, r in zip(idx, rows)]
+                else:
+                    res = self.rt.decode_batch(seqs, [work[i].ids[0] for i in idx],
+                                               probe=[work[i].probe for i in idx])
+                for k, i in enumerate(idx):
+                    out[i] = res[k]
+            except Exception as e:
+                for i in idx:
+                    out[i] = e
         return out
+
+
+def by_window(work: Sequence[Work], idx: Sequence[int]) -> list[list[int]]:
+    """`idx` split by the window their sequences select with, in order of first appearance."""
+    parts: dict[int, list[int]] = {}
+    for i in idx:
+        parts.setdefault(work[i].seq.window_input, []).append(i)
+    return list(parts.values())
 
 
 def release(seq: Sequence_ | None) -> None:
@@ -264,6 +287,7 @@ class EngineRequest(RequestFields):
     t_end: float | None = None
     # scheduler-side state
     seq: Sequence_ | None = None  # its cache while it runs
+    knobs: RunKnobs | None = None  # the engine's when it was submitted (gsm.bundle_knobs), for its whole life
     decode_steps: int = 0
     next_probe: int = 0  # the decode step at or after which the next hit-rate probe runs
     hit_rate: float | None = None  # the last probed sparse mask hit rate
@@ -365,13 +389,15 @@ class Engine:
         self.warmup_s: float | None = None
         self.warmup_error: BaseException | None = None  # the engine refuses requests when warm-up failed
         self.steps = 0
-        self.probes = rt.can_probe and self.config.hit_rate_every > 0
-        if not rt.can_probe and self.config.min_hit_rate > 0 and self.config.hit_rate_every > 0:
+        # the knobs new requests take (the runtime's, the thresholds this config sets); a request keeps the ones it
+        # was submitted under (EngineRequest.knobs) whatever a patch changes later
+        self.knobs = self.config.knobs(rt.knobs)
+        self.config_generation = 0  # patches applied (PATCH /admin/config)
+        run = self.knobs.run_time
+        if not rt.can_probe and run.min_hit_rate > 0 and run.hit_rate_every > 0:
             log.warning("backend %s cannot measure the sparse mask hit rate (no shadow call): the hit-rate "
                         "fallback is off", rt.backend.name)
         self.fallbacks: dict[str, int] = {"hit_rate": 0, "kv_noise": 0}  # taken so far, by policy
-        self.max_kv_noise = kv_noise_limit(self.config.max_kv_noise, rt.cfg.kv_tier_noise,
-                                           rt.cfg.kv_quantization.tier_fractions)
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._cond = threading.Condition()
@@ -424,7 +450,7 @@ class Engine:
         d = self.config.default_deadline_s if deadline_s is None else deadline_s
         if d is not None and not (isinstance(d, (int, float)) and d > 0):
             raise RequestError("deadline_s", f"must be a number > 0 (seconds), got {d!r}")
-        req = EngineRequest(state=state, deadline=None)
+        req = EngineRequest(state=state, deadline=None, knobs=self.knobs)
         if d is not None:
             req.deadline = req.t_submit + float(d)
         with self._cond:
@@ -437,6 +463,22 @@ class Engine:
             self._notify("on_submit", req)
             self._cond.notify_all()
         return req
+
+    def max_kv_noise(self, knobs: RunKnobs) -> float | None:
+        """The KV-noise fallback's threshold for a request with these knobs (kv_noise_limit; None: off)."""
+        return kv_noise_limit(knobs.run_time.max_kv_noise, self.rt.cfg.kv_tier_noise, knobs.tier_fractions)
+
+    def patch(self, ops: Any) -> RunKnobs:
+        """Apply a JSON Patch (RFC 6902, gsm.bundle_knobs paths) to the knobs of requests submitted from now on; the
+        running and queued ones keep theirs. All or nothing: KnobError naming the path, and nothing changed."""
+        with self._cond:
+            new = patch_knobs(self.knobs, ops, self.rt.cfg.knob_limits,
+                              top_k_cap=self.rt.capabilities.max_top_k)
+            self.knobs = new
+            self.config_generation += 1
+            generation = self.config_generation
+        log.info("config generation %d (%s): %s", generation, new.checksum, json.dumps(ops))
+        return new
 
     def retry_after_s(self) -> float:
         """A guess at when a queue slot frees: the queue drained at the running cap, at least 1 s."""
@@ -454,15 +496,15 @@ class Engine:
         """First calls of each graph shape (prefill chunk, single-token prefill, decode, probe) before serving."""
         t0 = time.monotonic()
         n = max(1, min(self.rt.max_input, self.rt.n_max - 3))
-        seq = self.stepper.new_sequence()
+        seq = self.stepper.new_sequence(self.knobs)
         # the decode step is a probed one when probes are on: the dense shadow call's first run is here too
         for w in ([Work(seq, [self.rt.bos_token_id] * n, True)],
-                  [Work(seq, [self.rt.bos_token_id], False, probe=self.probes)]):
+                  [Work(seq, [self.rt.bos_token_id], False, probe=self._probes(self.knobs))]):
             for r in self.stepper.step(w):
                 if isinstance(r, Exception):
                     raise r
         release(seq)  # a bundle built for batch 1 has this one row
-        one = self.stepper.new_sequence()
+        one = self.stepper.new_sequence(self.knobs)
         for r in self.stepper.step([Work(one, [self.rt.bos_token_id], True)]):
             if isinstance(r, Exception):
                 raise r
@@ -521,7 +563,7 @@ class Engine:
                     self._finish(req, req.state.finish_reason)
                     continue
                 try:
-                    req.seq = self.stepper.new_sequence()
+                    req.seq = self.stepper.new_sequence(req.knobs)
                 except CacheFullError as e:  # rows held outside this engine (a Runtime used beside it)
                     if self._running:
                         break  # the head waits for a row one of these frees
@@ -581,7 +623,7 @@ class Engine:
         probe = self._probe_now(req)
         drafts = [] if probe else req.state.propose(req.seq.draft_room)
         if probe:
-            req.next_probe = req.decode_steps + self.config.hit_rate_every
+            req.next_probe = req.decode_steps + req.knobs.run_time.hit_rate_every
         return Work(req.seq, [req.state.next_token], False, probe=probe, drafts=drafts,
                     acceptance=req.state.draft_acceptance if drafts else 0.0)
 
@@ -618,7 +660,10 @@ class Engine:
     def _probe_now(self, req: EngineRequest) -> bool:
         """Decode steps 0, n, 2n, ... of a request are probed (n = hit_rate_every; a verification advances several
         steps at once, so the next probed step is the first at or past the mark)."""
-        return self.probes and not req.dense and req.decode_steps >= req.next_probe
+        return self._probes(req.knobs) and not req.dense and req.decode_steps >= req.next_probe
+
+    def _probes(self, knobs: RunKnobs) -> bool:
+        return self.rt.can_probe and knobs.run_time.hit_rate_every > 0
 
     def _judge_hit_rate(self, req: EngineRequest) -> None:
         hr = req.seq.last_hit_rate
@@ -626,18 +671,19 @@ class Engine:
             return
         req.hit_rate = float(hr)
         self._notify("on_hit_rate", req, req.hit_rate)
-        if req.hit_rate < self.config.min_hit_rate:
+        floor = req.knobs.run_time.min_hit_rate
+        if req.hit_rate < floor:
             req.seq.use_dense()
             req.dense = True
             self.fallbacks["hit_rate"] += 1
             log.warning("request %d: sparse mask hit rate %.3f < %.3f at position %d: dense attention over its "
-                        "cache from here", req.id, req.hit_rate, self.config.min_hit_rate, req.seq.length)
+                        "cache from here", req.id, req.hit_rate, floor, req.seq.length)
             self._notify("on_fallback", req, "hit_rate", req.hit_rate)
 
     def _noisy(self, req: EngineRequest, noise: float) -> bool:
         req.kv_noise = float(noise)
         self._notify("on_kv_noise", req, req.kv_noise)
-        limit = self.max_kv_noise
+        limit = self.max_kv_noise(req.knobs)
         if limit is None or not noise > limit or req.refreshes:
             return False  # a refreshed cache stays FP16: it is never re-encoded again
         log.warning("request %d: KV noise %.4f > %.4f after a re-tier pass: refreshing its cache at FP16 from "
@@ -654,7 +700,7 @@ class Engine:
             # the old row first: the plan may have no spare one, and the fresh prefill recomputes everything
             release(req.seq)
             req.seq = None
-            seq = self.stepper.new_sequence()
+            seq = self.stepper.new_sequence(req.knobs)
             seq.keep_fp16()
             if req.dense:
                 seq.use_dense()

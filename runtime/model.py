@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gsm.bundle_format import BundleConfig
+from gsm.bundle_knobs import RunKnobs
 from runtime.backend import Backend, Capabilities, StepOutput
 from runtime.bundle import open_bundle
 from runtime.host_memory import trim_heap
@@ -58,15 +59,22 @@ class ContextFullError(RuntimeError):
 
 class Sequence_:
     """One sequence's cache and tier state; use Runtime.new_sequence(). Its place in the backend's
-    buffers is given back when the sequence is garbage-collected (or by `close()`).
+    buffers is given back when the sequence is garbage-collected (or by `close()`). It keeps the knobs it was made
+    with (gsm.bundle_knobs: window and budget sent to the graphs, tier policy) whatever the runtime's change to.
 
     Monitoring: `sparse_top_k` is this sequence's selection budget (None: the runtime's default;
     `use_dense()` switches it to dense attention); after a probed decode step `last_hit_rate` /
     `last_hit_rates` hold the mask hit rate (docs/runtime.md "Probes"); after every re-tier pass
     `last_kv_noise` holds the relative error the pass's demotions added (None when it demoted nothing)."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, knobs: RunKnobs | None = None) -> None:
         self.rt = rt
+        self.knobs = rt.knobs if knobs is None else knobs
+        self.policy = tier_policy(rt.cfg, self.knobs)
+        # what the graphs are sent when nobody chose: window 0 and budget -1, "each layer's own" (gsm_config
+        # layer_selection; the model's window and top-k in a layer without one)
+        self.window_input = self.knobs.sparse_window or 0
+        self._default_budget = -1 if self.knobs.sparse_top_k is None else self.knobs.sparse_top_k
         self.cache = rt.backend.new_cache()
         self.state = SequenceState()
         self.last: StepOutput | None = None
@@ -94,7 +102,14 @@ class Sequence_:
 
     @property
     def effective_sparse_top_k(self) -> int:
-        return self.rt.sparse_top_k if self._sparse_top_k is None else self._sparse_top_k
+        if self._sparse_top_k is not None:
+            return self._sparse_top_k
+        return self.rt.cfg.sparse_top_k if self.knobs.sparse_top_k is None else self.knobs.sparse_top_k
+
+    @property
+    def budget_input(self) -> int:
+        """The `sparse_top_k` the graphs are sent for this sequence (-1: each layer's own)."""
+        return self._default_budget if self._sparse_top_k is None else self._sparse_top_k
 
     def use_dense(self) -> None:
         """Dense attention over the whole cache from the next call on (the spec's dense case: a budget of
@@ -112,7 +127,7 @@ class Sequence_:
     def _retier(self) -> None:
         if self._fp16_only:
             return
-        new_tier = retier(self.state, self.rt.policy, self.state.length)
+        new_tier = retier(self.state, self.policy, self.state.length)
         self.retier_passes += 1
         self.last_kv_noise = None if new_tier is None else self.rt.backend.demote(self.cache, new_tier)
 
@@ -128,8 +143,8 @@ class Sequence_:
 
     def snapshot(self) -> Prefix:
         """This sequence's state and cache so far, copied (runtime.prefix_cache)."""
-        return Prefix(tuple(self.state.tokens), copy.deepcopy(self.state), self.rt.backend.take_prefix(self.cache,
-                                                                                                       self.length))
+        return Prefix(tuple(self.state.tokens), copy.deepcopy(self.state),
+                      self.rt.backend.take_prefix(self.cache, self.length), self.knobs)
 
     def restore(self, prefix: Prefix) -> None:
         """A fresh sequence made the one `prefix` was taken from."""
@@ -153,7 +168,7 @@ class Sequence_:
         cap = self.rt.capabilities.verify_rows
         if cap < 2:
             return 0
-        to_retier = self.rt.policy.rate - self.state.decode_steps % self.rt.policy.rate
+        to_retier = self.policy.rate - self.state.decode_steps % self.policy.rate
         return max(0, min(cap, to_retier, self.rt.n_max - self.length) - 1)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
@@ -172,9 +187,9 @@ class Sequence_:
         self.rt.backend.truncate(self.cache, self.length + n)
         for j in range(n):
             self.state.add_positions([v.tokens[j]])
-            self.state.update_hotness(v.mass[j], self.rt.policy.hotness_decay)
+            self.state.update_hotness(v.mass[j], self.policy.hotness_decay)
             self.state.decode_steps += 1
-            if self.state.decode_steps % self.rt.policy.rate == 0:
+            if self.state.decode_steps % self.policy.rate == 0:
                 self._retier()
 
 
@@ -203,6 +218,13 @@ def hit_rate(dense_mass: np.ndarray, selected: np.ndarray) -> float:
     return float(m[picks[picks >= 0]].sum() / m.sum())
 
 
+def tier_policy(cfg: BundleConfig, knobs: RunKnobs) -> TierPolicy:
+    """The tier policy (runtime.policy) of a sequence with these knobs."""
+    return TierPolicy(sink_tokens=cfg.sink_tokens, fp16_window=knobs.fp16_window, tier_fractions=knobs.tier_fractions,
+                      hotness_decay=knobs.hotness_decay, rate=knobs.quantization_adaptation_rate,
+                      hot_token_ids=frozenset(knobs.hot_token_ids))
+
+
 def check_sparse_window(w: int | None, cfg: BundleConfig) -> int:
     """The run-time window: the model's by default, else 1..max_sparse_window of the bundle."""
     if w is None:
@@ -217,7 +239,7 @@ class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], cfg: BundleConfig, backend: Backend, *,
-                 sparse_window: int | None, sparse_top_k: int | None = None,
+                 sparse_window: int | None, sparse_top_k: int | None = None, knobs: RunKnobs | None = None,
                  speculative: SpeculativeConfig | None = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MIB << 20) -> None:
         self.bundle = bundle
@@ -227,17 +249,12 @@ class Runtime:
         self.capabilities: Capabilities = backend.capabilities
         self.n_max = cfg.n_max
         self.max_input = cfg.max_input
-        q = cfg.kv_quantization
-        self.policy = TierPolicy(sink_tokens=cfg.sink_tokens, fp16_window=q.fp16_window,
-                                 tier_fractions=tuple(q.tier_fractions), hotness_decay=q.hotness_decay,
-                                 rate=cfg.quantization_adaptation_rate, hot_token_ids=frozenset(q.hot_token_ids))
-        self.sparse_window = check_sparse_window(sparse_window, cfg)
-        # default selection budget of every sequence (Sequence_.sparse_top_k overrides it per sequence)
-        self.sparse_top_k = cfg.sparse_top_k if sparse_top_k is None else check_sparse_top_k(sparse_top_k, self.n_max)
-        # what the graphs are sent when nobody chose: window 0 and budget -1, "each layer's own" (gsm_config
-        # layer_selection; the model's window and top-k in a layer without one)
-        self._window_input = 0 if sparse_window is None else self.sparse_window
-        self._default_budget = -1 if sparse_top_k is None else self.sparse_top_k
+        # the knobs new sequences take (gsm.bundle_knobs): the bundle's run_time and tier policy (or `knobs`, e.g. the
+        # golden probe's), the window and budget arguments in place of run_time's
+        self.knobs = (cfg.knobs if knobs is None else knobs).with_run_time(
+            sparse_window=None if sparse_window is None else check_sparse_window(sparse_window, cfg),
+            sparse_top_k=None if sparse_top_k is None else check_sparse_top_k(sparse_top_k, self.n_max))
+        cfg.knob_limits.check(self.knobs, top_k_cap=0)  # a budget above a plugin graph's: its backend's RequestError
         self.vocab_size = cfg.vocab_size
         self.logits_all = cfg.logits == "all"  # prefill returns every position's logits (prompt scoring)
         self.bos_token_id = cfg.bos_token_id
@@ -251,6 +268,27 @@ class Runtime:
                                                row_cost=self.capabilities.verify_row_cost)
         # chat prompts' prefixes (runtime.prefix_cache); 0 bytes: none kept (the breaks stay: the same tokens)
         self.prefixes = PrefixCache(prefix_cache_bytes)
+
+    @property
+    def policy(self) -> TierPolicy:
+        """The tier policy of new sequences."""
+        return tier_policy(self.cfg, self.knobs)
+
+    @property
+    def sparse_window(self) -> int:
+        """The window new sequences select with in layers without their own (the model's unless chosen)."""
+        return self.cfg.sparse_window if self.knobs.sparse_window is None else self.knobs.sparse_window
+
+    @property
+    def sparse_top_k(self) -> int:
+        """The default selection budget of new sequences (Sequence_.sparse_top_k overrides it per sequence)."""
+        return self.cfg.sparse_top_k if self.knobs.sparse_top_k is None else self.knobs.sparse_top_k
+
+    def set_knobs(self, knobs: RunKnobs) -> None:
+        """The knobs of sequences made from now on (gsm.bundle_knobs; checked against the bundle's limits). Sequences
+        made before keep theirs."""
+        self.cfg.knob_limits.check(knobs, top_k_cap=self.capabilities.max_top_k)
+        self.knobs = knobs
 
     @property
     def can_probe(self) -> bool:
@@ -269,8 +307,9 @@ class Runtime:
             raise RequestError("prompt", f"{self.bundle} has no tokenizer.json: give token ids instead of text")
         return self.codec
 
-    def new_sequence(self) -> Sequence_:
-        return Sequence_(self)
+    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_:
+        """A sequence with `knobs` (None: the runtime's now)."""
+        return Sequence_(self, knobs)
 
     # -- the step API: one backend call for several sequences (a scheduler drives these) -----------
     def forward_batch(self, seqs: Sequence[Sequence_], chunks: Sequence[Sequence[int]], *,
@@ -279,17 +318,17 @@ class Runtime:
         its own budget (`Sequence_.sparse_top_k`). Updates each sequence's positions and hotness (no re-tier:
         prefill_batch / decode_batch do that). probes: also return each owning layer's selection and mass."""
         ids, past, new = self._call_inputs(seqs, chunks)
-        out = self.backend.forward([s.cache for s in seqs], ids, past, new, self._window_input,
+        out = self.backend.forward([s.cache for s in seqs], ids, past, new, seqs[0].window_input,
                                    self._budgets(seqs), probes=probes)
         for b, (s, c) in enumerate(zip(seqs, chunks)):
             s.state.add_positions([int(t) for t in c])
-            s.state.update_hotness(out.attn_mass[b], self.policy.hotness_decay)
+            s.state.update_hotness(out.attn_mass[b], s.policy.hotness_decay)
             s.last = StepOutput(out.logits[b:b + 1], out.attn_mass[b:b + 1],
                                 None if out.selected is None else {l: v[b:b + 1] for l, v in out.selected.items()})
         return out
 
     def _budgets(self, seqs: Sequence[Sequence_]) -> np.ndarray:
-        return np.array([self._default_budget if s.sparse_top_k is None else s.sparse_top_k for s in seqs], np.int32)
+        return np.array([s.budget_input for s in seqs], np.int32)
 
     def _call_inputs(self, seqs: Sequence[Sequence_],
                      chunks: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -298,6 +337,9 @@ class Runtime:
             raise ValueError("forward_batch needs one chunk of tokens per sequence, at least one sequence")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
+        if len({s.window_input for s in seqs}) > 1:  # the graphs take one window per call (graph_io sparse_window)
+            raise ValueError(f"sequences of different windows {sorted({s.window_input for s in seqs})} in one call "
+                             "(runtime.engine groups its calls by window)")
         if any(s._verified is not None for s in seqs):
             raise ValueError("a sequence's last verification is not settled: call keep(n) first")
         if len(seqs) > self.capabilities.max_per_call:
@@ -345,7 +387,7 @@ class Runtime:
         keep = [False] * len(prompts)  # the prefix to put into the cache once its calls are done
         for b, k in enumerate(cut):
             if k is not None and seqs[b].reuses_prefixes and (scorers is None or scorers[b] is None):
-                hit = self.prefixes.get(tuple(prompts[b][:k]))
+                hit = self.prefixes.get((seqs[b].knobs, tuple(prompts[b][:k])))
                 if hit is not None:
                     seqs[b].restore(hit)
                     done[b] = k
@@ -386,8 +428,8 @@ class Runtime:
         ids, past, new = self._call_inputs(seqs, chunks)
         J = int(new.max())
         rows = np.minimum(np.arange(J, dtype=np.int32)[None, :], (new - 1)[:, None]).astype(np.int32)
-        out = self.backend.forward([s.cache for s in seqs], ids, past, new, self._window_input, self._budgets(seqs),
-                                   rows=rows)
+        out = self.backend.forward([s.cache for s in seqs], ids, past, new, seqs[0].window_input,
+                                   self._budgets(seqs), rows=rows)
         res = []
         for b, (s, c) in enumerate(zip(seqs, chunks)):
             n = len(c)
@@ -430,7 +472,7 @@ class Runtime:
         if probed:
             pseqs = [seqs[b] for b in probed]
             ids, past, new = self._call_inputs(pseqs, [[int(tokens[b])] for b in probed])
-            dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, self._window_input,
+            dense = self.backend.forward([s.cache for s in pseqs], ids, past, new, pseqs[0].window_input,
                                          np.full(len(pseqs), self.n_max, np.int32),
                                          probes=True, commit=False)
         res = self.forward_batch(seqs, [[int(t)] for t in tokens], probes=bool(probed) or selections)
@@ -440,7 +482,7 @@ class Runtime:
             seqs[b].last_hit_rate = float(np.mean(list(rates.values())))
         for s in seqs:
             s.state.decode_steps += 1
-            if s.state.decode_steps % self.policy.rate == 0:
+            if s.state.decode_steps % s.policy.rate == 0:
                 s._retier()
         return res.logits[:, -1]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,13 @@ class Prefix:
     tokens: tuple[int, ...]
     state: SequenceState
     rows: Any  # the backend's take_prefix (an object with nbytes)
+    knobs: Hashable = None  # what the sequence selected and re-tiered with (gsm.bundle_knobs.RunKnobs)
+
+    @property
+    def key(self) -> tuple[Hashable, tuple[int, ...]]:
+        """Its key in the cache: a prefix is the same only under the same knobs (a patched server's old and new
+        requests never share one)."""
+        return self.knobs, self.tokens
 
     @property
     def nbytes(self) -> int:
@@ -41,26 +49,28 @@ class Prefix:
 
 
 class PrefixCache:
-    """Prefixes by their tokens, at most `capacity` bytes, least recently used evicted first; thread-safe."""
+    """Prefixes by their knobs and tokens (Prefix.key), at most `capacity` bytes, least recently used evicted first;
+    thread-safe."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"prefix cache capacity must be >= 0 bytes, got {capacity}")
         self.capacity, self.bytes = capacity, 0
         self.hits = self.misses = 0
-        self._items: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()
+        self._items: OrderedDict[tuple[Hashable, tuple[int, ...]], Prefix] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, tokens: tuple[int, ...]) -> Prefix | None:
+    def get(self, key: tuple[Hashable, tuple[int, ...]]) -> Prefix | None:
+        """The prefix of Prefix.key `key` (knobs, tokens), or None."""
         with self._lock:
-            hit = self._items.get(tokens)
+            hit = self._items.get(key)
             if hit is None:
                 self.misses += 1
                 return None
-            self._items.move_to_end(tokens)
+            self._items.move_to_end(key)
             self.hits += 1
             return hit
 
@@ -70,11 +80,11 @@ class PrefixCache:
         with self._lock:
             if n > self.capacity:
                 return False
-            old = self._items.pop(prefix.tokens, None)
+            old = self._items.pop(prefix.key, None)
             if old is not None:
                 self.bytes -= old.nbytes
             while self._items and self.bytes + n > self.capacity:
                 self.bytes -= self._items.popitem(last=False)[1].nbytes
-            self._items[prefix.tokens] = prefix
+            self._items[prefix.key] = prefix
             self.bytes += n
             return True

@@ -135,7 +135,7 @@ class RefBackend:
         # demote() reads the re-encoded latents back for the KV noise
         self.capabilities = Capabilities(
             max_resident=R, max_per_call=R, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
-            hit_rate_probes=True, kv_noise=True, prefix_reuse=True)
+            hit_rate_probes=True, kv_noise=True, prefix_reuse=True, max_top_k=self.max_top_k)
 
     def new_cache(self) -> PluginCache:
         return self.plugin_rows.new_cache()

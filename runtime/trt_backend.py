@@ -184,7 +184,7 @@ class TrtBackend:
         self.capabilities = Capabilities(
             max_resident=self.R, max_per_call=self.R, positions=self.n_max,
             kv_bytes_per_sequence=sum(self.row_bytes.values()) + 4 * self.n_max,
-            hit_rate_probes=True, kv_noise=self.quant is not None)
+            hit_rate_probes=True, kv_noise=self.quant is not None, max_top_k=self.max_top_k)
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from gsm.bundle_format import FILES
-from gsm.probe_format import FORMS, GoldenProbe, ProbeError, ProbeRecord, read_probe
+from gsm.bundle_knobs import knobs_of_document
+from gsm.probe_format import FORMS, PROBE_KNOBS, GoldenProbe, ProbeError, ProbeRecord, read_probe
 from runtime.sampling import RequestError
 from runtime.tolerances import FP16, FP32, INT8_ACTIVATIONS, TOLERANCES
 from runtime.verdict import Verdict
@@ -124,12 +125,15 @@ def probe_words(records: Sequence[ProbeRecord], golden: dict[str, Any]) -> str:
     return cases + (f" ({'; '.join(extra)})" if extra else "")
 
 
-def judge(rt: Any, probe: GoldenProbe, *, device: str | None = None) -> Verdict:
-    """Run the probe on runtime `rt` and hold it to its precision's tolerance."""
+def judge(rt: Any, probe: GoldenProbe, *, device: str | None = None, sparse_top_k: int | None = None) -> Verdict:
+    """Run the probe on runtime `rt` and hold it to its precision's tolerance, with the knobs the golden ran with
+    (a bundle patched since keeps its graphs: gsm.bundle_knobs). sparse_top_k: this budget instead."""
     from runtime.cli_args import backend_label
 
     if probe.vocab_size != rt.vocab_size:
         raise ProbeError(f"{rt.bundle / FILES.probe}: vocabulary {probe.vocab_size}, the bundle's is {rt.vocab_size}")
+    rt.knobs = knobs_of_document(probe.golden[PROBE_KNOBS], rt.cfg.kv_quantization).with_run_time(
+        sparse_top_k=sparse_top_k)
     name = rt.backend.name
     precision = precision_of(name, rt.manifest, rt.cfg.weights)
     tol = TOLERANCES[precision]
@@ -173,13 +177,13 @@ def verify(bundle: Path, backend: str = "auto", *, threads: int = 0, graph: str 
     if bundle.is_dir() and not (bundle / FILES.probe).is_file():
         read_probe(bundle / FILES.probe)  # the missing file's error, before any backend starts
     rt = runtime.load(bundle, backend, threads=threads, graph=graph, sparse_top_k=sparse_top_k, speculative="off",
-                      prefix_cache_mib=0)
+                      prefix_cache_mib=0)  # the budget's range checked here
     try:
         device = None
         if rt.backend.name == "tensorrt":
             from runtime.trt_backend import gpu_name
 
             device = gpu_name()
-        return judge(rt, read_probe(bundle / FILES.probe), device=device)
+        return judge(rt, read_probe(bundle / FILES.probe), device=device, sparse_top_k=sparse_top_k)
     finally:
         rt.backend.close()

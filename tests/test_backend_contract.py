@@ -319,7 +319,7 @@ def test_kv_noise_fallback_fires_as_on_onnxruntime(rt, ort):
     assert [e[:2] for e in events] == [e[:2] for e in events_ort] == [("kv_noise", 1)]
     assert events[0][2] == pytest.approx(events_ort[0][2], abs=2e-3)
     fp16 = runtime.load(rt.bundle, rt.backend.name, **({"threads": 1} if rt.backend.name == "onnxruntime" else {}))
-    fp16.policy = dataclasses.replace(fp16.policy, fp16_window=fp16.n_max)
+    fp16.knobs = dataclasses.replace(fp16.knobs, fp16_window=fp16.n_max)
     assert r.ids == r_ort.ids == fp16.generate(LONG, 10, stop_ids=[]).ids
 
 

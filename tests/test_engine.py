@@ -39,8 +39,8 @@ class SlowStepper:
         inner = BatchedStepper(rt) if batched else SequentialStepper(rt)
         self.inner, self.delay, self.calls, self.batches = inner, delay, 0, []
 
-    def new_sequence(self):
-        return self.inner.new_sequence()
+    def new_sequence(self, knobs=None):
+        return self.inner.new_sequence(knobs)
 
     def step(self, work):
         self.calls += 1
@@ -253,8 +253,8 @@ def test_failed_warmup_refuses_requests(rt):
     from runtime.engine import Engine, EngineClosedError
 
     class Broken:
-        def new_sequence(self):
-            return rt.new_sequence()
+        def new_sequence(self, knobs=None):
+            return rt.new_sequence(knobs)
 
         def step(self, work):
             return [RuntimeError("graph input missing") for _ in work]

@@ -114,7 +114,7 @@ def no_demotion(rt):
     import runtime
 
     other = runtime.load(rt.bundle, "onnxruntime", threads=1)
-    other.policy = dataclasses.replace(other.policy, fp16_window=other.n_max)
+    other.knobs = dataclasses.replace(other.knobs, fp16_window=other.n_max)
     return other
 
 
@@ -205,15 +205,17 @@ def test_kv_noise_measure_against_hand_computation(rt):
     assert seq.last_kv_noise == pytest.approx((num / den) ** 0.5, rel=1e-6)
 
 
-def test_engine_config_ranges():
+def test_engine_config_ranges(rt):
     from runtime.engine import EngineConfig
 
     for bad in (dict(min_hit_rate=1.5), dict(min_hit_rate=-0.1), dict(hit_rate_every=-1),
                 dict(max_kv_noise=-0.01), dict(max_kv_noise=float("inf"))):
         with pytest.raises(ValueError, match="EngineConfig." + next(iter(bad))):
             EngineConfig(**bad)
-    assert EngineConfig().min_hit_rate == 0.85 and EngineConfig().max_kv_noise == "auto"
-    assert EngineConfig().hit_rate_every == 64
+    # unset thresholds are the bundle's run_time (gsm.bundle_knobs.RunTime), as built: 0.85, every 64, auto
+    knobs = EngineConfig().knobs(rt.knobs).run_time
+    assert (knobs.min_hit_rate, knobs.hit_rate_every, knobs.max_kv_noise) == (0.85, 64, "auto")
+    assert EngineConfig(min_hit_rate=0.5, max_kv_noise=None).knobs(rt.knobs).run_time.max_kv_noise is None
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=7)],
@@ -229,7 +231,7 @@ def test_kv_noise_refresh_mid_decode_continues_the_same_stream(rt, sampling):
     from runtime.engine import Engine, EngineConfig
 
     short = runtime.load(rt.bundle, "onnxruntime", threads=1)
-    short.policy = dataclasses.replace(short.policy, rate=4, fp16_window=8)
+    short.knobs = dataclasses.replace(short.knobs, quantization_adaptation_rate=4, fp16_window=8)
     prompt = [1, 50, 51, 52, 53, 54, 55, 56, 57]
     want = no_demotion(rt).generate(prompt, 14, stop_ids=[], **sampling).ids
     ev = Events()

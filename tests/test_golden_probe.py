@@ -30,6 +30,7 @@ from gsm.probe_format import (
     FIELDS,
     LOGIT_BYTES,
     MAX_PROBE_BYTES,
+    PROBE_KNOBS,
     GoldenProbe,
     ProbeError,
     ProbeRecord,
@@ -178,7 +179,7 @@ def test_probe_size_is_bounded_whatever_the_vocabulary(vocab, tmp_path):
     recs = tuple(full_record(case, vocab, k, r) for case, k, r in zip(("text", "chat", "text", "chat"), outputs, rows))
     recs = tuple(ProbeRecord(**{**r.__dict__, "form": form}) for r, form in
                  zip(recs, ("portable", "portable", "tensorrt", "tensorrt")))
-    size = write_probe(tmp_path / "p.npz", GoldenProbe(vocab, recs, {}))
+    size = write_probe(tmp_path / "p.npz", GoldenProbe(vocab, recs, {PROBE_KNOBS: {}}))
     assert size <= MAX_PROBE_BYTES and len(read_probe(tmp_path / "p.npz").records) == 4
 
 

@@ -77,4 +77,4 @@ def test_bundle_carries_the_calibrations_tier_noise(tmp_path):
     rt = runtime.load(tmp_path / "b", "onnxruntime", threads=1)
     eng = Engine(rt, EngineConfig(warmup=False))
     assert rt.cfg.kv_quantization.tier_fractions[3] > 0  # the tiny INT4 copy uses the INT4 tier
-    assert eng.max_kv_noise == pytest.approx(max(0.05, 2 * cfg.kv_tier_noise["int4"]))
+    assert eng.max_kv_noise(eng.knobs) == pytest.approx(max(0.05, 2 * cfg.kv_tier_noise["int4"]))

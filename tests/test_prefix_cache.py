@@ -126,9 +126,10 @@ def _prefix(tokens: tuple[int, ...], n: int) -> Prefix:
 def test_the_cache_keeps_prefixes_up_to_its_bytes_least_recently_used_out_first():
     c = PrefixCache(1000)
     assert c.put(_prefix((1,), 400)) and c.put(_prefix((2,), 400))
-    assert c.get((1,)) is not None  # (2,) is now the least recently used
+    assert c.get((None, (1,))) is not None  # (2,) is now the least recently used
     assert c.put(_prefix((3,), 400))
-    assert c.get((2,)) is None and c.get((1,)) is not None and c.get((3,)) is not None
+    assert c.get((None, (2,))) is None and c.get((None, (1,))) is not None and c.get((None, (3,))) is not None
+    assert c.get(("other knobs", (1,))) is None  # the same tokens under other knobs are another prefix
     assert c.bytes == sum(p.nbytes for p in c._items.values()) <= 1000
     assert not c.put(_prefix((4,), 2000)) and len(c) == 2
     with pytest.raises(ValueError):

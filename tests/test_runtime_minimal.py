@@ -1,4 +1,4 @@
-"""The runtime-only install is minimal (issue 8): numpy, onnxruntime, tokenizers, jinja2 and nothing the
+"""The runtime-only install is minimal: numpy, onnxruntime, tokenizers, jinja2, jsonpatch and nothing the
 builder or converter need, and the runtime really runs with only those importable."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_DEPS = {"numpy", "onnxruntime", "tokenizers", "jinja2"}
+RUNTIME_DEPS = {"numpy", "onnxruntime", "tokenizers", "jinja2", "jsonpatch"}
 # What the builder, the converter and the tests bring; a device may have none of it.
 NOT_ON_A_DEVICE = ("torch", "onnx", "rich", "safetensors", "transformers", "sentencepiece", "gguf", "google.protobuf",
                    "scipy", "fastapi", "starlette", "uvicorn", "prometheus_client")

@@ -109,7 +109,7 @@ def drive_budgets(rt, base, *, seed: int, steps: int, dense_at: int) -> list:
     for l in rt.cfg.owning_layers:
         own_w, own_k = rt.cfg.selection_of(l)
         d = rt.cfg.top_k_divisor_of(l)
-        w = own_w if rt._window_input == 0 else rt.sparse_window
+        w = own_w if rt.knobs.sparse_window is None else rt.sparse_window
         for b, k in ((0, 0), (1, 3), (2, own_k)):
             got = seqs[b].last.selected[l][0]
             grown = max(k, seqs[b].length // d) if d else k

@@ -32,8 +32,8 @@ class SlowStepper:
 
         self.inner, self.delay = SequentialStepper(rt), delay
 
-    def new_sequence(self):
-        return self.inner.new_sequence()
+    def new_sequence(self, knobs=None):
+        return self.inner.new_sequence(knobs)
 
     def step(self, work):
         time.sleep(self.delay)
@@ -320,8 +320,8 @@ def test_serve_fallback_flags():
 
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
-    a = p.parse_args(["serve", "b"])
-    assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (0.85, 64, "auto")  # the published thresholds
+    a = p.parse_args(["serve", "b"])  # unset: the bundle's run_time thresholds (0.85, 64, auto as built)
+    assert (a.min_hit_rate, a.hit_rate_every, getattr(a, "max_kv_noise", "unset")) == (None, None, "unset")
     a = p.parse_args(["serve", "b", "--min-hit-rate", "1", "--hit-rate-every", "0", "--max-kv-noise", "off"])
     assert (a.min_hit_rate, a.hit_rate_every, a.max_kv_noise) == (1.0, 0, None)
 

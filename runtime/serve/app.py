@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: server-sent events ending in
 `data: [DONE]`), GET /v1/models, GET /health (503 until warm-up is done), GET /metrics (Prometheus),
-behind runtime.serve.guard (API key, body limit). Bad input is a 400 with an OpenAI error body naming the
+GET and PATCH /admin/config (the run-time knobs of new requests, gsm.bundle_knobs; the admin key only),
+behind runtime.serve.guard (API keys, body limit). Bad input is a 400 with an OpenAI error body naming the
 field; a full queue a 429 with Retry-After; a client that disconnects mid-stream cancels its request (the
 engine drops its cache).
 """
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gsm.bundle_knobs import KnobError
 from runtime.engine import Engine, EngineClosedError, EngineRequest, QueueFullError
 from runtime.sampling import RequestError
 from runtime.serve import protocol
@@ -72,6 +74,7 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/admin/config", self.admin_config, methods=["GET", "PATCH"]),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e)})
         self.app = Guard(self.routes, self.guard)  # API key and body limit before any route
 
@@ -95,6 +98,25 @@ class Server:
 
     async def metrics_endpoint(self, _: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def admin_config(self, request: Request) -> Response:
+        """GET: the knobs new requests take; PATCH: a JSON Patch (RFC 6902) of them, all or nothing (400 naming the
+        path, nothing changed), answered with the knobs now in force."""
+        eng = self.engine
+        if request.method == "PATCH":
+            try:
+                ops = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                return error_response(ApiError(400, f"the request body is not a JSON Patch: {e}"))
+            try:
+                eng.patch(ops)
+            except KnobError as e:
+                path = str(e).split(":", 1)[0] if str(e).startswith("/") else None
+                return error_response(ApiError(400, str(e), param=path))
+            self.metrics.config_generation.set(eng.config_generation)
+        knobs = eng.knobs
+        return JSONResponse({"generation": eng.config_generation, "checksum": knobs.checksum,
+                             "config": knobs.document()})
 
     # -- generation --
     async def completions(self, request: Request) -> Response:

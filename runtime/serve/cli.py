@@ -16,10 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gsm.bundle_knobs import RunTime
 from gsm.cli_support import CommandFailed, float_in, int_at_least
 from runtime.cli_args import add_backend_arguments, backend_label, load_runtime, one_line
-from runtime.engine import KV_NOISE_AUTO, KV_NOISE_FLOOR, KV_NOISE_MARGIN
-from runtime.serve.guard import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, GuardConfig
+from runtime.engine import FROM_BUNDLE, KV_NOISE_AUTO, KV_NOISE_FLOOR, KV_NOISE_MARGIN
+from runtime.serve.guard import ADMIN_KEY_ENV, API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, GuardConfig
 from runtime.verdict import ALLOW_FAILED_VERIFY, PASS, refuse_failed
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -45,14 +46,21 @@ def add_parser(sub: Any) -> None:
                    help="device memory / GPU load / power in /metrics from tegrastats (auto: when it is installed)")
     s.add_argument("--min-compression-ratio", type=float_in(0, math.inf), default=2.5,
                    help="live KV compression ratio below which a warning and a bundle hash check run (0: off)")
-    s.add_argument("--min-hit-rate", type=float_in(0, 1), default=0.85,
-                   help="sparse mask hit rate below which a sequence switches to dense attention (0: off)")
-    s.add_argument("--hit-rate-every", type=int_at_least(0), default=64,
-                   help="measure the hit rate on one decode step in this many per sequence (0: never)")
-    s.add_argument("--max-kv-noise", type=auto_or(off_or(float_in(0, math.inf))), default=KV_NOISE_AUTO,
+    s.add_argument("--min-hit-rate", type=float_in(0, 1),
+                   help="sparse mask hit rate below which a sequence switches to dense attention (0: off; default: "
+                        f"the bundle's run_time.min_hit_rate, {RunTime.min_hit_rate} as built)")
+    s.add_argument("--hit-rate-every", type=int_at_least(0),
+                   help="measure the hit rate on one decode step in this many per sequence (0: never; default: the "
+                        f"bundle's run_time.hit_rate_every, {RunTime.hit_rate_every} as built)")
+    s.add_argument("--max-kv-noise", type=auto_or(off_or(float_in(0, math.inf))), default=argparse.SUPPRESS,
                    help="KV noise of a re-tier pass above which the sequence's cache is refreshed at FP16 (off: never; "
                         f"auto: {KV_NOISE_FLOOR}, or {KV_NOISE_MARGIN:g}x the error the bundle's calibration measured "
-                        "for its narrowest tier when that is larger)"),
+                        "for its narrowest tier when that is larger; default: the bundle's run_time.max_kv_noise, "
+                        f"{RunTime.max_kv_noise} as built)")
+    s.add_argument("--admin-key",
+                   help="the key PATCH /admin/config requires ('Authorization: Bearer KEY', even on loopback), which "
+                        "changes the run-time knobs of new requests (docs/serving.md \"Changing knobs\"); default: "
+                        f"${ADMIN_KEY_ENV} if set, else the API key; with neither the endpoint answers 403")
     s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                                       f"(default: ${API_KEY_ENV} if set, else no authentication)")
     s.add_argument("--auth-metrics", action="store_true", help="require the API key on /metrics too")
@@ -117,7 +125,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(rt, EngineConfig(max_running=args.max_running, interleave=args.interleave,
                                       max_queue=args.max_queue, default_deadline_s=args.deadline,
                                       min_hit_rate=args.min_hit_rate, hit_rate_every=args.hit_rate_every,
-                                      max_kv_noise=args.max_kv_noise))
+                                      max_kv_noise=getattr(args, "max_kv_noise", FROM_BUNDLE)))
     name = args.model_name or Path(args.bundle).resolve().name
     monitor = None
     if args.tegrastats != "off":
@@ -131,7 +139,8 @@ def serve(args: argparse.Namespace) -> int:
 
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
     guard = GuardConfig(api_key=key, open_paths=("/health",) if args.auth_metrics else ("/health", "/metrics"),
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes,
+                        admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or key)
     if key is None and args.host not in LOOPBACK:
         logging.getLogger("runtime.serve").warning(
             "listening on %s without an API key: anyone who can reach this address can use the model (set "

@@ -75,6 +75,8 @@ class ServeMetrics(Observer):
         self.drafted = Counter("gsm_spec_draft_tokens", "Drafted tokens verified (speculative decoding)", registry=r)
         self.accepted = Counter("gsm_spec_accepted_tokens", "Drafted tokens the model's own tokens matched and kept",
                                 registry=r)
+        self.config_generation = Gauge("gsm_config_generation", "Run-time knob patches applied since the server "
+                                       "started (PATCH /admin/config)", registry=r)
         self.last_ratio: float | None = None
 
     def on_reject(self, reason: str) -> None:
