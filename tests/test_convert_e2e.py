@@ -243,6 +243,8 @@ def test_hf_directory_converts_like_llama2c(tmp_path, stories_hf, stories_src):
     (["--hit-rate-target", "1.5"], "--hit-rate-target"),
     (["--top-k", "64", "--hit-rate-target", "0.9"], "--hit-rate-target"),
     (["--top-k-divisor", "-1"], "--top-k-divisor"),
+    (["--layers", "0"], "--layers"),
+    (["--layers", "6"], "--layers 6: the model has 5 decoder layers"),  # stories260K has 5
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, message):
     r = convert(tmp_path / "out", *args)

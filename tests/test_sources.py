@@ -3,6 +3,7 @@ errors, and HF directories (single and sharded safetensors) read back equal to t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -15,7 +16,7 @@ from conftest import STORIES as MODEL
 
 from gsm import names
 from gsm.golden.rope import apply_rope, rope_tables
-from gsm.sources import SourceError, dense_shapes, read_source
+from gsm.sources import SourceError, dense_shapes, first_layers, read_source
 from gsm.sources.hf import llama_config_dict, read_hf
 from gsm.sources.llama2c import MAGIC, meta_to_hf_rope_rows, read_llama2c
 
@@ -218,3 +219,24 @@ def test_read_hf_errors(tmp_path: Path, stories_src) -> None:
     (tmp_path / "e").mkdir()
     with pytest.raises(SourceError, match="RoPE type 'llama3'"):
         read_hf(_hf_dir(tmp_path / "e", {**llama, "rope_scaling": {"rope_type": "llama3"}}))
+
+
+# --- the first layers of a source (`gsm convert --layers`) ------------------------------------
+
+@needs_data
+def test_first_layers_keep_the_source_as_read(stories_src) -> None:
+    """The first N decoder layers, the embedding, final norm and tokenizer exactly as read; the config says N layers,
+    and nothing of a later layer is left."""
+    cut = first_layers(stories_src, 2)
+    assert cut.config == dataclasses.replace(stories_src.config, num_hidden_layers=2)
+    assert cut.names == list(dense_shapes(cut.config))
+    assert {n for n in stories_src.names if n not in cut.names} == {
+        n for n in stories_src.names if n.startswith(("model.layers.2.", "model.layers.3.", "model.layers.4."))}
+    for n in cut.names:
+        assert cut.tensors.shape(n) == stories_src.tensors.shape(n) and torch.equal(cut.get(n), stories_src.get(n))
+    assert (cut.tokenizer_json, cut.tokenizer_config) == (stories_src.tokenizer_json, stories_src.tokenizer_config)
+    assert cut.origin == f"{stories_src.origin} (first 2 of its 5 layers)"
+    assert first_layers(stories_src, 5) is stories_src
+    for n in (0, 6):
+        with pytest.raises(SourceError, match=f"--layers {n}: the model has 5 decoder layers; keep 1 to 5"):
+            first_layers(stories_src, n)

@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output GSM checkpoint directory (written atomically)")
     p.add_argument("--tokenizer", help="llama2.c tokenizer.bin or SentencePiece .model "
                    "(default: tok{vocab}.bin or tokenizer.bin beside a llama2c SRC; tokenizer.json of an hf SRC)")
+    p.add_argument("--layers", type=int_at_least(1), metavar="N",
+                   help="keep only the first N decoder layers of SRC (embedding, final norm, LM head and tokenizer "
+                   "unchanged): a small model of real weights for quick end-to-end tests, not a model to deploy "
+                   "(default: all)")
     p.add_argument("--tolerance", type=float_in(0, 1, lo_open=True, hi_open=True),
                    default=GSMParams.kv_compression_tolerance,
                    help="relative K/V output error allowed when picking ranks (default %(default)s)")
@@ -251,6 +255,10 @@ def convert_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--calib-text and --eval-text are the same file ({calib}); "
                          "quality must be measured on text the converter did not fit on")
     source = read_source(args.source_format, src, Path(args.tokenizer) if args.tokenizer else None)
+    if args.layers is not None:
+        from gsm.sources import first_layers
+
+        source = first_layers(source, args.layers)
     n_layers = source.config.num_hidden_layers
     if args.sharing not in ("auto", "none"):
         parse_sharing_map(args.sharing, n_layers)

@@ -50,6 +50,12 @@ class LazyTensors:
                               f"expected {self._shapes[name]}")
         return t
 
+    def subset(self, keep: list[str]) -> LazyTensors:
+        """The tensors `keep` only (each still loaded when asked for)."""
+        for name in keep:
+            self._check(name)
+        return LazyTensors({n: self._loaders[n] for n in keep}, {n: self._shapes[n] for n in keep}, self._origin)
+
     def _check(self, name: str) -> None:
         if name not in self._loaders:
             raise KeyError(f"{self._origin}: no tensor {name!r}")
@@ -104,6 +110,19 @@ def dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def first_layers(src: DenseSource, n: int) -> DenseSource:
+    """`src` cut to its first `n` decoder layers: the same embedding, final norm, LM head and tokenizer, the
+    kept layers' weights unchanged (`gsm convert --layers`: a small model of real weights, for quick tests)."""
+    total = src.config.num_hidden_layers
+    if not 1 <= n <= total:
+        raise SourceError(f"{src.origin}: --layers {n}: the model has {total} decoder layers; keep 1 to {total}")
+    if n == total:
+        return src
+    cfg = dataclasses.replace(src.config, num_hidden_layers=n)
+    return dataclasses.replace(src, config=cfg, tensors=src.tensors.subset(list(dense_shapes(cfg))),
+                               origin=f"{src.origin} (first {n} of its {total} layers)")
+
+
 def read_source(path: Path, tokenizer: Path | None = None) -> DenseSource:
     """A directory is read as a Hugging Face model, a `.gguf` file as GGUF, other files as llama2.c."""
     from gsm.sources.hf import read_hf
@@ -123,4 +142,4 @@ def read_source(path: Path, tokenizer: Path | None = None) -> DenseSource:
     return read_llama2c(path, tokenizer)
 
 
-__all__ = ["DenseSource", "LazyTensors", "SourceError", "dense_shapes", "read_source"]
+__all__ = ["DenseSource", "LazyTensors", "SourceError", "dense_shapes", "first_layers", "read_source"]
