@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +17,39 @@ STORIES = DATA / "stories260K.bin"
 CALIB_TEXT = DATA / "tinystories_calib.txt"
 EVAL_TEXT = DATA / "tinystories_eval.txt"
 needs_data = pytest.mark.skipif(not STORIES.is_file(), reason=f"real data not found at {DATA}")
+
+
+SMOLLM2_GGUF = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_LAYERS = 8  # of its 30: real weights and tokenizer at CI's cost (docs/verify.md "What CI verifies")
+# `gsm convert` kept short: real fits on 4K calibration tokens, a fixed selection sparse at the probe's 256 tokens
+# (sinks 1 + window 32 + top-k 32), no long fit or long-context check, one held-out window for the report
+SMOLLM2_CONVERT = ("--layers", str(SMOLLM2_LAYERS), "--calib-tokens", "4096", "--eval-tokens", "256",
+                   "--indexer-steps", "20", "--long-fit", "0", "--long-check", "", "--top-k", "32", "--window", "32")
+# `calibration run` on 16 sequences, every KV tier in use (fixed fractions: no search)
+SMOLLM2_CALIBRATE = ("--samples", "16", "--tier-fractions", "0.25,0.25,0.25,0.25", "--eval-samples", "0")
+
+
+@pytest.fixture(scope="session")
+def smollm2_small(tmp_path_factory):
+    """A calibrated GSM checkpoint of SmolLM2-135M-Instruct's first SMOLLM2_LAYERS decoder layers, made once per
+    session from ../shared/data's GGUF by the CLI (`gsm convert --layers`, then `calibration run`): the real
+    tokenizer, embedding, head and the kept layers' real weights, about 40 s on 2 cores. A model cut so is no
+    language model (its perplexity is astronomical), but every tensor a bundle of it holds has a real model's
+    values. Deleted after the session."""
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"SmolLM2's GGUF not found at {SMOLLM2_GGUF}")
+    root = tmp_path_factory.mktemp("smollm2-small")
+    steps = [("gsm", "convert", "--from", "gguf", str(SMOLLM2_GGUF), "--calib-text", str(CALIB_TEXT),
+              "--eval-text", str(EVAL_TEXT), "--out", str(root / "gsm"), *SMOLLM2_CONVERT),
+             ("calibration", "run", "--checkpoint", str(root / "gsm"), "--data", str(CALIB_TEXT),
+              "--out", str(root / "cal"), *SMOLLM2_CALIBRATE)]
+    for step in steps:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", *step], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        print(f"smollm2_small: {' '.join(step[:2])} {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    yield root / "cal"
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

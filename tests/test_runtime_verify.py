@@ -4,10 +4,12 @@ where the golden's is sparse each fail, naming the check. What a failure recorde
 `builder engine`'s install, `runtime serve` and the Triton repository.
 
 Bundles: the demo model (synthetic tiny) at fp16 / int8 / int4 with the default options (int8 and int4 run INT8
-activation blocks in the ONNX Runtime graphs); SmolLM2 where $GSM_EDGE_SMOLLM2_CHECKPOINT names a calibrated GSM
-checkpoint (`python -m calibration run`: many minutes to make, so CI skips those unless it has one), built at
---max-seq 512. The reference is the golden probe the builder stored (tests/test_golden_probe.py checks it against
-the golden model itself).
+activation blocks in the ONNX Runtime graphs); SmolLM2 at fp16 / int8 / int4, built at --max-seq 512 from the first
+8 of its 30 layers (conftest `smollm2_small`: real weights and tokenizer, converted and calibrated in about 40 s;
+skipped only where ../shared/data lacks the GGUF) and, where $GSM_EDGE_SMOLLM2_CHECKPOINT names a calibrated GSM
+checkpoint of the whole model (`python -m calibration run`: many minutes to make, so CI has none), from that too.
+The reference is the golden probe the builder stored (tests/test_golden_probe.py checks it against the golden model
+itself).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import need_ort_ops_library
+from conftest import SMOLLM2_LAYERS, need_ort_ops_library
 from runtime_bundles import run_module
 from verify_mutations import perturb_weight, restamp, wrong_attribute
 
@@ -31,8 +33,6 @@ from runtime.verify_checks import GREEDY, LOGITS_MAX, LOGITS_MEAN, SELECTION
 N_MAX = 320  # the probe's 256 + 8 - 1 positions fit
 BACKENDS = ["onnxruntime", "reference"]
 SMOLLM2 = os.environ.get("GSM_EDGE_SMOLLM2_CHECKPOINT")
-needs_smollm2 = pytest.mark.skipif(not SMOLLM2, reason="no calibrated SmolLM2 GSM checkpoint at "
-                                                       "$GSM_EDGE_SMOLLM2_CHECKPOINT")
 
 
 def need(backend: str) -> None:
@@ -212,14 +212,22 @@ def test_engine_failing_the_check_is_kept_aside_unless_asked(demo, tmp_path):
         refuse_failed(bundle, "tensorrt", flag="--allow-failed-verify", allow=False)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("smollm2")
-    return {w: build(device="orin-nano-8", checkpoint_dir=Path(SMOLLM2), output=root / w, max_seq=512,
-                     weights=w).bundle for w in ("fp16", "int8", "int4")}
+@pytest.fixture(scope="module", params=[f"{SMOLLM2_LAYERS}-layers", "full"])
+def smollm2(request, tmp_path_factory):
+    """SmolLM2's fp16 / int8 / int4 bundles: of its first layers (always, where the GGUF is), or of the whole
+    calibrated model at $GSM_EDGE_SMOLLM2_CHECKPOINT (skipped without it). Deleted after the module's tests."""
+    if request.param == "full":
+        if not SMOLLM2:
+            pytest.skip("no calibrated SmolLM2 GSM checkpoint at $GSM_EDGE_SMOLLM2_CHECKPOINT")
+        checkpoint = Path(SMOLLM2)
+    else:
+        checkpoint = request.getfixturevalue("smollm2_small")
+    root = tmp_path_factory.mktemp(f"smollm2-{request.param}")
+    yield {w: build(device="orin-nano-8", checkpoint_dir=checkpoint, output=root / w, max_seq=512,
+                    weights=w).bundle for w in ("fp16", "int8", "int4")}
+    shutil.rmtree(root, ignore_errors=True)
 
 
-@needs_smollm2
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("weights", ["fp16", "int8", "int4"])
 def test_smollm2_bundles_pass(smollm2, weights, backend):
@@ -228,15 +236,18 @@ def test_smollm2_bundles_pass(smollm2, weights, backend):
     assert v.passed, v.table()
 
 
-@needs_smollm2
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mutation", list(EXPECTED))
 def test_smollm2_int4_mutations_fail(smollm2, mutation, backend, tmp_path):
+    """The INT4 bundle that passes above, mutated: each mutation fails, naming a check that sees it."""
     need(backend)
     if mutation == "attribute" and backend == "onnxruntime":
         need_ort_ops_library()
-    bundle, kw = mutated(smollm2["int4"], tmp_path, mutation, backend)
     if mutation == "dense" and backend == "reference":
         pytest.skip("the INT4 bundle's plugin graph selects at most the model's top-k (--max-top-k)")
-    v = verify(bundle, backend, **kw)
+    bundle, kw = mutated(smollm2["int4"], tmp_path, mutation, backend)
+    try:
+        v = verify(bundle, backend, **kw)
+    finally:
+        shutil.rmtree(bundle)  # a copy of the bundle, 117 MiB for 8 layers
     assert not v.passed and EXPECTED[mutation] & {c.name for c in v.failed}, v.table()
