@@ -9,7 +9,9 @@ at a time (httpx, SSE) and reports P50/P95 time to first token and request laten
 generated tokens/s (and its ratio to one client). The soak runs `--soak` requests at `--soak-concurrency`
 and reports the server's RSS after warm-up (the first 10 %) and at the end. The burst sends `--burst` requests
 of `--burst-prompt` token ids at once (more than the memory plan's rows: the rest must queue) and reports the
-server's peak RSS (VmHWM) above its RSS after warm-up beside the plan's KV bytes. Everything is bounded:
+server's peak RSS (VmHWM) above its RSS after warm-up beside the plan's KV bytes. `--patch P.json` sends that JSON
+Patch to PATCH /admin/config when half of each level's requests are done (a knob change under load: its p99 latency
+against a run without it). Everything is bounded:
 `--time-limit` seconds in all (the run stops and reports what it has). Exit 0 ok, 2 bad input, 1 a failure.
 """
 
@@ -68,8 +70,11 @@ async def one_request(client: Any, url: str, prompt: str, max_tokens: int) -> di
     return {"ttft": lat if ttft is None else ttft, "latency": lat, "tokens": tokens}
 
 
+ADMIN_KEY = "serve-load-bench"  # the server's --admin-key when --patch is given
+
+
 async def run_level(url: str, conc: int, n: int, max_tokens: int, deadline: float,
-                    on_done: Any = None) -> tuple[list[dict[str, float]], float]:
+                    on_done: Any = None, patch: Any = None) -> tuple[list[dict[str, float]], float]:
     import httpx
 
     results: list[dict[str, float]] = []
@@ -83,6 +88,11 @@ async def run_level(url: str, conc: int, n: int, max_tokens: int, deadline: floa
                 results.append(await one_request(client, url, PROMPTS[i % len(PROMPTS)], max_tokens))
                 if on_done is not None:
                     on_done(len(results))
+                if patch is not None and len(results) == n // 2:
+                    r = await client.patch(url + "/admin/config", json=patch,
+                                           headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                    if r.status_code != 200:
+                        raise RuntimeError(f"PATCH /admin/config: HTTP {r.status_code}: {r.text[:300]}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(task(i) for i in range(n)))
@@ -118,6 +128,7 @@ def summary(res: list[dict[str, float]], wall: float) -> dict[str, float]:
             "ttft_p95_ms": 1e3 * pct([r["ttft"] for r in res], 95),
             "latency_p50_ms": 1e3 * pct([r["latency"] for r in res], 50),
             "latency_p95_ms": 1e3 * pct([r["latency"] for r in res], 95),
+            "latency_p99_ms": 1e3 * pct([r["latency"] for r in res], 99),
             "tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall if wall > 0 else 0.0}
 
 
@@ -137,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="",
                    help="more `runtime serve` flags, e.g. \"--hit-rate-every 0 --max-kv-noise off\" (the fallback "
                         "policies are on at their defaults otherwise)")
+    p.add_argument("--patch", type=Path,
+                   help="a JSON Patch file sent to PATCH /admin/config halfway through each level")
     args = p.parse_args(argv)
+    patch = json.loads(args.patch.read_text()) if args.patch else None
     try:
         levels = [int(x) for x in args.levels.split(",") if x.strip() != "0"]  # 0: no levels
     except ValueError:
@@ -164,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     server = subprocess.Popen([sys.executable, "-m", "runtime", "serve", str(args.bundle), "--host", "127.0.0.1",
                                "--port", str(port), "--threads", str(args.threads), "--max-queue", "256",
-                               "--log-level", "warning", "--tegrastats", "off", *shlex.split(args.server_args)],
+                               "--log-level", "warning", "--tegrastats", "off", *shlex.split(args.server_args),
+                               *(["--admin-key", ADMIN_KEY] if patch else [])],
                               env=env, stderr=log)
     out: dict[str, Any] = {"bundle": str(args.bundle), "max_tokens": args.max_tokens, "levels": {},
                            "cpus": os.cpu_count(), "server_args": args.server_args}
@@ -208,12 +223,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{b['plan_cpu_kv_mb']:.1f} MB on onnxruntime (max_batch {b['max_batch']} x max_seq "
                   f"{b['max_seq']}), this backend's KV budget {b['backend_kv_budget_mb']:.1f} MB", file=sys.stderr)
         for conc in levels:
-            res, wall = asyncio.run(run_level(url, conc, args.requests, args.max_tokens, deadline))
+            res, wall = asyncio.run(run_level(url, conc, args.requests, args.max_tokens, deadline, patch=patch))
             s = summary(res, wall)
             out["levels"][conc] = s
             print(f"clients {conc:>2}: {s['requests']} requests, TTFT p50 {s['ttft_p50_ms']:.1f} ms p95 "
                   f"{s['ttft_p95_ms']:.1f} ms, latency p50 {s['latency_p50_ms']:.1f} ms p95 {s['latency_p95_ms']:.1f} "
-                  f"ms, {s['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+                  f"ms p99 {s['latency_p99_ms']:.1f} ms, {s['tokens_per_s']:.1f} tokens/s"
+                  + (" (patched halfway)" if patch else ""), file=sys.stderr)
         base = out["levels"].get(1, {}).get("tokens_per_s")
         for s in out["levels"].values():
             s["tokens_per_s_vs_one_client"] = s["tokens_per_s"] / base if base else None
