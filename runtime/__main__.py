@@ -146,23 +146,38 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--allow-failed-verify", action="store_true",
                    help="load bundles whose recorded golden check (report.json, `builder engine`) failed on their "
                         "backend (refused otherwise, here or when Triton loads the model)")
+    t.add_argument("--config-patch", type=Path, metavar="PATCH.json",
+                   help="a JSON Patch (RFC 6902) of the bundles' run-time knobs, as `runtime patch --patch` takes, "
+                        "that each model applies when it loads (config parameter gsm_config_patch; checked here "
+                        "against each bundle's limits)")
     return p
 
 
 def triton(args: argparse.Namespace) -> int:
+    from gsm.bundle_knobs import KnobError
     from runtime.triton.repository import TritonModelSpec, write_repository
 
     names = args.model_name or []
     if names and len(names) != len(args.bundles):
         raise ValueError(f"argument --model-name: give one per bundle ({len(args.bundles)}), got {len(names)}")
+    config_patch = None
+    if args.config_patch is not None:
+        from runtime.bundle_patch import read_patch
+
+        try:
+            config_patch = json.dumps(read_patch(args.config_patch))
+        except KnobError as e:
+            raise ValueError(f"argument --config-patch: {str(e).removeprefix('--patch ')}") from None
     specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend,
                              python_env=args.python_env, speculative=args.speculative,
-                             allow_failed_verify=args.allow_failed_verify)
+                             allow_failed_verify=args.allow_failed_verify, config_patch=config_patch)
              for i, b in enumerate(args.bundles)]
     try:
         write_repository(specs, args.out, overwrite=args.overwrite)
     except OutputExistsError as e:
         raise ValueError(f"argument --out: {e} (give --overwrite to replace it)") from None
+    except KnobError as e:  # the config patch, refused against a bundle's limits: nothing written
+        raise ValueError(f"argument --config-patch: {e}") from None
     print(f"Triton repository {args.out}: {', '.join(s.model_name for s in specs)} "
           f"(tritonserver --model-repository {args.out})", file=sys.stderr)
     return 0

@@ -12,6 +12,10 @@ set -euo pipefail
 DEST="${GSM_TRITON_DIST:-${GSM_EDGE_CACHE:-$HOME/.cache/gsm-edge}/triton}"
 PY="${PYTHON:-python3}"
 if [ -x "$DEST/pytriton/tritonserver/bin/tritonserver" ] && [ -d "$DEST/tritonclient" ] && [ -x "$DEST/env/bin/python" ]; then
+  # an environment made before a runtime dependency was added gets it (the model's gsm_config_patch needs jsonpatch)
+  if ! "$DEST/env/bin/python" -c "import jsonpatch" 2>/dev/null; then
+    "$DEST/env/bin/python" -m pip install -q "jsonpatch>=1.33"
+  fi
   echo "Triton present: $DEST"
   exit 0
 fi
@@ -21,5 +25,5 @@ mkdir -p "$DEST"
 # against numpy 1 (a numpy 2 array reaches it with the wrong layout), so the runtime's dependencies again, at
 # numpy < 2; gsm-edge itself comes from the source tree (the repository's shim puts it on the path).
 "$PY" -m venv "$DEST/env"
-"$DEST/env/bin/python" -m pip install -q "numpy<2" onnxruntime tokenizers "jinja2>=3.1.6" llguidance
+"$DEST/env/bin/python" -m pip install -q "numpy<2" onnxruntime tokenizers "jinja2>=3.1.6" "jsonpatch>=1.33" llguidance
 echo "Triton installed: $DEST (models' environment: $DEST/env)"

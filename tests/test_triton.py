@@ -3,7 +3,8 @@
 loads and reports ready; generate and generate_stream answer what the runtime answers; 8 concurrent greedy
 requests equal the runtime's own, token for token; a malformed request gets Triton's error and the server
 lives; GSM metrics are on Triton's /metrics; unloading frees the model's processes and reloading serves again;
-two instances of one model serve at once. Skips, saying why, where tritonserver cannot start."""
+two instances of one model serve at once; the knobs of the config parameter gsm_config_patch, at load and through a
+reload with a config override. Skips, saying why, where tritonserver cannot start."""
 
 from __future__ import annotations
 
@@ -230,3 +231,78 @@ def test_dashboard_series_exist_on_tritons_metrics(server):
     for p in dash.PANELS:
         if p.source in ("triton", "both"):
             assert dash.series(p) <= names, (p.title, dash.series(p) - names)
+
+
+# window 2, no indexer pick; the fallbacks off, so the engine's greedy text is the plain runtime's at that window
+# (at window 2 the hit rate is low and the dense fallback would take the sequence over)
+WINDOW_PATCH = [{"op": "replace", "path": "/run_time/sparse_window", "value": 2},
+                {"op": "replace", "path": "/run_time/sparse_top_k", "value": 0},
+                {"op": "replace", "path": "/run_time/min_hit_rate", "value": 0},
+                {"op": "replace", "path": "/run_time/max_kv_noise", "value": None}]
+
+
+def test_config_patch_at_load_and_through_a_reload_with_a_config_override(demo, tmp_path):
+    """gsm_config_patch: `--config-patch` writes it (a patch past the bundle's limits is one error line naming the
+    path, and no repository); the model applies it when it loads; Triton's repository API changes it (load with a
+    config override: a reload), after which requests select with the new knobs (greedy text equal to the runtime's at
+    that window, which differs from the model's own); the knobs' checksum and generation are in Triton's log and
+    /metrics; a bad override fails the reload naming the path, and the model loaded before serves on."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    import runtime
+    from gsm.bundle_knobs import patch_knobs
+
+    prompt, n = "Once upon a time there", 30
+    base = runtime.load(demo, "onnxruntime", threads=1)
+    windowed = runtime.load(demo, "onnxruntime", threads=1, sparse_window=2, sparse_top_k=0)
+    want_base, want_new = (r.generate(prompt, n, temperature=0.0).text for r in (base, windowed))
+    assert want_base != want_new  # the window is observable from outside on this prompt
+    sums = {"base": base.knobs.checksum, "new": patch_knobs(base.knobs, WINDOW_PATCH, base.cfg.knob_limits).checksum}
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"op": "replace", "path": "/run_time/sparse_window", "value": 9}]))
+    r = run_module("runtime", "triton", str(demo), "--out", str(tmp_path / "repo"), "--config-patch", str(bad),
+                   *repo_args(), cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--config-patch" in r.stderr and "/run_time/sparse_window: 9 is above" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]  # nothing written
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(WINDOW_PATCH))
+    r = run_module("runtime", "triton", str(demo), "--out", str(tmp_path / "repo"), "--model-name", "demo",
+                   "--config-patch", str(good), *repo_args(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert 'key: "gsm_config_patch"' in (tmp_path / "repo" / "demo" / "config.pbtxt").read_text()
+
+    t = Triton(tmp_path / "repo", tmp_path, explicit=True)
+    try:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{t.http_port}")
+
+        def serves(text, checksum, generation):
+            assert t.generate("demo", prompt, max_tokens=n, temperature=0.0)["text_output"] == text
+            metrics = httpx.get(f"http://127.0.0.1:{t.metrics_port}/metrics", timeout=10).text
+            assert 'gsm_config_generation{instance="demo_0_0",model="demo"} ' + str(generation) in metrics
+            deadline = time.monotonic() + 10
+            while f"knobs {checksum}, config generation {generation}" not in t.log.read_text():
+                assert time.monotonic() < deadline, t.log.read_text()[-2000:]
+                time.sleep(0.2)
+
+        def reload(patch):
+            cfg = c.get_model_config("demo")  # the whole config: an override replaces config.pbtxt, not merges
+            cfg["parameters"].pop("gsm_config_patch", None)
+            if patch is not None:
+                cfg["parameters"]["gsm_config_patch"] = {"string_value": json.dumps(patch)}
+            c.load_model("demo", config=json.dumps(cfg))
+
+        c.load_model("demo")  # config.pbtxt's patch
+        serves(want_new, sums["new"], 1)
+        reload(None)  # no patch: the bundle's knobs
+        serves(want_base, sums["base"], 0)
+        reload(WINDOW_PATCH)
+        serves(want_new, sums["new"], 1)
+        with pytest.raises(InferenceServerException, match="gsm_config_patch: /run_time/sparse_window: 9 is above"):
+            reload([{"op": "replace", "path": "/run_time/sparse_window", "value": 9}])
+        assert c.is_model_ready("demo")
+        serves(want_new, sums["new"], 1)
+    finally:
+        t.close()

@@ -8,6 +8,12 @@ sender (a bad parameter names it, as the HTTP server's 400 does); the model live
 
 Metrics: the GSM series of `runtime serve` (same names) through the Python backend's custom metrics API, so
 they appear on Triton's own /metrics beside nv_inference_*.
+
+Run-time knobs: the config parameter `gsm_config_patch` (a JSON Patch, runtime.triton.repository.PATCH_PARAM) is
+applied to the engine's knobs when the instance loads; a bad one fails the load naming the path. Changing it is a
+reload with a config override (Triton's repository API): a new instance, the old one finishing its requests. The
+instance logs the knobs (their document and checksum) and the generation (Engine.config_generation: 1 with a patch,
+else 0) to Triton's log, and exports the generation as gsm_config_generation.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class GsmMetrics:
             ("gsm_shared_kv_noise_level", "Relative error the last re-tier pass added to the rows it re-encoded", G),
             ("gsm_spec_draft_tokens_total", "Drafted tokens verified (speculative decoding)", C),
             ("gsm_spec_accepted_tokens_total", "Drafted tokens the model's own tokens matched and kept", C),
+            ("gsm_config_generation", "Run-time knob patches applied when this instance loaded (gsm_config_patch: "
+                                      "1, else 0)", G),
         )}
         self.fam, self.labels, self.m = fam, {"model": model, "instance": instance}, {}
         # series whose label values are known exist from the start at 0 (Prometheus practice); the hit rate and
@@ -89,6 +97,34 @@ class GsmMetrics:
                 outer.metric("gsm_spec_accepted_tokens_total").increment(accepted)
 
         return Obs()
+
+
+def log_info(msg: str) -> None:
+    """To Triton's own log (the Python backend's Logger) where it has one, else to the logging module's."""
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        logger.log_info(msg)
+    else:
+        log.info("%s", msg)
+
+
+def config_patch(engine: Any, params: dict[str, str]) -> None:
+    """Apply the config's PATCH_PARAM (a JSON Patch of the knobs; absent or empty: none) to `engine`'s knobs;
+    KnobError naming the path (the load fails with it) unless it is JSON that Engine.patch takes."""
+    from gsm.bundle_knobs import KnobError
+    from runtime.triton.repository import PATCH_PARAM
+
+    text = params.get(PATCH_PARAM, "").strip()
+    if not text:
+        return
+    try:
+        ops = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise KnobError(f"{PATCH_PARAM}: not JSON ({e})") from None
+    try:
+        engine.patch(ops)
+    except KnobError as e:
+        raise KnobError(f"{PATCH_PARAM}: {e}") from None
 
 
 def _input(request: Any, name: str) -> np.ndarray | None:
@@ -155,10 +191,16 @@ class TritonPythonModel:
         self.name = config["name"]
         self.engine = Engine(self.rt, EngineConfig(max_running=int(params.get("max_running", 0)),
                                                     max_queue=int(params.get("max_queue", 64))))
+        config_patch(self.engine, params)  # before any request: every one this instance serves takes these knobs
+        knobs = self.engine.knobs
+        log_info(f"model {self.name}: knobs {knobs.checksum}, config generation {self.engine.config_generation}: "
+                 f"{json.dumps(knobs.document(), sort_keys=True)}")
         instance = args.get("model_instance_name", self.name)
         self.metrics = GsmMetrics(self.name, instance) if hasattr(pb_utils, "MetricFamily") else None
         if self.metrics is not None:
             self.engine.observers.append(self.metrics.observer())
+            # one series per instance name: a reload's new instance sets it (the old one's value is not left behind)
+            self.metrics.metric("gsm_config_generation").set(self.engine.config_generation)
         self.engine.start()
         self.engine.ready.wait()
         if self.engine.warmup_error is not None:

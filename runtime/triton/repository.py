@@ -10,6 +10,10 @@ The bundle is verified by its own manifest when the model loads (runtime.load), 
 where its recorded golden check (report.json, `builder engine`) failed on the model's backend, unless the repository
 was written with --allow-failed-verify; the checks recorded when the repository was written are its config's
 `golden_check` parameter (GET /v2/models/NAME/config).
+
+Run-time knobs: the config's `gsm_config_patch` parameter, a JSON Patch (RFC 6902, gsm.bundle_knobs paths) the model
+applies to the bundle's knobs when it loads (Engine.patch). `--config-patch` writes it, checked here against the
+bundle's limits first; a load with a config override (Triton's repository API) changes it: a model reload.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from typing import Any
 
 from gsm.atomic import atomic_output_dir
 from gsm.bundle_format import BundleConfig
+from gsm.bundle_knobs import KnobError, RunKnobs, patch_knobs
 from runtime.verdict import ALLOW_FAILED_VERIFY, recorded_verdicts, refuse_failed, verdict_status
 
 KINDS = ("cpu", "gpu")
 ALLOW_PARAM, VERIFY_PARAM = "allow_failed_verify", "golden_check"  # config.pbtxt parameters (runtime.triton.model)
+PATCH_PARAM = "gsm_config_patch"  # config.pbtxt parameter: a JSON Patch of the bundle's knobs, applied at load
 # the generate extension's inputs (`/v2/models/NAME/generate` maps JSON fields onto them by name): name,
 # Triton type, dims; all optional but text_input
 INPUTS = (
@@ -78,6 +84,8 @@ class TritonModelSpec:
     speculative: str = "auto"  # runtime.load's: drafting on ("auto") or off; a request's `speculative` input overrides
     python_env: Path | None = None  # the virtual environment the model imports from (default: the writer's)
     allow_failed_verify: bool = False  # load even where the bundle's recorded golden check failed on the backend
+    # a JSON Patch (RFC 6902) of the bundle's run-time knobs, as JSON text: the PATCH_PARAM parameter (None: none)
+    config_patch: str | None = None
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -106,6 +114,8 @@ def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> s
               # the model reads them again when it loads
               VERIFY_PARAM: json.dumps({b: verdict_status(Path(spec.bundle), b)
                                         for b in recorded_verdicts(Path(spec.bundle))})}
+    if spec.config_patch is not None:
+        params[PATCH_PARAM] = spec.config_patch
     parameters = "\n".join(f"parameters {{\n  key: \"{k}\"\n  value: {{ string_value: {json.dumps(v)} }}\n}}"
                            for k, v in params.items())
     return (f"name: \"{spec.model_name}\"\nbackend: \"python\"\nmax_batch_size: 0\n"
@@ -113,6 +123,17 @@ def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> s
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
             f"instance_group [\n  {{\n    count: {spec.instances}\n    kind: KIND_{spec.kind.upper()}\n  }}\n]\n"
             f"{parameters}\n")
+
+
+def check_config_patch(text: str, cfg: BundleConfig) -> RunKnobs:
+    """The knobs `text` (a PATCH_PARAM value: a JSON Patch) makes of the bundle's; KnobError naming the path unless it
+    parses, addresses knobs only and stays within the limits the bundle was built for (the largest budget every
+    backend takes: the model checks it again against its own backend when it loads)."""
+    try:
+        ops = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise KnobError(f"{PATCH_PARAM}: not JSON ({e})") from None
+    return patch_knobs(cfg.knobs, ops, cfg.knob_limits)
 
 
 def python_env(env: Path | None = None) -> dict[str, Any]:
@@ -151,6 +172,12 @@ def write_repository(specs: list[TritonModelSpec], out: Path, *, overwrite: bool
     if len(set(names)) != len(names):
         raise ValueError(f"model names must differ, got {names} (give --model-name for each bundle)")
     opened = [(s, open_bundle(Path(s.bundle))) for s in specs]  # (manifest, cfg): verified before any output
+    for spec, (_manifest, cfg) in opened:
+        if spec.config_patch is not None:
+            try:
+                check_config_patch(spec.config_patch, cfg)
+            except KnobError as e:
+                raise KnobError(f"model {spec.model_name}: {e}") from None
     for s in specs:  # a backend named outright is refused here already; "auto" resolves when the model loads
         if s.backend != "auto":
             refuse_failed(Path(s.bundle), s.backend, flag=ALLOW_FAILED_VERIFY, allow=s.allow_failed_verify)
