@@ -42,6 +42,7 @@ from builder.plan import (
     QUANTISED_KEYS,
     WEIGHT_CHOICES,
     MemoryPlan,
+    PlanRequest,
     choose_weights,
     fmt_bytes,
     head_config,
@@ -164,10 +165,10 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         except CalibrationError as e:
             raise BuildError(str(e)) from None
         try:
-            plan = choose_weights(cfg, ranks, quant, profile, weights=weights, max_seq=max_seq, max_batch=max_batch,
-                                  max_input=max_input, group_size=group, head_weights=head_weights, int4_grid=grid,
-                                  max_top_k=max_top_k, gsm_weights=gsm_weights, head_moment=moment is not None,
-                                  max_rate=max_adaptation_rate)
+            plan = choose_weights(cfg, ranks, quant, profile, PlanRequest(
+                weights=weights, max_seq=max_seq, max_batch=max_batch, max_input=max_input, group_size=group,
+                head_weights=head_weights, int4_grid=grid, max_top_k=max_top_k, gsm_weights=gsm_weights,
+                head_moment=moment is not None, max_rate=max_adaptation_rate))
             require_fit(plan, cfg, ranks, quant)
         except PlanError as e:
             raise BuildError(str(e)) from None

@@ -26,7 +26,7 @@ the device's data-sheet bandwidth. Real kernels reach 60-80 % of it on Orin.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from builder.wquant import WeightQuantConfig, quantized_bytes
@@ -385,23 +385,37 @@ def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], 
     return int(weights + kv)
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one plan is asked for: the build's sizes and weight formats (None: the model's or the format's default)."""
+
+    max_seq: int | None = None  # None: the model's max_position_embeddings
+    max_batch: int = 1
+    max_input: int | None = None  # None: min(max_seq, 512)
+    weights: str = "fp16"  # one of WEIGHT_CHOICES ("auto" only through choose_weights)
+    group_size: int | None = None  # None: default_group_size(weights)
+    head_weights: str | None = None  # None: head_choice's default
+    int4_grid: str = "sym"
+    max_top_k: int | None = None  # the TensorRT graph's largest per-sequence budget (None: the model's sparse_top_k)
+    gsm_weights: str | None = None  # None: gsm_choice's default
+    head_moment: bool = False  # the calibration has the head's input moment (head_choice)
+    max_rate: int = 0  # --max-adaptation-rate (0: the model's quantization_adaptation_rate)
+
+
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
-              profile: DeviceProfile, *, max_seq: int | None = None, max_batch: int = 1,
-              max_input: int | None = None, weights: str = "fp16", group_size: int | None = None,
-              head_weights: str | None = None, int4_grid: str = "sym", max_top_k: int | None = None,
-              gsm_weights: str | None = None, head_moment: bool = False, max_rate: int = 0) -> MemoryPlan:
+              profile: DeviceProfile, request: PlanRequest) -> MemoryPlan:
     """The plan for one request; PlanError for impossible requests (not for ones that do not fit:
-    callers decide, see `require_fit`). `weights` is one of WEIGHT_CHOICES (see `choose_weights`
-    for auto); head_weights None: head_choice's default (head_moment: the calibration has the head's input
-    moment). max_top_k: the TensorRT graph's largest
-    per-sequence budget (None: the model's sparse_top_k)."""
-    max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
+    callers decide, see `require_fit`). `request.weights` is one of WEIGHT_CHOICES (see `choose_weights`
+    for auto)."""
+    r = request
+    max_seq = cfg.max_position_embeddings if r.max_seq is None else r.max_seq
+    max_batch, max_top_k, max_rate = r.max_batch, r.max_top_k, r.max_rate
     if max_seq > cfg.max_position_embeddings:
         raise PlanError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings "
                         f"({cfg.max_position_embeddings}); use --max-seq {cfg.max_position_embeddings} or less")
     if max_seq < 1 or max_batch < 1:
         raise PlanError(f"--max-seq and --max-batch must be >= 1, got {max_seq} and {max_batch}")
-    max_input = min(max_seq, 512) if max_input is None else max_input
+    max_input = min(max_seq, 512) if r.max_input is None else r.max_input
     if not 1 <= max_input <= max_seq:
         raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
     low = cfg.gsm.max_top_k_to(max_seq)
@@ -409,9 +423,10 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         raise PlanError(f"--max-top-k must be in [{low} (the model's largest top-k within max-seq), "
                         f"max-seq={max_seq}], got {max_top_k}")
     params = param_count(cfg, ranks)
-    group_size = default_group_size(weights) if group_size is None else group_size
-    head_weights = head_choice(weights, head_weights, head_moment)
-    gsm_weights = gsm_choice(weights, gsm_weights)
+    weights, int4_grid = r.weights, r.int4_grid
+    group_size = default_group_size(weights) if r.group_size is None else r.group_size
+    head_weights = head_choice(weights, r.head_weights, r.head_moment)
+    gsm_weights = gsm_choice(weights, r.gsm_weights)
     tensors = tensor_bytes(cfg, ranks, weights=weights, group_size=group_size, head_weights=head_weights,
                            int4_grid=int4_grid, gsm_weights=gsm_weights)
     wbytes = sum(tensors.values())
@@ -442,14 +457,14 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
-                   profile: DeviceProfile, *, weights: str = "auto", **kw) -> MemoryPlan:
-    """The plan at `weights`; for "auto" the highest precision of WEIGHT_CHOICES whose plan fits
+                   profile: DeviceProfile, request: PlanRequest) -> MemoryPlan:
+    """The plan at `request.weights`; for "auto" the highest precision of WEIGHT_CHOICES whose plan fits
     (the lowest one's plan when none does, so `require_fit` explains the refusal)."""
-    if weights != "auto":
-        return make_plan(cfg, ranks, quant, profile, weights=weights, **kw)
+    if request.weights != "auto":
+        return make_plan(cfg, ranks, quant, profile, request)
     plan = None
     for choice in WEIGHT_CHOICES:
-        plan = make_plan(cfg, ranks, quant, profile, weights=choice, **kw)
+        plan = make_plan(cfg, ranks, quant, profile, replace(request, weights=choice))
         if plan.fits:
             return plan
     assert plan is not None
@@ -491,34 +506,31 @@ def require_fit(plan: MemoryPlan, cfg: ModelConfig, ranks: dict[int, tuple[int, 
     if plan.largest_fitting_seq > 0:
         msg += f"At --max-batch {plan.max_batch}, --max-seq {plan.largest_fitting_seq} fits"
         if plan.max_batch > 1:
-            one = make_plan(cfg, ranks, quant, PROFILES[plan.device], max_seq=plan.max_seq, max_batch=1,
-                            max_input=plan.max_input, **_weight_kw(plan))
+            one = make_plan(cfg, ranks, quant, PROFILES[plan.device], _request_of(plan, max_batch=1))
             if one.fits:
                 msg += f"; at --max-batch 1, --max-seq {plan.max_seq} fits"
         msg += "."
     else:
         bigger = [p.name for p in sorted(PROFILES.values(), key=lambda p: p.usable_bytes)
-                  if make_plan(cfg, ranks, quant, p, max_seq=plan.max_seq, max_batch=plan.max_batch,
-                               max_input=plan.max_input, **_weight_kw(plan)).fits]
+                  if make_plan(cfg, ranks, quant, p, _request_of(plan)).fits]
         msg += "No context length fits on this device; " + (
             f"it fits on: {', '.join(bigger)}." if bigger else "no known device fits it.")
     profile = PROFILES.get(plan.device)
     lower = [w for w in WEIGHT_CHOICES[WEIGHT_CHOICES.index(plan.weights) + 1:]
-             if profile is not None and make_plan(cfg, ranks, quant, profile, max_seq=plan.max_seq,
-                                                  max_batch=plan.max_batch, max_input=plan.max_input,
-                                                  **{**_weight_kw(plan), "weights": w}).fits]
+             if profile is not None and make_plan(cfg, ranks, quant, profile, _request_of(plan, weights=w)).fits]
     if lower:
         msg += f" With --weights {lower[0]} it fits at --max-seq {plan.max_seq}."
     low = cfg.gsm.max_top_k_to(plan.max_seq)
     if profile is not None and plan.max_top_k > low and make_plan(
-            cfg, ranks, quant, profile, max_seq=plan.max_seq, max_batch=plan.max_batch, max_input=plan.max_input,
-            **{**_weight_kw(plan), "max_top_k": low}).fits:
+            cfg, ranks, quant, profile, _request_of(plan, max_top_k=low)).fits:
         msg += (f" With --max-top-k {low} it fits (the TensorRT graph's per-layer selection outputs shrink; "
                 "a sequence can then not switch to dense attention there).")
     raise PlanError(msg)
 
 
-def _weight_kw(plan: MemoryPlan) -> dict[str, Any]:
-    return {"weights": plan.weights, "group_size": plan.group_size, "head_weights": plan.head_weights,
-            "int4_grid": plan.int4_grid, "max_top_k": plan.max_top_k, "gsm_weights": plan.gsm_weights,
-            "max_rate": plan.max_adaptation_rate}
+def _request_of(plan: MemoryPlan, **changes: Any) -> PlanRequest:
+    """The request that makes `plan` again (its weight formats as the plan resolved them), with `changes`."""
+    return replace(PlanRequest(max_seq=plan.max_seq, max_batch=plan.max_batch, max_input=plan.max_input,
+                               weights=plan.weights, group_size=plan.group_size, head_weights=plan.head_weights,
+                               int4_grid=plan.int4_grid, max_top_k=plan.max_top_k, gsm_weights=plan.gsm_weights,
+                               max_rate=plan.max_adaptation_rate), **changes)

@@ -8,6 +8,7 @@ import pytest
 
 from builder.plan import (
     PlanError,
+    PlanRequest,
     dense_fp16_bytes_per_position,
     kv_bytes_per_position,
     make_plan,
@@ -72,7 +73,7 @@ def test_pool_rows_bound_the_golden_tier_counts(fractions):
 
 def test_plan_fits_and_roofline():
     cfg, ranks, q = preset("tiny")
-    plan = make_plan(cfg, ranks, q, get_profile("orin"), max_seq=256)
+    plan = make_plan(cfg, ranks, q, get_profile("orin"), PlanRequest(max_seq=256))
     assert plan.fits and plan.largest_fitting_seq == cfg.max_position_embeddings
     assert plan.decode_tokens_per_s_estimate == pytest.approx(204.8e9 / plan.decode_bytes_per_token)
     assert "estimate" in plan.to_json()["decode_tokens_per_s_estimate_note"]
@@ -86,7 +87,7 @@ def test_cpu_backend_memory_is_planned_and_its_fit_said():
     from builder.plan import SLOT_ENTRY_BYTES, kv_pool_bytes, row_cache_capacity
 
     cfg, ranks, q = preset("tiny")
-    plan = make_plan(cfg, ranks, q, get_profile("orin"), max_seq=256, max_batch=2)
+    plan = make_plan(cfg, ranks, q, get_profile("orin"), PlanRequest(max_seq=256, max_batch=2))
     rows = pool_rows(256, plan.max_input, cfg, q)
     row_cache = sum(row_cache_capacity(cfg, i, 256) * (4 * cfg.kv_dim + 3 * 4) for i in range(cfg.num_hidden_layers))
     assert plan.row_cache_bytes == row_cache
@@ -102,12 +103,12 @@ def test_cpu_backend_memory_is_planned_and_its_fit_said():
 def test_max_seq_beyond_model():
     cfg, ranks, q = preset("tiny")
     with pytest.raises(PlanError, match="max_position_embeddings"):
-        make_plan(cfg, ranks, q, get_profile("orin"), max_seq=cfg.max_position_embeddings + 1)
+        make_plan(cfg, ranks, q, get_profile("orin"), PlanRequest(max_seq=cfg.max_position_embeddings + 1))
 
 
 def test_plan_that_does_not_fit_says_what_would():
     cfg, ranks, q = preset("1b")
-    plan = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), max_seq=4096, max_batch=64)
+    plan = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), PlanRequest(max_seq=4096, max_batch=64))
     assert not plan.fits and 0 < plan.largest_fitting_seq < 4096
     with pytest.raises(PlanError) as e:
         require_fit(plan, cfg, ranks, q)
@@ -115,15 +116,16 @@ def test_plan_that_does_not_fit_says_what_would():
     assert "short by" in msg and f"--max-seq {plan.largest_fitting_seq} fits" in msg
     assert "at --max-batch 1, --max-seq 4096 fits" in msg
     # the suggestion is right: the largest fitting context fits, one more does not
-    ok = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), max_seq=plan.largest_fitting_seq, max_batch=64)
-    no = make_plan(cfg, ranks, q, get_profile("orin-nano-4"), max_seq=plan.largest_fitting_seq + 1, max_batch=64)
+    nano4 = get_profile("orin-nano-4")
+    ok = make_plan(cfg, ranks, q, nano4, PlanRequest(max_seq=plan.largest_fitting_seq, max_batch=64))
+    no = make_plan(cfg, ranks, q, nano4, PlanRequest(max_seq=plan.largest_fitting_seq + 1, max_batch=64))
     assert ok.fits and not no.fits
 
 
 def test_weights_alone_too_big_names_devices_that_fit():
     cfg, ranks, q = preset("1b")
     big = cfg.replace(num_hidden_layers=20, intermediate_size=5632 * 4)
-    plan = make_plan(big, ranks, q, get_profile("orin-nano-4"), max_seq=4096)
+    plan = make_plan(big, ranks, q, get_profile("orin-nano-4"), PlanRequest(max_seq=4096))
     with pytest.raises(PlanError, match="it fits on: .*h200"):
         require_fit(plan, big, ranks, q)
 
@@ -142,12 +144,12 @@ def _llama3_8b():
 def test_fp16_refusal_names_the_weights_that_fit():
     cfg, ranks = _llama3_8b()
     nano = get_profile("orin-nano-8")
-    plan = make_plan(cfg, ranks, KVQuantConfig(), nano, max_seq=4096)
+    plan = make_plan(cfg, ranks, KVQuantConfig(), nano, PlanRequest(max_seq=4096))
     with pytest.raises(PlanError, match=r"With --weights int4 it fits at --max-seq 4096\.") as e:
         require_fit(plan, cfg, ranks, KVQuantConfig())
     assert "weights 14.69 GiB FP16" in str(e.value)
     # INT4 itself fits: no suggestion to go lower
-    require_fit(make_plan(cfg, ranks, KVQuantConfig(), nano, max_seq=4096, weights="int4"), cfg, ranks,
+    require_fit(make_plan(cfg, ranks, KVQuantConfig(), nano, PlanRequest(max_seq=4096, weights="int4")), cfg, ranks,
                 KVQuantConfig())
 
 
@@ -171,20 +173,20 @@ def test_max_top_k_outputs_counted_by_hand_and_refusal_names_the_flag():
     cfg, ranks, q = preset("tiny")
     g, L = cfg.gsm, len(cfg.owning_layers)
     orin = get_profile("orin")
-    base = make_plan(cfg, ranks, q, orin, max_seq=256, max_batch=2, max_input=32)
+    base = make_plan(cfg, ranks, q, orin, PlanRequest(max_seq=256, max_batch=2, max_input=32))
     assert base.max_top_k == g.sparse_top_k  # the default
-    wide = make_plan(cfg, ranks, q, orin, max_seq=256, max_batch=2, max_input=32, max_top_k=256)
+    wide = make_plan(cfg, ranks, q, orin, PlanRequest(max_seq=256, max_batch=2, max_input=32, max_top_k=256))
     assert wide.activation_bytes - base.activation_bytes == L * 2 * 32 * (256 - g.sparse_top_k) * 4
     with pytest.raises(PlanError, match=r"--max-top-k must be in \[8 .*max-seq=256\], got 257"):
-        make_plan(cfg, ranks, q, orin, max_seq=256, max_top_k=257)
+        make_plan(cfg, ranks, q, orin, PlanRequest(max_seq=256, max_top_k=257))
     # a device where only the default maximum fits: the refusal says so
     import dataclasses
 
-    need_default = make_plan(cfg, ranks, q, orin, max_seq=256, max_batch=2, max_input=32).total_bytes
+    need_default = make_plan(cfg, ranks, q, orin, PlanRequest(max_seq=256, max_batch=2, max_input=32)).total_bytes
     tight = dataclasses.replace(orin, memory_bytes=orin.reserve_bytes + need_default + 1)
     from jetson.profiles import PROFILES
 
-    plan = make_plan(cfg, ranks, q, tight, max_seq=256, max_batch=2, max_input=32, max_top_k=256)
+    plan = make_plan(cfg, ranks, q, tight, PlanRequest(max_seq=256, max_batch=2, max_input=32, max_top_k=256))
     assert not plan.fits
     orig, PROFILES[orin.name] = PROFILES[orin.name], tight
     try:

@@ -449,13 +449,13 @@ def _tiny_profile(monkeypatch, usable: int):
 
 
 def _plan_totals(ckpt) -> dict[str, int]:
-    from builder.plan import make_plan
+    from builder.plan import PlanRequest, make_plan
     from jetson.profiles import PROFILES
 
     cfg = checkpoint.load_config(ckpt)
     ranks = checkpoint.CheckpointTensors(ckpt).ranks(cfg)
-    return {w: make_plan(cfg, ranks, checkpoint.load_quant(ckpt), PROFILES["orin-nano-8"], max_seq=N_MAX,
-                     weights=w).total_bytes
+    return {w: make_plan(cfg, ranks, checkpoint.load_quant(ckpt), PROFILES["orin-nano-8"],
+                         PlanRequest(max_seq=N_MAX, weights=w)).total_bytes
             for w in ("fp16", "int8", "int4")}
 
 

@@ -18,7 +18,7 @@ import pytest
 from gsm_edge_plugins import launch_limits as ll
 from gsm_edge_plugins.ref import Dims
 
-from builder.plan import WEIGHT_CHOICES, make_plan, pool_rows
+from builder.plan import WEIGHT_CHOICES, PlanRequest, make_plan, pool_rows
 from gsm.config import KVQuantConfig, ModelConfig
 from gsm.synth import PRESETS, Preset, preset_config, preset_ranks
 from jetson.profiles import PROFILES, DeviceProfile
@@ -103,7 +103,8 @@ def accepted_shapes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], profile
     for max_seq in seq_choices(cfg):
         for max_input in input_choices(max_seq):
             def plan(b: int, s: int = max_seq, t: int = max_input):
-                return make_plan(cfg, ranks, QUANT, profile, max_seq=s, max_batch=b, max_input=t, weights=WEIGHTS)
+                return make_plan(cfg, ranks, QUANT, profile,
+                                 PlanRequest(max_seq=s, max_batch=b, max_input=t, weights=WEIGHTS))
             batch = largest_batch(lambda b: plan(b).fits)
             if batch:
                 out.append(Shape(max_seq, batch, max_input, plan(batch).max_top_k))

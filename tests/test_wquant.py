@@ -342,27 +342,27 @@ def test_weight_bytes_by_hand(which):
 
 
 def test_8b_plan_on_orin_nano_and_agx():
-    from builder.plan import PlanError, choose_weights, make_plan, require_fit
+    from builder.plan import PlanError, PlanRequest, choose_weights, make_plan, require_fit
     from gsm.config import KVQuantConfig
     from jetson.profiles import PROFILES
 
     cfg, ranks = _llama3_8b()
     q = KVQuantConfig()
     nano, agx = PROFILES["orin-nano-8"], PROFILES["orin-agx-64"]
-    fits = {(dev.name, w): make_plan(cfg, ranks, q, dev, max_seq=4096, weights=w).fits
+    fits = {(dev.name, w): make_plan(cfg, ranks, q, dev, PlanRequest(max_seq=4096, weights=w)).fits
             for dev in (nano, agx) for w in ("fp16", "int8", "int4")}
     assert fits == {("orin-nano-8", "fp16"): False, ("orin-nano-8", "int8"): False, ("orin-nano-8", "int4"): True,
                     ("orin-agx-64", "fp16"): True, ("orin-agx-64", "int8"): True, ("orin-agx-64", "int4"): True}
     with pytest.raises(PlanError, match="weights .* FP16"):
-        require_fit(make_plan(cfg, ranks, q, nano, max_seq=4096), cfg, ranks, q)
+        require_fit(make_plan(cfg, ranks, q, nano, PlanRequest(max_seq=4096)), cfg, ranks, q)
     # auto picks the highest precision that fits
-    assert choose_weights(cfg, ranks, q, nano, max_seq=4096).weights == "int4"
-    assert choose_weights(cfg, ranks, q, agx, max_seq=4096).weights == "fp16"
+    assert choose_weights(cfg, ranks, q, nano, PlanRequest(max_seq=4096, weights="auto")).weights == "int4"
+    assert choose_weights(cfg, ranks, q, agx, PlanRequest(max_seq=4096, weights="auto")).weights == "fp16"
     # the roofline reads fewer bytes: decode estimate grows by at least 2.5x fp16 -> int4
-    p16 = make_plan(cfg, ranks, q, agx, max_seq=4096)
-    p4 = make_plan(cfg, ranks, q, agx, max_seq=4096, weights="int4")
+    p16 = make_plan(cfg, ranks, q, agx, PlanRequest(max_seq=4096))
+    p4 = make_plan(cfg, ranks, q, agx, PlanRequest(max_seq=4096, weights="int4"))
     assert p4.decode_tokens_per_s_estimate > 2.5 * p16.decode_tokens_per_s_estimate
-    p4f = make_plan(cfg, ranks, q, agx, max_seq=4096, weights="int4", head_weights="fp16")
+    p4f = make_plan(cfg, ranks, q, agx, PlanRequest(max_seq=4096, weights="int4", head_weights="fp16"))
     assert p16.decode_bytes_per_token - p4f.decode_bytes_per_token == pytest.approx(
         p16.weight_bytes - p4f.weight_bytes, rel=1e-9)  # embedding (one row read) is FP16 in both
     # an untied embedding is read one row per step, so quantising it saves memory, not decode bytes
@@ -371,7 +371,7 @@ def test_8b_plan_on_orin_nano_and_agx():
         p4f.weight_bytes - p4.weight_bytes - (embed16 - embed8), rel=1e-9)
     # a model too big for any precision: auto returns the INT4 plan, which require_fit refuses
     huge = cfg.replace(num_hidden_layers=32, intermediate_size=14336 * 4)
-    p = choose_weights(huge, ranks, q, nano, max_seq=4096)
+    p = choose_weights(huge, ranks, q, nano, PlanRequest(max_seq=4096, weights="auto"))
     assert p.weights == "int4" and not p.fits
     with pytest.raises(PlanError, match="INT4"):
         require_fit(p, huge, ranks, q)
