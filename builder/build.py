@@ -53,7 +53,7 @@ from builder.plan import (
     weight_bytes,
     weight_configs,
 )
-from builder.probe_weights import BundleWeights
+from builder.qlinear import BundleWeights
 from builder.read_progress import CountedSource
 from builder.summary_lines import disk_line, weights_words
 from gsm import checkpoint, names
@@ -203,9 +203,10 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
         meta: dict[str, Any] = {}
         with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
             source = CountedSource(CheckpointSource(tensors), tensors, read)  # read(done, total): checkpoint bytes
+            bundle_weights = BundleWeights(wcfgs, awq or {}, row_quantizers,
+                                           int8_activations=matmul_accuracy == "fast")
             info = write_graphs(tmp, spec, source, qt.tables, rows, trt_precision=trt_precision,
-                                weights=wcfgs, input_scales=awq, max_top_k=plan.max_top_k,
-                                row_quantizers=row_quantizers, progress=step)
+                                weights=bundle_weights, max_top_k=plan.max_top_k, progress=step)
             for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
                          checkpoint.TOKENIZER_CONFIG_FILE):
                 if (ckpt / name).is_file():
@@ -215,8 +216,7 @@ def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | Non
                                                          _weights_record(wreport), noise).to_json())
             write_json(tmp / FILES.plan, plan.to_json())
             step("golden probe")
-            probe = write_golden_probe(tmp, cfg, tensors, BundleWeights(wcfgs, awq or {}, row_quantizers,
-                                                                        int8_activations=matmul_accuracy == "fast"),
+            probe = write_golden_probe(tmp, cfg, tensors, bundle_weights,
                                        GoldenKV(quant, qt.tables, ranks, qt.key_scales if quant.int8_keys else None))
             engine = _maybe_engine(tmp, plan, profile, step)
             report = _report(cfg, plan, info, qt.source, demo, ck_hash, engine, time.perf_counter() - t0, out)

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from builder.probe_text import CHAT_MESSAGE, PROBE_TEXT
-from builder.probe_weights import BundleWeights, ProbeWeights
+from builder.probe_weights import ProbeWeights
+from builder.qlinear import BundleWeights
 from gsm.bundle_format import FILES, BundleConfig
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import KVQuantConfig, ModelConfig

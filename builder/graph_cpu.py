@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 
 from builder.graph_portable import PortableOps
-from builder.nodes import F16, F32, I32
+from builder.nodes import F16, F32, I32, AttentionCall
 from builder.plan import PoolRows, pool_words, row_cache_capacity
 from gsm import graph_io as io
 from gsm.bundle_format import ROW_CACHE_TAGS, CpuWeightTable, IndexKeyLayout, WeightSpan
@@ -154,26 +154,23 @@ class CpuOps(PortableOps):
         self.g.op(op, ins, n_out=2, outputs=[out, normed], domain=CPU_DOMAIN, norm_epsilon=float(eps), **attrs)
         return out
 
-    def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
-                  up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
-                  sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
-                  source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
+    def attention(self, a: AttentionCall) -> tuple[str, str | None, str | None]:
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
-        assert quant is not None
+        l, cache, up, rope = a.layer, a.cache, a.up, a.rope
         heads = {"num_heads": cfg.num_attention_heads, "num_kv_heads": cfg.num_key_value_heads,
                  "head_dim": cfg.head_dim}
         row_cache, tags = self.row_cache[l]
-        if selected is not None:  # sharing: the source's selection over the source's pool, as the source left it
-            ins = [q, cache["pool"], self.slots, g.weight(quant), row_cache, tags, up[0], up[1], rope[0], rope[1],
-                   selected, self.rows, past, new]
+        if not a.owning:  # sharing: the source's selection over the source's pool, as the source left it
+            ins = [a.q, cache["pool"], self.slots, g.weight(a.quant), row_cache, tags, up[0], up[1], rope[0], rope[1],
+                   a.selected, self.rows, a.past, a.new]
             with g.in_scope(f"L{l}.GsmSparseAttention"):
                 out = g.op(SHARED_OP, ins, outputs=[f"L{l}.attn_out"], domain=CPU_DOMAIN, **heads,
-                           rank_k=self.ranks[source][0], **self._pool_attrs())
+                           rank_k=self.ranks[a.owner][0], **self._pool_attrs())
             return out, None, None
-        assert index_q is not None and index_w is not None and sparse_window is not None and top_k is not None
-        ins = [q, index_q, index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["pool"], cache["keys"],
-               self.slots, g.weight(quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows, past, new,
-               sparse_window, top_k, self.logit_rows]
+        assert a.index_q is not None and a.index_w is not None and a.sparse_window is not None and a.top_k is not None
+        ins = [a.q, a.index_q, a.index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["pool"],
+               cache["keys"], self.slots, g.weight(a.quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows,
+               a.past, a.new, a.sparse_window, a.top_k, self.logit_rows]
         # output 3 (row_cache_misses, tests) left out; 4: the attention mass of each logit row's query
         outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l), "", f"query_mass.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from builder.nodes import F16, F32, I8, I32, I64, cast, key_codes, positions, valid_rows
+from builder.nodes import F16, F32, I8, I32, I64, AttentionCall, cast, key_codes, positions, valid_rows
 from builder.onnx_util import GraphBuilder
 from gsm import graph_io as io
 from gsm.bundle_format import VERIFY_ROWS
@@ -215,10 +215,7 @@ class PortableOps:
         return out
 
     # -- GsmSparseAttention --------------------------------------------------------------------------
-    def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
-                  up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
-                  sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
-                  source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
+    def attention(self, a: AttentionCall) -> tuple[str, str | None, str | None]:
         """Owning (index_q given): select and attend; sharing (selected given): attend over the source's
         selection with K/V projected from the source's latents. Returns attn_out [B, S, nH*D], the
         selection (int32 [B, S, k] positions, -1 padded, named `selected.{l}`) and this layer's
@@ -226,15 +223,14 @@ class PortableOps:
         g, cfg = self.g, self.cfg
         nH, nKV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         grp = cfg.gqa_group
-        owning = selected is None
-        geo = (self._selection(rope, sparse_window, top_k, self.cfg.gsm.selection_of(l).sparse_top_k_divisor)
-               if owning else self._call(rope))
+        l, q, cache, up, owning = a.layer, a.q, a.cache, a.up, a.owning
+        geo = (self._selection(a.rope, a.sparse_window, a.top_k, self.cfg.gsm.selection_of(l).sparse_top_k_divisor)
+               if owning else self._call(a.rope))
         with g.in_scope(f"L{l}.GsmSparseAttention"):
-            if owning:
-                selected = self._select(l, geo, index_q, index_w, cache)
+            selected = self._select(l, geo, a.index_q, a.index_w, cache) if owning else a.selected
             sel_ok = g.op("GreaterOrEqual", [selected, g.const(0, np.int32, "zero_i32")])  # [B, S, K]
             p = g.op("Max", [selected, g.const(0, np.int32, "zero_i32")])  # padding reads position 0, masked
-            rk, rv = self.ranks[l if owning else source]
+            rk, rv = self.ranks[a.owner]
             # this call's K rows (graph output `new_k_rows.{l}`: the runtime caches them with the latents)
             lat_new = cache["new_k"] if owning else g.op("Concat", [cache["new_k"], cache["new_v"]], axis=-1)
             k_new = self.k_rows_from(lat_new, up, owning, geo["cos_q"], geo["sin_q"], out=io.NEW_K_ROWS.at(l))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from builder.nodes import F16, F32, I32, key_codes
+from builder.nodes import F16, F32, I32, AttentionCall, key_codes
 from builder.onnx_util import GraphBuilder
 from builder.plan import PoolRows, pool_words
 from gsm import graph_io as io
@@ -107,28 +107,25 @@ class PluginOps:
                               **self._key_attrs())
         return {"pool": pool, "keys": keys}
 
-    def attention(self, l: int, q: str, cache: dict[str, str], past: str, new: str, *, rope: tuple[str, str],
-                  up: tuple[str, str], index_q: str | None = None, index_w: str | None = None,
-                  sparse_window: str | None = None, top_k: str | None = None, selected: str | None = None,
-                  source: int | None = None, quant: str | None = None) -> tuple[str, str | None, str | None]:
+    def attention(self, a: AttentionCall) -> tuple[str, str | None, str | None]:
         g, cfg, p = self.g, self.cfg, self.cfg.gsm
-        owning = selected is None
-        rk, rv = self.ranks[l if owning else source]
-        g.weight(quant)
+        l, owning = a.layer, a.owning
+        rk, rv = self.ranks[a.owner]
+        g.weight(a.quant)
         attrs = self._attrs(layer_kind=0 if owning else 1, num_heads=cfg.num_attention_heads,
                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rank_k=rk, rank_v=rv,
                             sink_tokens=p.sink_tokens, max_top_k=self.max_top_k,
-                            max_sparse_window=p.layer_max_window(l if owning else source))
-        ins = [q, cache["pool"], self.slots, past, new, quant, rope[0], rope[1], up[0], up[1]]
+                            max_sparse_window=p.layer_max_window(a.owner))
+        ins = [a.q, a.cache["pool"], self.slots, a.past, a.new, a.quant, a.rope[0], a.rope[1], a.up[0], a.up[1]]
         if owning:
             attrs.update(index_heads=p.indexer_heads, index_dim=p.indexer_dim, **self._key_attrs())
             divisor = p.selection_of(l).sparse_top_k_divisor
             if divisor:  # absent: a fixed top-k, as graphs before it
                 attrs["sparse_top_k_divisor"] = divisor
-            ins += [index_q, index_w, cache["keys"], sparse_window, top_k, self.cache_rows]
+            ins += [a.index_q, a.index_w, a.cache["keys"], a.sparse_window, a.top_k, self.cache_rows]
             outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l)]
         else:
-            ins += [selected, self.cache_rows]
+            ins += [a.selected, self.cache_rows]
             outs = [f"L{l}.attn_out"]
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             res = g.op("GsmSparseAttention", ins, outputs=outs, domain=DOMAIN, **attrs)

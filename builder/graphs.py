@@ -12,10 +12,9 @@ quantised projection is written in both graphs' forms at its first read, builder
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -27,8 +26,7 @@ from builder.network import ROPE_COS, ROPE_SIN, NetSpec, Network, TensorSource, 
 from builder.nodes import F16, F32, I32
 from builder.onnx_util import OPSET, OPSET_INT4, GraphBuilder, WeightStore, save_model
 from builder.plan import PoolRows
-from builder.qlinear import ProjectionStore
-from builder.wquant import WeightQuantConfig
+from builder.qlinear import BundleWeights, ProjectionStore
 from gsm import graph_io as io
 from gsm import names
 from gsm.bundle_format import FILES
@@ -48,27 +46,27 @@ class GraphsInfo:
 
 
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
-                 rows: PoolRows, *, trt_precision: str = "fp16", weights: Mapping[str, WeightQuantConfig] | None = None,
-                 input_scales: dict[str, np.ndarray] | None = None, max_top_k: int | None = None,
-                 row_quantizers: Mapping[str, Callable[..., Any]] | None = None,
-                 progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
+                 rows: PoolRows, *, trt_precision: str = "fp16", weights: BundleWeights | None = None,
+                 max_top_k: int | None = None, progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
     path with the portable graph to float32 rounding (runtime backend "reference").
-    weights: the quantisation of each tensor in spec.quantised, by name (None or empty: none quantised);
-    input_scales: AWQ scales of some of them; row_quantizers: GPTQ in round-to-nearest's place for some of them
-    (builder/qlinear.py ProjectionStore)."""
+    weights: the quantisation of each tensor in spec.quantised, by name (None or no configs: none quantised), the
+    AWQ scales of some of them and GPTQ in round-to-nearest's place for some of them (builder/qlinear.py
+    ProjectionStore)."""
     if trt_precision not in ("fp16", "fp32"):
         raise ValueError(f"trt_precision must be fp16 or fp32, got {trt_precision!r}")
-    if set(spec.quantised) != set(weights or {}):
+    weights = weights if weights is not None else BundleWeights()
+    if set(spec.quantised) != set(weights.configs):
         raise ValueError("spec.quantised must name the tensors `weights` quantises")
     store = WeightStore(out / FILES.weights)
     cfg, ranks, n_max = spec.cfg, spec.ranks, spec.n_max
-    projections = None if not weights else ProjectionStore(
-        store, weights, trt_act_dtype="float16" if trt_precision == "fp16" else "float32", input_scales=input_scales,
-        row_quantizers=row_quantizers, tiles=spec.nbits_accuracy == 4)
+    projections = None if not weights.configs else ProjectionStore(
+        store, weights.configs, trt_act_dtype="float16" if trt_precision == "fp16" else "float32",
+        input_scales=dict(weights.input_scales), row_quantizers=weights.row_quantizers,
+        tiles=spec.nbits_accuracy == 4)
     # any quantised TensorRT form at opset 21: blocked DQ needs it, and per-channel INT8 there too because
     # onnx's reference evaluator (our TensorRT-less check of model.onnx) implements DequantizeLinear from 19 on
-    trt_opset = OPSET_INT4 if weights else OPSET
+    trt_opset = OPSET_INT4 if weights.configs else OPSET
     try:
         progress("portable graph + weights")
         g = GraphBuilder(store)

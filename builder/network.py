@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from builder.nodes import F16, F32, I32, I64, cast, linear, rms_norm, rope_tables, silu_mul
+from builder.nodes import F16, F32, I32, I64, AttentionCall, cast, linear, rms_norm, rope_tables, silu_mul
 from builder.onnx_util import GraphBuilder
 from builder.qlinear import (
     MS_DOMAIN,
@@ -461,14 +461,15 @@ class Network:
                 cache[i] = ops.kv_update(i, cache[i], ck, cv, key, past, new)
                 up = self.up_weights(i)
                 window, top_k = self.layer_selection(i)
-                attn, selected[i], mass = ops.attention(i, q, cache[i], past, new, rope=rope, up=up, index_q=iq,
-                                                        index_w=iw, sparse_window=window, top_k=top_k, quant=quant[i])
+                attn, selected[i], mass = ops.attention(AttentionCall(
+                    i, q, cache[i], past, new, rope, up, quant[i], index_q=iq, index_w=iw, sparse_window=window,
+                    top_k=top_k))
                 masses.append(mass)
             else:
                 src = cfg.gsm.kv_sharing[i]
                 up = (self.lw("proj_w", i, keep_f32=True), self.lw("proj_b", i, keep_f32=True))
-                attn, _, _ = ops.attention(i, q, cache[src], past, new, rope=rope, up=up, selected=selected[src],
-                                           source=src, quant=quant[src])
+                attn, _, _ = ops.attention(AttentionCall(i, q, cache[src], past, new, rope, up, quant[src],
+                                                         selected=selected[src], source=src))
             with g.in_scope(f"L{i}"):
                 # f32 from the GSM node: [B, S, q_dim], or [B*S, q_dim] already where the ops take q flat
                 a2 = attn if i in self._flat_q else g.op("Reshape", [attn, g.const([-1, qd], np.int64, "flat_q")])

@@ -6,6 +6,8 @@ portable fp32 graph differs from the golden only by float32 summation order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from onnx import TensorProto
 
@@ -13,6 +15,42 @@ from builder.onnx_util import GraphBuilder
 
 F32, F16, I32, I64, BOOL, U8, I8 = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT32, TensorProto.INT64,
                                     TensorProto.BOOL, TensorProto.UINT8, TensorProto.INT8)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One layer's GsmSparseAttention as the network hands it to every variant's `ops.attention` (PortableOps,
+    CpuOps, PluginOps): an owning layer (index_q given) selects and attends; a sharing layer (selected given)
+    attends over its source's selection with K/V projected from the source's latents."""
+
+    layer: int
+    q: str  # the layer's queries, float32
+    cache: dict[str, str]  # the cache tensors of the layer (sharing: of its source) after this call's update
+    past: str  # past_lengths [B]
+    new: str  # new_lengths [B]
+    rope: tuple[str, str]  # cos, sin tables
+    up: tuple[str, str]  # the up-projection of the latents to K/V (owning: k_U and ""; sharing: proj_w, proj_b)
+    quant: str  # the calibration table of the layer (sharing: of its source)
+    # owning layers: the indexer's queries and head weights, the per-sequence window and top-k inputs
+    index_q: str | None = None
+    index_w: str | None = None
+    sparse_window: str | None = None
+    top_k: str | None = None
+    # sharing layers: the source's selection, and the source layer
+    selected: str | None = None
+    source: int | None = None
+
+    @property
+    def owning(self) -> bool:
+        return self.selected is None
+
+    @property
+    def owner(self) -> int:
+        """The layer whose latents (ranks, window) the attention reads: itself, or its source."""
+        if self.owning:
+            return self.layer
+        assert self.source is not None
+        return self.source
 
 
 def rope_tables(n_max: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

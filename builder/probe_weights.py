@@ -15,8 +15,7 @@ the embedding and head, not the model: the build's peak-RSS bound (docs/builder.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,44 +23,16 @@ import numpy as np
 import torch
 
 from builder.network import CheckpointSource
-from builder.qlinear import trt_config
+from builder.qlinear import PORTABLE, BundleWeights
 from builder.wquant import QuantizedWeight, WeightQuantConfig, dequantize, quantize_chunks
 from gsm import names
 from gsm.checkpoint import CheckpointTensors
 from gsm.config import ModelConfig
 from gsm.golden.weights import GoldenWeights, LayerWeights, layer_weights
-from gsm.probe_format import FORMS
 
-PORTABLE, TENSORRT = FORMS
 FLOAT_DIR = "float"  # tensors the bundle holds as the checkpoint does, shared by both forms
 OFFSETS = ".offsets"  # an emulated float-zero-point weight's group offsets [N, G], beside its symmetric part
 ROWS_PER_BLOCK_BYTES = 16 << 20  # float32 bytes of rows converted at once
-
-
-@dataclass(frozen=True)
-class BundleWeights:
-    """How a bundle holds its weights: each quantised checkpoint tensor's quantisation (by name; empty: none), the
-    AWQ scales of some of them, and the row quantisers that replace round-to-nearest for some (GPTQ)."""
-
-    configs: Mapping[str, WeightQuantConfig] = field(default_factory=dict)
-    input_scales: Mapping[str, np.ndarray] = field(default_factory=dict)
-    row_quantizers: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
-    int8_activations: bool = False  # the ONNX Runtime graphs' quantised matmuls are `fast` (accuracy level 4)
-
-    def config(self, name: str, form: str) -> WeightQuantConfig:
-        cfg = self.configs[name]
-        return cfg if form == PORTABLE else trt_config(cfg)
-
-    def emulated(self, form: str) -> bool:
-        """Whether the golden of `form` quantises the quantised projections' inputs as the form's kernels do."""
-        return form == PORTABLE and self.int8_activations and bool(self.configs)
-
-    @property
-    def forms(self) -> tuple[str, ...]:
-        """The golden's forms whose computations differ: portable, and tensorrt where any tensor's TensorRT form
-        differs or the ONNX Runtime graphs' activations are quantised (TensorRT's are not)."""
-        differs = any(trt_config(c) != c for c in self.configs.values()) or self.emulated(PORTABLE)
-        return (PORTABLE, TENSORRT) if differs else (PORTABLE,)
 
 
 def golden_tensor_names(cfg: ModelConfig) -> list[str]:

@@ -29,6 +29,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from builder.wquant import QuantizedWeight, WeightQuantConfig, WeightQuantError, _pack_low_first, pack_matmul_nbits
+from gsm.probe_format import FORMS
 
 MS_DOMAIN = "com.microsoft"
 DQ_BLOCK_OPSET = 21  # DequantizeLinear gained block_size (and INT4 inputs) in opset 21
@@ -493,12 +494,41 @@ class ProjectionStore:
         return self.layouts[(name, form)]
 
 
+PORTABLE, TENSORRT = FORMS  # the golden's forms of a bundle's weights (gsm.probe_format)
+
+
 def trt_config(cfg: WeightQuantConfig) -> WeightQuantConfig:
     """The config of the TensorRT form: grouped INT8 becomes per channel (TensorRT 10 documents blocked
     DequantizeLinear for INT4 only); everything else is the same as the portable form."""
     if cfg.bits == 8 and cfg.group_size is not None:
         return dataclasses.replace(cfg, group_size=None)
     return cfg
+
+
+@dataclass(frozen=True)
+class BundleWeights:
+    """How a bundle holds its weights: each quantised checkpoint tensor's quantisation (by name; empty: none), the
+    AWQ scales of some of them, and the row quantisers that replace round-to-nearest for some (GPTQ)."""
+
+    configs: Mapping[str, WeightQuantConfig] = field(default_factory=dict)
+    input_scales: Mapping[str, np.ndarray] = field(default_factory=dict)
+    row_quantizers: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    int8_activations: bool = False  # the ONNX Runtime graphs' quantised matmuls are `fast` (accuracy level 4)
+
+    def config(self, name: str, form: str) -> WeightQuantConfig:
+        cfg = self.configs[name]
+        return cfg if form == PORTABLE else trt_config(cfg)
+
+    def emulated(self, form: str) -> bool:
+        """Whether the golden of `form` quantises the quantised projections' inputs as the form's kernels do."""
+        return form == PORTABLE and self.int8_activations and bool(self.configs)
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        """The golden's forms whose computations differ: portable, and tensorrt where any tensor's TensorRT form
+        differs or the ONNX Runtime graphs' activations are quantised (TensorRT's are not)."""
+        differs = any(trt_config(c) != c for c in self.configs.values()) or self.emulated(PORTABLE)
+        return (PORTABLE, TENSORRT) if differs else (PORTABLE,)
 
 
 def _scale_columns(chunks, s: np.ndarray, k: int):

@@ -416,6 +416,7 @@ def test_streamed_build_bound(tiny, tmp_path):
     from builder.graphs import write_graphs
     from builder.network import CheckpointSource, NetSpec
     from builder.plan import pool_rows
+    from builder.qlinear import BundleWeights
 
     cfg = checkpoint.load_config(tiny)
     tensors = checkpoint.CheckpointTensors(tiny)
@@ -428,7 +429,8 @@ def test_streamed_build_bound(tiny, tmp_path):
 
     qt = quant_tables(cfg, ranks, tensors, tiny, None).tables
     info = write_graphs(tmp_path / "g", spec, CheckpointSource(tensors, chunk_bytes=4096), qt,
-                        pool_rows(64, 16, cfg, quant), weights=dict.fromkeys(names, WeightQuantConfig(4, 32)))
+                        pool_rows(64, 16, cfg, quant),
+                        weights=BundleWeights(dict.fromkeys(names, WeightQuantConfig(4, 32))))
     shapes = [tensors.shape(n) for n in names]
     gate_up = (2 * cfg.intermediate_size, cfg.hidden_size)  # gate and up quantised as one node
     codes = max(n * -(-k // 32) * 32 for n, k in [*shapes, gate_up])  # one byte per weight, K padded to the group
