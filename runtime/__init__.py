@@ -16,12 +16,15 @@
 
 from runtime.backend import CacheFullError, Capabilities
 from runtime.bundle import BundleError, verify_bundle
-from runtime.model import ContextFullError, Runtime, load
+from runtime.facade import Runtime
+from runtime.loader import load
 from runtime.request import TokenStream
+from runtime.request_options import RequestOptions
 from runtime.request_state import Generation, RequestState, Token
 from runtime.sampling import RequestError, Sampler, SamplingParams
+from runtime.step_worker import ContextFullError
 from runtime.text import ChatTemplateError
 
 __all__ = ["BundleError", "CacheFullError", "Capabilities", "ChatTemplateError", "ContextFullError", "Generation",
-           "RequestError", "RequestState", "Runtime", "Sampler", "SamplingParams", "Token", "TokenStream", "load",
-           "verify_bundle"]
+           "RequestError", "RequestOptions", "RequestState", "Runtime", "Sampler", "SamplingParams", "Token",
+           "TokenStream", "load", "verify_bundle"]

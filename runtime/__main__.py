@@ -24,7 +24,7 @@ from typing import Any
 from gsm.atomic import OutputExistsError
 from gsm.cli_support import CommandFailed, int_at_least, run_main
 from runtime.cli_args import PROG, add_backend_arguments, backend_label, flag_of, load_runtime, one_line
-from runtime.model import BACKENDS
+from runtime.loader import BACKENDS
 from runtime.ort_backend import GRAPHS
 from runtime.speculative import SPECULATIVE_MODES
 

@@ -9,7 +9,7 @@ one call may carry, and which measurements the backend can make.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -67,6 +67,21 @@ class Capabilities:
         return self.kv_bytes_per_sequence * self.max_resident
 
 
+class CacheRow(Protocol):
+    """A backend's record of one sequence's place in its buffers (onnxruntime's OrtCache, the plugin backends'
+    PluginCache): the memory plan's row it holds, until released. Only the backend that made it reads the rest."""
+
+    row: int
+    released: bool
+
+
+class PrefixCopy(Protocol):
+    """A backend's copy of a sequence's first positions (`Backend.take_prefix`: PositionRows, PrefixRows)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 @dataclass
 class StepOutput:
     logits: np.ndarray  # [B, J, V] float32 (J: the call's logit rows), or [B, S, V] (a bundle built --logits all)
@@ -83,15 +98,15 @@ class Backend(Protocol):
     name: str
     capabilities: Capabilities
 
-    def new_cache(self) -> Any:
+    def new_cache(self) -> CacheRow:
         """A free row for a new sequence; CacheFullError when all `capabilities.max_resident` are taken."""
         ...
 
-    def release(self, cache: Any) -> None:
+    def release(self, cache: CacheRow) -> None:
         """Give the cache's row back (idempotent)."""
         ...
 
-    def forward(self, caches: list[Any], ids: np.ndarray, past: np.ndarray, new: np.ndarray, sparse_window: int,
+    def forward(self, caches: list[CacheRow], ids: np.ndarray, past: np.ndarray, new: np.ndarray, sparse_window: int,
                 top_k: np.ndarray, *, probes: bool = False, commit: bool = True,
                 rows: np.ndarray | None = None) -> StepOutput:
         """One call over ids [B, S]: sequence b adds new[b] tokens at positions past[b].. of caches[b]. rows
@@ -99,19 +114,19 @@ class Backend(Protocol):
         `capabilities.verify_rows` > 0; None: each sequence's last new row."""
         ...
 
-    def take_prefix(self, cache: Any, length: int) -> Any:
+    def take_prefix(self, cache: CacheRow, length: int) -> PrefixCopy:
         """A copy of the cache of the sequence's first `length` positions (an object with nbytes)."""
         ...
 
-    def put_prefix(self, cache: Any, prefix: Any) -> None:
+    def put_prefix(self, cache: CacheRow, prefix: PrefixCopy) -> None:
         """A fresh sequence's cache made a take_prefix copy's."""
         ...
 
-    def truncate(self, cache: Any, length: int) -> None:
+    def truncate(self, cache: CacheRow, length: int) -> None:
         """Forget the positions from `length` on (the drafts a verification rejected): the next call writes them."""
         ...
 
-    def demote(self, cache: Any, new_tier: np.ndarray) -> float | None:
+    def demote(self, cache: CacheRow, new_tier: np.ndarray) -> float | None:
         """Re-encode positions whose new_tier >= 0; the pass's KV noise (None: none measured or none changed)."""
         ...
 

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gsm.cli_support import CommandFailed, int_at_least
-from runtime.model import BACKENDS, Runtime
+from runtime.backend import Backend
+from runtime.facade import Runtime
+from runtime.loader import BACKENDS
 from runtime.ort_backend import GRAPHS
 from runtime.prefix_cache import DEFAULT_PREFIX_CACHE_MIB
 from runtime.speculative import SPECULATIVE_MODES
@@ -36,7 +38,7 @@ def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
                         "same tokens as off, greedy or seeded; where the backend can verify); off: one token a call")
 
 
-def backend_label(backend: Any) -> str:
+def backend_label(backend: Backend) -> str:
     """"onnxruntime (graph cpu)", "tensorrt": the backend, and for ONNX Runtime which network it runs (and why
     `auto` fell back to the portable one, if it did)."""
     graph, note = backend.capabilities.graph, backend.capabilities.graph_note

@@ -40,9 +40,11 @@ from gsm.bundle_knobs import KV_NOISE_AUTO, RunKnobs, patch_knobs
 from gsm.tiers import FP16, NAMES, fractions4
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
-from runtime.model import Runtime, Sequence_
+from runtime.facade import Runtime
+from runtime.request_options import RequestOptions
 from runtime.request_state import RequestFields, RequestState, Token
 from runtime.sampling import RequestError
+from runtime.sequence import CachedSequence
 from runtime.speculative import expected_tokens
 
 log = logging.getLogger("runtime.engine")
@@ -129,7 +131,7 @@ def kv_noise_limit(asked: float | str | None, tier_noise: Mapping[str, float],
 class Work:
     """One forward call the stepper must make: the prompt (prefill) or one token (decode)."""
 
-    seq: Sequence_
+    seq: CachedSequence
     ids: list[int]
     prefill: bool
     probe: bool = False  # decode only: also measure the sparse mask hit rate of this step (seq.last_hit_rate)
@@ -141,7 +143,7 @@ class Work:
 
 
 class Stepper(Protocol):
-    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_: ...
+    def new_sequence(self, knobs: RunKnobs | None = None) -> CachedSequence: ...
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
         """Last-position logits [V] per work item (a verification's: [1 + len(drafts), V], row j after token j), or
@@ -155,7 +157,7 @@ class SequentialStepper:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_:
+    def new_sequence(self, knobs: RunKnobs | None = None) -> CachedSequence:
         return self.rt.new_sequence(knobs)
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
@@ -181,7 +183,7 @@ class BatchedStepper:
         self.rt = rt
         self.per_call = rt.capabilities.max_per_call
 
-    def new_sequence(self, knobs: RunKnobs | None = None) -> Sequence_:
+    def new_sequence(self, knobs: RunKnobs | None = None) -> CachedSequence:
         return self.rt.new_sequence(knobs)
 
     def step(self, work: Sequence[Work]) -> list[np.ndarray | Exception]:
@@ -225,13 +227,13 @@ def by_window(work: Sequence[Work], idx: Sequence[int]) -> list[list[int]]:
     return list(parts.values())
 
 
-def release(seq: Sequence_ | None) -> None:
+def release(seq: CachedSequence | None) -> None:
     """Give a sequence's cache row back now, for the next request; None: nothing to do."""
     if seq is not None:
         seq.close()
 
 
-def new_kv_noise(seq: Sequence_, passes_seen: int) -> tuple[float | None, int]:
+def new_kv_noise(seq: CachedSequence, passes_seen: int) -> tuple[float | None, int]:
     """The KV noise of the sequence's last re-tier pass if a pass ran since `passes_seen` (None: none ran,
     or it re-encoded no row), and the pass count to remember."""
     passes = seq.retier_passes
@@ -286,7 +288,7 @@ class EngineRequest(RequestFields):
     t_first: float | None = None
     t_end: float | None = None
     # scheduler-side state
-    seq: Sequence_ | None = None  # its cache while it runs
+    seq: CachedSequence | None = None  # its cache while it runs
     knobs: RunKnobs | None = None  # the engine's when it was submitted (gsm.bundle_knobs), for its whole life
     decode_steps: int = 0
     next_probe: int = 0  # the decode step at or after which the next hit-rate probe runs
@@ -435,15 +437,17 @@ class Engine:
         return list(self._running)
 
     def submit(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, deadline_s: float | None = None,
-               **options: Any) -> EngineRequest:
-        """Queue a completion; `options` are Runtime.request's (sampling, penalties, stop ids and strings,
-        logprobs, response_format). Inputs are checked now (RequestError); QueueFullError when the queue is full."""
-        return self._enqueue(self.rt.request(prompt, max_new_tokens, **options), deadline_s)
+               options: RequestOptions | None = None, **keywords: Any) -> EngineRequest:
+        """Queue a completion; `options` and `keywords` are Runtime.request's (runtime.RequestOptions: sampling,
+        penalties, stop ids and strings, logprobs, response_format, ...). Inputs are checked now (RequestError);
+        QueueFullError when the queue is full."""
+        return self._enqueue(self.rt.request(prompt, max_new_tokens, options, **keywords), deadline_s)
 
     def submit_chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = 64, *,
-                    deadline_s: float | None = None, **sampling: Any) -> EngineRequest:
+                    deadline_s: float | None = None, options: RequestOptions | None = None,
+                    **keywords: Any) -> EngineRequest:
         """Queue a chat turn: the bundle's chat template, stopping at EOS and its end-of-turn token."""
-        return self._enqueue(self.rt.chat_request(messages, max_new_tokens, **sampling), deadline_s)
+        return self._enqueue(self.rt.chat_request(messages, max_new_tokens, options, **keywords), deadline_s)
 
     # -- internals --
     def _enqueue(self, state: RequestState, deadline_s: float | None) -> EngineRequest:

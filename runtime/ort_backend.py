@@ -65,7 +65,7 @@ from runtime.backend import (
 from runtime.host_memory import bound_heap, trim_heap
 from runtime.ort_pools import OrtPools
 from runtime.page_reserve import PageReserve
-from runtime.plugin_cache import put_prefix, take_prefix
+from runtime.plugin_cache import PrefixRows, put_prefix, take_prefix
 from runtime.slots import SlotTable
 
 log = logging.getLogger("runtime.ort_backend")
@@ -546,14 +546,14 @@ class OrtBackend:
         for cp in self._decode_copies:
             _memmove(cp.dst + row * cp.dst_row + p * cp.dst_pos, cp.src + b * cp.src_seq, cp.nbytes)
 
-    def take_prefix(self, cache: OrtCache, length: int) -> Any:
+    def take_prefix(self, cache: OrtCache, length: int) -> PositionRows | PrefixRows:
         """The first `length` positions of a sequence's cache, copied (runtime.prefix_cache)."""
         with self.lock:
             if self.pools is not None:
                 return take_prefix(self.cfg, self.buffers, cache, length)  # type: ignore[arg-type]
             return PositionRows({name: buf[cache.row, :length].copy() for name, buf in self.buffers.items()})
 
-    def put_prefix(self, cache: OrtCache, prefix: Any) -> None:
+    def put_prefix(self, cache: OrtCache, prefix: PositionRows | PrefixRows) -> None:
         with self.lock:
             if self.pools is not None:
                 put_prefix(self.buffers, cache, prefix)  # type: ignore[arg-type]

@@ -18,8 +18,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
+from gsm.bundle_knobs import RunKnobs
+from runtime.backend import PrefixCopy
 from runtime.policy import SequenceState
 
 DEFAULT_PREFIX_CACHE_MIB = 32
@@ -31,8 +32,8 @@ class Prefix:
 
     tokens: tuple[int, ...]
     state: SequenceState
-    rows: Any  # the backend's take_prefix (an object with nbytes)
-    knobs: Hashable = None  # what the sequence selected and re-tiered with (gsm.bundle_knobs.RunKnobs)
+    rows: PrefixCopy  # the backend's take_prefix
+    knobs: RunKnobs | None = None  # what the sequence selected and re-tiered with (gsm.bundle_knobs)
 
     @property
     def key(self) -> tuple[Hashable, tuple[int, ...]]:

@@ -58,9 +58,11 @@ def _ops() -> list[type]:
     class GsmKVCacheUpdate(OpRun):
         op_domain = "gsm.plugins"
 
-        def _run(self, ck, cv, key, pool, keys, slots, past, new, rows=None, **_: Any):  # type: ignore[override]
+        def _run(self, *x, **_: Any):  # type: ignore[override]
             # in place, as the TensorRT plugin writes its aliased pools: the evaluator hands over the backend's
             # own buffers (a call writes only its sequences' new rows)
+            ck, cv, key, pool, keys, slots, past, new = x[:8]
+            rows = x[8] if len(x) > 8 else None  # input 8 cache_rows, optional
             d, _a = dims(self.onnx_node)
             ref.kv_update(d, ck.astype(np.float32), cv.astype(np.float32), key.astype(np.float32), pool, keys,
                           slots, past, new, cache_rows=rows)

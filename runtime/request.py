@@ -7,20 +7,14 @@ threads do not see each other's state (the backend's own limits apply: docs/runt
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
 
 from runtime.request_state import Generation, RequestFields, RequestState, Token
+from runtime.sequence import CachedSequence, SequenceSource
 
 __all__ = ["TokenStream", "advance"]
 
 
-class SequenceSource(Protocol):
-    """Where a stream gets its sequence (a `Runtime`); typed here so this module needs nothing of model.py."""
-
-    def new_sequence(self) -> Any: ...
-
-
-def advance(seq: Any, st: RequestState) -> list[Token]:
+def advance(seq: CachedSequence, st: RequestState) -> list[Token]:
     """One call for one request after its first token: a verification of the request's drafts where it has some
     (runtime.speculative), else a one-token step. Returns the tokens to emit (stop ids are not)."""
     drafts = st.propose(seq.draft_room)
@@ -37,9 +31,9 @@ class TokenStream(RequestFields):
     """Iterate for the generated tokens; after exhaustion `ids`, `text` and `finish_reason` hold the
     outcome. Every input was checked when its `state` was made, before any model work."""
 
-    def __init__(self, rt: SequenceSource, state: RequestState) -> None:
+    def __init__(self, source: SequenceSource, state: RequestState) -> None:
         self.state = state
-        self._rt = rt
+        self._source = source  # where its sequence comes from (a Runtime)
         self._iter: Iterator[Token] | None = None
 
     def __iter__(self) -> Iterator[Token]:
@@ -54,7 +48,7 @@ class TokenStream(RequestFields):
         st = self.state
         if not st.start():
             return
-        seq = self._rt.new_sequence()
+        seq = self._source.new_sequence()
         tok = st.accept(seq.prefill(st.prompt_ids, scorer=st.prompt_scorer, break_at=st.prompt_break), seq.length)
         if tok is not None:
             yield tok

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.request_options import RequestOptions
 from runtime.sampling import RequestError, Sampler, SamplingParams, apply_penalties
 from runtime.speculative import DraftLength, NgramDrafts, SpeculativeConfig
 from runtime.stop_strings import check_stop, find_stop, held_back
@@ -116,11 +117,12 @@ class RequestState:
     calls `start()`; if True it prefills `prompt_ids`, then alternates `accept(logits, length)` and a
     decode step of `next_token` until `finish_reason` is set."""
 
-    def __init__(self, model: ModelLimits, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
-                 stop_ids: Sequence[int] | None, *, stop: str | Sequence[str] | None = None,
-                 logprobs: int | None = None, constraint: TokenConstraint | None = None,
-                 fit_context: bool = False, prompt_logprobs: bool = False,
-                 speculative: SpeculativeConfig | None = None, prompt_break: int | None = None) -> None:
+    def __init__(self, model: ModelLimits, prompt_ids: Sequence[int], max_new_tokens: int, options: RequestOptions, *,
+                 constraint: TokenConstraint | None = None, speculative: SpeculativeConfig | None = None,
+                 prompt_break: int | None = None) -> None:
+        """options: what the request asks (runtime.request_options); constraint: its response_format compiled
+        (runtime.constrained); speculative: how it drafts (None: it does not); prompt_break: where a chat prompt's
+        last message starts (its prefill ends a call there: runtime.prefix_cache)."""
         self.prompt_ids = check_ids(prompt_ids, model.vocab_size, "prompt")
         if not self.prompt_ids:
             raise RequestError("prompt", "the prompt is empty: need at least one token")
@@ -128,27 +130,27 @@ class RequestState:
             raise RequestError("prompt", f"the prompt is {len(self.prompt_ids)} tokens, more than the bundle's max-seq "
                                          f"{model.n_max} (shorten it or rebuild with a larger --max-seq)")
         self.max_new_tokens = check_max_new_tokens(max_new_tokens)
-        if fit_context and len(self.prompt_ids) + self.max_new_tokens > model.n_max:
+        if options.fit_context and len(self.prompt_ids) + self.max_new_tokens > model.n_max:
             raise RequestError("max_new_tokens", f"the prompt's {len(self.prompt_ids)} tokens + {self.max_new_tokens} "
                                                  f"new tokens = {len(self.prompt_ids) + self.max_new_tokens} exceed "
                                                  f"the bundle's max-seq {model.n_max}: ask for at most "
                                                  f"{max(0, model.n_max - len(self.prompt_ids))}")
-        self.stop_ids = frozenset([model.eos_token_id] if stop_ids is None
-                                  else check_ids(list(stop_ids), model.vocab_size, "stop_ids"))
-        self.stop = check_stop(stop)
+        self.stop_ids = frozenset([model.eos_token_id] if options.stop_ids is None
+                                  else check_ids(list(options.stop_ids), model.vocab_size, "stop_ids"))
+        self.stop = check_stop(options.stop)
         if self.stop and model.codec is None:
             raise RequestError("stop", "stop strings need the bundle's tokenizer (tokenizer.json); give stop_ids")
-        self.logprobs = check_logprobs(logprobs)
-        if prompt_logprobs and not model.logits_all:
+        self.logprobs = check_logprobs(options.logprobs)
+        if options.prompt_logprobs and not model.logits_all:
             raise RequestError("echo", "the prompt's log-probabilities need every position's logits: rebuild the "
                                        "bundle with `builder build --logits all` (this one returns the last "
                                        "position's)")
         # the prompt's tokens scored (echo with logprobs): the first has no logprob, token i by position i - 1
         self.prompt_tokens: list[Token] | None = None
-        if prompt_logprobs:
+        if options.prompt_logprobs:
             self.prompt_tokens = [Token(self.prompt_ids[0], "")]
         self.constraint = constraint
-        self.params = params
+        self.params = params = options.sampling
         self.n_max = model.n_max
         self.ids: list[int] = []
         self.tokens: list[Token] | None = [] if self.logprobs is not None else None

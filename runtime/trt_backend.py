@@ -32,7 +32,7 @@ import numpy as np
 from gsm import graph_io as io
 from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
 from runtime.backend import Capabilities, StepOutput, check_max_top_k, step_feeds
-from runtime.plugin_cache import PluginCache, PluginRows, quant_tables, read_latents
+from runtime.plugin_cache import PluginCache, PluginRows, PrefixRows, quant_tables, read_latents
 
 log = logging.getLogger("runtime.trt_backend")
 
@@ -261,11 +261,11 @@ class TrtBackend:
             self.plugin_rows.undo(caches, plan)
         return StepOutput(logits, mass, sel, layer_mass)
 
-    def take_prefix(self, cache: PluginCache, length: int) -> Any:
+    def take_prefix(self, cache: PluginCache, length: int) -> PrefixRows:
         raise RuntimeError("backend tensorrt: copying a prefix of the device pools is not implemented "
                            "(capabilities.prefix_reuse is False)")
 
-    def put_prefix(self, cache: PluginCache, prefix: Any) -> None:
+    def put_prefix(self, cache: PluginCache, prefix: PrefixRows) -> None:
         raise RuntimeError("backend tensorrt: copying a prefix of the device pools is not implemented "
                            "(capabilities.prefix_reuse is False)")
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,10 @@ from runtime.sampling import RequestError
 from runtime.tolerances import FP16, FP32, INT8_ACTIVATIONS, TOLERANCES
 from runtime.verdict import Verdict
 from runtime.verify_checks import PROBE_RUN, Check, checks
+
+if TYPE_CHECKING:
+    from runtime.backend import Backend
+    from runtime.facade import Runtime
 
 PLUGIN_BACKENDS = ("tensorrt", "reference")  # the ones that run model.onnx (the TensorRT weight form)
 
@@ -38,7 +42,7 @@ class BackendRun:
     selected: np.ndarray  # bool [Ls, Q, N]: the stored (layer, query row) selections
 
 
-def run_record(rt: Any, rec: ProbeRecord) -> BackendRun:
+def run_record(rt: Runtime, rec: ProbeRecord) -> BackendRun:
     """The record's calls on a fresh sequence of runtime `rt`."""
     rows = {int(r): q for q, r in enumerate(rec.sel_rows)}
     layers = [int(l) for l in rec.sel_layers]
@@ -125,7 +129,7 @@ def probe_words(records: Sequence[ProbeRecord], golden: dict[str, Any]) -> str:
     return cases + (f" ({'; '.join(extra)})" if extra else "")
 
 
-def judge(rt: Any, probe: GoldenProbe, *, device: str | None = None, sparse_top_k: int | None = None) -> Verdict:
+def judge(rt: Runtime, probe: GoldenProbe, *, device: str | None = None, sparse_top_k: int | None = None) -> Verdict:
     """Run the probe on runtime `rt` and hold it to its precision's tolerance, with the knobs the golden ran with
     (a bundle patched since keeps its graphs: gsm.bundle_knobs). sparse_top_k: this budget instead."""
     from runtime.cli_args import backend_label
@@ -151,11 +155,11 @@ def judge(rt: Any, probe: GoldenProbe, *, device: str | None = None, sparse_top_
                    precision, found, seconds, probe_words(records, probe.golden), tol.words())
 
 
-def judge_backend(bundle: Path, backend: Any, *, device: str | None = None) -> Verdict:
+def judge_backend(bundle: Path, backend: Backend, *, device: str | None = None) -> Verdict:
     """The probe on a backend object made by the caller over a verified bundle (`builder engine` checks the engine it
     has just built this way, before installing it); the backend is closed after."""
     from runtime.bundle import open_bundle
-    from runtime.model import Runtime
+    from runtime.facade import Runtime
     from runtime.speculative import SpeculativeConfig
 
     manifest, cfg = open_bundle(bundle)

@@ -192,13 +192,13 @@ def test_kv_noise_measure_against_hand_computation(rt):
     seq = rt.new_sequence()
     seq.prefill(LONG[:32])  # no row outside the FP16 window yet: nothing demoted
     assert not seq.state.tier.any()
-    seq.rt.forward_batch([seq], [LONG[32:]])  # the third chunk, without its re-tier pass
+    seq.worker.forward_batch([seq], [LONG[32:]])  # the third chunk, without its re-tier pass
     layers = rt.cfg.owning_layers
     before = [np.array(a) for l in layers for a in seq.cache.latents(l, len(LONG))]
     state = dataclasses.replace(seq.state, tier=seq.state.tier.copy())
     rows = np.nonzero(retier(state, rt.policy, rt.n_max) >= 0)[0]
     assert len(rows) == 12 and set(rows) < set(range(1, 16))  # 15 eligible, the 3 hottest stay FP16
-    seq._retier()
+    seq.retier()
     after = [np.array(a) for l in layers for a in seq.cache.latents(l, len(LONG))]
     num = sum(float(np.sum((a[rows].astype(np.float64) - b[rows]) ** 2)) for a, b in zip(after, before))
     den = sum(float(np.sum(b[rows].astype(np.float64) ** 2)) for b in before)

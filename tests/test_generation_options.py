@@ -244,3 +244,42 @@ def test_cli_json_schema_stop_and_penalties(rt, tmp_path):
         r = gen("--json-schema", str(schema))
         errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
         assert r.returncode == 2 and len(errors) == 1 and "--json-schema" in errors[0] and words in errors[0], r.stderr
+
+
+# ---- the options as one value ------------------------------------------------------------------------------
+def test_request_options_equal_the_keywords_and_keywords_go_over_them(rt):
+    """`options=RequestOptions(...)` gives the tokens the same keywords give (Runtime.generate, chat-free request,
+    Engine.submit), keywords given beside it replace its fields, an unknown keyword is a TypeError naming it, and a
+    bad sampling field is the first error, before the prompt is looked at."""
+    import runtime
+    from runtime.engine import Engine, EngineConfig
+
+    kw = dict(temperature=0.9, top_k=20, seed=4, presence_penalty=0.5, stop_ids=[], logprobs=2)
+    want = rt.generate(PROMPT, 12, **kw)
+    opts = runtime.RequestOptions(**kw)
+    got = rt.generate(PROMPT, 12, opts)
+    assert (got.ids, got.tokens) == (want.ids, want.tokens)
+    assert rt.generate(PROMPT, 12, runtime.RequestOptions(**{**kw, "seed": 9}), seed=4).ids == want.ids
+    with Engine(rt, EngineConfig(min_hit_rate=0.0, max_kv_noise=None)) as eng:
+        assert eng.submit(PROMPT, 12, options=opts).result(30).ids == want.ids
+    with pytest.raises(TypeError, match="'top_n'"):
+        rt.request(PROMPT, 4, top_n=3)
+    with pytest.raises(runtime.RequestError) as e:
+        rt.request([rt.vocab_size + 5], 4, temperature=-1.0)  # the prompt is bad too: temperature is named first
+    assert e.value.field == "temperature"
+
+
+def test_backend_registry_opens_each_name_and_auto_without_an_engine_is_onnxruntime(rt):
+    """runtime.loader's table: every name `load` accepts is in it (auto aside), `auto` on a bundle without engine.plan
+    opens ONNX Runtime, and loading ONNX Runtime by name never imports the TensorRT backend's module."""
+    import subprocess
+    import sys
+
+    from runtime.loader import BACKEND_OPENERS, BACKENDS, backend_name
+
+    assert BACKENDS == ("auto", "onnxruntime", "tensorrt", "reference") and set(BACKEND_OPENERS) == set(BACKENDS[1:])
+    assert backend_name("auto", rt.bundle) == "onnxruntime" and backend_name("reference", rt.bundle) == "reference"
+    code = ("import sys, runtime; rt = runtime.load(sys.argv[1], 'onnxruntime', threads=1); "
+            "print(rt.backend.name, 'runtime.trt_backend' in sys.modules, 'tensorrt' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(rt.bundle)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["onnxruntime", "False", "False"], r.stderr

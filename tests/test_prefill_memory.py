@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from runtime import host_memory
-from runtime.model import PREFILL_ALIGN, prefill_chunk
 from runtime.ort_backend import CALL_POSITIONS
+from runtime.step_worker import PREFILL_ALIGN, prefill_chunk
 
 
 @pytest.mark.parametrize(("max_input", "past", "cap", "want"), [

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py, Runtime.verify_batch, Sequence_.keep):
+"""Speculative decoding (runtime/speculative.py, Runtime.verify_batch, CachedSequence.keep):
 
 - a verification's logits row j is bit for bit the one-token step's after token j (both networks of the onnxruntime
   backend), and keeping n of its tokens

@@ -187,17 +187,15 @@ class Server:
         if not eng.ready.is_set():
             raise ApiError(503, "the server is warming up", type="server_error", headers={"Retry-After": "1"})
         max_new = eng.rt.n_max if args.max_tokens is None else args.max_tokens  # the context ends it
-        kw = args.options()
-        kw["fit_context"] = args.max_tokens is not None  # an explicit limit that cannot fit is refused, as vLLM does
-        try:
+        try:  # options' fit_context: an explicit limit that cannot fit is refused, as vLLM does
             if chat:
                 if not eng.rt.has_chat_template:
                     raise ApiError(400, "messages: this model has no chat template; use /v1/completions",
                                    param="messages")
                 assert args.messages is not None
-                return eng.submit_chat(args.messages, max_new, **kw)
+                return eng.submit_chat(args.messages, max_new, options=args.options())
             assert args.prompt is not None
-            return eng.submit(args.prompt, max_new, **kw)
+            return eng.submit(args.prompt, max_new, options=args.options())
         except RequestError as e:
             param = PARAMS.get(e.field, e.field)
             raise ApiError(400, f"{param}: {e.detail}", param=param) from None

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.request_options import RequestOptions
 from runtime.speculative import SPECULATIVE_MODES
 
 # engine finish reason -> the OpenAI value (the engine's own goes in `gsm_finish_reason`)
@@ -63,17 +64,15 @@ class GenerationArgs:
     echo: bool = False  # completions: the prompt before the answer (its tokens scored, with logprobs)
     speculative: str | None = None  # an extension: "auto" | "off" for this request (None: the server's --speculative)
 
-    def options(self) -> dict[str, Any]:
-        """Runtime.request's keywords for what this request asks beyond the prompt and max_tokens."""
-        kw: dict[str, Any] = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  repetition_penalty=self.repetition_penalty, stop=self.stop, logprobs=self.logprobs,
-                                  response_format=self.response_format,
-                                  prompt_logprobs=self.echo and self.logprobs is not None,
-                                  speculative=self.speculative)
-        if self.stop_ids is not None:
-            kw["stop_ids"] = self.stop_ids
-        return kw
+    def options(self) -> RequestOptions:
+        """What this request asks beyond the prompt and max_tokens, as Runtime.request takes it (stop_ids None: the
+        engine's default, EOS and for chat the end of turn). Sampling fields out of range: a RequestError."""
+        return RequestOptions(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, stop_ids=self.stop_ids, stop=self.stop,
+                              logprobs=self.logprobs, response_format=self.response_format,
+                              prompt_logprobs=self.echo and self.logprobs is not None, speculative=self.speculative,
+                              fit_context=self.max_tokens is not None)
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, *, lo: float | None = None,

@@ -21,11 +21,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils  # the Python backend's module: this file runs inside Triton
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine, EngineRequest, Observer
 
 log = logging.getLogger("runtime.triton")
 
@@ -68,31 +72,31 @@ class GsmMetrics:
             self.m[key] = self.fam[name].Metric(labels={**self.labels, **labels})
         return self.m[key]
 
-    def observer(self) -> Any:
+    def observer(self) -> Observer:
         from runtime.engine import Observer
 
         outer = self
 
         class Obs(Observer):
-            def on_finish(self, req: Any) -> None:
+            def on_finish(self, req: EngineRequest) -> None:
                 outer.metric("gsm_requests_total", finish_reason=str(req.finish_reason)).increment(1)
                 outer.metric("gsm_generation_tokens_total").increment(len(req.ids))
                 outer.metric("gsm_prompt_tokens_total").increment(len(req.prompt_ids))
 
-            def on_step(self, engine: Any, running: Any) -> None:
+            def on_step(self, engine: Engine, running: Sequence[EngineRequest]) -> None:
                 outer.metric("gsm_running_sequences").set(len(running))
                 outer.metric("gsm_queue_depth").set(engine.queue_depth)
 
-            def on_hit_rate(self, req: Any, hit_rate: float) -> None:
+            def on_hit_rate(self, req: EngineRequest, hit_rate: float) -> None:
                 outer.metric("gsm_sparse_mask_hit_rate").set(hit_rate)
 
-            def on_kv_noise(self, req: Any, noise: float) -> None:
+            def on_kv_noise(self, req: EngineRequest, noise: float) -> None:
                 outer.metric("gsm_shared_kv_noise_level").set(noise)
 
-            def on_fallback(self, req: Any, policy: str, value: float) -> None:
+            def on_fallback(self, req: EngineRequest, policy: str, value: float) -> None:
                 outer.metric("gsm_fallbacks_total", policy=policy).increment(1)
 
-            def on_drafts(self, req: Any, drafted: int, accepted: int) -> None:
+            def on_drafts(self, req: EngineRequest, drafted: int, accepted: int) -> None:
                 outer.metric("gsm_spec_draft_tokens_total").increment(drafted)
                 outer.metric("gsm_spec_accepted_tokens_total").increment(accepted)
 
@@ -108,7 +112,7 @@ def log_info(msg: str) -> None:
         log.info("%s", msg)
 
 
-def config_patch(engine: Any, params: dict[str, str]) -> None:
+def config_patch(engine: Engine, params: dict[str, str]) -> None:
     """Apply the config's PATCH_PARAM (a JSON Patch of the knobs; absent or empty: none) to `engine`'s knobs;
     KnobError naming the path (the load fails with it) unless it is JSON that Engine.patch takes."""
     from gsm.bundle_knobs import KnobError
@@ -222,7 +226,7 @@ class TritonPythonModel:
             t.start()
         return None
 
-    def _respond(self, req: Any, sender: Any, stream: bool) -> None:
+    def _respond(self, req: EngineRequest, sender: Any, stream: bool) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             sent = 0
