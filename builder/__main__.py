@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from builder.build_config import BuildConfig
 from builder.plan import (
     DEFAULT_GSM,
     DEFAULT_HEAD,
@@ -116,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_config(args: argparse.Namespace) -> BuildConfig:
+    """The BuildConfig of `build`'s parsed flags (BuildError for a value the config refuses)."""
+    return BuildConfig(device=args.device, checkpoint=args.checkpoint, output=args.output, max_seq=args.max_seq,
+                       max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
+                       overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
+                       uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
+                       int4_grid=args.int4_grid, head_weights=args.head_weights,
+                       matmul_accuracy=args.matmul_accuracy, awq_scales=args.awq_scales, max_top_k=args.max_top_k,
+                       tier_fractions=args.tier_fractions, index_keys=args.index_keys, gsm_weights=args.gsm_weights,
+                       max_adaptation_rate=args.max_adaptation_rate)
+
+
 def _build(args: argparse.Namespace) -> int:
     from builder.build import BuildError, build, summary
     from gsm.cli_support import console
@@ -148,14 +161,7 @@ def _build(args: argparse.Namespace) -> int:
                 prog.advance(done / READ_BYTES - prog.done)
 
         try:
-            r = build(device=args.device, checkpoint_dir=args.checkpoint, output=args.output, max_seq=args.max_seq,
-                      max_batch=args.max_batch, max_input=args.max_input, calibration=args.calibration,
-                      overwrite=args.overwrite, logits=args.logits, trt_precision=args.trt_precision,
-                      uncalibrated=args.uncalibrated, weights=args.weights, group_size=args.group_size,
-                      int4_grid=args.int4_grid, head_weights=args.head_weights,
-                      matmul_accuracy=args.matmul_accuracy, awq_scales=args.awq_scales, max_top_k=args.max_top_k,
-                      tier_fractions=args.tier_fractions, index_keys=args.index_keys, gsm_weights=args.gsm_weights,
-                      max_adaptation_rate=args.max_adaptation_rate, say=say, step=step, read=read)
+            r = build(build_config(args), say=say, step=step, read=read)
         except BuildError as e:  # a refusal: bad input, nothing written
             err.print(f"[red]{PROG} build: error:[/] {e}", markup=True)
             return EXIT_BAD_INPUT

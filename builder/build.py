@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import gsm
+from builder.build_config import INDEX_KEYS, MATMUL_ACCURACY, BuildConfig, BuildError
 from builder.bundle import atomic_bundle_dir, checkpoint_hash, write_json
 from builder.calib import (
     CalibrationError,
+    QuantTables,
     has_int4_tables,
     has_key_scales,
     head_input_moment,
@@ -31,13 +33,11 @@ from builder.calib import (
 )
 from builder.golden_probe import GoldenKV, write_golden_probe
 from builder.graph_cpu import CPU_DOMAIN, CPU_OPS
-from builder.graphs import write_graphs
+from builder.graphs import GraphsInfo, write_graphs
 from builder.network import CheckpointSource, NetSpec
 from builder.plan import (
     DEFAULT_GROUP_SIZE,
     GSM_SIDE_FAST_CONFIG,
-    HEAD_CHOICES,
-    INT4_GRIDS,
     PER_CHANNEL,
     QUANTISED_KEYS,
     WEIGHT_CHOICES,
@@ -59,15 +59,11 @@ from builder.summary_lines import disk_line, weights_words
 from gsm import checkpoint, names
 from gsm.bundle_format import FILES, GRAPH_REVISION, BundleConfig, PoolRows, selection_entry
 from gsm.checker import verify
-from gsm.config import ConfigError, KVQuantConfig
+from gsm.config import ConfigError, KVQuantConfig, ModelConfig
 from jetson import resolve_device
 
 DEMO_PRESET, DEMO_SEED = "tiny", 0
 ENGINE_COMMAND = "python -m builder engine {bundle}"
-
-
-class BuildError(RuntimeError):
-    """A build refused or failed; the message is the whole explanation (no traceback needed)."""
 
 
 @dataclass
@@ -77,6 +73,31 @@ class BuildResult:
     report: dict[str, Any]
     demo: bool
     files: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The verified checkpoint and what the build reads of it."""
+
+    path: Path
+    demo: bool
+    cfg: ModelConfig
+    quant: KVQuantConfig  # the bundle's kv_quantization (kv_tier_policy)
+    kv_tiers: dict[str, str]  # report.json's kv_tiers: mode and note
+    tensors: checkpoint.CheckpointTensors
+    ranks: dict[int, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class _Design:
+    """What the bundle will hold, all decided before its directory is opened."""
+
+    plan: MemoryPlan
+    wreport: dict[str, Any]  # report.json's weights
+    weights: BundleWeights
+    qt: QuantTables
+    rows: PoolRows
+    spec: NetSpec
 
 
 @contextlib.contextmanager
@@ -97,146 +118,186 @@ def default_output(checkpoint_dir: Path | None, device: str) -> Path:
     return Path("out") / f"{name}-{device}"
 
 
-def build(*, device: str, checkpoint_dir: Path | None = None, output: Path | None = None, max_seq: int | None = None,
-          max_batch: int = 1, max_input: int | None = None, calibration: Path | None = None,
-          overwrite: bool = False, logits: str = "last", debug_outputs: bool = False, trt_precision: str = "fp16",
-          uncalibrated: str = "data-free", weights: str = "fp16", group_size: int | None = None,
-          int4_grid: str = "auto", head_weights: str | None = None, matmul_accuracy: str | None = None,
-          awq_scales: Path | None = None, max_top_k: int | None = None,
-          tier_fractions: tuple[float, ...] | None = None, index_keys: str | None = None,
-          gsm_weights: str | None = None, max_adaptation_rate: int = 0,
-          say: Callable[[str], None] = lambda s: None, step: Callable[[str], None] = lambda s: None,
+def build(config: BuildConfig, *, say: Callable[[str], None] = lambda s: None,
+          step: Callable[[str], None] = lambda s: None,
           read: Callable[[int, int], None] = lambda done, total: None) -> BuildResult:
     """Build a bundle; BuildError (or a subclass's message) for every refusal, with nothing written.
 
-    weights: fp16 | int8 | int4 | auto (the highest precision whose plan fits); group_size: the group along
-    K (INT4 default 128 or the detected grid's; INT8 default 32, plan.PER_CHANNEL = one per row);
-    int4_grid: auto | sym | asym-f (docs/weights.md); head_weights: fp16 | int8 | int4, the embedding and LM
-    head (None: plan.head_choice's default, INT4 for a calibrated INT4 build; plan.head_config; an INT4 head is
-    quantised by GPTQ on the calibration's head input moment when there is one);
-    matmul_accuracy: exact | fast, the portable graph's MatMulNBits accuracy level (0 / 4); default
-    fast for INT8 and INT4 (ONNX Runtime has no fast float32 INT8 kernel, and INT4 decodes 6-54 % faster
-    with INT8 activations at +0.07 % perplexity on SmolLM2, docs/weights.md); awq_scales: a
-    `python -m calibration.awq` file (symmetric INT4 only); tier_fractions: the KV tier fractions instead of the
-    checkpoint's (three or four); index_keys: int8 | fp16 instead of the checkpoint's index_key_bits; gsm_weights:
-    fp16 | int8 (per output channel), the GSM-side projections (None: DEFAULT_GSM of the --weights choice);
-    max_adaptation_rate: room in the FP16 region for re-tier passes this many decode steps apart (0: the model's
-    quantization_adaptation_rate), so that a bundle patch may lengthen the rate up to it."""
+    Steps: the device and the output place (_target), the checkpoint verified and its KV tiers (_read_checkpoint),
+    the memory plan, weight formats and quantisation tables (_design), then the bundle (_write_bundle). say: a
+    warning for the user; step: the step that starts; read(done, total): checkpoint bytes streamed so far."""
     t0 = time.perf_counter()
-    _check_weight_options(weights, group_size, int4_grid, matmul_accuracy, head_weights)
+    profile, out = _target(config)
+    with _checkpoint_source(config.checkpoint, say) as (ckpt, demo):
+        src = _read_checkpoint(config, ckpt, demo, say, step)
+        design = _design(config, src, profile, say, step)
+        report, files = _write_bundle(config, src, design, profile, out, step, read, t0)
+    return BuildResult(out, design.plan, report, demo, files)
+
+
+def _target(config: BuildConfig) -> tuple[Any, Path]:
+    """The device profile, and the output directory, checked writable (gsm/outputs.py) before anything is read."""
+    from gsm.outputs import OutputPathError, check_output_dir
     from jetson import DetectionError, UnknownDeviceError
 
     try:
-        profile = resolve_device(device)
+        profile = resolve_device(config.device)
     except (UnknownDeviceError, DetectionError) as e:
         raise BuildError(str(e)) from None
-    out = Path(output) if output is not None else default_output(checkpoint_dir, profile.name)
-    from gsm.outputs import OutputPathError, check_output_dir
-
+    out = config.output if config.output is not None else default_output(config.checkpoint, profile.name)
     try:
-        check_output_dir(out, flag="--output", overwrite=overwrite,
-                         inputs=[("--checkpoint", checkpoint_dir), ("--calibration", calibration),
-                                 ("--awq-scales", awq_scales)])
+        check_output_dir(out, flag="--output", overwrite=config.overwrite,
+                         inputs=[("--checkpoint", config.checkpoint), ("--calibration", config.calibration),
+                                 ("--awq-scales", config.awq_scales)])
     except OutputPathError as e:
         raise BuildError(str(e)) from None
-    with _checkpoint_source(checkpoint_dir, say) as (ckpt, demo):
-        step("verifying checkpoint")
-        rep = verify(ckpt)
-        if not rep.ok:
-            lines = [f"  {e.code}: {e.message}" for e in rep.errors[:20]]
-            more = f"\n  ... and {len(rep.errors) - 20} more" if len(rep.errors) > 20 else ""
-            raise BuildError(f"{ckpt} is not a valid GSM checkpoint (python -m gsm verify {ckpt}):\n"
-                             + "\n".join(lines) + more)
-        cfg = checkpoint.load_config(ckpt)
-        quant, kv_tiers = kv_tier_policy(_asked_quant(checkpoint.load_quant(ckpt), tier_fractions, index_keys),
-                                         ckpt, calibration, demo, uncalibrated)
-        if index_keys == "int8" and not quant.int8_keys:
-            raise BuildError(f"--index-keys int8: {kv_tiers['note']}")
-        if kv_tiers["mode"] != "calibrated":
-            say(kv_tiers["note"])
-        tensors = checkpoint.CheckpointTensors(ckpt)
-        ranks = tensors.ranks(cfg)
-        from builder.plan import PlanError
+    return profile, out
 
-        grid, grid_note, group = resolve_int4_grid(tensors, cfg, weights, int4_grid, group_size)
-        table = calibration if calibration is not None else ckpt / checkpoint.CALIB_FILE
-        try:
-            moment = head_input_moment(table, cfg.hidden_size) if table.is_file() else None
-        except CalibrationError as e:
-            raise BuildError(str(e)) from None
-        try:
-            plan = choose_weights(cfg, ranks, quant, profile, PlanRequest(
-                weights=weights, max_seq=max_seq, max_batch=max_batch, max_input=max_input, group_size=group,
-                head_weights=head_weights, int4_grid=grid, max_top_k=max_top_k, gsm_weights=gsm_weights,
-                head_moment=moment is not None, max_rate=max_adaptation_rate))
-            require_fit(plan, cfg, ranks, quant)
-        except PlanError as e:
-            raise BuildError(str(e)) from None
-        if matmul_accuracy is None:  # quantised weights decode faster with INT8 activations (docs/weights.md)
-            matmul_accuracy = "fast" if {plan.weights, plan.head_weights, plan.gsm_weights} & {"int8", "int4"} \
-                else "exact"
-        wreport = _weights_report(plan, cfg, ranks, weights, grid_note, matmul_accuracy)
-        row_quantizers = _head_quantizers(plan, cfg, moment, table, wreport, say)
-        awq = None
-        if awq_scales is not None:
-            awq, wreport["awq"] = load_awq_scales(Path(awq_scales), plan, tensors, cfg)
-        if weights == "auto":
-            say(f"--weights auto: {wreport['why']}")
-        step("quantisation tables")
-        try:
-            qt = quant_tables(cfg, ranks, tensors, ckpt, calibration)
-        except CalibrationError as e:
-            raise BuildError(str(e)) from None
-        if quant.int8_keys and qt.key_scales is None:
-            raise BuildError(f"{qt.source}: kv_quantization.index_key_bits is 8 but the calibration has no "
-                             "index_key.scale_int8 tables; rerun `python -m calibration run`")
-        if quant.uses_int4 and not qt.int4_fitted:
-            raise BuildError(f"{qt.source}: INT4 tier fractions {list(quant.tier_fractions)} but some owning layer's "
-                             "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
-        rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant, max_rate=plan.max_adaptation_rate)
-        wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights,
-                               plan.gsm_weights, fast_matmuls=matmul_accuracy == "fast")
-        spec = NetSpec(cfg, ranks, plan.max_seq, logits=logits, debug=debug_outputs, quantised=frozenset(wcfgs),
-                       nbits_accuracy=MATMUL_ACCURACY[matmul_accuracy],
-                       key_scales=qt.key_scales if quant.int8_keys else None)
-        ck_hash = checkpoint_hash(ckpt)
-        meta: dict[str, Any] = {}
-        with atomic_bundle_dir(out, meta, overwrite=overwrite) as tmp:
-            source = CountedSource(CheckpointSource(tensors), tensors, read)  # read(done, total): checkpoint bytes
-            bundle_weights = BundleWeights(wcfgs, awq or {}, row_quantizers,
-                                           int8_activations=matmul_accuracy == "fast")
-            info = write_graphs(tmp, spec, source, qt.tables, rows, trt_precision=trt_precision,
-                                weights=bundle_weights, max_top_k=plan.max_top_k, progress=step)
-            for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
-                         checkpoint.TOKENIZER_CONFIG_FILE):
-                if (ckpt / name).is_file():
-                    shutil.copyfile(ckpt / name, tmp / name)
-            noise = _tier_noise(ckpt, calibration, kv_tiers)
-            write_json(tmp / FILES.config, _bundle_config(spec, plan, rows, quant, logits, debug_outputs,
-                                                         _weights_record(wreport), noise).to_json())
-            write_json(tmp / FILES.plan, plan.to_json())
-            step("golden probe")
-            probe = write_golden_probe(tmp, cfg, tensors, bundle_weights,
-                                       GoldenKV(quant, qt.tables, ranks, qt.key_scales if quant.int8_keys else None))
-            engine = _maybe_engine(tmp, plan, profile, step)
-            report = _report(cfg, plan, info, qt.source, demo, ck_hash, engine, time.perf_counter() - t0, out)
-            report["kv_tiers"] = kv_tiers
-            report["weights"] = wreport
-            report["golden_probe"] = probe
-            write_json(tmp / FILES.report, report)
-            meta.update({
-                "gsm_edge_version": gsm.__version__, "checkpoint": {"hash": ck_hash, "demo": demo,
-                                                                   "path": None if demo else str(ckpt)},
-                "device": profile.to_json(), "opset": info.opset,
-                "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace,
-                            "versions": info.plugins},
-                "graphs": FILES.graphs(),
-                "cpu_ops": {"domain": CPU_DOMAIN, "versions": dict(CPU_OPS)},
-                "engine": engine, "calibration": qt.source, "trt_precision": trt_precision,
-                "portable_opset": info.portable_opset, "weights": _weights_record(wreport),
-            })
-            files = sorted(p.name for p in tmp.iterdir()) + ["manifest.json"]
-    return BuildResult(out, plan, report, demo, files)
+
+def _read_checkpoint(config: BuildConfig, ckpt: Path, demo: bool, say: Callable[[str], None],
+                     step: Callable[[str], None]) -> _Source:
+    """The checkpoint verified (the `python -m gsm verify` checker), its config, and the KV tiers the bundle ships."""
+    step("verifying checkpoint")
+    rep = verify(ckpt)
+    if not rep.ok:
+        lines = [f"  {e.code}: {e.message}" for e in rep.errors[:20]]
+        more = f"\n  ... and {len(rep.errors) - 20} more" if len(rep.errors) > 20 else ""
+        raise BuildError(f"{ckpt} is not a valid GSM checkpoint (python -m gsm verify {ckpt}):\n"
+                         + "\n".join(lines) + more)
+    cfg = checkpoint.load_config(ckpt)
+    quant, kv_tiers = kv_tier_policy(_asked_quant(checkpoint.load_quant(ckpt), config.tier_fractions,
+                                                  config.index_keys),
+                                     ckpt, config.calibration, demo, config.uncalibrated)
+    if config.index_keys == "int8" and not quant.int8_keys:
+        raise BuildError(f"--index-keys int8: {kv_tiers['note']}")
+    if kv_tiers["mode"] != "calibrated":
+        say(kv_tiers["note"])
+    tensors = checkpoint.CheckpointTensors(ckpt)
+    return _Source(ckpt, demo, cfg, quant, kv_tiers, tensors, tensors.ranks(cfg))
+
+
+def _design(config: BuildConfig, src: _Source, profile: Any, say: Callable[[str], None],
+            step: Callable[[str], None]) -> _Design:
+    """The memory plan (refused when it does not fit), the weight formats and their quantisers, the quantisation
+    tables and the network's spec: everything the bundle holds, decided before a byte of it is written."""
+    cfg, ranks, quant = src.cfg, src.ranks, src.quant
+    grid, grid_note, group = resolve_int4_grid(src.tensors, cfg, config.weights, config.int4_grid, config.group_size)
+    table, moment = _head_moment(config, src)
+    plan = _fitting_plan(src, profile, config.plan_request(group_size=group, int4_grid=grid,
+                                                           head_moment=moment is not None))
+    # quantised weights decode faster with INT8 activations (docs/weights.md)
+    accuracy = config.matmul_accuracy if config.matmul_accuracy is not None else default_matmul_accuracy(plan)
+    wreport = _weights_report(plan, cfg, ranks, config.weights, grid_note, accuracy)
+    row_quantizers = _head_quantizers(plan, cfg, moment, table, wreport, say)
+    awq = None
+    if config.awq_scales is not None:
+        awq, wreport["awq"] = load_awq_scales(config.awq_scales, plan, src.tensors, cfg)
+    if config.weights == "auto":
+        say(f"--weights auto: {wreport['why']}")
+    step("quantisation tables")
+    qt = _quant_tables(config, src)
+    rows = pool_rows(plan.max_seq, plan.max_input, cfg, quant, max_rate=plan.max_adaptation_rate)
+    wcfgs = weight_configs(cfg, plan.weights, plan.group_size, plan.int4_grid, plan.head_weights,
+                           plan.gsm_weights, fast_matmuls=accuracy == "fast")
+    spec = NetSpec(cfg, ranks, plan.max_seq, logits=config.logits, debug=config.debug_outputs,
+                   quantised=frozenset(wcfgs), nbits_accuracy=MATMUL_ACCURACY[accuracy],
+                   key_scales=qt.key_scales if quant.int8_keys else None)
+    weights = BundleWeights(wcfgs, awq or {}, row_quantizers, int8_activations=accuracy == "fast")
+    return _Design(plan, wreport, weights, qt, rows, spec)
+
+
+def _head_moment(config: BuildConfig, src: _Source) -> tuple[Path, Any]:
+    """The calibration table the build reads, and the head's input moment in it (None: the table has none)."""
+    table = config.calibration if config.calibration is not None else src.path / checkpoint.CALIB_FILE
+    try:
+        return table, head_input_moment(table, src.cfg.hidden_size) if table.is_file() else None
+    except CalibrationError as e:
+        raise BuildError(str(e)) from None
+
+
+def _fitting_plan(src: _Source, profile: Any, request: PlanRequest) -> MemoryPlan:
+    """The memory plan (for --weights auto the highest precision that fits); BuildError when it does not fit."""
+    from builder.plan import PlanError
+
+    try:
+        plan = choose_weights(src.cfg, src.ranks, src.quant, profile, request)
+        require_fit(plan, src.cfg, src.ranks, src.quant)
+    except PlanError as e:
+        raise BuildError(str(e)) from None
+    return plan
+
+
+def default_matmul_accuracy(plan: MemoryPlan) -> str:
+    """--matmul-accuracy with no flag: fast when anything is quantised, else exact."""
+    return "fast" if {plan.weights, plan.head_weights, plan.gsm_weights} & {"int8", "int4"} else "exact"
+
+
+def _quant_tables(config: BuildConfig, src: _Source) -> QuantTables:
+    """The KV quantisation tables (--calibration, the checkpoint's, or data-free), refused when they lack what the
+    bundle's kv_quantization needs."""
+    try:
+        qt = quant_tables(src.cfg, src.ranks, src.tensors, src.path, config.calibration)
+    except CalibrationError as e:
+        raise BuildError(str(e)) from None
+    quant = src.quant
+    if quant.int8_keys and qt.key_scales is None:
+        raise BuildError(f"{qt.source}: kv_quantization.index_key_bits is 8 but the calibration has no "
+                         "index_key.scale_int8 tables; rerun `python -m calibration run`")
+    if quant.uses_int4 and not qt.int4_fitted:
+        raise BuildError(f"{qt.source}: INT4 tier fractions {list(quant.tier_fractions)} but some owning layer's "
+                         "latent has no scale_int4/comp_int4 table; rerun `python -m calibration run`")
+    return qt
+
+
+def _write_bundle(config: BuildConfig, src: _Source, design: _Design, profile: Any, out: Path,
+                  step: Callable[[str], None], read: Callable[[int, int], None], t0: float
+                  ) -> tuple[dict[str, Any], list[str]]:
+    """The bundle directory, atomically (builder/bundle.py): graphs + streamed weights, the checkpoint's small
+    files, bundle.json, plan.json, the golden probe, the engine where TensorRT is here, report.json and the
+    manifest. Returns the report and the file names."""
+    ckpt, cfg, plan, spec, qt = src.path, src.cfg, design.plan, design.spec, design.qt
+    ck_hash = checkpoint_hash(ckpt)
+    meta: dict[str, Any] = {}
+    with atomic_bundle_dir(out, meta, overwrite=config.overwrite) as tmp:
+        source = CountedSource(CheckpointSource(src.tensors), src.tensors, read)  # read(done, total): checkpoint bytes
+        info = write_graphs(tmp, spec, source, qt.tables, design.rows, trt_precision=config.trt_precision,
+                            weights=design.weights, max_top_k=plan.max_top_k, progress=step)
+        for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
+                     checkpoint.TOKENIZER_CONFIG_FILE):
+            if (ckpt / name).is_file():
+                shutil.copyfile(ckpt / name, tmp / name)
+        noise = _tier_noise(ckpt, config.calibration, src.kv_tiers)
+        write_json(tmp / FILES.config, _bundle_config(spec, plan, design.rows, src.quant, config.logits,
+                                                     config.debug_outputs, _weights_record(design.wreport),
+                                                     noise).to_json())
+        write_json(tmp / FILES.plan, plan.to_json())
+        step("golden probe")
+        probe = write_golden_probe(tmp, cfg, src.tensors, design.weights,
+                                   GoldenKV(src.quant, qt.tables, src.ranks, spec.key_scales))
+        engine = _maybe_engine(tmp, plan, profile, step)
+        report = _report(cfg, plan, info, qt.source, src.demo, ck_hash, engine, time.perf_counter() - t0, out)
+        report["kv_tiers"] = src.kv_tiers
+        report["weights"] = design.wreport
+        report["golden_probe"] = probe
+        write_json(tmp / FILES.report, report)
+        meta.update(_manifest(config, src, design, profile, info, engine, ck_hash))
+        files = sorted(p.name for p in tmp.iterdir()) + ["manifest.json"]
+    return report, files
+
+
+def _manifest(config: BuildConfig, src: _Source, design: _Design, profile: Any, info: GraphsInfo,
+              engine: dict[str, Any], ck_hash: str) -> dict[str, Any]:
+    """The bundle's fields of manifest.json (gsm.atomic adds every file's sha256)."""
+    return {
+        "gsm_edge_version": gsm.__version__, "checkpoint": {"hash": ck_hash, "demo": src.demo,
+                                                           "path": None if src.demo else str(src.path)},
+        "device": profile.to_json(), "opset": info.opset,
+        "plugins": {"domain": info.plugin_domain, "namespace": info.plugin_namespace, "versions": info.plugins},
+        "graphs": FILES.graphs(),
+        "cpu_ops": {"domain": CPU_DOMAIN, "versions": dict(CPU_OPS)},
+        "engine": engine, "calibration": design.qt.source, "trt_precision": config.trt_precision,
+        "portable_opset": info.portable_opset, "weights": _weights_record(design.wreport),
+    }
 
 
 def _tier_noise(ckpt: Path, calibration: Path | None, kv_tiers: dict[str, str]) -> dict[str, float]:
@@ -266,31 +327,10 @@ def _bundle_config(spec: NetSpec, plan: MemoryPlan, rows: PoolRows, quant: KVQua
                          for l, ls in g.layer_selection.items()}, kv_tier_noise=kv_tier_noise)
 
 
-UNCALIBRATED = ("fp16", "data-free")
-WEIGHTS = (*WEIGHT_CHOICES, "auto")
-INT4_GRID_CHOICES = ("auto", *INT4_GRIDS)
-MATMUL_ACCURACY = {"exact": 0, "fast": 4}  # MatMulNBits accuracy_level
 TRT_INT8_BLOCKED_NOTE = (
     "model.onnx (TensorRT) holds these INT8 weights per output channel, not in groups: TensorRT documents "
     "blocked DequantizeLinear for INT4 only (docs/weights.md \"INT8 groups\"); the portable graph keeps the groups")
 GRID_GROUP = 32  # the block of llama.cpp's Q4_0/Q4_1 grids, what `--int4-grid auto` looks for by default
-
-
-def _check_weight_options(weights: str, group_size: int | None, int4_grid: str, matmul_accuracy: str | None,
-                          head_weights: str | None) -> None:
-    if weights not in WEIGHTS:
-        raise BuildError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    if head_weights is not None and head_weights not in HEAD_CHOICES:
-        raise BuildError(f"--head-weights must be one of {', '.join(HEAD_CHOICES)}, got {head_weights!r}")
-    if int4_grid not in INT4_GRID_CHOICES:
-        raise BuildError(f"--int4-grid must be one of {', '.join(INT4_GRID_CHOICES)}, got {int4_grid!r}")
-    if matmul_accuracy is not None and matmul_accuracy not in MATMUL_ACCURACY:
-        raise BuildError(f"--matmul-accuracy must be one of {', '.join(MATMUL_ACCURACY)}, got {matmul_accuracy!r}")
-    if group_size == PER_CHANNEL and weights != "int8":
-        raise BuildError(f"--group-size channel (one group per output row) is for --weights int8 only, not {weights}")
-    if group_size not in (None, PER_CHANNEL) and (group_size < 16 or group_size & (group_size - 1)):
-        raise BuildError(f"--group-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits) or channel, "
-                         f"got {group_size}")
 
 
 def resolve_int4_grid(tensors: Any, cfg: Any, weights: str, int4_grid: str, group_size: int | None
@@ -436,9 +476,8 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
     held-out perplexity against -0.09 % calibrated (issue 12). So a real checkpoint without
     calibration tables gets an FP16-only cache (tier fractions 1/0/0) unless the user asks for the
     data-free scales by name; the synthetic demo (random weights, quality meaningless) keeps its tiers.
+    uncalibrated: one of build_config.UNCALIBRATED (BuildConfig checks it).
     """
-    if uncalibrated not in UNCALIBRATED:
-        raise BuildError(f"--uncalibrated must be one of {', '.join(UNCALIBRATED)}, got {uncalibrated!r}")
     table = calibration if calibration is not None else ckpt / checkpoint.CALIB_FILE
     if quant.int8_keys and not ((calibration is not None or table.is_file()) and has_key_scales(table)):
         return _fp16_keys_policy(quant, ckpt, calibration, demo, uncalibrated, table)
@@ -462,15 +501,10 @@ def kv_tier_policy(quant: KVQuantConfig, ckpt: Path, calibration: Path | None, d
              "or pass --uncalibrated data-free to use uncalibrated scales"})
 
 
-INDEX_KEYS = {"int8": 8, "fp16": 16}  # --index-keys -> kv_quantization.index_key_bits
-
-
 def _asked_quant(quant: KVQuantConfig, tier_fractions: tuple[float, ...] | None, index_keys: str | None
                  ) -> KVQuantConfig:
     """The checkpoint's kv_quantization with the build's --tier-fractions / --index-keys."""
     if index_keys is not None:
-        if index_keys not in INDEX_KEYS:
-            raise BuildError(f"--index-keys must be one of {', '.join(INDEX_KEYS)}, got {index_keys!r}")
         quant = dataclasses.replace(quant, index_key_bits=INDEX_KEYS[index_keys])
     if tier_fractions is not None:
         try:

@@ -213,13 +213,13 @@ def tiny_selection_case(root: Path, table: dict[int, tuple[int, ...]], n_max: in
     often, selecting per `table` (layer_selection_copy), and its bundle of max-seq n_max with debug outputs, an
     fp32 plugin graph, 8 sequences and max_top_k n_max (the reference backend takes the dense budget).
     Returns (checkpoint, bundle)."""
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from gsm.synth import synth_checkpoint
 
     base = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=3), root / "retier")
     ckpt = layer_selection_copy(base, root / "selecting", table)
-    build(device="orin", checkpoint_dir=ckpt, output=root / "bundle", max_seq=n_max, trt_precision="fp32",
-          debug_outputs=True, max_top_k=n_max, max_batch=8)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=root / "bundle", max_seq=n_max, trt_precision="fp32",
+                      debug_outputs=True, max_top_k=n_max, max_batch=8))
     return ckpt, root / "bundle"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builder.build import BuildError, build
+from builder.build import BuildConfig, BuildError, build
 from gsm.synth import synth_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_demo_build_and_generate_cli(tmp_path):
 
 def test_runtime_never_imports_torch(tmp_path, tiny):
     out = tmp_path / "b"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=64))
     code = ("import sys, runtime; rt = runtime.load(sys.argv[1], threads=1); rt.generate([1, 5, 6], 4); "
             "assert 'torch' not in sys.modules, 'runtime imported torch'")
     r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=ROOT)
@@ -63,7 +63,7 @@ def test_runtime_never_imports_torch(tmp_path, tiny):
 
 def test_unknown_device(tmp_path, tiny):
     with pytest.raises(BuildError, match="unknown device 'xavier'.*orin-nx-16"):
-        build(device="xavier", checkpoint_dir=tiny, output=tmp_path / "o")
+        build(BuildConfig(device="xavier", checkpoint=tiny, output=tmp_path / "o"))
     assert nothing_left(tmp_path)
     r = run_cli("builder", "build", "--device", "xavier", "--checkpoint", str(tiny), cwd=tmp_path)
     assert r.returncode == 2 and "unknown device" in r.stderr and "Traceback" not in r.stderr
@@ -72,13 +72,13 @@ def test_unknown_device(tmp_path, tiny):
 
 def test_max_seq_beyond_model(tmp_path, tiny):
     with pytest.raises(BuildError, match="beyond the model's max_position_embeddings \\(512\\)"):
-        build(device="orin", checkpoint_dir=tiny, output=tmp_path / "o", max_seq=4096)
+        build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "o", max_seq=4096))
     assert nothing_left(tmp_path)
 
 
 def test_plan_that_does_not_fit(tmp_path, tiny):
     with pytest.raises(BuildError, match="does not fit orin-nano-4.*short by.*fits"):
-        build(device="orin-nano-4", checkpoint_dir=tiny, output=tmp_path / "o", max_batch=200_000)
+        build(BuildConfig(device="orin-nano-4", checkpoint=tiny, output=tmp_path / "o", max_batch=200_000))
     assert nothing_left(tmp_path)
 
 
@@ -91,7 +91,7 @@ def test_invalid_checkpoint_stops_with_checker_errors(tmp_path, tiny):
     cfg["gsm_config"]["sparse_top_k"] = 9  # checksum no longer matches
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(BuildError, match="CHECKSUM_MISMATCH"):
-        build(device="orin", checkpoint_dir=bad, output=tmp_path / "o")
+        build(BuildConfig(device="orin", checkpoint=bad, output=tmp_path / "o"))
     assert not (tmp_path / "o").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 
@@ -101,7 +101,7 @@ def test_existing_output_is_not_replaced(tmp_path, tiny):
     out.mkdir()
     (out / "keep").write_text("x")
     with pytest.raises(BuildError, match="already exists"):
-        build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64)
+        build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=64))
     assert (out / "keep").read_text() == "x"
 
 
@@ -109,7 +109,7 @@ def test_corrupted_bundle_file_fails_at_load(tmp_path, tiny):
     import runtime
 
     out = tmp_path / "b"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=64))
     data = bytearray((out / "weights.bin").read_bytes())
     data[len(data) // 2] ^= 0x01
     (out / "weights.bin").write_bytes(bytes(data))
@@ -130,7 +130,7 @@ def test_build_failure_midway_leaves_nothing(tmp_path, tiny, monkeypatch):
 
     monkeypatch.setattr(bb, "write_graphs", boom)
     with pytest.raises(OSError, match="disk full"):
-        build(device="orin", checkpoint_dir=tiny, output=tmp_path / "o", max_seq=64)
+        build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "o", max_seq=64))
     assert nothing_left(tmp_path)
 
 
@@ -154,7 +154,7 @@ def test_calibration_file_becomes_the_quant_tables(tmp_path, tiny):
     calib = tmp_path / "kv_calibration.safetensors"
     save_file(tables, str(calib))
     out = tmp_path / "b"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=64, calibration=calib)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=64, calibration=calib))
     m = onnx.load(str(out / "model.onnx"))
     got = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer if t.name.endswith(".quant")}
     for l in cfg.owning_layers:
@@ -169,7 +169,7 @@ def test_calibration_file_becomes_the_quant_tables(tmp_path, tiny):
     del tables[names.calib_name(cfg.owning_layers[0], "v", "comp_int8")]
     save_file(tables, str(calib))
     with pytest.raises(BuildError, match="comp_int8"):
-        build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b2", max_seq=64, calibration=calib)
+        build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "b2", max_seq=64, calibration=calib))
     assert not (tmp_path / "b2").exists()
 
 
@@ -207,7 +207,7 @@ def test_max_top_k_flag(tmp_path, tiny):
     assert r.returncode == 2 and "--max-top-k must be in [" in r.stderr and "got 129" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
     out = tmp_path / "b"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=128, max_top_k=100)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=128, max_top_k=100))
     assert json.loads((out / "bundle.json").read_text())["max_top_k"] == 100
     m = onnx.load(str(out / "model.onnx"), load_external_data=False)
     got = {a.i for n in m.graph.node if n.op_type == "GsmSparseAttention" for a in n.attribute

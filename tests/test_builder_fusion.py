@@ -14,7 +14,7 @@ import torch
 from onnx import numpy_helper
 from test_runtime_golden import LOGIT_TOL, check_selection
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from builder.network import FUSED, GSM_SIDE, NetSpec, Network
 from builder.onnx_util import GraphBuilder, WeightStore
 from gsm import checkpoint, names
@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuse")
     ck = synth_checkpoint("tiny", root / "tiny", seed=3)
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, debug_outputs=True)
+    build(BuildConfig(device="orin", checkpoint=ck, output=out, max_seq=N_MAX, debug_outputs=True))
     return ck, out
 
 
@@ -163,7 +163,7 @@ def test_quantised_projections_stay_separate(tiny, tmp_path):
     ck, _ = tiny
     cfg = checkpoint.load_config(ck)
     out = tmp_path / "int8"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, weights="int8")
+    build(BuildConfig(device="orin", checkpoint=ck, output=out, max_seq=N_MAX, weights="int8"))
     m = optimised(out / "model.portable.onnx", tmp_path)
     nbits = collections.Counter(n.input[1] for n in m.graph.node if n.op_type == "MatMulNBits")
     assert set(nbits) == {names.layer_name(k, i) + ".nbits.qweight" for i in range(cfg.num_hidden_layers)

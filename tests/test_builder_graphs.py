@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from gsm import checkpoint
 from gsm.synth import synth_checkpoint
@@ -19,7 +19,7 @@ def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("g")
     ck = synth_checkpoint("tiny", root / "tiny")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX)
+    build(BuildConfig(device="orin", checkpoint=ck, output=out, max_seq=N_MAX))
     return out, checkpoint.load_config(ck)
 
 

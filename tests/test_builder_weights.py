@@ -16,7 +16,7 @@ import torch
 from conftest import retiering_copy
 from runtime_bundles import run_module
 
-from builder.build import BuildError, build
+from builder.build import BuildConfig, BuildError, build
 from builder.plan import DEFAULT_INT8_GROUP_SIZE, GSM_SIDE_CONFIG, PER_CHANNEL, gsm_side_names, quantised_names
 from builder.wquant import WeightQuantConfig, dequantize, on_block_grid, quantize, quantize_chunks
 from gsm import checkpoint
@@ -101,8 +101,8 @@ def run_both(bundle, golden: GoldenModel, prompt: list[int], graph: str = "auto"
                                                 ("int4", "asym-f", 32)])
 def test_quantised_bundle_matches_golden_on_dequantised_weights(tiny, tmp_path, weights, grid, group):
     bundle = tmp_path / "b"
-    r = build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
-              int4_grid=grid, matmul_accuracy="exact")
+    r = build(BuildConfig(device="orin", checkpoint=tiny, output=bundle, max_seq=N_MAX, weights=weights,
+                          group_size=group, int4_grid=grid, matmul_accuracy="exact"))
     int8_group = {None: DEFAULT_INT8_GROUP_SIZE, PER_CHANNEL: None}.get(group, group)
     wcfg = (WeightQuantConfig(8, int8_group) if weights == "int8" else
             WeightQuantConfig(4, group, symmetric=grid == "sym", float_zero_point=grid == "asym-f"))
@@ -191,18 +191,18 @@ def test_head_without_or_with_a_bad_moment(tied, tmp_path):
     calibration file whose moment has the wrong shape: one error naming the file and the tensor, nothing written."""
     said: list[str] = []
     plain = calibration_file(tied, tmp_path / "plain.safetensors", None)
-    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "rtn", max_seq=N_MAX, weights="int4", group_size=32,
-              calibration=plain, say=said.append)
+    r = build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "rtn", max_seq=N_MAX, weights="int4",
+                          group_size=32, calibration=plain), say=said.append)
     assert r.report["weights"]["head_weights"] == "int8"  # the default without a moment
-    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "rtn4", max_seq=N_MAX, weights="int4",
-              group_size=32, head_weights="int4", calibration=plain, say=said.append)
+    r = build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "rtn4", max_seq=N_MAX, weights="int4",
+                          group_size=32, head_weights="int4", calibration=plain), say=said.append)
     assert r.report["weights"]["head_quantiser"] == "round-to-nearest"
     assert any("head.input_moment" in s and "GPTQ" in s for s in said), said
     h = checkpoint.load_config(tied).hidden_size
     bad = calibration_file(tied, tmp_path / "bad.safetensors", np.eye(h + 2))
     with pytest.raises(BuildError, match=r"bad\.safetensors: head\.input_moment has shape .*expected \[" + str(h)):
-        build(device="orin", checkpoint_dir=tied, output=tmp_path / "bad", max_seq=N_MAX, weights="int4",
-              group_size=32, calibration=bad)
+        build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "bad", max_seq=N_MAX, weights="int4",
+                          group_size=32, calibration=bad))
     assert not (tmp_path / "bad").exists()
 
 
@@ -225,11 +225,11 @@ def test_calibrated_int4_build_quantises_the_head_by_gptq(tied, tmp_path):
     moment = (x.T @ x / x.shape[0]).numpy()
     path = calibration_file(tied, tmp_path / "calib.safetensors", moment)
 
-    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              matmul_accuracy="exact", calibration=path)
+    r = build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+                          group_size=32, matmul_accuracy="exact", calibration=path))
     assert (r.report["weights"]["head_weights"], r.report["weights"]["head_quantiser"]) == ("int4", "gptq")
-    i8 = build(device="orin", checkpoint_dir=tied, output=tmp_path / "i8", max_seq=N_MAX, weights="int4",
-               group_size=32, head_weights="int8", calibration=path)
+    i8 = build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "i8", max_seq=N_MAX, weights="int4",
+                           group_size=32, head_weights="int8", calibration=path))
     assert i8.report["weights"]["head_weights"] == "int8" and "head_quantiser" not in i8.report["weights"]
     V, H = cfg.vocab_size, cfg.hidden_size
     assert i8.plan.weight_bytes - r.plan.weight_bytes == (V * H + V * H // 64 * 2) - (V * H // 2 + V * H // 32 * 4)
@@ -258,10 +258,10 @@ def test_tied_head_quantised_once(tied, tmp_path, head_bits):
     head = f"int{head_bits}"
     head_cfg = {8: WeightQuantConfig(8, 64),
                 4: WeightQuantConfig(4, 32, symmetric=False, float_zero_point=True)}[head_bits]
-    r = build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              head_weights=head, matmul_accuracy="exact")
-    float_head = build(device="orin", checkpoint_dir=tied, output=tmp_path / "f", max_seq=N_MAX, weights="int4",
-                       group_size=32, head_weights="fp16")
+    r = build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+                          group_size=32, head_weights=head, matmul_accuracy="exact"))
+    float_head = build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "f", max_seq=N_MAX, weights="int4",
+                                   group_size=32, head_weights="fp16"))
     cfg = checkpoint.load_config(tied)
     V, H = cfg.vocab_size, cfg.hidden_size
     group = head_cfg.group_size  # INT8 heads symmetric at group 64, INT4 at 32 with a float zero point
@@ -302,8 +302,8 @@ def test_tied_head_trt_form_on_the_reference_backend(tied, tmp_path):
     ok, why = reference_usable()
     if not ok:
         pytest.skip(why)
-    build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-          head_weights="int4", trt_precision="fp32", matmul_accuracy="exact")
+    build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+                      group_size=32, head_weights="int4", trt_precision="fp32", matmul_accuracy="exact"))
     prompt = np.random.default_rng(2).integers(3, 1000, 12).tolist()
     a = runtime.load(tmp_path / "b", backend="onnxruntime", threads=1).new_sequence().prefill(prompt)
     b = runtime.load(tmp_path / "b", backend="reference", threads=1).new_sequence().prefill(prompt)
@@ -325,8 +325,8 @@ def test_trt_form_runs_on_the_reference_backend(tiny, tmp_path, weights, group, 
     bundle = tmp_path / "b"
     # INT4: an INT4 embedding and head as well, blocked in both forms like the projections (an INT8 one is per
     # channel in the TensorRT form)
-    build(device="orin", checkpoint_dir=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
-          int4_grid=grid, trt_precision="fp32", matmul_accuracy="exact", head_weights=weights)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=bundle, max_seq=N_MAX, weights=weights, group_size=group,
+                      int4_grid=grid, trt_precision="fp32", matmul_accuracy="exact", head_weights=weights))
     prompt = np.random.default_rng(2).integers(3, 259, 12).tolist()
     a = runtime.load(bundle, backend="onnxruntime", threads=1).new_sequence().prefill(prompt)
     b = runtime.load(bundle, backend="reference", threads=1).new_sequence().prefill(prompt)
@@ -466,15 +466,15 @@ def test_refusal_names_the_weights_that_fit_and_auto_picks_it(tiny, tmp_path, mo
     assert tot["fp16"] > tot["int8"] > tot["int4"]
     _tiny_profile(monkeypatch, (tot["fp16"] + tot["int8"]) // 2)  # int8 fits, fp16 does not
     with pytest.raises(BuildError) as e:
-        build(device="tiny-dev", checkpoint_dir=tiny, output=tmp_path / "no", max_seq=N_MAX)
+        build(BuildConfig(device="tiny-dev", checkpoint=tiny, output=tmp_path / "no", max_seq=N_MAX))
     assert "With --weights int8 it fits" in str(e.value)
     assert not (tmp_path / "no").exists()
-    r = build(device="tiny-dev", checkpoint_dir=tiny, output=tmp_path / "auto", max_seq=N_MAX, weights="auto")
+    r = build(BuildConfig(device="tiny-dev", checkpoint=tiny, output=tmp_path / "auto", max_seq=N_MAX, weights="auto"))
     w = r.report["weights"]
     assert (w["requested"], w["format"]) == ("auto", "int8")
     assert "int8 is the highest precision" in w["why"] and "fp16 did not fit" in w["why"]
     _tiny_profile(monkeypatch, (tot["int8"] + tot["int4"]) // 2)
-    r = build(device="tiny-dev", checkpoint_dir=tiny, output=tmp_path / "auto4", max_seq=N_MAX, weights="auto")
+    r = build(BuildConfig(device="tiny-dev", checkpoint=tiny, output=tmp_path / "auto4", max_seq=N_MAX, weights="auto"))
     assert r.report["weights"]["format"] == "int4"
     assert r.report["weights"]["int4_grid"] == "sym"  # random weights are not on a 4-bit grid
 
@@ -514,7 +514,7 @@ def test_int8_defaults_to_fast_matmuls(tiny, tmp_path):
     accuracy_level 4 unless --matmul-accuracy exact, at group 32 unless --group-size."""
     import onnx
 
-    r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=64, weights="int8")
+    r = build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "b", max_seq=64, weights="int8"))
     w = r.report["weights"]
     assert (w["matmul_accuracy"], w["group_size"]) == ("fast", 32)  # g32 fast: +0.06 % on SmolLM2, docs/weights.md
     assert "per output channel" in w["tensorrt_note"]  # TensorRT documents blocked DQ for INT4 only
@@ -557,16 +557,17 @@ def q4_1_checkpoint(tmp_path_factory):
 def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, tmp_path):
     """`--weights int4` detects the Q4_1 grid (asym-f, group 32) and loses nothing: the bundle matches the
     golden on the checkpoint's own weights; symmetric INT4 does not."""
-    r = build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
-              head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact")  # float32 activations, as the golden
+    r = build(BuildConfig(device="orin", checkpoint=q4_1_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
+                          weights="int4", head_weights="fp16", gsm_weights="fp16",
+                          matmul_accuracy="exact"))  # float32 activations, as the golden
     w = r.report["weights"]
     assert (w["int4_grid"], w["group_size"]) == ("asym-f", 32) and "Q4_1" in w["grid_note"]
     prompt = np.random.default_rng(4).integers(3, 259, PROMPT_LEN).tolist()
     golden = golden_with(q4_1_checkpoint, None)
     worst, gt, rt = run_both(tmp_path / "b", golden, prompt)
     assert gt == rt and worst <= 1, (worst, gt, rt)
-    build(device="orin", checkpoint_dir=q4_1_checkpoint, output=tmp_path / "s", max_seq=N_MAX, weights="int4",
-          int4_grid="sym", head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact")
+    build(BuildConfig(device="orin", checkpoint=q4_1_checkpoint, output=tmp_path / "s", max_seq=N_MAX, weights="int4",
+                      int4_grid="sym", head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact"))
     worst_sym, _, _ = run_both(tmp_path / "s", golden, prompt[:8])
     assert worst_sym > 10
 
@@ -582,8 +583,8 @@ def test_q4_1_source_fast_cpu_graph_runs_gsm_quant_matmul(q4_1_checkpoint, tmp_p
     from builder.qlinear import TILE_ROWS
 
     b = tmp_path / "b"
-    build(device="orin", checkpoint_dir=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4", head_weights="fp16",
-          gsm_weights="fp16")
+    build(BuildConfig(device="orin", checkpoint=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4",
+                      head_weights="fp16", gsm_weights="fp16"))
     cpu = onnx.load(b / "model.cpu.onnx")
     ops = [n.op_type for n in cpu.graph.node]
     assert ops.count("GsmQuantMatMul") == 4 * 4 and "GsmGroupOffset" not in ops and "MatMulNBits" not in ops
@@ -638,8 +639,9 @@ def test_awq_scales_bundle_matches_golden(tiny_fp16, tmp_path):
     rng = np.random.default_rng(8)
     scales = {n: rng.uniform(0.25, 4.0, np.asarray(sd[n]).shape[1]) for n in sorted(quantised_names(cfg))}
     f = _awq_file(tmp_path / "awq.safetensors", scales, 32)
-    r = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              int4_grid="sym", awq_scales=f, head_weights="fp16", gsm_weights="fp16", matmul_accuracy="exact")
+    r = build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+                          group_size=32, int4_grid="sym", awq_scales=f, head_weights="fp16", gsm_weights="fp16",
+                          matmul_accuracy="exact"))
     assert r.report["weights"]["awq"]["projections"] == 20
     wcfg = WeightQuantConfig(4, 32)
     for n, s in scales.items():
@@ -655,8 +657,8 @@ def test_awq_scales_bundle_matches_golden(tiny_fp16, tmp_path):
                              {"group_size": 32}, "no scale for"),
                             (f, {"group_size": 32, "int4_grid": "asym-f"}, "--int4-grid sym")):
         with pytest.raises(BuildError, match=needle):
-            build(device="orin", checkpoint_dir=tiny, output=tmp_path / "x", max_seq=N_MAX, weights="int4",
-                  awq_scales=bad, **{"int4_grid": "sym", **kw})
+            build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "x", max_seq=N_MAX, weights="int4",
+                              awq_scales=bad, **{"int4_grid": "sym", **kw}))
         assert not (tmp_path / "x").exists()
 
 
@@ -674,8 +676,8 @@ def test_awq_cli_scales_build(tiny, tmp_path):
     assert "20 projections" in r.stdout
     errs = [float(ln.split("error ")[1].split("x")[0]) for ln in r.stderr.splitlines() if "x RTN" in ln]
     assert len(errs) == 4 * 4 and max(errs) <= 1.0
-    b = build(device="orin", checkpoint_dir=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-              int4_grid="sym", awq_scales=out)
+    b = build(BuildConfig(device="orin", checkpoint=tiny, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+                          group_size=32, int4_grid="sym", awq_scales=out))
     assert b.report["weights"]["awq"]["alpha_mean"] is not None
     r = run_module("calibration.awq", "--checkpoint", str(tiny), "--data", str(CALIB_TEXT), "--out", str(out),
                    cwd=tmp_path)
@@ -858,7 +860,8 @@ def test_gsm_side_int8_forms_follow_the_matmul_accuracy(tiny, tmp_path):
     H = cfg.hidden_size
     for acc, block, level in (("fast", 32, 4), ("exact", None, 0)):
         b = tmp_path / acc
-        r = build(device="orin", checkpoint_dir=tiny, output=b, max_seq=N_MAX, weights="int4", matmul_accuracy=acc)
+        r = build(BuildConfig(device="orin", checkpoint=tiny, output=b, max_seq=N_MAX, weights="int4",
+                              matmul_accuracy=acc))
         assert (r.report["weights"]["gsm_weights"], r.report["weights"]["gsm_group_size"]) == ("int8", block)
         for f in ("model.portable.onnx", "model.cpu.onnx"):
             g = onnx.load(b / f, load_external_data=False).graph
@@ -912,8 +915,8 @@ def test_cpu_graph_weights_are_read_into_memory_the_session_uses(q4_1_checkpoint
     from runtime.ort_backend import OrtBackend, read_weight_spans
 
     b = tmp_path / "b"
-    build(device="orin", checkpoint_dir=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4", head_weights="fp16",
-          gsm_weights="fp16")
+    build(BuildConfig(device="orin", checkpoint=q4_1_checkpoint, output=b, max_seq=N_MAX, weights="int4",
+                      head_weights="fp16", gsm_weights="fp16"))
     table = CpuWeightTable.from_json(json.loads((b / FILES.cpu_weights).read_text()), "test")
     cpu = onnx.load(b / FILES.model_cpu)
     read = {i for n in cpu.graph.node if n.domain == CPU_DOMAIN for i in n.input}
@@ -950,8 +953,8 @@ def test_tied_head_tiles_serve_the_cpu_graphs_embedding(tied, tmp_path):
     import runtime
     from builder.graph_cpu import GATHER_OP, QUANT_OP
 
-    build(device="orin", checkpoint_dir=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4", group_size=32,
-          head_weights="int4", matmul_accuracy="fast")
+    build(BuildConfig(device="orin", checkpoint=tied, output=tmp_path / "b", max_seq=N_MAX, weights="int4",
+                      group_size=32, head_weights="int4", matmul_accuracy="fast"))
     cpu = onnx.load(tmp_path / "b" / "model.cpu.onnx", load_external_data=False).graph
     gathers = [n for n in cpu.node if n.op_type == GATHER_OP]
     heads = [n for n in cpu.node if n.op_type == QUANT_OP and n.input[1].startswith("model.embed_tokens")]

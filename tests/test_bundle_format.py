@@ -14,7 +14,7 @@ import onnx
 import pytest
 from runtime_bundles import ROOT, run_module
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.atomic import MANIFEST_NAME, write_manifest
 from gsm.bundle_format import (
     BUNDLE_FORMAT,
@@ -34,7 +34,8 @@ COPIED_FROM_CHECKPOINT = {"config.json", "quant_config.json", "tokenizer.json", 
 def bundle(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fmt")
     out = root / "b"
-    build(device="orin", checkpoint_dir=synth_checkpoint("tiny", root / "tiny"), output=out, max_seq=64, max_input=16)
+    build(BuildConfig(device="orin", checkpoint=synth_checkpoint("tiny", root / "tiny"), output=out, max_seq=64,
+                      max_input=16))
     return out
 
 

@@ -482,7 +482,7 @@ def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated,
     logits to 1e-4, greedy tokens identical, each new latent row the golden's up to FP16 rounding flips, which are
     rare and synced as they happen: sync_fp16_flips)."""
     import runtime
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from gsm.golden.model import GoldenModel
 
     cal, _ = calibrated
@@ -490,7 +490,7 @@ def test_calibrated_bundle_on_onnxruntime_reproduces_golden_deployed(calibrated,
     # INT8 rows are really read during the steps below
     out = retiering_copy(cal, tmp_path / "ckpt", rate=8, fp16_window=4)
     bundle = tmp_path / "bundle"
-    build(device="orin", checkpoint_dir=out, output=bundle, max_seq=256)
+    build(BuildConfig(device="orin", checkpoint=out, output=bundle, max_seq=256))
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert "checkpoint" in str(manifest["calibration"])  # the checkpoint's kv_calibration was used
     rt = runtime.load(bundle, backend="onnxruntime", threads=1)

@@ -67,6 +67,16 @@ def test_the_parser_default_is_the_rule():
     assert DEFAULT_HEAD[DEFAULT_WEIGHTS] == DEFAULT_GSM[DEFAULT_WEIGHTS] == "fp16"  # no flag: nothing quantised
 
 
+def test_the_cli_and_the_api_share_their_defaults():
+    """A build with no flags but --device is the Python API's BuildConfig with its defaults, but for --uncalibrated:
+    the API uses data-free scales (the golden-regression tests), the CLI keeps an uncalibrated cache FP16."""
+    from builder.__main__ import build_config
+    from builder.build import BuildConfig
+
+    assert build_config(build_parser().parse_args(["build", "--device", "orin"])) == BuildConfig(
+        device="orin", uncalibrated="fp16")
+
+
 def test_help_states_every_weight_default():
     text = build_help()
     m = re.search(rf"Default {CHOICE}: with no --weights every weight stays (\w+)", flag_help(text, "--weights"))

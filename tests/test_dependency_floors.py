@@ -81,12 +81,12 @@ def _run(python: str, bundle: Path, env: dict[str, str]) -> dict:
 def bundle(tmp_path_factory):
     from conftest import retiering_copy
 
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from gsm.synth import synth_checkpoint
 
     root = tmp_path_factory.mktemp("floors")
     ckpt = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=3), root / "retier")
-    build(device="orin", checkpoint_dir=ckpt, output=root / "bundle", max_seq=128)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=root / "bundle", max_seq=128))
     return root / "bundle"
 
 

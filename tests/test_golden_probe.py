@@ -19,7 +19,7 @@ import torch
 from conftest import retiering_copy
 from test_builder_weights import golden_with
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from builder.golden_probe import logit_budget, plan_case
 from builder.plan import GSM_SIDE_CONFIG
 from builder.probe_weights import Int8ActivationLinear, symmetric_part
@@ -51,7 +51,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp16_bundle(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("b") / "fp16"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=N_MAX)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=N_MAX))
     return out
 
 
@@ -111,8 +111,8 @@ def test_quantised_bundle_probe_runs_on_its_dequantised_weights(tiny, tmp_path):
     """An INT4 build with exact matmuls: the probe's portable form is the golden on the whole-tensor dequantised
     weights (test_builder_weights.golden_with), INT4 projections and an INT8 g64 head."""
     out = tmp_path / "int4"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=N_MAX, weights="int4", group_size=32,
-          int4_grid="sym", matmul_accuracy="exact")
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=N_MAX, weights="int4", group_size=32,
+                      int4_grid="sym", matmul_accuracy="exact"))
     rec = read_probe(out / FILES.probe).for_form("portable")[0]
     golden = golden_with(tiny, WeightQuantConfig(4, 32), WeightQuantConfig(8, 64), GSM_SIDE_CONFIG)
     assert_record_is(rec, *replay(golden, rec))
@@ -122,7 +122,7 @@ def test_fast_bundle_has_a_tensorrt_form_without_activation_quantisation(tiny, t
     """--matmul-accuracy fast (INT8 activations in the ONNX Runtime graphs, not in TensorRT's): two forms; the
     tensorrt one is the plain golden on the dequantised weights, the portable one differs from it."""
     out = tmp_path / "int8"
-    build(device="orin", checkpoint_dir=tiny, output=out, max_seq=N_MAX, weights="int8", group_size=32)
+    build(BuildConfig(device="orin", checkpoint=tiny, output=out, max_seq=N_MAX, weights="int8", group_size=32))
     probe = read_probe(out / FILES.probe)
     forms = {r.form: r for r in probe.records}
     assert set(forms) == {"portable", "tensorrt"}

@@ -40,15 +40,15 @@ def bundle(request, tmp_path_factory):
     keys and an INT4 tier, the ports whose dtype or presence could follow the bundle."""
     from conftest import int4_copy
 
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from gsm.synth import synth_checkpoint
 
     root = tmp_path_factory.mktemp("io")
     ckpt = synth_checkpoint("tiny", root / "tiny", seed=3)
     if request.param == "int8":
         ckpt = int4_copy(ckpt, root / "int4")
-    build(device="orin", checkpoint_dir=ckpt, output=root / "bundle", max_seq=64, debug_outputs=True,
-          index_keys=request.param)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=root / "bundle", max_seq=64, debug_outputs=True,
+                      index_keys=request.param))
     return root / "bundle"
 
 

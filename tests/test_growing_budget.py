@@ -27,7 +27,7 @@ import torch
 from conftest import need_ort_ops_library, tiny_selection_case
 from test_runtime_topk import N_MAX, drive_budgets
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.config import ConfigError, GSMParams, LayerSelection
 from gsm.convert.budget import with_growth
 from gsm.golden.model import GoldenModel
@@ -108,13 +108,13 @@ def test_plan_covers_the_last_positions_budget(ckpt, tmp_path):
     from builder.build import BuildError
     from gsm.bundle_format import BundleConfig
 
-    build(device="orin", checkpoint_dir=ckpt, output=tmp_path / "b", max_seq=N_MAX)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=tmp_path / "b", max_seq=N_MAX))
     cfg = BundleConfig.load(tmp_path / "b")
     assert cfg.layer_selection == {0: (12, 0), 1: (2, 3, 4), 2: (3, 4, 3)}
     assert [cfg.top_k_divisor_of(l) for l in cfg.owning_layers] == [0, 4, 3]
     assert cfg.max_top_k == N_MAX // 3  # layer 2's top-k at position N_MAX - 1 (its floor is 4, the model's 8)
     with pytest.raises(BuildError, match="--max-top-k must be in \\[42 "):
-        build(device="orin", checkpoint_dir=ckpt, output=tmp_path / "c", max_seq=N_MAX, max_top_k=41)
+        build(BuildConfig(device="orin", checkpoint=ckpt, output=tmp_path / "c", max_seq=N_MAX, max_top_k=41))
     assert not (tmp_path / "c").exists()
 
 

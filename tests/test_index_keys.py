@@ -15,7 +15,7 @@ import pytest
 from conftest import int4_copy
 from safetensors.numpy import load_file, save_file
 
-from builder.build import BuildError, build
+from builder.build import BuildConfig, BuildError, build
 from builder.plan import cpu_cache_bytes, kv_bytes_per_position, kv_pool_bytes, pool_rows
 from gsm import checkpoint, names
 from gsm.bundle_format import BundleConfig, IndexKeyLayout
@@ -72,7 +72,7 @@ def _calibration_without(ckpt: Path, out: Path, keep: set[int] | None) -> Path:
 
 
 def test_bundle_holds_codes_in_every_graph(keys8_checkpoint, tmp_path):
-    r = build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX)
+    r = build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX))
     cfg = BundleConfig.load(tmp_path / "b")
     assert cfg.index_keys == IndexKeyLayout(16, 8) and cfg.graph_revision >= 9
     assert "INT8 indexer keys" in r.report["kv_tiers"]["note"]
@@ -97,7 +97,8 @@ def test_bundle_holds_codes_in_every_graph(keys8_checkpoint, tmp_path):
 
 def test_calibration_without_key_scales_ships_fp16_keys(keys8_checkpoint, tmp_path):
     cal = _calibration_without(keys8_checkpoint, tmp_path / "old.safetensors", None)
-    r = build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX, calibration=cal)
+    r = build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
+                          calibration=cal))
     assert BundleConfig.load(tmp_path / "b").index_keys.bits == 16
     assert "indexer keys stay FP16" in r.report["kv_tiers"]["note"] and str(cal) in r.report["kv_tiers"]["note"]
 
@@ -105,14 +106,15 @@ def test_calibration_without_key_scales_ships_fp16_keys(keys8_checkpoint, tmp_pa
 def test_key_scales_for_some_layers_are_refused(keys8_checkpoint, tmp_path):
     cal = _calibration_without(keys8_checkpoint, tmp_path / "part.safetensors", {0, 2})
     with pytest.raises(BuildError, match="INT8 indexer-key scales for some owning layers only.*layers.1.index_key"):
-        build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX, calibration=cal)
+        build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
+                          calibration=cal))
     assert not (tmp_path / "b").exists()
     bad = load_file(str(keys8_checkpoint / checkpoint.CALIB_FILE))
     bad[names.index_key_scale_name(0)] = np.zeros(16, np.float32)
     save_file(bad, str(tmp_path / "zero.safetensors"))
     with pytest.raises(BuildError, match="layers.0.index_key.scale_int8 must be 16 positive finite values"):
-        build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
-              calibration=tmp_path / "zero.safetensors")
+        build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
+                          calibration=tmp_path / "zero.safetensors"))
 
 
 def test_checkpoint_claiming_int8_keys_without_calibration_is_refused(keys8_checkpoint, tmp_path):
@@ -121,24 +123,24 @@ def test_checkpoint_claiming_int8_keys_without_calibration_is_refused(keys8_chec
     (d / checkpoint.CALIB_FILE).unlink()
     (d / "manifest.json").unlink()
     with pytest.raises(BuildError, match="kv_calibration.safetensors is missing, but quant_config.json index_key_bits"):
-        build(device="orin", checkpoint_dir=d, output=tmp_path / "b", max_seq=N_MAX)
+        build(BuildConfig(device="orin", checkpoint=d, output=tmp_path / "b", max_seq=N_MAX))
     assert not (tmp_path / "b").exists()
 
 
 def test_build_flags_override_the_checkpoint(keys8_checkpoint, tmp_path):
     """--tier-fractions and --index-keys replace the checkpoint's kv_quantization in the bundle (and its plan)."""
-    build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
-          tier_fractions=(0.0, 0.0, 0.0, 1.0), index_keys="fp16")
+    build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "b", max_seq=N_MAX,
+                      tier_fractions=(0.0, 0.0, 0.0, 1.0), index_keys="fp16"))
     cfg = BundleConfig.load(tmp_path / "b")
     assert cfg.kv_quantization.tier_fractions == (0.0, 0.0, 0.0, 1.0) and cfg.index_keys.bits == 16
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert plan["kv_bytes_per_position"] == pytest.approx(sum(rk + rv for rk, rv in cfg.ranks.values()) * 0.5
                                                           + 3 * 16 * 2)
     with pytest.raises(BuildError, match="--tier-fractions: kv_quantization.tier_fractions must be three"):
-        build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "c", max_seq=N_MAX,
-              tier_fractions=(0.5, 0.6, 0.0))
+        build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "c", max_seq=N_MAX,
+                          tier_fractions=(0.5, 0.6, 0.0)))
     cal = _calibration_without(keys8_checkpoint, tmp_path / "old.safetensors", None)
     with pytest.raises(BuildError, match="--index-keys int8: .*indexer keys stay FP16"):
-        build(device="orin", checkpoint_dir=keys8_checkpoint, output=tmp_path / "c", max_seq=N_MAX, calibration=cal,
-              index_keys="int8")
+        build(BuildConfig(device="orin", checkpoint=keys8_checkpoint, output=tmp_path / "c", max_seq=N_MAX,
+                          calibration=cal, index_keys="int8"))
     assert not (tmp_path / "c").exists()

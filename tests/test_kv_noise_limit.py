@@ -53,7 +53,7 @@ def test_auto_threshold_follows_the_narrowest_tier_in_use():
 def test_bundle_carries_the_calibrations_tier_noise(tmp_path):
     from conftest import int4_copy
 
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from gsm import checkpoint
     from gsm.bundle_format import BundleConfig
     from gsm.synth import synth_checkpoint
@@ -66,10 +66,11 @@ def test_bundle_carries_the_calibrations_tier_noise(tmp_path):
         tokenizer_json=(base / checkpoint.TOKENIZER_FILE).read_text(),
         extra_files={checkpoint.CALIB_FILE: (base / checkpoint.CALIB_FILE).read_bytes(),
                      checkpoint.CALIB_REPORT_FILE: json.dumps(REPORT).encode()}, progress=False)
-    build(device="orin", checkpoint_dir=ckpt, output=tmp_path / "b", max_seq=64)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=tmp_path / "b", max_seq=64))
     cfg = BundleConfig.load(tmp_path / "b")
     assert cfg.kv_tier_noise == pytest.approx(tier_noise(ckpt / checkpoint.CALIB_REPORT_FILE))
-    build(device="orin", checkpoint_dir=base, output=tmp_path / "b0", max_seq=64)  # no report: nothing measured
+    # no report: nothing measured
+    build(BuildConfig(device="orin", checkpoint=base, output=tmp_path / "b0", max_seq=64))
     assert BundleConfig.load(tmp_path / "b0").kv_tier_noise == {}
 
     import runtime

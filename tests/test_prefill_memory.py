@@ -35,12 +35,12 @@ def test_prefill_chunk(max_input: int, past: int, cap: int, want: int) -> None:
 def long_input(tmp_path_factory):
     """A bundle whose max-input (192) leaves room below it for PREFILL_ALIGN-token calls."""
     import runtime
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from gsm.synth import synth_checkpoint
 
     root = tmp_path_factory.mktemp("prefill_memory")
-    build(device="orin", checkpoint_dir=synth_checkpoint("tiny", root / "tiny", seed=3), output=root / "b",
-          max_seq=512, max_input=192)
+    build(BuildConfig(device="orin", checkpoint=synth_checkpoint("tiny", root / "tiny", seed=3), output=root / "b",
+                      max_seq=512, max_input=192))
     return runtime.load(root / "b", "onnxruntime", threads=1)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import retiering_copy
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.synth import synth_checkpoint
 
 N_MAX, MAX_INPUT = 448, 16  # 448: no other dimension of the tiny model is a multiple of it
@@ -33,8 +33,8 @@ def retier_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory, retier_checkpoint):
     out = tmp_path_factory.mktemp("batch") / "bundle"
-    build(device="orin", checkpoint_dir=retier_checkpoint, output=out, max_seq=N_MAX, max_input=MAX_INPUT,
-          debug_outputs=True, max_batch=MAX_BATCH)
+    build(BuildConfig(device="orin", checkpoint=retier_checkpoint, output=out, max_seq=N_MAX, max_input=MAX_INPUT,
+                      debug_outputs=True, max_batch=MAX_BATCH))
     return out
 
 
@@ -181,8 +181,8 @@ def test_decode_fast_path_equals_the_general_one(bundle, retier_checkpoint, tmp_
 
     lean = tmp_path / "lean"
     cfg = json.loads((bundle / "bundle.json").read_text())
-    build(device="orin", checkpoint_dir=retier_checkpoint, output=lean, max_seq=N_MAX, max_input=MAX_INPUT,
-          max_batch=MAX_BATCH)
+    build(BuildConfig(device="orin", checkpoint=retier_checkpoint, output=lean, max_seq=N_MAX, max_input=MAX_INPUT,
+                      max_batch=MAX_BATCH))
     assert not json.loads((lean / "bundle.json").read_text())["debug_outputs"] and cfg["debug_outputs"]
     rng = np.random.default_rng(8)
     prompts = [rng.integers(3, 259, n).tolist() for n in (5, 12, 3)]

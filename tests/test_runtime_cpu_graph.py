@@ -19,7 +19,7 @@ import pytest
 from conftest import half_grid_copy, int4_copy, need_ort_ops_library, retiering_copy
 from runtime_bundles import ROOT, run_module
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.synth import synth_checkpoint
 
 N_MAX, MAX_INPUT = 192, 16
@@ -33,8 +33,8 @@ def bundle(tmp_path_factory):
     ck = half_grid_copy(retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier"),
                         root / "grid")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True,
-          max_batch=4)  # the four budgets in one batch
+    build(BuildConfig(device="orin", checkpoint=ck, output=out, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True,
+                      max_batch=4))  # the four budgets in one batch
     return out
 
 
@@ -49,8 +49,9 @@ def quantised_bundles(tmp_path_factory):
     for name, ck, weights in (("int8-keys8", int4_copy(base, root / "k8"), "int8"),
                               ("int4-keys16", retiering_copy(base, root / "retier"), "int4")):
         out[name] = root / name
-        build(device="orin", checkpoint_dir=ck, output=out[name], max_seq=N_MAX, max_input=MAX_INPUT,
-              debug_outputs=True, max_batch=4, weights=weights, gsm_weights="int8", matmul_accuracy="exact")
+        build(BuildConfig(device="orin", checkpoint=ck, output=out[name], max_seq=N_MAX, max_input=MAX_INPUT,
+                          debug_outputs=True, max_batch=4, weights=weights, gsm_weights="int8",
+                          matmul_accuracy="exact"))
     return out
 
 
@@ -148,8 +149,9 @@ def test_float16_u_gives_the_float32_bits(bundle, tmp_path, monkeypatch):
 
     monkeypatch.setattr(CpuOps, "half_up", False)
     f32 = tmp_path / "f32"
-    build(device="orin", checkpoint_dir=json.loads((bundle / "manifest.json").read_text())["checkpoint"]["path"],
-          output=f32, max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True, max_batch=4)
+    build(BuildConfig(device="orin",
+                      checkpoint=json.loads((bundle / "manifest.json").read_text())["checkpoint"]["path"], output=f32,
+                      max_seq=N_MAX, max_input=MAX_INPUT, debug_outputs=True, max_batch=4))
     assert up_types(f32) == {onnx.TensorProto.FLOAT}
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 259, n).tolist() for n in (9, 40)]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import CALIB_TEXT, EVAL_TEXT, STORIES, int4_copy, need_ort_ops_library, retiering_copy
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
 from gsm.golden.quant import FP16, INT4, INT8, INT12
@@ -71,7 +71,7 @@ def stories_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def debug_bundle(retiering_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "b"
-    build(device="orin", checkpoint_dir=retiering_checkpoint, output=out, max_seq=N_MAX, debug_outputs=True)
+    build(BuildConfig(device="orin", checkpoint=retiering_checkpoint, output=out, max_seq=N_MAX, debug_outputs=True))
     return out
 
 
@@ -87,7 +87,7 @@ def test_portable_bundle_reproduces_golden_deployed(which, graph, request, tmp_p
     ckpt = request.getfixturevalue({"tiny": "retiering_checkpoint", "tiny-int4": "int4_checkpoint",
                                     "stories260K": "stories_checkpoint"}[which])
     bundle = tmp_path / "bundle"
-    build(device="orin", checkpoint_dir=ckpt, output=bundle, max_seq=N_MAX, debug_outputs=True)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=bundle, max_seq=N_MAX, debug_outputs=True))
     rt = runtime.load(bundle, backend="onnxruntime", threads=1, graph=graph)
     assert rt.backend.graph == graph
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
@@ -226,7 +226,8 @@ def test_chunked_prefill_scoring_is_the_golden_protocol(int4_checkpoint, tmp_pat
 
     chunk, n = 16, 96
     bundle = tmp_path / "b"
-    build(device="orin", checkpoint_dir=int4_checkpoint, output=bundle, max_seq=N_MAX, logits="all", max_input=chunk)
+    build(BuildConfig(device="orin", checkpoint=int4_checkpoint, output=bundle, max_seq=N_MAX, logits="all",
+                      max_input=chunk))
     rt = runtime.load(bundle, backend="onnxruntime", threads=1)
     win = np.random.default_rng(13).integers(3, 259, n).tolist()
     golden = GoldenModel.from_checkpoint(int4_checkpoint, mode="deployed")

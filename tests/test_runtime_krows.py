@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import retiering_copy
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm import checkpoint, names
 from gsm.synth import synth_checkpoint
 
@@ -26,7 +26,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("krows")
     ck = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=5), root / "retier")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ck, output=out, max_seq=N_MAX, max_input=16, max_batch=2)
+    build(BuildConfig(device="orin", checkpoint=ck, output=out, max_seq=N_MAX, max_input=16, max_batch=2))
     return ck, out
 
 

@@ -53,10 +53,10 @@ sys.exit(code if not leaked else 99)
 
 @pytest.fixture(scope="module")
 def demo_bundle(tmp_path_factory) -> Path:
-    from builder.build import build
+    from builder.build import BuildConfig, build
 
     out = tmp_path_factory.mktemp("b") / "demo"
-    build(device="orin", output=out, max_seq=64)
+    build(BuildConfig(device="orin", output=out, max_seq=64))
     return out
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import int4_copy, retiering_copy
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.golden.model import GoldenModel
 from gsm.synth import synth_checkpoint
 from runtime.ref_backend import reference_usable
@@ -50,7 +50,7 @@ def test_plugin_path_fp32_reproduces_golden(which, request, tmp_path):
     out = tmp_path / "b32"
     # INT4: a longer plan with short prefill calls, so the pools have an INT4 region for the demoted rows to move to
     size = {"max_seq": 256, "max_input": PROMPT_LEN} if which == "ckpt_int4" else {"max_seq": N_MAX}
-    build(device="orin", checkpoint_dir=ckpt, output=out, trt_precision="fp32", max_batch=2, **size)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, trt_precision="fp32", max_batch=2, **size))
     rt = runtime.load(out, backend="reference")
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     # default --max-top-k: the model's sparse_top_k; a larger run-time budget is refused, naming the flag
@@ -101,7 +101,7 @@ def test_plugin_path_fp16_close_to_portable(ckpt, tmp_path):
     import runtime
 
     out = tmp_path / "b16"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX))
     port, ref = runtime.load(out, "onnxruntime", threads=1), runtime.load(out, "reference")
     a, b = port.new_sequence(), ref.new_sequence()
     prompt = np.random.default_rng(3).integers(3, 259, PROMPT_LEN).tolist()
@@ -119,7 +119,7 @@ def test_reference_kv_noise(ckpt, tmp_path):
     import runtime
 
     out = tmp_path / "b32"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", max_batch=2)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", max_batch=2))
     rt = runtime.load(out, backend="reference")
     golden = GoldenModel.from_checkpoint(ckpt, mode="deployed")
     gcache, seq = golden.new_cache(), rt.new_sequence()
@@ -134,8 +134,8 @@ def test_reference_kv_noise(ckpt, tmp_path):
 @pytest.fixture(scope="module")
 def budget_bundle(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("budget") / "b32"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32", debug_outputs=True,
-          max_top_k=N_MAX, max_batch=8)  # the budgets' sequences in one batch
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX, trt_precision="fp32",
+                      debug_outputs=True, max_top_k=N_MAX, max_batch=8))  # the budgets' sequences in one batch
     return out
 
 

@@ -22,7 +22,7 @@ import torch
 from conftest import retiering_copy
 from runtime_bundles import run_module
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.golden.model import GoldenModel
 from gsm.synth import synth_checkpoint
 
@@ -39,8 +39,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bundle(ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("b") / "b"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, debug_outputs=True,
-          max_batch=8)  # five sequences in one batch
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX, debug_outputs=True,
+                      max_batch=8))  # five sequences in one batch
     return out
 
 

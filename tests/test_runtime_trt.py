@@ -13,13 +13,13 @@ pytestmark = pytest.mark.skipif(not ok, reason=f"TensorRT backend not testable h
 
 def test_tensorrt_matches_portable(tmp_path):
     import runtime
-    from builder.build import build
+    from builder.build import BuildConfig, build
     from builder.trt_engine import engine_command
     from gsm.synth import synth_checkpoint
 
     ck = synth_checkpoint("tiny", tmp_path / "tiny")
     out = tmp_path / "b"
-    build(device="auto", checkpoint_dir=ck, output=out, max_seq=128)
+    build(BuildConfig(device="auto", checkpoint=ck, output=out, max_seq=128))
     if not (out / "engine.plan").exists():
         engine_command(out)
     ort = runtime.load(out, "onnxruntime", threads=1)

@@ -24,7 +24,7 @@ from conftest import SMOLLM2_LAYERS, need_ort_ops_library
 from runtime_bundles import run_module
 from verify_mutations import perturb_weight, restamp, wrong_attribute
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.bundle_format import FILES
 from runtime.ref_backend import reference_usable
 from runtime.verify import verify
@@ -45,8 +45,9 @@ def demo(tmp_path_factory):
     """The demo model's bundles by weight format; `dense` is the fp16 one whose plugin graph takes any budget (the
     reference backend then runs the dense selection the mutation forces)."""
     root = tmp_path_factory.mktemp("demo")
-    out = {w: build(device="orin", output=root / w, max_seq=N_MAX, weights=w).bundle for w in ("fp16", "int8", "int4")}
-    out["dense"] = build(device="orin", output=root / "dense", max_seq=N_MAX, max_top_k=N_MAX).bundle
+    out = {w: build(BuildConfig(device="orin", output=root / w, max_seq=N_MAX, weights=w)).bundle
+           for w in ("fp16", "int8", "int4")}
+    out["dense"] = build(BuildConfig(device="orin", output=root / "dense", max_seq=N_MAX, max_top_k=N_MAX)).bundle
     return out
 
 
@@ -223,8 +224,8 @@ def smollm2(request, tmp_path_factory):
     else:
         checkpoint = request.getfixturevalue("smollm2_small")
     root = tmp_path_factory.mktemp(f"smollm2-{request.param}")
-    yield {w: build(device="orin-nano-8", checkpoint_dir=checkpoint, output=root / w, max_seq=512,
-                    weights=w).bundle for w in ("fp16", "int8", "int4")}
+    yield {w: build(BuildConfig(device="orin-nano-8", checkpoint=checkpoint, output=root / w, max_seq=512,
+                                weights=w)).bundle for w in ("fp16", "int8", "int4")}
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ from conftest import retiering_copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builder.build import build
+from builder.build import BuildConfig, build
 from gsm.synth import synth_checkpoint
 from runtime.speculative import DraftLength, NgramDrafts, SpeculativeConfig, accept_draft, expected_tokens
 
@@ -34,7 +34,7 @@ def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     ckpt = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=4), root / "retier")
     out = root / "bundle"
-    build(device="orin", checkpoint_dir=ckpt, output=out, max_seq=N_MAX, max_input=MAX_INPUT, max_batch=4)
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX, max_input=MAX_INPUT, max_batch=4))
     return out
 
 
