@@ -39,6 +39,7 @@ from calibration.stats import LatentObserver, observe
 from calibration.tiers import Choice, candidate_fractions, choose_fractions, cost_key
 from calibration.writer import check_destination, check_unmodified, write_calibrated
 from gsm import checkpoint as ckpt
+from gsm.config import KVQuantConfig
 from gsm.golden.model import GoldenModel
 from gsm.golden.weights import GoldenWeights, KVCalibration
 from gsm.progress import track
@@ -119,6 +120,27 @@ def check_options(o: CalibrateOptions, max_positions: int) -> None:
         raise CalibrationInputError(str(e)) from e
 
 
+@dataclass(frozen=True)
+class _Data:
+    """The token sequences of a run: calibration, held-out (None: none), and the BOS they start with."""
+
+    cal: Sequences
+    ev: Sequences | None
+    bos: int | None
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """What the statistics pass fitted: scales (and the naive per-tensor ones), indexer-key scales."""
+
+    exact: GoldenModel  # exact mode with a one-row output head: it reads latents only
+    stats: dict[tuple[int, str], Any]  # (layer, "k"|"v") -> latent statistics on calibration rows
+    calib: KVCalibration
+    naive: KVCalibration
+    quant: KVQuantConfig  # the run's kv_quantization: index_key_bits 8 when key scales were fitted
+    key_scales: dict[int, Any] | None
+
+
 def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run every step; returns the report (also written into the checkpoint and to --report)."""
     t0 = time.perf_counter()
@@ -127,20 +149,44 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
     check_options(o, cfg.max_position_embeddings)
     check_destination(o.checkpoint, o.out, o.overwrite)
     expected = check_unmodified(o.checkpoint)
-    calib_path, eval_path = resolve_inputs(o.data or default_data(o.checkpoint), o.eval_data)
+    data = read_data(o, cfg.vocab_size, cfg.bos_token_id, progress)
+    with track("load checkpoint", log=progress):
+        weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
+    fit, search = fit_scales(o, weights, run_quant(o, quant0), data.cal, progress)
+    choice, search_exact = choose_tiers(o, search, fit.calib, progress)
+    del search  # its exact log-probs ([sequences, tokens, vocab]) are not needed again
+    held, measured = held_out_pass(o, weights, fit, data, progress)
+    layers = layer_errors(fit.stats, held, fit.calib, fit.naive)
+    model, swept = model_and_sweep(o, weights, fit, data, measured, choice, tuple(quant0.tier_fractions), progress)
+    quant_out = fit.quant.with_fractions(tuple(choice.fractions)).replace(
+        method=o.method, samples=int(data.cal.ids.shape[0]), data_hash=ids_sha256(data.cal.ids))
+    report = run_report(o, data, fit.stats, choice, search_exact, quant_out, layers, model, swept)
+    report["seconds"] = time.perf_counter() - t0
+    with track("write checkpoint", log=progress):
+        write_calibrated(o.checkpoint, fit.calib, quant_out, report, out=o.out, overwrite=o.overwrite,
+                         metadata={"method": o.method, "data_hash": quant_out.data_hash}, expected=expected,
+                         say=progress)
+    report["seconds"] = time.perf_counter() - t0
+    return report
 
+
+def read_data(o: CalibrateOptions, vocab_size: int, bos_token_id: int | None,
+              progress: Callable[[str], None]) -> _Data:
+    """The calibration sequences (--data, or the converter's text) and the held-out ones (--eval-data, or the
+    single *eval* file beside the calibration file), tokenised with the checkpoint's tokenizer when they are text."""
+    calib_path, eval_path = resolve_inputs(o.data or default_data(o.checkpoint), o.eval_data)
     tok_cache: list[Any] = []
 
     def tokenizer() -> Any:
         if not tok_cache:
-            tok_cache.append(checkpoint_tokenizer(o.checkpoint, o.tokenizer, cfg.vocab_size))
+            tok_cache.append(checkpoint_tokenizer(o.checkpoint, o.tokenizer, vocab_size))
         return tok_cache[0]
 
-    bos = checkpoint_bos(o.checkpoint, cfg.bos_token_id)
+    bos = checkpoint_bos(o.checkpoint, bos_token_id)
 
     def seqs(path: Path, flag: str, n: int) -> Sequences:
         return load_sequences(path, flag, tokenizer, seq_len=o.seq_len, max_sequences=n, bos_id=bos,
-                              vocab_size=cfg.vocab_size)
+                              vocab_size=vocab_size)
 
     cal = seqs(calib_path, "--data", o.samples)
     ev = seqs(eval_path, "--eval-data", o.eval_samples) if eval_path is not None and o.eval_samples else None
@@ -148,22 +194,29 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         raise CalibrationInputError("--sweep needs held-out data (--eval-data, --eval-samples > 0)")
     progress(f"calibration: {cal.ids.shape[0]} x {o.seq_len} tokens of {cal.kind} from {cal.path}"
              + (f"; held-out: {ev.ids.shape[0]} sequences from {ev.path}" if ev else "; no held-out data"))
+    return _Data(cal, ev, bos)
 
-    with track("load checkpoint", log=progress):
-        weights = GoldenWeights.from_tensors(cfg, ckpt.load_state_dict(o.checkpoint))
+
+def run_quant(o: CalibrateOptions, quant0: KVQuantConfig) -> KVQuantConfig:
+    """The checkpoint's kv_quantization with --fp16-window / --hotness-decay, and FP16 indexer keys until this run
+    fits key scales (a recalibrated checkpoint's old ones are replaced, not reused)."""
     quant = quant0.replace(**{k: v for k, v in (("fp16_window", o.fp16_window),
                                                  ("hotness_decay", o.hotness_decay)) if v is not None})
-    # FP16 keys until this run fits key scales (a recalibrated checkpoint's old ones are replaced, not reused)
-    quant = quant.replace(index_key_bits=16)
+    return quant.replace(index_key_bits=16)
+
+
+def fit_scales(o: CalibrateOptions, weights: GoldenWeights, quant: KVQuantConfig, cal: Sequences,
+               progress: Callable[[str], None]) -> tuple[_Fit, Evaluator | None]:
+    """The statistics pass over the calibration sequences and the scales fitted on it; with the tier search
+    (no --tier-fractions) also the search's Evaluator, whose exact pass over the first `search_samples`
+    sequences feeds the statistics as well (same rows, same order as a separate pass): the statistics pass
+    covers only the rest."""
     # statistics read latents only: a one-row output head spares the [T, vocab] logits (latents unchanged)
     exact = GoldenModel(dataclasses.replace(weights, lm_head=weights.lm_head[:1]), mode="exact", quant=quant)
-    protocol = o.protocol
     search_seqs = cal.ids[: o.search_samples]
     observer = LatentObserver(exact, capacity=o.reservoir, seed=o.seed)
-    # the search's exact pass over the first calibration sequences feeds the statistics as well (same
-    # rows, same order as a separate pass): the statistics pass covers only the rest
     with track("statistics", total=int(cal.ids.shape[0]), unit="sequences", log=progress) as advance:
-        search = None if o.tier_fractions is not None else Evaluator(weights, quant, search_seqs, protocol,
+        search = None if o.tier_fractions is not None else Evaluator(weights, quant, search_seqs, o.protocol,
                                                                        observer=observer, advance=advance)
         observe(exact, cal.ids[0 if search is None else search_seqs.shape[0]:], observer, advance)
     stats = observer.stats
@@ -179,67 +232,96 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         if search is not None:
             search.use_int8_keys(key_scales)
         progress("indexer keys INT8, per-channel abs-max scales")
+    return _Fit(exact, stats, calib, naive, quant, key_scales), search
 
+
+def choose_tiers(o: CalibrateOptions, search: Evaluator | None, calib: KVCalibration,
+                 progress: Callable[[str], None]) -> tuple[Choice, float | None]:
+    """The tier fractions (fixed by --tier-fractions, or the search's choice within the error budget) and the
+    search's exact perplexity (None without a search)."""
     if search is None:
         choice = Choice(tuple(o.tier_fractions), o.error_budget, True, [])
         progress(f"tier fractions fixed by --tier-fractions: {list(choice.fractions)}")
-        search_exact = None
-    else:
-        search_exact = search.exact.perplexity
-        candidates = candidate_fractions(o.fraction_step, o.int4)
-        choice = choose_fractions(level_measure(search, calib, candidates, progress), search.exact, o.error_budget,
-                                  candidates, z=o.confidence_z, progress=progress)
-        del search  # its exact log-probs ([sequences, tokens, vocab]) are not needed again
+        return choice, None
+    search_exact = search.exact.perplexity
+    candidates = candidate_fractions(o.fraction_step, o.int4)
+    choice = choose_fractions(level_measure(search, calib, candidates, progress), search.exact, o.error_budget,
+                              candidates, z=o.confidence_z, progress=progress)
+    return choice, search_exact
 
-    # per-latent errors on held-out rows (calibration rows, labelled so, when there are none): every row up
-    # to the reservoir size (all of the default 8 x 256), a uniform sample beyond; on held-out text they
-    # come from the report's own exact pass. The whole-model table only on held-out text: quality
-    # measured on fitted text is no evidence
-    held_obs = LatentObserver(exact, capacity=o.reservoir, seed=o.seed, fp16=False)
+
+def held_out_pass(o: CalibrateOptions, weights: GoldenWeights, fit: _Fit, data: _Data,
+                  progress: Callable[[str], None]) -> tuple[dict[tuple[int, str], Any], Evaluator | None]:
+    """Latent statistics for the per-latent errors, and the held-out Evaluator of the whole-model table (None without
+    held-out text).
+
+    Per-latent errors on held-out rows (calibration rows, labelled so, when there are none): every row up
+    to the reservoir size (all of the default 8 x 256), a uniform sample beyond; on held-out text they
+    come from the report's own exact pass. The whole-model table only on held-out text: quality
+    measured on fitted text is no evidence."""
+    ev, cal = data.ev, data.cal
+    held_obs = LatentObserver(fit.exact, capacity=o.reservoir, seed=o.seed, fp16=False)
     rows_of = ev if ev is not None else cal
     with track("held-out exact pass" if ev is not None else "latent errors on calibration rows",
                total=int(rows_of.ids.shape[0]), unit="sequences", log=progress) as advance:
-        measured = (Evaluator(weights, quant, ev.ids, protocol, observer=held_obs, advance=advance)
+        measured = (Evaluator(weights, fit.quant, ev.ids, o.protocol, observer=held_obs, advance=advance)
                     if ev is not None else None)
         if ev is None:
-            observe(exact, cal.ids, held_obs, advance)
-    if measured is not None and key_scales is not None:
-        measured.use_int8_keys(key_scales)
-    held = held_obs.stats
-    layers = [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
-                                                         naive.scales[(i, kv)]),
-               # rows are in sequence order only while the reservoir holds them all
-               "calib_split_half_absmax_ratio": split_half_ratio(stats[(i, kv)].rows) if stats[(i, kv)].exact
-               else None}
-              for (i, kv) in sorted(stats)]
-    model, swept = None, None
-    if measured is not None:
-        model = model_table(measured, weights, choice, calib, naive, f"held-out {ev.path.name}", progress,
-                            z=o.confidence_z, reference=tuple(quant0.tier_fractions))
-        if o.sweep:
-            from calibration.sweep import sweep
+            observe(fit.exact, cal.ids, held_obs, advance)
+    if measured is not None and fit.key_scales is not None:
+        measured.use_int8_keys(fit.key_scales)
+    return held_obs.stats, measured
 
-            sweep_search = Evaluator(weights, quant, search_seqs, protocol)
-            if key_scales is not None:
-                sweep_search.use_int8_keys(key_scales)
-            swept = sweep(sweep_search, measured, calib,
-                          candidate_fractions(o.fraction_step, o.int4), z=o.confidence_z, progress=progress)
 
-    quant_out = quant.with_fractions(tuple(choice.fractions)).replace(method=o.method, samples=int(cal.ids.shape[0]),
-                                                                      data_hash=ids_sha256(cal.ids))
-    dest = o.out if o.out is not None else o.checkpoint
-    report: dict[str, Any] = {
-        "checkpoint": str(o.checkpoint), "output": str(dest), "method": o.method,
-        "percentile": o.percentile if o.method == "percentile" else None,
+def layer_errors(stats: dict[tuple[int, str], Any], held: dict[tuple[int, str], Any], calib: KVCalibration,
+                 naive: KVCalibration) -> list[dict[str, Any]]:
+    """The report's per-latent rows: errors of the calibrated and naive scales on the `held` rows, and the split-half
+    abs-max ratio of the calibration rows."""
+    return [{"layer": i, "latent": kv, **latent_errors(held[(i, kv)].rows, calib.scales[(i, kv)],
+                                                       naive.scales[(i, kv)]),
+             # rows are in sequence order only while the reservoir holds them all
+             "calib_split_half_absmax_ratio": split_half_ratio(stats[(i, kv)].rows) if stats[(i, kv)].exact
+             else None}
+            for (i, kv) in sorted(stats)]
+
+
+def model_and_sweep(o: CalibrateOptions, weights: GoldenWeights, fit: _Fit, data: _Data, measured: Evaluator | None,
+                    choice: Choice, reference: Fractions, progress: Callable[[str], None]
+                    ) -> tuple[dict[str, Any] | None, Any]:
+    """The whole-model table on held-out text (model_table; `reference`: the checkpoint's fractions before), and
+    with --sweep every candidate measured on calibration and held-out text; (None, None) without held-out text."""
+    if measured is None:
+        return None, None
+    model = model_table(measured, weights, choice, fit.calib, fit.naive, f"held-out {data.ev.path.name}", progress,
+                        z=o.confidence_z, reference=reference)
+    if not o.sweep:
+        return model, None
+    from calibration.sweep import sweep
+
+    sweep_search = Evaluator(weights, fit.quant, data.cal.ids[: o.search_samples], o.protocol)
+    if fit.key_scales is not None:
+        sweep_search.use_int8_keys(fit.key_scales)
+    return model, sweep(sweep_search, measured, fit.calib, candidate_fractions(o.fraction_step, o.int4),
+                        z=o.confidence_z, progress=progress)
+
+
+def run_report(o: CalibrateOptions, data: _Data, stats: dict[tuple[int, str], Any], choice: Choice,
+               search_exact: float | None, quant_out: KVQuantConfig, layers: list[dict[str, Any]],
+               model: dict[str, Any] | None, swept: Any) -> dict[str, Any]:
+    """The report (calibration_report.json) of a run, but for its seconds."""
+    cal, ev, protocol = data.cal, data.ev, o.protocol
+    return {
+        "checkpoint": str(o.checkpoint), "output": str(o.out if o.out is not None else o.checkpoint),
+        "method": o.method, "percentile": o.percentile if o.method == "percentile" else None,
         "data": {"file": str(cal.path), "kind": cal.kind, "sequences": int(cal.ids.shape[0]),
                  "seq_len": o.seq_len, "data_hash": quant_out.data_hash,
-                 "bos_token_id": bos,  # None: windows without BOS (tokenizer_config.json add_bos_token false)
+                 "bos_token_id": data.bos,  # None: windows without BOS (tokenizer_config.json add_bos_token false)
                  "latent_rows_per_layer": next(iter(stats.values())).count,
                  "reservoir_exact": all(s.exact for s in stats.values())},
         "held_out": None if ev is None else {"file": str(ev.path), "kind": ev.kind,
                                              "sequences": int(ev.ids.shape[0])},
         "protocol": {"prefill_len": protocol.prefill_len, "adaptation_rate": protocol.adaptation_rate,
-                     "search_sequences": int(search_seqs.shape[0]), "fraction_step": o.fraction_step,
+                     "search_sequences": int(cal.ids[: o.search_samples].shape[0]), "fraction_step": o.fraction_step,
                      "confidence_z": o.confidence_z},
         "layer_errors_on": "held-out rows" if ev else "calibration rows (no held-out data)",
         "choice": {"tier_fractions": list(choice.fractions), "error_budget": o.error_budget,
@@ -251,13 +333,6 @@ def calibrate_checkpoint(o: CalibrateOptions, progress: Callable[[str], None] = 
         "model": model,
         "sweep": swept,
     }
-    report["seconds"] = time.perf_counter() - t0
-    with track("write checkpoint", log=progress):
-        write_calibrated(o.checkpoint, calib, quant_out, report, out=o.out, overwrite=o.overwrite,
-                         metadata={"method": o.method, "data_hash": quant_out.data_hash}, expected=expected,
-                         say=progress)
-    report["seconds"] = time.perf_counter() - t0
-    return report
 
 
 def level_measure(ev: Evaluator, calib: KVCalibration, candidates: list[Fractions],
