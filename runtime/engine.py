@@ -44,6 +44,7 @@ from runtime.facade import Runtime
 from runtime.request_options import RequestOptions
 from runtime.request_state import RequestFields, RequestState, Token
 from runtime.sampling import RequestError
+from runtime.scheduled_sequence import ScheduledSequence
 from runtime.sequence import CachedSequence
 from runtime.speculative import expected_tokens
 
@@ -227,19 +228,6 @@ def by_window(work: Sequence[Work], idx: Sequence[int]) -> list[list[int]]:
     return list(parts.values())
 
 
-def release(seq: CachedSequence | None) -> None:
-    """Give a sequence's cache row back now, for the next request; None: nothing to do."""
-    if seq is not None:
-        seq.close()
-
-
-def new_kv_noise(seq: CachedSequence, passes_seen: int) -> tuple[float | None, int]:
-    """The KV noise of the sequence's last re-tier pass if a pass ran since `passes_seen` (None: none ran,
-    or it re-encoded no row), and the pass count to remember."""
-    passes = seq.retier_passes
-    return (seq.last_kv_noise if passes != passes_seen else None), passes
-
-
 def default_stepper(rt: Runtime) -> Stepper:
     """One call for several sequences where the backend takes them, else one call per sequence."""
     return BatchedStepper(rt) if rt.capabilities.max_per_call > 1 else SequentialStepper(rt)
@@ -282,26 +270,23 @@ class EngineRequest(RequestFields):
 
     state: RequestState  # inputs, sampler, detokeniser, ids and finish logic: the scheduler only drives it
     deadline: float | None  # time.monotonic() value
+    # its knobs, its cache row while it runs and what the fallback policies and metrics read of it
+    sequence: ScheduledSequence
     id: int = field(default_factory=lambda: next(_ids))
     error: BaseException | None = None
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     t_end: float | None = None
-    # scheduler-side state
-    seq: CachedSequence | None = None  # its cache while it runs
-    knobs: RunKnobs | None = None  # the engine's when it was submitted (gsm.bundle_knobs), for its whole life
-    decode_steps: int = 0
-    next_probe: int = 0  # the decode step at or after which the next hit-rate probe runs
-    hit_rate: float | None = None  # the last probed sparse mask hit rate
-    dense: bool = False  # switched to dense attention by the hit-rate fallback
-    kv_noise: float | None = None  # the KV noise of the last re-tier pass that re-encoded rows
-    refreshes: int = 0  # caches rebuilt by the KV-noise fallback
-    retier_passes: int = 0  # of its sequence, when last looked at
     _cancel: bool = False
     _events: list[Token] = field(default_factory=list)
     _done: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
+
+    @property
+    def knobs(self) -> RunKnobs:
+        """The engine's knobs when it was submitted (gsm.bundle_knobs), for its whole life."""
+        return self.sequence.knobs
 
     @property
     def done(self) -> bool:
@@ -454,7 +439,7 @@ class Engine:
         d = self.config.default_deadline_s if deadline_s is None else deadline_s
         if d is not None and not (isinstance(d, (int, float)) and d > 0):
             raise RequestError("deadline_s", f"must be a number > 0 (seconds), got {d!r}")
-        req = EngineRequest(state=state, deadline=None, knobs=self.knobs)
+        req = EngineRequest(state=state, deadline=None, sequence=ScheduledSequence(self.knobs))
         if d is not None:
             req.deadline = req.t_submit + float(d)
         with self._cond:
@@ -507,20 +492,19 @@ class Engine:
             for r in self.stepper.step(w):
                 if isinstance(r, Exception):
                     raise r
-        release(seq)  # a bundle built for batch 1 has this one row
+        seq.close()  # a bundle built for batch 1 has this one row
         one = self.stepper.new_sequence(self.knobs)
         for r in self.stepper.step([Work(one, [self.rt.bos_token_id], True)]):
             if isinstance(r, Exception):
                 raise r
-        release(one)
+        one.close()
         self.warmup_s = time.monotonic() - t0
         log.info("warm-up took %.3f s", self.warmup_s)
 
     def _finish(self, req: EngineRequest, reason: str, error: BaseException | None = None) -> None:
         req.state.finish(reason)
         req.error, req.t_end = error, time.monotonic()
-        release(req.seq)
-        req.seq = None
+        req.sequence.close()
         self._notify("on_finish", req)
         req._push(None)
 
@@ -567,7 +551,7 @@ class Engine:
                     self._finish(req, req.state.finish_reason)
                     continue
                 try:
-                    req.seq = self.stepper.new_sequence(req.knobs)
+                    req.sequence.open(self.stepper)
                 except CacheFullError as e:  # rows held outside this engine (a Runtime used beside it)
                     if self._running:
                         break  # the head waits for a row one of these frees
@@ -584,7 +568,8 @@ class Engine:
                 self._finish(req, "deadline")
             else:
                 live.append(req)
-        work = [Work(r.seq, r.prompt_ids, True, scorer=r.state.prompt_scorer, break_at=r.state.prompt_break)
+        work = [Work(r.sequence.running, r.prompt_ids, True, scorer=r.state.prompt_scorer,
+                     break_at=r.state.prompt_break)
                 if not r.ids  # nothing accepted yet
                 else self._decode_work(r) for r in live]
         self._fit_drafts(work)
@@ -607,8 +592,8 @@ class Engine:
             if w.drafts:
                 self._accept_verified(req, w, res)
             elif not w.prefill:
-                req.decode_steps += 1
-            noise, req.retier_passes = new_kv_noise(req.seq, req.retier_passes)
+                req.sequence.count_decode_steps(1)
+            noise = req.sequence.new_kv_noise()
             if w.probe:
                 self._judge_hit_rate(req)
             if self._still_running(req) if w.drafts else self._advance(req, res):
@@ -624,11 +609,12 @@ class Engine:
 
     def _decode_work(self, req: EngineRequest) -> Work:
         """A decode step, or a verification of the request's drafts where it has some (a probed step has none)."""
-        probe = self._probe_now(req)
-        drafts = [] if probe else req.state.propose(req.seq.draft_room)
+        seq = req.sequence
+        probe = self._probes(seq.knobs) and seq.probe_due()
+        drafts = [] if probe else req.state.propose(seq.running.draft_room)
         if probe:
-            req.next_probe = req.decode_steps + req.knobs.run_time.hit_rate_every
-        return Work(req.seq, [req.state.next_token], False, probe=probe, drafts=drafts,
+            seq.schedule_probe()
+        return Work(seq.running, [req.state.next_token], False, probe=probe, drafts=drafts,
                     acceptance=req.state.draft_acceptance if drafts else 0.0)
 
     def _fit_drafts(self, work: Sequence[Work]) -> None:
@@ -653,45 +639,40 @@ class Engine:
     def _accept_verified(self, req: EngineRequest, w: Work, rows: np.ndarray) -> None:
         """A verification's logits rows to the request's state (runtime.speculative's rule), the sequence keeping
         the tokens it accepted (and running the re-tier pass they reach), the tokens pushed."""
-        toks, used = req.state.accept_verified(rows, w.drafts, req.seq.length)
-        req.seq.keep(used)
-        req.decode_steps += used
+        toks, used = req.state.accept_verified(rows, w.drafts, w.seq.length)
+        w.seq.keep(used)
+        req.sequence.count_decode_steps(used)
         self._notify("on_drafts", req, len(w.drafts), used - 1)
         for tok in toks:
             self._push(req, tok)
 
     # -- fallback policies (docs/serving.md) --
-    def _probe_now(self, req: EngineRequest) -> bool:
-        """Decode steps 0, n, 2n, ... of a request are probed (n = hit_rate_every; a verification advances several
-        steps at once, so the next probed step is the first at or past the mark)."""
-        return self._probes(req.knobs) and not req.dense and req.decode_steps >= req.next_probe
-
     def _probes(self, knobs: RunKnobs) -> bool:
         return self.rt.can_probe and knobs.run_time.hit_rate_every > 0
 
     def _judge_hit_rate(self, req: EngineRequest) -> None:
-        hr = req.seq.last_hit_rate
+        seq = req.sequence
+        hr = seq.take_hit_rate()
         if hr is None:
             return
-        req.hit_rate = float(hr)
-        self._notify("on_hit_rate", req, req.hit_rate)
-        floor = req.knobs.run_time.min_hit_rate
-        if req.hit_rate < floor:
-            req.seq.use_dense()
-            req.dense = True
+        self._notify("on_hit_rate", req, hr)
+        floor = seq.knobs.run_time.min_hit_rate
+        if hr < floor:
+            seq.switch_to_dense()
             self.fallbacks["hit_rate"] += 1
             log.warning("request %d: sparse mask hit rate %.3f < %.3f at position %d: dense attention over its "
-                        "cache from here", req.id, req.hit_rate, floor, req.seq.length)
-            self._notify("on_fallback", req, "hit_rate", req.hit_rate)
+                        "cache from here", req.id, hr, floor, seq.running.length)
+            self._notify("on_fallback", req, "hit_rate", hr)
 
     def _noisy(self, req: EngineRequest, noise: float) -> bool:
-        req.kv_noise = float(noise)
-        self._notify("on_kv_noise", req, req.kv_noise)
-        limit = self.max_kv_noise(req.knobs)
-        if limit is None or not noise > limit or req.refreshes:
+        seq = req.sequence
+        seq.kv_noise = float(noise)
+        self._notify("on_kv_noise", req, seq.kv_noise)
+        limit = self.max_kv_noise(seq.knobs)
+        if limit is None or not noise > limit or seq.refreshes:
             return False  # a refreshed cache stays FP16: it is never re-encoded again
         log.warning("request %d: KV noise %.4f > %.4f after a re-tier pass: refreshing its cache at FP16 from "
-                    "%d tokens", req.id, noise, limit, req.seq.length)
+                    "%d tokens", req.id, noise, limit, seq.running.length)
         return True
 
     def _refresh(self, reqs: Sequence[EngineRequest]) -> list[EngineRequest]:
@@ -699,34 +680,24 @@ class Engine:
         token, which the next decode step feeds as before) prefilled with no re-tier pass, so every row is
         FP16 and stays so. The sampler is untouched: the same sampling stream goes on. Returns the
         requests that failed (finished with "error")."""
-        fresh = []
-        for req in reqs:
-            # the old row first: the plan may have no spare one, and the fresh prefill recomputes everything
-            release(req.seq)
-            req.seq = None
-            seq = self.stepper.new_sequence(req.knobs)
-            seq.keep_fp16()
-            if req.dense:
-                seq.use_dense()
-            fresh.append(seq)
+        # one by one, the old row first: the plan may have no spare one, and the fresh prefill recomputes everything
+        fresh = [req.sequence.reopen_fp16(self.stepper) for req in reqs]
         results = self.stepper.step([Work(s, r.prompt_ids + r.ids[:-1], True) for s, r in zip(fresh, reqs)])
         failed = []
-        for req, seq, res in zip(reqs, fresh, results):
+        for req, res in zip(reqs, results):
             if isinstance(res, Exception):
                 log.error("request %d: cache refresh failed: %s", req.id, res)
-                release(seq)
-                self._finish(req, "error", res)
+                self._finish(req, "error", res)  # its fresh row given back
                 failed.append(req)
                 continue
-            req.seq, req.retier_passes = seq, seq.retier_passes
-            req.refreshes += 1
+            req.sequence.refreshed()
             self.fallbacks["kv_noise"] += 1
-            self._notify("on_fallback", req, "kv_noise", req.kv_noise)
+            self._notify("on_fallback", req, "kv_noise", req.sequence.kv_noise)
         return failed
 
     def _advance(self, req: EngineRequest, logits: np.ndarray) -> bool:
         """Hand the logits to the request's state (its sampler and finish checks); False when it ends here."""
-        tok = req.state.accept(logits, req.seq.length)
+        tok = req.state.accept(logits, req.sequence.running.length)
         if tok is not None:
             self._push(req, tok)
         return self._still_running(req)

@@ -288,7 +288,7 @@ def test_hit_rate_fallback_fires_as_on_onnxruntime(rt, ort):
 
     cfg = EngineConfig(min_hit_rate=1.0, hit_rate_every=1, max_kv_noise=None)
     r, counts, events = _events(cfg, rt, LONG, 10)
-    assert counts == {"hit_rate": 1, "kv_noise": 0} and r.dense
+    assert counts == {"hit_rate": 1, "kv_noise": 0} and r.sequence.dense
     r_ort, _, events_ort = _events(cfg, ort, LONG, 10)
     assert events == events_ort and r.ids == r_ort.ids
     seq = rt.new_sequence()
@@ -315,7 +315,7 @@ def test_kv_noise_fallback_fires_as_on_onnxruntime(rt, ort):
     cfg = EngineConfig(min_hit_rate=0.0, max_kv_noise=0.0)
     r, counts, events = _events(cfg, rt, LONG, 10)
     r_ort, _, events_ort = _events(cfg, ort, LONG, 10)
-    assert counts == {"hit_rate": 0, "kv_noise": 1} and r.refreshes == 1
+    assert counts == {"hit_rate": 0, "kv_noise": 1} and r.sequence.refreshes == 1
     assert [e[:2] for e in events] == [e[:2] for e in events_ort] == [("kv_noise", 1)]
     assert events[0][2] == pytest.approx(events_ort[0][2], abs=2e-3)
     fp16 = runtime.load(rt.bundle, rt.backend.name, **({"threads": 1} if rt.backend.name == "onnxruntime" else {}))

@@ -106,7 +106,7 @@ def test_cancel_ends_request_and_frees_its_sequence(rt):
         r.cancel()
         r.result(10)
         assert r.finish_reason == "cancelled" and 2 <= len(r.ids) < 60
-        assert r.seq is None and eng.running == []
+        assert r.sequence.cached is None and eng.running == []
         q = eng.submit([1, 5], 5, stop_ids=[])  # the engine goes on serving
         assert q.result(10).finish_reason == "length" and len(q.ids) == 5
 
@@ -242,7 +242,7 @@ def test_engine_reports_live_tiers(rt):
 
     class Watch(Observer):
         def on_step(self, engine, running):
-            seen.append(tier_counts([r.seq.state.tier for r in running]).tolist())
+            seen.append(tier_counts([r.sequence.tiers for r in running]).tolist())
 
     with Engine(rt, observer=Watch()) as eng:
         eng.submit([1] + list(range(40, 87)), 2, stop_ids=[]).result(10)

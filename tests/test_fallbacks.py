@@ -40,13 +40,13 @@ class Events:
 
         class Rec(Observer):
             def on_hit_rate(self, req, hit_rate):
-                events.append(("hit_rate", req.decode_steps, hit_rate))
+                events.append(("hit_rate", req.sequence.decode_steps, hit_rate))
 
             def on_kv_noise(self, req, noise):
                 events.append(("kv_noise", len(req.ids), noise))
 
             def on_fallback(self, req, policy, value):
-                events.append(("fallback", policy, value, req.seq))
+                events.append(("fallback", policy, value, req.sequence.cached))
 
         self.observer = Rec()
 
@@ -85,7 +85,7 @@ def test_hit_rate_fallback_forced_switches_the_sequence_to_dense(rt, caplog):
     with Engine(rt, cfg, observer=ev.observer) as eng:
         r = eng.submit(LONG, n, stop_ids=[]).result(30)
         assert eng.fallbacks == {"hit_rate": 1, "kv_noise": 0}
-    assert r.ids == ref and r.dense
+    assert r.ids == ref and r.sequence.dense
     assert ev.of("hit_rate") == [(1, pytest.approx(first_hr))]  # dense from then on: no more probes
     assert [e[:2] for e in ev.of("fallback")] == [("hit_rate", pytest.approx(first_hr))]
     assert ev.of("fallback")[0][2].sparse_top_k == MAX_SEQ  # the sequence's own budget: every position
@@ -104,7 +104,7 @@ def test_hit_rate_probed_one_step_in_n_and_off_at_zero(rt):
                     observer=ev.observer) as eng:
             r = eng.submit(LONG, 11, stop_ids=[]).result(30)
             assert eng.fallbacks["hit_rate"] == 0
-        assert r.ids == want and not r.dense
+        assert r.ids == want and not r.sequence.dense
         assert [s for s, _ in ev.of("hit_rate")] == probed
         assert all(0 < h < 1 for _, h in ev.of("hit_rate"))
 
@@ -132,7 +132,7 @@ def test_kv_noise_fallback_forced_refreshes_the_cache_at_fp16(rt, caplog):
 
     class Keep(Observer):  # the sequence's cache after each step (before the engine drops it)
         def on_step(self, engine, running):
-            caches.extend((r.seq, r.seq.length, r.seq.state.tier.copy()) for r in running)
+            caches.extend((r.sequence.cached, r.sequence.cached.length, r.sequence.tiers.copy()) for r in running)
 
     ev = Events()
     caplog.set_level(logging.WARNING, logger="runtime.engine")
@@ -140,7 +140,7 @@ def test_kv_noise_fallback_forced_refreshes_the_cache_at_fp16(rt, caplog):
         eng.observers += [ev.observer, Keep()]
         r = eng.submit(LONG, 10, stop_ids=[]).result(30)
         assert eng.fallbacks == {"hit_rate": 0, "kv_noise": 1}
-    assert r.ids == want and r.refreshes == 1
+    assert r.ids == want and r.sequence.refreshes == 1
     (tokens, noise), = ev.of("kv_noise")  # one pass re-encoded rows: the prompt's; none after the refresh
     assert tokens == 1 and 0 < noise < 0.05
     new_seq = ev.of("fallback")[0][2]
@@ -166,7 +166,7 @@ def test_kv_noise_fallback_refreshes_each_request_once_when_several_ask(rt):
         reqs = [eng.submit(p, 6, stop_ids=[]) for p in prompts]
         got = [r.result(60) for r in reqs]
         assert eng.fallbacks == {"hit_rate": 0, "kv_noise": 3}
-    assert [r.refreshes for r in got] == [1, 1, 1]
+    assert [r.sequence.refreshes for r in got] == [1, 1, 1]
     assert [r.ids for r in got] == want
 
 
@@ -179,7 +179,7 @@ def test_kv_noise_below_threshold_keeps_the_cache(rt):
     with Engine(rt, EngineConfig(min_hit_rate=0.0), observer=ev.observer) as eng:
         r = eng.submit(LONG, 6, stop_ids=[]).result(30)
         assert eng.fallbacks["kv_noise"] == 0
-    assert r.ids == rt.generate(LONG, 6, stop_ids=[]).ids and r.refreshes == 0
+    assert r.ids == rt.generate(LONG, 6, stop_ids=[]).ids and r.sequence.refreshes == 0
     assert len(ev.of("kv_noise")) == 1 and ev.of("kv_noise")[0][1] < 0.05
 
 
@@ -240,7 +240,7 @@ def test_kv_noise_refresh_mid_decode_continues_the_same_stream(rt, sampling):
         assert eng.fallbacks["kv_noise"] == 1
     (tokens, noise), = ev.of("kv_noise")
     assert tokens == 5 and noise > 0  # after decode step 4 (the prefill's token + 4)
-    assert r.ids == want and r.refreshes == 1
+    assert r.ids == want and r.sequence.refreshes == 1
     seq = ev.of("fallback")[0][2]  # closed with its request; its rows stay readable (nothing reused them)
     assert seq.length == len(prompt) + 13 and not seq.state.tier.any()  # FP16 to the end: no pass ran on it
     ref = rt.new_sequence()

@@ -237,7 +237,7 @@ class Selections:
         out = self.inner(caches, ids, past, new, sparse_window, top_k, **kw)
         if self.engine is not None and kw.get("commit", True) and int(np.max(new)) == 1:
             # the scheduler thread makes this call and owns the running list
-            owner = {id(r.seq.cache): r.id for r in self.engine._running if r.seq is not None}
+            owner = {id(r.sequence.cached.cache): r.id for r in self.engine._running if r.sequence.cached is not None}
             self.windows.append((int(sparse_window), len(caches)))
             for b, c in enumerate(caches):
                 sel = {l: frozenset(int(p) for p in v[b, 0] if p >= 0) for l, v in out.selected.items()}

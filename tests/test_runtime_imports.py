@@ -86,7 +86,8 @@ def test_runtime_modules_import_no_cycle(typing):
 
 
 @pytest.mark.parametrize("module", ["runtime.loader", "runtime.facade", "runtime.step_worker", "runtime.sequence",
-                                    "runtime.request", "runtime.request_state", "runtime.engine"])
+                                    "runtime.scheduled_sequence", "runtime.request", "runtime.request_state",
+                                    "runtime.engine"])
 def test_module_imports_in_a_fresh_interpreter(module):
     """Imported first (the order a cycle would break on), not after the package has loaded everything."""
     r = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,

@@ -59,7 +59,7 @@ class CompressionRatioPolicy(Observer):
     def on_step(self, engine: Engine, running: Sequence[EngineRequest]) -> None:
         if self.config.min_compression_ratio <= 0:
             return
-        counts = tier_counts([r.seq.state.tier for r in running if r.seq is not None])
+        counts = tier_counts([t for r in running if (t := r.sequence.tiers) is not None])
         if counts.sum() < self.config.min_positions:
             return
         ratio = compression_ratio(counts, self.geo)

@@ -124,7 +124,7 @@ class ServeMetrics(Observer):
         self.steps.inc()
         self.queue_depth.set(engine.queue_depth)
         self.running.set(len(running))
-        counts = tier_counts([r.seq.state.tier for r in running if r.seq is not None])
+        counts = tier_counts([t for r in running if (t := r.sequence.tiers) is not None])
         self.occupancy.set(float(counts.sum()) / (engine.max_running * self.n_max))
         if self.geo is None:
             return
