@@ -134,8 +134,6 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
     n_probe = min(PROBE_SEQUENCES, ev.shape[0])
     _, cap = dense.forward(ev[:n_probe], capture=True, capture_probs=True)
     advance(1)
-    xs = [cap.layers[i].x for i in range(gcfg.num_hidden_layers)]
-    probs = [cap.layers[i].probs for i in range(gcfg.num_hidden_layers)]
     dense_nll = float(np.mean([_counted(dense.nll(row), advance) for row in ev]))
     dense_kv = {i: (src.get(names.layer_name("k_proj", i)), src.get(names.layer_name("v_proj", i)))
                 for i in gcfg.sharing_layers}
@@ -147,11 +145,31 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
         ns_nll = mean_nll(golden_of(cfg_ns, t_ns), ev, advance)
     else:
         ns_nll = gsm_nll
-    # the GSM model's own signals (spec 4.3) on the probe sequences
+    g_hit, g_noise = gsm_signals(gsm, gcfg, ev[:n_probe], advance)
+    layers = layer_rows(src, gcfg, plan, lowranks, cap, g_hit, g_noise)
+    progress("measuring greedy agreement and the bytes <-> perplexity trade-off")
+    tradeoff = tradeoff_rows(src, gcfg, plan, lowranks, dense, ev[:TRADEOFF_SEQUENCES], tradeoff_tolerances, advance)
+    return {
+        "evaluation": {"tokens": int(ev.numel()), "seq_len": int(ev.shape[1]),
+                       "sequences": int(ev.shape[0])},
+        "layers": layers,
+        "perplexity": {"dense": ppl(dense_nll), "gsm": ppl(gsm_nll), "gsm_no_sharing": ppl(ns_nll),
+                       "relative_increase": ppl(gsm_nll) / ppl(dense_nll) - 1.0},
+        "greedy_agreement": greedy_agreement(dense, gsm, ev, agreement_steps, advance),
+        "kv_bytes_per_position": kv_bytes_per_position(gcfg, plan.ranks),
+        "tradeoff": tradeoff,
+    }
+
+
+def gsm_signals(gsm: Any, gcfg: ModelConfig, rows: torch.Tensor, advance: Callable[[int], None] = _no_advance
+                ) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """The GSM model's own signals (spec 4.3) on the probe sequences rows [n, T]: per layer the mask hit rate of
+    each sequence over its sparse query rows (1.0 where none is sparse), and per sharing layer its KV noise.
+    `advance(1)` after each sequence."""
     g_hit: dict[int, list[float]] = {i: [] for i in range(gcfg.num_hidden_layers)}
     g_noise: dict[int, list[float]] = {i: [] for i in gcfg.sharing_layers}
     owner = {i: i if gcfg.is_owning(i) else gcfg.gsm.kv_sharing[i] for i in range(gcfg.num_hidden_layers)}
-    for row in ev[:n_probe]:
+    for row in rows:
         tr = gsm.forward(gsm.new_cache(), row, trace=True).trace
         for i, hr in tr.hit_rate.items():
             lp = gcfg.gsm.for_layer(owner[i])
@@ -160,7 +178,17 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
         for i, kl in tr.kv_noise.items():
             g_noise[i].append(float(kl.mean()))
         advance(1)
-    hits = hit_rates(gcfg, plan, xs, probs)
+    return g_hit, g_noise
+
+
+def layer_rows(src: Any, gcfg: ModelConfig, plan: Plan, lowranks: dict[tuple[int, str], LowRank], cap: Any,
+               g_hit: dict[int, list[float]], g_noise: dict[int, list[float]]) -> list[dict[str, Any]]:
+    """The report's per-layer rows: the GSM model's hit rate (gsm_signals); owning layers their ranks, K/V errors on
+    calibration and held-out activations (cap: the dense model's capture of the probe sequences), mask hit rates
+    against the baselines and the indexer fits' losses; sharing layers their source, projector residual and KV
+    noise."""
+    hits = hit_rates(gcfg, plan, [cap.layers[i].x for i in range(gcfg.num_hidden_layers)],
+                     [cap.layers[i].probs for i in range(gcfg.num_hidden_layers)])
     layers = []
     for i in range(gcfg.num_hidden_layers):
         rk, rv = plan.ranks[i]
@@ -186,30 +214,27 @@ def quality_report(src: Any, gcfg: ModelConfig, tensors: dict[str, np.ndarray], 
             row.update({"source": f.source, "projector_rel_residual_calib": f.rel_residual,
                         "kv_noise_kl": float(np.mean(g_noise[i]))})
         layers.append(row)
-    progress("measuring greedy agreement and the bytes <-> perplexity trade-off")
+    return layers
+
+
+def tradeoff_rows(src: Any, gcfg: ModelConfig, plan: Plan, lowranks: dict[tuple[int, str], LowRank],
+                  dense: DenseLlama, rows: torch.Tensor, tolerances: tuple[float, ...],
+                  advance: Callable[[int], None] = _no_advance) -> list[dict[str, Any]]:
+    """The bytes <-> perplexity trade-off: for each rank tolerance (no sharing) the KV bytes per position and the
+    perplexity on rows [n, T] against the dense model's on the same rows (each row compared with the same tokens).
+    `advance(1)` after each model pass over a sequence."""
+    dense_tradeoff = ppl(float(np.mean([_counted(dense.nll(row), advance) for row in rows])))
     tradeoff = []
     L = gcfg.num_hidden_layers
-    ev_tradeoff = ev[:TRADEOFF_SEQUENCES]
-    # dense on the trade-off's own sequences: each row is compared with the same tokens
-    dense_tradeoff = ppl(float(np.mean([_counted(dense.nll(row), advance) for row in ev_tradeoff])))
-    for tol in tradeoff_tolerances:
+    for tol in tolerances:
         r = ranks_at(lowranks, list(range(L)), tol, None, gcfg.gsm.indexer_dim)
         c, t = assemble(src, lowranks, replace(plan, ranks=r, sharing={}))
         tradeoff.append({"tolerance": tol, "sharing": "none",
                          "kv_bytes_per_position_fp16": kv_bytes_per_position(c, r)["gsm_fp16"],
-                         "perplexity": ppl(mean_nll(golden_of(c, t), ev_tradeoff, advance)),
-                         "dense_perplexity": dense_tradeoff, "sequences": int(ev_tradeoff.shape[0])})
+                         "perplexity": ppl(mean_nll(golden_of(c, t), rows, advance)),
+                         "dense_perplexity": dense_tradeoff, "sequences": int(rows.shape[0])})
         tradeoff[-1]["relative_increase"] = tradeoff[-1]["perplexity"] / dense_tradeoff - 1
-    return {
-        "evaluation": {"tokens": int(ev.numel()), "seq_len": int(ev.shape[1]),
-                       "sequences": int(ev.shape[0])},
-        "layers": layers,
-        "perplexity": {"dense": ppl(dense_nll), "gsm": ppl(gsm_nll), "gsm_no_sharing": ppl(ns_nll),
-                       "relative_increase": ppl(gsm_nll) / ppl(dense_nll) - 1.0},
-        "greedy_agreement": greedy_agreement(dense, gsm, ev, agreement_steps, advance),
-        "kv_bytes_per_position": kv_bytes_per_position(gcfg, plan.ranks),
-        "tradeoff": tradeoff,
-    }
+    return tradeoff
 
 
 # held-out window lengths of the long-context check (one window each by default): where the selection is sparse
