@@ -239,6 +239,7 @@ def topk_curve(setup: Setup, seqs: torch.Tensor, ks: list[int], block: int = 256
     """gsm.convert.budget's hit-rate curve (indexer and recency) over sequences [B, T] at the checkpoint's
     sinks and window, every k of `ks` from one dense pass per sequence."""
     from gsm.convert.budget import HitRateCurve, add_layer, rope_qk
+    from gsm.convert.indexer import Indexer
 
     cfg = setup.cfg
     p = cfg.gsm
@@ -250,7 +251,7 @@ def topk_curve(setup: Setup, seqs: torch.Tensor, ks: list[int], block: int = 256
             kv = setup.gsm.w.layers[own].kv
             q, k = rope_qk(cap.layers[i].q[0], cap.layers[i].k[0], cfg.num_attention_heads,
                            cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta)
-            add_layer(curve, i, cap.layers[own].x[0], kv.idx_q, kv.idx_k, kv.idx_w, p.indexer_heads, q, k,
+            add_layer(curve, i, cap.layers[own].x[0], Indexer(kv.idx_q, kv.idx_k, kv.idx_w), p.indexer_heads, q, k,
                       p.sink_tokens, p.sparse_window, block=block)
         del cap
     return {"rows": curve.to_json(), "sequences": int(seqs.shape[0]), "seq_len": int(seqs.shape[1])}

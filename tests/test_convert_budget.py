@@ -52,7 +52,7 @@ def test_curve_equals_direct_numpy_and_select(block):
     sinks, window, ks = 2, 3, (0, 1, 4, 9, 20, 43, 60)
     curve = bud.HitRateCurve(ks, n_layers=2)
     for layer in range(2):  # the same layer twice: the accumulator keeps layers apart and averages them
-        bud.add_layer(curve, layer, x, iq, ik, iw, nI, q, k, sinks, window, block=block)
+        bud.add_layer(curve, layer, x, ixr.Indexer(iq, ik, iw), nI, q, k, sinks, window, block=block)
     probs = A.attention_probs(q, k, A.causal_mask(torch.arange(T), T))  # [nH, T, T]
     scores = index_scores(x, iq, iw, x @ ik.T, nI)
     p = GSMParams(sparse_window=window, max_sparse_window=8, sink_tokens=sinks, indexer_heads=nI, indexer_dim=3)
@@ -81,7 +81,7 @@ def test_wide_window_curve_equals_direct_numpy(block):
     sinks, window, ks = 2, 3, (0, 1, 4, 9, 20, 43)
     curve = bud.HitRateCurve(ks, n_layers=1, wide=(5, 11))
     assert curve.selectors == ("indexer", "recency", "indexer+w5", "indexer+w11")
-    bud.add_layer(curve, 0, x, iq, ik, iw, nI, q, k, sinks, window, block=block)
+    bud.add_layer(curve, 0, x, ixr.Indexer(iq, ik, iw), nI, q, k, sinks, window, block=block)
     probs = A.attention_probs(q, k, A.causal_mask(torch.arange(T), T)).double().numpy()
     scores = index_scores(x, iq, iw, x @ ik.T, nI).double().numpy()
     for w in (5, 11):
@@ -186,7 +186,7 @@ def test_chunked_prefill_sequence_equals_whole_capture(stories_src):
     for i, lc in enumerate(cap.layers):
         q, k = bud.rope_qk(lc.q[0], lc.k[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            cfg.rope_theta)
-        bud.add_layer(whole, i, lc.x[0], ixs[i].q, ixs[i].k, ixs[i].w, nI, q, k, sinks, window, block=50)
+        bud.add_layer(whole, i, lc.x[0], ixs[i], nI, q, k, sinks, window, block=50)
     assert (chunked.rows == whole.rows).all()
     for sel in whole.selectors:
         np.testing.assert_allclose(chunked.per_layer(sel), whole.per_layer(sel), atol=1e-5)

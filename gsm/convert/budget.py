@@ -155,21 +155,22 @@ def add_block(curve: HitRateCurve, layer: int, scores: torch.Tensor, probs: torc
 
 
 @torch.no_grad()
-def add_layer(curve: HitRateCurve, layer: int, x_own: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor,
-              idx_w: torch.Tensor, n_idx: int, q: torch.Tensor, k: torch.Tensor, sinks: int, window: int,
-              block: int = 256) -> None:
+def add_layer(curve: HitRateCurve, layer: int, x_own: torch.Tensor, indexer: Any, n_idx: int, q: torch.Tensor,
+              k: torch.Tensor, sinks: int, window: int, block: int = 256) -> None:
     """Accumulate one sequence of one layer into `curve`.
 
-    x_own: [T, H] input of the layer whose indexer selects (itself, or its sharing source);
+    x_own: [T, H] input of the layer whose indexer selects (itself, or its sharing source); indexer: its weights
+    .q [nI*dI, H], .k [dI, H], .w [nI, H] (gsm.convert.indexer.Indexer, as add_sequence takes them);
     q: [nH, T, D], k: [nKV, T, D] RoPE'd dense queries/keys of the scored layer.
     """
     T = x_own.shape[0]
-    keys = x_own @ idx_k.T  # [T, dI]
+    keys = x_own @ indexer.k.T  # [T, dI]
     first = sinks + window + min(curve.ks) if curve.ks else T  # earlier rows are dense for every k
     for a in range(first, T, block):
         q_pos = torch.arange(a, min(a + block, T))
         probs = A.attention_probs(q[:, q_pos], k, A.causal_mask(q_pos, T)).mean(0)  # [b, T]
-        add_block(curve, layer, index_scores(x_own[q_pos], idx_q, idx_w, keys, n_idx), probs, q_pos, sinks, window)
+        add_block(curve, layer, index_scores(x_own[q_pos], indexer.q, indexer.w, keys, n_idx), probs, q_pos, sinks,
+                  window)
 
 
 def chunk_row_attention(cfg: Any, chunk_q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, pick: torch.Tensor,
