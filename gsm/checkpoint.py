@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -318,27 +319,48 @@ def _dump_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files a checkpoint holds beside its tensors, config.json and quant_config.json: tokenizer.json (its
+    text), tokenizer_config.json (a JSON object) and any others by relative path (`extra`: name -> bytes)."""
+
+    tokenizer_json: str | None = None
+    tokenizer_config: dict[str, Any] | None = None
+    extra: Mapping[str, bytes] = field(default_factory=dict)
+
+    def check(self, out_dir: Path) -> None:
+        """ValueError for an extra file that would replace a checkpoint file or land outside `out_dir`."""
+        for rel in self.extra:
+            if rel in STANDARD_FILES or rel == TOKENIZER_FILE and self.tokenizer_json is not None \
+                    or rel == TOKENIZER_CONFIG_FILE and self.tokenizer_config is not None \
+                    or Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise ValueError(f"extra file name {rel!r} clashes with a checkpoint file or escapes "
+                                 f"{out_dir}")
+
+    def write(self, directory: Path) -> None:
+        if self.tokenizer_json is not None:
+            (directory / TOKENIZER_FILE).write_text(self.tokenizer_json, encoding="utf-8")
+        if self.tokenizer_config is not None:
+            _dump_json(directory / TOKENIZER_CONFIG_FILE, self.tokenizer_config)
+        for rel, data in self.extra.items():
+            (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+            (directory / rel).write_bytes(data)
+
+
 def write_checkpoint(out_dir: str | os.PathLike[str], cfg: ModelConfig, quant: KVQuantConfig,
                      specs: list[TensorSpec], produce: Callable[[TensorSpec], np.ndarray], *,
-                     tokenizer_json: str | None = None, tokenizer_config: dict[str, Any] | None = None,
-                     extra_files: dict[str, bytes] | None = None,
-                     max_shard_bytes: int | None = None, overwrite: bool = False,
-                     progress: bool = True) -> Path:
+                     files: CheckpointFiles | None = None, max_shard_bytes: int | None = None,
+                     overwrite: bool = False, progress: bool = True) -> Path:
     """Write a checkpoint directory atomically, calling `produce(spec)` once per tensor in order.
 
     Each produced array is written and dropped before the next is asked for, so peak memory is
     about the largest tensor. Shards (`model-0000i-of-0000N.safetensors` + index) are written
-    when the tensors exceed `max_shard_bytes`; otherwise one `model.safetensors`. `tokenizer_config`
-    (a JSON object) is written as tokenizer_config.json.
+    when the tensors exceed `max_shard_bytes`; otherwise one `model.safetensors`. `files`: the tokenizer and
+    other files beside the tensors (none when None).
     """
     out_dir = Path(out_dir)
-    extra_files = dict(extra_files or {})
-    for rel in extra_files:
-        if rel in STANDARD_FILES or rel == TOKENIZER_FILE and tokenizer_json is not None \
-                or rel == TOKENIZER_CONFIG_FILE and tokenizer_config is not None \
-                or Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise ValueError(f"extra file name {rel!r} clashes with a checkpoint file or escapes "
-                             f"{out_dir}")
+    files = files if files is not None else CheckpointFiles()
+    files.check(out_dir)
     seen: set[str] = set()
     for s in specs:
         if s.name in seen:
@@ -351,13 +373,7 @@ def write_checkpoint(out_dir: str | os.PathLike[str], cfg: ModelConfig, quant: K
         config["auto_map"] = install_remote_code(tmp)  # AutoModelForCausalLM(..., trust_remote_code=True)
         _dump_json(tmp / CONFIG_FILE, config)
         _dump_json(tmp / QUANT_FILE, quant.to_json())
-        if tokenizer_json is not None:
-            (tmp / TOKENIZER_FILE).write_text(tokenizer_json, encoding="utf-8")
-        if tokenizer_config is not None:
-            _dump_json(tmp / TOKENIZER_CONFIG_FILE, tokenizer_config)
-        for rel, data in extra_files.items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_bytes(data)
+        files.write(tmp)
         files = [WEIGHTS_FILE] if len(plan) == 1 else \
             [shard_name(i + 1, len(plan)) for i in range(len(plan))]
         with _Progress(total, f"writing {out_dir.name}", enabled=progress) as bar:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from gsm import names
-from gsm.checkpoint import write_checkpoint
+from gsm.checkpoint import CheckpointFiles, write_checkpoint
 from gsm.config import GSMParams, KVQuantConfig, ModelConfig
 from gsm.safetensors_io import TensorSpec
 
@@ -162,7 +162,7 @@ def synth_checkpoint(preset: str, out: str | Path, seed: int = 0, overwrite: boo
     cfg = preset_config(p)
     specs = synth_specs(cfg, preset_ranks(p, cfg), _ST_DTYPE[cfg.torch_dtype])
     return write_checkpoint(out, cfg, KVQuantConfig(), specs, lambda s: _tensor(seed, s, cfg),
-                            tokenizer_json=demo_tokenizer_json(cfg.vocab_size),
+                            files=CheckpointFiles(tokenizer_json=demo_tokenizer_json(cfg.vocab_size)),
                             max_shard_bytes=max_shard_bytes or p.max_shard_bytes,
                             overwrite=overwrite, progress=progress)
 

@@ -146,9 +146,9 @@ def rewrite_checkpoint(base: Path, out: Path, cfg, quant, state: dict, calibrati
     calib = base / "kv_calibration.safetensors"
     if calibration is None and calib.is_file():
         calibration = calib.read_bytes()
-    return checkpoint.write_checkpoint_arrays(
-        out, cfg, quant, state, tokenizer_json=tok.read_text() if tok.is_file() else None,
-        extra_files={calib.name: calibration} if calibration is not None else None, progress=False)
+    files = checkpoint.CheckpointFiles(tokenizer_json=tok.read_text() if tok.is_file() else None,
+                                       extra={calib.name: calibration} if calibration is not None else {})
+    return checkpoint.write_checkpoint_arrays(out, cfg, quant, state, files=files, progress=False)
 
 
 def half_grid_copy(base: Path, out: Path) -> Path:

@@ -550,8 +550,8 @@ def q4_1_checkpoint(tmp_path_factory):
         q = np.clip(np.rint((b - m) / d), 0, 15)
         sd[name] = (q * d + m).astype(np.float32).reshape(w.shape)
     tok = (base / "tokenizer.json").read_text()
-    return checkpoint.write_checkpoint_arrays(root / "q41", cfg, checkpoint.load_quant(base), sd, tokenizer_json=tok,
-                                              progress=False)
+    return checkpoint.write_checkpoint_arrays(root / "q41", cfg, checkpoint.load_quant(base), sd,
+                                              files=checkpoint.CheckpointFiles(tokenizer_json=tok), progress=False)
 
 
 def test_q4_1_source_int4_bundle_equals_the_unquantised_golden(q4_1_checkpoint, tmp_path):

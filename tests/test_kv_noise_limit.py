@@ -63,9 +63,10 @@ def test_bundle_carries_the_calibrations_tier_noise(tmp_path):
     ckpt = checkpoint.write_checkpoint_arrays(
         tmp_path / "reported", checkpoint.load_config(base), checkpoint.load_quant(base),
         checkpoint.load_state_dict(base),
-        tokenizer_json=(base / checkpoint.TOKENIZER_FILE).read_text(),
-        extra_files={checkpoint.CALIB_FILE: (base / checkpoint.CALIB_FILE).read_bytes(),
-                     checkpoint.CALIB_REPORT_FILE: json.dumps(REPORT).encode()}, progress=False)
+        files=checkpoint.CheckpointFiles(
+            tokenizer_json=(base / checkpoint.TOKENIZER_FILE).read_text(),
+            extra={checkpoint.CALIB_FILE: (base / checkpoint.CALIB_FILE).read_bytes(),
+                   checkpoint.CALIB_REPORT_FILE: json.dumps(REPORT).encode()}), progress=False)
     build(BuildConfig(device="orin", checkpoint=ckpt, output=tmp_path / "b", max_seq=64))
     cfg = BundleConfig.load(tmp_path / "b")
     assert cfg.kv_tier_noise == pytest.approx(tier_noise(ckpt / checkpoint.CALIB_REPORT_FILE))

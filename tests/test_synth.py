@@ -22,6 +22,7 @@ from gsm.checkpoint import (
     INDEX_FILE,
     CheckpointConfigError,
     CheckpointError,
+    CheckpointFiles,
     CheckpointTensors,
     load_config,
     load_kv_calibration,
@@ -125,7 +126,7 @@ def test_write_checkpoint_streams_in_order(tmp_path: Path, tiny: Path) -> None:
         calls.append(s.name)
         return sd[s.name]
     d = write_checkpoint(tmp_path / "w", cfg, KVQuantConfig(), specs, produce, progress=True,
-                         extra_files={"notes/readme.txt": b"hi"})
+                         files=CheckpointFiles(extra={"notes/readme.txt": b"hi"}))
     assert calls == [s.name for s in specs]  # once each, in order
     assert (d / "notes" / "readme.txt").read_bytes() == b"hi"
     assert "notes/readme.txt" in _files(d)
@@ -133,7 +134,7 @@ def test_write_checkpoint_streams_in_order(tmp_path: Path, tiny: Path) -> None:
         write_checkpoint(d, cfg, KVQuantConfig(), specs, produce)
     with pytest.raises(ValueError, match="clashes"):
         write_checkpoint(tmp_path / "x", cfg, KVQuantConfig(), specs, produce,
-                         extra_files={"config.json": b"{}"})
+                         files=CheckpointFiles(extra={"config.json": b"{}"}))
     assert not (tmp_path / "x").exists()
 
 

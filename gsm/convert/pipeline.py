@@ -554,7 +554,7 @@ def long_check_windows(opts: ConvertOptions, tok: Tokenizer, bos_id: int | None,
 def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: bool = False,
             progress: Any = print, show_bars: bool | None = None) -> dict[str, Any]:
     """Convert `src`, measure it, write the checkpoint to `out`; returns the quality report."""
-    from gsm.checkpoint import write_checkpoint_arrays
+    from gsm.checkpoint import CheckpointFiles, write_checkpoint_arrays
 
     t_start = time.perf_counter()
     stages = Stages(progress, show_bars)
@@ -623,8 +623,7 @@ def convert(src: DenseSource, out: Path, opts: ConvertOptions, *, overwrite: boo
     # on a terminal the writer's own bar counts the bytes; in a log the write is timed like a stage
     bars = sys.stderr.isatty() if show_bars is None else show_bars
     with nullcontext() if bars else track("write checkpoint", log=progress, bar=False):
-        write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, tokenizer_json=src.tokenizer_json,
-                                tokenizer_config=src.tokenizer_config,
-                                extra_files={"conversion_report.json": json.dumps(report, indent=1).encode()},
-                                overwrite=overwrite, progress=bars)
+        files = CheckpointFiles(tokenizer_json=src.tokenizer_json, tokenizer_config=src.tokenizer_config,
+                                extra={"conversion_report.json": json.dumps(report, indent=1).encode()})
+        write_checkpoint_arrays(out, gcfg, KVQuantConfig(), tensors, files=files, overwrite=overwrite, progress=bars)
     return report
