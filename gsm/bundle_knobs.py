@@ -174,6 +174,13 @@ class RunKnobs:
                                     "hotness_decay": self.hotness_decay, "hot_token_ids": list(self.hot_token_ids)}}
 
     @property
+    def cache_key(self) -> tuple[Any, ...]:
+        """What decides a sequence's cache given its tokens: the selection (window, budget) and the tier policy, not
+        the fallback thresholds, which judge a request without changing its rows (prefixes are shared by this)."""
+        return (self.run_time.sparse_window, self.run_time.sparse_top_k, self.quantization_adaptation_rate,
+                self.tier_fractions, self.fp16_window, self.hotness_decay, self.hot_token_ids)
+
+    @property
     def checksum(self) -> str:
         """`sha256:` of the canonical JSON of the knob document: what a server answers a patch with."""
         return "sha256:" + hashlib.sha256(canonical_json(self.document()).encode()).hexdigest()

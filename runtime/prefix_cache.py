@@ -19,7 +19,6 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from gsm.bundle_knobs import RunKnobs
 from runtime.backend import PrefixCopy
 from runtime.policy import SequenceState
 
@@ -33,12 +32,12 @@ class Prefix:
     tokens: tuple[int, ...]
     state: SequenceState
     rows: PrefixCopy  # the backend's take_prefix
-    knobs: RunKnobs | None = None  # what the sequence selected and re-tiered with (gsm.bundle_knobs)
+    knobs: Hashable = None  # what the sequence selected and re-tiered with (RunKnobs.cache_key)
 
     @property
     def key(self) -> tuple[Hashable, tuple[int, ...]]:
-        """Its key in the cache: a prefix is the same only under the same knobs (a patched server's old and new
-        requests never share one)."""
+        """Its key in the cache: a prefix is the same only under the same selection and tier policy (a patched
+        server's old and new requests never share one; fallback thresholds do not count)."""
         return self.knobs, self.tokens
 
     @property

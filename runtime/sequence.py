@@ -169,7 +169,7 @@ class CachedSequence:
     def snapshot(self) -> Prefix:
         """This sequence's state and cache so far, copied (runtime.prefix_cache)."""
         return Prefix(tuple(self.state.tokens), copy.deepcopy(self.state),
-                      self.worker.backend.take_prefix(self.cache, self.length), self.knobs)
+                      self.worker.backend.take_prefix(self.cache, self.length), self.knobs.cache_key)
 
     def restore(self, prefix: Prefix) -> None:
         """A fresh sequence made the one `prefix` was taken from."""

@@ -170,7 +170,7 @@ class StepWorker:
         keep = [False] * len(prompts)
         for b, k in enumerate(cut):
             if k is not None and seqs[b].reuses_prefixes and (scorers is None or scorers[b] is None):
-                hit = self.prefixes.get((seqs[b].knobs, tuple(prompts[b][:k])))
+                hit = self.prefixes.get((seqs[b].knobs.cache_key, tuple(prompts[b][:k])))
                 if hit is not None:
                     seqs[b].restore(hit)
                     done[b] = k

@@ -92,7 +92,7 @@ def bundle(tmp_path_factory):
 
 def test_floors_are_declared_for_every_runtime_dependency():
     names = {p.split("==")[0].lower() for p in floors()}
-    assert names == {"numpy", "onnxruntime", "tokenizers", "jinja2", "onnx"}
+    assert names == {"numpy", "onnxruntime", "tokenizers", "jinja2", "jsonpatch", "onnx"}
 
 
 def test_runtime_on_the_declared_floors_gives_this_environments_tokens(bundle):
