@@ -29,7 +29,7 @@ from gsm.probe_format import read_probe
 
 PLUGIN_LIB_ENV = "GSM_PLUGIN_LIB"
 PLUGIN_LIB_NAMES = ("libgsm_trt_plugins.so", "gsm_trt_plugins.dll")
-TENSORRT = "tensorrt"  # the backend name the verdict is recorded under (runtime.model BACKENDS)
+TENSORRT = "tensorrt"  # the backend name the verdict is recorded under (runtime.loader BACKENDS)
 TIMING_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gsm-edge"
 
 
