@@ -327,3 +327,18 @@ def test_admin_config_over_http(rts):
         assert body["generation"] == 1 and body["config"]["run_time"]["sparse_window"] == 2
         assert body["checksum"] == srv.engine.knobs.checksum != before["checksum"]
         assert metric_samples(url)[("gsm_config_generation", ())] == 1.0
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_eval.txt").is_file(),
+                    reason="the held-out stories are not in ../shared/data")
+def test_the_knob_bench_applies_each_setting_as_a_patch(demo, tmp_path):
+    """bench/knobs.py on the demo: one row per setting, each its knobs' effect: the window setting selects fewer
+    positions than the model's own, so its perplexity differs, while its bytes in use do not (the same tier policy)."""
+    out = tmp_path / "knobs.json"
+    r = run_module("bench.knobs", str(demo), "--prompt", "16", "--decode", "24", "--threads", "1",
+                   "--settings", "as built,window 2", "--json", str(out), cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    rows = {row["setting"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"as built", "window 2"} and all(row["text"] == "story" for row in rows.values())
+    assert rows["as built"]["perplexity"] != rows["window 2"]["perplexity"]
+    assert rows["as built"]["bytes_per_position"] == rows["window 2"]["bytes_per_position"]
