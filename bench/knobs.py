@@ -95,11 +95,12 @@ def main() -> int:
     rt = runtime.load(a.bundle, "onnxruntime", threads=a.threads, speculative="off", prefix_cache_mib=0)
     geo = CacheGeometry.from_bundle(rt.cfg, json.loads((a.bundle / "config.json").read_text(encoding="utf-8")))
     base = rt.knobs
+    inputs = texts(rt, a.prompt + a.decode)  # the same token ids for every setting
     rows = []
     for name in a.settings.split(","):
         ops = SETTINGS[name]
         rt.set_knobs(patch_knobs(base, ops, rt.cfg.knob_limits) if ops else base)
-        for text, ids in texts(rt, a.prompt + a.decode).items():
+        for text, ids in inputs.items():
             r = {"setting": name, "text": text, **run(rt, ids, a.prompt, geo)}
             rows.append(r)
             print(json.dumps(r), flush=True)

@@ -7,7 +7,7 @@ A patch is RFC 6902 over bundle.json's own paths (docs/serving.md "Changing knob
 - `/quantization_adaptation_rate` and `/kv_quantization/{tier_fractions, fp16_window, hotness_decay,
   hot_token_ids}`: the tier policy the runtime applies between calls (runtime.policy).
 Everything else in bundle.json is tied to a graph's shapes, attributes or constants (NEEDS_REBUILD says which flag
-makes it anew). A running server holds the same document (`knob_document`) and answers with it and its checksum.
+makes it anew). A running server holds the same document (`RunKnobs.document`) and answers with it and its checksum.
 
 Standard library only (plus gsm.config, gsm.tiers): the runtime imports this, never torch.
 """
@@ -31,6 +31,12 @@ OPS = ("add", "remove", "replace", "move", "copy", "test")  # RFC 6902
 
 class KnobError(ValueError):
     """A patch that cannot be applied: the message names the path (or the field) and the reason."""
+
+    @property
+    def path(self) -> str | None:
+        """The JSON pointer the message starts with, None where it names none (a malformed patch)."""
+        head = str(self).split(":", 1)[0]
+        return head if head.startswith("/") else None
 
 
 @dataclass(frozen=True)
@@ -81,13 +87,13 @@ def _int(lo: int) -> Callable[[str, Any], int]:
     return parse
 
 
-def _fraction(path: str, v: Any) -> float:
+def parse_fraction(path: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
         raise KnobError(f"{path}: expected a number in [0, 1], got {v!r}")
     return float(v)
 
 
-def _noise(path: str, v: Any) -> float | str | None:
+def parse_noise(path: str, v: Any) -> float | str | None:
     if v is None or v == KV_NOISE_AUTO:
         return v
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
@@ -96,8 +102,8 @@ def _noise(path: str, v: Any) -> float | str | None:
 
 
 _RUN_TIME_PARSERS: dict[str, Callable[[str, Any], Any]] = {
-    "sparse_window": _int_or_none(1), "sparse_top_k": _int_or_none(0), "min_hit_rate": _fraction,
-    "hit_rate_every": _int(0), "max_kv_noise": _noise}
+    "sparse_window": _int_or_none(1), "sparse_top_k": _int_or_none(0), "min_hit_rate": parse_fraction,
+    "hit_rate_every": _int(0), "max_kv_noise": parse_noise}
 
 RATE = "/quantization_adaptation_rate"
 POLICY_FIELDS = ("tier_fractions", "fp16_window", "hotness_decay", "hot_token_ids")  # of kv_quantization

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm.atomic import MANIFEST_NAME, ManifestError, atomic_output_dir, place_file, verify_manifest
+from gsm.bundle_knobs import KnobError, apply_operations
 from gsm.checkpoint import CONFIG_FILE, QUANT_FILE
 from gsm.config import ConfigError, KVQuantConfig, ModelConfig, gsm_checksum
 
@@ -113,15 +114,11 @@ def check_operations(ops: Any) -> None:
 def apply_patch(config: dict[str, Any], quant: dict[str, Any], ops: list[dict[str, Any]]) -> tuple[dict, dict]:
     """(config.json, quant_config.json) with the patch applied and gsm_config.checksum recomputed, both parsed by
     their configs (ranges); PatchError naming the path or field otherwise. The inputs are not modified."""
-    import jsonpatch
-
     check_operations(ops)
-    new = {GSM: config.get(GSM, {}), KVQ: quant.get(KVQ, {})}
-    for i, o in enumerate(ops):  # one at a time, so a refusal names its operation
-        try:
-            new = jsonpatch.apply_patch(new, [o])
-        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
-            raise PatchError(f"{o['path']}: operation {i} ({o.get('op')}) does not apply: {e}") from None
+    try:
+        new = apply_operations({GSM: config.get(GSM, {}), KVQ: quant.get(KVQ, {})}, ops)
+    except KnobError as e:
+        raise PatchError(str(e)) from None
     gc = {k: v for k, v in new[GSM].items() if k != "checksum"}
     gc["checksum"] = gsm_checksum(gc)
     config, quant = {**config, GSM: gc}, {**quant, KVQ: new[KVQ]}

@@ -18,7 +18,7 @@ from typing import Any
 
 from gsm.atomic import MANIFEST_NAME, atomic_output_dir, is_inside, place_file
 from gsm.bundle_format import FILES, BundleConfig, BundleError
-from gsm.bundle_knobs import KnobError, apply_operations, check_operations, knobs_of_document
+from gsm.bundle_knobs import KnobError, RunKnobs, apply_operations, check_operations, knobs_of_document
 from runtime.bundle import verify_bundle
 
 MANIFEST_OWN = ("format", "version", "files")  # what write_manifest writes itself; the rest is the bundle's identity
@@ -32,34 +32,32 @@ class BundlePatch:
     changed: tuple[str, ...]  # the paths the patch touched
 
 
-def patched_config(bundle: Path, ops: Any) -> tuple[dict[str, Any], BundleConfig]:
-    """(bundle.json as patched, parsed): KnobError naming the path unless every operation addresses a knob and the
-    result is in range and within the bundle's limits."""
-    path = bundle / FILES.config
+def patched_config(bundle: Path, ops: Any) -> tuple[dict[str, Any], RunKnobs]:
+    """(bundle.json as patched, the knobs it states): KnobError naming the path unless every operation addresses a
+    knob and the result is in range and within the bundle's limits. The patch applies to bundle.json as the builder
+    writes it (BundleConfig.to_json: a section the file lacks, such as run_time, at its defaults)."""
     old = BundleConfig.load(bundle)
-    doc = json.loads(path.read_text(encoding="utf-8"))
-    doc.setdefault("run_time", old.run_time.to_json())  # a bundle.json written without the section: its defaults
-    doc = apply_operations(doc, check_operations(ops))
-    knobs_of_document(doc, old.kv_quantization)  # each knob's range, named by its path
+    doc = apply_operations(old.to_json(), check_operations(ops))
+    knobs = knobs_of_document(doc, old.kv_quantization)  # each knob's range, named by its path
     try:
-        cfg = BundleConfig.from_json(doc, str(path))
+        BundleConfig.from_json(doc, str(bundle / FILES.config))
     except BundleError as e:
         raise KnobError(f"after the patch: {e}") from None
-    old.knob_limits.check(cfg.knobs)
-    return doc, cfg
+    old.knob_limits.check(knobs)
+    return doc, knobs
 
 
 def patch_bundle(src: Path, ops: Any, out: Path | None = None, *, overwrite: bool = False) -> BundlePatch:
     """Apply `ops` to bundle `src`, written to `out` (a copy) or over `src`."""
     src = Path(src)
     manifest = verify_bundle(src)  # BundleError: not a bundle, or files that no longer match their hashes
-    doc, cfg = patched_config(src, ops)
+    doc, knobs = patched_config(src, ops)
     in_place = out is None or Path(out).resolve() == src.resolve()
     dest = src if in_place else Path(out)
     if not in_place and (is_inside(src.resolve(), dest.resolve()) or is_inside(dest.resolve(), src.resolve())):
         raise KnobError(f"--out {out} is inside {src} or contains it; pass a separate directory")
     extra = {k: v for k, v in manifest.items() if k not in MANIFEST_OWN}
-    extra[KNOBS_CHECKSUM] = cfg.knobs.checksum
+    extra[KNOBS_CHECKSUM] = knobs.checksum
     with atomic_output_dir(dest, overwrite=in_place or overwrite, manifest_extra=extra) as tmp:
         for dirpath, _dirs, files in os.walk(src, followlinks=False):
             for name in sorted(files):
@@ -70,7 +68,7 @@ def patch_bundle(src: Path, ops: Any, out: Path | None = None, *, overwrite: boo
                 place_file(f, tmp / rel, link=in_place and not f.is_symlink())
         (tmp / FILES.config).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         BundleConfig.load(tmp)  # what the runtime will read
-    return BundlePatch(dest, cfg.knobs.checksum, tuple(str(o.get("path")) for o in ops))
+    return BundlePatch(dest, knobs.checksum, tuple(str(o.get("path")) for o in ops))
 
 
 def read_patch(path: Path) -> Any:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gsm.bundle_knobs import KV_NOISE_AUTO, RunKnobs, patch_knobs
+from gsm.bundle_knobs import KV_NOISE_AUTO, RunKnobs, parse_fraction, parse_noise, patch_knobs
 from gsm.tiers import FP16, NAMES, fractions4
 from runtime.admission import KVBudget
 from runtime.backend import CacheFullError
@@ -99,12 +99,10 @@ class EngineConfig:
         if self.default_deadline_s is not None and not self.default_deadline_s > 0:
             raise ValueError(f"EngineConfig.default_deadline_s: expected a number > 0 or None, "
                              f"got {self.default_deadline_s!r}")
-        if self.min_hit_rate is not None and (isinstance(self.min_hit_rate, bool) or not 0 <= self.min_hit_rate <= 1):
-            raise ValueError(f"EngineConfig.min_hit_rate: expected a number in [0, 1], got {self.min_hit_rate!r}")
-        if self.max_kv_noise not in (None, KV_NOISE_AUTO, FROM_BUNDLE) and (
-                isinstance(self.max_kv_noise, (bool, str)) or not 0 <= self.max_kv_noise < float("inf")):
-            raise ValueError(f"EngineConfig.max_kv_noise: expected a finite number >= 0, {KV_NOISE_AUTO!r}, "
-                             f"{FROM_BUNDLE!r} or None (off), got {self.max_kv_noise!r}")
+        if self.min_hit_rate is not None:  # the ranges of the bundle's run_time (KnobError is a ValueError)
+            parse_fraction("EngineConfig.min_hit_rate", self.min_hit_rate)
+        if self.max_kv_noise != FROM_BUNDLE:
+            parse_noise("EngineConfig.max_kv_noise", self.max_kv_noise)
 
     def knobs(self, base: RunKnobs) -> RunKnobs:
         """`base` (the runtime's knobs) with the thresholds this config sets in place of the bundle's."""

@@ -32,13 +32,13 @@ class Prefix:
     tokens: tuple[int, ...]
     state: SequenceState
     rows: PrefixCopy  # the backend's take_prefix
-    knobs: Hashable = None  # what the sequence selected and re-tiered with (RunKnobs.cache_key)
+    knobs_key: Hashable = None  # what the sequence selected and re-tiered with (RunKnobs.cache_key)
 
     @property
     def key(self) -> tuple[Hashable, tuple[int, ...]]:
         """Its key in the cache: a prefix is the same only under the same selection and tier policy (a patched
         server's old and new requests never share one; fallback thresholds do not count)."""
-        return self.knobs, self.tokens
+        return self.knobs_key, self.tokens
 
     @property
     def nbytes(self) -> int:

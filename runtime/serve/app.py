@@ -111,8 +111,7 @@ class Server:
             try:
                 eng.patch(ops)
             except KnobError as e:
-                path = str(e).split(":", 1)[0] if str(e).startswith("/") else None
-                return error_response(ApiError(400, str(e), param=path))
+                return error_response(ApiError(400, str(e), param=e.path))
             self.metrics.config_generation.set(eng.config_generation)
         knobs = eng.knobs
         return JSONResponse({"generation": eng.config_generation, "checksum": knobs.checksum,
