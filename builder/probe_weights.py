@@ -7,9 +7,11 @@ head), which is deterministic, so the values are the bundle's; every other tenso
 form of a grouped INT8 weight is per output channel (builder/qlinear.py `trt_config`), so where any tensor's two
 forms differ the golden has a second set of weights, `tensorrt`.
 
-Memory: each tensor is streamed into a float32 .npy file once (a block of rows at a time), and the golden maps
-the files of one layer at a time while it runs (`LazyLayers`), so a probe holds about one layer of float32 beside
-the embedding and head, not the model: the build's peak-RSS bound (docs/builder.md) stays.
+Memory: each tensor is written into a float32 .npy file once (a block of rows at a time, by file writes, not a
+mapping), and the golden reads its matrices a block of rows at a time (`FileMatrix`): the file's pages stay in the
+page cache, which is not the build's memory, and the process holds one block, whatever the model. Mapped float32
+files of the head and of a layer (what the golden read before) cost the 1b synthetic's build ~500 MiB of resident
+pages over the build-memory bound (docs/builder.md).
 """
 
 from __future__ import annotations
@@ -110,13 +112,66 @@ class EmbeddingRows:
 
 
 class _Transposed:
-    """`W.T` of an Int8ActivationLinear: `x @ W.T` calls it."""
+    """`W.T` of an Int8ActivationLinear or a FileMatrix: `x @ W.T` calls it."""
 
-    def __init__(self, w: Int8ActivationLinear) -> None:
+    def __init__(self, w: Int8ActivationLinear | FileMatrix) -> None:
         self.w = w
 
     def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
         return self.w(x)
+
+
+class FileMatrix:
+    """A float32 [N, K] .npy file the golden multiplies by (`x @ W.T`, `F.linear(x, W)`) or gathers rows of (`W[ids]`)
+    without holding it: each product reads ROWS_PER_BLOCK_BYTES of rows at a time into memory freed after, so the
+    values are the file's and a matrix that fits one block is multiplied exactly as a mapped tensor would be."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with path.open("rb") as f:
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            shape, fortran, dtype = read_header[np.lib.format.read_magic(f)](f)
+            self.offset = f.tell()
+        if fortran or dtype != np.float32:
+            raise ValueError(f"{path}: expected a C-order float32 array, found {dtype} fortran={fortran}")
+        self.shape = tuple(shape)
+
+    @property
+    def T(self) -> _Transposed:
+        return _Transposed(self)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        bias = (kwargs or {}).get("bias", args[2] if len(args) > 2 else None)
+        if func is torch.nn.functional.linear and isinstance(args[1], cls) and bias is None:
+            return args[1](args[0])
+        return NotImplemented
+
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, rows) a block at a time, read into one buffer: a block is overwritten by the next."""
+        n, k = self.shape
+        rows = min(n, max(1, ROWS_PER_BLOCK_BYTES // (4 * k)))
+        buf = np.empty(rows * k, np.float32)
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            for a in range(0, n, rows):
+                block = buf[: (min(n, a + rows) - a) * k]
+                if f.readinto(memoryview(block).cast("B")) != block.nbytes:
+                    raise ValueError(f"{self.path}: shorter than its shape {self.shape}")
+                yield a, torch.from_numpy(block).view(-1, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        if n * k * 4 <= ROWS_PER_BLOCK_BYTES:
+            return x @ next(self.blocks())[1].T
+        out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+        for a, w in self.blocks():
+            out[..., a:a + w.shape[0]] = x @ w.T
+        return out
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        mapped = np.load(self.path, mmap_mode="r")  # unmapped when it goes: only the gathered rows stay
+        return torch.from_numpy(np.array(mapped[np.asarray(ids)], np.float32))
 
 
 def _scaled_columns(chunks: Iterator[np.ndarray], s: np.ndarray, k: int) -> Iterator[np.ndarray]:
@@ -174,18 +229,20 @@ class ProbeWeights:
         path = self.root / sub / f"{name}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
         shape = shape or tuple(self.tensors.shape(name))
-        out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-        flat, pos = out.reshape(-1), 0
-        for c in chunks:
-            c = np.asarray(c, np.float32).reshape(-1)
-            flat[pos:pos + c.size] = c
-            pos += c.size
-        out.flush()
-        del flat, out
+        with path.open("wb") as f:
+            np.lib.format.write_array_header_2_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                                                     "fortran_order": False, "shape": shape})
+            written = 0
+            for c in chunks:
+                c = np.ascontiguousarray(c, np.float32).reshape(-1)
+                f.write(c.data)
+                written += c.size
+        if written != int(np.prod(shape)):
+            raise ValueError(f"probe weights: {name} wrote {written} values for shape {shape}")
 
     def tensor(self, form: str, name: str) -> Any:
-        """One tensor of `form`, mapped from its file (copy on write: nothing is read until used); an emulated
-        projection as an Int8ActivationLinear over its mapped parts."""
+        """One tensor of `form` from its file (`_mapped`); an emulated projection as an Int8ActivationLinear over its
+        parts."""
         if self.weights.emulated(form) and name in self.emulation:
             block, inv = self.emulation[name]
             offsets = self.root / form / f"{name}{OFFSETS}.npy"
@@ -196,8 +253,11 @@ class ProbeWeights:
                 return self._mapped(sub, name)
         raise KeyError(f"probe weights: no {name}")
 
-    def _mapped(self, sub: str, name: str) -> torch.Tensor:
-        return torch.from_numpy(np.load(self.root / sub / f"{name}.npy", mmap_mode="c"))
+    def _mapped(self, sub: str, name: str) -> torch.Tensor | FileMatrix:
+        """A matrix as a FileMatrix; a vector (norms, singular values, biases: a few KB) mapped."""
+        path = self.root / sub / f"{name}.npy"
+        m = FileMatrix(path)
+        return m if len(m.shape) == 2 else torch.from_numpy(np.load(path, mmap_mode="c"))
 
     def golden_weights(self, form: str) -> GoldenWeights:
         """GoldenWeights of `form` whose layers are mapped when read and dropped after (LazyLayers)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import zipfile
 from types import SimpleNamespace
 
@@ -22,7 +24,7 @@ from test_builder_weights import golden_with
 from builder.build import BuildConfig, build
 from builder.golden_probe import logit_budget, plan_case
 from builder.plan import GSM_SIDE_CONFIG
-from builder.probe_weights import Int8ActivationLinear, symmetric_part
+from builder.probe_weights import FileMatrix, Int8ActivationLinear, symmetric_part
 from builder.wquant import WeightQuantConfig, dequantize, quantize
 from gsm.bundle_format import FILES, REBUILD
 from gsm.golden.model import GoldenModel
@@ -211,3 +213,41 @@ def test_reader_names_the_file_and_what_is_wrong(fp16_bundle, tmp_path):
         with pytest.raises(ProbeError, match="version 99" if key == "meta" else "text.portable: calls"):
             read_probe(tmp_path / f"{key}.npz")
     assert set(FIELDS) <= {f.name for f in ProbeRecord.__dataclass_fields__.values()}
+
+
+def test_file_matrix_multiplies_and_gathers_block_by_block(tmp_path, monkeypatch):
+    """Several row blocks (a 4 KiB block here) give the product and rows of the whole matrix."""
+    monkeypatch.setattr("builder.probe_weights.ROWS_PER_BLOCK_BYTES", 4096)
+    w = np.random.default_rng(0).standard_normal((300, 48)).astype(np.float32)
+    np.save(tmp_path / "w.npy", w)
+    m, x = FileMatrix(tmp_path / "w.npy"), torch.randn(5, 48)
+    assert m.shape == (300, 48)
+    assert torch.allclose(x @ m.T, x @ torch.from_numpy(w).T, atol=1e-5)
+    assert torch.allclose(torch.nn.functional.linear(x, m), x @ torch.from_numpy(w).T, atol=1e-5)
+    assert torch.equal(m[torch.tensor([3, 299, 3])], torch.from_numpy(w[[3, 299, 3]]))
+
+
+_PEAK_GROWTH = """
+import resource, sys
+import numpy as np, torch
+from pathlib import Path
+from builder.probe_weights import FileMatrix
+m, x = FileMatrix(Path(sys.argv[1])), torch.randn(1, 1024)
+x @ torch.randn(1024, 4096)  # the BLAS's own buffers, before the figure
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+y = x @ m.T
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_file_matrix_product_holds_a_block_not_the_matrix(tmp_path):
+    """A 96 MiB matrix multiplies in a fresh process whose peak grows by about one 16 MiB block (a mapped or loaded
+    matrix grows it by the 96 MiB): the build-memory bound of a model whose head is this size."""
+    rows = 96 * 2**20 // (4 * 1024)
+    with (tmp_path / "w.npy").open("wb") as f:
+        np.lib.format.write_array_header_2_0(f, {"descr": "<f4", "fortran_order": False, "shape": (rows, 1024)})
+        for _ in range(6):
+            f.write(np.ones((rows // 6, 1024), np.float32).data)
+    growth = int(subprocess.run([sys.executable, "-c", _PEAK_GROWTH, str(tmp_path / "w.npy")], check=True,
+                                capture_output=True, text=True).stdout)
+    assert growth < 40 * 2**20, f"peak grew {growth / 2**20:.0f} MiB"
