@@ -74,7 +74,7 @@ def child(bundle: Path, mode: str, threads: int, part: str) -> dict:
     res: dict = {"mode": mode}
 
     def timed(name: str, reqs) -> None:
-        ids, drafted, accepted, t0 = [], 0, 0, time.perf_counter()
+        ids, prompts, drafted, accepted, t0 = [], [], 0, 0, time.perf_counter()
         times, decode_s = [], 0.0
         for make in reqs:
             t = time.perf_counter()
@@ -87,12 +87,13 @@ def child(bundle: Path, mode: str, threads: int, part: str) -> dict:
             times.append(end - t)
             decode_s += end - (first or end)
             ids.append(stream.ids)
+            prompts.append(list(req.prompt_ids))
             if req.draft_length is not None:
                 drafted += req.draft_length.drafted
                 accepted += req.draft_length.accepted
         wall = time.perf_counter() - t0
         res[name] = {"wall_s": wall, "tokens": sum(map(len, ids)), "per_request_s": times, "ids": ids,
-                     "drafted": drafted, "accepted": accepted, "decode_s": decode_s,
+                     "prompts": prompts, "drafted": drafted, "accepted": accepted, "decode_s": decode_s,
                      "decode_tokens": sum(max(0, len(i) - 1) for i in ids)}
 
     chat_kw = dict(temperature=0.0)
@@ -132,6 +133,27 @@ def engine8(rt, dets, res: dict) -> None:
         wall = time.perf_counter() - t0
     res["engine8"] = {"wall_s": wall, "tokens": sum(map(len, ids)), "ids": ids, "drafted": Count.drafted,
                       "accepted": Count.accepted}
+
+
+def lookup_ceiling(prompts: list[list[int]], outputs: list[list[int]], row_cost: float) -> float:
+    """Decode speed-up prompt lookup can give a workload at most, replayed on its non-speculative greedy tokens: the
+    request's drafts and adaptive rule (runtime.speculative) at each step, a verification of k drafts costing
+    1 + row_cost * k one-token steps and yielding its agreeing prefix + 1 (the bound of the drafter, not of a
+    backend: timing overheads are left out)."""
+    from runtime.speculative import DraftLength, NgramDrafts, SpeculativeConfig
+
+    cfg = SpeculativeConfig(row_cost=row_cost)
+    cost = made = 0.0
+    for prompt, out in zip(prompts, outputs):
+        drafts, rule, i = NgramDrafts([*prompt, *out[:1]], cfg), DraftLength(cfg), 0
+        while i < len(out) - 1:
+            guess = drafts.propose(rule.length(len(out) - 1 - i))
+            kept = next((j for j, t in enumerate(guess) if i + 1 + j >= len(out) or out[i + 1 + j] != t), len(guess))
+            if guess:
+                rule.record(len(guess), kept)
+            drafts.extend(out[i + 1:i + 2 + kept])
+            cost, made, i = cost + 1 + row_cost * len(guess), made + 1 + kept, i + 1 + kept
+    return made / cost if cost else 1.0
 
 
 def peak_rss_mib() -> float:
@@ -262,6 +284,13 @@ def main() -> int:
         kept = "/".join(f"{r[w]['accepted'] / r[w]['drafted']:.2f}" if r[w]["drafted"] else "-"
                         for r in runs[m][:1] for w in works)
         print(f"| gsm-edge {m} | " + " | ".join(cells) + f" | {kept} | {max(r['peak_rss_mib'] for r in runs[m]):.0f} |")
+    from runtime.ort_backend import VERIFY_ROW_COST
+
+    off = runs["off"][0]
+    print("prompt-lookup ceiling (the off run's tokens replayed through the drafter and its rule; a verified row "
+          "costing c one-token steps): " + ", ".join(
+              f"{w} {lookup_ceiling(off[w]['prompts'], off[w]['ids'], VERIFY_ROW_COST):.2f}x at c={VERIFY_ROW_COST} / "
+              f"{lookup_ceiling(off[w]['prompts'], off[w]['ids'], 0.01):.2f}x at c=0.01" for w in works))
     warm = {m: min(sum(r["inspection"]["per_request_s"][1:]) / (len(r["inspection"]["per_request_s"]) - 1)
                    for r in runs[m]) for m in MODES}
     print("inspection s/report after the first (its prefix found): " + ", ".join(f"{m} {warm[m]:.3f}" for m in MODES))

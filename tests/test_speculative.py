@@ -394,3 +394,14 @@ def test_a_verification_must_be_settled_before_the_next_call(rt):
     with pytest.raises(ValueError, match="after a verify call"):
         seq.keep(1)
     seq.close()
+
+
+def test_the_bench_lookup_ceiling_replays_drafts_against_the_tokens():
+    """bench/speculative.py's prompt-lookup ceiling: text where no 2-gram repeats drafts nothing (1.0x); text that
+    repeats its prompt keeps every draft, so once the rule drafts 8 a call makes 9 tokens for 1 + 8c steps: between
+    2x and that limit, 3x at c = 0.25."""
+    from bench.speculative import lookup_ceiling
+
+    assert lookup_ceiling([[]], [list(range(100, 400))], 0.25) == 1.0
+    prompt = list(range(1000, 1200))
+    assert 2.0 < lookup_ceiling([prompt], [prompt], 0.25) <= 3.0
