@@ -68,8 +68,9 @@ class CachedSequence:
 
     Measurements: `sparse_top_k` is this sequence's selection budget (None: the runtime's default; `use_dense()`
     switches it to dense attention); after a probed decode step `last_hit_rate` / `last_hit_rates` hold the mask hit
-    rate (docs/runtime.md "Selection budget, probes and KV noise"); after every re-tier pass `last_kv_noise` holds the relative error the pass's
-    demotions added (None when it demoted nothing) and `retier_passes` counts the passes."""
+    rate (docs/runtime.md "Selection budget, probes and KV noise"); after every re-tier pass `last_kv_noise` holds
+    the relative error the pass's demotions added (None when it demoted nothing) and `retier_passes` counts the
+    passes."""
 
     def __init__(self, worker: StepHost, knobs: RunKnobs) -> None:
         self.worker = worker
