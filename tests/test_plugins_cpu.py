@@ -576,6 +576,45 @@ def test_selection_ties_go_to_lower_positions() -> None:
     golden_check(sc, res)
 
 
+# ---- each logit row's own mass (query_mass), a row of a call as a one-token step ------------------------------
+@pytest.mark.parametrize("name", ["chunked-prefill-mixed-tiers", "gqa4-odd-ranks", "topk-covers-context",
+                                  "chunked-keys8-int4-odd-dim"])
+def test_each_row_of_a_call_is_its_one_token_step_bit_for_bit(name: str) -> None:
+    """Row j of a call (a speculative verification, a prefill chunk): its attention output and selection are the
+    one-token call's at its position, and query_mass of the logit row naming it is that call's attention mass, all bit
+    for bit; the rows' query masses added in row order are the call's attn_mass, bit for bit."""
+    sc = _scenario(name)
+    B, rows = len(sc.past), sc.all_rows()
+    res = sc.call(logit_rows=rows)
+    assert res.query_mass.shape == (B, sc.S, sc.dims.n_max)
+    for j in range(sc.S):
+        one = sc.one_token(j).call(logit_rows=np.zeros((B, 1), np.int32))
+        assert np.array_equal(one.query_mass.view(np.uint32), one.mass[:, None].view(np.uint32))
+        for b in range(B):
+            if j >= sc.new[b]:
+                continue
+            assert np.array_equal(res.out[b, j].view(np.uint32), one.out[b, 0].view(np.uint32)), (b, j)
+            assert np.array_equal(res.selected[b, j], one.selected[b, 0]), (b, j)
+            assert np.array_equal(res.query_mass[b, j].view(np.uint32), one.mass[b].view(np.uint32)), (b, j)
+    for b in range(B):
+        total = np.zeros(sc.dims.n_max, np.float32)
+        for j in range(int(sc.new[b])):
+            total = total + res.query_mass[b, j]
+        assert np.array_equal(total.view(np.uint32), res.mass[b].view(np.uint32))
+        assert np.array_equal(res.query_mass[b, int(sc.new[b]):], np.broadcast_to(
+            res.query_mass[b, int(sc.new[b]) - 1], res.query_mass[b, int(sc.new[b]):].shape))
+
+
+def test_query_mass_of_a_padding_row_is_zero_and_rows_are_checked() -> None:
+    sc = _scenario("chunked-prefill-mixed-tiers")  # new [5, 2, 5]: row 4 of sequence 1 is padding
+    res = sc.call(logit_rows=np.array([[4, 0], [4, 1], [0, 4]], np.int32))
+    assert not res.query_mass[1, 0].any() and res.query_mass[1, 1].any()
+    want = sc.call(logit_rows=sc.all_rows())
+    assert np.array_equal(res.query_mass[0, 0], want.query_mass[0, 4]) and np.array_equal(res.out, want.out)
+    with pytest.raises(ref.PluginContractError, match=r"logit_rows\[2, 1\] = 5 is outside 0..S-1 = 4"):
+        sc.call(logit_rows=np.array([[0, 0], [0, 0], [0, 5]], np.int32))
+
+
 def test_results_do_not_depend_on_thread_count() -> None:
     sc = _scenario("chunked-prefill-mixed-tiers")
     a, b = sc.call(threads=1), sc.call(threads=3)

@@ -78,16 +78,18 @@ GSM_EXPORT int64_t gsm_cuda_attention_workspace_bytes(GsmDims const* d, int64_t 
 }
 
 // fp16 0: q, index_q, index_w and out float32; 1: float16 bits (TensorRT's kHALF). Everything else float32/int32.
+// logitRows [B, J] and queryMass [B, J, N_max] (owning; both null or neither): each logit row's own attention mass.
 GSM_EXPORT int32_t gsm_cuda_sparse_attention(GsmDims const* d, int32_t B, int32_t S, int32_t fp16, void const* q,
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, void const* indexQ,
     void const* indexW, void const* indexKeys, int32_t const* sparseWindowDevice, int32_t const* selectedIn,
-    int32_t const* sparseTopKDevice, int32_t const* cacheRowsDevice, int32_t poolRows, void* out,
-    int32_t* selectedOut, float* mass, void* workspace, int64_t workspaceBytes, void* stream)
+    int32_t const* sparseTopKDevice, int32_t const* cacheRowsDevice, int32_t poolRows, int32_t const* logitRows,
+    int32_t J, void* out, int32_t* selectedOut, float* mass, float* queryMass, void* workspace, int64_t workspaceBytes,
+    void* stream)
 {
     gsm::cuda::AttnDeviceArgs a{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
         indexKeys, sparseWindowDevice, selectedIn, out, selectedOut, mass, sparseTopKDevice,
-        gsm::cacheRowsOf(cacheRowsDevice, poolRows, B)};
+        gsm::cacheRowsOf(cacheRowsDevice, poolRows, B), logitRows, J, queryMass};
     size_t const ws = static_cast<size_t>(workspaceBytes);
     cudaStream_t const st = static_cast<cudaStream_t>(stream);
     return status(fp16 ? gsm::cuda::launchSparseAttention<__half>(*d, B, S, a, workspace, ws, st)

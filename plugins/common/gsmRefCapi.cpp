@@ -35,8 +35,9 @@ GSM_EXPORT int32_t gsm_ref_abi_version()
 {
     // 3: kv_update / sparse_attention take cacheRows + the pools' rows; 4: the INT4 tier
     // (GsmDims.rowsINT4, [5, r] quant tables, four tier fractions, dequantize by tier, INT4 packing probes);
-    // 5: INT8 indexer keys (GsmDims.indexKeyBits, index keys as bytes of either layout); 6: GsmDims.sparseTopKDivisor
-    return 6;
+    // 5: INT8 indexer keys (GsmDims.indexKeyBits, index keys as bytes of either layout); 6: GsmDims.sparseTopKDivisor;
+    // 7: sparse_attention takes logit_rows [B, J] and returns query_mass [B, J, N_max]
+    return 7;
 }
 
 GSM_EXPORT int64_t gsm_ref_pool_words(GsmDims const* d)
@@ -79,12 +80,12 @@ GSM_EXPORT int32_t gsm_ref_sparse_attention(GsmDims const* d, int32_t B, int32_t
     int32_t const* pool, int32_t const* slots, int32_t const* past, int32_t const* newLengths, float const* quant,
     float const* ropeCos, float const* ropeSin, float const* w0, float const* w1, float const* indexQ,
     float const* indexW, void const* indexKeys, int32_t sparseWindow, int32_t const* selectedIn,
-    int32_t const* sparseTopK, int32_t const* cacheRows, int32_t poolRows, float* out, int32_t* selectedOut,
-    float* mass, float* scores, int32_t nThreads)
+    int32_t const* sparseTopK, int32_t const* cacheRows, int32_t poolRows, int32_t const* logitRows, int32_t J,
+    float* out, int32_t* selectedOut, float* mass, float* scores, float* queryMass, int32_t nThreads)
 {
     gsm::ref::AttnInputs in{q, pool, slots, past, newLengths, quant, ropeCos, ropeSin, w0, w1, indexQ, indexW,
-        indexKeys, sparseWindow, selectedIn, sparseTopK, gsm::cacheRowsOf(cacheRows, poolRows, B)};
-    gsm::ref::AttnOutputs o{out, selectedOut, mass, scores};
+        indexKeys, sparseWindow, selectedIn, sparseTopK, gsm::cacheRowsOf(cacheRows, poolRows, B), logitRows, J};
+    gsm::ref::AttnOutputs o{out, selectedOut, mass, scores, queryMass};
     std::string err;
     bool const ok = gsm::ref::sparseAttention(*d, B, S, in, o, nThreads, &err);
     return status(ok, err);

@@ -31,13 +31,14 @@ enum KernelId : int32_t
     kKernelKVCacheUpdate = 4,
     kKernelKVDemoteStage = 5,
     kKernelKVDemoteWrite = 6,
-    kKernelCount = 7
+    kKernelMass = 7,
+    kKernelCount = 8
 };
 
 inline char const* kernelName(int32_t id)
 {
     static char const* const kNames[kKernelCount] = {"indexScoresKernel", "selectKernel", "countSelectedKernel",
-        "attendKernel", "kvCacheUpdateKernel", "kvDemoteStageKernel", "kvDemoteWriteKernel"};
+        "attendKernel", "kvCacheUpdateKernel", "kvDemoteStageKernel", "kvDemoteWriteKernel", "massKernel"};
     return id >= 0 && id < kKernelCount ? kNames[id] : nullptr;
 }
 

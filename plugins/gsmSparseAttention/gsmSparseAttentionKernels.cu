@@ -14,6 +14,7 @@ constexpr int32_t kSelectThreads = 256;
 constexpr int32_t kScoreThreads = 128;
 constexpr int32_t kAttnThreads = 128;
 constexpr int32_t kCountThreads = 128;
+constexpr int32_t kMassThreads = 128;
 constexpr int32_t kGroupTile = 8;           // query heads accumulated in registers at once
 constexpr size_t kChunkBudget = 64u << 20;  // workspace bound: rows are processed in chunks
 constexpr size_t kAlign = 256;
@@ -461,18 +462,6 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
         }
     }
     __syncthreads();
-    if (owning && a.mass != nullptr)
-    {
-        for (int32_t k = threadIdx.x; k < count; k += blockDim.x)
-        {
-            float m = 0.f;
-            for (int32_t g = 0; g < group; ++g)
-            {
-                m += lg[g * kSel + k];
-            }
-            atomicAdd(a.mass + static_cast<int64_t>(b) * d.nMax + sel[k], m);
-        }
-    }
     // latent-space accumulation acc[g][i] = sum_k p[g,k] c_k[cOff + i]
     int32_t const nV = owning ? d.rankV : r;
     int32_t const cOff = owning ? d.rankK : 0;
@@ -527,6 +516,47 @@ __global__ void attendKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a,
     }
 }
 
+// ---- 4. masses (owning): one block per row, over the softmax weights attendKernel left in the workspace. A pick's
+// mass is summed over the query heads in head order (the reference's order) by one thread, so a row's mass is the
+// same bits whatever else the call holds: added into attn_mass (atomics: a prefill chunk's rows meet at shared
+// positions in no fixed order; a one-token step's single row adds each to 0), and stored as query_mass for every logit
+// row naming this row (the one-token step's attn_mass, bit for bit). -----------------------------------------------
+__global__ void massKernel(GsmDims d, int32_t S, int32_t r0, AttnDeviceArgs a, float const* logitsWs,
+    int32_t const* counts)
+{
+    int32_t const rr = blockIdx.x;
+    int32_t const row = r0 + rr;
+    int32_t const b = row / S, j = row % S;
+    if (j >= newRows(a, b))
+    {
+        return;
+    }
+    int32_t const kSel = maxSelected(d);
+    int32_t const count = counts[rr];
+    int32_t const J = a.queryMass != nullptr ? a.logitRowCount : 0;
+    int32_t const* sel = a.selectedOut + static_cast<int64_t>(row) * kSel;
+    float const* p = logitsWs + static_cast<int64_t>(rr) * d.numHeads * kSel; // [nH, kSel]
+    for (int32_t k = threadIdx.x; k < count; k += blockDim.x)
+    {
+        float m = 0.f;
+        for (int32_t h = 0; h < d.numHeads; ++h)
+        {
+            m += p[h * kSel + k];
+        }
+        if (a.mass != nullptr)
+        {
+            atomicAdd(a.mass + static_cast<int64_t>(b) * d.nMax + sel[k], m);
+        }
+        for (int32_t i = 0; i < J; ++i)
+        {
+            if (a.logitRows[static_cast<int64_t>(b) * J + i] == j)
+            {
+                a.queryMass[(static_cast<int64_t>(b) * J + i) * d.nMax + sel[k]] = m;
+            }
+        }
+    }
+}
+
 size_t attendSmemBytes(GsmDims const& d)
 {
     int32_t const group = d.numHeads / d.numKvHeads;
@@ -550,8 +580,8 @@ int64_t chunkRows(GsmDims const& d, int64_t rows, size_t workspaceBytes)
     return layoutFor(d, chunk).total > workspaceBytes ? 0 : chunk;
 }
 
-// The launches of one chunk of n rows, in launch order (owning: scores, selection, attention; sharing: the count
-// of the source's selection, attention). The launcher and sparseAttentionLaunches both take the geometry from here.
+// The launches of one chunk of n rows, in launch order (owning: scores, selection, attention, masses; sharing: the
+// count of the source's selection, attention). The launcher and sparseAttentionLaunches both take the geometry from here.
 LaunchList chunkLaunches(GsmDims const& d, int64_t n)
 {
     LaunchList l;
@@ -566,6 +596,10 @@ LaunchList chunkLaunches(GsmDims const& d, int64_t n)
         l.add(launchOf(kKernelCountSelected, (n + kCountThreads - 1) / kCountThreads, 1, kCountThreads, 0));
     }
     l.add(launchOf(kKernelAttend, d.numKvHeads, n, kAttnThreads, static_cast<int64_t>(attendSmemBytes(d))));
+    if (d.layerKind == 0)
+    {
+        l.add(launchOf(kKernelMass, n, 1, kMassThreads, 0));
+    }
     return l;
 }
 
@@ -638,6 +672,10 @@ cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDe
     {
         cudaMemsetAsync(a.mass, 0, static_cast<size_t>(B) * d.nMax * sizeof(float), stream);
     }
+    if (owning && a.queryMass != nullptr)
+    {
+        cudaMemsetAsync(a.queryMass, 0, static_cast<size_t>(B) * a.logitRowCount * d.nMax * sizeof(float), stream);
+    }
     for (LaunchGeometry const& g : chunkLaunches(d, chunk)) // shared memory does not depend on the chunk's rows
     {
         cudaError_t const e = allowDynamicSmem<T>(g);
@@ -660,9 +698,13 @@ cudaError_t launchSparseAttention(GsmDims const& d, int32_t B, int32_t S, AttnDe
         {
             GSM_LAUNCH(countSelectedKernel, gridOf(g[0]), blockOf(g[0]), smemOf(g[0]), stream, d, S, r, n, a, counts);
         }
-        LaunchGeometry const& ga = g[g.count - 1];
+        LaunchGeometry const& ga = g[owning ? 2 : 1];
         int32_t const* sel = owning ? a.selectedOut : a.selectedIn;
         GSM_LAUNCH(attendKernel<T>, gridOf(ga), blockOf(ga), smemOf(ga), stream, d, S, r, a, sel, counts, logits, acc);
+        if (owning)
+        {
+            GSM_LAUNCH(massKernel, gridOf(g[3]), blockOf(g[3]), smemOf(g[3]), stream, d, S, r, a, logits, counts);
+        }
     }
     return cudaGetLastError();
 }

@@ -1,7 +1,8 @@
 /*
  * CUDA kernels of GsmSparseAttention (docs/engine_io.md 4.2). One code path serves decode (S = 1)
  * and prefill / chunked prefill (S > 1): every query row gets its own selection and gathers only
- * its selected latent rows. Rows are processed in chunks so the workspace stays bounded.
+ * its selected latent rows, computed by the same blocks whatever else the call holds, so a row of a
+ * verification is the one-token step's. Rows are processed in chunks so the workspace stays bounded.
  */
 #pragma once
 
@@ -44,6 +45,10 @@ struct AttnDeviceArgs
                                     // (null: max_top_k for every sequence, the pre-rev-4 behaviour); a query
                                     // grows it with GsmDims.sparseTopKDivisor (queryTopK)
     CacheRows rows;                 // cache_rows (device [B]) into the [R, ...] pools / keys
+    int32_t const* logitRows;       // owning, device [B, J]: rows whose queries' own mass queryMass gets
+    int32_t logitRowCount;          // J
+    float* queryMass;               // owning, device [B, J, N_max] (may be null): each logit row's own mass, the
+                                    // bits a one-token step at that row returns as `mass`; 0 for a padding row
 };
 
 // Workspace for calls of up to maxRows = B*S query rows.

@@ -30,10 +30,13 @@ enum : int32_t
     kIndexW,           // owning only from here
     kIndexKeys,
     kWindow,
-    kTopK, // owning: sparse_top_k [B]; then cache_rows [B] (owning input 15, sharing 11)
+    kTopK,       // owning: sparse_top_k [B]
+    kRowsOwning, // cache_rows [B] (sharing: input 11)
+    kLogitRows,  // owning: logit_rows [B, J], the rows whose queries' own mass output 3 returns
 };
-constexpr int32_t kOwningInputs = 16;
+constexpr int32_t kOwningInputs = 17;
 constexpr int32_t kSharingInputs = 12;
+constexpr int32_t kOwningOutputs = 4; // attn_out, selected, attn_mass, query_mass
 constexpr int32_t kMaxI = 1 << 30;
 } // namespace
 
@@ -106,12 +109,12 @@ int32_t GsmSparseAttentionPlugin::expectedInputs() const noexcept
 
 int32_t GsmSparseAttentionPlugin::rowsInput() const noexcept
 {
-    return mDims.layerKind == 0 ? kOwningInputs - 1 : kSharingInputs - 1;
+    return mDims.layerKind == 0 ? static_cast<int32_t>(kRowsOwning) : kSharingInputs - 1;
 }
 
 int32_t GsmSparseAttentionPlugin::getNbOutputs() const noexcept
 {
-    return mDims.layerKind == 0 ? 3 : 1;
+    return mDims.layerKind == 0 ? kOwningOutputs : 1;
 }
 
 bool GsmSparseAttentionPlugin::allowedType(
@@ -123,14 +126,14 @@ bool GsmSparseAttentionPlugin::allowedType(
     {
         return type == DataType::kFLOAT || type == DataType::kHALF;
     }
-    if (pos >= nbInputs) // outputs: attn_out like q, selected int32, mass float
+    if (pos >= nbInputs) // outputs: attn_out like q, selected int32, attn_mass and query_mass float
     {
         int32_t const o = pos - nbInputs;
         return o == 0 ? type == act : (o == 1 ? type == DataType::kINT32 : type == DataType::kFLOAT);
     }
-    if (pos == rowsInput())
+    if (pos == rowsInput() || (owning && pos == kLogitRows))
     {
-        return type == DataType::kINT32; // cache_rows
+        return type == DataType::kINT32; // cache_rows, logit_rows
     }
     switch (pos)
     {
@@ -160,10 +163,11 @@ int32_t GsmSparseAttentionPlugin::getOutputDataTypes(
         return 1;
     }
     outputTypes[0] = inputTypes[kQ];
-    if (nbOutputs == 3)
+    if (nbOutputs == kOwningOutputs)
     {
         outputTypes[1] = DataType::kINT32;
         outputTypes[2] = DataType::kFLOAT;
+        outputTypes[3] = DataType::kFLOAT;
     }
     return 0;
 }
@@ -172,13 +176,16 @@ int32_t GsmSparseAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32
     DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, DimsExprs* outputs, int32_t nbOutputs,
     IExprBuilder& exprBuilder) noexcept
 {
-    if (!inputCountOk(nbInputs) || nbOutputs != getNbOutputs() || inputs[kQ].nbDims != 3)
+    bool const owning = mDims.layerKind == 0;
+    if (!inputCountOk(nbInputs) || nbOutputs != getNbOutputs() || inputs[kQ].nbDims != 3
+        || (owning && inputs[kLogitRows].nbDims != 2))
     {
-        reportError(std::string(kName) + ": q must be [B, S, num_heads*head_dim] with the documented inputs");
+        reportError(std::string(kName) + ": q must be [B, S, num_heads*head_dim] (owning: logit_rows [B, J]) with the "
+            "documented inputs");
         return 1;
     }
     outputs[0] = inputs[kQ]; // attn_out [B, S, nH*D]
-    if (nbOutputs == 3)
+    if (owning)
     {
         outputs[1].nbDims = 3; // selected [B, S, K_sel]
         outputs[1].d[0] = inputs[kQ].d[0];
@@ -187,6 +194,10 @@ int32_t GsmSparseAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32
         outputs[2].nbDims = 2; // attn_mass [B, N_max]
         outputs[2].d[0] = inputs[kQ].d[0];
         outputs[2].d[1] = exprBuilder.constant(mDims.nMax);
+        outputs[3].nbDims = 3; // query_mass [B, J, N_max]
+        outputs[3].d[0] = inputs[kLogitRows].d[0];
+        outputs[3].d[1] = inputs[kLogitRows].d[1];
+        outputs[3].d[2] = exprBuilder.constant(mDims.nMax);
     }
     return 0;
 }
@@ -234,6 +245,9 @@ int32_t GsmSparseAttentionPlugin::enqueueImpl(PluginTensorDesc const* inputDesc,
         a.sparseTopK = static_cast<int32_t const*>(inputs[kTopK]);
         a.selectedOut = static_cast<int32_t*>(outputs[1]);
         a.mass = static_cast<float*>(outputs[2]);
+        a.logitRows = static_cast<int32_t const*>(inputs[kLogitRows]);
+        a.logitRowCount = static_cast<int32_t>(dim(inputDesc[kLogitRows], 1));
+        a.queryMass = static_cast<float*>(outputs[3]);
     }
     else
     {

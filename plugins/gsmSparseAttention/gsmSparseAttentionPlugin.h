@@ -1,7 +1,9 @@
 /*
- * GsmSparseAttention TensorRT plugin (docs/engine_io.md 4.2). Owning variant (layer_kind 0): 16
- * inputs (input 14 sparse_top_k [B], input 15 cache_rows [B]), outputs attn_out, selected, attn_mass. Sharing variant
- * (layer_kind 1): 12 inputs (input 11 cache_rows [B]), output attn_out. One node form each (plugin_version "2"). The math is gsmSparseAttentionKernels.cu; this file is shapes, types and dispatch.
+ * GsmSparseAttention TensorRT plugin (docs/engine_io.md 4.2). Owning variant (layer_kind 0): 17
+ * inputs (input 14 sparse_top_k [B], input 15 cache_rows [B], input 16 logit_rows [B, J]), outputs attn_out,
+ * selected, attn_mass, query_mass [B, J, N_max]. Sharing variant (layer_kind 1): 12 inputs (input 11 cache_rows [B]),
+ * output attn_out. One node form each (plugin_version "3"). The math is gsmSparseAttentionKernels.cu; this file is
+ * shapes, types and dispatch.
  */
 #pragma once
 

@@ -106,6 +106,12 @@ private:
     void select(int32_t b, int32_t j, int32_t* sel, int32_t& count, float* scoresRow) const;
     void attendRow(int32_t b, int32_t j, int32_t count, float const* K, float const* V, int64_t const* rowOf,
         float* rowMass) const;
+    // The steps of run(): each returns false with *err set.
+    bool checkCall(std::string* err) const;
+    bool selectRows(int32_t* sel, std::vector<int32_t>& counts, int32_t nThreads);
+    bool makeRows(int32_t const* sel, std::vector<int32_t> const& counts, std::vector<std::vector<float>>& Kb,
+        std::vector<std::vector<float>>& Vb, std::vector<std::vector<int64_t>>& rowOf, int32_t nThreads);
+    void addMasses(int32_t const* sel, std::vector<int32_t> const& counts, std::vector<float> const& rowMass) const;
 
     GsmDims d_;
     int32_t B_, S_;
@@ -320,7 +326,7 @@ void Runner::attendRow(int32_t b, int32_t j, int32_t count, float const* K, floa
     }
 }
 
-bool Runner::run(int32_t nThreads, std::string* err)
+bool Runner::checkCall(std::string* err) const
 {
     auto fail = [&](std::string const& m) {
         if (err)
@@ -366,21 +372,34 @@ bool Runner::run(int32_t nThreads, std::string* err)
                 + ", new_lengths " + std::to_string(nNew) + " (need 0 <= new <= S and past + new <= n_max)");
         }
     }
-    int64_t const rows = static_cast<int64_t>(B_) * S_;
-    std::vector<int32_t> selLocal;
-    int32_t* sel = out_.selected;
-    if (sel == nullptr)
+    if (out_.queryMass == nullptr)
     {
-        selLocal.resize(rows * kSel_);
-        sel = selLocal.data();
+        return true;
     }
-    std::vector<int32_t> counts(rows, 0);
+    if (d_.layerKind != 0 || in_.logitRows == nullptr || in_.logitRowCount < 1)
+    {
+        return fail("GsmSparseAttention: query_mass needs an owning layer and logit_rows [B, J >= 1]");
+    }
+    int64_t const J = in_.logitRowCount;
+    for (int64_t i = 0; i < static_cast<int64_t>(B_) * J; ++i)
+    {
+        if (in_.logitRows[i] < 0 || in_.logitRows[i] >= S_)
+        {
+            return fail("GsmSparseAttention: logit_rows[" + std::to_string(i / J) + ", " + std::to_string(i % J)
+                + "] = " + std::to_string(in_.logitRows[i]) + " is outside 0..S-1 = " + std::to_string(S_ - 1));
+        }
+    }
+    return true;
+}
+
+// 1. each valid row's Sel(t) (owning) or the source's (sharing), -1 padded; counts[row] entries
+bool Runner::selectRows(int32_t* sel, std::vector<int32_t>& counts, int32_t nThreads)
+{
     if (out_.scores)
     {
         std::fill(out_.scores, out_.scores + static_cast<int64_t>(B_) * S_ * d_.nMax, std::numeric_limits<float>::quiet_NaN());
     }
-    // 1. selection
-    parallelFor(rows, nThreads, [&](int64_t rI) {
+    parallelFor(static_cast<int64_t>(B_) * S_, nThreads, [&](int64_t rI) {
         int32_t const b = static_cast<int32_t>(rI / S_), j = static_cast<int32_t>(rI % S_);
         int32_t* s = sel + rI * kSel_;
         std::fill(s, s + kSel_, -1);
@@ -413,53 +432,109 @@ bool Runner::run(int32_t nThreads, std::string* err)
         }
         counts[rI] = c;
     });
-    if (errs_.failed)
+    return !errs_.failed;
+}
+
+// 2. K/V of the positions the call's rows of sequence b select, each made once per sequence (a prefill chunk's rows
+// share most of theirs, a verification's nearly all): a position's rows are the same bits whoever selected it, so
+// every query reads what a one-token step at its position reads. rowOf[row][k]: where its k-th pick's rows are.
+bool Runner::makeRows(int32_t const* sel, std::vector<int32_t> const& counts, std::vector<std::vector<float>>& Kb,
+    std::vector<std::vector<float>>& Vb, std::vector<std::vector<int64_t>>& rowOf, int32_t nThreads)
+{
+    for (int32_t b = 0; b < B_; ++b)
     {
-        return fail(errs_.msg);
+        std::vector<int64_t> at(static_cast<size_t>(in_.pastLengths[b]) + in_.newLengths[b], -1);
+        std::vector<int32_t> positions;
+        for (int32_t j = 0; j < in_.newLengths[b]; ++j)
+        {
+            int64_t const rI = static_cast<int64_t>(b) * S_ + j;
+            rowOf[rI].resize(counts[rI]);
+            for (int32_t k = 0; k < counts[rI]; ++k)
+            {
+                int32_t const s = sel[rI * kSel_ + k];
+                if (at[s] < 0)
+                {
+                    at[s] = static_cast<int64_t>(positions.size());
+                    positions.push_back(s);
+                }
+                rowOf[rI][k] = at[s];
+            }
+        }
+        Kb[b].assign(positions.size() * kvD_, 0.f);
+        Vb[b].assign(positions.size() * kvD_, 0.f);
+        parallelFor(static_cast<int64_t>(positions.size()), nThreads,
+            [&](int64_t i) { reconstruct(b, positions[i], &Kb[b][i * kvD_], &Vb[b][i * kvD_]); });
     }
-    // 2. K/V of the positions attention reads. Prefill reads nearly every position, so each is
-    // reconstructed once per sequence; a decode step reconstructs only its selected rows.
+    return !errs_.failed;
+}
+
+// 4. attn_mass: the rows' masses added in row order, so the result does not depend on the thread count; query_mass:
+// each logit row's own (0 + m: a one-token step's attn_mass bits)
+void Runner::addMasses(int32_t const* sel, std::vector<int32_t> const& counts, std::vector<float> const& rowMass) const
+{
+    if (out_.mass)
+    {
+        std::fill(out_.mass, out_.mass + static_cast<int64_t>(B_) * d_.nMax, 0.f);
+        for (int64_t rI = 0; rI < static_cast<int64_t>(B_) * S_; ++rI)
+        {
+            int32_t const b = static_cast<int32_t>(rI / S_);
+            for (int32_t k = 0; k < counts[rI]; ++k)
+            {
+                out_.mass[static_cast<int64_t>(b) * d_.nMax + sel[rI * kSel_ + k]] += rowMass[rI * kSel_ + k];
+            }
+        }
+    }
+    if (out_.queryMass == nullptr)
+    {
+        return;
+    }
+    int64_t const J = in_.logitRowCount;
+    std::fill(out_.queryMass, out_.queryMass + static_cast<int64_t>(B_) * J * d_.nMax, 0.f);
+    for (int64_t i = 0; i < static_cast<int64_t>(B_) * J; ++i)
+    {
+        int32_t const b = static_cast<int32_t>(i / J), j = in_.logitRows[i];
+        if (j >= in_.newLengths[b])
+        {
+            continue; // a padding row: no query
+        }
+        int64_t const rI = static_cast<int64_t>(b) * S_ + j;
+        float* qm = out_.queryMass + i * d_.nMax;
+        for (int32_t k = 0; k < counts[rI]; ++k)
+        {
+            qm[sel[rI * kSel_ + k]] += rowMass[rI * kSel_ + k];
+        }
+    }
+}
+
+bool Runner::run(int32_t nThreads, std::string* err)
+{
+    auto fail = [&](std::string const& m) {
+        if (err)
+        {
+            *err = m;
+        }
+        return false;
+    };
+    if (!checkCall(err))
+    {
+        return false;
+    }
+    int64_t const rows = static_cast<int64_t>(B_) * S_;
+    std::vector<int32_t> selLocal;
+    int32_t* sel = out_.selected;
+    if (sel == nullptr)
+    {
+        selLocal.resize(rows * kSel_);
+        sel = selLocal.data();
+    }
+    std::vector<int32_t> counts(rows, 0);
     std::vector<std::vector<float>> Kb(B_), Vb(B_);
     std::vector<std::vector<int64_t>> rowOf(rows);
-    if (S_ > 1)
-    {
-        for (int32_t b = 0; b < B_; ++b)
-        {
-            int32_t const n = in_.pastLengths[b] + in_.newLengths[b];
-            Kb[b].assign(static_cast<size_t>(n) * kvD_, 0.f);
-            Vb[b].assign(static_cast<size_t>(n) * kvD_, 0.f);
-            parallelFor(n, nThreads, [&](int64_t s) {
-                reconstruct(b, static_cast<int32_t>(s), &Kb[b][s * kvD_], &Vb[b][s * kvD_]);
-            });
-        }
-        for (int64_t rI = 0; rI < rows; ++rI)
-        {
-            rowOf[rI].assign(sel + rI * kSel_, sel + rI * kSel_ + counts[rI]);
-        }
-    }
-    else
-    {
-        for (int32_t b = 0; b < B_; ++b)
-        {
-            int32_t const c = counts[b];
-            Kb[b].assign(static_cast<size_t>(c) * kvD_, 0.f);
-            Vb[b].assign(static_cast<size_t>(c) * kvD_, 0.f);
-            rowOf[b].resize(c);
-            for (int32_t k = 0; k < c; ++k)
-            {
-                rowOf[b][k] = k;
-            }
-            parallelFor(c, nThreads, [&](int64_t k) {
-                reconstruct(b, sel[b * kSel_ + k], &Kb[b][k * kvD_], &Vb[b][k * kvD_]);
-            });
-        }
-    }
-    if (errs_.failed)
+    if (!selectRows(sel, counts, nThreads) || !makeRows(sel, counts, Kb, Vb, rowOf, nThreads))
     {
         return fail(errs_.msg);
     }
-    // 3. attention per valid row; the per-row mass is reduced afterwards in row order, so the
-    // result does not depend on the thread count.
+    // 3. attention per valid row
     std::vector<float> rowMass(rows * kSel_, 0.f);
     parallelFor(rows, nThreads, [&](int64_t rI) {
         int32_t const b = static_cast<int32_t>(rI / S_), j = static_cast<int32_t>(rI % S_);
@@ -469,21 +544,9 @@ bool Runner::run(int32_t nThreads, std::string* err)
             std::fill(o, o + d_.numHeads * d_.headDim, 0.f);
             return;
         }
-        attendRow(b, j, counts[rI], Kb[b].data(), Vb[b].data(), rowOf[rI].data(),
-            &rowMass[rI * kSel_]);
+        attendRow(b, j, counts[rI], Kb[b].data(), Vb[b].data(), rowOf[rI].data(), &rowMass[rI * kSel_]);
     });
-    if (out_.mass)
-    {
-        std::fill(out_.mass, out_.mass + static_cast<int64_t>(B_) * d_.nMax, 0.f);
-        for (int64_t rI = 0; rI < rows; ++rI)
-        {
-            int32_t const b = static_cast<int32_t>(rI / S_);
-            for (int32_t k = 0; k < counts[rI]; ++k)
-            {
-                out_.mass[static_cast<int64_t>(b) * d_.nMax + sel[rI * kSel_ + k]] += rowMass[rI * kSel_ + k];
-            }
-        }
-    }
+    addMasses(sel, counts, rowMass);
     return true;
 }
 

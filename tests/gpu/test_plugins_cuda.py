@@ -13,7 +13,11 @@ byte-identical to the reference's. Attention:
   reductions of the logits), so values may differ by float32 rounding of sums of up to K_sel terms: atol = rtol
   = 1e-5 (measured over every case here: at most 8.3e-7 absolute for owning and 1.3e-6 for sharing layers, on
   outputs of magnitude <= 3.0, i.e. <= 4.4e-7 of the scale). The attention mass is summed with atomics in no fixed
-  order: the same 1e-5 (measured: 1.1e-6 relative at most).
+  order: the same 1e-5 (measured: 1.1e-6 relative at most); each logit row's own mass (query_mass) sums the
+  query heads in the reference's order, of weights that differ by float32 rounding: 1e-5 too.
+- a row of a call against the kernels' own one-token call at its position: bit for bit in both modes (the same
+  blocks compute it; a one-token call's attn_mass adds each pick's mass to zero once), which is what lets a
+  speculative verification stand for one-token steps.
 - device: nvcc contracts the kernels' products into FMAs, so scores may differ in the last bit: 1e-4, and
   selections must be equal except where the reference's own scores put two candidates within 1e-4 of the
   top-k boundary (a near tie the GPU may break the other way); such rows are reported and skipped.
@@ -138,6 +142,45 @@ def test_owning_attention_cuda_matches_reference(name: str) -> None:
     skip = _near_tie_rows(sc, want.scores)
     assert len(skip) <= max(1, sum(sc.new) // 50), f"too many near ties to be a fair test: {len(skip)}"
     _compare(sc, want, got, skip)
+
+
+@pytest.mark.parametrize("name", ["chunked-mixed-tiers", "chunked-int4-only", "chunked-keys8-odd-dim"])
+def test_each_row_is_the_kernels_one_token_call_bit_for_bit(name: str) -> None:
+    """query_mass against the reference, then row j of the call against the kernels' one-token call at its position:
+    attention output, selection and the row's query_mass (that call's attn_mass) bit for bit."""
+    sc = _scenario(name)
+    B, rows = len(sc.past), sc.all_rows()
+    want = sc.call(return_scores=True, logit_rows=rows)
+    got = gcuda.sparse_attention(sc, logit_rows=rows)
+    skip = _near_tie_rows(sc, want.scores)
+    _compare(sc, want, got, skip)
+    for b in range(B):
+        for i in range(sc.S):
+            if (b, int(rows[b, i])) not in skip:
+                np.testing.assert_allclose(got.query_mass[b, i], want.query_mass[b, i], rtol=TOL, atol=TOL,
+                                           err_msg=f"query_mass {b},{i}")
+    for j in range(sc.S):
+        one = gcuda.sparse_attention(sc.one_token(j), logit_rows=np.zeros((B, 1), np.int32))
+        assert np.array_equal(one.query_mass[:, 0].view(np.uint32), one.mass.view(np.uint32))
+        for b in range(B):
+            if j < sc.new[b]:
+                assert np.array_equal(got.out[b, j].view(np.uint32), one.out[b, 0].view(np.uint32)), (b, j)
+                assert np.array_equal(got.selected[b, j], one.selected[b, 0]), (b, j)
+                assert np.array_equal(got.query_mass[b, j].view(np.uint32), one.mass[b].view(np.uint32)), (b, j)
+
+
+def test_query_mass_of_a_padding_row_is_zero_cuda() -> None:
+    """A logit row past its sequence's new rows (or outside the call, which the kernel cannot refuse) is zero; the
+    SmolLM2 geometry's logit rows against the reference."""
+    sc = _scenario("smollm2-prefill-chunks")  # new [48, 37, 1]
+    rows = np.array([[47, 60], [36, 40], [0, 2]], np.int32)
+    want = sc.call(return_scores=True, logit_rows=np.minimum(rows, sc.S - 1))
+    got = gcuda.sparse_attention(sc, logit_rows=rows)
+    skip = _near_tie_rows(sc, want.scores)
+    for b, i in ((0, 0), (1, 0), (2, 0)):
+        if (b, int(rows[b, i])) not in skip:
+            np.testing.assert_allclose(got.query_mass[b, i], want.query_mass[b, i], rtol=TOL, atol=TOL)
+    assert got.query_mass[0, 0].any() and not got.query_mass[:, 1].any()
 
 
 def test_per_sequence_budgets_cuda_match_reference_and_clamp() -> None:

@@ -53,7 +53,8 @@ class CudaKernels:
             "gsm_cuda_kv_demote_workspace_bytes": (i64, [p, i64]),
             "gsm_cuda_kv_demote": (i32, [p, i32, i32, p, p, p, p, p]),
             "gsm_cuda_attention_workspace_bytes": (i64, [p, i64]),
-            "gsm_cuda_sparse_attention": (i32, [p, i32, i32, i32] + [p] * 16 + [p, i32] + [p] * 3 + [p, i64, p]),
+            # dims, B, S, fp16, 16 inputs, cache_rows + R, logit_rows + J, 4 outputs, workspace + bytes, stream
+            "gsm_cuda_sparse_attention": (i32, [p, i32, i32, i32] + [p] * 16 + [p, i32] * 2 + [p] * 4 + [p, i64, p]),
             "gsm_cuda_synchronize": (i32, []),
         }
         for name, (res, args) in sig.items():
@@ -140,6 +141,7 @@ class DeviceCall:
     dims_c: object
     fp16: bool = False  # q, index_q, index_w and out are float16 (the kernels' __half instantiation)
     pool_rows: int = 0  # R of the pools when the call has cache_rows
+    logit_rows: int = 0  # J of the call's logit_rows [B, J] (0: none, no query_mass)
 
     def run(self) -> None:
         t = self.tensors
@@ -148,7 +150,8 @@ class DeviceCall:
                  "sel_in", "top_k")  # the C signature's order
         K.check(K.lib.gsm_cuda_sparse_attention(_c.byref(self.dims_c), self.B, self.S, int(self.fp16),
                                                 *(_p(t.get(n)) for n in first), _p(t.get("rows")), self.pool_rows,
-                                                *(_p(t.get(n)) for n in ("out", "sel_out", "mass")),
+                                                _p(t.get("logit_rows")), self.logit_rows,
+                                                *(_p(t.get(n)) for n in ("out", "sel_out", "mass", "query_mass")),
                                                 _p(self.workspace), self.ws_bytes, None))
 
     def result(self) -> AttentionResult:
@@ -160,12 +163,15 @@ class DeviceCall:
             return None if t.get(name) is None else K.mem.host(t[name])
 
         out = host("out")
-        return AttentionResult(out.astype(np.float32) if self.fp16 else out, host("sel_out"), host("mass"), None)
+        return AttentionResult(out.astype(np.float32) if self.fp16 else out, host("sel_out"), host("mass"), None,
+                               host("query_mass"))
 
 
-def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False) -> DeviceCall:
+def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False,
+                      logit_rows: np.ndarray | None = None) -> DeviceCall:
     """Upload a gsm_edge_plugins.testing.Scenario for the CUDA attention kernels; fp16: activations (q, index_q,
-    index_w, out) as float16, the scenario's rounded to nearest."""
+    index_w, out) as float16, the scenario's rounded to nearest; logit_rows [B, J] (owning): the rows whose queries'
+    own mass comes back as `query_mass` [B, J, N_max]."""
     mem = kernels().mem
     d, B, S = sc.dims, sc.q.shape[0], sc.q.shape[1]
     owning = d.layer_kind == 0
@@ -184,14 +190,20 @@ def prepare_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = Fa
                  mass=mem.full((B, d.n_max), np.nan, np.float32))
     else:
         t["sel_in"] = _dev(selected)
+    J = 0
+    if logit_rows is not None:
+        J = int(np.shape(logit_rows)[1])
+        t.update(logit_rows=_dev(np.asarray(logit_rows, np.int32).reshape(B, J)),
+                 query_mass=mem.full((B, J, d.n_max), np.nan, np.float32))
     dims_c = d.c()
     ws = int(kernels().lib.gsm_cuda_attention_workspace_bytes(_c.byref(dims_c), B * S))
     workspace = mem.full((max(ws, 1),), 0, np.uint8)
-    return DeviceCall(d, B, S, t, workspace, ws, dims_c, fp16, int(sc.pool.shape[0]))
+    return DeviceCall(d, B, S, t, workspace, ws, dims_c, fp16, int(sc.pool.shape[0]), J)
 
 
-def sparse_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False) -> AttentionResult:
-    call = prepare_attention(sc, selected, fp16=fp16)
+def sparse_attention(sc, selected: np.ndarray | None = None, *, fp16: bool = False,
+                     logit_rows: np.ndarray | None = None) -> AttentionResult:
+    call = prepare_attention(sc, selected, fp16=fp16, logit_rows=logit_rows)
     call.run()
     return call.result()
 

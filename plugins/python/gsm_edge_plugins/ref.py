@@ -15,7 +15,7 @@ import numpy as np
 
 from gsm_edge_plugins._lib import REF_LIB, load
 
-ABI_VERSION = 6  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
+ABI_VERSION = 7  # gsm_ref_abi_version() of plugins/common/gsmRefCapi.cpp this file is written for
 FP16, INT12, INT8, INT4 = 0, 1, 2, 3  # tier codes (gsm/tiers.py)
 QUANT_ROWS = 5  # quant table [5, r]: s12, s8, comp8, s4, comp4
 SLOT_EMPTY = -1
@@ -132,7 +132,8 @@ class _Ref:
             "gsm_ref_kv_update": (i32, [dp, i32, i32, p, p, p, p, p, p, p, p, p, i32]),
             "gsm_ref_kv_demote": (i32, [dp, i32, i32, p, p, p]),
             "gsm_ref_read_latents": (i32, [dp, i32, p, p, p, p, p]),
-            "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p, p, i32, p, p, p, p, i32]),
+            # dims, B, S, 13 inputs, window, selected, top-k, cache_rows + R, logit_rows + J, 5 outputs, threads
+            "gsm_ref_sparse_attention": (i32, [dp, i32, i32] + [p] * 13 + [i32, p, p] + [p, i32] * 2 + [p] * 5 + [i32]),
             "gsm_ref_hotness_update": (None, [i32, p, p, f64]),
             "gsm_ref_ranked_tiers": (None, [i32, p, p, i32, p, i32, i32, f64, f64, f64, f64, p]),
             "gsm_ref_f32_to_f16": (None, [p, p, i64]),
@@ -269,6 +270,7 @@ class AttentionResult:
     selected: np.ndarray | None  # owning: [B, S, K_sel] ascending, -1 padded
     mass: np.ndarray | None  # owning: [B, N_max]
     scores: np.ndarray | None  # when asked: [B, S, N_max] index scores, NaN where not computed
+    query_mass: np.ndarray | None = None  # owning, with logit_rows [B, J]: [B, J, N_max] each logit row's own mass
 
 
 def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray, past_lengths: np.ndarray,
@@ -277,12 +279,15 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
                      index_w: np.ndarray | None = None, index_keys: np.ndarray | None = None,
                      sparse_window: int | None = None, sparse_top_k: np.ndarray | None = None,
                      selected: np.ndarray | None = None, cache_rows: np.ndarray | None = None,
-                     return_scores: bool = False, threads: int = 0) -> AttentionResult:
+                     logit_rows: np.ndarray | None = None, return_scores: bool = False,
+                     threads: int = 0) -> AttentionResult:
     """One GsmSparseAttention call. Owning (d.layer_kind 0): w0 = k_svd_U [kvD, r_k], w1 = v_svd_U [kvD, r_v],
     index_q/index_w/index_keys/sparse_window required; sparse_top_k: int [B], each sequence's budget in
     0..d.max_top_k (None: d.max_top_k for all, a node without that input). Sharing (1): w0 = kv_projector
     weight [2kvD, r], w1 = its bias [2kvD], selected = the source layer's selection [B, S, K_sel].
-    cache_rows: int [B], sequence b's row of pool [R, P32] and index_keys [R, N_max, dI] (None: row b, R = B)."""
+    cache_rows: int [B], sequence b's row of pool [R, P32] and index_keys [R, N_max, dI] (None: row b, R = B).
+    logit_rows: int [B, J] (owning): rows 0..S-1 whose queries' own attention mass comes back as `query_mass`
+    [B, J, N_max] (what a one-token step at that row returns as `mass`; 0 for a padding row)."""
     B, S = q.shape[:2]
     nq = d.num_heads * d.head_dim
     owning = d.layer_kind == 0
@@ -308,6 +313,8 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
         sel_out: np.ndarray | None = np.empty((B, S, d.k_sel), np.int32)
         mass: np.ndarray | None = np.empty((B, d.n_max), np.float32)
         sel_in = None
+        if logit_rows is not None:
+            logit_rows = _arr(logit_rows, np.int32, (B, np.shape(logit_rows)[-1]), "logit_rows")
         top_k = None if sparse_top_k is None else _arr(np.reshape(sparse_top_k, -1), np.int32, (B,), "sparse_top_k")
     else:
         w0 = _arr(w0, np.float32, (2 * d.kv_dim, d.rank), "kv_proj_weight")
@@ -316,16 +323,20 @@ def sparse_attention(d: Dims, q: np.ndarray, pool: np.ndarray, slots: np.ndarray
             raise ValueError("a sharing layer needs the source layer's `selected`")
         sel_in = _arr(selected, np.int32, (B, S, d.k_sel), "selected")
         sel_out = mass = top_k = None
+        if logit_rows is not None:
+            raise ValueError("logit_rows: a sharing layer measures no mass")
+    J = 0 if logit_rows is None else logit_rows.shape[1]
+    query_mass = None if logit_rows is None else np.empty((B, J, d.n_max), np.float32)
     out = np.empty((B, S, nq), np.float32)
     scores = np.empty((B, S, d.n_max), np.float32) if return_scores and owning else None
     L = lib()
     rc = L.lib.gsm_ref_sparse_attention(
         _c.byref(d.c()), B, S, _p(q), _p(pool), _p(slots), _p(past), _p(new), _p(quant), _p(rope_cos),
         _p(rope_sin), _p(w0), _p(w1), _p(index_q), _p(index_w), _p(index_keys),
-        int(sparse_window or 0), _p(sel_in), _p(top_k), _p(rows), R, _p(out), _p(sel_out), _p(mass), _p(scores),
-        int(threads))
+        int(sparse_window or 0), _p(sel_in), _p(top_k), _p(rows), R, _p(logit_rows), J, _p(out), _p(sel_out),
+        _p(mass), _p(scores), _p(query_mass), int(threads))
     L.check(rc)
-    return AttentionResult(out, sel_out, mass, scores)
+    return AttentionResult(out, sel_out, mass, scores, query_mass)
 
 
 # ---- tier policy helpers the runtime calls ---------------------------------------------------------

@@ -85,6 +85,25 @@ class Scenario:
         pool[rows], keys[rows] = self.pool, self.index_keys
         return replace(self, pool=pool, index_keys=keys, cache_rows=rows)
 
+    def all_rows(self) -> np.ndarray:
+        """logit_rows [B, S] naming every row of each sequence, a shorter one's last repeated (a verification's)."""
+        return np.minimum(np.arange(self.S)[None, :], np.maximum(self.new - 1, 0)[:, None]).astype(np.int32)
+
+    def one_token(self, j: int) -> Scenario:
+        """The one-token call of each sequence at its row j of this call (its last row where it has fewer): that row's
+        q, index_q and index_w, past_lengths at its position. The cache holds the call's rows already (make_scenario
+        writes them), and a query reads nothing after its position, so the step reads what row j reads."""
+        from dataclasses import replace
+
+        B = len(self.past)
+        r = np.minimum(j, np.maximum(self.new - 1, 0))
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return a[np.arange(B), r][:, None].copy()
+
+        return replace(self, past=(self.past + r).astype(np.int32), new=np.minimum(self.new, 1).astype(np.int32),
+                       q=pick(self.q), index_q=pick(self.index_q), index_w=pick(self.index_w))
+
     def budget(self, b: int) -> int:
         """Selection budget of sequence b: its sparse_top_k, or max_top_k without per-sequence budgets."""
         return self.dims.max_top_k if self.top_k is None else int(self.top_k[b])
