@@ -172,7 +172,7 @@ class CpuOps(PortableOps):
                cache["keys"], self.slots, g.weight(a.quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows,
                a.past, a.new, a.sparse_window, a.top_k, self.logit_rows]
         # output 3 (row_cache_misses, tests) left out; 4: the attention mass of each logit row's query
-        outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l), "", f"query_mass.{l}"]
+        outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l), "", f"{io.QUERY_MASS.name}.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor
         grows = {"sparse_top_k_divisor": d} if d else {}
         with g.in_scope(f"L{l}.GsmSparseAttention"):

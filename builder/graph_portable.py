@@ -275,7 +275,7 @@ class PortableOps:
                     value=_zero_f32())
         return g.op("ScatterElements", [zero, g.op("GatherElements", [cast(g, picks, I64), idx], axis=1),
                                         g.op("GatherElements", [per_pos, idx], axis=1)], axis=2, reduction="add",
-                    outputs=[f"query_mass.{l}"])
+                    outputs=[f"{io.QUERY_MASS.name}.{l}"])
 
     def _attend_v(self, l: int, probs: str, lat_u: str, inv: str, up: tuple[str, str], owning: bool, rk: int,
                   rv: int) -> str:

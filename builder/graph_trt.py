@@ -18,7 +18,7 @@ from gsm.bundle_format import IndexKeyLayout
 from gsm.config import ModelConfig
 
 DOMAIN = "gsm.plugins"
-PLUGIN_VERSION = "2"
+PLUGIN_VERSION = "3"
 PLUGIN_NAMESPACE = "gsm"
 PLUGINS = ("GsmKVCacheUpdate", "GsmSparseAttention", "GsmKVDemote")
 
@@ -50,7 +50,7 @@ class PluginOps:
         self.key_type = F16 if self.keys.bits == 16 else I32
         self.max_top_k = n_max if max_top_k is None else max_top_k
         self.logit_rows = ""  # Network.build sets the graph input
-        self.query_masses: list[str] = []  # GsmSparseAttention returns no per-query mass: none here
+        self.query_masses: list[str] = []  # each owning GsmSparseAttention's mass of each logit row's query
         low = cfg.gsm.max_top_k_to(n_max)
         if not low <= self.max_top_k <= n_max:  # every layer's default budget must fit, at its last position too
             raise ValueError(f"max_top_k must be in [the layers' largest top-k within max-seq {low}, "
@@ -122,14 +122,18 @@ class PluginOps:
             divisor = p.selection_of(l).sparse_top_k_divisor
             if divisor:  # absent: a fixed top-k, as graphs before it
                 attrs["sparse_top_k_divisor"] = divisor
-            ins += [a.index_q, a.index_w, a.cache["keys"], a.sparse_window, a.top_k, self.cache_rows]
-            outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l)]
+            # logit_rows: the rows whose queries' own mass (output 3) a verification keeps, one hotness update each
+            ins += [a.index_q, a.index_w, a.cache["keys"], a.sparse_window, a.top_k, self.cache_rows, self.logit_rows]
+            outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l), f"{io.QUERY_MASS.name}.{l}"]
         else:
             ins += [a.selected, self.cache_rows]
             outs = [f"L{l}.attn_out"]
         with g.in_scope(f"L{l}.GsmSparseAttention"):
             res = g.op("GsmSparseAttention", ins, outputs=outs, domain=DOMAIN, **attrs)
-        return (res[0], res[1], res[2]) if owning else (res, None, None)
+        if not owning:
+            return res, None, None
+        self.query_masses.append(res[3])
+        return res[0], res[1], res[2]
 
     def demote(self, l: int, pool: str, demote_list: str, quant: str, out: str) -> str:
         g = self.g

@@ -31,7 +31,7 @@ from typing import Any
 
 from builder.wquant import WeightQuantConfig, quantized_bytes
 from gsm import names
-from gsm.bundle_format import ROW_CACHE_TAGS, IndexKeyLayout, PoolRows
+from gsm.bundle_format import ROW_CACHE_TAGS, VERIFY_ROWS, IndexKeyLayout, PoolRows
 from gsm.config import KVQuantConfig, ModelConfig
 from gsm.tiers import avg_bytes, region_rows, row_bytes
 from jetson.profiles import PROFILES, DeviceProfile
@@ -350,7 +350,9 @@ def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: 
     """Largest live tensors of one forward call over B x T tokens at context S (estimate, FP16/FP32),
     plus the per-layer outputs the TensorRT engine holds all at once (`selected.{l}`
     [B, T, K_sel] int32 with K_sel = sinks + max_sparse_window + max_top_k, `attn_mass.{l}` [B, S] float32
-    for every owning layer; max_top_k None: the model's sparse_top_k, the default)."""
+    for every owning layer; max_top_k None: the model's sparse_top_k, the default) and the owning layers' query
+    masses, [B, J, S] float32 each (J: a verification's rows, at most VERIFY_ROWS), which the graph's one Sum
+    reads all at once."""
     B, T, S = max_batch, max_input, max_seq
     g = cfg.gsm
     hidden = B * T * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 2
@@ -362,7 +364,8 @@ def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: 
     mtk = g.max_top_k_to(S) if max_top_k is None else max_top_k
     k_sel = sum(g.k_sel(l, mtk) for l in own)  # each layer's own window
     per_layer = B * (T * k_sel + len(own) * S) * 4
-    return hidden + scores + kv + logits + per_layer
+    query_mass = B * min(T, VERIFY_ROWS) * S * len(own) * 4
+    return hidden + scores + kv + logits + per_layer + query_mass
 
 
 def decode_bytes_per_token(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from gsm import graph_io as io
-from gsm.bundle_format import FILES, BundleConfig
+from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
 from gsm.quant_table import full_table
 from runtime.backend import Capabilities, StepOutput, check_max_top_k, step_feeds
 from runtime.plugin_cache import (
@@ -27,7 +27,15 @@ from runtime.plugin_cache import (
     read_latents,
     take_prefix,
 )
-from runtime.ref_standard_ops import standard_ops
+from runtime.ref_standard_ops import ProductRows, standard_ops
+
+# What a verified row adds to a call, in one-token steps. Measured roughly (min of 11 calls, commit=False, on this
+# 2-core machine while other work ran on it) on the synthetic tiny and small bundles, 256 and 1,024 positions: a call
+# of n = 2 / 4 / 8 tokens added 0.03-0.34 of a step per row at batch 1 (the evaluator's per-operator cost is most of a
+# step) and 0.12-0.26 of a batched step at batch 8. Each verified row's products are one more gemv each
+# (runtime/ref_standard_ops.py), so on a model whose products dominate a step a row costs more; 0.35 is above every
+# measurement, so drafting still pays where drafts are mostly kept and stops where they are not.
+VERIFY_ROW_COST = VERIFY_ROW_COST_BATCH = 0.35
 
 
 def reference_usable() -> tuple[bool, str]:
@@ -41,9 +49,9 @@ def reference_usable() -> tuple[bool, str]:
     return True, ""
 
 
-def _ops() -> list[type]:
+def _ops(rows: ProductRows) -> list[type]:
     """OpRun classes for the three GSM node types, executing the C++ reference, and the standard operators this
-    backend evaluates its own way (runtime.ref_standard_ops)."""
+    backend evaluates its own way (runtime.ref_standard_ops; their products as `rows` says)."""
     from gsm_edge_plugins import ref
     from onnx import helper
     from onnx.reference.op_run import OpRun
@@ -77,12 +85,12 @@ def _ops() -> list[type]:
             quant = full_table(quant)
             f32 = np.float32
             if int(a["layer_kind"]) == 0:
-                # input 14 sparse_top_k [B], input 15 cache_rows [B]
+                # input 14 sparse_top_k [B], input 15 cache_rows [B], input 16 logit_rows [B, J]
                 r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                          index_q=x[10].astype(f32), index_w=x[11].astype(f32), index_keys=x[12],
                                          sparse_window=int(x[13][0]), sparse_top_k=x[14],
-                                         cache_rows=x[15])
-                return r.out.astype(q.dtype), r.selected, r.mass
+                                         cache_rows=x[15], logit_rows=x[16])
+                return r.out.astype(q.dtype), r.selected, r.mass, r.query_mass
             r = ref.sparse_attention(d, q.astype(f32), pool, slots, past, new, quant, cos, sin, w0, w1,
                                      selected=x[10], cache_rows=x[11])
             return (r.out.astype(q.dtype),)
@@ -94,7 +102,7 @@ def _ops() -> list[type]:
             d, _a = dims(self.onnx_node)
             return (ref.kv_demote(d, entries, pool, full_table(quant)),)  # in place, entries name their pool rows
 
-    return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote, *standard_ops()]
+    return [GsmKVCacheUpdate, GsmSparseAttention, GsmKVDemote, *standard_ops(rows)]
 
 
 class RefBackend:
@@ -110,7 +118,8 @@ class RefBackend:
         import onnx
         from onnx.reference import ReferenceEvaluator
 
-        ops = _ops()
+        self.products = ProductRows()
+        ops = _ops(self.products)
         self.model = ReferenceEvaluator(onnx.load(str(bundle / FILES.model_trt)), new_ops=ops)
         self.demote_model = ReferenceEvaluator(onnx.load(str(bundle / FILES.demote_trt)), new_ops=ops)
         self.cfg = cfg
@@ -133,11 +142,16 @@ class RefBackend:
             self.buffers[io.INDEX_KEYS.at(l)] = np.zeros((R, self.n_max, keys.plugin_width),
                                                        np.float16 if keys.bits == 16 else np.int32)
         row_bytes = sum(b[0].nbytes for b in self.buffers.values()) + 4 * self.n_max  # + the slot table
+        self.out_names = [o.name for o in proto.graph.output]
         # a shadow call (forward commit=False) writes only beyond each sequence's length: probes possible;
-        # demote() reads the re-encoded latents back for the KV noise
+        # demote() reads the re-encoded latents back for the KV noise; each query of a call is computed alone
+        # (GsmSparseAttention's reference, runtime.ref_standard_ops' products), so a graph returning each logit
+        # row's query_mass verifies drafts
         self.capabilities = Capabilities(
             max_resident=R, max_per_call=R, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
-            hit_rate_probes=True, kv_noise=True, prefix_reuse=True, max_top_k=self.max_top_k)
+            hit_rate_probes=True, kv_noise=True, prefix_reuse=True, max_top_k=self.max_top_k,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input) if io.QUERY_MASS.name in self.out_names else 0,
+            verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH)
 
     def new_cache(self) -> PluginCache:
         return self.plugin_rows.new_cache()
@@ -161,8 +175,8 @@ class RefBackend:
             self._run_demote(plan.compaction)
         feeds = {**self.buffers, **step_feeds(ids, past, new, sparse_window, top_k, plan.cache_rows, rows,
                                               plan.kv_slots)}
-        names = [o.name for o in self.model.proto_.graph.output]
-        outs = dict(zip(names, self.model.run(None, feeds)))
+        self.products.exact = ids.shape[1] <= VERIFY_ROWS  # a decode step or a verification: rows computed alike
+        outs = dict(zip(self.out_names, self.model.run(None, feeds)))
         if not commit:
             self.plugin_rows.undo(caches, plan)
         sel = mass = None
@@ -170,7 +184,8 @@ class RefBackend:
             sel = {l: outs[io.SELECTED.at(l)] for l in self.layers if io.SELECTED.at(l) in outs} or None
         if probes:
             mass = {l: outs[io.LAYER_MASS.at(l)] for l in self.layers}
-        return StepOutput(outs[io.LOGITS.name], outs[io.ATTN_MASS.name], sel, mass)
+        query_mass = outs.get(io.QUERY_MASS.name) if rows is not None else None
+        return StepOutput(outs[io.LOGITS.name], outs[io.ATTN_MASS.name], sel, mass, query_mass)
 
     def take_prefix(self, cache: PluginCache, length: int) -> PrefixRows:
         return take_prefix(self.cfg, self.buffers, cache, length)

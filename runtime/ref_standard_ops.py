@@ -4,6 +4,15 @@ Why each:
 - MatMul / Gemm on FP16: numpy has no BLAS for float16 (a SmolLM2 prefill call took 30 s in its matmuls alone),
   and TensorRT's FP16 GEMMs accumulate in float32 and round the result to FP16 once; both are done so here, each
   weight converted to float32 once (as_f32).
+- MatMul / Gemm in a call of at most VERIFY_ROWS tokens a sequence (a decode step, a speculative verification:
+  `ProductRows.exact`): a row of a product must have the same bits whatever rows the call holds, so that a
+  verification's rows are one-token steps bit for bit (Capabilities.verify_rows). BLAS does not promise it: numpy
+  hands a one-row product to gemv and more rows to gemm, whose sums differ, and OpenBLAS's sgemm picks its kernels by
+  the product's size (a row of a 2-row [2, 64] x [64, 344] product differs from the same row's in an 8-row one).
+  Such a call's products are therefore one gemv per row, what a one-token step of one sequence always ran
+  (tests/test_runtime_plugin_ref.py checks the rows on the BLAS at hand). Fixed-size gemm blocks would be exact too
+  and read each weight once, but OpenBLAS runs them on its threads, which made a decode step 8x slower on a loaded
+  2-core machine. A longer prefill chunk's products are one gemm each.
 - Sigmoid on FP16: computed in float32 and rounded once, as TensorRT's FP16 activations are, without numpy's
   overflow warnings for large |x| (whose limits are right anyway).
 - DequantizeLinear: a weight's dequantisation is the same every call, so each node keeps its last result while its
@@ -16,6 +25,7 @@ Why each:
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,8 +41,26 @@ def as_f32(node: Any, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def standard_ops() -> list[type]:
-    """OpRun classes overriding the evaluator's own for the operators above."""
+@dataclass
+class ProductRows:
+    """How the products of the call about to run are computed: `exact` (RefBackend.forward sets it per call) one
+    row at a time, else as one gemm."""
+
+    exact: bool = False
+
+
+def rows_matmul(a: np.ndarray, b: np.ndarray, exact: bool) -> np.ndarray:
+    """a [..., K] @ b [K, N]; exact: one vector-matrix product (gemv) per row of a, each row's result the same bits
+    whatever rows it is computed with."""
+    if not exact or a.ndim < 2 or b.ndim != 2 or a.size == 0:
+        return np.matmul(a, b)
+    x = a.reshape(-1, a.shape[-1])
+    out = np.stack([np.matmul(row, b) for row in x])
+    return out.reshape(*a.shape[:-1], b.shape[1])
+
+
+def standard_ops(rows: ProductRows) -> list[type]:
+    """OpRun classes overriding the evaluator's own for the operators above; their products follow `rows`."""
     from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_dequantize_linear import _CommonDequantizeLinear
 
@@ -43,15 +71,16 @@ def standard_ops() -> list[type]:
 
         def _run(self, a, b):  # type: ignore[override]
             if a.dtype == np.float16:
-                return (np.matmul(a.astype(f32), as_f32(self, b)).astype(np.float16),)
-            return (np.matmul(a, b),)
+                return (rows_matmul(a.astype(f32), as_f32(self, b), rows.exact).astype(np.float16),)
+            return (rows_matmul(a, b, rows.exact),)
 
     class Gemm(OpRun):
         op_domain = ""
 
         def _run(self, a, b, c=None, alpha=None, beta=None, transA=None, transB=None, **_: Any):  # type: ignore[override]
             x, w = a.astype(f32), as_f32(self, b)
-            out = (x.T if transA else x) @ (w.T if transB else w) * f32(1.0 if alpha is None else alpha)
+            out = rows_matmul(x.T if transA else x, w.T if transB else w, rows.exact) * f32(
+                1.0 if alpha is None else alpha)
             if c is not None:
                 out = out + c.astype(f32) * f32(1.0 if beta is None else beta)
             return (out.astype(a.dtype),)

@@ -144,17 +144,21 @@ def test_concurrent_greedy_equals_sequential(rt):
 
 
 def test_drafting_gives_the_tokens_of_one_token_steps(rt):
-    """Speculative decoding where the backend verifies drafts (Capabilities.verify_rows > 1), else one token a call:
-    either way, alone and in the engine, the tokens of `speculative="off"`, and the answer of each request alone."""
+    """Every backend verifies drafts (Capabilities.verify_rows > 1: its graph returns each logit row's query_mass):
+    greedy, alone and in the engine, the tokens of `speculative="off"` token for token, and the answer of each request
+    alone; the repeating prompt's drafts were verified and some kept."""
     from runtime.engine import Engine, EngineConfig
+    from runtime.request import TokenStream
 
+    assert rt.capabilities.verify_rows == MAX_INPUT
     reqs = [(p, 20) for p in PROMPTS] + [([1, 5, 9] * 6, 24)]
     off = [rt.generate(p, n, stop_ids=[], speculative="off").ids for p, n in reqs]
-    assert [rt.generate(p, n, stop_ids=[], speculative="auto").ids for p, n in reqs] == off
+    on = [rt.request(p, n, stop_ids=[], speculative="auto") for p, n in reqs]
+    assert [TokenStream(rt, r).collect().ids for r in on] == off
+    assert on[-1].draft_length.drafted > 0 and on[-1].draft_length.accepted > 0
     with Engine(rt, EngineConfig(**NO_FALLBACKS)) as eng:
         got = [r.result(120).ids for r in [eng.submit(p, n, stop_ids=[], speculative="auto") for p, n in reqs]]
     assert got == off
-    assert (rt.capabilities.verify_rows > 1) == (rt.backend.name == "onnxruntime")
 
 
 def test_retier_passes_in_a_batch_equal_alone(rt):

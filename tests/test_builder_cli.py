@@ -43,7 +43,7 @@ def test_demo_build_and_generate_cli(tmp_path):
     for key in ("gsm_edge_version", "checkpoint", "device", "opset", "plugins", "files", "engine"):
         assert key in manifest
     assert manifest["device"]["name"] == "orin-agx-64" and manifest["opset"] == 17
-    assert manifest["plugins"]["versions"] == {"GsmKVCacheUpdate": "2", "GsmSparseAttention": "2", "GsmKVDemote": "2"}
+    assert manifest["plugins"]["versions"] == {"GsmKVCacheUpdate": "3", "GsmSparseAttention": "3", "GsmKVDemote": "3"}
     assert not (bundle / "engine.plan").exists()  # no engine unless TensorRT built it
     report = json.loads((bundle / "report.json").read_text())
     assert report["demo_model"] and "estimate" in report["decode_tokens_per_s_estimate_note"]

@@ -186,27 +186,26 @@ def test_reference_refuses_budget_above_max_top_k_before_any_change(budget_bundl
 
 
 def _one_attention_node(sc, divisor: int | None):
-    """A graph of one owning GsmSparseAttention node (16 inputs) over a plugin scenario; divisor None: a node without
-    the attribute sparse_top_k_divisor, as graphs written before it have."""
+    """A graph of one owning GsmSparseAttention node (17 inputs, 4 outputs) over a plugin scenario, every row a logit
+    row; divisor None: a node without the attribute sparse_top_k_divisor, as graphs written before it have."""
     from dataclasses import fields
 
     from onnx import TensorProto, helper
 
     names = ["q", "kv_pool", "kv_slots", "past_lengths", "new_lengths", "quant", "rope_cos", "rope_sin", "k_up",
-             "v_up", "index_q", "index_w", "index_keys", "sparse_window", "sparse_top_k", "cache_rows"]
+             "v_up", "index_q", "index_w", "index_keys", "sparse_window", "sparse_top_k", "cache_rows", "logit_rows"]
     attrs = {f.name: int(getattr(sc.dims, f.name)) for f in fields(sc.dims) if f.name != "sparse_top_k_divisor"}
     if divisor is not None:
         attrs["sparse_top_k_divisor"] = divisor
-    node = helper.make_node("GsmSparseAttention", names, ["attn_out", "selected", "attn_mass"],
-                            domain="gsm.plugins", **attrs)
+    outs = ("attn_out", "selected", "attn_mass", "query_mass")
+    node = helper.make_node("GsmSparseAttention", names, list(outs), domain="gsm.plugins", **attrs)
     graph = helper.make_graph([node], "one_attention", [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
                                                          for n in names],
-                              [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
-                               for n in ("attn_out", "selected", "attn_mass")])
+                              [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in outs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("gsm.plugins", 1)])
     feeds = dict(zip(names, [sc.q, sc.pool, sc.slots, sc.past, sc.new, sc.quant, sc.rope_cos, sc.rope_sin, sc.w0,
                              sc.w1, sc.index_q, sc.index_w, sc.index_keys, np.array([sc.window], np.int32),
-                             sc.top_k, np.arange(len(sc.past), dtype=np.int32)]))
+                             sc.top_k, np.arange(len(sc.past), dtype=np.int32), sc.all_rows()]))
     return model, feeds
 
 
@@ -218,6 +217,7 @@ def test_reference_backend_node_reads_the_divisor_attribute():
     from onnx.reference import ReferenceEvaluator
 
     from runtime.ref_backend import _ops
+    from runtime.ref_standard_ops import ProductRows
 
     sc = make_scenario(np.random.default_rng(21), num_heads=4, num_kv_heads=2, head_dim=8, rank_k=6, rank_v=5,
                        index_heads=2, index_dim=4, sink_tokens=1, top_k=32, max_sparse_window=4, window=2, n_max=96,
@@ -225,12 +225,33 @@ def test_reference_backend_node_reads_the_divisor_attribute():
     counts = {}
     for divisor in (6, None):
         model, feeds = _one_attention_node(sc, divisor)
-        out, sel, _mass = ReferenceEvaluator(model, new_ops=_ops()).run(None, feeds)
+        out, sel, _mass, query_mass = ReferenceEvaluator(model, new_ops=_ops(ProductRows())).run(None, feeds)
         counts[divisor] = [(sel[b, :int(sc.new[b])] >= 0).sum(axis=-1).tolist() for b in range(2)]
         if divisor is not None:
-            want = sc.call()
+            want = sc.call(logit_rows=sc.all_rows())
             assert np.array_equal(sel, want.selected)
             assert np.array_equal(out.view(np.uint32), want.out.view(np.uint32))
+            assert np.array_equal(query_mass.view(np.uint32), want.query_mass.view(np.uint32))
     # t = 70..73: 71 // 6 = 11, then 12 from t = 71; t = 20: 21 // 6 = 3 < 5
     assert counts[6] == [[1 + 2 + 11] + [1 + 2 + 12] * 3, [1 + 2 + 5]]
     assert counts[None] == [[1 + 2 + 5] * 4, [1 + 2 + 5]]
+
+
+@pytest.mark.parametrize("k, n", [(64, 344), (64, 192), (96, 64), (576, 1536), (1536, 576)])
+def test_exact_products_give_a_row_the_same_bits_in_any_call(k, n):
+    """runtime.ref_standard_ops computes a decode step's or a verification's products one row at a time, so a row's
+    result is the same bits whatever the call holds (what a verification's rows being one-token steps rests on), on
+    the BLAS at hand; numpy's own product of the same rows would not promise it (gemv for one row, gemm kernels
+    chosen by size)."""
+    from runtime.ref_standard_ops import rows_matmul
+
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    x = rng.standard_normal((40, k), dtype=np.float32)
+    for b in (w.T, np.ascontiguousarray(w.T)):  # Gemm's transB view, MatMul's weight
+        alone = np.concatenate([rows_matmul(x[i:i + 1], b, True) for i in range(len(x))])
+        for rows in (2, 3, 8, 16, 40):
+            got = rows_matmul(x[:rows], b, True)
+            assert np.array_equal(got.view(np.uint32), alone[:rows].view(np.uint32)), rows
+        batched = rows_matmul(x[:32].reshape(4, 8, k), b, True).reshape(32, -1)  # [B, S, K] products
+        assert np.array_equal(batched.view(np.uint32), alone[:32].view(np.uint32))

@@ -1,9 +1,10 @@
 """Speculative decoding (runtime/speculative.py, Runtime.verify_batch, CachedSequence.keep):
 
-- a verification's logits row j is bit for bit the one-token step's after token j (both networks of the onnxruntime
-  backend), and keeping n of its tokens
-  leaves the sequence as n one-token steps would (hotness from each query's own mass, tiers after the re-tier pass
-  the steps reach, the cache's rows), with the rejected drafts forgotten; on a model that re-tiers every 8 steps;
+- a verification's logits row j is bit for bit the one-token step's after token j, and its query_mass row j the
+  step's attn_mass (both networks of the onnxruntime backend, and the plugin graph on the reference backend: the
+  plugins' C++ reference behind ONNX's evaluator), and keeping n of its tokens leaves the sequence as n one-token
+  steps would (hotness from each query's own mass, tiers after the re-tier pass the steps reach, the cache's rows),
+  with the rejected drafts forgotten; on a model that re-tiers every 8 steps;
 - greedy and seeded sampled generation give the same tokens with drafting on and off (alone and batched);
 - prompt lookup proposes what a brute-force search of the history finds; the adaptive rule drafts nothing when
   drafts do not pay and never more than the room;
@@ -34,17 +35,27 @@ def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     ckpt = retiering_copy(synth_checkpoint("tiny", root / "tiny", seed=4), root / "retier")
     out = root / "bundle"
-    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX, max_input=MAX_INPUT, max_batch=4))
+    # max_top_k = max-seq: the plugin graph (reference backend) takes the engine's dense probe calls too
+    build(BuildConfig(device="orin", checkpoint=ckpt, output=out, max_seq=N_MAX, max_input=MAX_INPUT, max_batch=4,
+                      max_top_k=N_MAX))
     return out
 
 
-@pytest.fixture(scope="module", params=["cpu", "portable"])
+@pytest.fixture(scope="module", params=["cpu", "portable", "reference"])
 def rt(bundle, request):
-    """Both networks of the onnxruntime backend verify drafts (model.cpu.onnx's custom op, the standard-op graph)."""
+    """Both networks of the onnxruntime backend verify drafts (model.cpu.onnx's custom op, the standard-op graph), and
+    the reference backend's plugin graph (GsmSparseAttention's query_mass)."""
     import runtime
+    from runtime.ref_backend import reference_usable
 
-    r = runtime.load(bundle, "onnxruntime", threads=1, graph=request.param)
-    assert r.backend.graph == request.param and r.capabilities.verify_rows == MAX_INPUT
+    if request.param == "reference":
+        if not reference_usable()[0]:
+            pytest.skip(f"reference backend: {reference_usable()[1]}")
+        r = runtime.load(bundle, "reference")
+    else:
+        r = runtime.load(bundle, "onnxruntime", threads=1, graph=request.param)
+        assert r.backend.graph == request.param
+    assert r.capabilities.verify_rows == MAX_INPUT
     return r
 
 
@@ -87,6 +98,55 @@ def test_a_verification_is_the_one_token_steps_bit_for_bit(rt, past, fed, kept):
     ref2.close()
     got2 = np.stack([seq.decode(t) for t in more])
     assert np.array_equal(got2, want2[n:])
+    seq.close()
+
+
+class Masses:
+    """Wraps backend.forward to record each call's attention masses: a step's attn_mass, a verification's query_mass."""
+
+    def __init__(self, rt):
+        self.rt, self.inner, self.calls = rt, rt.backend.forward, []
+
+    def __enter__(self):
+        def forward(*a, **kw):
+            out = self.inner(*a, **kw)
+            self.calls.append(out)
+            return out
+
+        self.rt.backend.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        self.rt.backend.forward = self.inner
+
+
+def _same_bits(mass: np.ndarray, want: np.ndarray) -> bool:
+    """Equal float32 bits over the shorter length (a graph's masses cover the call's positions or N_max), zeros past."""
+    n = min(len(mass), len(want))
+    rest = mass[n:] if len(mass) > n else want[n:]
+    return np.array_equal(mass[:n].view(np.uint32), want[:n].view(np.uint32)) and not rest.any()
+
+
+@pytest.mark.parametrize("past", [40, 150])
+def test_a_verifications_query_masses_are_the_steps_attention_masses(rt, past):
+    """Row j of a verification: the logits and the query's own attention mass (query_mass, summed over heads and
+    owning layers) of the one-token step after token j, bit for bit."""
+    prompt, toks = _prompt(past), [int(t) for t in np.random.default_rng(past + 7).integers(3, 300, 6)]
+    seq = rt.new_sequence()
+    seq.prefill(prompt)
+    with Masses(rt) as steps:
+        want = [seq.decode(t) for t in toks]
+    seq.close()
+    seq = rt.new_sequence()
+    seq.prefill(prompt)
+    with Masses(rt) as ver:
+        rows = seq.verify(toks)
+    out = ver.calls[0]
+    assert out.query_mass.shape[:2] == (1, len(toks))
+    for j in range(len(toks)):
+        assert np.array_equal(rows[j].view(np.uint32), want[j].view(np.uint32)), f"logits of row {j}"
+        assert _same_bits(out.query_mass[0, j], steps.calls[j].attn_mass[0]), f"query_mass of row {j}"
+    seq.keep(len(toks))
     seq.close()
 
 
@@ -270,14 +330,17 @@ def test_the_engine_with_drafting_gives_each_request_its_tokens_alone(rt, batche
 
 
 def test_a_backend_that_cannot_verify_decodes_one_token_a_call(bundle):
-    """The plugin graph's attention returns no per-query mass: the reference (and TensorRT) backend says so and a
-    request there drafts nothing, with the same tokens."""
+    """A backend whose capabilities verify no drafts (a graph without query_mass): a request there drafts nothing, and
+    gives the same tokens."""
+    import dataclasses
+
     import runtime
 
-    ref = runtime.load(bundle, "reference")
-    assert ref.capabilities.verify_rows == 0 and ref.request([1, 2], 4).drafts is None
+    r = runtime.load(bundle, "onnxruntime", threads=1)
+    r.capabilities = r.worker.capabilities = dataclasses.replace(r.capabilities, verify_rows=0)
+    assert r.request([1, 2], 4).drafts is None
     p = _looping_prompt()
-    assert ref.generate(p, 6, stop_ids=[]).ids == runtime.load(bundle, "onnxruntime", threads=1).generate(
+    assert r.generate(p, 6, stop_ids=[]).ids == runtime.load(bundle, "onnxruntime", threads=1).generate(
         p, 6, stop_ids=[], speculative="off").ids
 
 
@@ -340,6 +403,8 @@ def test_a_batched_call_drafts_what_pays_for_the_whole_batch(rt):
     sure drafts are."""
     from runtime.engine import Engine, EngineConfig, Work
 
+    if rt.backend.name == "reference":
+        pytest.skip("the engine's arithmetic on the CPU graph's costs (the reference backend's cost the same batched)")
     eng = Engine(rt, EngineConfig(warmup=False))
     cost = rt.capabilities.row_cost(8)
     seq = SimpleNamespace(length=100)

@@ -37,7 +37,7 @@ using GsmPluginBuild = nvinfer1::IPluginV3OneBuild;
 #endif
 
 // Names shared with the ONNX nodes (docs/engine_io.md section 4).
-constexpr char const* kPluginVersion = "2";
+constexpr char const* kPluginVersion = "3";
 constexpr char const* kPluginNamespace = "gsm";
 
 // Where an attribute lands in GsmDims (an alias: nvcc's host pass re-emits a bare member-pointer
