@@ -11,8 +11,9 @@ words), R = the plan's max_batch rows, always bound whole; the per-call tensors 
 kv_slots [B, N_max], cache_rows [B], outputs) sized for max_batch sequences. Each sequence keeps one row of
 the pools (runtime.plugin_cache, shared with the reference backend, which runs the same host logic over the
 same memory model in CI); a call carries any of the resident sequences. Per call the runtime writes the
-per-call inputs (host -> device), runs the prefill context (profile 0, S > 1) or the decode context
-(profile 1, S = 1), and reads logits and attn_mass back. Demotion runs demote.plan over the whole pools with a
+per-call inputs (host -> device), runs the prefill context (profile 0, S > 1: a prompt chunk or a speculative
+verification) or the decode context (profile 1, S = 1), and reads logits and attn_mass back (and a verification's
+query_mass). Demotion runs demote.plan over the whole pools with a
 demotion list whose entries name their rows; a re-tier pass reads the sequence's pool rows back before and after
 it for the KV noise.
 """
@@ -37,6 +38,10 @@ from runtime.plugin_cache import PluginCache, PluginRows, PrefixRows, quant_tabl
 log = logging.getLogger("runtime.trt_backend")
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
+# Not measured: no GPU has run this backend yet. A decode step on a GPU reads the weights and leaves the compute
+# units mostly idle, so a verified row should cost less than on the CPU graph; its figures (runtime/ort_backend.py,
+# measured there) are taken until scripts/gpu_check.sh measures these, erring towards fewer drafts.
+VERIFY_ROW_COST, VERIFY_ROW_COST_BATCH = 0.25, 0.65
 
 
 @dataclass(frozen=True)
@@ -180,11 +185,16 @@ class TrtBackend:
                         "is not installed (%s); pip install 'gsm-edge[builder]'", e)
         self.row_bytes = {n: self._max_bytes(n) // self.R for n in self.bufs
                           if n.startswith((io.KV_POOL.prefix, io.INDEX_KEYS.prefix))}  # one cache row of each pool
-        # a shadow call writes only beyond each sequence's length (runtime.plugin_cache): probes possible
+        # a shadow call writes only beyond each sequence's length (runtime.plugin_cache): probes possible. The
+        # attention plugin computes each query row alone (tests/gpu: a row of a call is a one-token call's, bit for
+        # bit); that the projections' GEMMs of the prefill profile give a row the decode profile's bits is
+        # TensorRT's choice of tactics, which tests/test_backend_contract.py's drafting test checks on a GPU
         self.capabilities = Capabilities(
             max_resident=self.R, max_per_call=self.R, positions=self.n_max,
             kv_bytes_per_sequence=sum(self.row_bytes.values()) + 4 * self.n_max,
-            hit_rate_probes=True, kv_noise=self.quant is not None, max_top_k=self.max_top_k)
+            hit_rate_probes=True, kv_noise=self.quant is not None, max_top_k=self.max_top_k,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input) if io.QUERY_MASS.name in self.bufs else 0,
+            verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH)
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -196,7 +206,8 @@ class TrtBackend:
         fixed = {io.INPUT_IDS.name: (self.B, T), io.PAST_LENGTHS.name: (self.B,), io.NEW_LENGTHS.name: (self.B,),
                  io.SPARSE_WINDOW.name: (1,),
                  io.LOGITS.name: (self.B, T if self.cfg.logits == "all" else VERIFY_ROWS, V),
-                 io.LOGIT_ROWS.name: (self.B, VERIFY_ROWS), io.ATTN_MASS.name: (self.B, self.n_max)}
+                 io.LOGIT_ROWS.name: (self.B, VERIFY_ROWS), io.ATTN_MASS.name: (self.B, self.n_max),
+                 io.QUERY_MASS.name: (self.B, VERIFY_ROWS, self.n_max)}
         if name in fixed:
             return fixed[name]
         if name.startswith(io.SELECTED.prefix):  # [B, S, K_sel] (the per-layer probe output)
@@ -227,8 +238,10 @@ class TrtBackend:
         """One execution over the call's sequences, each in its own row of the pools. top_k: each sequence's
         budget, bound as `sparse_top_k` [B] (at most max_top_k: RequestError otherwise, before anything
         changes). The per-layer outputs are bound to device buffers on every call (TensorRT needs every I/O
-        address) but read back only with `probes`. commit False (a shadow call): the slot tables are put back
-        after it, so the rows it wrote are free again (runtime.plugin_cache)."""
+        address) but read back only with `probes`. rows [B, J]: the rows whose logits come back, and whose queries'
+        own attention mass (query_mass) comes back with them (None: each sequence's last new row, no query_mass).
+        commit False (a shadow call): the slot tables are put back after it, so the rows it wrote are free again
+        (runtime.plugin_cache)."""
         check_max_top_k(top_k, self.max_top_k, self.name)
         B, S = ids.shape
         plan = self.plugin_rows.plan_call(caches, past, new)
@@ -250,6 +263,10 @@ class TrtBackend:
         J = S if self.cfg.logits == "all" else host[io.LOGIT_ROWS.name].shape[1]
         logits = self.bufs[io.LOGITS.name].download(np.empty((B, J, V), np.float32), self.stream)
         mass = self.bufs[io.ATTN_MASS.name].download(np.empty((B, self.n_max), np.float32), self.stream)
+        query_mass = None
+        if rows is not None and io.QUERY_MASS.name in self.bufs:
+            shape = (B, host[io.LOGIT_ROWS.name].shape[1], self.n_max)
+            query_mass = self.bufs[io.QUERY_MASS.name].download(np.empty(shape, np.float32), self.stream)
         sel = layer_mass = None
         if probes:
             sel = {l: self.bufs[io.SELECTED.at(l)].download(
@@ -259,7 +276,7 @@ class TrtBackend:
         _check(self.cudart.cudaStreamSynchronize(self.stream))
         if not commit:
             self.plugin_rows.undo(caches, plan)
-        return StepOutput(logits, mass, sel, layer_mass)
+        return StepOutput(logits, mass, sel, layer_mass, query_mass)
 
     def take_prefix(self, cache: PluginCache, length: int) -> PrefixRows:
         raise RuntimeError("backend tensorrt: copying a prefix of the device pools is not implemented "
