@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
 
+WARM_PLACEHOLDER = "."  # the user turn warm_prefix renders after the messages: only where it starts counts
+
 
 class Runtime:
     """A verified bundle with a backend; `generate` / `stream` for text or ids."""
@@ -256,6 +258,22 @@ class Runtime:
         req = self.request(ids, max_new_tokens, options, **keywords)
         req.prompt_break = codec.last_message_start(messages, ids)
         return req
+
+    def warm_prefix(self, messages: Messages, options: RequestOptions | None = None, **keywords: Any) -> int:
+        """Puts the state `messages` leave (a system prompt and worked examples every later prompt starts with) in the
+        prefix cache before the first request, so the first chat prompt starting with them finds it as later ones
+        do. It runs a chat request of `messages` and one placeholder user turn through the path every chat request
+        takes, so the prefix is the one that request's break keeps (its tokens, its knobs' key). Returns how many
+        tokens are kept; 0 where none can be (no prefix cache, a selection budget of the request's own, a template
+        that joins the last message to the earlier ones)."""
+        from runtime.request import TokenStream
+
+        if self.prefixes.capacity == 0 or not messages:
+            return 0
+        req = self.chat_request([*messages, {"role": "user", "content": WARM_PLACEHOLDER}], 1, options, **keywords)
+        TokenStream(self, req).collect()
+        head = req.prompt_break
+        return head if head is not None and self.prefixes.holds(req.prompt_ids[:head]) else 0
 
     def chat_stream(self, messages: Messages, max_new_tokens: int = 64, options: RequestOptions | None = None,
                     **keywords: Any) -> TokenStream:

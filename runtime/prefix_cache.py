@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from runtime.backend import PrefixCopy
@@ -62,6 +62,12 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether a prefix of exactly these tokens is kept (under any knobs), without counting a hit or a miss."""
+        t = tuple(int(x) for x in tokens)
+        with self._lock:
+            return any(k[1] == t for k in self._items)
 
     def get(self, key: tuple[Hashable, tuple[int, ...]]) -> Prefix | None:
         """The prefix of Prefix.key `key` (knobs, tokens), or None."""

@@ -62,6 +62,8 @@ def test_in_process_plain_and_chat(app, tmp_path):
                          "--max-tokens", "40", "--examples", "0"]) == 0
         rep = check_report(out, "in-process")
         assert rep["model"] == b.name
+        # the system prompt every chat prompt starts with is prefilled before the first detection; no template: none
+        assert (rep["engine"]["prefix"]["warm_tokens"] > 0) == (b is chat)
 
 
 def test_through_http_server(app, tmp_path):

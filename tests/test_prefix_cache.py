@@ -134,3 +134,26 @@ def test_the_cache_keeps_prefixes_up_to_its_bytes_least_recently_used_out_first(
     assert not c.put(_prefix((4,), 2000)) and len(c) == 2
     with pytest.raises(ValueError):
         PrefixCache(-1)
+
+
+def test_a_warmed_prefix_is_found_by_the_first_request_and_changes_no_token(chat_bundle):
+    """Runtime.warm_prefix keeps the state of the messages every prompt starts with before any request: the first
+    chat request then finds it (a hit, nothing kept anew) and answers what a cache-less runtime answers; in the engine
+    every request of a burst hits it. Nothing is kept where the cache is off or a prompt is one message."""
+    from runtime.engine import Engine, EngineConfig
+
+    cold = _load(chat_bundle, speculative="off", prefix_cache_mib=0)
+    rt = _load(chat_bundle, speculative="off")
+    head = rt._need_codec().encode_chat(_chat("x")[:-1], add_generation_prompt=False)
+    assert rt.warm_prefix(_chat("x")[:-1]) == len(head) and len(rt.prefixes) == 1
+    hits = rt.prefixes.hits
+    assert rt.chat(_chat("Part C-3 has a dent."), 12).ids == cold.chat(_chat("Part C-3 has a dent."), 12).ids
+    assert rt.prefixes.hits == hits + 1 and len(rt.prefixes) == 1
+    eng_rt = _load(chat_bundle, speculative="off")
+    eng_rt.warm_prefix([SYSTEM, *SHOTS])
+    qs = [f"Part Y-{i} has a mark." for i in range(4)]
+    with Engine(eng_rt, EngineConfig(min_hit_rate=0, max_kv_noise=None)) as eng:
+        got = [h.result(60).ids for h in [eng.submit_chat(_chat(q), 8) for q in qs]]
+    assert got == [cold.chat(_chat(q), 8).ids for q in qs] and eng_rt.prefixes.hits == 4
+    assert cold.warm_prefix([SYSTEM, *SHOTS]) == 0
+    assert rt.warm_prefix([]) == 0

@@ -168,6 +168,10 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
 
     rt = runtime.load(bundle, speculative=speculative)
     drafts = Drafts()
+    t = time.monotonic()
+    # every prompt starts with the system prompt and the worked examples: computed once before the first detection
+    warm = rt.warm_prefix(messages(dets[0], examples)[:-1]) if rt.has_chat_template and dets else 0
+    prefix = {"warm_tokens": warm, "warm_s": round(time.monotonic() - t, 3)}
     with Engine(rt, observer=drafts) as eng:
         eng.ready.wait()
         t0 = time.monotonic()
@@ -179,8 +183,8 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
             r.result()
             items.append(to_item(d, r.text or "", r.finish_reason or "", len(r.ids), (r.t_end or t0) - r.t_submit))
         fallbacks = dict(eng.fallbacks)
-    return bundle.resolve().name, items, {"fallbacks": fallbacks, "speculative": {"mode": speculative,
-                                                                                  **drafts.counts}}
+    return bundle.resolve().name, items, {"fallbacks": fallbacks, "prefix": prefix,
+                                          "speculative": {"mode": speculative, **drafts.counts}}
 
 
 def run_http(url: str, dets: Sequence[Detection], max_tokens: int, examples: int = len(EXAMPLES),
