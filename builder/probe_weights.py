@@ -62,15 +62,9 @@ def symmetric_part(q: QuantizedWeight) -> np.ndarray:
     return (codes.reshape(q.n, q.n_blocks, q.block) * q.scales[..., None]).reshape(q.n, -1)[:, : q.k]
 
 
-class Int8ActivationLinear:
-    """A quantised projection as ONNX Runtime's accuracy-level-4 kernels compute it (plugins/ortCpu/GsmQuantMatMul,
-    MatMulNBits): per row and block of the weight's group, dx = max|x| / 127 and xq = round-half-even(x * (1 / dx)),
-    all float32; y = (xq dx) @ W_sym^T, plus, for a float-zero-point weight, the exact block sums of x times each
-    group's offset. The golden spells its projections `x @ W.T` and F.linear(x, W): both reach __call__."""
-
-    def __init__(self, w_sym: torch.Tensor, offsets: torch.Tensor | None, block: int,
-                 inv_scale: torch.Tensor | None) -> None:
-        self.w, self.offsets, self.block, self.inv = w_sym, offsets, block, inv_scale
+class Projection:
+    """A weight the golden multiplies by without holding it as a tensor: `x @ W.T` and `F.linear(x, W)` (no bias) both
+    reach `__call__(x)`."""
 
     @property
     def T(self) -> _Transposed:
@@ -79,9 +73,23 @@ class Int8ActivationLinear:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         bias = (kwargs or {}).get("bias", args[2] if len(args) > 2 else None)
-        if func is torch.nn.functional.linear and isinstance(args[1], cls) and bias is None:
+        if func is torch.nn.functional.linear and isinstance(args[1], Projection) and bias is None:
             return args[1](args[0])
         return NotImplemented
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8ActivationLinear(Projection):
+    """A quantised projection as ONNX Runtime's accuracy-level-4 kernels compute it (plugins/ortCpu/GsmQuantMatMul,
+    MatMulNBits): per row and block of the weight's group, dx = max|x| / 127 and xq = round-half-even(x * (1 / dx)),
+    all float32; y = (xq dx) @ W_sym^T, plus, for a float-zero-point weight, the exact block sums of x times each
+    group's offset."""
+
+    def __init__(self, w_sym: torch.Tensor, offsets: torch.Tensor | None, block: int,
+                 inv_scale: torch.Tensor | None) -> None:
+        self.w, self.offsets, self.block, self.inv = w_sym, offsets, block, inv_scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float() if self.inv is None else x.float() * self.inv  # AWQ: the graph feeds x / s
@@ -114,14 +122,14 @@ class EmbeddingRows:
 class _Transposed:
     """`W.T` of an Int8ActivationLinear or a FileMatrix: `x @ W.T` calls it."""
 
-    def __init__(self, w: Int8ActivationLinear | FileMatrix) -> None:
+    def __init__(self, w: Projection) -> None:
         self.w = w
 
     def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
         return self.w(x)
 
 
-class FileMatrix:
+class FileMatrix(Projection):
     """A float32 [N, K] .npy file the golden multiplies by (`x @ W.T`, `F.linear(x, W)`) or gathers rows of (`W[ids]`)
     without holding it: each product reads ROWS_PER_BLOCK_BYTES of rows at a time into memory freed after, so the
     values are the file's and a matrix that fits one block is multiplied exactly as a mapped tensor would be."""
@@ -135,17 +143,6 @@ class FileMatrix:
         if fortran or dtype != np.float32:
             raise ValueError(f"{path}: expected a C-order float32 array, found {dtype} fortran={fortran}")
         self.shape = tuple(shape)
-
-    @property
-    def T(self) -> _Transposed:
-        return _Transposed(self)
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        bias = (kwargs or {}).get("bias", args[2] if len(args) > 2 else None)
-        if func is torch.nn.functional.linear and isinstance(args[1], cls) and bias is None:
-            return args[1](args[0])
-        return NotImplemented
 
     def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, rows) a block at a time, read into one buffer: a block is overwritten by the next."""
