@@ -135,14 +135,10 @@ class FileMatrix(Projection):
     values are the file's and a matrix that fits one block is multiplied exactly as a mapped tensor would be."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        with path.open("rb") as f:
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            shape, fortran, dtype = read_header[np.lib.format.read_magic(f)](f)
-            self.offset = f.tell()
-        if fortran or dtype != np.float32:
-            raise ValueError(f"{path}: expected a C-order float32 array, found {dtype} fortran={fortran}")
-        self.shape = tuple(shape)
+        header = np.load(path, mmap_mode="r")  # numpy's reader; no page of the data is read
+        if header.dtype != np.float32 or not header.flags.c_contiguous:
+            raise ValueError(f"{path}: expected a C-order float32 array, found {header.dtype}")
+        self.path, self.shape, self.offset = path, header.shape, header.offset
 
     def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, rows) a block at a time, read into one buffer: a block is overwritten by the next."""
@@ -158,10 +154,7 @@ class FileMatrix(Projection):
                 yield a, torch.from_numpy(block).view(-1, k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        if n * k * 4 <= ROWS_PER_BLOCK_BYTES:
-            return x @ next(self.blocks())[1].T
-        out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+        out = torch.empty(*x.shape[:-1], self.shape[0], dtype=torch.float32)
         for a, w in self.blocks():
             out[..., a:a + w.shape[0]] = x @ w.T
         return out
