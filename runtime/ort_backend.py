@@ -309,7 +309,7 @@ class OrtBackend:
             kv_bytes_per_sequence=per_sequence,
             hit_rate_probes=True, kv_noise=True, graph=self.graph,
             graph_note=self.graph_note, call_positions=CALL_POSITIONS,
-            verify_rows=min(VERIFY_ROWS, cfg.max_input) if io.QUERY_MASS.name in self.out_names else 0,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input),
             verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH, prefix_reuse=True)
 
     def open_session(self, so: Any) -> Any:
@@ -431,7 +431,7 @@ class OrtBackend:
         if int(past.max()) + S > self.n_max:
             raise ValueError(f"positions up to {int(past.max()) + S} exceed max-seq {self.n_max}")
         small = step_feeds(ids, past, new, sparse_window, top_k, np.array([c.row for c in caches], np.int32), rows)
-        want = self._wanted(probes, rows is not None and io.QUERY_MASS.name in self.out_names)
+        want = self._wanted(probes, rows is not None)
         with self.lock:
             plan = None
             if self.pools is not None:  # rows for the new positions, and the slot tables the nodes read

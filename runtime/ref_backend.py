@@ -145,12 +145,12 @@ class RefBackend:
         self.out_names = [o.name for o in proto.graph.output]
         # a shadow call (forward commit=False) writes only beyond each sequence's length: probes possible;
         # demote() reads the re-encoded latents back for the KV noise; each query of a call is computed alone
-        # (GsmSparseAttention's reference, runtime.ref_standard_ops' products), so a graph returning each logit
-        # row's query_mass verifies drafts
+        # (GsmSparseAttention's reference, runtime.ref_standard_ops' products) and the graph returns each logit
+        # row's query_mass, so a call verifies drafts
         self.capabilities = Capabilities(
             max_resident=R, max_per_call=R, positions=self.n_max, kv_bytes_per_sequence=row_bytes,
             hit_rate_probes=True, kv_noise=True, prefix_reuse=True, max_top_k=self.max_top_k,
-            verify_rows=min(VERIFY_ROWS, cfg.max_input) if io.QUERY_MASS.name in self.out_names else 0,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input),
             verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH)
 
     def new_cache(self) -> PluginCache:

@@ -33,15 +33,12 @@ import numpy as np
 from gsm import graph_io as io
 from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
 from runtime.backend import Capabilities, StepOutput, check_max_top_k, step_feeds
+from runtime.ort_backend import VERIFY_ROW_COST, VERIFY_ROW_COST_BATCH
 from runtime.plugin_cache import PluginCache, PluginRows, PrefixRows, quant_tables, read_latents
 
 log = logging.getLogger("runtime.trt_backend")
 
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
-# Not measured: no GPU has run this backend yet. A decode step on a GPU reads the weights and leaves the compute
-# units mostly idle, so a verified row should cost less than on the CPU graph; its figures (runtime/ort_backend.py,
-# measured there) are taken until scripts/gpu_check.sh measures these, erring towards fewer drafts.
-VERIFY_ROW_COST, VERIFY_ROW_COST_BATCH = 0.25, 0.65
 
 
 @dataclass(frozen=True)
@@ -188,12 +185,15 @@ class TrtBackend:
         # a shadow call writes only beyond each sequence's length (runtime.plugin_cache): probes possible. The
         # attention plugin computes each query row alone (tests/gpu: a row of a call is a one-token call's, bit for
         # bit); that the projections' GEMMs of the prefill profile give a row the decode profile's bits is
-        # TensorRT's choice of tactics, which tests/test_backend_contract.py's drafting test checks on a GPU
+        # TensorRT's choice of tactics, which tests/test_backend_contract.py's drafting test checks on a GPU. A
+        # verified row's cost is not measured (no GPU has run this backend): a decode step on a GPU reads the weights
+        # and leaves the compute units mostly idle, so a row should cost less than on the CPU graph, whose measured
+        # figures are taken until scripts/gpu_check.sh measures these, erring towards fewer drafts
         self.capabilities = Capabilities(
             max_resident=self.R, max_per_call=self.R, positions=self.n_max,
             kv_bytes_per_sequence=sum(self.row_bytes.values()) + 4 * self.n_max,
             hit_rate_probes=True, kv_noise=self.quant is not None, max_top_k=self.max_top_k,
-            verify_rows=min(VERIFY_ROWS, cfg.max_input) if io.QUERY_MASS.name in self.bufs else 0,
+            verify_rows=min(VERIFY_ROWS, cfg.max_input),
             verify_row_cost=VERIFY_ROW_COST, verify_row_cost_batch=VERIFY_ROW_COST_BATCH)
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ class TrtBackend:
         logits = self.bufs[io.LOGITS.name].download(np.empty((B, J, V), np.float32), self.stream)
         mass = self.bufs[io.ATTN_MASS.name].download(np.empty((B, self.n_max), np.float32), self.stream)
         query_mass = None
-        if rows is not None and io.QUERY_MASS.name in self.bufs:
+        if rows is not None:
             shape = (B, host[io.LOGIT_ROWS.name].shape[1], self.n_max)
             query_mass = self.bufs[io.QUERY_MASS.name].download(np.empty(shape, np.float32), self.stream)
         sel = layer_mass = None
