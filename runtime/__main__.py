@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                              "loads")
     t.add_argument("--speculative", choices=list(SPECULATIVE_MODES), default="auto",
                    help="each instance's drafting (a request's `speculative` input overrides it)")
+    t.add_argument("--draft-bundle", type=Path, metavar="DRAFT",
+                   help="every model drafts with this bundle's greedy tokens (runtime.load draft_bundle; its path is "
+                        "named, not copied)")
     t.add_argument("--copy", action="store_true", help="carry the bundles inside the repository (default: "
                                                        "name their paths)")
     t.add_argument("--python-env", type=Path, help="a virtual environment with the runtime's dependencies for the "
@@ -169,7 +172,7 @@ def triton(args: argparse.Namespace) -> int:
         except KnobError as e:
             raise ValueError(f"argument --config-patch: {str(e).removeprefix('--patch ')}") from None
     specs = [TritonModelSpec(b, names[i] if names else None, args.instances, args.kind, args.copy, args.backend,
-                             python_env=args.python_env, speculative=args.speculative,
+                             python_env=args.python_env, speculative=args.speculative, draft_bundle=args.draft_bundle,
                              allow_failed_verify=args.allow_failed_verify, config_patch=config_patch)
              for i, b in enumerate(args.bundles)]
     try:

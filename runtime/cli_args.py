@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from gsm.cli_support import CommandFailed, int_at_least
@@ -20,7 +21,8 @@ PROG = "python -m runtime"
 
 
 def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
-    """--backend, --threads, --spinning, --graph, --prefix-cache-mib, --speculative (passed on to runtime.load)."""
+    """--backend, --threads, --spinning, --graph, --prefix-cache-mib, --speculative, --draft-bundle (passed on to
+    runtime.load)."""
     p.add_argument("--backend", choices=list(BACKENDS), default="auto")
     p.add_argument("--threads", type=int_at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction, default=True,
@@ -36,6 +38,9 @@ def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--speculative", choices=list(SPECULATIVE_MODES), default="auto",
                    help="auto: draft tokens from each request's prompt and output and verify several per call (the "
                         "same tokens as off, greedy or seeded; where the backend can verify); off: one token a call")
+    p.add_argument("--draft-bundle", type=Path, metavar="DRAFT",
+                   help="draft with this bundle's greedy tokens instead of prompt lookup: a bundle with the same "
+                        "tokenizer (a smaller model of the family, or this model with INT4 weights), on its own rows")
 
 
 def backend_label(backend: Backend) -> str:
@@ -59,10 +64,19 @@ def load_runtime(args: argparse.Namespace, **kw: Any) -> Runtime:
     """runtime.load with the command's flags; a refusal raises ValueError (exit 2) naming the flag or the bundle,
     a backend that cannot start here CommandFailed (exit 1)."""
     import runtime
+    from runtime.draft_model import DraftBundleError
 
+    if args.draft_bundle is not None:
+        try:
+            runtime.verify_bundle(args.draft_bundle)
+        except runtime.BundleError as e:
+            raise ValueError(one_line(f"argument --draft-bundle: {e}")) from None
     try:
         return runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning, graph=args.graph,
-                            speculative=args.speculative, prefix_cache_mib=args.prefix_cache_mib, **kw)
+                            speculative=args.speculative, prefix_cache_mib=args.prefix_cache_mib,
+                            draft_bundle=args.draft_bundle, **kw)
+    except DraftBundleError as e:
+        raise ValueError(f"argument --draft-bundle: {e}") from None
     except runtime.RequestError as e:
         raise ValueError(f"argument {flag_of(e.field)}: {e.detail}") from None
     except runtime.BundleError as e:

@@ -15,6 +15,7 @@ import numpy as np
 from gsm.bundle_format import BundleConfig
 from gsm.bundle_knobs import RunKnobs
 from runtime.backend import Backend, Capabilities, StepOutput
+from runtime.draft_model import DraftModel
 from runtime.policy import TierPolicy
 from runtime.prefix_cache import DEFAULT_PREFIX_CACHE_MIB, PrefixCache
 from runtime.request_options import RequestOptions
@@ -71,6 +72,13 @@ class Runtime:
         # chat prompts' prefixes (runtime.prefix_cache); 0 bytes: none kept (the breaks stay: the same tokens)
         self.prefixes = PrefixCache(prefix_cache_bytes)
         self.worker = StepWorker(cfg, backend, self.prefixes)
+        self.draft: DraftModel | None = None  # a draft bundle drafting for requests (attach_draft); None: prompt lookup
+
+    def attach_draft(self, draft: Runtime) -> None:
+        """Requests draft with `draft`'s greedy tokens (runtime.draft_model) instead of prompt lookup; the adaptive rule
+        counts what a draft step costs, measured here. DraftBundleError where its tokenizer is not this bundle's."""
+        self.draft = DraftModel.attach(self, draft)
+        self.speculative = dataclasses.replace(self.speculative, draft_cost=self.draft.cost)
 
     # -- knobs ----------------------------------------------------------------------------------------------------
     @property
@@ -211,7 +219,8 @@ class Runtime:
         opts = RequestOptions.of(options, **keywords)  # the sampling fields are checked first
         return RequestState(self, self._prompt_ids(prompt), max_new_tokens, opts,
                             constraint=self._constraint(opts.response_format),
-                            speculative=self._speculation(opts.speculative))
+                            speculative=self._speculation(opts.speculative),
+                            drafter=None if self.draft is None else self.draft.drafts)
 
     def _speculation(self, mode: str | None) -> SpeculativeConfig | None:
         """A request's drafting: the runtime's config in the request's mode; None where it is off or the backend

@@ -91,7 +91,8 @@ def open_backend(backend: str, root: Path, cfg: BundleConfig, options: BackendOp
 
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
          sparse_top_k: int | None = None, spinning: bool = True, graph: str = "auto",
-         speculative: str = "auto", prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB) -> Runtime:
+         speculative: str = "auto", prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
+         draft_bundle: str | Path | None = None) -> Runtime:
     """Verify the bundle's hashes, then open it with `backend`.
 
     sparse_top_k: the default selection budget (spec 4.1) of every sequence, 0..max-seq (a value
@@ -108,6 +109,9 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     speculative: "auto" drafts tokens from each request's own prompt and output and verifies them several per call
     (runtime.speculative; same tokens as without, greedy or seeded), where the backend can ("off": one token a call);
     a request's own `speculative=` overrides it.
+    draft_bundle: another bundle with this one's tokenizer (a smaller model, or this model with INT4 weights) whose
+    greedy tokens are the drafts instead of prompt lookup (runtime.draft_model), opened with the same backend and
+    options on rows of its own memory plan (its --max-batch bounds the requests that draft at once).
     prefix_cache_mib: the memory kept for chat prompts' prefixes (the messages before the last one: a system prompt,
     worked examples, the history), so that the next prompt starting with them prefills its last message only
     (runtime.prefix_cache; 0: none kept, the same tokens either way).
@@ -133,5 +137,8 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     be = open_backend(backend, root, cfg, BackendOptions(threads=threads, spinning=bool(spinning), graph=graph))
     rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k, speculative=spec,
                  prefix_cache_bytes=int(prefix_cache_mib * (1 << 20)))
+    if draft_bundle is not None:
+        rt.attach_draft(load(draft_bundle, backend, threads=threads, spinning=spinning, graph=graph,
+                             speculative="off", prefix_cache_mib=prefix_cache_mib))
     trim_heap()  # what loading parsed and dropped (the tokenizer's JSON: ~16 MiB on SmolLM2) goes back
     return rt

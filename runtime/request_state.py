@@ -21,7 +21,7 @@ import numpy as np
 
 from runtime.request_options import RequestOptions
 from runtime.sampling import RequestError, Sampler, SamplingParams, apply_penalties
-from runtime.speculative import DraftLength, NgramDrafts, SpeculativeConfig
+from runtime.speculative import Drafter, DraftLength, NgramDrafts, SpeculativeConfig
 from runtime.stop_strings import check_stop, find_stop, held_back
 from runtime.text import Detokenizer, TextCodec
 
@@ -48,6 +48,10 @@ class Generation:
     text: str | None  # what follows the prompt's text (leading space kept); None without a tokenizer
     finish_reason: str  # "stop" (a stop id / string, grammar end) | "length" (max_new_tokens) | "context" (max-seq)
     tokens: list[Token] | None = None  # every generated token with its log-probabilities (when asked)
+
+
+# (the prompt, the tokens generated so far, prompt_break) -> a drafter
+DrafterSource = Callable[[list[int], list[int], int | None], Drafter]
 
 
 class TokenConstraint(Protocol):
@@ -119,10 +123,11 @@ class RequestState:
 
     def __init__(self, model: ModelLimits, prompt_ids: Sequence[int], max_new_tokens: int, options: RequestOptions, *,
                  constraint: TokenConstraint | None = None, speculative: SpeculativeConfig | None = None,
-                 prompt_break: int | None = None) -> None:
+                 drafter: DrafterSource | None = None, prompt_break: int | None = None) -> None:
         """options: what the request asks (runtime.request_options); constraint: its response_format compiled
-        (runtime.constrained); speculative: how it drafts (None: it does not); prompt_break: where a chat prompt's
-        last message starts (its prefill ends a call there: runtime.prefix_cache)."""
+        (runtime.constrained); speculative: how it drafts (None: it does not); drafter: what makes its drafter at
+        the first proposal (a draft bundle's: runtime.draft_model; None: prompt lookup); prompt_break: where a chat
+        prompt's last message starts (its prefill ends a call there: runtime.prefix_cache)."""
         self.prompt_ids = check_ids(prompt_ids, model.vocab_size, "prompt")
         if not self.prompt_ids:
             raise RequestError("prompt", "the prompt is empty: need at least one token")
@@ -157,9 +162,11 @@ class RequestState:
         self.finish_reason: str | None = None
         self.detok = None if model.codec is None else Detokenizer(model.codec.decode, self.prompt_ids)
         self.sampler = Sampler.from_params(params)
-        # prompt lookup over this request's tokens and its adaptive draft length (runtime.speculative); None: off
+        # the request's drafter (prompt lookup over its tokens, or made at the first proposal by `drafter`) and its
+        # adaptive draft length (runtime.speculative); None: off
         on = speculative is not None and speculative.on
-        self.drafts = NgramDrafts(self.prompt_ids, speculative) if on else None
+        self._drafter = drafter if on else None
+        self.drafts: Drafter | None = NgramDrafts(self.prompt_ids, speculative) if on and drafter is None else None
         self.draft_length = DraftLength(speculative) if on else None
         self._forced = False  # the last proposal was the grammar's forced tokens
         # where a chat prompt's last message starts: its prefill ends a call there (runtime.prefix_cache)
@@ -241,16 +248,19 @@ class RequestState:
     def propose(self, room: int) -> list[int]:
         """Drafts to verify after `next_token` (at most `room`; none when drafting is off or would not pay): the
         tokens a structured output's grammar forces where it forces some (grammar fast-forward), else prompt
-        lookup's, as many as the adaptive rule finds worth a call."""
+        lookup's (or the draft bundle's), as many as the adaptive rule finds worth a call."""
         self._forced = False
-        if self.drafts is None or self.draft_length is None or room < 1:
+        if self.draft_length is None or room < 1:
             return []
         if self.constraint is not None:
             forced = self.constraint.forced(room)
             if forced:
                 self._forced = True  # kept unless a stop ends the request: not evidence for the lookup's rate
                 return forced
-        return self.drafts.propose(self.draft_length.length(room))
+        k = self.draft_length.length(room)
+        if k and self.drafts is None and self._drafter is not None:
+            self.drafts = self._drafter(self.prompt_ids, self.ids, self.prompt_break)
+        return [] if self.drafts is None else self.drafts.propose(k)
 
     @property
     def draft_acceptance(self) -> float:
@@ -330,6 +340,8 @@ class RequestState:
         """End the request: stop | length | context here; a driver adds cancelled | deadline | error."""
         if self.detok is not None and reason not in ABANDONED_ENDS:
             self.detok.flush()  # bytes held back before a stop id: no token left to carry them, .text has them
+        if self.drafts is not None:
+            self.drafts.close()
         self.finish_reason = reason
 
     def result(self) -> Generation:

@@ -194,8 +194,7 @@ class CachedSequence:
         cap = self.worker.capabilities.verify_rows
         if cap < 2:
             return 0
-        to_retier = self.policy.rate - self.state.decode_steps % self.policy.rate
-        return max(0, min(cap, to_retier, self.worker.n_max - self.length) - 1)
+        return max(0, min(cap, self.steps_to_retier, self.worker.n_max - self.length) - 1)
 
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         """Feed the next token and drafts as one call; returns logits [n, V], row j what a one-token step after
@@ -215,6 +214,38 @@ class CachedSequence:
             self.state.add_positions([v.tokens[j]])
             self.state.update_hotness(v.mass[j], self.policy.hotness_decay)
             self.count_decode_step()
+
+
+    def mark(self) -> SequenceMark:
+        """Where the sequence is now, to `rewind` to after steps that turn out not to belong to it (a draft model's
+        guesses: runtime.draft_model)."""
+        if self.pending is not None:
+            raise ValueError("mark(): settle the last verification with keep(n) first")
+        return SequenceMark(self.length, copy.deepcopy(self.state), self.retier_passes)
+
+    def rewind(self, mark: SequenceMark) -> None:
+        """Back to `mark`, as if the steps after it were never made: the state copied then, the cache forgetting every
+        later position (backend.truncate). Steps that ran a re-tier pass cannot be undone (it re-encoded earlier rows):
+        the caller stops before one (`steps_to_retier`)."""
+        if mark.retier_passes != self.retier_passes or mark.length > self.length:
+            raise ValueError(f"rewind to position {mark.length}: a re-tier pass ran since, or the sequence is shorter")
+        self.pending = None
+        self.worker.backend.truncate(self.cache, mark.length)
+        self.state = copy.deepcopy(mark.state)
+
+    @property
+    def steps_to_retier(self) -> int:
+        """Decode steps until the one that ends with a re-tier pass (1: the next step runs it)."""
+        return self.policy.rate - self.state.decode_steps % self.policy.rate
+
+
+@dataclass(frozen=True)
+class SequenceMark:
+    """A sequence's length and host state at one point (CachedSequence.mark)."""
+
+    length: int
+    state: SequenceState
+    retier_passes: int
 
 
 def check_sparse_top_k(k: int, n_max: int) -> int:

@@ -12,16 +12,19 @@ seeded sampled request gives the same tokens with drafting on or off, and greedy
 construction. `accept_draft` states the general rule (a drafter with a distribution of its own); its test checks
 the output distribution by chi-square.
 
-`NgramDrafts` is prompt lookup (vLLM's `ngram`, llama.cpp's `lookup`): the tokens that followed the latest earlier
-occurrence of the history's last n tokens, longest n first. `DraftLength` is the adaptive rule: from an estimate of
-the per-token acceptance and the measured cost of a verification row it drafts the length whose expected tokens per
-unit of cost is best, and nothing when no length beats a one-token step, so no workload is slower with it on.
+A `Drafter` proposes tokens after a request's history: `NgramDrafts` is prompt lookup (vLLM's `ngram`, llama.cpp's
+`lookup`): the tokens that followed the latest earlier occurrence of the history's last n tokens, longest n first;
+runtime.draft_model's `ModelDrafts` is another bundle's greedy tokens. `DraftLength` is the adaptive rule: from an
+estimate of the per-token acceptance, the measured cost of a verification row and the cost of drafting a token it
+drafts the length whose expected tokens per unit of cost is best, and nothing when no length beats a one-token step,
+so no workload is slower with it on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -41,6 +44,9 @@ class SpeculativeConfig:
     # the cost of each verified row beyond the first, in one-token steps: the backend's (Capabilities.verify_row_cost,
     # set by Runtime.request); the rule drafts k tokens only where the expected tokens beat 1 + row_cost * k
     row_cost: float = 0.25
+    # the cost of drafting one token, in one-token steps of the target: 0 for prompt lookup, a draft bundle's step
+    # over the target's (runtime.draft_model.DraftModel.cost)
+    draft_cost: float = 0.0
     prior_acceptance: float = 0.6  # a request's acceptance estimate before its first verification
     memory: float = 0.7  # weight of the previous estimate at each verification (an exponential average)
 
@@ -49,8 +55,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.mode!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} and ngram_max {self.ngram_max}: need 1 <= min <= max")
-        if self.max_draft < 1 or not self.row_cost > 0:
-            raise ValueError("max_draft must be >= 1 and row_cost > 0")
+        if self.max_draft < 1 or not self.row_cost > 0 or not self.draft_cost >= 0:
+            raise ValueError("max_draft must be >= 1, row_cost > 0 and draft_cost >= 0")
 
     @property
     def on(self) -> bool:
@@ -61,6 +67,18 @@ def check_speculative(mode: str | None, field_name: str = "speculative") -> str 
     if mode is not None and mode not in SPECULATIVE_MODES:
         raise RequestError(field_name, f"must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
     return mode
+
+
+class Drafter(Protocol):
+    """What a request drafts with: told every token the request accepts, asked for tokens to verify next."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def propose(self, limit: int) -> list[int]: ...
+
+    def close(self) -> None:
+        """The request ended: give back what the drafter holds."""
+        ...
 
 
 class NgramDrafts:
@@ -85,6 +103,9 @@ class NgramDrafts:
                 self._prev[n] = last.get(key)
                 last[key] = end
 
+    def close(self) -> None:
+        pass
+
     def propose(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest matching suffix."""
         if limit <= 0:
@@ -106,9 +127,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 @dataclass
 class DraftLength:
     """The adaptive rule of one request: an exponential average of the fraction of drafted tokens kept, and the
-    draft length that maximises expected tokens per cost (1 + row_cost * k one-token steps); 0 when none beats a
-    one-token step. A request whose drafts stopped paying drafts again after `retry` steps without, with the
-    estimate halfway back to the prior (a workload can change within a request)."""
+    draft length that maximises expected tokens per cost (1 + (row_cost + draft_cost) * k one-token steps); 0 when
+    none beats a one-token step. A request whose drafts stopped paying drafts again after `retry` steps without, with
+    the estimate halfway back to the prior (a workload can change within a request)."""
 
     cfg: SpeculativeConfig
     acceptance: float = field(init=False)
@@ -124,7 +145,7 @@ class DraftLength:
         """Drafts for the next call, at most `room` (what the call and the sequence can take)."""
         best_k, best = 0, 1.0
         for k in range(1, min(self.cfg.max_draft, room) + 1):
-            rate = expected_tokens(self.acceptance, k) / (1.0 + self.cfg.row_cost * k)
+            rate = expected_tokens(self.acceptance, k) / (1.0 + (self.cfg.row_cost + self.cfg.draft_cost) * k)
             if rate > best * 1.0001:
                 best_k, best = k, rate
         if best_k == 0:

@@ -330,6 +330,131 @@ def test_the_engine_with_drafting_gives_each_request_its_tokens_alone(rt, batche
     assert Drafts.accepted > 0 and Drafts.drafted > Drafts.accepted
 
 
+def _load_like(rt, bundle, **kw):
+    """The bundle opened as `rt` is (its backend, its network)."""
+    import runtime
+
+    if rt.backend.name == "reference":
+        return runtime.load(bundle, "reference", **kw)
+    return runtime.load(bundle, "onnxruntime", threads=1, graph=rt.backend.graph, **kw)
+
+
+@pytest.fixture
+def self_drafted(rt, bundle):
+    """The bundle drafting for itself (runtime.draft_model) on the same backend: its guesses are the target's own greedy
+    tokens wherever its cache holds exactly the request's tokens. Its measured cost (a whole step) would make the rule
+    never draft, so the test sets it to 0, and rows nearly free, so that requests whose samples reject most guesses
+    draft on."""
+    import dataclasses
+
+    t = _load_like(rt, bundle, draft_bundle=bundle)
+    assert t.draft is not None and 0.3 < t.draft.cost < 3, "a draft of the same bundle costs about one step"
+    t.speculative = dataclasses.replace(t.speculative, draft_cost=0.0, row_cost=1e-3)
+    return t
+
+
+def _guesses_against_rows(rt):
+    """Wraps every request's accept_verified to record, per verification row, (the row's argmax, the draft the next row
+    verifies): a draft bundle that is the target, in step with the request, guesses each row's argmax."""
+    from runtime.request_state import RequestState
+
+    pairs = []
+    orig = RequestState.accept_verified
+
+    def spy(self, logits, drafts, length):
+        pairs.extend((int(np.argmax(logits[j])), int(d)) for j, d in enumerate(drafts))
+        return orig(self, logits, drafts, length)
+
+    return pairs, pytest.MonkeyPatch.context(), spy
+
+
+@pytest.mark.parametrize("kw", [{}, {"temperature": 1.0, "seed": 5}])
+def test_a_draft_bundle_follows_the_request_through_its_rejections(self_drafted, kw):
+    """Greedy and sampled requests (whose samples reject many greedy guesses: each rejection rewinds the draft's
+    sequence), over prompts that cross re-tier passes (every 8 steps): the same tokens as without drafting, and
+    every guess the target's own argmax after the same tokens (the draft's cache holds exactly the request's)."""
+    from runtime.request import TokenStream
+    from runtime.request_state import RequestState
+
+    pairs, mp, spy = _guesses_against_rows(self_drafted)
+    drafted = 0
+    with mp as m:
+        m.setattr(RequestState, "accept_verified", spy)
+        for p in (_prompt(40, 6), _prompt(9, 1), _looping_prompt()):
+            off = self_drafted.generate(p, 60, stop_ids=[], speculative="off", **kw)
+            req = self_drafted.request(p, 60, stop_ids=[], speculative="auto", **kw)
+            assert TokenStream(self_drafted, req).collect().ids == off.ids
+            drafted += req.draft_length.drafted
+            assert req.drafts.seq is None, "the request's end gave its draft row back"
+    assert drafted > 60 and len(pairs) == drafted
+    assert [a for a, _ in pairs] == [d for _, d in pairs]
+
+
+def test_the_engine_drafts_with_a_draft_bundle_and_without_a_free_draft_row(self_drafted):
+    """Requests of the engine each draft on a row of the draft bundle and give their tokens alone; with every row of
+    the draft's plan taken, a request drafts nothing and gives the same tokens."""
+    from runtime.engine import Engine, EngineConfig
+
+    prompts = [_looping_prompt(), _prompt(30, 4), _prompt(5, 9), _prompt(70, 2)]
+    kws = [{}, {"temperature": 0.9, "seed": 1}, {}, {"temperature": 1.2, "seed": 8}]
+    alone = [self_drafted.generate(p, 30, stop_ids=[], speculative="off", **kw).ids for p, kw in zip(prompts, kws)]
+    pairs, mp, spy = _guesses_against_rows(self_drafted)
+    from runtime.request_state import RequestState
+
+    with mp as m, Engine(self_drafted, EngineConfig(max_running=4, min_hit_rate=0, max_kv_noise=None)) as eng:
+        m.setattr(RequestState, "accept_verified", spy)
+        got = [h.result(60).ids for h in [eng.submit(p, 30, stop_ids=[], speculative="auto", **kw)
+                                           for p, kw in zip(prompts, kws)]]
+    assert got == alone and pairs and [a for a, _ in pairs] == [d for _, d in pairs]
+    draft = self_drafted.draft.runtime
+    held = [draft.new_sequence() for _ in range(draft.capabilities.max_resident)]
+    req = self_drafted.request(prompts[0], 30, stop_ids=[], speculative="auto")
+    from runtime.request import TokenStream
+
+    assert TokenStream(self_drafted, req).collect().ids == alone[0]
+    assert req.drafts.unavailable and req.draft_length.drafted == 0
+    del held
+
+
+def test_another_model_with_the_tokenizer_drafts_until_its_max_seq(bundle, demo):
+    """The demo model (other weights, the synthetic model's byte-level tokenizer, max-seq 128) drafting for the
+    synthetic one: guesses often rejected, none past the draft's max-seq, the same tokens greedy and seeded."""
+    import dataclasses
+
+    import runtime
+    from runtime.request import TokenStream
+
+    t = runtime.load(bundle, "onnxruntime", threads=1, draft_bundle=demo.bundle)
+    t.speculative = dataclasses.replace(t.speculative, draft_cost=0.0, row_cost=1e-3)
+    for kw in ({}, {"temperature": 0.8, "seed": 2}):
+        off = t.generate(_prompt(100, 7), 60, stop_ids=[], speculative="off", **kw)
+        req = t.request(_prompt(100, 7), 60, stop_ids=[], speculative="auto", **kw)
+        assert TokenStream(t, req).collect().ids == off.ids
+        assert 0 < req.draft_length.drafted and req.drafts.unavailable
+        assert req.draft_length.accepted < req.draft_length.drafted
+
+
+def test_a_draft_bundle_with_another_tokenizer_is_refused(bundle, tmp_path):
+    """A model of another vocabulary (the synthetic small preset, 1,024 tokens) is refused by runtime.load and the CLI,
+    naming the draft bundle and the field; a directory that is no bundle is named with the flag."""
+    import subprocess
+    import sys
+
+    import runtime
+    from runtime.draft_model import DraftBundleError
+
+    other = tmp_path / "small"
+    build(BuildConfig(device="orin", checkpoint=synth_checkpoint("small", tmp_path / "ck", seed=1), output=other,
+                      max_seq=64, max_input=16))
+    with pytest.raises(DraftBundleError, match=f"draft bundle {other}: vocab_size is 1024, the target .* has 384"):
+        runtime.load(bundle, "onnxruntime", threads=1, draft_bundle=other)
+    for draft, want in ((other, "argument --draft-bundle: draft bundle"),
+                        (tmp_path / "ck", "argument --draft-bundle: " + str(tmp_path / "ck") + ": a GSM checkpoint")):
+        r = subprocess.run([sys.executable, "-m", "runtime", "generate", str(bundle), "--ids", "1,2,3",
+                            "--draft-bundle", str(draft)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and want in r.stderr, r.stderr
+
+
 def test_a_backend_that_cannot_verify_decodes_one_token_a_call(bundle):
     """A backend whose capabilities verify no drafts (a graph without query_mass): a request there drafts nothing, and
     gives the same tokens."""

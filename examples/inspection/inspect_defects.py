@@ -153,7 +153,8 @@ def plain_prompt(d: Detection, examples: int = len(EXAMPLES)) -> str:
 
 
 def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
-                   examples: int = len(EXAMPLES), speculative: str = "auto") -> tuple[str, list[Item], dict]:
+                   examples: int = len(EXAMPLES), speculative: str = "auto",
+                   draft_bundle: Path | None = None) -> tuple[str, list[Item], dict]:
     """All detections submitted at once to an in-process engine; answers collected in order. Also
     returns the engine's fallback counts (docs/serving.md, "Fallback policies") and its drafted and kept tokens."""
     import runtime
@@ -166,7 +167,7 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
             self.counts["drafted"] += drafted
             self.counts["accepted"] += accepted
 
-    rt = runtime.load(bundle, speculative=speculative)
+    rt = runtime.load(bundle, speculative=speculative, draft_bundle=draft_bundle)
     drafts = Drafts()
     t = time.monotonic()
     # every prompt starts with the system prompt and the worked examples: computed once before the first detection
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
     p.add_argument("--speculative", choices=["auto", "off"], default="auto",
                    help="auto: tokens drafted from the prompt and the answer so far, verified several per call (the "
                         "same reports as off); off: one token per call")
+    p.add_argument("--draft-bundle", type=Path, help="with --bundle: draft with this bundle's greedy tokens (a "
+                                                     "bundle with the same tokenizer) instead of the prompt's")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -277,10 +280,21 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
         except runtime.BundleError as e:
             err(f"argument --bundle: {e}")
             return 2
+    if args.draft_bundle is not None:
+        import runtime
+
+        try:
+            if args.bundle is None:
+                raise runtime.BundleError("needs --bundle (a server drafts with `runtime serve --draft-bundle`)")
+            runtime.verify_bundle(args.draft_bundle)
+        except runtime.BundleError as e:
+            err(f"argument --draft-bundle: {e}")
+            return 2
     t0 = time.monotonic()
     try:
         if args.bundle is not None:
-            model, items, extra = run_in_process(args.bundle, dets, args.max_tokens, args.examples, args.speculative)
+            model, items, extra = run_in_process(args.bundle, dets, args.max_tokens, args.examples, args.speculative,
+                                                 args.draft_bundle)
         else:
             model, items, extra = run_http(args.server, dets, args.max_tokens, args.examples,
                                            speculative=args.speculative)

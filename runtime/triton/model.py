@@ -178,7 +178,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         import runtime
         from runtime.engine import Engine, EngineConfig
-        from runtime.triton.repository import ALLOW_PARAM
+        from runtime.triton.repository import ALLOW_PARAM, DRAFT_PARAM
         from runtime.verdict import ALLOW_FAILED_VERIFY, refuse_failed
 
         config = json.loads(args["model_config"])
@@ -187,7 +187,8 @@ class TritonPythonModel:
         if not bundle.is_absolute():  # carried in the repository: relative to the model directory
             bundle = Path(args["model_repository"]) / bundle
         # verifies every file's hash
-        self.rt = runtime.load(bundle, params.get("backend", "auto"), speculative=params.get("speculative", "auto"))
+        self.rt = runtime.load(bundle, params.get("backend", "auto"), speculative=params.get("speculative", "auto"),
+                               draft_bundle=params.get(DRAFT_PARAM))
         # a failed golden check on this backend refuses the model (Triton shows it UNAVAILABLE with this reason)
         self.verify = refuse_failed(bundle, self.rt.backend.name, flag=f"{ALLOW_FAILED_VERIFY} (runtime triton)",
                                     allow=params.get(ALLOW_PARAM) == "true")

@@ -33,6 +33,7 @@ from runtime.verdict import ALLOW_FAILED_VERIFY, recorded_verdicts, refuse_faile
 KINDS = ("cpu", "gpu")
 ALLOW_PARAM, VERIFY_PARAM = "allow_failed_verify", "golden_check"  # config.pbtxt parameters (runtime.triton.model)
 PATCH_PARAM = "gsm_config_patch"  # config.pbtxt parameter: a JSON Patch of the bundle's knobs, applied at load
+DRAFT_PARAM = "draft_bundle"  # config.pbtxt parameter: the draft bundle's absolute path (absent: prompt lookup)
 # the generate extension's inputs (`/v2/models/NAME/generate` maps JSON fields onto them by name): name,
 # Triton type, dims; all optional but text_input
 INPUTS = (
@@ -82,6 +83,7 @@ class TritonModelSpec:
     backend: str = "auto"  # runtime.load's backend
     max_queue: int = 64  # requests waiting in the engine before Triton gets an error back
     speculative: str = "auto"  # runtime.load's: drafting on ("auto") or off; a request's `speculative` input overrides
+    draft_bundle: Path | None = None  # runtime.load's: a bundle whose greedy tokens are the drafts (its path as given)
     python_env: Path | None = None  # the virtual environment the model imports from (default: the writer's)
     allow_failed_verify: bool = False  # load even where the bundle's recorded golden check failed on the backend
     # a JSON Patch (RFC 6902) of the bundle's run-time knobs, as JSON text: the PATCH_PARAM parameter (None: none)
@@ -116,6 +118,8 @@ def config_pbtxt(spec: TritonModelSpec, cfg: BundleConfig, bundle_ref: str) -> s
                                         for b in recorded_verdicts(Path(spec.bundle))})}
     if spec.config_patch is not None:
         params[PATCH_PARAM] = spec.config_patch
+    if spec.draft_bundle is not None:
+        params[DRAFT_PARAM] = str(Path(spec.draft_bundle).resolve())
     parameters = "\n".join(f"parameters {{\n  key: \"{k}\"\n  value: {{ string_value: {json.dumps(v)} }}\n}}"
                            for k, v in params.items())
     return (f"name: \"{spec.model_name}\"\nbackend: \"python\"\nmax_batch_size: 0\n"
