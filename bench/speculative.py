@@ -1,7 +1,8 @@
 """Speculative decoding and prefix reuse on a real bundle, three modes on four workloads, each mode in a fresh process
 (its peak RSS beside its speed), and llama.cpp's server with and without its n-gram speculation on the same prompts
 where it is built. Modes: off (no drafting, no prefix cache: every prompt prefilled whole), prefix (the prefix cache
-alone), auto (both, the default).
+alone), auto (both, the default), and with --draft-bundle D draft (the prefix cache and D's greedy tokens as the
+drafts: runtime.draft_model; D's measured cost per step is printed).
 
 Workloads (greedy; the same tokens in every mode is checked and printed):
 - inspection: the inspection app's detections (examples/inspection), its chat prompt with worked examples and the
@@ -13,7 +14,8 @@ Workloads (greedy; the same tokens in every mode is checked and printed):
 - engine8: the inspection detections, 8 at once through the Engine (continuous batching): aggregate tokens/s.
 
     python bench/speculative.py --bundle B --engine-bundle B8 [--threads 2] [--repeat 2] [--json out.json] \
-        [--llama DIR]      (DIR: scripts/llama_server.sh's; B8: B's build with --max-seq 4352 --max-batch 8)
+        [--llama DIR] [--draft-bundle D] [--modes off,auto,...]
+        (DIR: scripts/llama_server.sh's; B8: B's build with --max-seq 4352 --max-batch 8)
 
 Each mode runs `--repeat` times, alternating; a workload's figure is its fastest run (this machine's timing noise
 is one-sided). Run it alone: another busy process makes every figure meaningless.
@@ -44,6 +46,7 @@ QUESTIONS = (
 )
 N_STORIES, STORY_PROMPT, NEW_TOKENS = 8, 200, 128
 MODES = ("off", "prefix", "auto")
+ALL_MODES = (*MODES, "draft")
 
 
 def story_prompts(rt) -> list[list[int]]:
@@ -60,7 +63,7 @@ def story_prompts(rt) -> list[list[int]]:
     return out
 
 
-def child(bundle: Path, mode: str, threads: int, part: str) -> dict:
+def child(bundle: Path, mode: str, threads: int, part: str, draft: Path | None = None) -> dict:
     """One mode's single-request workloads (part "single") or its engine workload ("engine"); the figures and the
     token ids (for the identity check)."""
     sys.path.insert(0, str(ROOT))
@@ -70,9 +73,10 @@ def child(bundle: Path, mode: str, threads: int, part: str) -> dict:
     from runtime.request import TokenStream
 
     rt = runtime.load(bundle, threads=threads, speculative="off" if mode in ("off", "prefix") else "auto",
-                      prefix_cache_mib=0 if mode == "off" else DEFAULT_PREFIX_CACHE_MIB)
+                      prefix_cache_mib=0 if mode == "off" else DEFAULT_PREFIX_CACHE_MIB,
+                      draft_bundle=draft if mode == "draft" else None)
     dets = read_detections(ROOT / "examples" / "inspection" / "detections.jsonl")
-    res: dict = {"mode": mode}
+    res: dict = {"mode": mode, "draft_cost": None if rt.draft is None else rt.draft.cost}
 
     def timed(name: str, reqs) -> None:
         ids, prompts, drafted, accepted, t0 = [], [], 0, 0, time.perf_counter()
@@ -89,9 +93,8 @@ def child(bundle: Path, mode: str, threads: int, part: str) -> dict:
             decode_s += end - (first or end)
             ids.append(stream.ids)
             prompts.append(list(req.prompt_ids))
-            if req.draft_length is not None:
-                drafted += req.draft_length.drafted
-                accepted += req.draft_length.accepted
+            d, k = req.draft_counts
+            drafted, accepted = drafted + d, accepted + k
         wall = time.perf_counter() - t0
         res[name] = {"wall_s": wall, "tokens": sum(map(len, ids)), "per_request_s": times, "ids": ids,
                      "prompts": prompts, "drafted": drafted, "accepted": accepted, "decode_s": decode_s,
@@ -168,9 +171,10 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def run_child(bundle: Path, mode: str, threads: int, part: str) -> dict:
+def run_child(bundle: Path, mode: str, threads: int, part: str, draft: Path | None) -> dict:
     r = subprocess.run([sys.executable, __file__, "--bundle", str(bundle), "--threads", str(threads), "--child", mode,
-                        "--part", part], capture_output=True, text=True, cwd=ROOT,
+                        "--part", part, *(["--draft-bundle", str(draft)] if draft else [])],
+                       capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if r.returncode != 0:
         raise RuntimeError(f"child {mode} failed:\n{r.stderr[-3000:]}")
@@ -257,28 +261,35 @@ def main() -> int:
                    help="where scripts/llama_server.sh put bin/llama-server")
     p.add_argument("--engine-bundle", type=Path, help="the bundle of the engine workload (built with --max-batch 8; "
                                                            "default --bundle)")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--draft-bundle", type=Path, help="adds the mode draft: this bundle's greedy tokens as the drafts "
+                                                          "(the same tokenizer as --bundle)")
+    p.add_argument("--modes", help=f"comma-separated, of {', '.join(ALL_MODES)} (default: all; draft with "
+                                   "--draft-bundle); the first is the others' reference")
+    p.add_argument("--child", choices=ALL_MODES, help=argparse.SUPPRESS)
     p.add_argument("--part", choices=["single", "engine"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.bundle, a.child, a.threads, a.part)))
+        print(json.dumps(child(a.bundle, a.child, a.threads, a.part, a.draft_bundle)))
         return 0
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = tuple(a.modes.split(",")) if a.modes else MODES + (("draft",) if a.draft_bundle else ())
+    if not set(modes) <= set(ALL_MODES) or ("draft" in modes and a.draft_bundle is None):
+        p.error(f"--modes: each of {', '.join(ALL_MODES)} (draft needs --draft-bundle), got {a.modes}")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(a.repeat):
-        for mode in MODES:
-            one = run_child(a.bundle, mode, a.threads, "single")
-            eng = run_child(a.engine_bundle or a.bundle, mode, a.threads, "engine")
+        for mode in modes:
+            one = run_child(a.bundle, mode, a.threads, "single", a.draft_bundle)
+            eng = run_child(a.engine_bundle or a.bundle, mode, a.threads, "engine", a.draft_bundle)
             runs[mode].append({**one, "engine8": eng["engine8"], "engine_rss_mib": eng["peak_rss_mib"]})
             print(f"  {mode}: " + ", ".join(f"{w} {runs[mode][-1][w]['wall_s']:.2f} s"
                                            for w in ("inspection", "chat", "story", "engine8")), file=sys.stderr)
     works = ("inspection", "chat", "story")
-    same = {w: all(r[w]["ids"] == runs["off"][0][w]["ids"] for m in MODES for r in runs[m])
+    same = {w: all(r[w]["ids"] == runs[modes[0]][0][w]["ids"] for m in modes for r in runs[m])
             for w in (*works, "engine8")}
     print(f"bundle {a.bundle.name}, {a.threads} threads, best of {a.repeat} fresh processes per mode; the same tokens "
           "in every mode: " + ", ".join(f"{w} {'yes' if ok else 'NO'}" for w, ok in same.items()))
     print("| engine | inspection s/report | inspection tok/s | chat tok/s | story tok/s | drafts kept | peak RSS MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for m in MODES:
+    for m in modes:
         def best(w: str, key: str, rs=runs[m]) -> dict:
             return min((r[w] for r in rs), key=lambda x: x[key])
         insp = best("inspection", "wall_s")
@@ -289,15 +300,19 @@ def main() -> int:
         kept = "/".join(f"{r[w]['accepted'] / r[w]['drafted']:.2f}" if r[w]["drafted"] else "-"
                         for r in runs[m][:1] for w in works)
         print(f"| gsm-edge {m} | " + " | ".join(cells) + f" | {kept} | {max(r['peak_rss_mib'] for r in runs[m]):.0f} |")
+    costs = [r["draft_cost"] for m in modes for r in runs[m] if r["draft_cost"] is not None]
+    if costs:
+        print(f"draft bundle {a.draft_bundle.name}: a step costs {min(costs):.2f}-{max(costs):.2f} of the target's "
+              "(measured at load)")
     from runtime.ort_backend import VERIFY_ROW_COST
 
-    off = runs["off"][0]
+    off = runs[modes[0]][0]
     print("prompt-lookup ceiling (the off run's tokens replayed through the drafter and its rule; a verified row "
           "costing c one-token steps): " + ", ".join(
               f"{w} {lookup_ceiling(off[w]['prompts'], off[w]['ids'], VERIFY_ROW_COST):.2f}x at c={VERIFY_ROW_COST} / "
               f"{lookup_ceiling(off[w]['prompts'], off[w]['ids'], 0.01):.2f}x at c=0.01" for w in works))
     print("inspection prefix prefilled at start (Runtime.warm_prefix, as the app does): " + ", ".join(
-        f"{m} {runs[m][0]['warm_tokens']} tokens in {min(r['warm_s'] for r in runs[m]):.3f} s" for m in MODES))
+        f"{m} {runs[m][0]['warm_tokens']} tokens in {min(r['warm_s'] for r in runs[m]):.3f} s" for m in modes))
     anchors = llama_server(a.llama, a.bundle, a.threads)
     if anchors is None:
         print(f"| llama.cpp | not run: {a.llama / 'bin' / 'llama-server'} not built (scripts/llama_server.sh) |")
@@ -306,12 +321,12 @@ def main() -> int:
             print(f"| {name} | {v['inspection']['request_s']:.3f} | {v['inspection']['tok_s']:.1f} | "
                   f"{v['chat']['tok_s']:.1f} | {v['story']['tok_s']:.1f} | "
                   + "/".join(f"{v[w]['kept']:.2f}" for w in works) + f" | {v['peak_rss_mib']:.0f} |")
-    e = {m: min((r["engine8"] for r in runs[m]), key=lambda x: x["wall_s"]) for m in MODES}
+    e = {m: min((r["engine8"] for r in runs[m]), key=lambda x: x["wall_s"]) for m in modes}
     print(f"engine8 ({(a.engine_bundle or a.bundle).name}, 8 inspection requests at once, fallbacks off): "
-          + ", ".join(f"{m} {e[m]['tokens'] / e[m]['wall_s']:.1f} tok/s" for m in MODES)
-          + f" ({e['off']['wall_s'] / e['auto']['wall_s']:.2f}x auto/off), drafts kept "
-          f"{e['auto']['accepted']}/{e['auto']['drafted']}; peak RSS "
-          + " / ".join(f"{max(r['engine_rss_mib'] for r in runs[m]):.0f}" for m in MODES) + " MiB")
+          + ", ".join(f"{m} {e[m]['tokens'] / e[m]['wall_s']:.1f} tok/s" for m in modes)
+          + "; drafts kept " + ", ".join(f"{m} {e[m]['accepted']}/{e[m]['drafted']}" for m in modes if e[m]["drafted"])
+          + "; peak RSS "
+          + " / ".join(f"{max(r['engine_rss_mib'] for r in runs[m]):.0f}" for m in modes) + " MiB")
     if a.json:
         a.json.write_text(json.dumps({"runs": runs, "anchors": anchors}, indent=1))
     return 0 if all(same.values()) else 1

@@ -39,7 +39,7 @@ def add_backend_arguments(p: argparse.ArgumentParser | Any) -> None:
                    help="auto: draft tokens from each request's prompt and output and verify several per call (the "
                         "same tokens as off, greedy or seeded; where the backend can verify); off: one token a call")
     p.add_argument("--draft-bundle", type=Path, metavar="DRAFT",
-                   help="draft with this bundle's greedy tokens instead of prompt lookup: a bundle with the same "
+                   help="draft with this bundle's greedy tokens where prompt lookup finds none: a bundle with the same "
                         "tokenizer (a smaller model of the family, or this model with INT4 weights), on its own rows")
 
 

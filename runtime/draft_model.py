@@ -1,10 +1,16 @@
 """A draft bundle: another gsm-edge bundle with the target's tokenizer drafting greedy tokens on its own cache rows.
 
-`DraftModel` holds the draft bundle's runtime and what a drafted token costs, in one-token steps of the target
-(measured when it is attached: `measure_cost`); the adaptive rule (runtime.speculative.DraftLength) weighs that cost
-against the acceptance. `ModelDrafts` is one request's drafter (runtime.speculative.Drafter): a sequence of the draft
-bundle that follows the request's tokens. A proposal first feeds the draft the tokens it has not seen (the prompt as a
-prefill, later the accepted tokens as one verification-sized call), then decodes k - 1 guesses, marking the sequence
+`DraftModel` holds the draft bundle's runtime and what a guess costs, in one-token steps of the target: the seconds a
+call of the draft takes as requests run (an exponential average over proposals, the prompt's prefill left out; before
+the first, a draft step measured at load) over a target step measured at load. As requests run is what counts: the
+two models' calls alternate, and where each one's ONNX Runtime threads spin on after its call they slow the other's
+(runtime.load therefore stops both sessions' spinning between runs: SessionTuning.spin_between_runs). After RETRY
+proposals the rule declined, the figure moves halfway back to the draft step at load, so that a slow spell does not
+stop drafting for good. The adaptive rule (runtime.speculative.DraftLength) weighs the cost against the acceptance.
+
+`ModelDrafts` is one request's drafter (runtime.speculative.Drafter): a sequence of the draft bundle that follows the
+request's tokens. A proposal first feeds the draft the tokens it has not seen (the prompt as a prefill, later the
+accepted tokens as one verification-sized call), then decodes k - 1 guesses, marking the sequence
 before each; the tokens the request accepts consume those guesses, and the first that differs rewinds the draft
 sequence to the mark before it (CachedSequence.rewind: the state copied, the rows forgotten), so the draft's cache
 holds exactly the request's tokens, as if it had decoded them one at a time. A guess is never fed across a re-tier
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
 TOKENIZER_FILE = "tokenizer.json"
 COST_PROMPT = 24  # tokens prefilled before the steps measure_cost times
 COST_STEPS = 8  # timed one-token steps per runtime (the median counts)
+RETRY = 16  # declined proposals after which the cost moves halfway back to the draft step measured at load
 
 
 class DraftBundleError(ValueError):
@@ -56,9 +63,9 @@ def check_draft_pair(target: Runtime, draft: Runtime) -> None:
                                    "of the same model family)")
 
 
-def measure_cost(target: Runtime, draft: Runtime) -> float:
-    """A draft step's time over the target's: the median of COST_STEPS one-token steps each after a short prompt (the
-    same tokens), on one sequence of each runtime (given back after)."""
+def step_seconds(target: Runtime, draft: Runtime) -> tuple[float, float]:
+    """A one-token step's seconds on the target and on the draft: the median of COST_STEPS steps each after a short
+    prompt (the same tokens), on one sequence of each runtime (given back after)."""
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.vocab_size, COST_PROMPT).tolist()
     steps = rng.integers(0, target.vocab_size, COST_STEPS + 2).tolist()
@@ -76,36 +83,59 @@ def measure_cost(target: Runtime, draft: Runtime) -> float:
         finally:
             seq.close()
 
-    return median_step(draft) / median_step(target)
+    return median_step(target), median_step(draft)
 
 
 @dataclass
 class DraftModel:
-    """A draft bundle attached to a target runtime: `drafts()` makes each request's drafter."""
+    """A draft bundle attached to a target runtime: `drafts()` makes each request's drafter; `cost` is what a guess
+    costs in target steps."""
 
     runtime: Runtime
-    cost: float  # a draft step in target steps (measure_cost)
+    target_step_s: float  # a target step, measured at load
+    draft_step_s: float  # a draft step, measured at load
+    memory: float = 0.8  # weight of the previous average at each proposal
+
+    def __post_init__(self) -> None:
+        self.call_s = self.draft_step_s  # seconds a draft call takes as requests run (exponential average)
+        self.declined = 0
 
     @classmethod
     def attach(cls, target: Runtime, draft: Runtime) -> DraftModel:
         check_draft_pair(target, draft)
-        return cls(draft, measure_cost(target, draft))
+        return cls(draft, *step_seconds(target, draft))
+
+    @property
+    def cost(self) -> float:
+        return self.call_s / self.target_step_s
+
+    def record(self, seconds: float, calls: int) -> None:
+        """A proposal made `calls` calls of the draft (catching up, then one a guess after the first) in `seconds`."""
+        if calls > 0:
+            self.call_s = self.memory * self.call_s + (1 - self.memory) * seconds / calls
+
+    def decline(self) -> None:
+        """The adaptive rule drafted nothing at a request's step."""
+        self.declined += 1
+        if self.declined % RETRY == 0:
+            self.call_s = 0.5 * (self.call_s + self.draft_step_s)
 
     @property
     def bundle(self) -> Path:
         return self.runtime.bundle
 
     def drafts(self, prompt: Sequence[int], output: Sequence[int] = (), prompt_break: int | None = None) -> ModelDrafts:
-        return ModelDrafts(self.runtime, prompt, output, prompt_break)
+        return ModelDrafts(self, prompt, output, prompt_break)
 
 
 class ModelDrafts:
     """One request's drafts from the draft bundle (the module's docstring). Its sequence is taken at the first
     proposal and given back by `close` (or when garbage-collected)."""
 
-    def __init__(self, runtime: Runtime, prompt: Sequence[int], output: Sequence[int] = (),
+    def __init__(self, model: DraftModel, prompt: Sequence[int], output: Sequence[int] = (),
                  prompt_break: int | None = None) -> None:
-        self.runtime = runtime
+        self.model = model
+        self.runtime = model.runtime
         self.tokens: list[int] = [int(t) for t in (*prompt, *output)]
         self.prompt_length = len(prompt)  # prefilled as the request's prompt was: the same calls, the same re-tiers
         self.prompt_break = prompt_break
@@ -142,6 +172,7 @@ class ModelDrafts:
         """Up to `limit` greedy tokens of the draft after the request's tokens."""
         if limit <= 0 or self.unavailable:
             return []
+        t0 = time.perf_counter()
         if self.ahead:  # guesses past a shorter verification (the engine cuts a batch's drafts to one length)
             self._rewind()
         seq = self._sequence()
@@ -149,14 +180,20 @@ class ModelDrafts:
         if seq is None or limit <= 0:
             self.unavailable = True
             return []
+        if seq.length == 0:  # the prompt, in the request's prefill calls (the same re-tier passes)
+            self.logits = seq.prefill(self.tokens[:self.prompt_length], break_at=self.prompt_break)
+            t0 = time.perf_counter()  # once a request: not a guess's cost
+        calls = 0
         if seq.length < len(self.tokens):
-            self.logits = self._feed(self.tokens[seq.length:])
+            self.logits, calls = self._feed(self.tokens[seq.length:])
         assert self.logits is not None
         out = [int(np.argmax(self.logits))]
         while len(out) < limit and seq.steps_to_retier > 1:
             self.ahead.append((out[-1], seq.mark(), self.logits))
             self.logits = seq.decode(out[-1])
+            calls += 1
             out.append(int(np.argmax(self.logits)))
+        self.model.record(time.perf_counter() - t0, calls)
         return out
 
     def _sequence(self) -> CachedSequence | None:
@@ -167,18 +204,14 @@ class ModelDrafts:
                 return None
         return self.seq
 
-    def _feed(self, tokens: list[int]) -> np.ndarray:
-        """The draft's logits after `tokens` (at least one) follow its sequence: the prompt as a prefill (its calls and
-        re-tier passes the request's), the rest in calls of as many tokens as a verification may carry (one-token
-        steps where none may), each kept whole."""
+    def _feed(self, tokens: list[int]) -> tuple[np.ndarray, int]:
+        """The draft's logits after `tokens` (at least one) follow its sequence, in calls of as many tokens as a
+        verification may carry (one-token steps where none may), each kept whole; and how many calls it made."""
         seq = self.seq
         assert seq is not None and tokens
-        if seq.length == 0:
-            logits = seq.prefill(tokens[:self.prompt_length], break_at=self.prompt_break)
-            tokens = tokens[self.prompt_length:]
-            if not tokens:
-                return logits
+        calls = 0
         while True:
+            calls += 1
             n = min(len(tokens), seq.draft_room + 1)
             if n == 1:
                 logits = seq.decode(tokens[0])
@@ -187,4 +220,4 @@ class ModelDrafts:
                 seq.keep(n)
             tokens = tokens[n:]
             if not tokens:
-                return logits
+                return logits, calls

@@ -72,13 +72,13 @@ class Runtime:
         # chat prompts' prefixes (runtime.prefix_cache); 0 bytes: none kept (the breaks stay: the same tokens)
         self.prefixes = PrefixCache(prefix_cache_bytes)
         self.worker = StepWorker(cfg, backend, self.prefixes)
-        self.draft: DraftModel | None = None  # a draft bundle drafting for requests (attach_draft); None: prompt lookup
+        self.draft: DraftModel | None = None  # a draft bundle drafting for requests (attach_draft)
 
     def attach_draft(self, draft: Runtime) -> None:
-        """Requests draft with `draft`'s greedy tokens (runtime.draft_model) instead of prompt lookup; the adaptive rule
-        counts what a draft step costs, measured here. DraftBundleError where its tokenizer is not this bundle's."""
+        """Requests draft with `draft`'s greedy tokens (runtime.draft_model) where prompt lookup finds none; their
+        adaptive rule counts what a guess costs (DraftModel.cost). DraftBundleError where its tokenizer is not this
+        bundle's."""
         self.draft = DraftModel.attach(self, draft)
-        self.speculative = dataclasses.replace(self.speculative, draft_cost=self.draft.cost)
 
     # -- knobs ----------------------------------------------------------------------------------------------------
     @property
@@ -220,7 +220,7 @@ class Runtime:
         return RequestState(self, self._prompt_ids(prompt), max_new_tokens, opts,
                             constraint=self._constraint(opts.response_format),
                             speculative=self._speculation(opts.speculative),
-                            drafter=None if self.draft is None else self.draft.drafts)
+                            drafter=self.draft)
 
     def _speculation(self, mode: str | None) -> SpeculativeConfig | None:
         """A request's drafting: the runtime's config in the request's mode; None where it is off or the backend
@@ -272,15 +272,17 @@ class Runtime:
         """Puts the state `messages` leave (a system prompt and worked examples every later prompt starts with) in the
         prefix cache before the first request, so the first chat prompt starting with them finds it as later ones
         do. It runs a chat request of `messages` and one placeholder user turn through the path every chat request
-        takes, so the prefix is the one that request's break keeps (its tokens, its knobs' key). Returns how many
-        tokens are kept; 0 where none can be (no prefix cache, a selection budget of the request's own, a template
-        that joins the last message to the earlier ones)."""
+        takes, so the prefix is the one that request's break keeps (its tokens, its knobs' key); a draft bundle's
+        runtime keeps it too. Returns how many tokens are kept; 0 where none can be (no prefix cache, a selection
+        budget of the request's own, a template that joins the last message to the earlier ones)."""
         from runtime.request import TokenStream
 
         if self.prefixes.capacity == 0 or not messages:
             return 0
         req = self.chat_request([*messages, {"role": "user", "content": WARM_PLACEHOLDER}], 1, options, **keywords)
         TokenStream(self, req).collect()
+        if self.draft is not None:  # its drafts start from the same prefix
+            self.draft.runtime.warm_prefix(messages)
         head = req.prompt_break
         return head if head is not None and self.prefixes.holds(req.prompt_ids[:head]) else 0
 

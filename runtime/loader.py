@@ -30,6 +30,7 @@ class BackendOptions:
     threads: int = 0  # intra-op threads; 0: ONNX Runtime's default
     spinning: bool = True  # intra-op workers busy-wait between operators
     graph: str = "auto"  # "cpu" | "portable" | "auto" (runtime.ort_backend.GRAPHS)
+    spin_between_runs: bool = True  # off for a draft bundle and its target (runtime.ort_backend.SessionTuning)
 
 
 Opener = Callable[[Path, BundleConfig, BackendOptions], Backend]
@@ -39,7 +40,8 @@ def open_onnxruntime(root: Path, cfg: BundleConfig, options: BackendOptions) -> 
     from runtime.ort_backend import OrtBackend, SessionTuning
 
     return OrtBackend(root, cfg, tuning=SessionTuning(threads=options.threads, spinning=options.spinning,
-                                                      graph=options.graph))
+                                                      graph=options.graph,
+                                                      spin_between_runs=options.spin_between_runs))
 
 
 def open_tensorrt(root: Path, cfg: BundleConfig, options: BackendOptions) -> Backend:
@@ -89,6 +91,14 @@ def open_backend(backend: str, root: Path, cfg: BundleConfig, options: BackendOp
     return BACKEND_OPENERS[backend_name(backend, root)](root, cfg, options)
 
 
+def open_draft(bundle: str | Path, backend: str, options: BackendOptions, prefix_cache_mib: float) -> Runtime:
+    """A draft bundle (runtime.draft_model), verified and opened as its target is, drafting nothing itself."""
+    root = Path(bundle)
+    manifest, cfg = open_bundle(root)
+    return Runtime(root, manifest, cfg, open_backend(backend, root, cfg, options), sparse_window=None,
+                   speculative=SpeculativeConfig("off"), prefix_cache_bytes=int(prefix_cache_mib * (1 << 20)))
+
+
 def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_window: int | None = None,
          sparse_top_k: int | None = None, spinning: bool = True, graph: str = "auto",
          speculative: str = "auto", prefix_cache_mib: float = DEFAULT_PREFIX_CACHE_MIB,
@@ -110,7 +120,7 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
     (runtime.speculative; same tokens as without, greedy or seeded), where the backend can ("off": one token a call);
     a request's own `speculative=` overrides it.
     draft_bundle: another bundle with this one's tokenizer (a smaller model, or this model with INT4 weights) whose
-    greedy tokens are the drafts instead of prompt lookup (runtime.draft_model), opened with the same backend and
+    greedy tokens are the drafts where prompt lookup finds none (runtime.draft_model), opened with the same backend and
     options on rows of its own memory plan (its --max-batch bounds the requests that draft at once).
     prefix_cache_mib: the memory kept for chat prompts' prefixes (the messages before the last one: a system prompt,
     worked examples, the history), so that the next prompt starting with them prefills its last message only
@@ -134,11 +144,12 @@ def load(bundle: str | Path, backend: str = "auto", *, threads: int = 0, sparse_
         raise RequestError("prefix_cache_mib", f"must be a number >= 0 (MiB), got {prefix_cache_mib!r}")
     if isinstance(threads, bool) or int(threads) != threads or threads < 0:
         raise RequestError("threads", f"must be an integer >= 0 (0: ONNX Runtime's default), got {threads}")
-    be = open_backend(backend, root, cfg, BackendOptions(threads=threads, spinning=bool(spinning), graph=graph))
+    options = BackendOptions(threads=threads, spinning=bool(spinning), graph=graph,
+                             spin_between_runs=draft_bundle is None)
+    be = open_backend(backend, root, cfg, options)
     rt = Runtime(root, manifest, cfg, be, sparse_window=sparse_window, sparse_top_k=sparse_top_k, speculative=spec,
                  prefix_cache_bytes=int(prefix_cache_mib * (1 << 20)))
     if draft_bundle is not None:
-        rt.attach_draft(load(draft_bundle, backend, threads=threads, spinning=spinning, graph=graph,
-                             speculative="off", prefix_cache_mib=prefix_cache_mib))
+        rt.attach_draft(open_draft(draft_bundle, backend, options, prefix_cache_mib))
     trim_heap()  # what loading parsed and dropped (the tokenizer's JSON: ~16 MiB on SmolLM2) goes back
     return rt

@@ -136,6 +136,9 @@ class SessionTuning:
 
     threads: int = 0  # intra-op threads; 0 = ONNX Runtime's default (one per physical core)
     spinning: bool = True  # intra-op workers spin between ops (ONNX Runtime's and both anchors' default)
+    # and on after a run until the next (ONNX Runtime's default); off where two models' runs alternate on the same
+    # cores (a draft bundle and its target: runtime.draft_model), each one's spinning would slow the other's run
+    spin_between_runs: bool = True
     optimization: str = "all"  # "all" | "extended" | "basic" | "none"
     arena: bool = False  # CPU memory arena: ONNX Runtime keeps its peak of freed blocks (docs/runtime.md)
     graph: str = "auto"  # "cpu" (fused attention op), "portable" (standard ops) or "auto" (cpu where usable)
@@ -185,6 +188,7 @@ def session_options(t: SessionTuning) -> Any:
     so.enable_cpu_mem_arena = t.arena
     so.enable_mem_pattern = False  # shapes change every step (the context grows): no plan to reuse
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if t.spinning else "0")
+    so.add_session_config_entry("session.force_spinning_stop", "0" if t.spin_between_runs else "1")
     so.log_severity_level = 3  # unused-initializer notes are not the user's business
     return so
 

@@ -50,8 +50,19 @@ class Generation:
     tokens: list[Token] | None = None  # every generated token with its log-probabilities (when asked)
 
 
-# (the prompt, the tokens generated so far, prompt_break) -> a drafter
-DrafterSource = Callable[[list[int], list[int], int | None], Drafter]
+class DrafterSource(Protocol):
+    """What makes a request's drafter at its first proposal (runtime.draft_model.DraftModel)."""
+
+    @property
+    def cost(self) -> float:
+        """A drafted token's cost in one-token steps of the target."""
+        ...
+
+    def drafts(self, prompt: Sequence[int], output: Sequence[int], prompt_break: int | None) -> Drafter: ...
+
+    def decline(self) -> None:
+        """The adaptive rule drafted nothing at a step."""
+        ...
 
 
 class TokenConstraint(Protocol):
@@ -162,13 +173,15 @@ class RequestState:
         self.finish_reason: str | None = None
         self.detok = None if model.codec is None else Detokenizer(model.codec.decode, self.prompt_ids)
         self.sampler = Sampler.from_params(params)
-        # the request's drafter (prompt lookup over its tokens, or made at the first proposal by `drafter`) and its
-        # adaptive draft length (runtime.speculative); None: off
+        # prompt lookup over the request's tokens and its adaptive draft length (runtime.speculative); with a draft
+        # bundle, its drafter (made at the first proposal by `drafter`) and the rule of its guesses; None: off
         on = speculative is not None and speculative.on
-        self._drafter = drafter if on else None
-        self.drafts: Drafter | None = NgramDrafts(self.prompt_ids, speculative) if on and drafter is None else None
+        self.drafts: Drafter | None = NgramDrafts(self.prompt_ids, speculative) if on else None
         self.draft_length = DraftLength(speculative) if on else None
-        self._forced = False  # the last proposal was the grammar's forced tokens
+        self._drafter = drafter if on else None
+        self.model_drafts: Drafter | None = None
+        self.model_length = DraftLength(speculative) if on and drafter is not None else None
+        self._source: DraftLength | None = None  # the rule of the last proposal's drafter (None: forced tokens)
         # where a chat prompt's last message starts: its prefill ends a call there (runtime.prefix_cache)
         self.prompt_break = prompt_break
         self._emitted = 0  # characters of the detokenised text released in Token.text so far
@@ -225,6 +238,8 @@ class RequestState:
         self.ids.append(tok)
         if self.drafts is not None:
             self.drafts.extend((tok,))
+        if self.model_drafts is not None:
+            self.model_drafts.extend((tok,))
         if self.params.penalised:
             self._counts[tok] += 1
             self._seen[tok] = True
@@ -248,26 +263,37 @@ class RequestState:
     def propose(self, room: int) -> list[int]:
         """Drafts to verify after `next_token` (at most `room`; none when drafting is off or would not pay): the
         tokens a structured output's grammar forces where it forces some (grammar fast-forward), else prompt
-        lookup's (or the draft bundle's), as many as the adaptive rule finds worth a call."""
-        self._forced = False
-        if self.draft_length is None or room < 1:
+        lookup's where it finds some, else the draft bundle's; each as many as its adaptive rule finds worth a call."""
+        self._source = None
+        if self.drafts is None or self.draft_length is None or room < 1:
             return []
         if self.constraint is not None:
             forced = self.constraint.forced(room)
-            if forced:
-                self._forced = True  # kept unless a stop ends the request: not evidence for the lookup's rate
+            if forced:  # kept unless a stop ends the request: evidence for no rule
                 return forced
-        k = self.draft_length.length(room)
-        if k and self.drafts is None and self._drafter is not None:
-            self.drafts = self._drafter(self.prompt_ids, self.ids, self.prompt_break)
-        return [] if self.drafts is None else self.drafts.propose(k)
+        self._source = self.draft_length
+        guess = self.drafts.propose(self.draft_length.length(room))
+        if guess or self._drafter is None or self.model_length is None:
+            return guess
+        self._source = self.model_length
+        k = self.model_length.length(room, self._drafter.cost)
+        if k == 0:
+            self._drafter.decline()
+            return []
+        if self.model_drafts is None:
+            self.model_drafts = self._drafter.drafts(self.prompt_ids, self.ids, self.prompt_break)
+        return self.model_drafts.propose(k)
 
     @property
     def draft_acceptance(self) -> float:
-        """The chance each token of the last proposal is kept, as the adaptive rule estimates it (forced tokens: 1)."""
-        if self._forced:
-            return 1.0
-        return 0.0 if self.draft_length is None else self.draft_length.acceptance
+        """The chance each token of the last proposal is kept, as its adaptive rule estimates it (forced tokens: 1)."""
+        return 1.0 if self._source is None else self._source.acceptance
+
+    @property
+    def draft_counts(self) -> tuple[int, int]:
+        """Tokens drafted and kept so far, prompt lookup's and the draft bundle's (forced tokens not counted)."""
+        rules = [r for r in (self.draft_length, self.model_length) if r is not None]
+        return sum(r.drafted for r in rules), sum(r.accepted for r in rules)
 
     def accept_verified(self, logits: np.ndarray, drafts: Sequence[int], length: int) -> tuple[list[Token], int]:
         """A verification's logits [n, V] (n = 1 + len(drafts)) after `length` positions: row j is sampled as a
@@ -283,8 +309,8 @@ class RequestState:
                 out.append(tok)
             if self.done or j == len(drafts) or self.ids[-1] != drafts[j]:
                 break
-        if self.draft_length is not None and not self._forced:
-            self.draft_length.record(len(drafts), used - 1)
+        if self._source is not None:
+            self._source.record(len(drafts), used - 1)
         return out, used
 
     @property
@@ -340,8 +366,8 @@ class RequestState:
         """End the request: stop | length | context here; a driver adds cancelled | deadline | error."""
         if self.detok is not None and reason not in ABANDONED_ENDS:
             self.detok.flush()  # bytes held back before a stop id: no token left to carry them, .text has them
-        if self.drafts is not None:
-            self.drafts.close()
+        if self.model_drafts is not None:
+            self.model_drafts.close()
         self.finish_reason = reason
 
     def result(self) -> Generation:

@@ -44,9 +44,6 @@ class SpeculativeConfig:
     # the cost of each verified row beyond the first, in one-token steps: the backend's (Capabilities.verify_row_cost,
     # set by Runtime.request); the rule drafts k tokens only where the expected tokens beat 1 + row_cost * k
     row_cost: float = 0.25
-    # the cost of drafting one token, in one-token steps of the target: 0 for prompt lookup, a draft bundle's step
-    # over the target's (runtime.draft_model.DraftModel.cost)
-    draft_cost: float = 0.0
     prior_acceptance: float = 0.6  # a request's acceptance estimate before its first verification
     memory: float = 0.7  # weight of the previous estimate at each verification (an exponential average)
 
@@ -55,8 +52,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.mode!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} and ngram_max {self.ngram_max}: need 1 <= min <= max")
-        if self.max_draft < 1 or not self.row_cost > 0 or not self.draft_cost >= 0:
-            raise ValueError("max_draft must be >= 1, row_cost > 0 and draft_cost >= 0")
+        if self.max_draft < 1 or not self.row_cost > 0:
+            raise ValueError("max_draft must be >= 1 and row_cost > 0")
 
     @property
     def on(self) -> bool:
@@ -141,11 +138,12 @@ class DraftLength:
     def __post_init__(self) -> None:
         self.acceptance = self.cfg.prior_acceptance
 
-    def length(self, room: int) -> int:
-        """Drafts for the next call, at most `room` (what the call and the sequence can take)."""
+    def length(self, room: int, draft_cost: float = 0.0) -> int:
+        """Drafts for the next call, at most `room` (what the call and the sequence can take); draft_cost: what making
+        one costs, in one-token steps (0 for prompt lookup; a draft bundle's DraftModel.cost)."""
         best_k, best = 0, 1.0
         for k in range(1, min(self.cfg.max_draft, room) + 1):
-            rate = expected_tokens(self.acceptance, k) / (1.0 + (self.cfg.row_cost + self.cfg.draft_cost) * k)
+            rate = expected_tokens(self.acceptance, k) / (1.0 + (self.cfg.row_cost + draft_cost) * k)
             if rate > best * 1.0001:
                 best_k, best = k, rate
         if best_k == 0:

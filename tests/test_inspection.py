@@ -64,6 +64,15 @@ def test_in_process_plain_and_chat(app, tmp_path):
         assert rep["model"] == b.name
         # the system prompt every chat prompt starts with is prefilled before the first detection; no template: none
         assert (rep["engine"]["prefix"]["warm_tokens"] > 0) == (b is chat)
+    # the chat bundle drafting with a draft bundle (itself): the same reports
+    out = tmp_path / "drafted.json"
+    assert app.main(["--bundle", str(chat), "--draft-bundle", str(chat), "--detections", str(APP / "detections.jsonl"),
+                     "--out", str(out), "--max-tokens", "40", "--examples", "0"]) == 0
+    answers = [{k: v for k, v in i.items() if k != "latency_s"} for i in check_report(out, "in-process")["items"]]
+    assert answers == [{k: v for k, v in i.items() if k != "latency_s"} for i in rep["items"]]
+    bad = tmp_path / "bad.json"
+    assert app.main(["--server", "http://127.0.0.1:9", "--draft-bundle", str(chat), "--detections",
+                     str(APP / "detections.jsonl"), "--out", str(bad)]) == 2 and not bad.exists()
 
 
 def test_through_http_server(app, tmp_path):

@@ -196,6 +196,9 @@ class _Oracle:
     def extend(self, tokens) -> None:
         self.seen += len(tokens)
 
+    def close(self) -> None:
+        pass
+
     def propose(self, limit: int) -> list[int]:
         out = self.target[self.seen:self.seen + limit]
         return [(t + 1) % 300 if (self.seen + i) % self.wrong == 0 else t for i, t in enumerate(out)]
@@ -340,29 +343,34 @@ def _load_like(rt, bundle, **kw):
 
 
 @pytest.fixture
-def self_drafted(rt, bundle):
+def self_drafted(rt, bundle, monkeypatch):
     """The bundle drafting for itself (runtime.draft_model) on the same backend: its guesses are the target's own greedy
     tokens wherever its cache holds exactly the request's tokens. Its measured cost (a whole step) would make the rule
     never draft, so the test sets it to 0, and rows nearly free, so that requests whose samples reject most guesses
     draft on."""
     import dataclasses
 
+    from runtime.draft_model import DraftModel
+
     t = _load_like(rt, bundle, draft_bundle=bundle)
     assert t.draft is not None and 0.3 < t.draft.cost < 3, "a draft of the same bundle costs about one step"
-    t.speculative = dataclasses.replace(t.speculative, draft_cost=0.0, row_cost=1e-3)
+    monkeypatch.setattr(DraftModel, "cost", property(lambda self: 0.0))
+    t.speculative = dataclasses.replace(t.speculative, row_cost=1e-3)
     return t
 
 
 def _guesses_against_rows(rt):
-    """Wraps every request's accept_verified to record, per verification row, (the row's argmax, the draft the next row
-    verifies): a draft bundle that is the target, in step with the request, guesses each row's argmax."""
+    """Wraps every request's accept_verified to record, per verification row of the draft bundle's guesses, (the row's
+    argmax, the guess the next row verifies): a draft bundle that is the target, in step with the request, guesses
+    each row's argmax."""
     from runtime.request_state import RequestState
 
     pairs = []
     orig = RequestState.accept_verified
 
     def spy(self, logits, drafts, length):
-        pairs.extend((int(np.argmax(logits[j])), int(d)) for j, d in enumerate(drafts))
+        if self._source is not None and self._source is self.model_length:
+            pairs.extend((int(np.argmax(logits[j])), int(d)) for j, d in enumerate(drafts))
         return orig(self, logits, drafts, length)
 
     return pairs, pytest.MonkeyPatch.context(), spy
@@ -384,8 +392,8 @@ def test_a_draft_bundle_follows_the_request_through_its_rejections(self_drafted,
             off = self_drafted.generate(p, 60, stop_ids=[], speculative="off", **kw)
             req = self_drafted.request(p, 60, stop_ids=[], speculative="auto", **kw)
             assert TokenStream(self_drafted, req).collect().ids == off.ids
-            drafted += req.draft_length.drafted
-            assert req.drafts.seq is None, "the request's end gave its draft row back"
+            drafted += req.model_length.drafted
+            assert req.model_drafts.seq is None, "the request's end gave its draft row back"
     assert drafted > 60 and len(pairs) == drafted
     assert [a for a, _ in pairs] == [d for _, d in pairs]
 
@@ -412,26 +420,28 @@ def test_the_engine_drafts_with_a_draft_bundle_and_without_a_free_draft_row(self
     from runtime.request import TokenStream
 
     assert TokenStream(self_drafted, req).collect().ids == alone[0]
-    assert req.drafts.unavailable and req.draft_length.drafted == 0
+    assert req.model_drafts.unavailable and req.model_length.drafted == 0
     del held
 
 
-def test_another_model_with_the_tokenizer_drafts_until_its_max_seq(bundle, demo):
+def test_another_model_with_the_tokenizer_drafts_until_its_max_seq(bundle, demo, monkeypatch):
     """The demo model (other weights, the synthetic model's byte-level tokenizer, max-seq 128) drafting for the
     synthetic one: guesses often rejected, none past the draft's max-seq, the same tokens greedy and seeded."""
     import dataclasses
 
     import runtime
+    from runtime.draft_model import DraftModel
     from runtime.request import TokenStream
 
     t = runtime.load(bundle, "onnxruntime", threads=1, draft_bundle=demo.bundle)
-    t.speculative = dataclasses.replace(t.speculative, draft_cost=0.0, row_cost=1e-3)
+    monkeypatch.setattr(DraftModel, "cost", property(lambda self: 0.0))
+    t.speculative = dataclasses.replace(t.speculative, row_cost=1e-3)
     for kw in ({}, {"temperature": 0.8, "seed": 2}):
         off = t.generate(_prompt(100, 7), 60, stop_ids=[], speculative="off", **kw)
         req = t.request(_prompt(100, 7), 60, stop_ids=[], speculative="auto", **kw)
         assert TokenStream(t, req).collect().ids == off.ids
-        assert 0 < req.draft_length.drafted and req.drafts.unavailable
-        assert req.draft_length.accepted < req.draft_length.drafted
+        assert 0 < req.model_length.drafted and req.model_drafts.unavailable
+        assert req.model_length.accepted < req.model_length.drafted
 
 
 def test_a_draft_bundle_with_another_tokenizer_is_refused(bundle, tmp_path):
@@ -501,7 +511,7 @@ def test_structured_output_drafts_the_grammars_forced_tokens(demo, kw):
 
     def counting(room: int) -> list[int]:
         d = propose(room)
-        if req._forced:
+        if d and req._source is None:
             forced.append(len(d))
         return d
 

@@ -97,8 +97,9 @@ def rt(demo):
 def server(demo, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
     work = tmp_path_factory.mktemp("triton")
+    # the bundle its own draft bundle: each instance opens both (runtime.draft_model), and answers as the runtime does
     r = run_module("runtime", "triton", str(demo), "--out", str(work / "repo"), "--model-name", "demo",
-                   "--instances", "2", *repo_args(), cwd=work)
+                   "--instances", "2", "--draft-bundle", str(demo), *repo_args(), cwd=work)
     assert r.returncode == 0, r.stderr
     t = Triton(work / "repo", work)
     yield t
@@ -115,6 +116,12 @@ def test_repository_is_atomic_and_names_the_bundle(demo, tmp_path):
     cfg = (repo / "demo" / "config.pbtxt").read_text()
     assert 'backend: "python"' in cfg and "decoupled: true" in cfg and str(demo.resolve()) in cfg
     assert 'name: "text_input"' in cfg and 'name: "text_output"' in cfg and "KIND_CPU" in cfg
+    assert "draft_bundle" not in cfg
+    drafted = run_module("runtime", "triton", str(demo), "--out", str(tmp_path / "r3"), "--draft-bundle", str(demo),
+                         cwd=tmp_path)
+    assert drafted.returncode == 0, drafted.stderr
+    assert f'key: "draft_bundle"\n  value: {{ string_value: "{demo.resolve()}" }}' in (
+        tmp_path / "r3" / "demo" / "config.pbtxt").read_text()
     again = run_module("runtime", "triton", str(demo), "--out", str(repo), cwd=tmp_path)
     assert again.returncode == 2 and "--overwrite" in again.stderr  # never over an existing one
     bad = run_module("runtime", "triton", str(tmp_path), "--out", str(tmp_path / "r2"), cwd=tmp_path)

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
                    help="auto: tokens drafted from the prompt and the answer so far, verified several per call (the "
                         "same reports as off); off: one token per call")
     p.add_argument("--draft-bundle", type=Path, help="with --bundle: draft with this bundle's greedy tokens (a "
-                                                     "bundle with the same tokenizer) instead of the prompt's")
+                                                     "bundle with the same tokenizer) where the prompt has none")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
