@@ -28,20 +28,32 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from runtime.backend import CacheFullError
 from runtime.sequence import CachedSequence, SequenceMark
 
-if TYPE_CHECKING:
-    from runtime.facade import Runtime
-
 TOKENIZER_FILE = "tokenizer.json"
 COST_PROMPT = 24  # tokens prefilled before the steps measure_cost times
 COST_STEPS = 8  # timed one-token steps per runtime (the median counts)
 RETRY = 16  # declined proposals after which the cost moves halfway back to the draft step measured at load
+
+
+class Runtime(Protocol):
+    """What a draft and its target are here (runtime.facade.Runtime, which builds on this module)."""
+
+    bundle: Path
+    manifest: dict[str, Any]
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    n_max: int
+
+    def new_sequence(self) -> CachedSequence: ...
+
+    def warm_prefix(self, messages: Any) -> int: ...
 
 
 class DraftBundleError(ValueError):
