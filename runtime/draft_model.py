@@ -10,10 +10,10 @@ stop drafting for good. The adaptive rule (runtime.speculative.DraftLength) weig
 
 `ModelDrafts` is one request's drafter (runtime.speculative.Drafter): a sequence of the draft bundle that follows the
 request's tokens. A proposal first feeds the draft the tokens it has not seen (the prompt as a prefill, later the
-accepted tokens as one verification-sized call), then decodes k - 1 guesses, marking the sequence
-before each; the tokens the request accepts consume those guesses, and the first that differs rewinds the draft
-sequence to the mark before it (CachedSequence.rewind: the state copied, the rows forgotten), so the draft's cache
-holds exactly the request's tokens, as if it had decoded them one at a time. A guess is never fed across a re-tier
+accepted tokens as one verification-sized call), then decodes k - 1 guesses, marking the sequence before each; the
+tokens the request accepts consume those guesses, and the first that differs rewinds the draft sequence to the mark
+before it (CachedSequence.rewind: the state copied, the rows forgotten), so the draft's cache holds exactly the
+request's tokens, as if it had decoded them one at a time. A guess is never fed across a re-tier
 pass (a pass re-encodes earlier rows and cannot be undone): the proposal stops there.
 
 The draft is greedy, so its q is a point mass on each guess, and the request's acceptance (RequestState.
@@ -36,7 +36,7 @@ from runtime.backend import CacheFullError
 from runtime.sequence import CachedSequence, SequenceMark
 
 TOKENIZER_FILE = "tokenizer.json"
-COST_PROMPT = 24  # tokens prefilled before the steps measure_cost times
+COST_PROMPT = 24  # tokens prefilled before the steps step_seconds times
 COST_STEPS = 8  # timed one-token steps per runtime (the median counts)
 RETRY = 16  # declined proposals after which the cost moves halfway back to the draft step measured at load
 
@@ -131,10 +131,6 @@ class DraftModel:
         self.declined += 1
         if self.declined % RETRY == 0:
             self.call_s = 0.5 * (self.call_s + self.draft_step_s)
-
-    @property
-    def bundle(self) -> Path:
-        return self.runtime.bundle
 
     def drafts(self, prompt: Sequence[int], output: Sequence[int] = (), prompt_break: int | None = None) -> ModelDrafts:
         return ModelDrafts(self, prompt, output, prompt_break)

@@ -366,8 +366,9 @@ class RequestState:
         """End the request: stop | length | context here; a driver adds cancelled | deadline | error."""
         if self.detok is not None and reason not in ABANDONED_ENDS:
             self.detok.flush()  # bytes held back before a stop id: no token left to carry them, .text has them
-        if self.model_drafts is not None:
-            self.model_drafts.close()
+        for drafter in (self.drafts, self.model_drafts):
+            if drafter is not None:
+                drafter.close()
         self.finish_reason = reason
 
     def result(self) -> Generation:

@@ -215,7 +215,6 @@ class CachedSequence:
             self.state.update_hotness(v.mass[j], self.policy.hotness_decay)
             self.count_decode_step()
 
-
     def mark(self) -> SequenceMark:
         """Where the sequence is now, to `rewind` to after steps that turn out not to belong to it (a draft model's
         guesses: runtime.draft_model)."""
