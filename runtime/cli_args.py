@@ -66,17 +66,12 @@ def load_runtime(args: argparse.Namespace, **kw: Any) -> Runtime:
     import runtime
     from runtime.draft_model import DraftBundleError
 
-    if args.draft_bundle is not None:
-        try:
-            runtime.verify_bundle(args.draft_bundle)
-        except runtime.BundleError as e:
-            raise ValueError(one_line(f"argument --draft-bundle: {e}")) from None
     try:
         return runtime.load(args.bundle, args.backend, threads=args.threads, spinning=args.spinning, graph=args.graph,
                             speculative=args.speculative, prefix_cache_mib=args.prefix_cache_mib,
                             draft_bundle=args.draft_bundle, **kw)
-    except DraftBundleError as e:
-        raise ValueError(f"argument --draft-bundle: {e}") from None
+    except DraftBundleError as e:  # before ValueError: the draft's own problems name its flag
+        raise ValueError(one_line(f"argument --draft-bundle: {e}")) from None
     except runtime.RequestError as e:
         raise ValueError(f"argument {flag_of(e.field)}: {e.detail}") from None
     except runtime.BundleError as e:

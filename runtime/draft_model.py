@@ -13,8 +13,8 @@ request's tokens. A proposal first feeds the draft the tokens it has not seen (t
 accepted tokens as one verification-sized call), then decodes k - 1 guesses, marking the sequence before each; the
 tokens the request accepts consume those guesses, and the first that differs rewinds the draft sequence to the mark
 before it (CachedSequence.rewind: the state copied, the rows forgotten), so the draft's cache holds exactly the
-request's tokens, as if it had decoded them one at a time. A guess is never fed across a re-tier
-pass (a pass re-encodes earlier rows and cannot be undone): the proposal stops there.
+request's tokens, as if it had decoded them one at a time. A guess is never fed across a re-tier pass (a pass
+re-encodes earlier rows and cannot be undone): the proposal stops there.
 
 The draft is greedy, so its q is a point mass on each guess, and the request's acceptance (RequestState.
 accept_verified) is the speculative-sampling rule exactly, as for prompt lookup: the same tokens as without drafting,
@@ -57,7 +57,7 @@ class Runtime(Protocol):
 
 
 class DraftBundleError(ValueError):
-    """The draft bundle cannot draft for the target (another tokenizer or vocabulary)."""
+    """The draft bundle cannot draft for the target: not a bundle (or a file fails its hash), or another tokenizer."""
 
 
 def check_draft_pair(target: Runtime, draft: Runtime) -> None:

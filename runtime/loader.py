@@ -13,7 +13,8 @@ from pathlib import Path
 
 from gsm.bundle_format import BundleConfig
 from runtime.backend import Backend
-from runtime.bundle import open_bundle
+from runtime.bundle import BundleError, open_bundle
+from runtime.draft_model import DraftBundleError
 from runtime.facade import Runtime
 from runtime.host_memory import trim_heap
 from runtime.ort_backend import GRAPHS
@@ -92,9 +93,13 @@ def open_backend(backend: str, root: Path, cfg: BundleConfig, options: BackendOp
 
 
 def open_draft(bundle: str | Path, backend: str, options: BackendOptions, prefix_cache_mib: float) -> Runtime:
-    """A draft bundle (runtime.draft_model), verified and opened as its target is, drafting nothing itself."""
+    """A draft bundle (runtime.draft_model), verified and opened as its target is, drafting nothing itself; one that
+    is no bundle or fails its hashes is a DraftBundleError, so the caller can name the draft as the culprit."""
     root = Path(bundle)
-    manifest, cfg = open_bundle(root)
+    try:
+        manifest, cfg = open_bundle(root)
+    except BundleError as e:
+        raise DraftBundleError(str(e)) from None
     return Runtime(root, manifest, cfg, open_backend(backend, root, cfg, options), sparse_window=None,
                    speculative=SpeculativeConfig("off"), prefix_cache_bytes=int(prefix_cache_mib * (1 << 20)))
 

@@ -73,6 +73,8 @@ def test_in_process_plain_and_chat(app, tmp_path):
     bad = tmp_path / "bad.json"
     assert app.main(["--server", "http://127.0.0.1:9", "--draft-bundle", str(chat), "--detections",
                      str(APP / "detections.jsonl"), "--out", str(bad)]) == 2 and not bad.exists()
+    assert app.main(["--bundle", str(chat), "--draft-bundle", str(tmp_path), "--detections",
+                     str(APP / "detections.jsonl"), "--out", str(bad)]) == 2 and not bad.exists()
 
 
 def test_through_http_server(app, tmp_path):

@@ -280,16 +280,11 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
         except runtime.BundleError as e:
             err(f"argument --bundle: {e}")
             return 2
-    if args.draft_bundle is not None:
-        import runtime
+    if args.draft_bundle is not None and args.bundle is None:
+        err("argument --draft-bundle: needs --bundle (a server drafts with `runtime serve --draft-bundle`)")
+        return 2
+    from runtime.draft_model import DraftBundleError
 
-        try:
-            if args.bundle is None:
-                raise runtime.BundleError("needs --bundle (a server drafts with `runtime serve --draft-bundle`)")
-            runtime.verify_bundle(args.draft_bundle)
-        except runtime.BundleError as e:
-            err(f"argument --draft-bundle: {e}")
-            return 2
     t0 = time.monotonic()
     try:
         if args.bundle is not None:
@@ -298,6 +293,9 @@ def main(argv: list[str] | None = None, *, err: Callable[[str], None] | None = N
         else:
             model, items, extra = run_http(args.server, dets, args.max_tokens, args.examples,
                                            speculative=args.speculative)
+    except DraftBundleError as e:  # not a bundle, or another tokenizer than --bundle's
+        err(f"argument --draft-bundle: {e}")
+        return 2
     except Exception as e:  # a bundle that does not load, a server that does not answer
         err(f"{type(e).__name__}: {e}")
         return 1
