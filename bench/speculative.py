@@ -1,8 +1,8 @@
 """Speculative decoding and prefix reuse on a real bundle, three modes on four workloads, each mode in a fresh process
 (its peak RSS beside its speed), and llama.cpp's server with and without its n-gram speculation on the same prompts
 where it is built. Modes: off (no drafting, no prefix cache: every prompt prefilled whole), prefix (the prefix cache
-alone), auto (both, the default), and with --draft-bundle D draft (the prefix cache and D's greedy tokens as the
-drafts: runtime.draft_model; D's measured cost per step is printed).
+alone), auto (both, the default), and with --draft-bundle D draft (auto, and D's greedy tokens where prompt lookup
+finds none: runtime.draft_model; a D step's cost against the target's, timed at load, is printed).
 
 Workloads (greedy; the same tokens in every mode is checked and printed):
 - inspection: the inspection app's detections (examples/inspection), its chat prompt with worked examples and the
