@@ -359,10 +359,10 @@ def self_drafted(rt, bundle, monkeypatch):
     return t
 
 
-def _guesses_against_rows(rt):
-    """Wraps every request's accept_verified to record, per verification row of the draft bundle's guesses, (the row's
-    argmax, the guess the next row verifies): a draft bundle that is the target, in step with the request, guesses
-    each row's argmax."""
+def _guesses_against_rows(monkeypatch) -> list[tuple[int, int]]:
+    """Wraps every request's accept_verified (for the rest of the test) to record, per verification row of the draft
+    bundle's guesses, (the row's argmax, the guess the next row verifies): a draft bundle that is the target, in step
+    with the request, guesses each row's argmax."""
     from runtime.request_state import RequestState
 
     pairs = []
@@ -373,32 +373,30 @@ def _guesses_against_rows(rt):
             pairs.extend((int(np.argmax(logits[j])), int(d)) for j, d in enumerate(drafts))
         return orig(self, logits, drafts, length)
 
-    return pairs, pytest.MonkeyPatch.context(), spy
+    monkeypatch.setattr(RequestState, "accept_verified", spy)
+    return pairs
 
 
 @pytest.mark.parametrize("kw", [{}, {"temperature": 1.0, "seed": 5}])
-def test_a_draft_bundle_follows_the_request_through_its_rejections(self_drafted, kw):
+def test_a_draft_bundle_follows_the_request_through_its_rejections(self_drafted, kw, monkeypatch):
     """Greedy and sampled requests (whose samples reject many greedy guesses: each rejection rewinds the draft's
     sequence), over prompts that cross re-tier passes (every 8 steps): the same tokens as without drafting, and
     every guess the target's own argmax after the same tokens (the draft's cache holds exactly the request's)."""
     from runtime.request import TokenStream
-    from runtime.request_state import RequestState
 
-    pairs, mp, spy = _guesses_against_rows(self_drafted)
+    pairs = _guesses_against_rows(monkeypatch)
     drafted = 0
-    with mp as m:
-        m.setattr(RequestState, "accept_verified", spy)
-        for p in (_prompt(40, 6), _prompt(9, 1), _looping_prompt()):
-            off = self_drafted.generate(p, 60, stop_ids=[], speculative="off", **kw)
-            req = self_drafted.request(p, 60, stop_ids=[], speculative="auto", **kw)
-            assert TokenStream(self_drafted, req).collect().ids == off.ids
-            drafted += req.model_length.drafted
-            assert req.model_drafts.seq is None, "the request's end gave its draft row back"
+    for p in (_prompt(40, 6), _prompt(9, 1), _looping_prompt()):
+        off = self_drafted.generate(p, 60, stop_ids=[], speculative="off", **kw)
+        req = self_drafted.request(p, 60, stop_ids=[], speculative="auto", **kw)
+        assert TokenStream(self_drafted, req).collect().ids == off.ids
+        drafted += req.model_length.drafted
+        assert req.model_drafts.seq is None, "the request's end gave its draft row back"
     assert drafted > 60 and len(pairs) == drafted
     assert [a for a, _ in pairs] == [d for _, d in pairs]
 
 
-def test_the_engine_drafts_with_a_draft_bundle_and_without_a_free_draft_row(self_drafted):
+def test_the_engine_drafts_with_a_draft_bundle_and_without_a_free_draft_row(self_drafted, monkeypatch):
     """Requests of the engine each draft on a row of the draft bundle and give their tokens alone; with every row of
     the draft's plan taken, a request drafts nothing and gives the same tokens."""
     from runtime.engine import Engine, EngineConfig
@@ -406,11 +404,8 @@ def test_the_engine_drafts_with_a_draft_bundle_and_without_a_free_draft_row(self
     prompts = [_looping_prompt(), _prompt(30, 4), _prompt(5, 9), _prompt(70, 2)]
     kws = [{}, {"temperature": 0.9, "seed": 1}, {}, {"temperature": 1.2, "seed": 8}]
     alone = [self_drafted.generate(p, 30, stop_ids=[], speculative="off", **kw).ids for p, kw in zip(prompts, kws)]
-    pairs, mp, spy = _guesses_against_rows(self_drafted)
-    from runtime.request_state import RequestState
-
-    with mp as m, Engine(self_drafted, EngineConfig(max_running=4, min_hit_rate=0, max_kv_noise=None)) as eng:
-        m.setattr(RequestState, "accept_verified", spy)
+    pairs = _guesses_against_rows(monkeypatch)
+    with Engine(self_drafted, EngineConfig(max_running=4, min_hit_rate=0, max_kv_noise=None)) as eng:
         got = [h.result(60).ids for h in [eng.submit(p, 30, stop_ids=[], speculative="auto", **kw)
                                            for p, kw in zip(prompts, kws)]]
     assert got == alone and pairs and [a for a, _ in pairs] == [d for _, d in pairs]
