@@ -123,10 +123,12 @@ class _RowCopy:
 # ~1.5K positions and gives 128-token calls near 8K, where a smaller bound saved little memory and cost prefill speed
 # (docs/decisions.md "CPU process memory").
 CALL_POSITIONS = 1 << 20
-# A verification's extra rows cost the CPU graph compute, not weight reads: SmolLM2 INT4 on 2 threads, a call of n
-# tokens took 1.21 / 1.72 / 2.80x a one-token step at n = 2 / 4 / 8 after 256 positions, 1.22 / 1.68 / 2.75x after
-# 1K, 1.34 / 2.09 / 3.55x after 4K (the projections' INT8 dot products and each query's attention grow with n); with
-# 8 sequences of 256 a call of n = 2 / 3 / 5 each took 1.68 / 2.25 / 3.56x their batched step (4: 1.57 / 2.33 / 3.63)
+# A verification's extra rows cost the CPU graph compute, not weight reads (the projections' INT8 dot products and each
+# query's attention grow with the rows): `python bench/verify_cost.py --bundle B --batch-bundle B8` on SmolLM2 INT4, 2
+# threads, gave 0.14 / 0.19 / 0.22 of a one-token step a row at n = 2 / 4 / 8 tokens a call after 256 positions, 0.20 /
+# 0.23 / 0.26 after 1K, 0.25 / 0.28 / 0.32 after 4K (0.25: the middle of that range); with 8 sequences of 256, 0.55-0.57
+# of their batched step (0.62-0.68 in an earlier run; the dearer figure kept: drafting in a batch of 8 showed no gain
+# over the prefix cache alone, docs/runtime.md)
 VERIFY_ROW_COST, VERIFY_ROW_COST_BATCH = 0.25, 0.65
 
 
