@@ -1,12 +1,13 @@
-"""Where one sequence's process memory goes on a real bundle, from start to decode after a long prompt: RSS after the
+"""Where a sequence's process memory goes on a real bundle (or a batch's: --batch N sequences prefilled and decoded
+together, a bundle built with --max-batch N), from start to decode after a long prompt: RSS after the
 imports, the load and the tokenizer's first use; the cache buffers the backend allocated and how much of them is
 resident, against plan.json; the prefill's peak, the largest rise within one of its calls and within one re-tier
 pass; what the first decode step gives back (a prefill call's scratch); RSS after decoding. The figures behind
 docs/runtime.md "Where it stands" (peak RSS at 8K beside llama.cpp's) and what bounds it.
 
-    python bench/memory_breakdown.py --bundle B [--context 8000] [--decode 64] [--threads 2]
+    python bench/memory_breakdown.py --bundle B [--context 8000] [--batch 1] [--decode 64] [--threads 2]
 
-One process, one sequence, greedy. Peaks come from VmHWM, reset before each call (/proc/self/clear_refs) and kept
+One process, greedy. Peaks come from VmHWM, reset before each call (/proc/self/clear_refs) and kept
 over the run.
 """
 
@@ -82,6 +83,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--batch", type=int, default=1, help="sequences at once (each its own text)")
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "tinystories_eval.txt")
@@ -111,31 +113,29 @@ def main() -> int:
     if not isinstance(be, OrtBackend) or be.pools is None:
         p.error(f"{a.bundle}: the breakdown is of the onnxruntime backend over model.cpu.onnx")
     row(f"loaded ({time.perf_counter() - t:.1f} s; load peak {status('VmHWM'):.0f})", f"{status('VmRSS'):.0f}")
-    ids = context_ids(rt, a.text, a.context)
+    prompts = [context_ids(rt, a.text, a.context, offset=20000 * i) for i in range(a.batch)]
     row("+ tokenizer, first use", f"{status('VmRSS'):.0f}")
     kinds: Counter[str] = Counter()
     for name, buf in be.buffers.items():
         kinds[name.split(".")[0]] += buf.nbytes
     plan = json.loads((a.bundle / "plan.json").read_text())
     peaks = Peaks(OrtBackend, ("forward", "demote"))
-    seq = rt.new_sequence()
+    seqs = [rt.new_sequence() for _ in range(a.batch)]
     reset_peak()
     t = time.perf_counter()
-    logits = rt.prefill_batch([seq], [ids])
+    logits = rt.prefill_batch(seqs, prompts)
     prefill_s = time.perf_counter() - t
     after_prefill = status("VmRSS")
-    row(f"prefilled {a.context} tokens ({prefill_s:.1f} s)", f"{after_prefill:.0f}")
+    row(f"prefilled {a.batch} x {a.context} tokens ({prefill_s:.1f} s)", f"{after_prefill:.0f}")
     row("largest transient of one prefill call / one re-tier pass (its peak above what it leaves)",
         f"{peaks.rise['forward']:.1f} / {peaks.rise['demote']:.1f}")
     resident = Counter()
     for name, buf in be.buffers.items():
         resident[name.split(".")[0]] += resident_bytes(buf.__array_interface__["data"][0], buf.nbytes)
-    tok = int(logits[0].argmax())
-    logits = rt.decode_batch([seq], [tok])
+    logits = rt.decode_batch(seqs, [int(x.argmax()) for x in logits])
     row("after the first decode step (a prefill call's scratch given back)", f"{status('VmRSS'):.0f}")
     for _ in range(a.decode - 1):
-        tok = int(logits[0].argmax())
-        logits = rt.decode_batch([seq], [tok])
+        logits = rt.decode_batch(seqs, [int(x.argmax()) for x in logits])
     row(f"after {a.decode} decode steps", f"{status('VmRSS'):.0f}")
     row("process peak", f"{peak():.0f}")
     print(f"\nweights (plan.json weight_bytes): {plan['weight_bytes'] / MiB:.1f} MiB")
@@ -144,9 +144,12 @@ def main() -> int:
         print(f"| {k} | {v / MiB:.1f} | {resident[k] / MiB:.1f} |")
     print(f"| all | {sum(kinds.values()) / MiB:.1f} | {sum(resident.values()) / MiB:.1f} |")
     per_pos = plan["kv_bytes_per_position"]
-    print(f"plan.json: cpu_kv_bytes {plan['cpu_kv_bytes'] / MiB:.1f} MiB a sequence at max-seq {plan['max_seq']} "
-          f"(row caches {plan['row_cache_bytes'] / MiB:.1f}), kv_bytes_per_position {per_pos:.0f} "
-          f"= {per_pos / plan['dense_fp16_bytes_per_position']:.3f}x dense FP16")
+    per_pos = plan["kv_bytes_per_position"]
+    nb = plan["max_batch"]
+    print(f"plan.json: cpu_kv_bytes {plan['cpu_kv_bytes'] / MiB:.1f} MiB for {nb} sequence(s) at max-seq "
+          f"{plan['max_seq']} ({plan['cpu_kv_bytes'] / nb / MiB:.1f} each, row caches "
+          f"{plan['row_cache_bytes'] / MiB:.1f}), "
+          f"kv_bytes_per_position {per_pos:.0f} = {per_pos / plan['dense_fp16_bytes_per_position']:.3f}x dense FP16")
     return 0
 
 
