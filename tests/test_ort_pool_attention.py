@@ -233,6 +233,18 @@ def test_decode_after_prefill_and_retier_matches_the_reference(geo: str, key_bit
         c.call([1], [t], [1], 1)
 
 
+@pytest.mark.parametrize("geo", GEOMETRIES)
+def test_a_long_chunk_over_a_retiered_cache_matches_the_reference(geo: str) -> None:
+    """A chunk of more queries than the latent-sum form takes (16): V rows rebuilt once per distinct position, the
+    cached ones dequantised from their INT8 / INT4 pool rows as they are made (no copy of every latent at once)."""
+    c = Case(GEOMETRIES[geo], 8, capacity=64, seed=3)
+    c.call([1], [0], [40], 40)
+    assert c.demote(1, 40) > 10
+    c.call([1], [40], [24], 24)
+    for t in range(64, 68):
+        c.call([1], [t], [1], 1)
+
+
 def test_batch_of_sequences_with_padding_and_a_small_row_cache() -> None:
     c = Case(GEOMETRIES["gqa3"], 8, capacity=6, seed=1, threads=2)
     c.call([2, 0], [0, 0], [30, 22], 30)

@@ -68,9 +68,13 @@ inline void mapNeed(Scratch& sc, int64_t b, bool on)
 // -- the pool steps (../GsmPoolAttention/gsmPoolRows.cpp) -----------------------------------------------------------
 
 // GsmPoolAttention, before the attention: the cached positions each sequence's queries select (need), their K rows
-// from the row cache or made from the pool (U_k c_k, RoPE), and their V latents dequantised from the pool.
+// from the row cache or made from the pool (U_k c_k, RoPE), and with `vLatents` their V latents dequantised from the
+// pool into sc.pool.vLatent (a call that rebuilds V rows dequantises each distinct one as it makes it: loadVLatentAt)
 bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k,
-    CachedAttentionOutputs const& out, Scratch& sc, ParallelRunner const& par, std::string* error);
+    CachedAttentionOutputs const& out, Scratch& sc, ParallelRunner const& par, bool vLatents, std::string* error);
+
+// The dequantised V latent [rv] of sequence b's cached position p, from its pool row
+void loadVLatentAt(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t b, int64_t p, float* out);
 
 // The call's new K rows (section A) into the row cache of each sequence, newest first, in slots this call did not
 // read: the next step's window reads them.

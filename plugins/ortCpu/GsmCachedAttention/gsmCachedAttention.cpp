@@ -431,17 +431,29 @@ bool distinctVRows(AttentionCall const& c)
             {
                 float const* kr = nullptr;
                 float const* vr = nullptr;
-                rowsOf(c, b, sel[s], &kr, &vr);
+                if (c.in.pool == nullptr || sel[s] >= c.in.pastLengths[b])
+                {
+                    rowsOf(c, b, sel[s], &kr, &vr);
+                }
                 sl = static_cast<int32_t>(sc.uniq.size());
                 sc.uniq.push_back(b * lmax + sel[s]);
-                sc.uniqLatent.push_back(vr);
+                sc.uniqLatent.push_back(vr); // null: a cached position of the pools, dequantised below
             }
         }
     });
     int64_t const U = static_cast<int64_t>(sc.uniq.size());
     sc.vrows.resize(static_cast<size_t>(U * kvD));
     return parallelFor(c.par, U, [&](int64_t u) {
-        upMatvec(c.K, c.in, c.in.vUp, 0, sc.uniqLatent[static_cast<size_t>(u)], kvD, rv, sc.vrows.data() + u * kvD);
+        float const* lat = sc.uniqLatent[static_cast<size_t>(u)];
+        static thread_local std::vector<float> pooled;
+        if (lat == nullptr) // the latent straight from the pool: no copy of every distinct row's latent at once
+        {
+            int64_t const at = sc.uniq[static_cast<size_t>(u)];
+            pooled.resize(static_cast<size_t>(rv));
+            loadVLatentAt(c.d, c.in, at / lmax, at % lmax, pooled.data());
+            lat = pooled.data();
+        }
+        upMatvec(c.K, c.in, c.in.vUp, 0, lat, kvD, rv, sc.vrows.data() + u * kvD);
     });
 }
 
@@ -725,7 +737,7 @@ bool runCachedAttention(CachedAttentionDims const& d, CachedAttentionInputs cons
     AttentionCall const c{d, in, out, k, L, cpuKernels(), sc, par, Q == 1 ? serial : par, vRows, latentSum,
         !latentSum && !vRows};
     bool ok = newRowsAndQueryRope(c) && indexScores(c) && selectPositions(c);
-    if (ok && in.pool != nullptr && !resolvePoolRows(d, in, k, out, sc, par, error))
+    if (ok && in.pool != nullptr && !resolvePoolRows(d, in, k, out, sc, par, !c.uniqueV, error))
     {
         return false;
     }

@@ -230,7 +230,6 @@ constexpr int64_t kVBlock = 64;   // V latents dequantised
 // The V latents of need entries [i0, i1)
 void loadVLatents(CachedAttentionDims const& d, CachedAttentionInputs const& in, PoolCall& pc, int64_t i0, int64_t i1)
 {
-    PoolSource const& ps = *in.pool;
     int64_t b = std::upper_bound(pc.needOff.begin(), pc.needOff.end(), i0) - pc.needOff.begin() - 1;
     for (int64_t i = i0; i < i1; ++i)
     {
@@ -238,9 +237,7 @@ void loadVLatents(CachedAttentionDims const& d, CachedAttentionInputs const& in,
         {
             ++b;
         }
-        int32_t const e = ps.slots[b * d.N + pc.need[static_cast<size_t>(i)]];
-        loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, e, ps.quant, static_cast<int32_t>(d.rk),
-            static_cast<int32_t>(d.rv), pc.vLatent.data() + i * d.rv);
+        loadVLatentAt(d, in, b, pc.need[static_cast<size_t>(i)], pc.vLatent.data() + i * d.rv);
     }
 }
 
@@ -322,8 +319,15 @@ std::vector<RowJob>& rowCacheJobs(CachedAttentionDims const& d, CachedAttentionI
     return jobs;
 }
 
+void loadVLatentAt(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t b, int64_t p, float* out)
+{
+    PoolSource const& ps = *in.pool;
+    loadLatents(ps.dims, ps.pool + in.cacheRows[b] * ps.poolBytes, ps.slots[b * d.N + p], ps.quant,
+        static_cast<int32_t>(d.rk), static_cast<int32_t>(d.rv), out);
+}
+
 bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& in, int64_t k,
-    CachedAttentionOutputs const& out, Scratch& sc, ParallelRunner const& par, std::string* error)
+    CachedAttentionOutputs const& out, Scratch& sc, ParallelRunner const& par, bool vLatents, std::string* error)
 {
     PoolCall& pc = sc.pool;
     int64_t const kvD = d.nKV * d.D, rk = d.rk;
@@ -349,7 +353,7 @@ bool resolvePoolRows(CachedAttentionDims const& d, CachedAttentionInputs const& 
     }
     // one pass over the intra-op threads: blocks of K rows to make, then blocks of V latents to dequantise
     int64_t const nJobs = static_cast<int64_t>(jobs.size());
-    int64_t const n = static_cast<int64_t>(pc.need.size());
+    int64_t const n = vLatents ? static_cast<int64_t>(pc.need.size()) : 0;
     pc.vLatent.resize(static_cast<size_t>(n * d.rv));
     int64_t const kTasks = (nJobs + kJobBlock - 1) / kJobBlock, vTasks = (n + kVBlock - 1) / kVBlock;
     bool ok = parallelFor(par, kTasks + vTasks, [&](int64_t t) {
