@@ -258,7 +258,7 @@ def test_batch_of_sequences_with_padding_and_a_small_row_cache() -> None:
 
 def test_a_prefill_of_more_queries_than_one_block_matches_the_reference() -> None:
     """Two sequences of 45 and 38 new tokens in one call: 90 queries (padding rows included), more than the op holds
-    attention weights for at once (64), so the second block starts inside the second sequence."""
+    attention weights for at once (32), so blocks start inside each sequence."""
     c = Case(GEOMETRIES["gqa3"], 8, capacity=64, seed=5, threads=2)
     c.call([2, 0], [0, 0], [45, 38], 45)
     c.call([0, 2], [38, 45], [1, 1], 1)
