@@ -17,7 +17,8 @@ Measures (each configuration in a fresh subprocess, so its peak RSS is its own):
   empty context, `llama-completion` after a prompt of each context length ("eval time" = decode,
   "prompt eval time" = prefill), with its F32 GGUF (the precision of a float32 bundle; `--llama-quant Q8_0`
   against a `--weights int8` bundle, made once from the F32 file with llama-quantize when llama_cpp.sh's folder
-  has none);
+  has none); for the batch runs llama.cpp's server with a slot per sequence (`--llama-server-dir`, built by
+  scripts/llama_server.sh): the same texts at once, its decode tok/s and peak RSS;
 - transformers with eager attention on the same weights (`--transformers-gguf`, dequantised to float32 by
   its GGUF loader) and thread count: prefill in 512-token chunks and greedy decode after each context;
 - ONNX Runtime GenAI's own INT4 model of the same GGUF (`--genai-dir`, built there once by
@@ -38,10 +39,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # gsm.progress from this checkout when run as `python bench/decode_speed.py`
+sys.path.insert(0, str(ROOT / "bench"))  # its helpers, also where another bench imports it
+from llama_server import DEFAULT_DIR as DEFAULT_LLAMA_SERVER  # noqa: E402
+from llama_server import LlamaServer, binary  # noqa: E402
+
 from gsm.progress import track  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
@@ -170,6 +176,7 @@ def planned_measurements(a: argparse.Namespace, top_ks: list) -> int:
     n += 0 if a.bundle else len(a.max_seqs) * a.repeat
     n += (1 + len(a.profile_batches)) if a.profile else 0
     n += (not a.no_llama) + (not a.no_transformers) + (not a.no_genai) + (a.profile and not a.no_genai)
+    n += not a.no_llama and any(b > 1 for b in a.batches) and bool(a.batch_contexts)
     return n
 
 
@@ -290,16 +297,23 @@ def run_peak(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, float |
     return r, (int(m.group(1)) / 1024 if m else None)
 
 
-def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
+def llama_gguf(a: argparse.Namespace) -> Path | None:
+    """The GGUF of `--llama-quant`: the user's own file where it is that precision (the shared Q4_1 source), else
+    llama_cpp.sh's copies, else made once from its F32 file with llama-quantize (e.g. Q8_0)."""
     d = a.llama_dir
-    bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
-    # the user's own file where it is that precision (the shared Q4_1 source), else llama_cpp.sh's copies
     gguf = next(iter(sorted(d.glob(f"*.{a.llama_quant}.gguf")) + sorted(DATA.glob(f"*.{a.llama_quant}.gguf"))), None)
     f32, quantize = next(iter(sorted(d.glob("*.F32.gguf"))), None), d / "bin" / "llama-quantize"
-    if gguf is None and f32 is not None and quantize.is_file():  # e.g. Q8_0: llama_cpp.sh makes F32 and F16 only
+    if gguf is None and f32 is not None and quantize.is_file():  # llama_cpp.sh makes F32 and F16 only
         made = f32.with_name(f32.name.replace(".F32.", f".{a.llama_quant}."))
         r = subprocess.run([str(quantize), str(f32), str(made), a.llama_quant], capture_output=True, text=True)
         gguf = made if r.returncode == 0 and made.is_file() else None
+    return gguf
+
+
+def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
+    d = a.llama_dir
+    bench, compl = d / "bin" / "llama-bench", d / "bin" / "llama-completion"
+    gguf = llama_gguf(a)
     if not (bench.is_file() and gguf):
         return {"status": f"llama-bench in {d} or *.{a.llama_quant}.gguf in {d} or {DATA} not found "
                           "(../shared/tools/llama_cpp.sh)"}
@@ -334,6 +348,49 @@ def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
             row["error"] = text.strip()[-300:]
         out.setdefault("by_context", []).append(row)
     return out
+
+
+def in_slots(srv: LlamaServer, texts: list[str], n_predict: int) -> list[dict]:
+    """Each text in its own slot of the server at once, greedy, its prompt kept there (a second call decodes from it);
+    the server's timings of each."""
+    reqs = [{"prompt": t, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": True,
+             "id_slot": i} for i, t in enumerate(texts)]
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return list(pool.map(lambda r: srv.post("/completion", r)["timings"], reqs))
+
+
+def llama_batch_anchor(a: argparse.Namespace, bundle: Path) -> dict:
+    """llama.cpp's server with a slot per sequence (`-np B`, `-c` B x (context + steps + 64): its F16 KV cache for
+    them all) on the batch runs' contexts and texts, greedy: the B prompts read at once (one token generated), then B
+    completions of `--steps` tokens at once from the prompts kept in their slots; decode tok/s = B x steps over the
+    longest slot's decode time (the slots decode together), prefill = B x context over the first round's wall time,
+    the server's peak RSS."""
+    server, gguf = binary(a.llama_server_dir), llama_gguf(a)
+    if server is None or gguf is None:
+        return {"status": f"{a.llama_server_dir}/bin/llama-server (scripts/llama_server.sh) or the "
+                          f"{a.llama_quant} GGUF not found"}
+    import runtime
+
+    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rows = []
+    for ctx in a.batch_contexts:
+        for B in [b for b in a.batches if b > 1]:
+            texts = [rt.decode(context_ids(rt, a.text, ctx, offset=997 * b)[1:]) for b in range(B)]  # its own BOS
+            # --cache-ram 0: no copy of idle slots' caches in host memory (the second round would be charged one)
+            with LlamaServer(server, gguf, threads=a.threads, ctx=B * (ctx + a.steps + 64), parallel=B,
+                             extra=("--cache-ram", "0")) as srv:
+                # prompts first, then the decode alone: a slot decoding while others still read their prompts would
+                # time their prefill too (the server mixes both in its batches)
+                t0 = time.perf_counter()
+                in_slots(srv, texts, 1)
+                prefill_s = time.perf_counter() - t0
+                done = in_slots(srv, texts, a.steps)
+                rows.append({"context": ctx, "batch": B, "peak_rss_mib": srv.peak_rss_mib(),
+                             "decode_tokens_per_s": sum(t["predicted_n"] for t in done)
+                             / max(t["predicted_ms"] for t in done) * 1e3,
+                             "prefill_tokens_per_s": B * ctx / prefill_s,
+                             "prompt_tokens_read_again": sum(t["prompt_n"] for t in done)})
+    return {"gguf": gguf.name, "threads": a.threads, "by_batch": rows}
 
 
 # -- ONNX Runtime GenAI ---------------------------------------------------------------------------
@@ -437,6 +494,25 @@ def comparison(results: dict) -> list[str]:
     return lines
 
 
+def batch_comparison(results: dict) -> list[str]:
+    """Lines of the batch table: ours and llama.cpp's server per (batch, context), and ours / llama.cpp."""
+    theirs = {(r["batch"], r["context"]): r for r in results.get("llama_cpp_batch", {}).get("by_batch", [])}
+    lines = [f"{'batch':>5} {'context':>8} {'ours tok/s':>10} {'MiB':>6} {'llama.cpp tok/s':>16} {'MiB':>6} "
+             f"{'speed':>6} {'memory':>6}"]
+    for r in results["by_batch"]:
+        if "decode_tokens_per_s" not in r:
+            continue
+        row = f"{r['batch']:5d} {r['context']:8d} {r['decode_tokens_per_s']:10.1f} {r['peak_rss_mib']:6.0f}"
+        t = theirs.get((r["batch"], r["context"]))
+        if t is None:
+            row += f" {'-':>16} {'-':>6} {'-':>6} {'-':>6}"
+        else:
+            speed, memory = r["decode_tokens_per_s"] / t["decode_tokens_per_s"], r["peak_rss_mib"] / t["peak_rss_mib"]
+            row += f" {t['decode_tokens_per_s']:16.1f} {t['peak_rss_mib']:6.0f} {speed:6.2f} {memory:6.2f}"
+        lines.append(row)
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, help="GSM checkpoint to build the bundles from")
@@ -467,6 +543,8 @@ def main() -> int:
     ap.add_argument("--profile-batches", type=ints, default=[], help="with --profile: also profile these batch "
                     "sizes at the first --batch-contexts")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA)
+    ap.add_argument("--llama-server-dir", type=Path, default=DEFAULT_LLAMA_SERVER,
+                    help="scripts/llama_server.sh's folder: llama.cpp's server for the batch runs (-np B)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--llama-quant", default="F32",
                     help="the llama.cpp GGUF in --llama-dir to compare with: F32 (the float32 bundle's precision), "
@@ -558,6 +636,10 @@ def main() -> int:
         results["llama_cpp"] = llama_anchor(a, main_bundle)
         measured(1)
         print("llama.cpp:", json.dumps(results["llama_cpp"]), flush=True)
+        if any(b > 1 for b in a.batches) and a.batch_contexts:
+            results["llama_cpp_batch"] = llama_batch_anchor(a, main_bundle)
+            measured(1)
+            print("llama.cpp server, a slot per sequence:", json.dumps(results["llama_cpp_batch"]), flush=True)
     if not a.no_transformers:
         results["transformers"] = transformers_anchor(a, main_bundle)
         measured(1)
@@ -579,6 +661,10 @@ def main() -> int:
     print(f"decode tok/s at batch 1, {a.threads} threads, one run:", flush=True)
     for line in comparison(results):
         print("  " + line, flush=True)
+    if results["by_batch"]:
+        print("batches: decode tok/s, peak RSS MiB (ours; llama.cpp's server with a slot per sequence), one run:")
+        for line in batch_comparison(results):
+            print("  " + line, flush=True)
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
     return 0

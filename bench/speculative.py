@@ -26,13 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # its helpers, also where it is imported as bench.speculative
+from llama_server import DEFAULT_DIR, LlamaServer, binary  # noqa: E402
+
 DATA = ROOT.parent / "shared" / "data"
 QUESTIONS = (
     "What is the difference between a crack and a scratch on a metal part?",
@@ -186,11 +188,8 @@ def llama_server(d: Path, bundle: Path, threads: int) -> dict | None:
     prompt lookup), on the same workloads: the inspection prompts with the report schema (its `response_format`),
     the chat questions, the story openings as raw text; decode tokens/s and time to report from the server's own
     timings (its default prompt cache on, as a user gets it), its peak RSS. None when llama-server is not built."""
-    import socket
-    import urllib.request
-
-    server = d / "bin" / "llama-server"
-    if not server.is_file():
+    server = binary(d)
+    if server is None:
         return None
     sys.path.insert(0, str(ROOT))
     import runtime
@@ -201,27 +200,8 @@ def llama_server(d: Path, bundle: Path, threads: int) -> dict | None:
     dets = read_detections(ROOT / "examples" / "inspection" / "detections.jsonl")
     gguf = DATA / "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = {}
-    for name, extra in (("llama.cpp", []), ("llama.cpp ngram-simple", ["--spec-type", "ngram-simple"])):
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = sk.getsockname()[1]
-        proc = subprocess.Popen([str(server), "-m", str(gguf), "-t", str(threads), "-c", "4096", "--port", str(port),
-                                 "-np", "1", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
-
-        def post(path: str, body: dict, url: str = url) -> dict:
-            req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                return json.loads(r.read())
-
-        try:
-            for _ in range(600):
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(0.1)
+    for name, extra in (("llama.cpp", ()), ("llama.cpp ngram-simple", ("--spec-type", "ngram-simple"))):
+        with LlamaServer(server, gguf, threads=threads, ctx=4096, extra=extra) as srv:
             res = {}
             for work, bodies in (
                     ("inspection", [("/v1/chat/completions", {"messages": messages(x), "max_tokens": 80,
@@ -234,7 +214,7 @@ def llama_server(d: Path, bundle: Path, threads: int) -> dict | None:
                                                 "ignore_eos": True}) for t in stories])):
                 n = ms = total_ms = drafted = kept = 0.0
                 for path, body in bodies:
-                    t = post(path, body)["timings"]
+                    t = srv.post(path, body)["timings"]
                     n += t["predicted_n"]
                     ms += t["predicted_ms"]
                     total_ms += t["predicted_ms"] + t["prompt_ms"]
@@ -242,12 +222,8 @@ def llama_server(d: Path, bundle: Path, threads: int) -> dict | None:
                     kept += t.get("draft_n_accepted", 0)
                 res[work] = {"tok_s": n / ms * 1000, "request_s": total_ms / 1000 / len(bodies), "drafted": drafted,
                              "kept": kept / drafted if drafted else float("nan")}
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            res["peak_rss_mib"] = int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+            res["peak_rss_mib"] = srv.peak_rss_mib()
             out[name] = res
-        finally:
-            proc.terminate()
-            proc.wait(30)
     return out
 
 
@@ -257,7 +233,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--json", type=Path)
-    p.add_argument("--llama", type=Path, default=Path.home() / ".cache" / "gsm-edge" / "llama-server",
+    p.add_argument("--llama", type=Path, default=DEFAULT_DIR,
                    help="where scripts/llama_server.sh put bin/llama-server")
     p.add_argument("--engine-bundle", type=Path, help="the bundle of the engine workload (built with --max-batch 8; "
                                                            "default --bundle)")
