@@ -36,6 +36,8 @@ SETTINGS = {
     "window 2": [{"op": "replace", "path": "/run_time/sparse_window", "value": 2}],
     "window 3": [{"op": "replace", "path": "/run_time/sparse_window", "value": 3}],
     "window 5": [{"op": "replace", "path": "/run_time/sparse_window", "value": 5}],
+    # the short rate a many-sequence build uses to shrink each sequence's FP16 rows (docs/runtime.md)
+    "rate 128": [{"op": "replace", "path": "/quantization_adaptation_rate", "value": 128}],
     "rate 500": [{"op": "replace", "path": "/quantization_adaptation_rate", "value": 500}],
     "rate 2000": [{"op": "replace", "path": "/quantization_adaptation_rate", "value": 2000}],
 }
