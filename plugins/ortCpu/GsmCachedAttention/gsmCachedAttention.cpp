@@ -384,7 +384,8 @@ inline void rowsOf(AttentionCall const& c, int64_t b, int64_t p, float const** k
     {
         int64_t const i = cached ? sc.needIdx[static_cast<size_t>(p)] : -1;
         *kr = cached ? sc.pool.kRow[static_cast<size_t>(i)] : out.newKRows + at * kvD;
-        *vr = cached ? sc.pool.vLatent.data() + i * rv : in.newLatentV + at * rv;
+        // a call that rebuilds V rows loads no latents here (distinctVRows reads them from the pool)
+        *vr = !cached ? in.newLatentV + at * rv : sc.pool.vLatent.empty() ? nullptr : sc.pool.vLatent.data() + i * rv;
         return;
     }
     *kr = cached ? in.kRows + (row * N + p) * kvD : out.newKRows + at * kvD;
