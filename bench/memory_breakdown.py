@@ -1,14 +1,13 @@
 """Where a sequence's process memory goes on a real bundle (or a batch's: --batch N sequences prefilled and decoded
-together, a bundle built with --max-batch N), from start to decode after a long prompt: RSS after the
-imports, the load and the tokenizer's first use; the cache buffers the backend allocated and how much of them is
-resident, against plan.json; the prefill's peak, the largest rise within one of its calls and within one re-tier
-pass; what the first decode step gives back (a prefill call's scratch); RSS after decoding. The figures behind
-docs/runtime.md "Where it stands" (peak RSS at 8K beside llama.cpp's) and what bounds it.
+together, a bundle built with --max-batch N), from start to decode after a long prompt: RSS after the imports, the
+load and the tokenizer's first use; the cache buffers the backend allocated and how much of them is resident, against
+plan.json; RSS after the prefill and the largest transient of one prefill call and of one re-tier pass (its peak
+above what it leaves); what the first decode step gives back (a prefill call's scratch); RSS after decoding; the
+process's peak. The figures behind docs/runtime.md "Where it stands" (peak RSS at 8K beside llama.cpp's).
 
     python bench/memory_breakdown.py --bundle B [--context 8000] [--batch 1] [--decode 64] [--threads 2]
 
-One process, greedy. Peaks come from VmHWM, reset before each call (/proc/self/clear_refs) and kept
-over the run.
+One process, greedy. Peaks come from VmHWM, reset before each call (/proc/self/clear_refs) and kept over the run.
 """
 
 from __future__ import annotations
@@ -66,14 +65,14 @@ class Peaks:
     """Per wrapped method of one class, the largest transient of a call: its VmHWM above the RSS it leaves."""
 
     def __init__(self, cls, names: tuple[str, ...]) -> None:
-        self.rise: Counter[str] = Counter()
+        self.transient: Counter[str] = Counter()
         for name in names:
             orig = getattr(cls, name)
 
             def wrapped(obj, *a, _orig=orig, _name=name, **k):
                 reset_peak()
                 out = _orig(obj, *a, **k)
-                self.rise[_name] = max(self.rise[_name], status("VmHWM") - status("VmRSS"))
+                self.transient[_name] = max(self.transient[_name], status("VmHWM") - status("VmRSS"))
                 return out
 
             setattr(cls, name, wrapped)
@@ -88,10 +87,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "tinystories_eval.txt")
     a = p.parse_args()
-    rows: list[tuple[str, str]] = []
 
     def row(what: str, figure: str) -> None:
-        rows.append((what, figure))
         print(f"| {what} | {figure} |", flush=True)
 
     print("| stage | MiB |\n| --- | --- |")
@@ -128,7 +125,7 @@ def main() -> int:
     after_prefill = status("VmRSS")
     row(f"prefilled {a.batch} x {a.context} tokens ({prefill_s:.1f} s)", f"{after_prefill:.0f}")
     row("largest transient of one prefill call / one re-tier pass (its peak above what it leaves)",
-        f"{peaks.rise['forward']:.1f} / {peaks.rise['demote']:.1f}")
+        f"{peaks.transient['forward']:.1f} / {peaks.transient['demote']:.1f}")
     resident = Counter()
     for name, buf in be.buffers.items():
         resident[name.split(".")[0]] += resident_bytes(buf.__array_interface__["data"][0], buf.nbytes)
