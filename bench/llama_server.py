@@ -9,12 +9,13 @@ given flags, waited for, asked over HTTP, its peak RSS read from /proc, stopped.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from proc_status import proc_status_mib
 
 DEFAULT_DIR = Path.home() / ".cache" / "gsm-edge" / "llama-server"
 
@@ -60,8 +61,7 @@ class LlamaServer:
 
     def peak_rss_mib(self) -> float:
         assert self.proc is not None
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024
+        return proc_status_mib("VmHWM", self.proc.pid)
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -22,29 +22,28 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # its helpers
+from proc_status import proc_status_mib  # noqa: E402
+
 MiB = 1 << 20
-
-
-def status(key: str) -> float:
-    """/proc/self/status's VmRSS or VmHWM, MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 PEAK = [0.0]  # the process's VmHWM over the whole run (reset_peak restarts the kernel's)
 
 
 def reset_peak() -> None:
-    PEAK[0] = max(PEAK[0], status("VmHWM"))
+    PEAK[0] = max(PEAK[0], proc_status_mib("VmHWM"))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
+def rss_now() -> str:
+    """Resident MiB now, as a table cell."""
+    return f"{proc_status_mib('VmRSS'):.0f}"
+
+
 def peak() -> float:
-    return max(PEAK[0], status("VmHWM"))
+    return max(PEAK[0], proc_status_mib("VmHWM"))
 
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -72,7 +71,8 @@ class Peaks:
             def wrapped(obj, *a, _orig=orig, _name=name, **k):
                 reset_peak()
                 out = _orig(obj, *a, **k)
-                self.transient[_name] = max(self.transient[_name], status("VmHWM") - status("VmRSS"))
+                left = proc_status_mib("VmHWM") - proc_status_mib("VmRSS")
+                self.transient[_name] = max(self.transient[_name], left)
                 return out
 
             setattr(cls, name, wrapped)
@@ -92,26 +92,25 @@ def main() -> int:
         print(f"| {what} | {figure} |", flush=True)
 
     print("| stage | MiB |\n| --- | --- |")
-    row("python", f"{status('VmRSS'):.0f}")
+    row("python", rss_now())
     import numpy as np  # noqa: F401
     import onnxruntime  # noqa: F401
 
-    row("+ numpy, onnxruntime", f"{status('VmRSS'):.0f}")
+    row("+ numpy, onnxruntime", rss_now())
+    from decode_speed import context_ids
+
     import runtime
     from runtime.ort_backend import OrtBackend
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from decode_speed import context_ids
-
-    row("+ runtime", f"{status('VmRSS'):.0f}")
+    row("+ runtime", rss_now())
     t = time.perf_counter()
     rt = runtime.load(a.bundle, threads=a.threads)
     be = rt.backend
     if not isinstance(be, OrtBackend) or be.pools is None:
         p.error(f"{a.bundle}: the breakdown is of the onnxruntime backend over model.cpu.onnx")
-    row(f"loaded ({time.perf_counter() - t:.1f} s; load peak {status('VmHWM'):.0f})", f"{status('VmRSS'):.0f}")
+    row(f"loaded ({time.perf_counter() - t:.1f} s; load peak {proc_status_mib('VmHWM'):.0f})", rss_now())
     prompts = [context_ids(rt, a.text, a.context, offset=20000 * i) for i in range(a.batch)]
-    row("+ tokenizer, first use", f"{status('VmRSS'):.0f}")
+    row("+ tokenizer, first use", rss_now())
     kinds: Counter[str] = Counter()
     for name, buf in be.buffers.items():
         kinds[name.split(".")[0]] += buf.nbytes
@@ -122,7 +121,7 @@ def main() -> int:
     t = time.perf_counter()
     logits = rt.prefill_batch(seqs, prompts)
     prefill_s = time.perf_counter() - t
-    after_prefill = status("VmRSS")
+    after_prefill = proc_status_mib("VmRSS")
     row(f"prefilled {a.batch} x {a.context} tokens ({prefill_s:.1f} s)", f"{after_prefill:.0f}")
     row("largest transient of one prefill call / one re-tier pass (its peak above what it leaves)",
         f"{peaks.transient['forward']:.1f} / {peaks.transient['demote']:.1f}")
@@ -130,10 +129,10 @@ def main() -> int:
     for name, buf in be.buffers.items():
         resident[name.split(".")[0]] += resident_bytes(buf.__array_interface__["data"][0], buf.nbytes)
     logits = rt.decode_batch(seqs, [int(x.argmax()) for x in logits])
-    row("after the first decode step (a prefill call's scratch given back)", f"{status('VmRSS'):.0f}")
+    row("after the first decode step (a prefill call's scratch given back)", rss_now())
     for _ in range(a.decode - 1):
         logits = rt.decode_batch(seqs, [int(x.argmax()) for x in logits])
-    row(f"after {a.decode} decode steps", f"{status('VmRSS'):.0f}")
+    row(f"after {a.decode} decode steps", rss_now())
     row("process peak", f"{peak():.0f}")
     print(f"\nweights (plan.json weight_bytes): {plan['weight_bytes'] / MiB:.1f} MiB")
     print("| cache buffer | allocated MiB | resident MiB after the prefill |\n| --- | --- | --- |")

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proc_status import proc_status_mib
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time", "The little dog ran", "She opened the box and", "Tom and Sue went to the park",
            "The sun was hot", "A big red ball", "In the morning the bird", "He said hello to"]
@@ -97,14 +99,6 @@ async def run_level(url: str, conc: int, n: int, max_tokens: int, deadline: floa
         t0 = time.perf_counter()
         await asyncio.gather(*(task(i) for i in range(n)))
         return results, time.perf_counter() - t0
-
-
-def proc_status_mb(pid: int, field: str) -> float:
-    """VmRSS / VmHWM (peak resident) of a process from /proc, in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/{pid}/status has no {field}")
 
 
 async def run_burst(url: str, n: int, prompt_len: int, max_tokens: int, vocab: int) -> tuple[list[int], float]:
@@ -207,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             health = httpx.get(url + "/health", timeout=10).json()
             cfg = json.loads((args.bundle / FILES.config).read_text())
             plan = json.loads((args.bundle / FILES.plan).read_text()) if (args.bundle / FILES.plan).is_file() else {}
-            before = proc_status_mb(server.pid, "VmRSS")
+            before = proc_status_mib("VmRSS", server.pid)
             codes, wall = asyncio.run(run_burst(url, args.burst, args.burst_prompt, args.max_tokens, cfg["vocab_size"]))
             b = {"requests": args.burst, "prompt_tokens": args.burst_prompt, "answered": codes.count(200),
                  "statuses": sorted(set(codes)), "wall_s": wall, "rss_after_warmup_mb": before,
-                 "peak_rss_mb": proc_status_mb(server.pid, "VmHWM"), "max_batch": cfg["max_batch"],
+                 "peak_rss_mb": proc_status_mib("VmHWM", server.pid), "max_batch": cfg["max_batch"],
                  "max_seq": cfg["n_max"], "plan_kv_pool_mb": plan.get("kv_pool_bytes", float("nan")) / 2**20,
                  "plan_cpu_kv_mb": plan.get("cpu_kv_bytes", float("nan")) / 2**20,
                  "backend_kv_budget_mb": health.get("kv_budget_bytes", float("nan")) / 2**20,

@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # its helpers, also where it is imported as bench.speculative
 from llama_server import DEFAULT_DIR, LlamaServer, binary  # noqa: E402
+from proc_status import proc_status_mib  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 QUESTIONS = (
@@ -109,14 +110,14 @@ def child(bundle: Path, mode: str, threads: int, part: str, draft: Path | None =
     res["warm_s"] = time.perf_counter() - t
     if part == "engine":
         engine8(rt, dets, res)
-        res["peak_rss_mib"] = peak_rss_mib()
+        res["peak_rss_mib"] = proc_status_mib("VmHWM")
         return res
     timed("inspection", [lambda d=d: rt.chat_request(messages(d), 80, response_format=RESPONSE_FORMAT, **chat_kw)
                          for d in dets])
     timed("chat", [lambda q=q: rt.chat_request([{"role": "user", "content": q}], NEW_TOKENS, **chat_kw)
                    for q in QUESTIONS])
     timed("story", [lambda p=p: rt.request(p, NEW_TOKENS, stop_ids=[], **chat_kw) for p in story_prompts(rt)])
-    res["peak_rss_mib"] = peak_rss_mib()
+    res["peak_rss_mib"] = proc_status_mib("VmHWM")
     return res
 
 
@@ -164,13 +165,6 @@ def lookup_ceiling(prompts: list[list[int]], outputs: list[list[int]], row_cost:
             drafts.extend(out[i + 1:i + 2 + kept])
             cost, made, i = cost + 1 + row_cost * len(guess), made + 1 + kept, i + 1 + kept
     return made / cost if cost else 1.0
-
-
-def peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def run_child(bundle: Path, mode: str, threads: int, part: str, draft: Path | None) -> dict:
