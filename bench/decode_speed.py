@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -54,6 +55,15 @@ DATA = ROOT.parent / "shared" / "data"
 DEFAULT_LLAMA = Path.home() / ".cache" / "gsm-edge" / "llama.cpp"
 DEFAULT_GENAI = Path.home() / ".cache" / "gsm-edge" / "ort-genai"
 GENAI_SCRIPT = ROOT.parent / "shared" / "tools" / "ort_genai.sh"
+BATCH_TEXT_OFFSET = 997  # characters between the texts of a batch's sequences (each its own text, ours and llama.cpp's)
+
+
+@functools.cache
+def text_runtime(bundle: Path):
+    """The bundle's runtime in this (the parent) process, for its tokenizer: the anchors' prompts are our tokens."""
+    import runtime
+
+    return runtime.load(bundle, backend="onnxruntime", threads=1)
 
 
 def ints(s: str) -> list[int]:
@@ -114,7 +124,7 @@ def measure(args: argparse.Namespace) -> dict:
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
         so.profile_file_prefix = str(Path(profile_dir) / "ort_profile")
     B, ctx, steps = args.batch, args.context, args.steps
-    prompts = [context_ids(rt, args.text, ctx, offset=997 * b) for b in range(B)]
+    prompts = [context_ids(rt, args.text, ctx, offset=BATCH_TEXT_OFFSET * b) for b in range(B)]
     seqs = [rt.new_sequence() for _ in range(B)]
     # the rows' cache pages faulted in before timing (runtime/page_reserve.py), as llama.cpp and GenAI allocate and
     # clear their caches before theirs; a server's rows are reused, so its steps seldom fault
@@ -324,9 +334,7 @@ def llama_anchor(a: argparse.Namespace, bundle: Path) -> dict:
         out["empty_context_decode_tokens_per_s"] = json.loads(r.stdout)[0]["avg_ts"]
     except (ValueError, IndexError, KeyError):
         out["llama_bench_error"] = r.stderr.strip()[-300:]
-    import runtime
-
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = text_runtime(bundle)
     for ctx in a.contexts:
         ids = context_ids(rt, a.text, ctx)
         prompt = a.work / f"prompt-{ctx}.txt"
@@ -369,13 +377,12 @@ def llama_batch_anchor(a: argparse.Namespace, bundle: Path) -> dict:
     if server is None or gguf is None:
         return {"status": f"{a.llama_server_dir}/bin/llama-server (scripts/llama_server.sh) or the "
                           f"{a.llama_quant} GGUF not found"}
-    import runtime
-
-    rt = runtime.load(bundle, backend="onnxruntime", threads=1)
+    rt = text_runtime(bundle)
     rows = []
     for ctx in a.batch_contexts:
         for B in [b for b in a.batches if b > 1]:
-            texts = [rt.decode(context_ids(rt, a.text, ctx, offset=997 * b)[1:]) for b in range(B)]  # its own BOS
+            texts = [rt.decode(context_ids(rt, a.text, ctx, offset=BATCH_TEXT_OFFSET * b)[1:])  # its own BOS
+                     for b in range(B)]
             # --cache-ram 0: no copy of idle slots' caches in host memory (the second round would be charged one)
             with LlamaServer(server, gguf, threads=a.threads, ctx=B * (ctx + a.steps + 64), parallel=B,
                              extra=("--cache-ram", "0")) as srv:

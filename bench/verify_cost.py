@@ -53,10 +53,9 @@ def report(label: str, t: dict[int, float]) -> list[float]:
     one, costs = t[1], []
     for n, s in t.items():
         ratio = s / one
-        extra = "" if n == 1 else f"{(ratio - 1) / (n - 1):.2f}"
         if n > 1:
             costs.append((ratio - 1) / (n - 1))
-        print(f"| {label} | {n} | {s * 1e3:.2f} | {ratio:.2f} | {extra} |")
+        print(f"| {label} | {n} | {s * 1e3:.2f} | {ratio:.2f} | {f'{costs[-1]:.2f}' if n > 1 else ''} |")
     return costs
 
 
