@@ -41,7 +41,8 @@ TIERS = (70, 24, 24, 40)  # C16, C12, C8, C4
 class Case:
     """Pools of ROWS sequences, the op's session and row cache, and the reference's copy of the same pools."""
 
-    def __init__(self, geo: tuple[int, ...], key_bits: int, capacity: int, seed: int = 0, threads: int = 1) -> None:
+    def __init__(self, geo: tuple[int, ...], key_bits: int, capacity: int, seed: int = 0, threads: int = 1,
+                 half_up: bool = False) -> None:
         nH, nKV, D, nI, dI, rk, rv = geo
         self.geo, self.rng = geo, np.random.default_rng(seed)
         self.d = ref.Dims(num_heads=nH, num_kv_heads=nKV, head_dim=D, rank_k=rk, rank_v=rv, n_max=N_MAX,
@@ -54,6 +55,9 @@ class Case:
         self.quant = np.stack([s8 * np.float32(127 / 2047), s8, f(r) * np.float32(0.003),
                                s8 * np.float32(127 / 7), f(r) * np.float32(0.01)]).astype(np.float32)
         self.k_up, self.v_up = f(nKV * D, rk) * np.float32(0.3), f(nKV * D, rv) * np.float32(0.3)
+        if half_up:  # U on the FP16 grid, given to the op as float16 (the reference keeps float32 copies)
+            self.k_up, self.v_up = (u.astype(np.float16).astype(np.float32) for u in (self.k_up, self.v_up))
+        self.up_dtype = np.float16 if half_up else np.float32
         inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
         ang = np.arange(N_MAX)[:, None] * inv[None, :]
         ang = np.concatenate([ang, ang], axis=1)
@@ -71,6 +75,8 @@ class Case:
         int8 = key_bits == 8
         types["new_index_keys"] = TensorProto.INT8 if int8 else TensorProto.FLOAT16
         types["index_keys"] = TensorProto.INT32 if int8 else TensorProto.FLOAT16
+        if half_up:
+            types["k_up"] = types["v_up"] = TensorProto.FLOAT16
         graph = helper.make_graph([node], "pool_attention",
                                   [helper.make_tensor_value_info(n, types[n], None) for n in INPUTS],
                                   [helper.make_tensor_value_info(n, types[n], None) for n in OUTPUTS])
@@ -136,8 +142,8 @@ class Case:
         x = {"q": f(B, S, nH * D), "index_q": f(B, S, nI * dI), "index_w": f(B, S, nI), "new_latent_k": ck,
              "new_latent_v": cv, "new_index_keys": new_keys, "kv_pool": self.pool, "index_keys": self.keys,
              "kv_slots": slots, "quant": self.quant, "row_cache": self.row_cache, "row_cache_tags": self.tags,
-             "k_up": self.k_up, "v_up": self.v_up, "rope_cos": self.cos, "rope_sin": self.sin,
-             "cache_rows": np.array(rows, np.int32), "past_lengths": np.array(past, np.int32),
+             "k_up": self.k_up.astype(self.up_dtype), "v_up": self.v_up.astype(self.up_dtype), "rope_cos": self.cos,
+             "rope_sin": self.sin, "cache_rows": np.array(rows, np.int32), "past_lengths": np.array(past, np.int32),
              "new_lengths": np.array(new, np.int32), "sparse_window": np.array([WINDOW], np.int32),
              "sparse_top_k": np.full(B, top_k, np.int32)}
         out = self.run(self.session, x, OUTPUTS)
@@ -304,6 +310,30 @@ def test_a_row_made_from_the_pool_is_the_row_the_call_made(geo: str) -> None:
     assert len(again) > 20
     for p, row in again.items():
         np.testing.assert_array_equal(row.view(np.int32), made[p].view(np.int32), err_msg=f"position {p}")
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES)
+def test_float16_u_gives_the_float32_u_outputs_bit_for_bit(geo: str) -> None:
+    """U on the FP16 grid given as float16 (as SmolLM2's bundles give it) and as float32: the same outputs and rows,
+    bit for bit, through rows made from the pool in blocks (the float16 U_k widened a block of rows at a time by the
+    thread making them: gqa3's 192 rows in blocks of 32, odd's head by head), two threads."""
+    cases = [Case(GEOMETRIES[geo], 8, capacity=64, seed=6, threads=2, half_up=h) for h in (True, False)]
+    cases[1].k_up, cases[1].v_up = cases[0].k_up, cases[0].v_up  # the same values, given as float32
+    plan = [([1], [0], [40], 40), "demote", ([1], [40], [1], 1), ([1], [41], [6], 6), ([1], [47], [1], 1)]
+    made = 0
+    for step in plan:
+        if step == "demote":
+            for c in cases:
+                c.tags[1] = -1  # every row made again from the pool
+            assert cases[0].demote(1, 40) == cases[1].demote(1, 40) > 10
+            continue
+        half, full = (c.call(*step) for c in cases)
+        assert half["row_cache_misses"][0] == full["row_cache_misses"][0]
+        made += int(full["row_cache_misses"][0])
+        for name in ("attn_out", "attn_mass"):
+            np.testing.assert_array_equal(half[name].view(np.int32), full[name].view(np.int32), err_msg=name)
+        np.testing.assert_array_equal(cases[0].row_cache.view(np.int32), cases[1].row_cache.view(np.int32))
+    assert made > 10, "rows made from the pool"
 
 
 def test_rows_made_from_int8_and_int4_rows_use_the_references_latents_bit_for_bit() -> None:
