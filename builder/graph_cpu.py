@@ -75,6 +75,10 @@ class CpuOps(PortableOps):
         self.slots = g.input(io.KV_SLOTS.name, I32, ["B", self.n_max])
         g.input(io.SPARSE_TOP_K.name, I32, ["B"])  # the per-sequence budget: the layer stack reads it by name
         self.rows = g.input(io.CACHE_ROWS.name, I32, ["B"])
+        self.selections = g.input(io.SELECTIONS.name, I32, [1])
+        # a sharing layer reads its source's selection: that node makes it whatever the call asks
+        self._sources = set(cfg.gsm.kv_sharing.values())
+        self._keep_selection = g.const(np.ones(1, np.int32), np.int32, "selections_kept") if self._sources else None
         state = {}
         for l in cfg.owning_layers:
             state[l] = {"pool": g.input(io.KV_POOL.at(l), I32, ["R", pool_words(*self.ranks[l], self.pool_rows)]),
@@ -170,7 +174,8 @@ class CpuOps(PortableOps):
         assert a.index_q is not None and a.index_w is not None and a.sparse_window is not None and a.top_k is not None
         ins = [a.q, a.index_q, a.index_w, cache["new_k"], cache["new_v"], cache["new_keys"], cache["pool"],
                cache["keys"], self.slots, g.weight(a.quant), row_cache, tags, up[0], up[1], rope[0], rope[1], self.rows,
-               a.past, a.new, a.sparse_window, a.top_k, self.logit_rows]
+               a.past, a.new, a.sparse_window, a.top_k, self.logit_rows,
+               self._keep_selection if l in self._sources else self.selections]
         # output 3 (row_cache_misses, tests) left out; 4: the attention mass of each logit row's query
         outs = [f"L{l}.attn_out", io.SELECTED.at(l), io.LAYER_MASS.at(l), "", f"{io.QUERY_MASS.name}.{l}"]
         d = p.selection_of(l).sparse_top_k_divisor

@@ -29,7 +29,7 @@ from gsm.tiers import NAMES as TIER_NAMES
 
 BUNDLE_FORMAT = "gsm-edge-bundle"
 BUNDLE_VERSION = 1
-GRAPH_REVISION = 15
+GRAPH_REVISION = 16
 REBUILD = "python -m builder build --device DEVICE --checkpoint CHECKPOINT --output BUNDLE"
 VERIFY_ROWS = 16
 

@@ -55,6 +55,9 @@ KV_SLOTS = _port("kv_slots", IN, "int32", "B N_max", TRT, CPU)
 KV_POOL = _port("kv_pool.{l}", IN, "int32", "R P32", TRT, CPU, DEMOTE)
 INDEX_KEYS = _port("index_keys.{l}", IN, _KEYS, "R N_max dI", *_STEP)
 LOGIT_ROWS = _port("logit_rows", IN, "int32", "B J", *_STEP)
+# 1: the call returns each owning layer's selection (`selected.{l}`), 0: [B, S, 0] (the CPU graph's nodes then
+# keep it in scratch: ONNX Runtime holds every node output to the end of a run, read or not)
+SELECTIONS = _port("selections", IN, "int32", "1", CPU)
 ROW_CACHE = _port("row_cache.{l}", IN, "float", "R C kvD", CPU)
 ROW_CACHE_TAGS = _port("row_cache_tags.{l}", IN, "int32", "R 3 C", CPU)
 LATENT_K = _port("latent_k.{l}", IN, "float", "R N_max r_k", PORTABLE)
@@ -83,7 +86,7 @@ LATENT_V_OUT = _port("latent_v_out.{l}", OUT, "float", "M r_v", DEMOTE_PORTABLE)
 K_ROWS_OUT = _port("k_rows_out.{l}", OUT, "float", "M kvD", DEMOTE_PORTABLE)
 
 PORTS = (INPUT_IDS, PAST_LENGTHS, NEW_LENGTHS, SPARSE_WINDOW, SPARSE_TOP_K, CACHE_ROWS, KV_SLOTS, KV_POOL, INDEX_KEYS,
-         LOGIT_ROWS, ROW_CACHE, ROW_CACHE_TAGS, LATENT_K, LATENT_V, K_ROWS, DEMOTE_LIST, DEMOTE_LATENT_K,
+         LOGIT_ROWS, SELECTIONS, ROW_CACHE, ROW_CACHE_TAGS, LATENT_K, LATENT_V, K_ROWS, DEMOTE_LIST, DEMOTE_LATENT_K,
          DEMOTE_LATENT_V, NEW_TIER, POSITIONS, LOGITS, ATTN_MASS, LAYER_MASS, SELECTED, QUERY_MASS, KV_POOL_OUT,
          INDEX_KEYS_OUT, NEW_LATENT_K, NEW_LATENT_V, NEW_INDEX_KEYS, NEW_K_ROWS, LATENT_K_OUT, LATENT_V_OUT, K_ROWS_OUT)
 

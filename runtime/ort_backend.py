@@ -118,10 +118,13 @@ class _RowCopy:
                    rows[0, 0].nbytes)
 
 
+# model.cpu.onnx's `selections` input: whether a call returns the owning layers' selections (the probes') or keeps
+# them in the nodes' scratch
+_SELECTIONS = {False: np.zeros(1, np.int32), True: np.ones(1, np.int32)}
 # A prefill call's tokens x positions at most: its working memory (each query's index scores over every position, the
-# selections ONNX Runtime keeps as outputs until the call ends) follows this product. 2^20 keeps max-input 512 up to
-# ~1.5K positions and gives 128-token calls near 8K, where a smaller bound saved little memory and cost prefill speed
-# (docs/decisions.md "CPU process memory").
+# selections of a probed call) follows this product. 2^20 keeps max-input 512 up to ~1.5K positions and gives 128-token
+# calls near 8K, where a smaller bound saved little memory and cost prefill speed (docs/decisions.md "CPU process
+# memory").
 CALL_POSITIONS = 1 << 20
 # A verification's extra rows cost the CPU graph compute, not weight reads (the projections' INT8 dot products and each
 # query's attention grow with the rows): `python bench/verify_cost.py --bundle B --batch-bundle B8` on SmolLM2 INT4, 2
@@ -443,6 +446,7 @@ class OrtBackend:
             if self.pools is not None:  # rows for the new positions, and the slot tables the nodes read
                 plan = self.pools.plan(caches, past, new)  # type: ignore[arg-type]
                 small[io.KV_SLOTS.name] = plan.kv_slots
+                small[io.SELECTIONS.name] = _SELECTIONS[io.SELECTED.at(self.layers[0]) in want]
             if S == 1 and self._decodable.issuperset(want):
                 outs = self._run_decode(B, int(past.max()) + 1, want, small)
                 if commit:

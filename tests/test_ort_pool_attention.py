@@ -24,13 +24,13 @@ pytestmark = pytest.mark.skipif(LIB is None or not reference_available(),
 DOMAIN = "ai.gsm_edge.cpu"
 INPUTS = ["q", "index_q", "index_w", "new_latent_k", "new_latent_v", "new_index_keys", "kv_pool", "index_keys",
           "kv_slots", "quant", "row_cache", "row_cache_tags", "k_up", "v_up", "rope_cos", "rope_sin", "cache_rows",
-          "past_lengths", "new_lengths", "sparse_window", "sparse_top_k"]
+          "past_lengths", "new_lengths", "sparse_window", "sparse_top_k", "logit_rows", "selections"]
 OUTPUTS = ["attn_out", "selected", "attn_mass", "row_cache_misses"]
 SHARED_INPUTS = ["q", "kv_pool", "kv_slots", "quant", "row_cache", "row_cache_tags", "kv_proj_weight", "kv_proj_bias",
                  "rope_cos", "rope_sin", "selected", "cache_rows", "past_lengths", "new_lengths"]
 SHARED_OUTPUTS = ["attn_out", "row_cache_misses"]
 I32 = {"kv_pool", "kv_slots", "row_cache_tags", "cache_rows", "past_lengths", "new_lengths", "sparse_window",
-       "sparse_top_k", "selected", "row_cache_misses"}
+       "sparse_top_k", "logit_rows", "selections", "selected", "row_cache_misses"}
 # (nH, nKV, D, nI, dI, rk, rv): odd ranks (INT12 / INT4 padding), SmolLM2's heads with an index dim that is not a
 # multiple of 4 (INT8 keys padded to words)
 GEOMETRIES = {"odd": (4, 2, 6, 3, 12, 5, 9), "gqa3": (9, 3, 64, 3, 30, 23, 52)}
@@ -113,10 +113,11 @@ class Case:
         return dict(zip(outputs, binding.copy_outputs_to_cpu()))
 
     def call(self, rows: list[int], past: list[int], new: list[int], S: int, top_k: int = TOP_K,
-             entry: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+             entry: tuple[int, int] | None = None, selections: int = 1) -> dict[str, np.ndarray]:
         """One call over sequences in pool rows `rows`, through the op and through the reference; checks that they
         agree (selection, outputs, pools, keys) and returns the op's outputs. entry: (position, slot entry) put into
-        the first sequence's kv_slots after the allocation (a runtime bug)."""
+        the first sequence's kv_slots after the allocation (a runtime bug). selections: the op's input (0: it
+        returns no selection, so only the rest is checked)."""
         nH, nKV, D, nI, dI, rk, rv = self.geo
         B = len(rows)
         f = lambda *s: self.rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -145,7 +146,8 @@ class Case:
              "k_up": self.k_up.astype(self.up_dtype), "v_up": self.v_up.astype(self.up_dtype), "rope_cos": self.cos,
              "rope_sin": self.sin, "cache_rows": np.array(rows, np.int32), "past_lengths": np.array(past, np.int32),
              "new_lengths": np.array(new, np.int32), "sparse_window": np.array([WINDOW], np.int32),
-             "sparse_top_k": np.full(B, top_k, np.int32)}
+             "sparse_top_k": np.full(B, top_k, np.int32), "logit_rows": np.zeros((B, 1), np.int32),
+             "selections": np.array([selections], np.int32)}
         out = self.run(self.session, x, OUTPUTS)
 
         rrows = np.array(rows, np.int32)
@@ -159,8 +161,10 @@ class Case:
         np.testing.assert_array_equal(self.keys, self.ref_keys, err_msg="indexer keys after the call")
         k = out["selected"].shape[-1]
         for b, n in enumerate(new):
-            np.testing.assert_array_equal(out["selected"][b, :n], r.selected[b, :n, :k], err_msg=f"selection of {b}")
-            assert (r.selected[b, :n, k:] == -1).all()
+            if selections:
+                np.testing.assert_array_equal(out["selected"][b, :n], r.selected[b, :n, :k],
+                                              err_msg=f"selection of {b}")
+                assert (r.selected[b, :n, k:] == -1).all()
             scale = float(np.abs(r.out[b, :n]).max())
             np.testing.assert_allclose(out["attn_out"][b, :n], r.out[b, :n], rtol=0, atol=1e-5 * scale,
                                        err_msg=f"attention output of sequence {b}")
@@ -168,8 +172,11 @@ class Case:
         np.testing.assert_allclose(out["attn_mass"], r.mass[:, :L], rtol=0, atol=2e-5 * max(new) * nH)
         for row, p0, n in zip(rows, past, new):
             self.check_row_cache(row, p0 + n)
+        q_shared = f(B, S, nH * D)  # drawn either way: cases called with and without selections stay in step
+        if not selections:
+            return out
         # the sharing layer, after its source: the source's selection, the pool as the source left it
-        xs = {"q": f(B, S, nH * D), "kv_pool": self.pool, "kv_slots": slots, "quant": self.quant,
+        xs = {"q": q_shared, "kv_pool": self.pool, "kv_slots": slots, "quant": self.quant,
               "row_cache": self.shared_cache, "row_cache_tags": self.shared_tags, "kv_proj_weight": self.proj_w,
               "kv_proj_bias": self.proj_b, "rope_cos": self.cos, "rope_sin": self.sin, "selected": out["selected"],
               "cache_rows": x["cache_rows"], "past_lengths": x["past_lengths"], "new_lengths": x["new_lengths"]}
@@ -336,6 +343,26 @@ def test_float16_u_gives_the_float32_u_outputs_bit_for_bit(geo: str) -> None:
     assert made > 10, "rows made from the pool"
 
 
+def test_a_call_without_selections_computes_the_same_and_returns_none() -> None:
+    """selections = 0 (a call that wants no probes): `selected` comes back [B, S, 0] and everything else, outputs,
+    pools, keys and row caches, is the selecting call's bit for bit; a value other than 0 or 1 is refused."""
+    cases = [Case(GEOMETRIES["gqa3"], 8, capacity=64, seed=7, threads=2) for _ in range(2)]
+    for step in [([1], [0], [40], 40), "demote", ([1], [40], [1], 1), ([1], [41], [20], 20), ([1], [61], [1], 1)]:
+        if step == "demote":
+            assert cases[0].demote(1, 40) == cases[1].demote(1, 40) > 10
+            continue
+        kept, none = cases[0].call(*step), cases[1].call(*step, selections=0)
+        S = step[3]
+        assert kept["selected"].shape[:2] == (1, S) and kept["selected"].shape[2] > 0
+        assert none["selected"].shape == (1, S, 0)
+        for name in ("attn_out", "attn_mass", "row_cache_misses"):
+            np.testing.assert_array_equal(kept[name], none[name], err_msg=name)
+        for name in ("pool", "keys", "row_cache", "tags"):
+            np.testing.assert_array_equal(getattr(cases[0], name), getattr(cases[1], name), err_msg=name)
+    with pytest.raises(Exception, match=r"selections = 2 is neither 1 \(return the selection\) nor 0"):
+        cases[1].call([1], [62], [1], 1, selections=2)
+
+
 def test_rows_made_from_int8_and_int4_rows_use_the_references_latents_bit_for_bit() -> None:
     """A K row the op makes from an INT8 or INT4 row of the pool is U_k times the latent the plugins' reference
     dequantises (one rounded product, one rounded sum per value: no fused multiply-add), bit for bit: the row equals
@@ -359,7 +386,8 @@ def test_rows_made_from_int8_and_int4_rows_use_the_references_latents_bit_for_bi
          "row_cache_tags": c.tags, "k_up": c.k_up, "v_up": c.v_up, "rope_cos": c.cos, "rope_sin": c.sin,
          "cache_rows": np.array([2], np.int32), "past_lengths": np.array([0], np.int32),
          "new_lengths": np.array([40], np.int32), "sparse_window": np.array([WINDOW], np.int32),
-         "sparse_top_k": np.array([N_MAX], np.int32)}
+         "sparse_top_k": np.array([N_MAX], np.int32), "logit_rows": np.zeros((1, 1), np.int32),
+         "selections": np.array([1], np.int32)}
     c.run(c.session, x, OUTPUTS)
     c.ref_pool[2], c.ref_keys[2] = c.pool[2], c.keys[2]  # (the reference's copy: only row 0 is compared below)
     fresh = {int(p): c.row_cache[2, s].copy() for s, p in enumerate(c.tags[2, 0]) if p >= 0}

@@ -17,7 +17,7 @@ enum Input : size_t
 {
     kQ, kIndexQ, kIndexW, kNewLatentK, kNewLatentV, kNewIndexKeys, kPool, kIndexKeys, kSlots, kQuant, kRowCache,
     kRowTags, kKUp, kVUp, kRopeCos, kRopeSin, kCacheRows, kPastLengths, kNewLengths, kSparseWindow, kSparseTopK,
-    kLogitRows, kNumInputs
+    kLogitRows, kSelections, kNumInputs
 };
 // attn_out, selected, attn_mass, then optional: row_cache_misses, query_mass (needs input logit_rows)
 enum Output : size_t
@@ -39,7 +39,7 @@ OrtOpPort const kInputs[] = {{"q", kF32, kRequired}, {"index_q", kF32, kRequired
     {"k_up", kOpen, kRequired}, {"v_up", kOpen, kRequired}, {"rope_cos", kF32, kRequired},
     {"rope_sin", kF32, kRequired}, {"cache_rows", kI32, kRequired}, {"past_lengths", kI32, kRequired},
     {"new_lengths", kI32, kRequired}, {"sparse_window", kI32, kRequired}, {"sparse_top_k", kI32, kRequired},
-    {"logit_rows", kI32, kOptional}};
+    {"logit_rows", kI32, kOptional}, {"selections", kI32, kOptional}};
 OrtOpPort const kOutputs[] = {{"attn_out", kF32, kRequired}, {"selected", kI32, kRequired},
     {"attn_mass", kF32, kRequired}, {"row_cache_misses", kI32, kOptional}, {"query_mass", kF32, kOptional}};
 static_assert(portCount(kInputs) == kNumInputs && portCount(kOutputs) == kNumOutputs, "ports");
@@ -153,13 +153,22 @@ OrtStatus* checkShapes(NodeInputs const& x, Call const& c)
     {
         GSM_ORT_TRY(expectShape(op, kLogitRows, sh[kLogitRows], {B, c.J}, "[B, J]"));
     }
+    if (x.has(kSelections))
+    {
+        GSM_ORT_TRY(expectShape(op, kSelections, sh[kSelections], {1}, "[1]"));
+    }
     return nullptr;
 }
 
-// What the shapes cannot say: a row for every position, and logit_rows within the call's rows
+// What the shapes cannot say: a row for every position, logit_rows within the call's rows, selections 0 or 1
 OrtStatus* checkValues(NodeInputs const& x, Call const& c)
 {
     OrtOpDescriptor const& op = kPoolAttentionOp;
+    if (x.has(kSelections) && (*x.as<int32_t>(kSelections) & ~1) != 0)
+    {
+        return invalidArgument(op, "selections = " + std::to_string(*x.as<int32_t>(kSelections))
+            + " is neither 1 (return the selection) nor 0");
+    }
     if (c.g.rowsFP16 + static_cast<int64_t>(c.g.rowsINT12) + c.g.rowsINT8 + c.g.rowsINT4 < c.d.N)
     {
         return invalidArgument(op, "attributes rows_fp16 + rows_int12 + rows_int8 + rows_int4 are below N_max = "
@@ -206,10 +215,13 @@ CachedAttentionInputs bindInputs(NodeInputs const& x, Call const& c, PoolSource 
 }
 
 // The node's outputs for widths k (selected) and L (attn_mass); the call's new K rows go to scratch (the row cache
-// keeps them) and the row cache's misses to ps
+// keeps them) and the row cache's misses to ps. With selections = 0 the selection is made in scratch too and
+// `selected` is [B, S, 0]: ONNX Runtime keeps every node output to the end of a run, read or not, and a prefill
+// chunk's selections of every layer were megabytes there
 OrtStatus* makeOutputs(OrtKernelContext* ctx, NodeInputs const& x, Call const& c, int64_t k, int64_t L,
     CachedAttentionOutputs* out, PoolSource* ps)
 {
+    bool const keep = !x.has(kSelections) || *x.as<int32_t>(kSelections) != 0;
     size_t outputs = 0;
     GSM_ORT_TRY(outputCount(ctx, &outputs));
     if (outputs > kQueryMass && !x.has(kLogitRows))
@@ -219,7 +231,8 @@ OrtStatus* makeOutputs(OrtKernelContext* ctx, NodeInputs const& x, Call const& c
     }
     CachedAttentionDims const& d = c.d;
     int64_t const B = d.B, S = d.S;
-    int64_t const outDims[kNumOutputs][3] = {{B, S, d.nH * d.D}, {B, S, k}, {B, L, 0}, {B, 0, 0}, {B, c.J, L}};
+    int64_t const outDims[kNumOutputs][3] = {{B, S, d.nH * d.D}, {B, S, keep ? k : 0}, {B, L, 0}, {B, 0, 0},
+        {B, c.J, L}};
     int64_t const flatOut[2] = {B * S, d.nH * d.D};
     size_t const outRank[kNumOutputs] = {c.flatQ ? size_t{2} : size_t{3}, 3, 2, 1, 3};
     void* o[kNumOutputs] = {};
@@ -232,7 +245,12 @@ OrtStatus* makeOutputs(OrtKernelContext* ctx, NodeInputs const& x, Call const& c
     newKRows.resize(static_cast<size_t>(B * S * d.nKV * d.D));
     out->attnOut = static_cast<float*>(o[kAttnOut]);
     out->newKRows = newKRows.data();
-    out->selected = static_cast<int32_t*>(o[kSelected]);
+    static thread_local std::vector<int32_t> selected;
+    if (!keep)
+    {
+        selected.resize(static_cast<size_t>(B * S * k));
+    }
+    out->selected = keep ? static_cast<int32_t*>(o[kSelected]) : selected.data();
     out->attnMass = static_cast<float*>(o[kAttnMass]);
     out->queryMass = static_cast<float*>(o[kQueryMass]);
     return nullptr;
