@@ -140,9 +140,9 @@ class Runtime:
         """StepWorker.call_draft_room: drafts any sequence may carry in one call with `seqs`."""
         return self.worker.call_draft_room(seqs)
 
-    def chunk_tokens(self, past: int, sequences: int = 1) -> int:
-        """StepWorker.chunk_tokens: tokens per sequence of a prefill call."""
-        return self.worker.chunk_tokens(past, sequences)
+    def chunk_tokens(self, past: int) -> int:
+        """StepWorker.chunk_tokens: tokens of a prefill call."""
+        return self.worker.chunk_tokens(past)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 64,
                        options: RequestOptions | None = None, **keywords: Any) -> list[Generation]:

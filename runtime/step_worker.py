@@ -143,9 +143,9 @@ class StepWorker:
             part = [b for b, p in enumerate(prompts) if done[b] < len(p)]
             if not part:
                 break
-            step = self.chunk_tokens(max(seqs[b].length for b in part), len(part))
-            ends = [len(prompts[b]) if cut[b] is None or done[b] >= cut[b] else cut[b] for b in part]
-            chunks = [prompts[b][done[b]:min(done[b] + step, end)] for b, end in zip(part, ends)]
+            ends = {b: len(prompts[b]) if cut[b] is None or done[b] >= cut[b] else cut[b] for b in part}
+            part, step = self._prefill_group(part, [seqs[b].length for b in part], [ends[b] - done[b] for b in part])
+            chunks = [prompts[b][done[b]:min(done[b] + step, ends[b])] for b in part]
             res = self.forward_batch([seqs[b] for b in part], chunks)
             last = res.logits.shape[1] > 1  # logits=all: [B, S, V]; pick each sequence's last new row
             for k, b in enumerate(part):
@@ -205,10 +205,28 @@ class StepWorker:
         its longest verification, so the one nearest max-seq bounds them all (each within its own draft_room too)."""
         return min(self.n_max - s.length for s in seqs) - 1
 
-    def chunk_tokens(self, past: int, sequences: int = 1) -> int:
-        """Tokens per sequence of a prefill call of `sequences` sequences after at most `past` positions
-        (prefill_chunk with this backend's bound, shared among the call's sequences)."""
-        return prefill_chunk(self.max_input, past, self.backend.capabilities.call_positions // max(1, sequences))
+    def _prefill_group(self, part: list[int], past: list[int], left: list[int]) -> tuple[list[int], int]:
+        """The sequences of one prefill call and their tokens each (the chunk the longest of them gets alone): the
+        first of `part`, then each next while, where the backend bounds a call, the call stays within max-input tokens
+        and the bound on its tokens x positions. A call's scratch follows its tokens and the distinct positions its
+        queries pick, per sequence: 8 sequences of 4K sharing calls of 32 tokens each made ~3x the rows a prefill
+        makes alone, and 4 sequences of 512 tokens in a call grew the heap (SmolLM2, bench/memory_breakdown.py
+        --batch 8: peak 821 -> 754 MiB, prefill 110 -> 84 s). A sequence's chunks are then the ones it gets alone.
+        past, left: each one's positions and prompt tokens still to run."""
+        bound = self.backend.capabilities.call_positions
+        n = 1
+        while n < len(part):
+            longest = max(past[:n + 1])
+            step = self.chunk_tokens(longest)
+            tokens = sum(min(step, t) for t in left[:n + 1])
+            if bound > 0 and (tokens > self.max_input or tokens * (longest + self.max_input) > bound):
+                break
+            n += 1
+        return part[:n], self.chunk_tokens(max(past[:n]))
+
+    def chunk_tokens(self, past: int) -> int:
+        """Tokens of a prefill call after at most `past` positions (prefill_chunk with this backend's bound)."""
+        return prefill_chunk(self.max_input, past, self.backend.capabilities.call_positions)
 
     def prefill_call(self, seq: CachedSequence, tokens: Sequence[int], *, selections: bool = False) -> StepOutput:
         """One prefill call of exactly `tokens` (1..max-input, never split) and the re-tier pass that ends it, as each

@@ -33,14 +33,14 @@ def test_prefill_chunk(max_input: int, past: int, cap: int, want: int) -> None:
 
 @pytest.fixture(scope="module")
 def long_input(tmp_path_factory):
-    """A bundle whose max-input (192) leaves room below it for PREFILL_ALIGN-token calls."""
+    """A bundle whose max-input (192) leaves room below it for PREFILL_ALIGN-token calls, two sequences at once."""
     import runtime
     from builder.build import BuildConfig, build
     from gsm.synth import synth_checkpoint
 
     root = tmp_path_factory.mktemp("prefill_memory")
     build(BuildConfig(device="orin", checkpoint=synth_checkpoint("tiny", root / "tiny", seed=3), output=root / "b",
-                      max_seq=512, max_input=192))
+                      max_seq=512, max_input=192, max_batch=2))
     return runtime.load(root / "b", "onnxruntime", threads=1)
 
 
@@ -74,14 +74,40 @@ def test_prefill_calls_shrink_as_the_context_grows(long_input) -> None:
         assert tokens == prefill_chunk(rt.max_input, past, cap)
 
 
-def test_a_call_of_several_sequences_shares_the_bound(long_input) -> None:
+@pytest.mark.parametrize(("lengths", "want"), [
+    # 60 + 60 tokens x (0 + 192) = 23,040 <= 57,600: one call
+    ((60, 60), [(2, 0, 60)]),
+    # 192 + 192 tokens x 192 = 73,728 > 57,600: one sequence a call, each with its own chunks (the test above's)
+    ((480, 480), [(1, 0, 192), (1, 192, 128), (1, 320, 64), (1, 384, 64), (1, 448, 32)] * 2),
+    # 60 + 192 tokens x 192 = 48,384 fits the bound, but not max-input (192): one at a time
+    ((60, 480), [(1, 0, 60), (1, 0, 192), (1, 192, 128), (1, 320, 64), (1, 384, 64), (1, 448, 32)]),
+    ((100, 92), [(2, 0, 100)]),  # 192 tokens: max-input exactly
+])
+def test_a_call_carries_sequences_while_the_bound_holds(long_input, lengths, want) -> None:
+    """prefill_batch puts the next sequence into a call while the call stays within max-input tokens and its tokens x
+    (past + max-input) within the bound, each sequence with the tokens it gets alone (shared, a call of 8 sequences
+    of 4K gave each 32 tokens, and the op makes the rows each call's picks need: 3x the rows, ~30 MiB of scratch):
+    (sequences, past, most new tokens) of each call, worked out by hand with the bound 57,600."""
     rt = long_input
-    caps = rt.backend.capabilities
-    rt.backend.capabilities = dataclasses.replace(caps, call_positions=192 * 300)
-    try:  # 57,600 // 4 // (64 + 192) = 56 -> PREFILL_ALIGN; one sequence: 57,600 // 256 = 225 -> 192
-        assert (rt.chunk_tokens(64, 4), rt.chunk_tokens(64, 1), rt.chunk_tokens(64, 2)) == (64, 192, 64)
+    be = rt.backend
+    caps = be.capabilities
+    be.capabilities = dataclasses.replace(caps, call_positions=192 * 300)
+    calls = []
+    forward = be.forward
+
+    def spy(caches, ids, past, new, *a, **k):
+        calls.append((len(caches), int(past.max()), int(new.max())))
+        return forward(caches, ids, past, new, *a, **k)
+
+    be.forward = spy
+    seqs = [rt.new_sequence() for _ in lengths]
+    try:
+        rt.prefill_batch(seqs, [list(np.arange(n) % 50 + 3) for n in lengths])
     finally:
-        rt.backend.capabilities = caps
+        be.forward, be.capabilities = forward, caps
+        for s in seqs:
+            s.close()
+    assert calls == want
 
 
 def test_the_onnxruntime_backend_bounds_its_calls(rts) -> None:
