@@ -161,7 +161,7 @@ class PrefixRows:
     length: int
     entries: np.ndarray  # slot entries of positions 0..length-1
     free: tuple[tuple[int, ...], ...]  # the slot table's free rows per region
-    rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]  # owning layer -> (byte starts, sizes, the bytes)
+    rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]  # owning layer -> (byte runs' starts, sizes, bytes)
     keys: dict[int, np.ndarray]  # owning layer -> index_keys of positions 0..length-1
 
     @property
@@ -185,8 +185,16 @@ def row_spans(cfg: BundleConfig, layer: int, rows: np.ndarray) -> tuple[np.ndarr
     return bases[region] + (rows - firsts[region]) * widths[region], widths[region]
 
 
-def _byte_index(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    return np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+def byte_runs(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte spans (in order) merged where one ends where the next starts: a prefix's rows lie mostly back to back in
+    their regions, so a few slice copies move them (an index of every byte cost ~15 ms a restore of SmolLM2's
+    inspection prompt, 700 positions x 30 layers)."""
+    if starts.size == 0:
+        return starts, sizes
+    ends = starts + sizes
+    first = np.flatnonzero(np.concatenate(([True], starts[1:] != ends[:-1])))
+    last = np.concatenate((first[1:] - 1, [starts.size - 1]))
+    return starts[first], ends[last] - starts[first]
 
 
 def take_prefix(cfg: BundleConfig, buffers: dict[str, np.ndarray], cache: PluginCache, length: int) -> PrefixRows:
@@ -195,8 +203,9 @@ def take_prefix(cfg: BundleConfig, buffers: dict[str, np.ndarray], cache: Plugin
     rows = np.unique(entries & ROW_MASK).astype(np.int64)
     kept, keys = {}, {}
     for l in cfg.owning_layers:
-        starts, sizes = row_spans(cfg, l, rows)
-        data = buffers[io.KV_POOL.at(l)][cache.row].view(np.uint8)[_byte_index(starts, sizes)]
+        starts, sizes = byte_runs(*row_spans(cfg, l, rows))
+        pool = buffers[io.KV_POOL.at(l)][cache.row].view(np.uint8)
+        data = np.concatenate([pool[a:a + n] for a, n in zip(starts.tolist(), sizes.tolist())] or [pool[:0]])
         kept[l] = (starts, sizes, data)
         keys[l] = buffers[io.INDEX_KEYS.at(l)][cache.row, :length].copy()
     return PrefixRows(length, entries, tuple(tuple(f) for f in cache.slots.free), kept, keys)
@@ -210,7 +219,10 @@ def put_prefix(buffers: dict[str, np.ndarray], cache: PluginCache, prefix: Prefi
     cache.slots.entries[:prefix.length] = prefix.entries
     cache.slots.free = [list(f) for f in prefix.free]
     for l, (starts, sizes, data) in prefix.rows.items():
-        buffers[io.KV_POOL.at(l)][cache.row].view(np.uint8)[_byte_index(starts, sizes)] = data
+        pool, at = buffers[io.KV_POOL.at(l)][cache.row].view(np.uint8), 0
+        for a, n in zip(starts.tolist(), sizes.tolist()):
+            pool[a:a + n] = data[at:at + n]
+            at += n
         buffers[io.INDEX_KEYS.at(l)][cache.row, :prefix.length] = prefix.keys[l]
     for name, tags in buffers.items():
         if name.startswith(io.ROW_CACHE_TAGS.prefix):

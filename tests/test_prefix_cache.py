@@ -157,3 +157,19 @@ def test_a_warmed_prefix_is_found_by_the_first_request_and_changes_no_token(chat
     assert got == [cold.chat(_chat(q), 8).ids for q in qs] and eng_rt.prefixes.hits == 4
     assert cold.warm_prefix([SYSTEM, *SHOTS]) == 0
     assert rt.warm_prefix([]) == 0
+
+
+def test_byte_runs_copy_the_bytes_of_every_span_in_order():
+    """A prefix's row spans merged into runs move the same bytes, in the same order, as an index of every byte of
+    every span (the spans of rows back to back in a region, a gap, a region of another width, one row alone)."""
+    from runtime.plugin_cache import byte_runs
+
+    pool = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    starts = np.array([0, 40, 80, 120, 400, 448, 496, 1000, 3000], np.int64)
+    sizes = np.array([40, 40, 40, 40, 48, 48, 48, 24, 96], np.int64)
+    every_byte = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, sizes)])
+    run_starts, run_sizes = byte_runs(starts, sizes)
+    assert run_starts.tolist() == [0, 400, 1000, 3000] and run_sizes.tolist() == [160, 144, 24, 96]
+    got = np.concatenate([pool[a:a + n] for a, n in zip(run_starts, run_sizes)])
+    assert np.array_equal(got, pool[every_byte])
+    assert [x.size for x in byte_runs(starts[:0], sizes[:0])] == [0, 0]
