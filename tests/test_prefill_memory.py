@@ -86,7 +86,7 @@ def test_prefill_calls_shrink_as_the_context_grows(long_input) -> None:
 def test_a_call_carries_sequences_while_the_bound_holds(long_input, lengths, want) -> None:
     """prefill_batch puts the next sequence into a call while the call stays within max-input tokens and its tokens x
     (past + max-input) within the bound, each sequence with the tokens it gets alone (shared, a call of 8 sequences
-    of 4K gave each 32 tokens, and the op makes the rows each call's picks need: 3x the rows, ~30 MiB of scratch):
+    of 4K gave each 32 tokens, and the op makes the rows each call's picks need: ~30 MiB of scratch at the end):
     (sequences, past, most new tokens) of each call, worked out by hand with the bound 57,600."""
     rt = long_input
     be = rt.backend
