@@ -210,9 +210,9 @@ class StepWorker:
         first of `part`, then each next while, where the backend bounds a call, the call stays within max-input tokens
         and the bound on its tokens x positions. A call's scratch follows its tokens and the distinct positions its
         queries pick, per sequence: 8 sequences of 4K sharing calls of 32 tokens each made a position's rows again in
-        every call that picked it, and 4 sequences of 512 tokens in a call grew the heap (SmolLM2, bench/memory_breakdown.py
-        --batch 8: peak 821 -> 754 MiB, prefill 110 -> 84 s). A sequence's chunks are then the ones it gets alone.
-        past, left: each one's positions and prompt tokens still to run."""
+        every call that picked it, and 4 sequences of 512 tokens in a call grew the heap (SmolLM2,
+        bench/memory_breakdown.py --batch 8: peak 821 -> 754 MiB, prefill 110 -> 84 s). A sequence's chunks are then
+        the ones it gets alone. past, left: each one's positions and prompt tokens still to run."""
         bound = self.backend.capabilities.call_positions
         n = 1
         while n < len(part):
