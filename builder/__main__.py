@@ -19,6 +19,7 @@ from builder.plan import (
     HEAD_GROUP_SIZES,
     INT4_GRIDS,
     PER_CHANNEL,
+    ROW_CACHE_TOP_K_FACTOR,
     WEIGHT_CHOICES,
 )
 from gsm.cli_support import EXIT_BAD_INPUT, CommandFailed, int_at_least, run_main, tier_fractions
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="room in the cache's FP16 region for re-tier passes this many decode steps apart (default: "
                         "the model's quantization_adaptation_rate), so that `runtime patch` or a server's "
                         "PATCH /admin/config may lengthen the rate up to it (docs/serving.md \"Changing knobs\")")
+    b.add_argument("--row-cache-factor", type=int_at_least(1), default=ROW_CACHE_TOP_K_FACTOR,
+                   help="the CPU graph keeps, per layer, the K rows of the sinks, the window and this many times a "
+                        "query's top-k (default %(default)s); 1 holds less memory and makes more rows again each step "
+                        "(docs/builder.md)")
     b.add_argument("--overwrite", action="store_true",
                    help="replace --output if it is a bundle directory gsm-edge wrote before")
     b.add_argument("--json", action="store_true", help="print report.json instead of the human summary")
@@ -126,7 +131,7 @@ def build_config(args: argparse.Namespace) -> BuildConfig:
                        int4_grid=args.int4_grid, head_weights=args.head_weights,
                        matmul_accuracy=args.matmul_accuracy, awq_scales=args.awq_scales, max_top_k=args.max_top_k,
                        tier_fractions=args.tier_fractions, index_keys=args.index_keys, gsm_weights=args.gsm_weights,
-                       max_adaptation_rate=args.max_adaptation_rate)
+                       max_adaptation_rate=args.max_adaptation_rate, row_cache_factor=args.row_cache_factor)
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -261,7 +261,8 @@ def _write_bundle(config: BuildConfig, src: _Source, design: _Design, profile: A
     with atomic_bundle_dir(out, meta, overwrite=config.overwrite) as tmp:
         source = CountedSource(CheckpointSource(src.tensors), src.tensors, read)  # read(done, total): checkpoint bytes
         info = write_graphs(tmp, spec, source, qt.tables, design.rows, trt_precision=config.trt_precision,
-                            weights=design.weights, max_top_k=plan.max_top_k, progress=step)
+                            weights=design.weights, max_top_k=plan.max_top_k,
+                            row_cache_factor=plan.row_cache_factor, progress=step)
         for name in (checkpoint.CONFIG_FILE, checkpoint.QUANT_FILE, checkpoint.TOKENIZER_FILE,
                      checkpoint.TOKENIZER_CONFIG_FILE):
             if (ckpt / name).is_file():

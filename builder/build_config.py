@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.plan import HEAD_CHOICES, INT4_GRIDS, PER_CHANNEL, WEIGHT_CHOICES, PlanRequest
+from builder.plan import HEAD_CHOICES, INT4_GRIDS, PER_CHANNEL, ROW_CACHE_TOP_K_FACTOR, WEIGHT_CHOICES, PlanRequest
 
 
 class BuildError(RuntimeError):
@@ -42,7 +42,9 @@ class BuildConfig:
     checkpoint's (three or four); index_keys: int8 | fp16 instead of the checkpoint's index_key_bits; gsm_weights:
     fp16 | int8 (per output channel), the GSM-side projections (None: DEFAULT_GSM of the --weights choice);
     max_adaptation_rate: room in the FP16 region for re-tier passes this many decode steps apart (0: the model's
-    quantization_adaptation_rate), so that a bundle patch may lengthen the rate up to it."""
+    quantization_adaptation_rate), so that a bundle patch may lengthen the rate up to it; row_cache_factor: the CPU
+    graph's row caches of K rows hold sinks, window and this many times a query's top-k (fewer: less memory, more
+    rows made again each step)."""
 
     device: str  # a profile of jetson/profiles.py, or "auto"
     checkpoint: Path | None = None  # None: the synthetic demo model
@@ -67,6 +69,7 @@ class BuildConfig:
     index_keys: str | None = None  # INDEX_KEYS
     gsm_weights: str | None = None
     max_adaptation_rate: int = 0
+    row_cache_factor: int = ROW_CACHE_TOP_K_FACTOR
 
     def __post_init__(self) -> None:
         for name in ("checkpoint", "output", "calibration", "awq_scales"):  # a str is taken as the path it names
@@ -84,7 +87,8 @@ class BuildConfig:
         return PlanRequest(max_seq=self.max_seq, max_batch=self.max_batch, max_input=self.max_input,
                            weights=self.weights, group_size=group_size, head_weights=self.head_weights,
                            int4_grid=int4_grid, max_top_k=self.max_top_k, gsm_weights=self.gsm_weights,
-                           head_moment=head_moment, max_rate=self.max_adaptation_rate)
+                           head_moment=head_moment, max_rate=self.max_adaptation_rate,
+                           row_cache_factor=self.row_cache_factor)
 
 
 def _check_choice(flag: str, value: object, choices: tuple[str, ...] | dict[str, int]) -> None:

@@ -28,7 +28,7 @@ import onnx
 
 from builder.graph_portable import PortableOps
 from builder.nodes import F16, F32, I32, AttentionCall
-from builder.plan import PoolRows, pool_words, row_cache_capacity
+from builder.plan import ROW_CACHE_TOP_K_FACTOR, PoolRows, pool_words, row_cache_capacity
 from gsm import graph_io as io
 from gsm.bundle_format import ROW_CACHE_TAGS, CpuWeightTable, IndexKeyLayout, WeightSpan
 
@@ -59,9 +59,10 @@ class CpuOps(PortableOps):
     half_up = True  # GsmPoolAttention reads U_k / U_v as float16 when every value lies on the FP16 grid
 
     def __init__(self, g: Any, cfg: Any, ranks: dict[int, tuple[int, int]], n_max: int, rows: PoolRows, *,
-                 int8_keys: bool = False) -> None:
+                 int8_keys: bool = False, row_cache_factor: int = ROW_CACHE_TOP_K_FACTOR) -> None:
         super().__init__(g, cfg, ranks, n_max, int8_keys=int8_keys)
         self.pool_rows = rows
+        self.row_cache_factor = row_cache_factor
         self.keys = IndexKeyLayout(cfg.gsm.indexer_dim, 8 if int8_keys else 16)
         self.pool_key_type = F16 if self.keys.bits == 16 else I32
         self._side: set[int] = set()  # owning layers whose new rows side_split made in the cache's form
@@ -86,7 +87,7 @@ class CpuOps(PortableOps):
                                         ["R", self.n_max, self.keys.plugin_width])}
         self.row_cache = {}
         for i in range(cfg.num_hidden_layers):
-            c = row_cache_capacity(cfg, i, self.n_max)
+            c = row_cache_capacity(cfg, i, self.n_max, self.row_cache_factor)
             self.row_cache[i] = (g.input(io.ROW_CACHE.at(i), F32, ["R", c, cfg.kv_dim]),
                                  g.input(io.ROW_CACHE_TAGS.at(i), I32, ["R", ROW_CACHE_TAGS, c]))
         # GsmSideSplit makes the call's key in the type the op takes (FP16, or INT8 codes): it reads only that

@@ -25,7 +25,7 @@ from builder.graph_trt import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, PLUGINS,
 from builder.network import ROPE_COS, ROPE_SIN, NetSpec, Network, TensorSource, quant_name
 from builder.nodes import F16, F32, I32
 from builder.onnx_util import OPSET, OPSET_INT4, GraphBuilder, WeightStore, save_model
-from builder.plan import PoolRows
+from builder.plan import ROW_CACHE_TOP_K_FACTOR, PoolRows
 from builder.qlinear import BundleWeights, ProjectionStore
 from gsm import graph_io as io
 from gsm import names
@@ -47,7 +47,8 @@ class GraphsInfo:
 
 def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int, np.ndarray],
                  rows: PoolRows, *, trt_precision: str = "fp16", weights: BundleWeights | None = None,
-                 max_top_k: int | None = None, progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
+                 max_top_k: int | None = None, row_cache_factor: int = ROW_CACHE_TOP_K_FACTOR,
+                 progress: Callable[[str], None] = lambda s: None) -> GraphsInfo:
     """trt_precision: activation type of model.onnx; "fp16" for engines, "fp32" to compare the plugin
     path with the portable graph to float32 rounding (runtime backend "reference").
     weights: the quantisation of each tensor in spec.quantised, by name (None or no configs: none quantised), the
@@ -78,7 +79,8 @@ def write_graphs(out: Path, spec: NetSpec, source: TensorSource, quant: dict[int
                    out / FILES.model_portable)
         progress("ONNX Runtime CPU graph")
         g = GraphBuilder(store)
-        Network(g, CpuOps(g, cfg, ranks, n_max, rows, int8_keys=spec.int8_keys), replace(spec, debug=False), source,
+        Network(g, CpuOps(g, cfg, ranks, n_max, rows, int8_keys=spec.int8_keys, row_cache_factor=row_cache_factor),
+                replace(spec, debug=False), source,
                 quant, F32,
                 projections=projections).build()
         cpu_model = g.model("gsm_cpu", extra_opsets={CPU_DOMAIN: CPU_OP_VERSION},

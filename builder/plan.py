@@ -97,12 +97,13 @@ def pool_rows(max_seq: int, max_input: int, cfg: ModelConfig, quant: KVQuantConf
                                  rate, hot_rows))
 
 
-ROW_CACHE_TOP_K_FACTOR = 3  # the row cache keeps this many times a query's top-k picks (decisions "CPU cache")
+# the row cache keeps this many times a query's top-k picks by default (--row-cache-factor; decisions "CPU cache")
+ROW_CACHE_TOP_K_FACTOR = 3
 
 
-def row_cache_capacity(cfg: ModelConfig, layer: int, max_seq: int) -> int:
+def row_cache_capacity(cfg: ModelConfig, layer: int, max_seq: int, factor: int = ROW_CACHE_TOP_K_FACTOR) -> int:
     """C of layer `layer`'s row cache of K rows on the CPU graph (a sharing layer: its source's selection): the sinks
-    and window one query selects with the default budgets at max_seq, and ROW_CACHE_TOP_K_FACTOR times its top-k. The
+    and window one query selects with the default budgets at max_seq, and `factor` times its top-k. The
     indexer's picks change from step to step (SmolLM2 at 8K: ~150 of ~500 per layer), and a pick that drops out
     often comes back a few steps later: with room for three times the picks, least-recently-read eviction keeps those
     (bench/row_cache_churn.py; a streaming layer, top-k 0, keeps exactly its window). A larger run-time budget or a
@@ -110,7 +111,7 @@ def row_cache_capacity(cfg: ModelConfig, layer: int, max_seq: int) -> int:
     g = cfg.gsm
     owner = g.kv_sharing.get(layer, layer)
     top_k = g.selection_of(owner).top_k_at(max_seq - 1)
-    return min(max_seq, g.sink_tokens + g.layer_max_window(owner) + ROW_CACHE_TOP_K_FACTOR * top_k)
+    return min(max_seq, g.sink_tokens + g.layer_max_window(owner) + factor * top_k)
 
 
 def pool_words(r_k: int, r_v: int, rows: PoolRows) -> int:
@@ -147,6 +148,7 @@ class MemoryPlan:
     # the longest re-tier period the FP16 region has room for (--max-adaptation-rate; at least the model's): a
     # bundle patch may lengthen quantization_adaptation_rate up to it (gsm.bundle_knobs)
     max_adaptation_rate: int = 0
+    row_cache_factor: int = ROW_CACHE_TOP_K_FACTOR  # the CPU graph's row caches: this many times a query's top-k
 
     @property
     def total_bytes(self) -> int:
@@ -328,21 +330,21 @@ def kv_pool_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: Poo
     return per_seq * max_batch
 
 
-def row_cache_bytes(cfg: ModelConfig, max_seq: int) -> int:
+def row_cache_bytes(cfg: ModelConfig, max_seq: int, factor: int = ROW_CACHE_TOP_K_FACTOR) -> int:
     """One sequence's row caches on the CPU graph (every layer: row_cache_capacity K rows of kvD float32 and their three
     int32 tags each): a constant of the plan, independent of the context."""
-    return sum(row_cache_capacity(cfg, i, max_seq) * (4 * cfg.kv_dim + 4 * ROW_CACHE_TAGS)
+    return sum(row_cache_capacity(cfg, i, max_seq, factor) * (4 * cfg.kv_dim + 4 * ROW_CACHE_TAGS)
                for i in range(cfg.num_hidden_layers))
 
 
 def cpu_cache_bytes(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], rows: PoolRows, max_seq: int,
-                    max_batch: int, quant: KVQuantConfig) -> int:
+                    max_batch: int, quant: KVQuantConfig, row_cache_factor: int = ROW_CACHE_TOP_K_FACTOR) -> int:
     """What the onnxruntime backend holds for the plan's rows running model.cpu.onnx: the TensorRT graph's pools and
     indexer keys (kv_pool_bytes without the slot tables, which the runtime keeps as host tables per sequence) and
     each row's row cache of K rows (row_cache_bytes)."""
     slots = max_seq * SLOT_ENTRY_BYTES * max_batch
     pools = kv_pool_bytes(cfg, ranks, rows, max_seq, max_batch, quant)
-    return pools - slots + row_cache_bytes(cfg, max_seq) * max_batch
+    return pools - slots + row_cache_bytes(cfg, max_seq, row_cache_factor) * max_batch
 
 
 def activation_bytes(cfg: ModelConfig, max_seq: int, max_batch: int, max_input: int,
@@ -403,6 +405,7 @@ class PlanRequest:
     gsm_weights: str | None = None  # None: gsm_choice's default
     head_moment: bool = False  # the calibration has the head's input moment (head_choice)
     max_rate: int = 0  # --max-adaptation-rate (0: the model's quantization_adaptation_rate)
+    row_cache_factor: int = ROW_CACHE_TOP_K_FACTOR  # --row-cache-factor
 
 
 def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,
@@ -418,6 +421,8 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
                         f"({cfg.max_position_embeddings}); use --max-seq {cfg.max_position_embeddings} or less")
     if max_seq < 1 or max_batch < 1:
         raise PlanError(f"--max-seq and --max-batch must be >= 1, got {max_seq} and {max_batch}")
+    if r.row_cache_factor < 1:
+        raise PlanError(f"--row-cache-factor must be >= 1, got {r.row_cache_factor}")
     max_input = min(max_seq, 512) if r.max_input is None else r.max_input
     if not 1 <= max_input <= max_seq:
         raise PlanError(f"--max-input must be in [1, max-seq={max_seq}], got {max_input}")
@@ -454,9 +459,9 @@ def make_plan(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuan
         decode_bytes_per_token=dbytes, decode_tokens_per_s_estimate=profile.bandwidth_bytes_s / dbytes,
         weights=weights, group_size=group_size, head_weights=head_weights, int4_grid=int4_grid,
         gsm_weights=gsm_weights, max_top_k=cfg.gsm.max_top_k_to(max_seq) if max_top_k is None else max_top_k,
-        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, rows, max_seq, max_batch, quant),
-        row_cache_bytes=row_cache_bytes(cfg, max_seq),
-        max_adaptation_rate=max(cfg.gsm.quantization_adaptation_rate, max_rate))
+        cpu_kv_bytes=cpu_cache_bytes(cfg, ranks, rows, max_seq, max_batch, quant, r.row_cache_factor),
+        row_cache_bytes=row_cache_bytes(cfg, max_seq, r.row_cache_factor),
+        max_adaptation_rate=max(cfg.gsm.quantization_adaptation_rate, max_rate), row_cache_factor=r.row_cache_factor)
 
 
 def choose_weights(cfg: ModelConfig, ranks: dict[int, tuple[int, int]], quant: KVQuantConfig,

@@ -74,6 +74,29 @@ def test_capabilities_state_the_plan(bundle, rt):
     assert plan["row_cache_bytes"] > 0
 
 
+def test_a_smaller_row_cache_factor_is_what_the_backend_holds(bundle, tmp_path):
+    """--row-cache-factor 1: each layer's row cache holds the sinks, the window and one top-k of K rows (the model's
+    config, worked out with the plan's formula at factor 1), the backend allocates exactly the plan's bytes, fewer than
+    the default build's, and the call's tokens come out the same."""
+    import runtime
+    from builder.plan import row_cache_capacity
+    from gsm.checkpoint import load_config
+
+    small = build_demo(tmp_path / "f1", max_seq=MAX_SEQ, max_input=MAX_INPUT, max_batch=MAX_BATCH,
+                       extra=("--row-cache-factor", "1"))
+    plan, default = (json.loads((b / "plan.json").read_text()) for b in (small, bundle))
+    assert plan["row_cache_factor"] == 1 and default["row_cache_factor"] == 3
+    assert 0 < plan["row_cache_bytes"] < default["row_cache_bytes"]
+    cfg = load_config(small)
+    rt1 = runtime.load(small, "onnxruntime", threads=1)
+    be = rt1.backend
+    for i in range(cfg.num_hidden_layers):
+        assert be.buffers[f"row_cache.{i}"].shape[1] == row_cache_capacity(cfg, i, MAX_SEQ, 1)
+    assert plan["cpu_kv_bytes"] == rt1.capabilities.kv_budget_bytes == sum(b.nbytes for b in be.buffers.values())
+    prompt = [1] + list(range(40, 90))
+    assert rt1.generate(prompt, 12).ids == runtime.load(bundle, "onnxruntime", threads=1).generate(prompt, 12).ids
+
+
 def test_plugin_backend_memory_is_the_plans_pools(bundle):
     """The reference backend holds exactly the pools the plan counts for TensorRT (kv_pool_bytes: latent pools,
     indexer keys and slot tables of every row), allocated once."""
