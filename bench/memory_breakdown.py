@@ -140,7 +140,6 @@ def main() -> int:
         print(f"| {k} | {v / MiB:.1f} | {resident[k] / MiB:.1f} |")
     print(f"| all | {sum(kinds.values()) / MiB:.1f} | {sum(resident.values()) / MiB:.1f} |")
     per_pos = plan["kv_bytes_per_position"]
-    per_pos = plan["kv_bytes_per_position"]
     nb = plan["max_batch"]
     print(f"plan.json: cpu_kv_bytes {plan['cpu_kv_bytes'] / MiB:.1f} MiB for {nb} sequence(s) at max-seq "
           f"{plan['max_seq']} ({plan['cpu_kv_bytes'] / nb / MiB:.1f} each, row caches "

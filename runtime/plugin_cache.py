@@ -187,8 +187,8 @@ def row_spans(cfg: BundleConfig, layer: int, rows: np.ndarray) -> tuple[np.ndarr
 
 def byte_runs(starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Byte spans (in order) merged where one ends where the next starts: a prefix's rows lie mostly back to back in
-    their regions, so a few slice copies move them (an index of every byte cost ~15 ms a restore of SmolLM2's
-    inspection prompt, 700 positions x 30 layers)."""
+    their regions, so a few slice copies move them (an index of every byte made restoring the inspection app's
+    215-position prefix on SmolLM2 take 4.0 ms rather than 0.36)."""
     if starts.size == 0:
         return starts, sizes
     ends = starts + sizes
