@@ -354,6 +354,33 @@ def test_scores_in_one_binade_select_as_the_reference(keys: str) -> None:
     assert len(np.unique(top[1])) == 1 and (want["selected"][b, 0] >= 0).sum() > 300
 
 
+@pytest.mark.parametrize("scores", ["binade", "ties", "spread"])
+def test_a_long_context_selects_as_the_reference(scores: str) -> None:
+    """Past 2,048 candidates the op ranks only the positions a sample's threshold keeps (topPositionsBySample): over
+    ~9,000 positions whose scores share one binade, take a few dozen tied values, or spread over many binades, the
+    picks are the reference's exactly, at a top-k where the cut falls among many near or equal scores."""
+    geo = GEOMETRIES["gqa3"]
+    nH, nKV, D, nI, dI, rk, rv = geo
+    rng = np.random.default_rng(47)
+    past, positions = [8900, 2300], 9216
+    x = make_inputs(rng, geo, past, [1, 1], 1, 5, [555, 1100], rows=2, positions=positions)
+    kt = np.float16
+    if scores == "binade":
+        x["index_q"] = (1 + 0.01 * rng.standard_normal((2, 1, nI * dI))).astype(np.float32)
+        x["index_w"] = np.ones((2, 1, nI), np.float32)
+        x["index_keys"] = rng.integers(95, 106, (2, positions, dI)).astype(kt)
+    elif scores == "ties":
+        x["index_q"] = rng.integers(-2, 3, (2, 1, nI * dI)).astype(np.float32)
+        x["index_w"] = np.tile(np.array([1.0, -0.5, 0.25], np.float32), (2, 1, 1))
+        x["index_keys"] = rng.integers(-2, 3, (2, positions, dI)).astype(kt)
+    else:
+        x["index_keys"] = (rng.standard_normal((2, positions, dI)) * np.exp(rng.uniform(-6, 6, (2, positions, 1)))
+                           ).astype(kt)
+    x["new_index_keys"] = x["index_keys"][:, :1].copy()
+    want = check_against_reference(x, geo, 1, TensorProto.FLOAT16)
+    assert (want["selected"][0, 0] >= 0).sum() == 1 + 5 + 555 and (want["selected"][1, 0] >= 0).sum() == 1 + 5 + 1100
+
+
 # A budget that grows with the context (attribute sparse_top_k_divisor d > 0): the query at t selects
 # max(top_k[b], (t + 1) // d) by score. name: geometry, past, new, S, window, sinks, top_k, divisor, and the number
 # of positions each valid query keeps, worked out by hand (sinks + window + that top-k, or t + 1 when dense)

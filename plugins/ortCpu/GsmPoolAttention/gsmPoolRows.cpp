@@ -112,10 +112,15 @@ void chooseVictims(CacheRow const& r, size_t misses, Scratch& sc, std::vector<in
     {
         int32_t const* used = r.used;
         auto older = [&](int32_t a, int32_t c) { return used[a] != used[c] ? used[a] < used[c] : a < c; };
-        size_t const take = std::min(want, candidates.size());
-        std::partial_sort(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(take), candidates.end(),
-            older);
-        victims.insert(victims.end(), candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(take));
+        // the `take` oldest in order: partial_sort's result (the order is strict), without its heap over every
+        // candidate (SmolLM2 at 8K: ~150 of ~1,000, 1 % faster decoding)
+        auto const take = static_cast<std::ptrdiff_t>(std::min(want, candidates.size()));
+        if (take < static_cast<std::ptrdiff_t>(candidates.size()))
+        {
+            std::nth_element(candidates.begin(), candidates.begin() + take, candidates.end(), older);
+        }
+        std::sort(candidates.begin(), candidates.begin() + take, older);
+        victims.insert(victims.end(), candidates.begin(), candidates.begin() + take);
     }
     for (int32_t c : candidates)
     {
