@@ -7,8 +7,8 @@ finds none: runtime.draft_model; a D step's cost against the target's, timed at 
 Workloads (greedy; the same tokens in every mode is checked and printed):
 - inspection: the inspection app's detections (examples/inspection), its chat prompt with worked examples and the
   report schema as structured output; time to report = the request's whole time, one request at a time, the mean
-  over all five; as in the app, the prompts' shared prefix is prefilled when the process starts (Runtime.warm_prefix;
-  its time is printed apart);
+  over all five; as in the app, the report schema is compiled and the prompts' shared prefix prefilled when the
+  process starts (Runtime.warm_format, Runtime.warm_prefix; their times are printed apart);
 - chat: eight questions through the chat template, answers up to 128 tokens;
 - story: eight held-out TinyStories openings (tinystories_eval.txt, ~200 tokens each), continued 128 tokens;
 - engine8: the inspection detections, 8 at once through the Engine (continuous batching): aggregate tokens/s.
@@ -104,7 +104,11 @@ def child(bundle: Path, mode: str, threads: int, part: str, draft: Path | None =
                      "decode_tokens": sum(max(0, len(i) - 1) for i in ids)}
 
     chat_kw = dict(temperature=0.0)
-    # as the inspection app does at start: the system prompt and worked examples prefilled once (none: cache off)
+    # as the inspection app does at start, in every mode: the report schema compiled, the system prompt and worked
+    # examples prefilled once (none: cache off)
+    t = time.perf_counter()
+    rt.warm_format(RESPONSE_FORMAT)
+    res["format_s"] = time.perf_counter() - t
     t = time.perf_counter()
     res["warm_tokens"] = rt.warm_prefix(messages(dets[0])[:-1])
     res["warm_s"] = time.perf_counter() - t
@@ -281,8 +285,9 @@ def main() -> int:
           "costing c one-token steps): " + ", ".join(
               f"{w} {lookup_ceiling(off[w]['prompts'], off[w]['ids'], VERIFY_ROW_COST):.2f}x at c={VERIFY_ROW_COST} / "
               f"{lookup_ceiling(off[w]['prompts'], off[w]['ids'], 0.01):.2f}x at c=0.01" for w in works))
-    print("inspection prefix prefilled at start (Runtime.warm_prefix, as the app does): " + ", ".join(
-        f"{m} {runs[m][0]['warm_tokens']} tokens in {min(r['warm_s'] for r in runs[m]):.3f} s" for m in modes))
+    print("inspection schema compiled and prefix prefilled at start (Runtime.warm_format, warm_prefix, as the app "
+          "does): " + ", ".join(f"{m} {min(r['format_s'] for r in runs[m]):.3f} s, {runs[m][0]['warm_tokens']} "
+                                f"tokens in {min(r['warm_s'] for r in runs[m]):.3f} s" for m in modes))
     anchors = llama_server(a.llama, a.bundle, a.threads)
     if anchors is None:
         print(f"| llama.cpp | not run: {a.llama / 'bin' / 'llama-server'} not built (scripts/llama_server.sh) |")

@@ -286,6 +286,13 @@ class Runtime:
         head = req.prompt_break
         return head if head is not None and self.prefixes.holds(req.prompt_ids[:head]) else 0
 
+    def warm_format(self, response_format: Mapping[str, Any]) -> None:
+        """Compiles a structured output's format before the first request that asks for it, with the grammar engine's
+        view of the tokenizer (made once per runtime: ~0.2 s for SmolLM2's 49K tokens), which that request would
+        pay otherwise: an app whose requests share one schema calls it at start, as it warms their prefix. A
+        malformed format raises the RequestError a request of it would."""
+        self._constraint(response_format)
+
     def chat_stream(self, messages: Messages, max_new_tokens: int = 64, options: RequestOptions | None = None,
                     **keywords: Any) -> TokenStream:
         """`stream` on the rendered messages, stopping at EOS and the template's end-of-turn token."""

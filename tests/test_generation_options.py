@@ -200,6 +200,28 @@ def test_structured_output_in_the_engine_batch_equals_alone(rt):
     assert [(g.ids, g.text, g.finish_reason) for g in got] == [(a.ids, a.text, a.finish_reason) for a in alone]
 
 
+def test_warm_format_compiles_before_the_first_request(rt, monkeypatch):
+    """warm_format makes the grammar engine's tokenizer and compiles the format: the first request of that format
+    then makes and compiles nothing, and answers as a runtime that was not warmed; a bad format is refused as a
+    request's is."""
+    pytest.importorskip("llguidance")
+    import runtime
+    from runtime import constrained
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0]}}
+    want = rt.generate("Report:", 40, response_format=fmt)
+    fresh = runtime.load(rt.bundle, "onnxruntime", threads=1)
+    with pytest.raises(runtime.RequestError, match="does not compile") as e:
+        fresh.warm_format({"type": "regex", "regex": "(("})
+    assert e.value.field == "response_format"
+    fresh.warm_format(fmt)
+    made = []
+    monkeypatch.setattr(constrained, "grammar_of", lambda f: made.append("grammar"))
+    monkeypatch.setattr(constrained.GrammarTokenizer, "from_json", lambda *a: made.append("tokenizer"))
+    got = fresh.generate("Report:", 40, response_format=fmt)
+    assert made == [] and (got.ids, got.text, got.finish_reason) == (want.ids, want.text, want.finish_reason)
+
+
 @pytest.mark.parametrize("fmt, words", [
     ({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": 3}}},
      "does not compile"),

@@ -170,7 +170,9 @@ def run_in_process(bundle: Path, dets: Sequence[Detection], max_tokens: int,
     rt = runtime.load(bundle, speculative=speculative, draft_bundle=draft_bundle)
     drafts = Drafts()
     t = time.monotonic()
-    # every prompt starts with the system prompt and the worked examples: computed once before the first detection
+    # every prompt starts with the system prompt and the worked examples, and every report follows one schema: both
+    # made ready once before the first detection
+    rt.warm_format(RESPONSE_FORMAT)
     warm = rt.warm_prefix(messages(dets[0], examples)[:-1]) if rt.has_chat_template and dets else 0
     prefix = {"warm_tokens": warm, "warm_s": round(time.monotonic() - t, 3)}
     with Engine(rt, observer=drafts) as eng:
