@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -295,7 +296,8 @@ def main() -> int:
         for name, v in anchors.items():
             print(f"| {name} | {v['inspection']['request_s']:.3f} | {v['inspection']['tok_s']:.1f} | "
                   f"{v['chat']['tok_s']:.1f} | {v['story']['tok_s']:.1f} | "
-                  + "/".join(f"{v[w]['kept']:.2f}" for w in works) + f" | {v['peak_rss_mib']:.0f} |")
+                  + "/".join("-" if math.isnan(v[w]["kept"]) else f"{v[w]['kept']:.2f}" for w in works)
+                  + f" | {v['peak_rss_mib']:.0f} |")
     e = {m: min((r["engine8"] for r in runs[m]), key=lambda x: x["wall_s"]) for m in modes}
     print(f"engine8 ({(a.engine_bundle or a.bundle).name}, 8 inspection requests at once, fallbacks off): "
           + ", ".join(f"{m} {e[m]['tokens'] / e[m]['wall_s']:.1f} tok/s" for m in modes)
