@@ -287,11 +287,11 @@ bool indexScores(AttentionCall const& c)
 
 }
 
-// topPositions on a long context, most of a decode step's selection time (SmolLM2 at 8K: ~50 us of a layer's ~320):
-// a strided sample of ~1,024 score keys places a threshold a margin below the m-th largest, one pass keeps the
-// positions whose key reaches it (in position order) and only those are ranked, so the picks come out ascending
-// with no sort. False, with picks untouched, under 2,048 candidates or the sample's threshold
-// kept fewer than m (topPositions then decides): the same positions either way (any exact top m by rank key is).
+// topPositions on a long context, where it was most of a decode step's selection time (SmolLM2 at 8K: ~50 us of a
+// layer's ~320): a strided sample of ~1,024 score keys places a threshold a margin below the m-th largest, one pass
+// keeps the positions whose key reaches it (in position order) and only those are ranked, so the picks come out
+// ascending with no sort. False, with picks untouched, under 2,048 candidates or where the threshold kept fewer than
+// m (topPositions then decides): the same positions either way, as any exact top m by rank key is.
 bool topPositionsBySample(float const* s, int64_t p0, int64_t n, int64_t m, std::vector<int32_t>& picks)
 {
     constexpr int64_t kSamples = 1024;
