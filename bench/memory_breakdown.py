@@ -97,7 +97,7 @@ def main() -> int:
     import onnxruntime  # noqa: F401
 
     row("+ numpy, onnxruntime", rss_now())
-    from decode_speed import context_ids
+    from decode_speed import BATCH_TEXT_OFFSET, context_ids
 
     import runtime
     from runtime.ort_backend import OrtBackend
@@ -109,7 +109,8 @@ def main() -> int:
     if not isinstance(be, OrtBackend) or be.pools is None:
         p.error(f"{a.bundle}: the breakdown is of the onnxruntime backend over model.cpu.onnx")
     row(f"loaded ({time.perf_counter() - t:.1f} s; load peak {proc_status_mib('VmHWM'):.0f})", rss_now())
-    prompts = [context_ids(rt, a.text, a.context, offset=20000 * i) for i in range(a.batch)]
+    # the texts decode_speed's batch row times
+    prompts = [context_ids(rt, a.text, a.context, offset=BATCH_TEXT_OFFSET * i) for i in range(a.batch)]
     row("+ tokenizer, first use", rss_now())
     kinds: Counter[str] = Counter()
     for name, buf in be.buffers.items():
