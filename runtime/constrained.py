@@ -162,6 +162,39 @@ class GrammarConstraint:
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    def only_token(self) -> int | None:
+        """The token the grammar allows next when it allows exactly one (then any logits would pick it), else None."""
+        if not self._filled:
+            self._lnp.fill_next_token_bitmask(self.matcher, self._bits, 0)
+            self._filled = True  # the mask stays valid for allowed() until the next token
+        words = self._bits[0]
+        nonzero = np.flatnonzero(words)
+        if nonzero.size != 1:
+            return None
+        w = int(words[nonzero[0]]) & 0xFFFFFFFF
+        if w & (w - 1):  # more than one bit
+            return None
+        tok = 32 * int(nonzero[0]) + w.bit_length() - 1
+        return tok if tok < self.vocab_size else None
+
+    def forced_end(self, limit: int) -> list[int]:
+        """The tokens from here to the grammar's end when each is the only one its step allows and they end it
+        within `limit` tokens (a JSON object's closing quote and brace); else []. The matcher is left as it was."""
+        if limit <= 0 or not self.matcher.compute_ff_tokens():  # cheap: most steps force nothing
+            return []
+        out: list[int] = []
+        while len(out) < limit and not self.matcher.is_stopped():
+            tok = self.only_token()
+            if tok is None:
+                break
+            self.advance(tok)
+            out.append(tok)
+        ended = bool(self.matcher.is_stopped())
+        if out:
+            self.matcher.rollback(len(out))
+            self._filled = False
+        return out if ended else []
+
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` drafts for what the grammar forces next (a JSON key, its quotes and colon; the matcher's
         state is unchanged): the tokens it forces, else its forced bytes as the tokenizer splits them (after a key

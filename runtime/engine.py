@@ -544,8 +544,10 @@ class Engine:
             self._waiting = keep
             while self._waiting and len(self._running) < self.max_running:  # one row per running request
                 req = self._waiting[0]
-                if not req.state.start():  # max_new_tokens 0: it ends without model work
+                if not req.state.start():  # max_new_tokens 0 (or a lead-in that ends it): no model work
                     self._waiting.popleft()
+                    for tok in req.state.lead_in:
+                        self._push(req, tok)
                     self._finish(req, req.state.finish_reason)
                     continue
                 try:
@@ -564,11 +566,16 @@ class Engine:
                 self._finish(req, "cancelled")
             elif req.deadline is not None and now >= req.deadline:
                 self._finish(req, "deadline")
-            else:
+            elif not req.state.prefilled:
                 live.append(req)
-        work = [Work(r.sequence.running, r.prompt_ids, True, scorer=r.state.prompt_scorer,
+            else:  # a structured output whose grammar forces its end needs no call (RequestState.finish_forced)
+                for tok in req.state.finish_forced(req.sequence.running.length):
+                    self._push(req, tok)
+                if self._still_running(req):
+                    live.append(req)
+        work = [Work(r.sequence.running, r.state.prefill_ids, True, scorer=r.state.prompt_scorer,
                      break_at=r.state.prompt_break)
-                if not r.ids  # nothing accepted yet
+                if not r.state.prefilled
                 else self._decode_work(r) for r in live]
         self._fit_drafts(work)
         constrained = [r.state.constraint for r in live if r.state.constraint is not None]
@@ -587,6 +594,9 @@ class Engine:
                 log.error("request %d failed: %s", req.id, res)
                 self._finish(req, "error", res)
                 continue
+            if w.prefill:
+                for tok in req.state.lead_in:  # with the first sampled token: the time to first token is the prefill's
+                    self._push(req, tok)
             if w.drafts:
                 self._accept_verified(req, w, res)
             elif not w.prefill:

@@ -158,11 +158,13 @@ class Runtime:
     def _run_together(self, reqs: Sequence[RequestState]) -> None:
         live = [r for r in reqs if r.start()]
         seqs = {id(r): self.new_sequence() for r in live}
-        logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prompt_ids for r in live],
+        logits = self.prefill_batch([seqs[id(r)] for r in live], [r.prefill_ids for r in live],
                                     [r.prompt_scorer for r in live], [r.prompt_break for r in live]) if live else []
         for r, lg in zip(live, logits):
             r.accept(lg, seqs[id(r)].length)
         while True:
+            for r in live:
+                r.finish_forced(seqs[id(r)].length)
             for r in [r for r in live if r.done]:
                 seqs.pop(id(r)).close()
             live = [r for r in live if not r.done]

@@ -16,7 +16,11 @@ __all__ = ["TokenStream", "advance"]
 
 def advance(seq: CachedSequence, st: RequestState) -> list[Token]:
     """One call for one request after its first token: a verification of the request's drafts where it has some
-    (runtime.speculative), else a one-token step. Returns the tokens to emit (stop ids are not)."""
+    (runtime.speculative), else a one-token step; none when the grammar's forced tokens end the request
+    (RequestState.finish_forced). Returns the tokens to emit (stop ids are not)."""
+    ended = st.finish_forced(seq.length)
+    if st.done:
+        return ended
     drafts = st.propose(seq.draft_room)
     if drafts:
         length = seq.length
@@ -47,9 +51,11 @@ class TokenStream(RequestFields):
     def _run(self) -> Iterator[Token]:
         st = self.state
         if not st.start():
+            yield from st.lead_in
             return
         seq = self._source.new_sequence()
-        tok = st.accept(seq.prefill(st.prompt_ids, scorer=st.prompt_scorer, break_at=st.prompt_break), seq.length)
+        tok = st.accept(seq.prefill(st.prefill_ids, scorer=st.prompt_scorer, break_at=st.prompt_break), seq.length)
+        yield from st.lead_in  # with the first sampled token: the time to the first token is the prefill's
         if tok is not None:
             yield tok
         while not st.done:

@@ -85,6 +85,15 @@ class TokenConstraint(Protocol):
         """Up to `limit` tokens the grammar forces next (no state change)."""
         ...
 
+    def only_token(self) -> int | None:
+        """The next token when the grammar allows exactly one, else None (no state change)."""
+        ...
+
+    def forced_end(self, limit: int) -> list[int]:
+        """The tokens that end the grammar within `limit`, each the only one its step allows; else [] (no state
+        change)."""
+        ...
+
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     z = np.asarray(logits, np.float64)
@@ -167,7 +176,7 @@ class RequestState:
             self.prompt_tokens = [Token(self.prompt_ids[0], "")]
         self.constraint = constraint
         self.params = params = options.sampling
-        self.n_max = model.n_max
+        self.n_max, self.vocab_size = model.n_max, model.vocab_size
         self.ids: list[int] = []
         self.tokens: list[Token] | None = [] if self.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -186,6 +195,9 @@ class RequestState:
         self.prompt_break = prompt_break
         self._emitted = 0  # characters of the detokenised text released in Token.text so far
         self._cut: int | None = None  # where a stop string began: the text ends there
+        self._started = False
+        self.lead_in: list[Token] = []  # taken by start() before any model call: a driver emits them first
+        self.prefilled = False  # the first logits were accepted
         if params.penalised:
             self._counts = np.zeros(model.vocab_size, np.int32)
             self._seen = np.zeros(model.vocab_size, bool)
@@ -210,10 +222,29 @@ class RequestState:
 
     def start(self) -> bool:
         """Whether the model has anything to do; with max_new_tokens 0 the request ends here ("length"), unless
-        its prompt is to be scored."""
+        its prompt is to be scored. Takes the lead-in first (`lead_in`); the prefill feeds `prefill_ids`."""
+        if self._started:
+            return not self.done
+        self._started = True
         if self.max_new_tokens == 0 and not self.scores_prompt:  # scoring a prompt still runs it
             self.finish("length")
+        elif self.constraint is not None and self.tokens is None and not self.scores_prompt:
+            # what the grammar allows alone before any model output (a JSON schema's opening brace and first key):
+            # any logits would pick it, so it is taken now and prefilled with the prompt; not when log-probabilities
+            # are asked (they need each token's logits)
+            while not self.done and len(self.prompt_ids) + len(self.ids) < self.n_max:
+                tok = self.constraint.only_token()
+                if tok is None:
+                    break
+                token = self._take_forced(tok, len(self.prompt_ids) + len(self.ids))
+                if token is not None:
+                    self.lead_in.append(token)
         return not self.done
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What the prefill feeds: the prompt, then the lead-in's tokens."""
+        return self.prompt_ids + self.ids if self.ids else self.prompt_ids
 
     def accept(self, logits: np.ndarray, length: int) -> Token | None:
         """Sample from the logits after `length` positions; returns the token to emit (None for a stop id).
@@ -221,6 +252,7 @@ class RequestState:
         if self.max_new_tokens == 0:  # a scored prompt with nothing to generate (echo, max_tokens 0)
             self.finish("length")
             return None
+        self.prefilled = True
         z = logits
         if self.constraint is not None:
             allowed = self.constraint.allowed()
@@ -230,11 +262,24 @@ class RequestState:
             z = np.where(allowed, z, -np.inf)
         if self.params.penalised:
             z = apply_penalties(z, self.params, self._counts, self._seen)
-        tok = self.sampler(z)
+        return self._emit(self.sampler(z), logits, length)
+
+    def _take_forced(self, tok: int, length: int) -> Token | None:
+        """`tok`, the only token the grammar allows, taken without logits; a sampling request's generator draws as
+        a step's would (its mask allowing `tok` alone), so a seeded request's later tokens are drawn as without."""
+        if self.sampler.temperature > 0:
+            z = np.full(self.vocab_size, -np.inf)
+            z[tok] = 0.0
+            self.sampler(z)
+        return self._emit(tok, None, length)
+
+    def _emit(self, tok: int, logits: np.ndarray | None, length: int) -> Token | None:
+        """The request takes token `tok` (sampled from `logits`, or the only one its grammar allows: logits None)
+        after `length` positions; returns it to emit, None for a stop id."""
         if tok in self.stop_ids:
             self.finish("stop")
             return None
-        token = self._scored(tok, logits)
+        token = Token(tok, "") if logits is None else self._scored(tok, logits)
         self.ids.append(tok)
         if self.drafts is not None:
             self.drafts.extend((tok,))
@@ -259,6 +304,22 @@ class RequestState:
         if self.tokens is not None:
             self.tokens.append(token)
         return token
+
+    def finish_forced(self, length: int) -> list[Token]:
+        """Grammar fast-forward at a structured output's end: when the tokens the grammar forces from here end it,
+        each the only token its step allows, they are taken without a model call (any logits would pick them) and
+        the request ends; else nothing happens. Drafting requests only (off keeps one call a token) and not with
+        log-probabilities. `length`: positions the sequence holds (the next token's is length + 1)."""
+        if self.drafts is None or self.constraint is None or self.tokens is not None or self.done:
+            return []
+        out = []
+        for j, tok in enumerate(self.constraint.forced_end(self.max_new_tokens - len(self.ids))):
+            token = self._take_forced(tok, length + 1 + j)
+            if token is not None:
+                out.append(token)
+            if self.done:
+                break
+        return out
 
     def propose(self, room: int) -> list[int]:
         """Drafts to verify after `next_token` (at most `room`; none when drafting is off or would not pay): the

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -514,6 +515,102 @@ def test_structured_output_drafts_the_grammars_forced_tokens(demo, kw):
     on = TokenStream(demo, req).collect()
     assert (on.ids, on.text, on.finish_reason) == (off.ids, off.text, off.finish_reason)
     assert sum(forced) >= 4, "the keys and separators of the schema are forced: drafted without a guess"
+
+
+class _Counted:
+    """A runtime's sequences with the tokens each call feeds recorded (prefill, decode, verify)."""
+
+    def __init__(self, rt) -> None:
+        self.rt, self.fed, self.seqs = rt, [], []
+
+    def new_sequence(self):
+        seq = self.rt.new_sequence()
+        for name in ("prefill", "decode", "verify"):
+            call = getattr(seq, name)
+
+            def counted(ids, *a, _call=call, _name=name, **k):
+                self.fed.append((_name, list(ids) if _name != "decode" else [ids]))
+                return _call(ids, *a, **k)
+
+            setattr(seq, name, counted)
+        self.seqs.append(seq)
+        return seq
+
+    def close(self) -> None:
+        for seq in self.seqs:  # each holds itself through its wrapped methods: release its row now
+            seq.close()
+
+
+def _alone_tokens(demo, fmt) -> list[int]:
+    """The tokens a grammar allows one at a time from its start, found by counting each step's mask."""
+    from runtime.constrained import unpack_mask
+
+    demo.warm_format(fmt)
+    c = demo._grammars.constraint(fmt)
+    out = []
+    while True:
+        c._lnp.fill_next_token_bitmask(c.matcher, c._bits, 0)
+        allowed = np.flatnonzero(unpack_mask(c._bits[0], c.vocab_size))
+        if allowed.size != 1:
+            return out
+        out.append(int(allowed[0]))
+        c.matcher.consume_token(out[-1])
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_a_grammars_lead_in_is_prefilled_with_the_prompt(demo, mode):
+    """The tokens a grammar allows alone before any output (a JSON schema's opening brace and first key) need no
+    logits: they are fed with the prompt in its prefill, which is the only call before the first sampled token, and
+    streamed with it. The answer is the one of a request that asks log-probabilities (each token then needs its
+    logits: no lead-in), in every driver."""
+    from runtime.engine import Engine, EngineConfig
+    from runtime.request import TokenStream
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    lead = _alone_tokens(demo, fmt)
+    assert demo.decode(lead) == '{"part":"', demo.decode(lead)  # the schema's compact start, one token a byte
+    prompt = demo.encode("Report:")
+    counted = _Counted(demo)
+    req = demo.request(prompt, 40, response_format=fmt, speculative=mode)
+    stream = TokenStream(counted, req)
+    first = next(iter(stream))
+    assert counted.fed == [("prefill", prompt + lead)]
+    assert first.id == lead[0] and req.ids[:len(lead)] == lead
+    got = stream.collect()
+    counted.close()
+    scored = demo.generate(prompt, 40, response_format=fmt, speculative=mode, logprobs=0)
+    assert all(t.logprob is not None for t in scored.tokens)
+    assert (got.ids, got.text, got.finish_reason) == (scored.ids, scored.text, scored.finish_reason)
+    assert got.finish_reason == "stop" and json.loads(got.text)["severity"] in ("low", "medium", "high")
+    assert [g.ids for g in demo.generate_batch([prompt, prompt], 40, response_format=fmt, speculative=mode)] == [
+        got.ids] * 2
+    with Engine(demo, EngineConfig(min_hit_rate=0.0, max_kv_noise=None)) as eng:
+        r = eng.submit(prompt, 40, response_format=fmt, speculative=mode)
+        assert [t.id for t in r] == got.ids
+
+
+def test_drafting_ends_a_grammar_without_a_call_for_its_forced_end(demo):
+    """With drafting on, the closing quote and brace the schema forces after its last value are taken without a
+    model call: the sequence never feeds them, where drafting off feeds every token but the last. The answers
+    agree."""
+    from runtime.request import TokenStream
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    prompt = demo.encode("Report:")
+    runs = {}
+    for mode in ("off", "auto"):
+        counted = _Counted(demo)
+        g = TokenStream(counted, demo.request(prompt, 40, response_format=fmt, speculative=mode)).collect()
+        counted.close()
+        runs[mode] = (g, sum(len(ids) for _, ids in counted.fed))
+    (off, off_fed), (on, on_fed) = runs["off"], runs["auto"]
+    assert (on.ids, on.text, on.finish_reason) == (off.ids, off.text, off.finish_reason)
+    assert off.finish_reason == "stop" and off.text.endswith('"}')
+    assert off_fed == len(prompt) + len(off.ids) - 1
+    assert on_fed <= len(prompt) + len(on.ids) - 3  # '"' and '}' one byte-token each, never fed
+    # not with log-probabilities: each token then comes from its logits
+    scored = demo.generate(prompt, 40, response_format=fmt, speculative="auto", logprobs=0)
+    assert scored.ids == off.ids and all(t.logprob is not None for t in scored.tokens)
 
 
 def test_the_engine_batch_with_structured_drafts_equals_alone(demo):
