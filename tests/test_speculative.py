@@ -541,20 +541,33 @@ class _Counted:
             seq.close()
 
 
-def _alone_tokens(demo, fmt) -> list[int]:
-    """The tokens a grammar allows one at a time from its start, found by counting each step's mask."""
+def _allowed_walk(demo, fmt, pick):
+    """Each step's allowed tokens (the mask unpacked) from the grammar's start, the walk going on with pick(step,
+    allowed) until it returns None."""
     from runtime.constrained import unpack_mask
 
     demo.warm_format(fmt)
     c = demo._grammars.constraint(fmt)
-    out = []
-    while True:
+    for step in range(10_000):
         c._lnp.fill_next_token_bitmask(c.matcher, c._bits, 0)
-        allowed = np.flatnonzero(unpack_mask(c._bits[0], c.vocab_size))
-        if allowed.size != 1:
-            return out
-        out.append(int(allowed[0]))
-        c.matcher.consume_token(out[-1])
+        tok = pick(step, np.flatnonzero(unpack_mask(c._bits[0], c.vocab_size)))
+        if tok is None:
+            return
+        c.matcher.consume_token(int(tok))
+
+
+def _lead_in(demo, fmt) -> list[int]:
+    """The tokens a grammar allows one at a time from its start."""
+    out: list[int] = []
+    _allowed_walk(demo, fmt, lambda i, a: out.append(int(a[0])) or a[0] if a.size == 1 else None)
+    return out
+
+
+def _alone(demo, fmt, ids) -> list[bool]:
+    """Whether each step of `ids` had its token as the only one allowed."""
+    out: list[bool] = []
+    _allowed_walk(demo, fmt, lambda i, a: out.append(a.size == 1) or ids[i] if i < len(ids) else None)
+    return out
 
 
 @pytest.mark.parametrize("mode", ["off", "auto"])
@@ -567,7 +580,7 @@ def test_a_grammars_lead_in_is_prefilled_with_the_prompt(demo, mode):
     from runtime.request import TokenStream
 
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
-    lead = _alone_tokens(demo, fmt)
+    lead = _lead_in(demo, fmt)
     assert demo.decode(lead) == '{"part":"', demo.decode(lead)  # the schema's compact start, one token a byte
     prompt = demo.encode("Report:")
     counted = _Counted(demo)
@@ -601,13 +614,17 @@ def test_drafting_ends_a_grammar_without_a_call_for_its_forced_end(demo):
     for mode in ("off", "auto"):
         counted = _Counted(demo)
         g = TokenStream(counted, demo.request(prompt, 40, response_format=fmt, speculative=mode)).collect()
+        runs[mode] = (g, counted.seqs[0].length)  # positions the sequence holds at the end
         counted.close()
-        runs[mode] = (g, sum(len(ids) for _, ids in counted.fed))
-    (off, off_fed), (on, on_fed) = runs["off"], runs["auto"]
+    (off, off_held), (on, on_held) = runs["off"], runs["auto"]
     assert (on.ids, on.text, on.finish_reason) == (off.ids, off.text, off.finish_reason)
     assert off.finish_reason == "stop" and off.text.endswith('"}')
-    assert off_fed == len(prompt) + len(off.ids) - 1
-    assert on_fed <= len(prompt) + len(on.ids) - 3  # '"' and '}' one byte-token each, never fed
+    alone = _alone(demo, fmt, off.ids)
+    end = next(i for i in range(len(alone), 0, -1) if not alone[i - 1])  # the forced end: alone[end:]
+    assert len(alone) - end >= 2  # '"' and '}' at least (one byte-token each)
+    assert off_held == len(prompt) + len(off.ids) - 1  # every token but the last fed
+    # with drafting, the token sampled before the forced end is not fed either; every other one is
+    assert on_held == len(prompt) + end - 1
     # not with log-probabilities: each token then comes from its logits
     scored = demo.generate(prompt, 40, response_format=fmt, speculative="auto", logprobs=0)
     assert scored.ids == off.ids and all(t.logprob is not None for t in scored.tokens)
