@@ -1,4 +1,13 @@
-"""The process heap under the onnxruntime backend (glibc's malloc; on another C library both calls do nothing).
+"""Host memory under the backends: the cache buffers' pages, and the process heap (glibc's malloc; on another C
+library the heap calls do nothing).
+
+The cache buffers (pools, keys, row caches: one block per layer and buffer, all rows) come from `cache_zeros`: their
+own anonymous mappings, advised against transparent huge pages. numpy asks for huge pages on any block of 4 MiB or
+more, and a 2 MiB page is made resident whole at its first write (zeroed, memory compacted first under the usual
+`defrag=madvise`), so on a many-sequence plan a short context held whole huge pages of every layer's buffers in each
+row it used: SmolLM2, eight ~300-token inspection requests on a build for 8 sequences of 4,352 positions, 715 MiB
+resident against 398 on 4 KiB pages, and a row's first prefix copy took ~120 ms against ~1. Their pages are the
+OS's zero pages until written, as np.zeros' are.
 
 A prefill chunk allocates and frees tens of MB of working memory (the attention op's scores and selections, ONNX
 Runtime's outputs), of sizes that grow with the context. glibc raises its mmap threshold after each large block
@@ -12,7 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from typing import Any
+
+import numpy as np
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 HEAP_MMAP_THRESHOLD = 256 * 1024  # above a decode step's largest block (logits: 4 B x vocabulary, 196 KB on SmolLM2)
@@ -39,3 +51,15 @@ def trim_heap() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def cache_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed, writable array on its own anonymous mapping in 4 KiB pages (MADV_NOHUGEPAGE where the system has
+    it), resident as it is written."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size == 0:
+        return np.zeros(shape, dtype)
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        block.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(block, dtype).reshape(shape)  # the array keeps the mapping alive

@@ -62,7 +62,7 @@ from runtime.backend import (
     relative_noise,
     step_feeds,
 )
-from runtime.host_memory import bound_heap, trim_heap
+from runtime.host_memory import bound_heap, cache_zeros, trim_heap
 from runtime.ort_pools import OrtPools
 from runtime.page_reserve import PageReserve
 from runtime.plugin_cache import PrefixRows, put_prefix, take_prefix
@@ -402,7 +402,7 @@ class OrtBackend:
         if self.pools is not None:
             self.buffers = self.pools.buffers
         else:
-            self.buffers = {name: np.zeros((rows, *shape), dtype) for name, (shape, dtype) in self._shapes().items()}
+            self.buffers = {name: cache_zeros((rows, *shape), dtype) for name, (shape, dtype) in self._shapes().items()}
         for name, buf in self.buffers.items():
             # an OrtValue over the numpy memory (CPU: no copy); the graph reads it in place
             self.binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buf))

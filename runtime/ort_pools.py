@@ -21,6 +21,7 @@ import numpy as np
 from gsm import graph_io as io
 from gsm.bundle_format import REBUILD, ROW_CACHE_FREE, ROW_CACHE_TAGS, BundleConfig, BundleError
 from runtime.backend import kv_noise_sums, relative_noise
+from runtime.host_memory import cache_zeros
 from runtime.plugin_cache import CallPlan, PluginCache, PluginRows, demotion_list, pool_dims, read_latents, read_rows
 
 QUANT = "gsm.layers.{l}.quant"  # builder/network.py quant_name: each owning layer's [5, r] table
@@ -48,14 +49,14 @@ class OrtPools:
         for l in cfg.owning_layers:
             if io.KV_POOL.at(l) not in inputs:
                 raise BundleError(f"model.cpu.onnx has no input kv_pool.{l}: rebuild the bundle with `{REBUILD}`")
-        # one allocation per layer, under the 4 MiB from which numpy asks for transparent huge pages: a short context
-        # touches the start of every layer's pool (its FP16 region), which 2 MiB pages would make resident whole
-        # (SmolLM2 at 8K: 83 MB of pools, +45 MiB at a 512-token context; decode 5 % faster at 8K)
+        # one block per layer in 4 KiB pages (runtime.host_memory.cache_zeros): a short context touches the start of
+        # every layer's pool row (its FP16 region), which 2 MiB pages would make resident whole (SmolLM2 at 8K: 83 MB
+        # of pools, +45 MiB at a 512-token context; decode 5 % faster at 8K)
         for l in cfg.owning_layers:
-            self.buffers[io.KV_POOL.at(l)] = np.zeros((R, int(inputs[io.KV_POOL.at(l)][-1])), np.int32)
+            self.buffers[io.KV_POOL.at(l)] = cache_zeros((R, int(inputs[io.KV_POOL.at(l)][-1])), np.int32)
         for l in cfg.owning_layers:
-            self.buffers[io.INDEX_KEYS.at(l)] = np.zeros((R, N, int(inputs[io.INDEX_KEYS.at(l)][-1])),
-                                                       np.int32 if int8 else np.float16)
+            self.buffers[io.INDEX_KEYS.at(l)] = cache_zeros((R, N, int(inputs[io.INDEX_KEYS.at(l)][-1])),
+                                                           np.int32 if int8 else np.float16)
             q = np.ascontiguousarray(weights[QUANT.format(l=l)], np.float32)
             self.quant[l] = q
         self.row_cache_layers = []
@@ -64,8 +65,9 @@ class OrtPools:
             if name not in inputs:
                 break
             _, c, kvd = inputs[name]
-            self.buffers[name] = np.zeros((R, int(c), int(kvd)), np.float32)
-            self.buffers[io.ROW_CACHE_TAGS.at(i)] = np.full((R, ROW_CACHE_TAGS, int(c)), ROW_CACHE_FREE, np.int32)
+            self.buffers[name] = cache_zeros((R, int(c), int(kvd)), np.float32)
+            tags = self.buffers[io.ROW_CACHE_TAGS.at(i)] = cache_zeros((R, ROW_CACHE_TAGS, int(c)), np.int32)
+            tags[:] = ROW_CACHE_FREE
             self.row_cache_layers.append(i)
         self.dims = {l: pool_dims(cfg, l) for l in cfg.owning_layers}
 

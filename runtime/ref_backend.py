@@ -18,6 +18,7 @@ from gsm import graph_io as io
 from gsm.bundle_format import FILES, VERIFY_ROWS, BundleConfig
 from gsm.quant_table import full_table
 from runtime.backend import Capabilities, StepOutput, check_max_top_k, step_feeds
+from runtime.host_memory import cache_zeros
 from runtime.plugin_cache import (
     PluginCache,
     PluginRows,
@@ -137,10 +138,10 @@ class RefBackend:
         R = self.plugin_rows.rows
         self.buffers: dict[str, np.ndarray] = {}
         for l in self.layers:
-            self.buffers[io.KV_POOL.at(l)] = np.zeros((R, widths[io.KV_POOL.at(l)]), np.int32)
+            self.buffers[io.KV_POOL.at(l)] = cache_zeros((R, widths[io.KV_POOL.at(l)]), np.int32)
             keys = cfg.index_keys  # FP16, or INT8 codes four to an int32 word
-            self.buffers[io.INDEX_KEYS.at(l)] = np.zeros((R, self.n_max, keys.plugin_width),
-                                                       np.float16 if keys.bits == 16 else np.int32)
+            self.buffers[io.INDEX_KEYS.at(l)] = cache_zeros((R, self.n_max, keys.plugin_width),
+                                                           np.float16 if keys.bits == 16 else np.int32)
         row_bytes = sum(b[0].nbytes for b in self.buffers.values()) + 4 * self.n_max  # + the slot table
         self.out_names = [o.name for o in proto.graph.output]
         # a shadow call (forward commit=False) writes only beyond each sequence's length: probes possible;
