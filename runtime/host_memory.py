@@ -6,7 +6,7 @@ own anonymous mappings, advised against transparent huge pages. numpy asks for h
 more, and a 2 MiB page is made resident whole at its first write (zeroed, memory compacted first under the usual
 `defrag=madvise`), so on a many-sequence plan a short context held whole huge pages of every layer's buffers in each
 row it used: SmolLM2, eight ~300-token inspection requests on a build for 8 sequences of 4,352 positions, 715 MiB
-resident against 398 on 4 KiB pages, and a row's first prefix copy took ~120 ms against ~1. Their pages are the
+resident against 390 on 4 KiB pages, and a row's first prefix copy took ~120 ms against ~1. Their pages are the
 OS's zero pages until written, as np.zeros' are.
 
 A prefill chunk allocates and frees tens of MB of working memory (the attention op's scores and selections, ONNX

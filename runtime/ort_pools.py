@@ -50,8 +50,8 @@ class OrtPools:
             if io.KV_POOL.at(l) not in inputs:
                 raise BundleError(f"model.cpu.onnx has no input kv_pool.{l}: rebuild the bundle with `{REBUILD}`")
         # one block per layer in 4 KiB pages (runtime.host_memory.cache_zeros): a short context touches the start of
-        # every layer's pool row (its FP16 region), which 2 MiB pages would make resident whole (SmolLM2 at 8K: 83 MB
-        # of pools, +45 MiB at a 512-token context; decode 5 % faster at 8K)
+        # every layer's pool row (its FP16 region), which 2 MiB pages would make resident whole (docs/decisions.md
+        # "One allocation per layer's buffer, no huge pages")
         for l in cfg.owning_layers:
             self.buffers[io.KV_POOL.at(l)] = cache_zeros((R, int(inputs[io.KV_POOL.at(l)][-1])), np.int32)
         for l in cfg.owning_layers:
